@@ -1,0 +1,1 @@
+"""The staged jobs of leaflens (preprocess, teacher, distill, evaluate, export) and the `leaflens` CLI."""

@@ -1,0 +1,70 @@
+"""The `leaflens` command line: one subcommand per stage.
+
+Each subcommand lives in its own module, which exposes ``add_parser(subparsers)`` returning the
+parser it added, and sets ``func`` (taking the parsed namespace, returning an exit code) on it.
+Modules are imported only when their subcommand is named, so ``leaflens --help`` stays fast and a
+stage's optional dependencies (onnxruntime, gradio) are needed only by that stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, one-line help). Keep alphabetical within each group.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "data": ("pipeline.cmd_data", "built-in datasets (synthetic leaves)"),
+    "preprocess": ("pipeline.cmd_preprocess", "photos in class folders -> memory-mapped arrays + manifest"),
+    "teacher": ("pipeline.cmd_teacher", "teacher features (and logits) for every image"),
+    "distill": ("pipeline.cmd_distill", "train the student (distilled and from scratch), keep the better"),
+    "evaluate": ("pipeline.cmd_evaluate", "evaluate a trained run on a split"),
+    "export": ("pipeline.cmd_export", "student -> ONNX (FP32, FP16, INT8) + Triton repository"),
+    "predict": ("apps.cmd_predict", "classify image files and folders with an exported model"),
+    "serve": ("apps.cmd_serve", "start the local web app"),
+    "doctor": ("pipeline.cmd_doctor", "report Python, NumPy, CuPy, GPU and BLAS facts"),
+    "train-example": ("pipeline.cmd_train_example", "train the engine on a built-in toy example"),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="leaflens",
+        description="Leaf disease and crop pest recognition: preprocess, teacher, distill, export, serve.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        if name != only:
+            sub.add_parser(name, help=help_text, add_help=False)
+            continue
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:  # stage not built in this checkout
+                sub.add_parser(name, help=help_text, add_help=False)
+                continue
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(only=command if command in SUBCOMMANDS else None)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.error(f"subcommand {args.command!r} is not available in this build")
+    try:
+        return int(func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

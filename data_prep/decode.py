@@ -1,0 +1,267 @@
+"""The one image-decoding path of leaflens: any user photo -> uint8 RGB square.
+
+Preprocessing, the teacher stage and the inference app all call :func:`decode_image`, so a photo is
+turned into pixels the same way at training and at serving time. The function accepts what phones
+and scanners produce (EXIF-rotated JPEGs, PNGs with alpha, grayscale, 16-bit, palette and CMYK
+files) and refuses, with :class:`ImageDecodeError` and a short machine-readable ``reason``, what
+cannot be read (empty, truncated, not an image, too many pixels).
+
+Speed: for JPEGs the decoder's DCT scaling (``Image.draft``) decodes a 4000x3000 photo directly
+at 1/2, 1/4 or 1/8 scale, keeping at least twice the wanted output size so the final antialiased
+resize still has real detail to average. The declared pixel count is checked against
+``max_pixels`` before any pixel is decoded (decompression-bomb guard).
+
+This module must not import the engine or onnxruntime: serving uses it without either.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+import zlib
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+__all__ = [
+    "DEFAULT_MAX_PIXELS",
+    "PAD_VALUE",
+    "RESAMPLE",
+    "ImageDecodeError",
+    "decode_image",
+    "decode_image_at",
+    "read_source",
+]
+
+# 120 megapixels: admits 108 MP phone sensors, refuses absurd declared sizes before decoding.
+DEFAULT_MAX_PIXELS = 120_000_000
+# Letterbox fill for resize="pad" (black, like the borders of a photo print scan).
+PAD_VALUE = 0
+# Antialiasing filter for the final resize. BOX (exact area average) and LANCZOS differ by well
+# under one grey level on downscaled photos (see benchmarks/preprocess.py); BOX is faster.
+RESAMPLE = Image.Resampling.BOX
+# The JPEG draft scale keeps at least this many times the wanted size on the shorter side.
+DRAFT_MARGIN = 2
+
+_RESIZE_MODES = ("crop", "pad")
+_ORIENTATION_TAG = 0x0112
+_TRANSPOSE = {
+    2: (Image.Transpose.FLIP_LEFT_RIGHT,),
+    3: (Image.Transpose.ROTATE_180,),
+    4: (Image.Transpose.FLIP_TOP_BOTTOM,),
+    5: (Image.Transpose.TRANSPOSE,),
+    6: (Image.Transpose.ROTATE_270,),
+    7: (Image.Transpose.TRANSVERSE,),
+    8: (Image.Transpose.ROTATE_90,),
+}
+# ISO base media "ftyp" brands used by HEIC/HEIF/AVIF phone photos.
+_HEIF_BRANDS = (b"heic", b"heix", b"hevc", b"hevx", b"heim", b"heis", b"mif1", b"msf1", b"avif")
+
+Source = str | os.PathLike | bytes
+
+
+class ImageDecodeError(ValueError):
+    """An image that cannot be turned into pixels.
+
+    ``reason`` is a short machine-readable code ("empty", "truncated", "corrupt", "not_an_image",
+    "too_large", "unsupported_mode", "heic_unsupported", "unreadable"); ``source`` names the file
+    (or "<bytes>"); the message is for people and names the file too.
+    """
+
+    def __init__(self, reason: str, source: str, detail: str) -> None:
+        self.reason = reason
+        self.source = source
+        self.detail = detail
+        super().__init__(f"{source}: cannot decode image ({reason}): {detail}")
+
+    def __reduce__(self):  # keep reason/source when sent back from a worker process
+        return (type(self), (self.reason, self.source, self.detail))
+
+
+def _source_name(src: Source) -> str:
+    return "<bytes>" if isinstance(src, (bytes, bytearray, memoryview)) else os.fspath(src)
+
+
+def read_source(src: Source) -> bytes:
+    """Return the encoded bytes of ``src`` (a path or bytes); refuse empty or unreadable files."""
+    name = _source_name(src)
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        data = bytes(src)
+    else:
+        try:
+            with open(src, "rb") as fh:
+                data = fh.read()
+        except OSError as exc:
+            raise ImageDecodeError("unreadable", name, exc.strerror or str(exc)) from exc
+    if not data:
+        raise ImageDecodeError("empty", name, "the file has 0 bytes")
+    return data
+
+
+def _is_heif(data: bytes) -> bool:
+    return len(data) >= 12 and data[4:8] == b"ftyp" and data[8:12] in _HEIF_BRANDS
+
+
+def _register_heif() -> bool:
+    """Register the optional pillow-heif opener; False when it is not installed."""
+    try:
+        import pillow_heif  # type: ignore[import-not-found]
+    except ImportError:
+        return False
+    pillow_heif.register_heif_opener()
+    return True
+
+
+def _open(data: bytes, name: str, max_pixels: int) -> Image.Image:
+    """Open (header only) and apply the pixel limit before any pixel data is decoded."""
+    if _is_heif(data) and not _register_heif():
+        raise ImageDecodeError(
+            "heic_unsupported", name, "HEIC/HEIF photo; install the 'heic' extra (pillow-heif) or convert"
+        )
+    try:
+        # Our own max_pixels is the authority; PIL's warning (above its default limit) is
+        # swallowed here and its hard error becomes "too_large" below. Note: catch_warnings
+        # touches the process-wide filter list for the duration of the open.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as exc:
+        raise ImageDecodeError("too_large", name, str(exc)) from exc
+    except UnidentifiedImageError as exc:
+        raise ImageDecodeError("not_an_image", name, "not a recognised image format") from exc
+    except (OSError, SyntaxError, ValueError, EOFError) as exc:
+        raise ImageDecodeError("corrupt", name, f"header unreadable: {exc}") from exc
+    w, h = im.size
+    if w <= 0 or h <= 0:
+        raise ImageDecodeError("corrupt", name, f"declared size {w}x{h}")
+    if w * h > max_pixels:
+        raise ImageDecodeError(
+            "too_large", name, f"declared size {w}x{h} = {w * h} pixels exceeds the limit of {max_pixels}"
+        )
+    return im
+
+
+def _orientation(im: Image.Image) -> int:
+    try:
+        value = im.getexif().get(_ORIENTATION_TAG, 1)
+    except Exception:  # malformed EXIF is common on edited photos: keep the pixels, skip rotation
+        return 1
+    return value if isinstance(value, int) else 1
+
+
+def _load(im: Image.Image, name: str) -> None:
+    try:
+        im.load()
+    except Image.DecompressionBombError as exc:
+        raise ImageDecodeError("too_large", name, str(exc)) from exc
+    except (OSError, SyntaxError, ValueError, EOFError, zlib.error) as exc:
+        text = str(exc)
+        reason = "truncated" if isinstance(exc, EOFError) or "truncat" in text.lower() else "corrupt"
+        raise ImageDecodeError(reason, name, text or type(exc).__name__) from exc
+
+
+def _int_to_l(im: Image.Image) -> Image.Image:
+    """16/32-bit integer or float grayscale -> 8-bit L, scaling the range instead of clipping."""
+    arr = np.asarray(im)
+    if im.mode.startswith("I;16"):
+        out = arr.astype(np.float32) / 257.0
+    elif im.mode == "F":
+        peak = float(np.nanmax(arr)) if arr.size else 0.0
+        out = arr * 255.0 if peak <= 1.0 else arr
+    else:  # "I": 32-bit ints; PNG 16-bit grey arrives here on some Pillow versions
+        peak = int(arr.max()) if arr.size else 0
+        out = arr.astype(np.float32) / 257.0 if peak > 255 else arr
+    out = np.nan_to_num(np.asarray(out, dtype=np.float32), nan=0.0)
+    return Image.fromarray(np.clip(np.rint(out), 0, 255).astype(np.uint8), "L")
+
+
+def _to_rgb(im: Image.Image, name: str) -> Image.Image:
+    """Any Pillow mode -> RGB; transparency is composited on white."""
+    mode = im.mode
+    if mode == "RGB":
+        if "transparency" in im.info:
+            im = im.convert("RGBA")
+        else:
+            return im
+    elif mode in ("P", "PA"):
+        im = im.convert("RGBA")
+    elif mode in ("I", "I;16", "I;16L", "I;16B", "I;16N", "F"):
+        im = _int_to_l(im)
+        if "transparency" not in im.info:
+            return im.convert("RGB")
+    try:
+        if im.mode in ("RGBA", "LA", "La", "RGBa", "PA") or "transparency" in im.info:
+            rgba = im.convert("RGBA")
+            white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            return Image.alpha_composite(white, rgba).convert("RGB")
+        return im.convert("RGB")
+    except (ValueError, OSError) as exc:
+        raise ImageDecodeError("unsupported_mode", name, f"mode {mode!r}: {exc}") from exc
+
+
+def _crop_box(w: int, h: int, size: int, shorter_side: int) -> tuple[float, float, float, float]:
+    """Source box whose resize to size x size equals 'shorter side -> shorter_side, centre crop'."""
+    side = min(w, h) * size / shorter_side
+    left, top = (w - side) / 2.0, (h - side) / 2.0
+    return (left, top, left + side, top + side)
+
+
+def _decode(src: Source, size: int, resize: str, max_pixels: int, shorter_side: int) -> np.ndarray:
+    if resize not in _RESIZE_MODES:
+        raise ValueError(f"resize must be one of {_RESIZE_MODES}, got {resize!r}")
+    if size < 1 or shorter_side < size:
+        raise ValueError(f"need 1 <= size <= shorter_side, got size={size}, shorter_side={shorter_side}")
+    name = _source_name(src)
+    data = read_source(src)
+    im = _open(data, name, max_pixels)
+    orientation = _orientation(im)
+    if im.format == "JPEG":
+        # DCT scaling: both sides stay >= DRAFT_MARGIN * target, so the shorter side does too.
+        target = DRAFT_MARGIN * (shorter_side if resize == "crop" else size)
+        im.draft(im.mode, (target, target))
+    _load(im, name)
+    for op in _TRANSPOSE.get(orientation, ()):
+        im = im.transpose(op)
+    im = _to_rgb(im, name)
+    w, h = im.size
+    try:
+        if resize == "crop":
+            out = im.resize((size, size), RESAMPLE, box=_crop_box(w, h, size, shorter_side))
+        else:
+            scale = size / max(w, h)
+            nw, nh = max(1, round(w * scale)), max(1, round(h * scale))
+            canvas = Image.new("RGB", (size, size), (PAD_VALUE,) * 3)
+            canvas.paste(im.resize((nw, nh), RESAMPLE), ((size - nw) // 2, (size - nh) // 2))
+            out = canvas
+    except (OSError, ValueError) as exc:
+        raise ImageDecodeError("corrupt", name, f"resize failed: {exc}") from exc
+    arr = np.asarray(out, dtype=np.uint8)
+    if arr.shape != (size, size, 3):  # defensive: a Pillow surprise must not corrupt a dataset
+        raise ImageDecodeError("unsupported_mode", name, f"decoded to shape {arr.shape}")
+    return np.ascontiguousarray(arr)
+
+
+def decode_image(
+    src: Source, size: int, resize: str = "crop", max_pixels: int = DEFAULT_MAX_PIXELS
+) -> np.ndarray:
+    """Decode ``src`` (path or encoded bytes) to a ``(size, size, 3)`` uint8 RGB array.
+
+    EXIF orientation is applied, every mode is converted to RGB (alpha on white), JPEGs are
+    decoded at reduced DCT scale when a small output is wanted, and the image is resized with
+    antialiasing: ``resize="crop"`` scales the shorter side to ``size`` and crops the centre;
+    ``resize="pad"`` scales the longer side to ``size`` and letterboxes with ``PAD_VALUE``.
+    Raises :class:`ImageDecodeError` (with ``reason``) for files that cannot be decoded and
+    ``ValueError`` for bad arguments.
+    """
+    return _decode(src, size, resize, max_pixels, shorter_side=size)
+
+
+def decode_image_at(
+    src: Source, size: int, resize: str = "crop", shorter_side: int | None = None,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+) -> np.ndarray:
+    """Like :func:`decode_image`, but with ``resize="crop"`` the shorter side is first scaled to
+    ``shorter_side`` (>= size) and the centre ``size`` square kept: the classic "resize 256, centre
+    crop 224" of ImageNet-trained teachers. ``shorter_side`` is ignored for ``resize="pad"``."""
+    return _decode(src, size, resize, max_pixels, shorter_side=shorter_side or size)

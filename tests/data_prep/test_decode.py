@@ -1,0 +1,180 @@
+"""Tests for data_prep.decode: every mode to RGB, EXIF rotation, draft mode, broken-file reasons."""
+
+from __future__ import annotations
+
+import io
+import struct
+import time
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from data_prep.decode import ImageDecodeError, decode_image, decode_image_at
+
+
+def _encode(im: Image.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def _halves(w: int = 40, h: int = 20) -> Image.Image:
+    """Left half red, right half blue."""
+    arr = np.zeros((h, w, 3), np.uint8)
+    arr[:, : w // 2] = (255, 0, 0)
+    arr[:, w // 2 :] = (0, 0, 255)
+    return Image.fromarray(arr)
+
+
+def test_plain_rgb_shape_and_colour():
+    out = decode_image(_encode(Image.new("RGB", (30, 50), (10, 200, 30)), "PNG"), 16)
+    assert out.shape == (16, 16, 3) and out.dtype == np.uint8
+    assert np.all(out == (10, 200, 30))
+
+
+def test_exif_orientation_is_applied():
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored landscape, displayed rotated 90 degrees clockwise
+    data = _encode(_halves(), "JPEG", quality=95, exif=exif.tobytes())
+    out = decode_image(data, 20).astype(int)
+    top, bottom = out[:8].mean(axis=(0, 1)), out[-8:].mean(axis=(0, 1))
+    assert top[0] > 200 and top[2] < 60, f"top should be red after rotation, got {top}"
+    assert bottom[2] > 200 and bottom[0] < 60, f"bottom should be blue, got {bottom}"
+    # Without the tag the same pixels stay left/right.
+    plain = decode_image(_encode(_halves(), "JPEG", quality=95), 20).astype(int)
+    assert plain[:, :8].mean(axis=(0, 1))[0] > 200 and plain[:, -8:].mean(axis=(0, 1))[2] > 200
+
+
+def test_alpha_is_composited_on_white():
+    rgba = Image.new("RGBA", (20, 20), (0, 0, 0, 0))  # fully transparent black
+    out = decode_image(_encode(rgba, "PNG"), 8)
+    assert np.all(out == 255)
+    half = Image.new("RGBA", (20, 20), (0, 0, 0, 128))
+    v = decode_image(_encode(half, "PNG"), 8)
+    assert np.all(np.abs(v.astype(int) - 127) <= 2)
+    la = Image.new("LA", (20, 20), (0, 0))
+    assert np.all(decode_image(_encode(la, "PNG"), 8) == 255)
+
+
+def test_palette_with_transparency():
+    p = Image.new("P", (20, 20), 1)
+    p.putpalette([0, 255, 0, 255, 0, 0] + [0] * 762)
+    out = decode_image(_encode(p, "PNG", transparency=1), 8)
+    assert np.all(out == 255)  # index 1 is transparent -> white
+    out = decode_image(_encode(p, "PNG"), 8)
+    assert np.all(out == (255, 0, 0))
+
+
+def test_grayscale_and_16bit_are_scaled_not_clipped():
+    grey = decode_image(_encode(Image.new("L", (20, 20), 77), "PNG"), 8)
+    assert np.all(grey == 77)
+    arr16 = np.full((20, 20), 40000, np.uint16)
+    out = decode_image(_encode(Image.fromarray(arr16), "PNG"), 8)
+    assert np.all(np.abs(out.astype(int) - round(40000 / 257)) <= 1), out[0, 0]
+
+
+def test_cmyk_jpeg_and_tiff():
+    cmyk = Image.new("CMYK", (24, 24), (0, 255, 255, 0))  # pure red in CMYK
+    for fmt in ("JPEG", "TIFF"):
+        out = decode_image(_encode(cmyk, fmt), 8).astype(int)
+        assert out[..., 0].mean() > 200 and out[..., 1].mean() < 60 and out[..., 2].mean() < 60, fmt
+
+
+def test_pad_mode_letterboxes_and_crop_mode_crops():
+    im = Image.new("RGB", (80, 40), (200, 200, 200))
+    pad = decode_image(_encode(im, "PNG"), 20, resize="pad")
+    assert np.all(pad[:5] == 0) and np.all(pad[-5:] == 0) and np.all(pad[6:14] == 200)
+    crop = decode_image(_encode(im, "PNG"), 20, resize="crop")
+    assert np.all(crop == 200)
+
+
+def test_decode_image_at_crops_from_larger_shorter_side():
+    arr = np.zeros((100, 100, 3), np.uint8)
+    arr[:10] = 255  # a white band along the top edge
+    data = _encode(Image.fromarray(arr), "PNG")
+    assert decode_image(data, 50)[:4].mean() > 200  # band visible without extra margin
+    assert decode_image_at(data, 50, shorter_side=100)[:4].mean() < 1  # cropped away
+
+
+def test_large_jpeg_uses_draft_and_matches_full_decode():
+    """A 4000x3000 photo-like JPEG decodes at reduced scale yet matches a full decode closely."""
+    yy, xx = np.mgrid[0:3000, 0:4000].astype(np.float32)
+    arr = np.stack([128 + 100 * np.sin(xx / 300), 128 + 100 * np.cos(yy / 250),
+                    128 + 80 * np.sin((xx + yy) / 400)], -1).astype(np.uint8)
+    data = _encode(Image.fromarray(arr), "JPEG", quality=90)
+    t0 = time.perf_counter()
+    fast = decode_image(data, 64)
+    t_fast = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    full = Image.open(io.BytesIO(data)).convert("RGB")
+    ref = np.asarray(full.resize((64, 64), Image.Resampling.BOX, box=(500, 0, 3500, 3000)))
+    t_full = time.perf_counter() - t0
+    assert np.abs(fast.astype(int) - ref.astype(int)).mean() < 2.0
+    assert t_fast < t_full, f"draft decode {t_fast:.3f}s not faster than full {t_full:.3f}s"
+
+
+def _chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def _png_header_only(w: int, h: int) -> bytes:
+    """A tiny PNG that declares w x h pixels but carries almost no data (a decompression bomb shape)."""
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", zlib.compress(b"\0" * 64))
+            + _chunk(b"IEND", b""))
+
+
+@pytest.mark.parametrize(
+    "data,reason",
+    [
+        (b"", "empty"),
+        (b"this is a text file, not a picture\n" * 4, "not_an_image"),
+        (_png_header_only(50_000, 50_000), "too_large"),  # bomb: refused from the header alone
+        (_png_header_only(200_000, 200_000), "too_large"),  # beyond PIL's own hard limit
+        (b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic", "heic_unsupported"),
+    ],
+)
+def test_broken_inputs_have_reasons(data, reason):
+    if reason == "heic_unsupported":
+        try:
+            import pillow_heif  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            pytest.skip("pillow-heif is installed, so HEIC is supported here")
+    with pytest.raises(ImageDecodeError) as info:
+        decode_image(data, 32)
+    assert info.value.reason == reason
+
+
+def test_truncated_jpeg_and_png(tmp_path):
+    rng = np.random.default_rng(0)
+    im = Image.fromarray(rng.integers(0, 255, (200, 200, 3), dtype=np.uint8))
+    for fmt in ("JPEG", "PNG"):
+        data = _encode(im, fmt)
+        path = tmp_path / f"cut.{fmt.lower()}"
+        path.write_bytes(data[: len(data) // 2])
+        with pytest.raises(ImageDecodeError) as info:
+            decode_image(path, 32)
+        assert info.value.reason == "truncated", (fmt, info.value)
+        assert str(path) in str(info.value)  # the message names the file
+
+
+def test_missing_file_and_bad_arguments(tmp_path):
+    with pytest.raises(ImageDecodeError) as info:
+        decode_image(tmp_path / "nope.jpg", 32)
+    assert info.value.reason == "unreadable"
+    data = _encode(Image.new("RGB", (10, 10)), "PNG")
+    with pytest.raises(ValueError):
+        decode_image(data, 32, resize="stretch")
+    with pytest.raises(ValueError):
+        decode_image(data, 0)
+
+
+def test_error_survives_pickling():
+    import pickle
+
+    err = pickle.loads(pickle.dumps(ImageDecodeError("truncated", "a.jpg", "cut")))
+    assert err.reason == "truncated" and "a.jpg" in str(err)

@@ -1,0 +1,419 @@
+"""Folder of photos -> dataset folder of memory-mapped arrays (what `leaflens preprocess` runs).
+
+Steps: scan the source (:mod:`data_prep.scan`), decode every photo in a process pool with the
+shared decode path and stream the pixels into a staging file, assign splits (stratified, seeded,
+duplicate-aware: :mod:`data_prep.split`), stream the staging rows into ``<split>_images.npy`` /
+``<split>_labels.npy`` / ``<split>_files.txt``, compute mean/std on train from exact per-channel
+histograms, write ``rejected.jsonl`` and ``manifest.json``, and rename the finished temporary
+folder into place. A broken file is rejected with its reason and never stops the run; an
+interrupted run leaves the previous output untouched; an unchanged input re-run does no work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import secrets
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from data_prep.arrays import NpyRowWriter, sha256_file
+from data_prep.decode import DEFAULT_MAX_PIXELS, ImageDecodeError, decode_image, read_source
+from data_prep.manifest import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    REJECTED_NAME,
+    DatasetError,
+    load_dataset,
+    split_paths,
+    write_json_atomic,
+)
+from data_prep.scan import SPLITS, UNLABELED, ScanResult, SourceFile, scan_source
+from data_prep.split import assign_auto, resolve_given
+
+_STAGING = "staging.bin"
+_CHUNK_ROWS = 256
+
+
+class IngestError(RuntimeError):
+    """The ingest cannot produce a dataset (bad source, nothing kept, unsafe output folder)."""
+
+
+@dataclass(frozen=True)
+class IngestOptions:
+    """Everything that changes the output; recorded in the manifest and in the fingerprint."""
+
+    size: int = 64
+    resize: str = "crop"
+    ratios: tuple[float, float, float] = (0.7, 0.15, 0.15)
+    seed: int = 0
+    max_pixels: int = DEFAULT_MAX_PIXELS
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["ratios"] = list(self.ratios)
+        return d
+
+
+@dataclass
+class IngestReport:
+    """What a run did, for the CLI summary and for tests."""
+
+    out: Path
+    up_to_date: bool
+    classes: list[str]
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)  # split -> class -> kept
+    rejected: dict[str, int] = field(default_factory=dict)  # class (or "unlabeled") -> rejected
+    rejected_reasons: dict[str, int] = field(default_factory=dict)
+    ignored: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def kept_total(self) -> int:
+        return sum(sum(v.values()) for v in self.counts.values())
+
+    @property
+    def rejected_total(self) -> int:
+        return sum(self.rejected.values())
+
+
+# ---------------------------------------------------------------------------- decoding workers
+def _decode_task(task: tuple[int, str, int, str, int]) -> tuple[int, str | None, np.ndarray | None,
+                                                                str | None, str | None]:
+    """Worker: (index, path, size, resize, max_pixels) -> (index, sha256, pixels, reason, detail)."""
+    index, path, size, resize, max_pixels = task
+    try:
+        data = read_source(path)
+        digest = hashlib.sha256(data).hexdigest()
+        try:
+            pixels = decode_image(data, size, resize=resize, max_pixels=max_pixels)
+        except ImageDecodeError as exc:
+            return index, digest, None, exc.reason, exc.detail
+        return index, digest, pixels, None, None
+    except ImageDecodeError as exc:
+        return index, None, None, exc.reason, exc.detail
+    except Exception as exc:  # one odd file must never stop the run
+        return index, None, None, "error", f"{type(exc).__name__}: {exc}"
+
+
+def _decode_all(files: list[SourceFile], opts: IngestOptions, staging: Path, workers: int,
+                progress: bool) -> tuple[list[int], list[str], list[dict]]:
+    """Decode every file, streaming kept pixels into ``staging``; returns kept idx, hashes, rejects."""
+    from tqdm import tqdm
+
+    tasks = [(i, f.path, opts.size, opts.resize, opts.max_pixels) for i, f in enumerate(files)]
+    kept: list[int] = []
+    hashes: list[str] = []
+    rejects: list[dict] = []
+    bar = tqdm(total=len(tasks), desc="decode", unit="img", disable=not progress, file=sys.stderr)
+    pool = None
+    try:
+        if workers > 1 and len(tasks) > 1:
+            pool = multiprocessing.get_context().Pool(workers)
+        window = max(64, workers * 128)  # bounded in-flight results: memory stays flat
+        chunksize = max(1, min(32, len(tasks) // (workers * 8) or 1))
+        with open(staging, "wb") as out:
+            for start in range(0, len(tasks), window):
+                block = tasks[start:start + window]
+                results = pool.imap(_decode_task, block, chunksize) if pool else map(_decode_task, block)
+                for index, digest, pixels, reason, detail in results:
+                    if pixels is None:
+                        f = files[index]
+                        rejects.append({"path": f.rel, "label": f.label, "split": f.split,
+                                        "reason": reason, "detail": detail})
+                    else:
+                        out.write(pixels.tobytes())
+                        kept.append(index)
+                        hashes.append(digest)
+                    bar.update(1)
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    return kept, hashes, rejects
+
+
+# ---------------------------------------------------------------------------- splitting
+def _assign(scan: ScanResult, kept: list[int], hashes: list[str], opts: IngestOptions,
+            rejects: list[dict]) -> list[str | None]:
+    """Split name per kept row (None: dropped as a cross-split duplicate, added to ``rejects``)."""
+    files = scan.files
+    out: list[str | None] = [None] * len(kept)
+    lab_rows = [r for r, i in enumerate(kept) if files[i].label >= 0]
+    for r, i in enumerate(kept):
+        if files[i].label < 0:
+            out[r] = UNLABELED
+    lab_hashes = [hashes[r] for r in lab_rows]
+    if scan.layout == "split_folders":
+        given = [files[kept[r]].split for r in lab_rows]
+        drop = set(resolve_given(given, lab_hashes))
+        for k, r in enumerate(lab_rows):
+            if k in drop:
+                f = files[kept[r]]
+                rejects.append({"path": f.rel, "label": f.label, "split": f.split,
+                                "reason": "duplicate_across_splits",
+                                "detail": "same bytes as a file in an earlier split"})
+            else:
+                out[r] = given[k]
+    else:
+        labels = [files[kept[r]].label for r in lab_rows]
+        for r, s in zip(lab_rows, assign_auto(labels, lab_hashes, opts.ratios, opts.seed)):
+            out[r] = s
+    return out
+
+
+def _duplicate_stats(scan: ScanResult, kept: list[int], hashes: list[str]) -> dict[str, int]:
+    groups: dict[str, set[int]] = {}
+    sizes: dict[str, int] = {}
+    for i, h in zip(kept, hashes):
+        groups.setdefault(h, set()).add(scan.files[i].label)
+        sizes[h] = sizes.get(h, 0) + 1
+    dup = [h for h, n in sizes.items() if n > 1]
+    return {"groups": len(dup), "files": sum(sizes[h] for h in dup),
+            "label_conflicts": sum(1 for h in dup if len(groups[h] - {-1}) > 1)}
+
+
+# ---------------------------------------------------------------------------- writing
+def _write_splits(tmp: Path, scan: ScanResult, kept: list[int], assigned: list[str | None],
+                  opts: IngestOptions) -> tuple[dict, np.ndarray]:
+    """Stream staging rows into per-split files; returns split info and train channel histograms."""
+    size = opts.size
+    row_shape = (size, size, 3)
+    row_bytes = size * size * 3
+    split_names = list(SPLITS) + ([UNLABELED] if UNLABELED in assigned else [])
+    rows_of = {s: [r for r, a in enumerate(assigned) if a == s] for s in split_names}
+    writers: dict[str, tuple[NpyRowWriter, NpyRowWriter | None]] = {}
+    hist = np.zeros((3, 256), np.int64)
+    info: dict[str, dict] = {}
+    try:
+        for s in split_names:
+            names = split_paths(s)
+            n = len(rows_of[s])
+            img_w = NpyRowWriter(tmp / names["images"], n, row_shape, np.uint8)
+            lab_w = None if s == UNLABELED else NpyRowWriter(tmp / names["labels"], n, (), np.int64)
+            writers[s] = (img_w, lab_w)
+            with open(tmp / names["files"], "w", encoding="utf-8") as fh:
+                for r in rows_of[s]:
+                    fh.write(scan.files[kept[r]].rel + "\n")
+            per_class = {c: 0 for c in scan.classes}
+            for r in rows_of[s]:
+                label = scan.files[kept[r]].label
+                if label >= 0:
+                    per_class[scan.classes[label]] += 1
+            info[s] = {"count": n, "labels": "absent" if s == UNLABELED else "present"}
+            if s != UNLABELED:
+                info[s]["per_class"] = per_class
+        with open(tmp / _STAGING, "rb") as fh:
+            for start in range(0, len(kept), _CHUNK_ROWS):
+                n = min(_CHUNK_ROWS, len(kept) - start)
+                chunk = np.fromfile(fh, np.uint8, n * row_bytes).reshape((n, *row_shape))
+                for s in split_names:
+                    sel = [k for k in range(n) if assigned[start + k] == s]
+                    if not sel:
+                        continue
+                    rows = chunk[sel]
+                    img_w, lab_w = writers[s]
+                    img_w.write(rows)
+                    if lab_w is not None:
+                        lab_w.write(np.array([scan.files[kept[start + k]].label for k in sel], np.int64))
+                    if s == "train":
+                        flat = rows.reshape(-1, 3)
+                        for c in range(3):
+                            hist[c] += np.bincount(flat[:, c], minlength=256)
+        for img_w, lab_w in writers.values():
+            img_w.close()
+            if lab_w is not None:
+                lab_w.close()
+    except BaseException:
+        for img_w, lab_w in writers.values():
+            img_w.abort()
+            if lab_w is not None:
+                lab_w.abort()
+        raise
+    return info, hist
+
+
+def _mean_std(hist: np.ndarray) -> tuple[list[float], list[float]]:
+    """Exact per-channel mean/std on the [0, 1] scale from 256-bin histograms."""
+    values = np.arange(256, dtype=np.float64) / 255.0
+    total = hist.sum(axis=1).astype(np.float64)
+    mean = (hist * values).sum(axis=1) / total
+    var = (hist * (values[None, :] - mean[:, None]) ** 2).sum(axis=1) / total
+    return [round(float(v), 6) for v in mean], [round(float(max(np.sqrt(v), 1e-6)), 6) for v in var]
+
+
+def _fingerprint(scan: ScanResult, opts: IngestOptions, unlabeled: str | None) -> str:
+    payload = json.dumps({"format_version": FORMAT_VERSION, "options": opts.as_dict(), "root": scan.root,
+                          "unlabeled": unlabeled, "files": scan.stats}, sort_keys=True)
+    return "sha256:" + hashlib.sha256(payload.encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------- output folder safety
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _clean_stale(out: Path) -> None:
+    """Remove temporary folders left by runs that were killed (their process is gone)."""
+    for prefix in (f".{out.name}.tmp-", f".{out.name}.old-"):
+        for p in out.parent.glob(prefix + "*"):
+            try:
+                pid = int(p.name[len(prefix):].split("-")[0])
+            except ValueError:
+                continue
+            if pid != os.getpid() and not _pid_alive(pid):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _check_out(src: Path, out: Path) -> None:
+    if out == src or src in out.parents:
+        raise IngestError(f"output folder {out} must not be inside the source folder {src}")
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST_NAME).exists())):
+        raise IngestError(f"output {out} exists and is not a leaflens dataset folder; refusing to replace it")
+
+
+def swap_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished ``tmp`` folder to ``out``, replacing a previous ``out`` only at the end."""
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out)
+
+
+def _up_to_date(out: Path, fingerprint: str) -> bool:
+    try:
+        manifest = json.loads((out / MANIFEST_NAME).read_text(encoding="utf-8"))
+        if manifest.get("input_fingerprint") != fingerprint:
+            return False
+        load_dataset(out, verify=False)
+    except (OSError, ValueError, DatasetError):
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------- main entry
+def ingest(src: str | os.PathLike, out: str | os.PathLike, options: IngestOptions | None = None, *,
+           unlabeled: str | os.PathLike | None = None, workers: int | None = None, progress: bool = False,
+           force: bool = False, log: Callable[[str], None] = print) -> IngestReport:
+    """Turn the photo folder ``src`` into the dataset folder ``out`` (see module docstring)."""
+    t0 = time.perf_counter()
+    opts = options or IngestOptions()
+    if opts.size < 8:
+        raise IngestError(f"image size {opts.size} is too small (need >= 8)")
+    src_p, out_p = Path(src).resolve(), Path(out).resolve()
+    scan = scan_source(src_p, unlabeled)
+    _check_out(src_p, out_p)
+    unl = str(Path(unlabeled).resolve()) if unlabeled is not None else None
+    fingerprint = _fingerprint(scan, opts, unl)
+    if not force and _up_to_date(out_p, fingerprint):
+        log(f"{out_p}: up to date ({len(scan.files)} source files unchanged, same options); nothing to do")
+        return IngestReport(out_p, True, scan.classes, seconds=time.perf_counter() - t0)
+
+    out_p.parent.mkdir(parents=True, exist_ok=True)
+    _clean_stale(out_p)
+    tmp = out_p.parent / f".{out_p.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        workers = max(1, workers or os.cpu_count() or 1)
+        kept, hashes, rejects = _decode_all(scan.files, opts, tmp / _STAGING, workers, progress)
+        assigned = _assign(scan, kept, hashes, opts, rejects)
+        info, hist = _write_splits(tmp, scan, kept, assigned, opts)
+        (tmp / _STAGING).unlink()
+        if info["train"]["count"] == 0:
+            raise IngestError(f"{src_p}: no training image could be decoded ({len(rejects)} rejected); "
+                              f"see the reasons above")
+        mean, std = _mean_std(hist)
+        report = _report(out_p, scan, info, rejects)
+        with open(tmp / REJECTED_NAME, "w", encoding="utf-8") as fh:
+            for rec in rejects:
+                rec = dict(rec, **{"class": scan.classes[rec["label"]] if rec["label"] >= 0 else None})
+                del rec["label"]
+                fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        checksums = {}
+        for s in info:
+            for kind, name in split_paths(s).items():
+                if kind == "labels" and info[s]["labels"] == "absent":
+                    continue
+                checksums[name] = sha256_file(tmp / name)
+        manifest = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "classes": scan.classes,
+            "image_size": opts.size,
+            "layout": "NHWC",
+            "dtype": "uint8",
+            "mean": mean,
+            "std": std,
+            "mean_std_scale": "pixel / 255, per RGB channel, computed on train",
+            "splits": info,
+            "source_root": scan.root,
+            "source_layout": scan.layout,
+            "unlabeled_source": unl,
+            "options": opts.as_dict(),
+            "rejected": {"total": len(rejects), "per_class": report.rejected,
+                         "reasons": report.rejected_reasons, "list": REJECTED_NAME},
+            "ignored": scan.ignored,
+            "duplicates": _duplicate_stats(scan, kept, hashes),
+            "checksums": checksums,
+            "input_fingerprint": fingerprint,
+        }
+        write_json_atomic(tmp / MANIFEST_NAME, manifest)
+        swap_into_place(tmp, out_p)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    report.seconds = time.perf_counter() - t0
+    log(format_summary(report))
+    return report
+
+
+def _report(out: Path, scan: ScanResult, info: dict, rejects: list[dict]) -> IngestReport:
+    counts = {s: dict(v["per_class"]) for s, v in info.items() if "per_class" in v}
+    if UNLABELED in info:
+        counts[UNLABELED] = {UNLABELED: info[UNLABELED]["count"]}
+    rejected: dict[str, int] = {}
+    reasons: dict[str, int] = {}
+    for rec in rejects:
+        key = scan.classes[rec["label"]] if rec["label"] >= 0 else UNLABELED
+        rejected[key] = rejected.get(key, 0) + 1
+        reasons[rec["reason"]] = reasons.get(rec["reason"], 0) + 1
+    return IngestReport(out, False, scan.classes, counts, rejected, reasons, dict(scan.ignored))
+
+
+def format_summary(report: IngestReport) -> str:
+    """A per-class table of kept (per split) and rejected images."""
+    splits = [s for s in (*SPLITS, UNLABELED) if s in report.counts]
+    keys = list(report.classes) + ([UNLABELED] if UNLABELED in report.counts else [])
+    width = max([len(k) for k in keys] + [5])
+    lines = [f"{'class':<{width}} " + " ".join(f"{s:>9}" for s in splits) + f" {'rejected':>9}"]
+    for k in keys:
+        cells = []
+        for s in splits:
+            cells.append(f"{report.counts[s].get(k, 0):>9}")
+        lines.append(f"{k:<{width}} " + " ".join(cells) + f" {report.rejected.get(k, 0):>9}")
+    lines.append(f"kept {report.kept_total}, rejected {report.rejected_total}"
+                 + (f" ({', '.join(f'{r}: {n}' for r, n in sorted(report.rejected_reasons.items()))})"
+                    if report.rejected_reasons else "")
+                 + (f", ignored {', '.join(f'{k}: {n}' for k, n in sorted(report.ignored.items()))}"
+                    if report.ignored else "")
+                 + f"; {report.seconds:.1f} s -> {report.out}")
+    return "\n".join(lines)

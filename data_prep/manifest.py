@@ -1,0 +1,177 @@
+"""The dataset manifest: what `leaflens preprocess` and `leaflens data` write, and its validation.
+
+A dataset folder holds ``manifest.json`` and, per split, ``<split>_images.npy`` (uint8 N x H x W x 3),
+``<split>_labels.npy`` (int64; absent for the "unlabeled" split) and ``<split>_files.txt``.
+:func:`load_dataset` checks every file the manifest names (present, right shape/dtype/length, and
+with ``verify=True`` the recorded SHA-256) and memory-maps the arrays, so nothing is loaded whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from data_prep.arrays import npy_expected_size, sha256_file
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_NAME = "leaflens-dataset"
+FORMAT_VERSION = 1
+REJECTED_NAME = "rejected.jsonl"
+
+
+class DatasetError(ValueError):
+    """A dataset folder that is missing, incomplete, or altered since it was written."""
+
+
+def split_paths(split: str) -> dict[str, str]:
+    """File names (relative to the dataset folder) of one split."""
+    return {"images": f"{split}_images.npy", "labels": f"{split}_labels.npy", "files": f"{split}_files.txt"}
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write JSON to ``path`` through a temporary file and ``os.replace``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh, indent=2, sort_keys=False, ensure_ascii=False)
+        fh.write("\n")
+    os.replace(tmp, path)
+
+
+@dataclass
+class SplitArrays:
+    """One split: memory-mapped images (N,H,W,3 uint8), labels (N int64) or None, and source paths."""
+
+    name: str
+    images: np.ndarray
+    labels: np.ndarray | None
+    files_path: Path
+    _files: list[str] | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return int(self.images.shape[0])
+
+    @property
+    def files(self) -> list[str]:
+        """Source path of every row (read on first use)."""
+        if self._files is None:
+            self._files = self.files_path.read_text(encoding="utf-8").splitlines()
+        return self._files
+
+
+@dataclass
+class Dataset:
+    """A validated dataset folder."""
+
+    root: Path
+    manifest: dict[str, Any]
+    classes: list[str]
+    image_size: int
+    mean: np.ndarray  # per channel, [0,1] scale, computed on train
+    std: np.ndarray
+    splits: dict[str, SplitArrays]
+
+    def __getitem__(self, split: str) -> SplitArrays:
+        if split not in self.splits:
+            raise KeyError(f"{self.root}: no split {split!r}; has {sorted(self.splits)}")
+        return self.splits[split]
+
+    def __contains__(self, split: str) -> bool:
+        return split in self.splits
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+
+def _fail(root: Path, msg: str) -> DatasetError:
+    return DatasetError(f"dataset {root}: {msg}")
+
+
+def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
+    """Parse and sanity-check ``manifest.json`` (no array checks)."""
+    root = Path(root)
+    path = root / MANIFEST_NAME
+    if not path.is_file():
+        raise _fail(root, f"{path} is missing (run `leaflens preprocess` or `leaflens data synth`)")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _fail(root, f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise _fail(root, f"{path}: 'format' is not {FORMAT_NAME!r}")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        version = manifest.get("format_version")
+        raise _fail(root, f"{path}: format_version {version!r} is not {FORMAT_VERSION}")
+    for key in ("classes", "image_size", "splits", "mean", "std", "checksums"):
+        if key not in manifest:
+            raise _fail(root, f"{path}: field {key!r} is missing")
+    return manifest
+
+
+def _check_array(root: Path, name: str, shape: tuple[int, ...], dtype: np.dtype,
+                 checksums: dict[str, str], verify: bool) -> np.ndarray:
+    path = root / name
+    if not path.is_file():
+        raise _fail(root, f"array file {path} is missing")
+    if name not in checksums:
+        raise _fail(root, f"manifest has no checksum for {name}")
+    try:
+        got_shape, got_dtype, expected_bytes = npy_expected_size(path)
+    except (OSError, ValueError) as exc:
+        raise _fail(root, f"array file {path} has an unreadable header: {exc}") from exc
+    if got_shape != shape or got_dtype != dtype:
+        raise _fail(root, f"array file {path} is {got_shape} {got_dtype}, manifest says {shape} {dtype}")
+    actual = path.stat().st_size
+    if actual != expected_bytes:
+        raise _fail(root, f"array file {path} is truncated or padded: {actual} bytes, "
+                          f"expected {expected_bytes}")
+    if verify:
+        digest = sha256_file(path)
+        if digest != checksums[name]:
+            raise _fail(root, f"array file {path} was altered: checksum {digest} "
+                              f"!= manifest {checksums[name]}")
+    if shape[0] == 0:
+        return np.zeros(shape, dtype)
+    return np.load(path, mmap_mode="r", allow_pickle=False)
+
+
+def load_dataset(root: str | os.PathLike, verify: bool = True) -> Dataset:
+    """Open a dataset folder, refusing a missing, truncated or (with ``verify``) altered file.
+
+    The arrays are memory-mapped read-only. ``verify=True`` re-hashes every array file (a few
+    seconds per GB); ``verify=False`` still checks presence, shape, dtype and exact file length.
+    """
+    root = Path(root)
+    m = read_manifest(root)
+    classes = list(m["classes"])
+    size = int(m["image_size"])
+    checksums = dict(m["checksums"])
+    splits: dict[str, SplitArrays] = {}
+    for split, info in m["splits"].items():
+        n = int(info["count"])
+        names = split_paths(split)
+        images = _check_array(root, names["images"], (n, size, size, 3), np.dtype(np.uint8),
+                              checksums, verify)
+        labels = None
+        if info.get("labels", "present") == "present":
+            labels = _check_array(root, names["labels"], (n,), np.dtype(np.int64), checksums, verify)
+            if n and (int(labels.min()) < 0 or int(labels.max()) >= len(classes)):
+                raise _fail(root, f"{names['labels']} has labels outside 0..{len(classes) - 1}")
+        files_path = root / names["files"]
+        if not files_path.is_file():
+            raise _fail(root, f"file list {files_path} is missing")
+        if verify:
+            if names["files"] in checksums and sha256_file(files_path) != checksums[names["files"]]:
+                raise _fail(root, f"file list {files_path} was altered (checksum mismatch)")
+        splits[split] = SplitArrays(split, images, labels, files_path)
+    mean = np.asarray(m["mean"], np.float32)
+    std = np.asarray(m["std"], np.float32)
+    if mean.shape != (3,) or std.shape != (3,) or not np.all(std > 0):
+        raise _fail(root, f"{MANIFEST_NAME}: mean/std must be 3 numbers each with std > 0")
+    return Dataset(root, m, classes, size, mean, std, splits)

@@ -1,0 +1,74 @@
+"""Train/val/test assignment: stratified, seeded, and duplicate-aware.
+
+Exact duplicate files (same SHA-256 of their bytes) never end up in two different splits: with
+automatic splitting a group of duplicates is placed as one unit; with a given split the copies in
+a later split (train < val < test) are dropped and reported, so the official split is otherwise kept.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import numpy as np
+
+SPLIT_ORDER = ("train", "val", "test")
+
+
+def parse_ratios(text: str) -> tuple[float, float, float]:
+    """'70/15/15', '0.7,0.15,0.15' -> fractions summing to 1."""
+    parts = [p for p in text.replace("/", ",").replace(":", ",").split(",") if p.strip()]
+    if len(parts) != 3:
+        raise ValueError(f"split ratios need three numbers train,val,test; got {text!r}")
+    vals = [float(p) for p in parts]
+    if any(v < 0 for v in vals) or sum(vals) <= 0 or vals[0] <= 0:
+        raise ValueError(f"split ratios must be non-negative with train > 0; got {text!r}")
+    total = sum(vals)
+    return (vals[0] / total, vals[1] / total, vals[2] / total)
+
+
+def assign_auto(labels: Sequence[int], hashes: Sequence[str], ratios: tuple[float, float, float],
+                seed: int) -> list[str]:
+    """Split per class with a seeded shuffle of duplicate groups; returns one split name per item."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, h in enumerate(hashes):
+        groups[h].append(i)
+    units_by_class: dict[int, list[list[int]]] = defaultdict(list)
+    for members in groups.values():  # insertion order = item order, so deterministic
+        units_by_class[int(labels[members[0]])].append(members)
+    out = [""] * len(labels)
+    for cls in sorted(units_by_class):
+        units = units_by_class[cls]
+        n = sum(len(u) for u in units)
+        n_test = int(round(n * ratios[2]))
+        n_val = int(round(n * ratios[1]))
+        while n_test + n_val >= n and (n_test or n_val):  # keep at least one training image
+            if n_test >= n_val and n_test:
+                n_test -= 1
+            else:
+                n_val -= 1
+        rng = np.random.default_rng([seed, cls])
+        order = rng.permutation(len(units))
+        got = {"test": 0, "val": 0}
+        for k in order:
+            unit = units[k]
+            if got["test"] < n_test:
+                split = "test"
+            elif got["val"] < n_val:
+                split = "val"
+            else:
+                split = "train"
+            if split != "train":
+                got[split] += len(unit)
+            for i in unit:
+                out[i] = split
+    return out
+
+
+def resolve_given(splits: Sequence[str], hashes: Sequence[str]) -> list[int]:
+    """Indices to drop so no duplicate group spans two given splits (the earliest split keeps it)."""
+    first: dict[str, str] = {}
+    for s, h in zip(splits, hashes):
+        if h not in first or SPLIT_ORDER.index(s) < SPLIT_ORDER.index(first[h]):
+            first[h] = s
+    return [i for i, (s, h) in enumerate(zip(splits, hashes)) if s != first[h]]

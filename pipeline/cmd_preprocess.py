@@ -1,0 +1,49 @@
+"""`leaflens preprocess`: folders of leaf photos -> memory-mapped arrays + manifest (data_prep.ingest)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from data_prep.decode import DEFAULT_MAX_PIXELS
+from data_prep.ingest import IngestError, IngestOptions, ingest
+from data_prep.scan import ScanError
+from data_prep.split import parse_ratios
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "preprocess",
+        help="photos in class folders -> memory-mapped arrays + manifest",
+        description="Decode every photo under --src (ROOT/<class>/* or ROOT/{train,val,test}/<class>/*, "
+                    "plus ROOT/unlabeled/) into uint8 arrays in --out, with manifest.json and "
+                    "rejected.jsonl. Re-running with unchanged input and options does nothing.",
+    )
+    p.add_argument("--src", required=True, help="folder of photos")
+    p.add_argument("--out", required=True, help="dataset folder to write (replaced atomically)")
+    p.add_argument("--size", type=int, default=64, help="square output size in pixels (default 64)")
+    p.add_argument("--resize", choices=("crop", "pad"), default="crop",
+                   help="centre crop (default) or letterbox pad to a square")
+    p.add_argument("--split", default="70/15/15",
+                   help="train/val/test percentages for ROOT/<class>/ layouts (default 70/15/15)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the automatic split (default 0)")
+    p.add_argument("--unlabeled", default=None, help="extra folder of unlabelled photos (split 'unlabeled')")
+    p.add_argument("--workers", type=int, default=None, help="decode processes (default: all cores)")
+    p.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS,
+                   help=f"refuse images declaring more pixels than this (default {DEFAULT_MAX_PIXELS})")
+    p.add_argument("--force", action="store_true", help="rebuild even if the output is up to date")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        opts = IngestOptions(size=args.size, resize=args.resize, ratios=parse_ratios(args.split),
+                             seed=args.seed, max_pixels=args.max_pixels)
+        ingest(args.src, args.out, opts, unlabeled=args.unlabeled, workers=args.workers,
+               progress=not args.no_progress and sys.stderr.isatty(), force=args.force)
+    except (IngestError, ScanError, ValueError) as exc:
+        print(f"leaflens preprocess: error: {exc}", file=sys.stderr)
+        return 1
+    return 0

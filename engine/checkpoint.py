@@ -1,0 +1,141 @@
+"""Checkpoints: one ``.npz`` with model, optimiser, scheduler, counters and RNG state.
+
+Everything that is not an array goes into one JSON string stored as a unicode array, so loading
+never needs pickle (``allow_pickle=False``). Files are written to a temporary name in the same
+directory, synced, then renamed over the target: a crash mid-write leaves the old checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine import random as erandom
+from engine.nn.module import Module
+from engine.optim.optimizer import Optimizer
+from engine.optim.schedulers import Scheduler
+
+FORMAT = "leaflens-checkpoint-1"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, unreadable, or belongs to something else."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    epoch: int
+    step: int
+    extra: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def model_signature(model: Module) -> dict[str, list[int]]:
+    """Parameter/buffer names and shapes: what must match for a checkpoint to belong to a model."""
+    return {k: list(v.shape) for k, v in model.state_dict().items()}
+
+
+def atomic_write_npz(path: str | os.PathLike[str], arrays: dict[str, np.ndarray]) -> Path:
+    """np.savez to a temporary file beside ``path``, fsync, then rename over it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    try:
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:
+        pass  # some filesystems cannot sync a directory; the rename itself is still atomic
+    return path
+
+
+def save_checkpoint(path: str | os.PathLike[str], model: Module, optimizer: Optimizer | None = None,
+                    scheduler: Scheduler | None = None, epoch: int = 0, step: int = 0,
+                    extra: dict[str, Any] | None = None) -> Path:
+    arrays: dict[str, np.ndarray] = {f"model/{k}": v for k, v in model.state_dict().items()}
+    meta: dict[str, Any] = {
+        "format": FORMAT,
+        "model_class": type(model).__name__,
+        "model_signature": model_signature(model),
+        "epoch": int(epoch),
+        "step": int(step),
+        "rng": erandom.get_state(),
+        "extra": extra or {},
+    }
+    if optimizer is not None:
+        osd = optimizer.state_dict()
+        meta["optimizer"] = osd["meta"]
+        arrays.update({f"optim/{k}": v for k, v in osd["arrays"].items()})
+    if scheduler is not None:
+        meta["scheduler"] = scheduler.state_dict()
+    arrays["meta"] = np.array(json.dumps(meta))
+    return atomic_write_npz(path, arrays)
+
+
+def read_checkpoint_arrays(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(meta, arrays) of a checkpoint file, with clear errors for anything that is not one."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            if "meta" not in data.files:
+                raise CheckpointError(f"{path} is an .npz file but not a leaflens checkpoint (no 'meta' entry)")
+            meta = json.loads(str(data["meta"]))
+            arrays = {k: data[k] for k in data.files if k != "meta"}
+    except CheckpointError:
+        raise
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc} (truncated or not a checkpoint?)") from exc
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta, arrays
+
+
+def load_checkpoint(path: str | os.PathLike[str], model: Module | None = None, optimizer: Optimizer | None = None,
+                    scheduler: Scheduler | None = None, restore_rng: bool = True) -> Checkpoint:
+    """Restore whatever is passed in; refuse a checkpoint made for a different model, naming the file."""
+    path = Path(path)
+    meta, arrays = read_checkpoint_arrays(path)
+    if model is not None:
+        saved_sig = meta.get("model_signature", {})
+        own_sig = model_signature(model)
+        if saved_sig != own_sig:
+            diffs = [k for k in sorted(set(saved_sig) | set(own_sig)) if saved_sig.get(k) != own_sig.get(k)]
+            first = diffs[0]
+            raise CheckpointError(
+                f"checkpoint {path} was saved from a different model ({meta.get('model_class')}): "
+                f"{len(diffs)} parameters differ, first {first!r}: checkpoint {saved_sig.get(first)}, "
+                f"model {own_sig.get(first)}")
+        model.load_state_dict({k[len("model/"):]: v for k, v in arrays.items() if k.startswith("model/")})
+    if optimizer is not None:
+        if "optimizer" not in meta:
+            raise CheckpointError(f"checkpoint {path} holds no optimiser state")
+        optimizer.load_state_dict({"meta": meta["optimizer"],
+                                   "arrays": {k[len("optim/"):]: v for k, v in arrays.items()
+                                              if k.startswith("optim/")}})
+    if scheduler is not None:
+        if "scheduler" not in meta:
+            raise CheckpointError(f"checkpoint {path} holds no scheduler state")
+        scheduler.load_state_dict(meta["scheduler"])
+    if restore_rng:
+        erandom.set_state(meta["rng"])
+    return Checkpoint(path=path, epoch=meta["epoch"], step=meta["step"], extra=meta.get("extra", {}), meta=meta)

@@ -1,0 +1,186 @@
+"""Layers: thin Modules over the functional ops in engine.ops. Activations are NHWC."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from engine import ops
+from engine.nn import init
+from engine.nn.module import Module, Parameter
+from engine.ops.conv import Padding
+
+
+class Linear(Module):
+    """y = x W^T + b, W of shape (out_features, in_features)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = Parameter(init.kaiming_uniform((out_features, in_features), "linear"))
+        self.bias = Parameter(init.uniform_bias(in_features, out_features)) if bias else None
+
+    def forward(self, x: Any) -> Any:
+        return ops.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, bias={self.bias is not None}"
+
+
+class Conv2d(Module):
+    """2-D convolution of NHWC input with an OIHW weight (Kaiming-normal init for ReLU nets)."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int],
+                 stride: int | tuple[int, int] = 1, padding: Padding = 0, groups: int = 1, bias: bool = True):
+        super().__init__()
+        kh, kw = (kernel_size, kernel_size) if isinstance(kernel_size, int) else kernel_size
+        if in_channels % groups or out_channels % groups:
+            raise ValueError(f"Conv2d: in_channels={in_channels} and out_channels={out_channels} must both be "
+                             f"divisible by groups={groups}")
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.kernel_size, self.stride, self.padding, self.groups = (kh, kw), stride, padding, groups
+        shape = (out_channels, in_channels // groups, kh, kw)
+        self.weight = Parameter(init.kaiming_normal(shape, "relu", mode="fan_out"))
+        self.bias = Parameter(np.zeros(out_channels, dtype=np.float32)) if bias else None
+
+    def forward(self, x: Any) -> Any:
+        return ops.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.groups)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"padding={self.padding}, groups={self.groups}, bias={self.bias is not None}")
+
+
+class BatchNorm2d(Module):
+    """Batch normalisation over the channel (last) axis; also serves (N, C) inputs."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1):
+        super().__init__()
+        self.num_features, self.eps, self.momentum = num_features, eps, momentum
+        self.weight = Parameter(np.ones(num_features, dtype=np.float32))
+        self.bias = Parameter(np.zeros(num_features, dtype=np.float32))
+        self.register_buffer("running_mean", np.zeros(num_features, dtype=np.float32))
+        self.register_buffer("running_var", np.ones(num_features, dtype=np.float32))
+
+    def forward(self, x: Any) -> Any:
+        return ops.batch_norm(x, self.weight, self.bias, self.running_mean, self.running_var,
+                              training=self.training, momentum=self.momentum, eps=self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}"
+
+
+BatchNorm1d = BatchNorm2d
+
+
+class Dropout(Module):
+    def __init__(self, p: float = 0.5):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: Any) -> Any:
+        return ops.dropout(x, self.p, self.training)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+class ReLU(Module):
+    def forward(self, x: Any) -> Any:
+        return ops.relu(x)
+
+
+class ReLU6(Module):
+    def forward(self, x: Any) -> Any:
+        return ops.relu6(x)
+
+
+class LeakyReLU(Module):
+    def __init__(self, negative_slope: float = 0.01):
+        super().__init__()
+        self.negative_slope = negative_slope
+
+    def forward(self, x: Any) -> Any:
+        return ops.leaky_relu(x, self.negative_slope)
+
+
+class Sigmoid(Module):
+    def forward(self, x: Any) -> Any:
+        return ops.sigmoid(x)
+
+
+class Tanh(Module):
+    def forward(self, x: Any) -> Any:
+        return ops.tanh(x)
+
+
+class Softmax(Module):
+    def __init__(self, axis: int = -1):
+        super().__init__()
+        self.axis = axis
+
+    def forward(self, x: Any) -> Any:
+        return ops.softmax(x, self.axis)
+
+
+class MaxPool2d(Module):
+    def __init__(self, kernel_size: int | tuple[int, int], stride: int | tuple[int, int] | None = None,
+                 padding: Padding = 0):
+        super().__init__()
+        self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
+
+    def forward(self, x: Any) -> Any:
+        return ops.max_pool2d(x, self.kernel_size, self.stride, self.padding)
+
+
+class AvgPool2d(MaxPool2d):
+    def forward(self, x: Any) -> Any:
+        return ops.avg_pool2d(x, self.kernel_size, self.stride, self.padding)
+
+
+class GlobalAvgPool2d(Module):
+    """NHWC -> (N, C)."""
+
+    def forward(self, x: Any) -> Any:
+        return ops.global_avg_pool2d(x)
+
+
+class Flatten(Module):
+    def __init__(self, start_dim: int = 1):
+        super().__init__()
+        self.start_dim = start_dim
+
+    def forward(self, x: Any) -> Any:
+        return ops.flatten(x, self.start_dim)
+
+
+class Identity(Module):
+    def forward(self, x: Any) -> Any:
+        return x
+
+
+class Sequential(Module):
+    """Apply modules in order; they are named "0", "1", ... in the state dict."""
+
+    def __init__(self, *layers: Module | Iterable[Module]):
+        super().__init__()
+        if len(layers) == 1 and not isinstance(layers[0], Module):
+            layers = tuple(layers[0])
+        for i, layer in enumerate(layers):
+            setattr(self, str(i), layer)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __getitem__(self, i: int) -> Module:
+        return list(self._modules.values())[i]
+
+    def forward(self, x: Any) -> Any:
+        for layer in self._modules.values():
+            x = layer(x)
+        return x

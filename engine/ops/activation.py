@@ -1,0 +1,152 @@
+"""Activations, softmax and dropout.
+
+The ReLU family saves its output, not its input: the gradient mask can be read from y, and the
+input array can then be freed (the GPU kernels do the same from the saved output).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine import random as erandom
+from engine.backend import array_module
+from engine.tensor import Function, Tensor
+
+
+class ReLU(Function):
+    def forward(self, x):
+        self.y = array_module(x).maximum(x, 0)
+        return self.y
+
+    def backward(self, gy):
+        return gy * (self.y > 0)
+
+
+class LeakyReLU(Function):
+    def __init__(self, slope: float):
+        self.slope = slope
+
+    def forward(self, x):
+        xp = array_module(x)
+        self.y = xp.where(x > 0, x, x * x.dtype.type(self.slope))
+        return self.y
+
+    def backward(self, gy):
+        xp = array_module(gy)
+        return gy * xp.where(self.y > 0, gy.dtype.type(1), gy.dtype.type(self.slope))
+
+
+class ReLU6(Function):
+    def forward(self, x):
+        self.y = array_module(x).clip(x, 0, 6)
+        return self.y
+
+    def backward(self, gy):
+        return gy * ((self.y > 0) & (self.y < 6))
+
+
+class Sigmoid(Function):
+    def forward(self, x):
+        xp = array_module(x)
+        # tanh form: stable for large |x| in both directions
+        self.y = xp.tanh(x * x.dtype.type(0.5)) * x.dtype.type(0.5) + x.dtype.type(0.5)
+        return self.y
+
+    def backward(self, gy):
+        return gy * self.y * (1 - self.y)
+
+
+class Tanh(Function):
+    def forward(self, x):
+        self.y = array_module(x).tanh(x)
+        return self.y
+
+    def backward(self, gy):
+        return gy * (1 - self.y * self.y)
+
+
+def _log_softmax(x: Any, axis: int) -> Any:
+    xp = array_module(x)
+    shifted = x - x.max(axis=axis, keepdims=True)
+    return shifted - xp.log(xp.exp(shifted).sum(axis=axis, keepdims=True))
+
+
+class Softmax(Function):
+    def __init__(self, axis: int):
+        self.axis = axis
+
+    def forward(self, x):
+        xp = array_module(x)
+        e = xp.exp(x - x.max(axis=self.axis, keepdims=True))
+        self.y = e / e.sum(axis=self.axis, keepdims=True)
+        return self.y
+
+    def backward(self, gy):
+        y = self.y
+        return y * (gy - (gy * y).sum(axis=self.axis, keepdims=True))
+
+
+class LogSoftmax(Function):
+    def __init__(self, axis: int):
+        self.axis = axis
+
+    def forward(self, x):
+        self.y = _log_softmax(x, self.axis)
+        return self.y
+
+    def backward(self, gy):
+        xp = array_module(gy)
+        return gy - xp.exp(self.y) * gy.sum(axis=self.axis, keepdims=True)
+
+
+class Dropout(Function):
+    def __init__(self, p: float):
+        self.p = p
+
+    def forward(self, x):
+        xp = array_module(x)
+        keep = 1.0 - self.p
+        draw = erandom.generator().random(x.shape, dtype=x.dtype if x.dtype.kind == "f" else None)
+        self.mask = xp.asarray((draw < keep).astype(x.dtype) / x.dtype.type(keep))
+        return x * self.mask
+
+    def backward(self, gy):
+        return gy * self.mask
+
+
+def relu(x: Any) -> Tensor:
+    return ReLU()(x)
+
+
+def leaky_relu(x: Any, slope: float = 0.01) -> Tensor:
+    return LeakyReLU(slope)(x)
+
+
+def relu6(x: Any) -> Tensor:
+    return ReLU6()(x)
+
+
+def sigmoid(x: Any) -> Tensor:
+    return Sigmoid()(x)
+
+
+def tanh(x: Any) -> Tensor:
+    return Tanh()(x)
+
+
+def softmax(x: Any, axis: int = -1) -> Tensor:
+    return Softmax(axis)(x)
+
+
+def log_softmax(x: Any, axis: int = -1) -> Tensor:
+    return LogSoftmax(axis)(x)
+
+
+def dropout(x: Any, p: float = 0.5, training: bool = True) -> Tensor:
+    """Zero each value with probability p and scale the rest by 1/(1-p); identity when not training."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    t = x if isinstance(x, Tensor) else Tensor(x)
+    if not training or p == 0.0:
+        return t
+    return Dropout(p)(t)

@@ -1,0 +1,252 @@
+"""Elementwise arithmetic with broadcasting-aware gradients."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.backend import array_module
+from engine.tensor import Function, Tensor, sum_to
+
+
+def _check_broadcast(op: str, a: Any, b: Any) -> None:
+    try:
+        array_module(a).broadcast_shapes(a.shape, b.shape)
+    except ValueError:
+        raise ValueError(f"{op}: shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be broadcast together") from None
+
+
+class Add(Function):
+    def forward(self, a, b):
+        _check_broadcast("add", a, b)
+        self.shapes = a.shape, b.shape
+        return a + b
+
+    def backward(self, gy):
+        sa, sb = self.shapes
+        return sum_to(gy, sa), sum_to(gy, sb)
+
+
+class Sub(Function):
+    def forward(self, a, b):
+        _check_broadcast("sub", a, b)
+        self.shapes = a.shape, b.shape
+        return a - b
+
+    def backward(self, gy):
+        sa, sb = self.shapes
+        return sum_to(gy, sa), (sum_to(-gy, sb) if self.needs_grad[1] else None)
+
+
+class Mul(Function):
+    def forward(self, a, b):
+        _check_broadcast("mul", a, b)
+        self.a, self.b = a, b
+        return a * b
+
+    def backward(self, gy):
+        ga = sum_to(gy * self.b, self.a.shape) if self.needs_grad[0] else None
+        gb = sum_to(gy * self.a, self.b.shape) if self.needs_grad[1] else None
+        return ga, gb
+
+
+class Div(Function):
+    def forward(self, a, b):
+        _check_broadcast("div", a, b)
+        self.a, self.b = a, b
+        return a / b
+
+    def backward(self, gy):
+        a, b = self.a, self.b
+        ga = sum_to(gy / b, a.shape) if self.needs_grad[0] else None
+        gb = sum_to(-gy * a / (b * b), b.shape) if self.needs_grad[1] else None
+        return ga, gb
+
+
+class Neg(Function):
+    def forward(self, x):
+        return -x
+
+    def backward(self, gy):
+        return -gy
+
+
+class Pow(Function):
+    """x ** p for a constant exponent p."""
+
+    def __init__(self, p: float):
+        self.p = p
+
+    def forward(self, x):
+        self.x = x
+        return x ** self.p
+
+    def backward(self, gy):
+        return gy * self.p * self.x ** (self.p - 1)
+
+
+class PowTensor(Function):
+    """a ** b with both sides differentiable (a > 0 where b's gradient is wanted)."""
+
+    def forward(self, a, b):
+        _check_broadcast("pow", a, b)
+        self.a, self.b = a, b
+        self.y = a ** b
+        return self.y
+
+    def backward(self, gy):
+        xp = array_module(gy)
+        a, b, y = self.a, self.b, self.y
+        ga = sum_to(gy * b * a ** (b - 1), a.shape) if self.needs_grad[0] else None
+        gb = sum_to(gy * y * xp.log(a), b.shape) if self.needs_grad[1] else None
+        return ga, gb
+
+
+class Exp(Function):
+    def forward(self, x):
+        self.y = array_module(x).exp(x)
+        return self.y
+
+    def backward(self, gy):
+        return gy * self.y
+
+
+class Log(Function):
+    def forward(self, x):
+        self.x = x
+        return array_module(x).log(x)
+
+    def backward(self, gy):
+        return gy / self.x
+
+
+class Sqrt(Function):
+    def forward(self, x):
+        self.y = array_module(x).sqrt(x)
+        return self.y
+
+    def backward(self, gy):
+        return gy / (2 * self.y)
+
+
+class Abs(Function):
+    def forward(self, x):
+        self.x = x
+        return array_module(x).abs(x)
+
+    def backward(self, gy):
+        return gy * array_module(gy).sign(self.x)
+
+
+class Clip(Function):
+    def __init__(self, lo: float | None, hi: float | None):
+        self.lo, self.hi = lo, hi
+
+    def forward(self, x):
+        self.x = x
+        return array_module(x).clip(x, self.lo, self.hi)
+
+    def backward(self, gy):
+        mask = True
+        if self.lo is not None:
+            mask = self.x >= self.lo
+        if self.hi is not None:
+            mask = mask & (self.x <= self.hi)
+        return gy * mask
+
+
+class Maximum(Function):
+    """Elementwise max of two tensors; on ties the gradient goes to the first."""
+
+    def forward(self, a, b):
+        _check_broadcast("maximum", a, b)
+        self.a_wins = a >= b
+        self.shapes = a.shape, b.shape
+        return array_module(a).maximum(a, b)
+
+    def backward(self, gy):
+        sa, sb = self.shapes
+        return sum_to(gy * self.a_wins, sa), sum_to(gy * ~self.a_wins, sb)
+
+
+class Minimum(Function):
+    def forward(self, a, b):
+        _check_broadcast("minimum", a, b)
+        self.a_wins = a <= b
+        self.shapes = a.shape, b.shape
+        return array_module(a).minimum(a, b)
+
+    def backward(self, gy):
+        sa, sb = self.shapes
+        return sum_to(gy * self.a_wins, sa), sum_to(gy * ~self.a_wins, sb)
+
+
+class Cast(Function):
+    """Change the dtype (float16 <-> float32 for mixed precision); the gradient is cast back."""
+
+    def __init__(self, dtype: Any):
+        self.dtype = dtype
+
+    def forward(self, x):
+        self.src = x.dtype
+        return x.astype(self.dtype, copy=False)
+
+    def backward(self, gy):
+        return gy.astype(self.src, copy=False)
+
+
+def add(a: Any, b: Any) -> Tensor:
+    return Add()(a, b)
+
+
+def sub(a: Any, b: Any) -> Tensor:
+    return Sub()(a, b)
+
+
+def mul(a: Any, b: Any) -> Tensor:
+    return Mul()(a, b)
+
+
+def div(a: Any, b: Any) -> Tensor:
+    return Div()(a, b)
+
+
+def neg(x: Any) -> Tensor:
+    return Neg()(x)
+
+
+def pow(x: Any, p: Any) -> Tensor:  # noqa: A001
+    if isinstance(p, (int, float)) and isinstance(x, Tensor):
+        return Pow(p)(x)
+    return PowTensor()(x, p)
+
+
+def exp(x: Any) -> Tensor:
+    return Exp()(x)
+
+
+def log(x: Any) -> Tensor:
+    return Log()(x)
+
+
+def sqrt(x: Any) -> Tensor:
+    return Sqrt()(x)
+
+
+def abs(x: Any) -> Tensor:  # noqa: A001
+    return Abs()(x)
+
+
+def clip(x: Any, lo: float | None, hi: float | None) -> Tensor:
+    return Clip(lo, hi)(x)
+
+
+def maximum(a: Any, b: Any) -> Tensor:
+    return Maximum()(a, b)
+
+
+def minimum(a: Any, b: Any) -> Tensor:
+    return Minimum()(a, b)
+
+
+def cast(x: Any, dtype: Any) -> Tensor:
+    return Cast(dtype)(x)

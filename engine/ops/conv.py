@@ -1,0 +1,272 @@
+"""2-D convolution on NHWC activations with OIHW weights.
+
+Why NHWC: im2col built from kh*kw shifted slices of an NHWC array lays each output pixel's
+receptive field out contiguously (tap-major, channel fastest), so one BLAS matmul with the
+(kh*kw*Cin, Cout) weight matrix yields the NHWC output directly, with no transpose before or after.
+BatchNorm and pooling also reduce over the leading axes of a contiguous array. In NCHW the same
+approach needs a transpose of the activations at every layer. Weights stay OIHW, as in ONNX and
+PyTorch, so export and pretrained weights need no reshuffle; turning them into the matmul layout
+costs a copy of the (small) weight per call.
+
+Depthwise convolutions (groups == channels) skip im2col: they are kh*kw multiply-adds of shifted
+slices, which moves far less memory than building columns for a matmul of width one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.backend import array_module
+from engine.tensor import Function, Tensor
+
+Padding = int | tuple[int, int] | tuple[int, int, int, int] | str
+
+
+def _pair(v: int | tuple[int, int], name: str) -> tuple[int, int]:
+    if isinstance(v, int):
+        return v, v
+    if len(v) != 2:
+        raise ValueError(f"{name} must be an int or a pair, got {v!r}")
+    return int(v[0]), int(v[1])
+
+
+def resolve_padding(padding: Padding, in_hw: tuple[int, int], kernel: tuple[int, int],
+                    stride: tuple[int, int]) -> tuple[int, int, int, int]:
+    """(top, bottom, left, right) from an int, a pair, a 4-tuple, 'valid' or TF-style 'same'."""
+    if isinstance(padding, str):
+        if padding == "valid":
+            return 0, 0, 0, 0
+        if padding != "same":
+            raise ValueError(f"padding must be an int, a tuple, 'valid' or 'same', got {padding!r}")
+        pads = []
+        for size, k, s in zip(in_hw, kernel, stride):
+            out = -(-size // s)
+            total = max((out - 1) * s + k - size, 0)
+            pads += [total // 2, total - total // 2]
+        return pads[0], pads[1], pads[2], pads[3]
+    if isinstance(padding, int):
+        return padding, padding, padding, padding
+    if len(padding) == 2:
+        return padding[0], padding[0], padding[1], padding[1]
+    if len(padding) == 4:
+        return tuple(int(p) for p in padding)  # type: ignore[return-value]
+    raise ValueError(f"padding must be an int, a pair or (top, bottom, left, right), got {padding!r}")
+
+
+def pad_nhwc(x: Any, pads: tuple[int, int, int, int], value: float = 0.0) -> Any:
+    t, b, l, r = pads
+    if not any(pads):
+        return x
+    xp = array_module(x)
+    n, h, w, c = x.shape
+    out = xp.full((n, h + t + b, w + l + r, c), value, dtype=x.dtype)
+    out[:, t:t + h, l:l + w, :] = x
+    return out
+
+
+def tap(xpad: Any, i: int, j: int, out_hw: tuple[int, int], stride: tuple[int, int]) -> Any:
+    """The view of the padded input that kernel tap (i, j) sees for every output pixel."""
+    (ho, wo), (sh, sw) = out_hw, stride
+    return xpad[:, i:i + sh * (ho - 1) + 1:sh, j:j + sw * (wo - 1) + 1:sw, :]
+
+
+def im2col(xpad: Any, kernel: tuple[int, int], out_hw: tuple[int, int], stride: tuple[int, int]) -> Any:
+    """Columns (N*Ho*Wo, kh*kw*C), tap-major with channels fastest."""
+    xp = array_module(xpad)
+    n, c = xpad.shape[0], xpad.shape[3]
+    kh, kw = kernel
+    ho, wo = out_hw
+    cols = xp.empty((n, ho, wo, kh, kw, c), dtype=xpad.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            cols[:, :, :, i, j, :] = tap(xpad, i, j, out_hw, stride)
+    return cols.reshape(n * ho * wo, kh * kw * c)
+
+
+def col2im(cols: Any, padded_shape: tuple[int, ...], kernel: tuple[int, int], out_hw: tuple[int, int],
+           stride: tuple[int, int]) -> Any:
+    """The adjoint of im2col: overlapping contributions are summed into the padded input."""
+    xp = array_module(cols)
+    n, c = padded_shape[0], padded_shape[3]
+    kh, kw = kernel
+    ho, wo = out_hw
+    cols = cols.reshape(n, ho, wo, kh, kw, c)
+    gx = xp.zeros(padded_shape, dtype=cols.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            tap(gx, i, j, out_hw, stride)[...] += cols[:, :, :, i, j, :]
+    return gx
+
+
+def _unpad(gx: Any, pads: tuple[int, int, int, int], hw: tuple[int, int]) -> Any:
+    t, _, l, _ = pads
+    if not any(pads):
+        return gx
+    return gx[:, t:t + hw[0], l:l + hw[1], :]
+
+
+class Conv2d(Function):
+    def __init__(self, stride: int | tuple[int, int], padding: Padding, groups: int):
+        self.stride = _pair(stride, "stride")
+        self.padding = padding
+        self.groups = groups
+
+    def forward(self, x, w, b=None):
+        if x.ndim != 4:
+            raise ValueError(f"conv2d expects NHWC input with 4 dimensions, got shape {tuple(x.shape)}")
+        if w.ndim != 4:
+            raise ValueError(f"conv2d expects an OIHW weight with 4 dimensions, got shape {tuple(w.shape)}")
+        n, h, wd, c = x.shape
+        cout, cg, kh, kw = w.shape
+        g = self.groups
+        if c != cg * g:
+            raise ValueError(f"conv2d: input has {c} channels (NHWC shape {tuple(x.shape)}) but the weight "
+                             f"{tuple(w.shape)} with groups={g} expects {cg * g}")
+        if cout % g:
+            raise ValueError(f"conv2d: {cout} output channels are not divisible by groups={g}")
+        pads = resolve_padding(self.padding, (h, wd), (kh, kw), self.stride)
+        sh, sw = self.stride
+        ho = (h + pads[0] + pads[1] - kh) // sh + 1
+        wo = (wd + pads[2] + pads[3] - kw) // sw + 1
+        if ho <= 0 or wo <= 0:
+            raise ValueError(f"conv2d: a {kh}x{kw} kernel does not fit a {h}x{wd} input with padding {pads}")
+        self.pads, self.kernel, self.out_hw, self.in_shape = pads, (kh, kw), (ho, wo), x.shape
+        xpad = pad_nhwc(x, pads)
+        self.padded_shape = xpad.shape
+        if g == c and cg == 1 and cout == c:
+            self.mode = "depthwise"
+            y = self._depthwise_forward(xpad, w)
+        elif g == 1:
+            self.mode = "dense"
+            y = self._dense_forward(xpad, w)
+        else:
+            self.mode = "grouped"
+            y = self._grouped_forward(xpad, w)
+        if b is not None:
+            y += b
+        return y
+
+    # -- groups == 1: im2col + one matmul ---------------------------------------------------------
+    def _dense_forward(self, xpad, w):
+        n = xpad.shape[0]
+        cout, c, kh, kw = w.shape
+        ho, wo = self.out_hw
+        if (kh, kw) == (1, 1) and self.stride == (1, 1):
+            cols = xpad.reshape(-1, c)
+        else:
+            cols = im2col(xpad, (kh, kw), self.out_hw, self.stride)
+        wmat = w.transpose(2, 3, 1, 0).reshape(kh * kw * c, cout)
+        if self.recording:
+            self.cols = cols if self.needs_grad[1] else None
+            self.wmat = wmat if self.needs_grad[0] else None
+        return (cols @ wmat).reshape(n, ho, wo, cout)
+
+    def _dense_backward(self, gy):
+        cout = gy.shape[-1]
+        gy2 = gy.reshape(-1, cout)
+        kh, kw = self.kernel
+        c = self.padded_shape[-1]
+        gx = gw = None
+        if self.needs_grad[1]:
+            gw = (self.cols.T @ gy2).reshape(kh, kw, c, cout).transpose(3, 2, 0, 1)
+        if self.needs_grad[0]:
+            gcols = gy2 @ self.wmat.T
+            if (kh, kw) == (1, 1) and self.stride == (1, 1):
+                gx = gcols.reshape(self.padded_shape)
+            else:
+                gx = col2im(gcols, self.padded_shape, self.kernel, self.out_hw, self.stride)
+            gx = _unpad(gx, self.pads, self.in_shape[1:3])
+        return gx, gw
+
+    # -- depthwise: kh*kw shifted multiply-adds -----------------------------------------------------
+    def _depthwise_forward(self, xpad, w):
+        xp = array_module(xpad)
+        n, c = xpad.shape[0], xpad.shape[3]
+        kh, kw = self.kernel
+        ho, wo = self.out_hw
+        wt = w.reshape(c, kh, kw)
+        y = xp.zeros((n, ho, wo, c), dtype=xpad.dtype)
+        tmp = xp.empty_like(y)
+        for i in range(kh):
+            for j in range(kw):
+                xp.multiply(tap(xpad, i, j, self.out_hw, self.stride), wt[:, i, j], out=tmp)
+                y += tmp
+        if self.recording:
+            self.xpad = xpad if self.needs_grad[1] else None
+            self.wt = wt if self.needs_grad[0] else None
+        return y
+
+    def _depthwise_backward(self, gy):
+        xp = array_module(gy)
+        kh, kw = self.kernel
+        c = gy.shape[-1]
+        gx = gw = None
+        if self.needs_grad[1]:
+            gw = xp.empty((c, 1, kh, kw), dtype=gy.dtype)
+            tmp = xp.empty_like(gy)
+            for i in range(kh):
+                for j in range(kw):
+                    xp.multiply(tap(self.xpad, i, j, self.out_hw, self.stride), gy, out=tmp)
+                    gw[:, 0, i, j] = tmp.reshape(-1, c).sum(axis=0)
+        if self.needs_grad[0]:
+            gxpad = xp.zeros(self.padded_shape, dtype=gy.dtype)
+            for i in range(kh):
+                for j in range(kw):
+                    tap(gxpad, i, j, self.out_hw, self.stride)[...] += gy * self.wt[:, i, j]
+            gx = _unpad(gxpad, self.pads, self.in_shape[1:3])
+        return gx, gw
+
+    # -- other groupings: one batched matmul over groups ----------------------------------------------
+    def _grouped_forward(self, xpad, w):
+        xp = array_module(xpad)
+        n = xpad.shape[0]
+        g = self.groups
+        cout, cg, kh, kw = w.shape
+        ho, wo = self.out_hw
+        m = n * ho * wo
+        cols = im2col(xpad, (kh, kw), self.out_hw, self.stride)
+        cols = xp.ascontiguousarray(cols.reshape(m, kh * kw, g, cg).transpose(2, 0, 1, 3)).reshape(g, m, -1)
+        wg = w.reshape(g, cout // g, cg, kh, kw).transpose(0, 3, 4, 2, 1).reshape(g, kh * kw * cg, cout // g)
+        if self.recording:
+            self.cols = cols if self.needs_grad[1] else None
+            self.wmat = wg if self.needs_grad[0] else None
+        y = cols @ wg  # (g, m, cout/g)
+        return xp.ascontiguousarray(y.transpose(1, 0, 2)).reshape(n, ho, wo, cout)
+
+    def _grouped_backward(self, gy):
+        g = self.groups
+        cout = gy.shape[-1]
+        kh, kw = self.kernel
+        c = self.padded_shape[-1]
+        cg = c // g
+        gyg = gy.reshape(-1, g, cout // g).transpose(1, 0, 2)  # (g, m, cout/g)
+        gx = gw = None
+        if self.needs_grad[1]:
+            gwg = self.cols.transpose(0, 2, 1) @ gyg  # (g, kh*kw*cg, cout/g)
+            gw = gwg.reshape(g, kh, kw, cg, cout // g).transpose(0, 4, 3, 1, 2).reshape(cout, cg, kh, kw)
+        if self.needs_grad[0]:
+            gcols = gyg @ self.wmat.transpose(0, 2, 1)  # (g, m, kh*kw*cg)
+            m = gcols.shape[1]
+            gcols = gcols.reshape(g, m, kh * kw, cg).transpose(1, 2, 0, 3).reshape(m, kh * kw * c)
+            gx = col2im(gcols, self.padded_shape, self.kernel, self.out_hw, self.stride)
+            gx = _unpad(gx, self.pads, self.in_shape[1:3])
+        return gx, gw
+
+    def backward(self, gy):
+        if self.mode == "depthwise":
+            gx, gw = self._depthwise_backward(gy)
+        elif self.mode == "dense":
+            gx, gw = self._dense_backward(gy)
+        else:
+            gx, gw = self._grouped_backward(gy)
+        if len(self.needs_grad) > 2:
+            gb = gy.reshape(-1, gy.shape[-1]).sum(axis=0) if self.needs_grad[2] else None
+            return gx, gw, gb
+        return gx, gw
+
+
+def conv2d(x: Any, weight: Any, bias: Any = None, stride: int | tuple[int, int] = 1,
+           padding: Padding = 0, groups: int = 1) -> Tensor:
+    """Convolve NHWC ``x`` with OIHW ``weight`` (dilation 1); ``padding`` may be asymmetric or 'same'."""
+    fn = Conv2d(stride, padding, groups)
+    return fn(x, weight) if bias is None else fn(x, weight, bias)

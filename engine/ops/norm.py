@@ -1,0 +1,109 @@
+"""Normalisation: batch normalisation over the channel (last) axis, and L2 normalisation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.backend import array_module
+from engine.tensor import Function, Tensor
+
+
+class BatchNorm(Function):
+    """Normalise each channel (last axis) over every other axis.
+
+    Training: batch statistics, and the running statistics are updated in place (momentum as in
+    PyTorch: new = (1 - m) * old + m * batch, with the unbiased variance). Evaluation: running
+    statistics, i.e. a per-channel affine map.
+    """
+
+    def __init__(self, running_mean: Any, running_var: Any, training: bool, momentum: float, eps: float):
+        self.running_mean, self.running_var = running_mean, running_var
+        self.training, self.momentum, self.eps = training, momentum, eps
+
+    def forward(self, x, gamma, beta):
+        c = x.shape[-1]
+        if gamma.shape != (c,) or beta.shape != (c,):
+            raise ValueError(f"batch_norm: input has {c} channels (last axis of shape {tuple(x.shape)}) but "
+                             f"weight/bias have shapes {tuple(gamma.shape)}/{tuple(beta.shape)}")
+        xp = array_module(x)
+        x2 = x.reshape(-1, c)
+        n = x2.shape[0]
+        if self.training:
+            if n < 2:
+                raise ValueError(f"batch_norm in training mode needs more than one value per channel, got "
+                                 f"input shape {tuple(x.shape)}")
+            mean = x2.mean(axis=0)
+            xc = x2 - mean
+            var = (xc * xc).mean(axis=0)
+            inv = 1 / xp.sqrt(var + x.dtype.type(self.eps))
+            xhat = xc
+            xhat *= inv
+            y = xhat * gamma + beta
+            if self.running_mean is not None:
+                m = self.momentum
+                self.running_mean *= 1 - m
+                self.running_mean += m * mean.astype(self.running_mean.dtype)
+                self.running_var *= 1 - m
+                self.running_var += (m * n / (n - 1)) * var.astype(self.running_var.dtype)
+            if self.recording:
+                self.xhat, self.inv, self.gamma = xhat, inv, gamma
+        else:
+            inv = 1 / xp.sqrt(self.running_var.astype(x.dtype) + x.dtype.type(self.eps))
+            scale = gamma * inv
+            y = x2 * scale + (beta - self.running_mean.astype(x.dtype) * scale)
+            if self.recording:
+                self.x2, self.inv, self.scale = x2, inv, scale
+        return y.reshape(x.shape)
+
+    def backward(self, gy):
+        c = gy.shape[-1]
+        g2 = gy.reshape(-1, c)
+        gbeta = g2.sum(axis=0)
+        if self.training:
+            n = g2.shape[0]
+            ggamma = (g2 * self.xhat).sum(axis=0)
+            gx = None
+            if self.needs_grad[0]:
+                gx = g2 - (gbeta / n)
+                gx -= self.xhat * (ggamma / n)
+                gx *= self.gamma * self.inv
+                gx = gx.reshape(gy.shape)
+            return gx, ggamma, gbeta
+        xhat = (self.x2 - self.running_mean.astype(g2.dtype)) * self.inv
+        ggamma = (g2 * xhat).sum(axis=0)
+        gx = (g2 * self.scale).reshape(gy.shape) if self.needs_grad[0] else None
+        return gx, ggamma, gbeta
+
+
+class L2Normalize(Function):
+    """y = x / max(||x||, eps) over one axis (the feature axis)."""
+
+    def __init__(self, axis: int, eps: float):
+        self.axis, self.eps = axis, eps
+
+    def forward(self, x):
+        xp = array_module(x)
+        norm = xp.sqrt((x * x).sum(axis=self.axis, keepdims=True))
+        self.denom = xp.maximum(norm, x.dtype.type(self.eps))
+        self.clamped = norm < self.eps
+        self.y = x / self.denom
+        return self.y
+
+    def backward(self, gy):
+        y = self.y
+        proj = (gy * y).sum(axis=self.axis, keepdims=True)
+        # where the norm was clamped to eps the map is linear (x / eps): no projection term
+        proj = proj * ~self.clamped
+        return (gy - y * proj) / self.denom
+
+
+def batch_norm(x: Any, weight: Any, bias: Any, running_mean: Any = None, running_var: Any = None,
+               training: bool = True, momentum: float = 0.1, eps: float = 1e-5) -> Tensor:
+    """Batch normalisation over the last axis of ``x`` (NHWC or (N, C))."""
+    if not training and (running_mean is None or running_var is None):
+        raise ValueError("batch_norm in evaluation mode needs running_mean and running_var")
+    return BatchNorm(running_mean, running_var, training, momentum, eps)(x, weight, bias)
+
+
+def l2_normalize(x: Any, axis: int = -1, eps: float = 1e-12) -> Tensor:
+    return L2Normalize(axis, eps)(x)

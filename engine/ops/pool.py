@@ -1,0 +1,130 @@
+"""Pooling on NHWC activations: max (with argmax taps), average, global average."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.backend import array_module
+from engine.ops.conv import Padding, _pair, _unpad, pad_nhwc, resolve_padding, tap
+from engine.tensor import Function, Tensor
+
+
+def _geometry(x: Any, kernel: tuple[int, int], stride: tuple[int, int], padding: Padding, op: str):
+    if x.ndim != 4:
+        raise ValueError(f"{op} expects NHWC input with 4 dimensions, got shape {tuple(x.shape)}")
+    h, w = x.shape[1:3]
+    pads = resolve_padding(padding, (h, w), kernel, stride)
+    ho = (h + pads[0] + pads[1] - kernel[0]) // stride[0] + 1
+    wo = (w + pads[2] + pads[3] - kernel[1]) // stride[1] + 1
+    if ho <= 0 or wo <= 0:
+        raise ValueError(f"{op}: a {kernel[0]}x{kernel[1]} window does not fit a {h}x{w} input")
+    return pads, (ho, wo)
+
+
+class MaxPool2d(Function):
+    """Running max over the kernel taps; the winning tap index (first on ties) is kept for backward."""
+
+    def __init__(self, kernel, stride, padding):
+        self.kernel = _pair(kernel, "kernel_size")
+        self.stride = _pair(stride if stride is not None else kernel, "stride")
+        self.padding = padding
+
+    def forward(self, x):
+        xp = array_module(x)
+        self.pads, self.out_hw = _geometry(x, self.kernel, self.stride, self.padding, "max_pool2d")
+        self.in_shape = x.shape
+        xpad = pad_nhwc(x, self.pads, value=-xp.inf)
+        self.padded_shape = xpad.shape
+        kh, kw = self.kernel
+        y = tap(xpad, 0, 0, self.out_hw, self.stride).copy()
+        idx = xp.zeros(y.shape, dtype=xp.uint8)
+        for t in range(1, kh * kw):
+            v = tap(xpad, t // kw, t % kw, self.out_hw, self.stride)
+            better = v > y
+            xp.copyto(y, v, where=better)
+            idx[better] = t
+        self.idx = idx
+        return y
+
+    def backward(self, gy):
+        xp = array_module(gy)
+        kh, kw = self.kernel
+        gx = xp.zeros(self.padded_shape, dtype=gy.dtype)
+        overlapping = self.stride[0] < kh or self.stride[1] < kw
+        for t in range(kh * kw):
+            dst = tap(gx, t // kw, t % kw, self.out_hw, self.stride)
+            if overlapping:
+                dst += gy * (self.idx == t)
+            else:
+                xp.multiply(gy, self.idx == t, out=dst)
+        return _unpad(gx, self.pads, self.in_shape[1:3])
+
+
+class AvgPool2d(Function):
+    """Mean over each window; padded positions are left out of the count (ONNX count_include_pad=0)."""
+
+    def __init__(self, kernel, stride, padding):
+        self.kernel = _pair(kernel, "kernel_size")
+        self.stride = _pair(stride if stride is not None else kernel, "stride")
+        self.padding = padding
+
+    def forward(self, x):
+        xp = array_module(x)
+        self.pads, self.out_hw = _geometry(x, self.kernel, self.stride, self.padding, "avg_pool2d")
+        self.in_shape = x.shape
+        xpad = pad_nhwc(x, self.pads)
+        self.padded_shape = xpad.shape
+        kh, kw = self.kernel
+        y = xp.zeros((x.shape[0], *self.out_hw, x.shape[3]), dtype=x.dtype)
+        for i in range(kh):
+            for j in range(kw):
+                y += tap(xpad, i, j, self.out_hw, self.stride)
+        if any(self.pads):
+            ones = pad_nhwc(xp.ones((1, *x.shape[1:3], 1), dtype=x.dtype), self.pads)
+            count = xp.zeros((1, *self.out_hw, 1), dtype=x.dtype)
+            for i in range(kh):
+                for j in range(kw):
+                    count += tap(ones, i, j, self.out_hw, self.stride)
+            self.inv_count = 1 / count
+        else:
+            self.inv_count = x.dtype.type(1.0 / (kh * kw))
+        return y * self.inv_count
+
+    def backward(self, gy):
+        xp = array_module(gy)
+        g = gy * self.inv_count
+        gx = xp.zeros(self.padded_shape, dtype=gy.dtype)
+        kh, kw = self.kernel
+        for i in range(kh):
+            for j in range(kw):
+                tap(gx, i, j, self.out_hw, self.stride)[...] += g
+        return _unpad(gx, self.pads, self.in_shape[1:3])
+
+
+class GlobalAvgPool2d(Function):
+    """NHWC (N, H, W, C) -> (N, C)."""
+
+    def forward(self, x):
+        if x.ndim != 4:
+            raise ValueError(f"global_avg_pool2d expects NHWC input with 4 dimensions, got {tuple(x.shape)}")
+        self.in_shape = x.shape
+        return x.mean(axis=(1, 2))
+
+    def backward(self, gy):
+        xp = array_module(gy)
+        n, h, w, c = self.in_shape
+        return xp.broadcast_to((gy / (h * w))[:, None, None, :], self.in_shape)
+
+
+def max_pool2d(x: Any, kernel_size: int | tuple[int, int], stride: int | tuple[int, int] | None = None,
+               padding: Padding = 0) -> Tensor:
+    return MaxPool2d(kernel_size, stride, padding)(x)
+
+
+def avg_pool2d(x: Any, kernel_size: int | tuple[int, int], stride: int | tuple[int, int] | None = None,
+               padding: Padding = 0) -> Tensor:
+    return AvgPool2d(kernel_size, stride, padding)(x)
+
+
+def global_avg_pool2d(x: Any) -> Tensor:
+    return GlobalAvgPool2d()(x)

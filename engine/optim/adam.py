@@ -1,0 +1,56 @@
+"""Adam (L2 weight decay in the gradient) and AdamW (decoupled weight decay, Loshchilov & Hutter)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from engine.backend import array_module
+from engine.optim.optimizer import Optimizer
+
+
+class Adam(Optimizer):
+    decoupled = False
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0):
+        if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"{type(self).__name__}: invalid hyper-parameters lr={lr}, betas={betas}, eps={eps}, "
+                             f"weight_decay={weight_decay}")
+        super().__init__(params, dict(lr=lr, betas=list(betas), eps=eps, weight_decay=weight_decay))
+
+    def update(self, p, grad, group, state):
+        d = p.data
+        xp = array_module(d)
+        f = d.dtype.type
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        if "exp_avg" not in state:
+            state["exp_avg"] = xp.zeros_like(d)
+            state["exp_avg_sq"] = xp.zeros_like(d)
+            state["step"] = np.zeros((), dtype=np.int64)
+        state["step"] = state["step"] + 1
+        t = int(state["step"])
+        if wd:
+            if self.decoupled:
+                d *= f(1 - lr * wd)
+            else:
+                grad = grad + f(wd) * d
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m *= f(b1)
+        m += f(1 - b1) * grad
+        v *= f(b2)
+        v += f(1 - b2) * (grad * grad)
+        step_size = lr / (1 - b1 ** t)
+        denom = xp.sqrt(v / f(1 - b2 ** t))
+        denom += f(eps)
+        d -= f(step_size) * (m / denom)
+
+
+class AdamW(Adam):
+    decoupled = True
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2):
+        super().__init__(params, lr, betas, eps, weight_decay)

@@ -22,7 +22,12 @@ def _geometry(x: Any, kernel: tuple[int, int], stride: tuple[int, int], padding:
 
 
 class MaxPool2d(Function):
-    """Running max over the kernel taps; the winning tap index (first on ties) is kept for backward."""
+    """Max over the kernel taps; in backward the gradient goes to the first tap that equals the max.
+
+    The forward is a chain of ``maximum`` calls over shifted views. Which tap won is worked out
+    only in backward, from the saved input (usually the ReLU output that is saved anyway), so no
+    index array is built in forward.
+    """
 
     def __init__(self, kernel, stride, padding):
         self.kernel = _pair(kernel, "kernel_size")
@@ -34,29 +39,31 @@ class MaxPool2d(Function):
         self.pads, self.out_hw = _geometry(x, self.kernel, self.stride, self.padding, "max_pool2d")
         self.in_shape = x.shape
         xpad = pad_nhwc(x, self.pads, value=-xp.inf)
-        self.padded_shape = xpad.shape
         kh, kw = self.kernel
         y = tap(xpad, 0, 0, self.out_hw, self.stride).copy()
-        idx = xp.zeros(y.shape, dtype=xp.uint8)
         for t in range(1, kh * kw):
-            v = tap(xpad, t // kw, t % kw, self.out_hw, self.stride)
-            better = v > y
-            xp.copyto(y, v, where=better)
-            idx[better] = t
-        self.idx = idx
+            xp.maximum(y, tap(xpad, t // kw, t % kw, self.out_hw, self.stride), out=y)
+        if self.recording:
+            self.xpad, self.y = xpad, y
         return y
 
     def backward(self, gy):
         xp = array_module(gy)
         kh, kw = self.kernel
-        gx = xp.zeros(self.padded_shape, dtype=gy.dtype)
+        gx = xp.zeros(self.xpad.shape, dtype=gy.dtype)
         overlapping = self.stride[0] < kh or self.stride[1] < kw
+        unclaimed = xp.ones(gy.shape, dtype=bool)
+        hit = xp.empty(gy.shape, dtype=bool)
         for t in range(kh * kw):
-            dst = tap(gx, t // kw, t % kw, self.out_hw, self.stride)
+            i, j = t // kw, t % kw
+            xp.equal(tap(self.xpad, i, j, self.out_hw, self.stride), self.y, out=hit)
+            hit &= unclaimed
+            unclaimed &= ~hit
+            dst = tap(gx, i, j, self.out_hw, self.stride)
             if overlapping:
-                dst += gy * (self.idx == t)
+                dst += gy * hit
             else:
-                xp.multiply(gy, self.idx == t, out=dst)
+                xp.multiply(gy, hit, out=dst)
         return _unpad(gx, self.pads, self.in_shape[1:3])
 
 

@@ -1,0 +1,90 @@
+"""Checkpoints: atomic, pickle-free, refusing foreign files, and resuming exactly after a kill -9."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import nn
+from engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from engine.optim import Adam
+
+SCRIPT = Path(__file__).with_name("_resume_script.py")
+
+
+def _run(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), str(out), "6", *extra], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_resume_after_kill_matches_an_uninterrupted_run(tmp_path):
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    full.mkdir(), cut.mkdir()
+    assert _run(full).returncode == 0
+    killed = _run(cut, "--kill-after-epoch", "2")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert (cut / "checkpoint.npz").exists() and not (cut / "final.npz").exists()
+    resumed = _run(cut, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = np.load(full / "final.npz"), np.load(cut / "final.npz")
+    assert a.files == b.files
+    for k in a.files:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def _model():
+    return nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+
+
+def test_checkpoint_round_trip_and_no_pickle(tmp_path):
+    m = _model()
+    opt = Adam(m.parameters(), lr=0.01)
+    path = save_checkpoint(tmp_path / "c.npz", m, opt, epoch=3, step=30, extra={"best": 0.5})
+    with np.load(path, allow_pickle=False) as data:  # loads without pickle
+        assert "meta" in data.files
+    m2 = _model()
+    c = load_checkpoint(path, m2, Adam(m2.parameters(), lr=0.01))
+    assert (c.epoch, c.step, c.extra) == (3, 30, {"best": 0.5})
+    for k, v in m.state_dict().items():
+        np.testing.assert_array_equal(v, m2.state_dict()[k])
+    assert not list(tmp_path.glob(".*tmp*")), "temporary file left behind"
+
+
+def test_checkpoint_from_another_model_is_refused_naming_the_file(tmp_path):
+    path = save_checkpoint(tmp_path / "c.npz", _model())
+    other = nn.Sequential(nn.Linear(4, 5))
+    with pytest.raises(CheckpointError, match=r"c\.npz.*different model"):
+        load_checkpoint(path, other)
+
+
+def test_truncated_and_foreign_files_are_refused(tmp_path):
+    path = save_checkpoint(tmp_path / "c.npz", _model())
+    data = path.read_bytes()
+    (tmp_path / "cut.npz").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="cut.npz"):
+        load_checkpoint(tmp_path / "cut.npz", _model())
+    np.savez(tmp_path / "plain.npz", a=np.zeros(2))
+    with pytest.raises(CheckpointError, match="not a leaflens checkpoint"):
+        load_checkpoint(tmp_path / "plain.npz", _model())
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path / "missing.npz", _model())
+
+
+def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    m = _model()
+    path = save_checkpoint(tmp_path / "c.npz", m, epoch=1)
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(np, "savez", boom)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(path, m, epoch=2)
+    monkeypatch.undo()
+    assert load_checkpoint(path, _model()).epoch == 1
+    assert not list(tmp_path.glob(".*tmp*"))

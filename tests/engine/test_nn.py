@@ -1,0 +1,112 @@
+"""Modules: parameter discovery, buffers, modes, state dicts, hooks, and a model that overfits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine import Tensor, nn, ops
+from engine import random as erandom
+from engine.optim import Adam
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Sequential(nn.GlobalAvgPool2d(), nn.Linear(4, 2))
+
+    def forward(self, x):
+        return self.head(ops.relu(self.bn(self.conv(x))))
+
+
+def test_parameters_and_buffers_are_kept_apart():
+    m = Tiny()
+    names = [n for n, _ in m.named_parameters()]
+    assert names == ["conv.weight", "conv.bias", "bn.weight", "bn.bias", "head.1.weight", "head.1.bias"]
+    assert [n for n, _ in m.named_buffers()] == ["bn.running_mean", "bn.running_var"]
+    sd = m.state_dict()
+    assert set(sd) == set(names) | {"bn.running_mean", "bn.running_var"}
+
+
+def test_train_eval_switches_every_submodule():
+    m = Tiny().eval()
+    assert all(not s.training for s in m.modules())
+    m.train()
+    assert all(s.training for s in m.modules())
+
+
+def test_batchnorm_running_statistics_and_eval_mode():
+    bn = nn.BatchNorm2d(2, momentum=0.5)
+    x = np.random.default_rng(0).normal(3.0, 2.0, (8, 4, 4, 2)).astype(np.float32)
+    bn(Tensor(x))
+    flat = x.reshape(-1, 2)
+    np.testing.assert_allclose(bn.running_mean, 0.5 * flat.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(bn.running_var, 0.5 + 0.5 * flat.var(0, ddof=1), rtol=1e-5)
+    bn.eval()
+    y = bn(Tensor(x)).data
+    expect = (x - bn.running_mean) / np.sqrt(bn.running_var + bn.eps)
+    np.testing.assert_allclose(y, expect, rtol=1e-5, atol=1e-5)
+
+
+def test_load_state_dict_round_trip():
+    a, b = Tiny(), Tiny()
+    b.load_state_dict(a.state_dict())
+    x = Tensor(np.random.randn(2, 5, 5, 3).astype(np.float32))
+    a.eval(), b.eval()
+    np.testing.assert_array_equal(a(x).data, b(x).data)
+
+
+def test_load_state_dict_refuses_wrong_shape_naming_the_key():
+    m = Tiny()
+    sd = m.state_dict()
+    sd["head.1.weight"] = np.zeros((3, 4), np.float32)
+    with pytest.raises(ValueError, match=r"'head.1.weight'.*\(3, 4\).*\(2, 4\)"):
+        m.load_state_dict(sd)
+
+
+def test_load_state_dict_strict_names_missing_and_unexpected_keys():
+    m = Tiny()
+    sd = m.state_dict()
+    sd.pop("bn.running_var")
+    sd["extra.weight"] = np.zeros(1)
+    with pytest.raises(KeyError, match="missing keys: bn.running_var.*unexpected keys: extra.weight"):
+        m.load_state_dict(sd)
+    assert m.load_state_dict(sd, strict=False) == ["bn.running_var"]
+
+
+def test_forward_hooks_capture_and_can_be_removed():
+    m = Tiny()
+    seen = []
+    remove = m.conv.register_forward_hook(lambda mod, inp, out: seen.append(out.shape))
+    m(Tensor(np.zeros((1, 5, 5, 3), np.float32)))
+    remove()
+    m(Tensor(np.zeros((1, 5, 5, 3), np.float32)))
+    assert seen == [(1, 5, 5, 4)]
+
+
+def test_initialisers_have_the_expected_scale():
+    w = nn.init.kaiming_normal((256, 128, 3, 3), "relu", mode="fan_in")
+    assert abs(w.std() - np.sqrt(2 / (128 * 9))) < 0.01 * np.sqrt(2 / (128 * 9)) * 10
+    x = nn.init.xavier_uniform((300, 200))
+    assert abs(x.max()) <= np.sqrt(6 / 500) + 1e-7
+
+
+def test_a_small_cnn_overfits_32_examples():
+    erandom.seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 8, 8, 3)).astype(np.float32)
+    y = rng.integers(0, 4, 32)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.GlobalAvgPool2d(),
+                          nn.Linear(32, 4))
+    opt = Adam(model.parameters(), lr=0.01)
+    for _ in range(150):
+        opt.zero_grad()
+        loss = ops.cross_entropy(model(Tensor(x)), y)
+        loss.backward()
+        opt.step()
+    model.eval()
+    acc = (model(Tensor(x)).data.argmax(1) == y).mean()
+    assert acc == 1.0, f"train accuracy {acc}, final loss {loss.item()}"

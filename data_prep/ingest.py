@@ -41,6 +41,7 @@ from data_prep.scan import SPLITS, UNLABELED, ScanResult, SourceFile, scan_sourc
 from data_prep.split import assign_auto, resolve_given
 
 _STAGING = "staging.bin"
+CLASS_INFO_NAME = "classes.toml"  # optional per-class display names/advice next to the photos
 _CHUNK_ROWS = 256
 
 
@@ -348,7 +349,13 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike, options: IngestOption
                 rec = dict(rec, **{"class": scan.classes[rec["label"]] if rec["label"] >= 0 else None})
                 del rec["label"]
                 fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        class_info = None
+        if (src_p / CLASS_INFO_NAME).is_file():  # display names/advice travel with the arrays
+            shutil.copyfile(src_p / CLASS_INFO_NAME, tmp / CLASS_INFO_NAME)
+            class_info = CLASS_INFO_NAME
         checksums = {}
+        if class_info:
+            checksums[CLASS_INFO_NAME] = sha256_file(tmp / CLASS_INFO_NAME)
         for s in info:
             for kind, name in split_paths(s).items():
                 if kind == "labels" and info[s]["labels"] == "absent":
@@ -368,6 +375,7 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike, options: IngestOption
             "source_root": scan.root,
             "source_layout": scan.layout,
             "unlabeled_source": unl,
+            "class_info": class_info,
             "options": opts.as_dict(),
             "rejected": {"total": len(rejects), "per_class": report.rejected,
                          "reasons": report.rejected_reasons, "list": REJECTED_NAME},

@@ -170,6 +170,13 @@ def load_dataset(root: str | os.PathLike, verify: bool = True) -> Dataset:
             if names["files"] in checksums and sha256_file(files_path) != checksums[names["files"]]:
                 raise _fail(root, f"file list {files_path} was altered (checksum mismatch)")
         splits[split] = SplitArrays(split, images, labels, files_path)
+    info_name = m.get("class_info")
+    if info_name:
+        info_path = root / info_name
+        if not info_path.is_file():
+            raise _fail(root, f"class info file {info_path} is missing")
+        if verify and info_name in checksums and sha256_file(info_path) != checksums[info_name]:
+            raise _fail(root, f"class info file {info_path} was altered (checksum mismatch)")
     mean = np.asarray(m["mean"], np.float32)
     std = np.asarray(m["std"], np.float32)
     if mean.shape != (3,) or std.shape != (3,) or not np.all(std > 0):

@@ -90,7 +90,10 @@ def test_ingest_rejects_exactly_the_broken_files(small_synth, tmp_path):
                 (out / "rejected.jsonl").read_text().splitlines()}
     assert rejected == {b["path"]: b["kind"] for b in meta["broken"]}
     assert report.kept_total == 4 * len(CLASSES)
-    assert load_dataset(out).classes == sorted(CLASSES)
+    ds = load_dataset(out)
+    assert ds.classes == sorted(CLASSES)
+    assert ds.manifest["class_info"] == "classes.toml"
+    assert (out / "classes.toml").read_bytes() == (small_synth / "classes.toml").read_bytes()
 
 
 def test_not_separable_by_mean_colour():

@@ -1,0 +1,317 @@
+"""Batches for training: a dataset over (memory-mapped) uint8 image arrays and a prefetching loader.
+
+``ArrayDataset`` wraps an ``(N, H, W, 3)`` uint8 array (a read-only memmap from a dataset folder
+is fine: rows are read per batch, the file is never loaded whole) and optional int64 labels.
+``DataLoader`` yields ``(x, y)`` NumPy batches: ``x`` float32 NHWC normalised with the dataset's
+per-channel mean/std (given on the [0, 1] scale), ``y`` int64 (-1 where there are no labels).
+The engine wraps them in tensors itself.
+
+Augmentation is vectorised over the whole batch: random horizontal (and optionally vertical) flip,
+random resized crop (bilinear) or pad-and-crop, then brightness/contrast jitter fused with the
+normalisation in one float pass.
+
+Reproducibility and resume: the shuffle order of epoch ``e`` comes from ``default_rng([seed, e])``
+and the augmentation of batch ``b`` of epoch ``e`` from ``default_rng([seed, e, b, 1])``. Batches are
+prepared ahead by background threads (a bounded queue of ``prefetch`` batches), so a single
+sequential generator's live state would run ahead of what training has consumed; deriving every
+generator from (seed, epoch, batch) instead makes the order and the augmentation identical however
+many threads run and wherever a run is resumed. ``state_dict()`` therefore records the seed, the
+epoch and how many batches of it were consumed, plus the shuffle generator's state for the epoch
+(JSON-able, checked on load).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Augment", "ArrayDataset", "DataLoader", "augment_batch", "normalize"]
+
+STATE_VERSION = 1
+
+
+class ArrayDataset:
+    """Images ``(N, H, W, C)`` uint8 and labels ``(N,)`` int64 (or None: unlabelled)."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray | None = None) -> None:
+        if images.ndim != 4 or images.dtype != np.uint8:
+            raise ValueError(f"images must be a (N, H, W, C) uint8 array, got {images.shape} {images.dtype}")
+        if labels is not None:
+            if labels.shape != (images.shape[0],):
+                raise ValueError(f"labels shape {labels.shape} does not match {images.shape[0]} images")
+            if not np.issubdtype(labels.dtype, np.integer):
+                raise ValueError(f"labels must be integers, got {labels.dtype}")
+        self.images = images
+        self.labels = labels
+
+    @classmethod
+    def from_split(cls, split: Any) -> ArrayDataset:
+        """From any object with ``.images`` and ``.labels`` (e.g. a dataset folder's split)."""
+        return cls(split.images, split.labels)
+
+    def __len__(self) -> int:
+        return int(self.images.shape[0])
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return tuple(self.images.shape[1:])  # type: ignore[return-value]
+
+    def get_batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """uint8 images and int64 labels for ``indices``, in that order.
+
+        Rows are read in ascending file order (memmap-friendly) and put back in the asked order.
+        """
+        idx = np.asarray(indices, np.int64)
+        perm = np.argsort(idx, kind="stable")
+        x = np.empty((len(idx), *self.images.shape[1:]), np.uint8)
+        x[perm] = self.images[idx[perm]]
+        y = (np.asarray(self.labels[idx], np.int64) if self.labels is not None
+             else np.full(len(idx), -1, np.int64))
+        return x, y
+
+
+@dataclass(frozen=True)
+class Augment:
+    """Training augmentation. ``crop``: "resized" (random resized crop), "pad" (pad-and-crop) or None."""
+
+    hflip: bool = True
+    vflip: bool = False
+    crop: str | None = "resized"
+    scale: tuple[float, float] = (0.6, 1.0)  # area fraction kept by the random resized crop
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)  # aspect ratio range of the crop
+    pad: int = 4  # pixels of edge padding for crop="pad"
+    brightness: float = 0.2  # multiplicative factor in [1 - b, 1 + b]
+    contrast: float = 0.2  # factor in [1 - c, 1 + c] around each image's mean
+
+    def __post_init__(self) -> None:
+        if self.crop not in (None, "resized", "pad"):
+            raise ValueError(f"Augment.crop must be 'resized', 'pad' or None, got {self.crop!r}")
+        if not 0 < self.scale[0] <= self.scale[1] <= 1:
+            raise ValueError(f"Augment.scale must satisfy 0 < lo <= hi <= 1, got {self.scale}")
+        if not 0 < self.ratio[0] <= self.ratio[1]:
+            raise ValueError(f"Augment.ratio must satisfy 0 < lo <= hi, got {self.ratio}")
+        if self.pad < 0 or self.brightness < 0 or self.contrast < 0:
+            raise ValueError("Augment.pad, brightness and contrast must be >= 0")
+
+
+def _gather_bilinear(x: np.ndarray, sy: np.ndarray, sx: np.ndarray) -> np.ndarray:
+    """Sample each image n at rows ``sy[n]`` and columns ``sx[n]`` (float source coords), bilinear.
+
+    ``x`` (N, H, W, C) uint8; ``sy`` (N, Ho); ``sx`` (N, Wo). Returns float32 (N, Ho, Wo, C).
+    """
+    n, h, w, _ = x.shape
+    sy = np.clip(sy, 0, h - 1)
+    sx = np.clip(sx, 0, w - 1)
+    y0 = np.floor(sy).astype(np.intp)
+    x0 = np.floor(sx).astype(np.intp)
+    y1 = np.minimum(y0 + 1, h - 1)
+    x1 = np.minimum(x0 + 1, w - 1)
+    wy = (sy - y0).astype(np.float32)[:, :, None, None]
+    wx = (sx - x0).astype(np.float32)[:, None, :, None]
+    b = np.arange(n)[:, None, None]
+    rows0, rows1 = y0[:, :, None], y1[:, :, None]
+    cols0, cols1 = x0[:, None, :], x1[:, None, :]
+    top = x[b, rows0, cols0].astype(np.float32)
+    top += (x[b, rows0, cols1] - top) * wx
+    bot = x[b, rows1, cols0].astype(np.float32)
+    bot += (x[b, rows1, cols1] - bot) * wx
+    top += (bot - top) * wy
+    return top
+
+
+def augment_batch(x: np.ndarray, aug: Augment, rng: np.random.Generator) -> np.ndarray:
+    """Geometric augmentation of a uint8 batch -> float32 batch in [0, 255] (same H, W)."""
+    n, h, w, _ = x.shape
+    if aug.hflip:
+        m = rng.random(n) < 0.5
+        x = x.copy() if m.any() else x
+        x[m] = x[m, :, ::-1]
+    if aug.vflip:
+        m = rng.random(n) < 0.5
+        x = x.copy() if m.any() else x
+        x[m] = x[m, ::-1]
+    if aug.crop == "resized":
+        area = rng.uniform(aug.scale[0], aug.scale[1], n)
+        logr = rng.uniform(math.log(aug.ratio[0]), math.log(aug.ratio[1]), n)
+        r = np.exp(logr)
+        ch = np.clip(np.sqrt(area / r), 0.05, 1.0) * h  # crop height/width in source pixels
+        cw = np.clip(np.sqrt(area * r), 0.05, 1.0) * w
+        oy = rng.random(n) * (h - ch)
+        ox = rng.random(n) * (w - cw)
+        sy = oy[:, None] + (np.arange(h)[None, :] + 0.5) * (ch / h)[:, None] - 0.5
+        sx = ox[:, None] + (np.arange(w)[None, :] + 0.5) * (cw / w)[:, None] - 0.5
+        return _gather_bilinear(x, sy, sx)
+    if aug.crop == "pad" and aug.pad > 0:
+        dy = rng.integers(0, 2 * aug.pad + 1, n)
+        dx = rng.integers(0, 2 * aug.pad + 1, n)
+        rows = np.clip(np.arange(h)[None, :] + dy[:, None] - aug.pad, 0, h - 1)  # edge padding
+        cols = np.clip(np.arange(w)[None, :] + dx[:, None] - aug.pad, 0, w - 1)
+        return x[np.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]].astype(np.float32)
+    return x.astype(np.float32)
+
+
+def normalize(x: np.ndarray, mean: np.ndarray, std: np.ndarray, aug: Augment | None = None,
+              rng: np.random.Generator | None = None) -> np.ndarray:
+    """[0, 255] batch -> float32 ``(x / 255 - mean) / std``, with brightness/contrast jitter first."""
+    x = x.astype(np.float32, copy=not (x.dtype == np.float32))
+    n = x.shape[0]
+    if aug is not None and rng is not None and (aug.brightness > 0 or aug.contrast > 0):
+        c = rng.uniform(1 - aug.contrast, 1 + aug.contrast, n).astype(np.float32)
+        b = rng.uniform(1 - aug.brightness, 1 + aug.brightness, n).astype(np.float32)
+        m = x.mean(axis=(1, 2, 3), dtype=np.float32)
+        # ((x - m) * c + m) * b  ==  x * (c * b) + m * (1 - c) * b
+        x *= (c * b)[:, None, None, None]
+        x += (m * (1 - c) * b)[:, None, None, None]
+        np.clip(x, 0.0, 255.0, out=x)
+    scale = (1.0 / (255.0 * np.asarray(std, np.float32))).astype(np.float32)
+    shift = (np.asarray(mean, np.float32) / np.asarray(std, np.float32)).astype(np.float32)
+    x *= scale
+    x -= shift
+    return x
+
+
+class DataLoader:
+    """Seeded, shuffled, augmented, prefetched batches over an :class:`ArrayDataset`.
+
+    Iterating runs one epoch (``len(loader)`` batches); after a complete pass the epoch counter
+    advances by itself, and ``set_epoch(n)`` sets it explicitly. Breaking out of an epoch and
+    iterating again restarts that epoch; ``load_state_dict`` resumes mid-epoch exactly.
+    """
+
+    def __init__(self, dataset: ArrayDataset, batch_size: int, *, shuffle: bool = True,
+                 drop_last: bool = False, seed: int = 0, mean: Sequence[float] = (0.0, 0.0, 0.0),
+                 std: Sequence[float] = (1.0, 1.0, 1.0), augment: Augment | None = None,
+                 prefetch: int = 4, num_threads: int = 1) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if prefetch < 0 or num_threads < 0:
+            raise ValueError("prefetch and num_threads must be >= 0 (0 threads: prepare batches inline)")
+        channels = dataset.image_shape[-1]
+        self.mean = np.asarray(mean, np.float32).reshape(-1)
+        self.std = np.asarray(std, np.float32).reshape(-1)
+        if self.mean.shape != (channels,) or self.std.shape != (channels,) or not np.all(self.std > 0):
+            raise ValueError(f"mean/std need {channels} values each with std > 0, got {mean}, {std}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.seed = int(seed)
+        self.augment = augment
+        self.prefetch = prefetch
+        self.num_threads = num_threads
+        self.epoch = 0
+        self.batches_done = 0  # consumed batches of the current epoch
+        self._resume_at = 0
+
+    # -- sizes and order -------------------------------------------------------------------------
+    def __len__(self) -> int:
+        n = len(self.dataset)
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+    def _order_rng(self, epoch: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, epoch])
+
+    def epoch_order(self, epoch: int | None = None) -> np.ndarray:
+        """The sample order of ``epoch`` (default: the current one)."""
+        e = self.epoch if epoch is None else epoch
+        n = len(self.dataset)
+        return self._order_rng(e).permutation(n) if self.shuffle else np.arange(n)
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        self.epoch = int(epoch)
+        self.batches_done = 0
+        self._resume_at = 0
+
+    # -- one batch ---------------------------------------------------------------------------------
+    def make_batch(self, order: np.ndarray, epoch: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Batch ``b`` of ``epoch`` given that epoch's order (deterministic, thread-safe)."""
+        idx = order[b * self.batch_size:(b + 1) * self.batch_size]
+        x, y = self.dataset.get_batch(idx)
+        if self.augment is not None:
+            rng = np.random.default_rng([self.seed, epoch, b, 1])
+            xf = augment_batch(x, self.augment, rng)
+            return normalize(xf, self.mean, self.std, self.augment, rng), y
+        return normalize(x, self.mean, self.std), y
+
+    # -- iteration -----------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        epoch, start = self.epoch, self._resume_at
+        self._resume_at = 0
+        self.batches_done = start
+        order = self.epoch_order(epoch)
+        total = len(self)
+        if self.num_threads == 0 or self.prefetch == 0:
+            for b in range(start, total):
+                batch = self.make_batch(order, epoch, b)
+                self.batches_done = b + 1
+                yield batch
+        else:
+            pool = ThreadPoolExecutor(max_workers=self.num_threads, thread_name_prefix="leaflens-loader")
+            pending: deque[Future] = deque()
+            nxt = start
+            try:
+                for b in range(start, total):
+                    while nxt < total and len(pending) < max(self.prefetch, 1):
+                        pending.append(pool.submit(self.make_batch, order, epoch, nxt))
+                        nxt += 1
+                    batch = pending.popleft().result()
+                    self.batches_done = b + 1
+                    yield batch
+            finally:
+                for f in pending:
+                    f.cancel()
+                pool.shutdown(wait=True, cancel_futures=True)
+        if self.batches_done == total and self.epoch == epoch:
+            self.epoch = epoch + 1
+            self.batches_done = 0
+
+    # -- resume ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able position: seed, epoch, batches consumed, and the epoch's shuffle generator state."""
+        return {
+            "version": STATE_VERSION,
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "batches_done": self.batches_done,
+            "num_samples": len(self.dataset),
+            "batch_size": self.batch_size,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "augment": asdict(self.augment) if self.augment is not None else None,
+            "rng": self._order_rng(self.epoch).bit_generator.state,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at the recorded position; refuses a state from a different dataset or setup."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"loader state version {state.get('version')!r} is not {STATE_VERSION}")
+        for key, mine in (("num_samples", len(self.dataset)), ("batch_size", self.batch_size),
+                          ("shuffle", self.shuffle), ("drop_last", self.drop_last)):
+            if state.get(key) != mine:
+                raise ValueError(f"loader state has {key}={state.get(key)!r}, this loader has {mine!r}")
+        seed, epoch, done = int(state["seed"]), int(state["epoch"]), int(state["batches_done"])
+        if not 0 <= done <= len(self):
+            raise ValueError(f"loader state batches_done={done} is outside 0..{len(self)}")
+        expected = np.random.default_rng([seed, epoch]).bit_generator.state
+        if "rng" in state and _jsonish(state["rng"]) != _jsonish(expected):
+            raise ValueError("loader state 'rng' does not match its seed and epoch (corrupt state?)")
+        self.seed, self.epoch, self.batches_done, self._resume_at = seed, epoch, done, done
+
+
+def _jsonish(obj: Any) -> Any:
+    """Normalise ints/dicts so a state that went through JSON compares equal to a live one."""
+    if isinstance(obj, dict):
+        return {str(k): _jsonish(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonish(v) for v in obj]
+    if isinstance(obj, np.integer):
+        return int(obj)
+    return obj

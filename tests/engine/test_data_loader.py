@@ -1,0 +1,203 @@
+"""Tests for engine.data: ArrayDataset, DataLoader (shuffle, resume, prefetch) and augmentation."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from engine.data import ArrayDataset, Augment, DataLoader, augment_batch, normalize
+
+
+def _indexed(n: int = 50, size: int = 8) -> ArrayDataset:
+    """Image i is filled with (i % 256, i // 256, 7); label i % 5."""
+    x = np.zeros((n, size, size, 3), np.uint8)
+    x[..., 0] = (np.arange(n) % 256)[:, None, None]
+    x[..., 1] = (np.arange(n) // 256)[:, None, None]
+    x[..., 2] = 7
+    return ArrayDataset(x, (np.arange(n) % 5).astype(np.int64))
+
+
+def _ids(xb: np.ndarray, mean=(0, 0, 0), std=(1, 1, 1)) -> np.ndarray:
+    raw = (xb * np.array(std, np.float32) + np.array(mean, np.float32)) * 255.0
+    return np.rint(raw[:, 0, 0, 0] + 256 * raw[:, 0, 0, 1]).astype(int)
+
+
+def test_each_sample_once_per_epoch_and_labels_follow():
+    ds = _indexed(50)
+    loader = DataLoader(ds, 8, seed=1)
+    assert len(loader) == 7
+    seen = []
+    sizes = []
+    for xb, yb in loader:
+        assert xb.dtype == np.float32 and yb.dtype == np.int64 and xb.shape[1:] == (8, 8, 3)
+        ids = _ids(xb)
+        np.testing.assert_array_equal(yb, ids % 5)
+        seen.extend(ids)
+        sizes.append(len(yb))
+    assert sorted(seen) == list(range(50)) and sizes[-1] == 2
+    assert loader.epoch == 1
+    dl = DataLoader(ds, 8, drop_last=True)
+    assert len(dl) == 6 and sum(len(y) for _, y in dl) == 48
+
+
+def test_seeded_shuffle_differs_per_epoch_and_reproduces():
+    ds = _indexed(40)
+    a = DataLoader(ds, 40, seed=3)
+    e0 = _ids(next(iter(a))[0])
+    a.set_epoch(1)
+    e1 = _ids(next(iter(a))[0])
+    b = DataLoader(ds, 40, seed=3)
+    b.set_epoch(1)
+    assert not np.array_equal(e0, e1)
+    np.testing.assert_array_equal(_ids(next(iter(b))[0]), e1)
+    c = DataLoader(ds, 40, seed=4)
+    assert not np.array_equal(_ids(next(iter(c))[0]), e0)
+    d = DataLoader(ds, 40, shuffle=False)
+    np.testing.assert_array_equal(_ids(next(iter(d))[0]), np.arange(40))
+
+
+def test_normalisation_uses_mean_std_on_unit_scale():
+    x = np.random.default_rng(0).integers(0, 256, (4, 6, 6, 3), dtype=np.uint8)
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    loader = DataLoader(ArrayDataset(x, np.zeros(4, np.int64)), 4, shuffle=False, mean=mean, std=std)
+    xb, _ = next(iter(loader))
+    np.testing.assert_allclose(xb, (x / 255.0 - np.array(mean)) / np.array(std), rtol=1e-5, atol=1e-5)
+
+
+def _epoch(loader):
+    return [(x.copy(), y.copy()) for x, y in loader]
+
+
+def test_augmentation_deterministic_regardless_of_threads():
+    x = np.random.default_rng(1).integers(0, 256, (64, 16, 16, 3), dtype=np.uint8)
+    ds = ArrayDataset(x, np.arange(64) % 3)
+    runs = [_epoch(DataLoader(ds, 10, seed=9, augment=Augment(vflip=True), num_threads=t, prefetch=p))
+            for t, p in ((0, 0), (1, 2), (3, 5))]
+    for other in runs[1:]:
+        for (xa, ya), (xb, yb) in zip(runs[0], other):
+            np.testing.assert_array_equal(xa, xb)
+            np.testing.assert_array_equal(ya, yb)
+    plain = _epoch(DataLoader(ds, 10, seed=9))
+    assert not all(np.array_equal(a[0], b[0]) for a, b in zip(runs[0], plain))
+
+
+def test_resume_mid_epoch_reproduces_the_rest_of_the_run():
+    ds = _indexed(45)
+    aug = Augment(crop="pad", pad=2)
+    ref = DataLoader(ds, 6, seed=5, augment=aug)
+    full = _epoch(ref) + _epoch(ref)  # epochs 0 and 1
+    run = DataLoader(ds, 6, seed=5, augment=aug)
+    _epoch(run)
+    it = iter(run)
+    got = [next(it) for _ in range(3)]
+    state = json.loads(json.dumps(run.state_dict()))  # must survive JSON
+    assert state["epoch"] == 1 and state["batches_done"] == 3
+    fresh = DataLoader(ds, 6, seed=0, augment=aug)
+    fresh.load_state_dict(state)
+    rest = _epoch(fresh)
+    resumed = [(x.copy(), y.copy()) for x, y in got] + rest
+    assert len(resumed) == len(full) // 2
+    for (xa, ya), (xb, yb) in zip(full[len(full) // 2:], resumed):
+        np.testing.assert_array_equal(xa, xb)
+        np.testing.assert_array_equal(ya, yb)
+    assert fresh.epoch == 2
+    bad = dict(state, num_samples=44)
+    with pytest.raises(ValueError, match="num_samples"):
+        DataLoader(ds, 6).load_state_dict(bad)
+    with pytest.raises(ValueError, match="rng"):
+        DataLoader(ds, 6).load_state_dict(dict(state, epoch=0))
+
+
+def test_break_restarts_the_same_epoch():
+    ds = _indexed(30)
+    loader = DataLoader(ds, 5, seed=2)
+    first = next(iter(loader))[0]
+    assert loader.epoch == 0
+    np.testing.assert_array_equal(next(iter(loader))[0], first)
+
+
+def test_flip_and_crops_are_what_they_claim():
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (32, 12, 12, 3), dtype=np.uint8)
+    out = augment_batch(x, Augment(crop=None), np.random.default_rng(1))
+    flipped = [np.array_equal(o, xi[:, ::-1]) for o, xi in zip(out, x)]
+    same = [np.array_equal(o, xi) for o, xi in zip(out, x)]
+    assert all(f or s for f, s in zip(flipped, same)) and 5 < sum(flipped) < 27
+    pad = augment_batch(x, Augment(hflip=False, crop="pad", pad=3), np.random.default_rng(2))
+    for o, xi in zip(pad, x):  # the centre of a shifted image is a window of the original
+        found = any(np.array_equal(o[3:9, 3:9], xi[3 + dy:9 + dy, 3 + dx:9 + dx])
+                    for dy in range(-3, 4) for dx in range(-3, 4))
+        assert found
+    const = np.full((8, 10, 10, 3), 77, np.uint8)
+    rc = augment_batch(const, Augment(scale=(0.3, 0.5)), np.random.default_rng(3))
+    np.testing.assert_allclose(rc, 77.0)
+    ramp = np.broadcast_to(np.arange(64, dtype=np.uint8)[None, None, :, None] * 4, (16, 64, 64, 3)).copy()
+    rc = augment_batch(ramp, Augment(hflip=False, scale=(0.25, 0.25), ratio=(1, 1)), np.random.default_rng(4))
+    spans = rc[:, :, -1, 0] - rc[:, :, 0, 0]
+    np.testing.assert_allclose(spans, 0.5 * 63 * 4, rtol=0.05)  # half the width, stretched to full
+
+
+def test_brightness_contrast_jitter_ranges():
+    x = np.full((200, 4, 4, 3), 100.0, np.float32)
+    out = normalize(x.copy(), np.zeros(3), np.ones(3), Augment(brightness=0.2, contrast=0.5),
+                    np.random.default_rng(0)) * 255.0
+    v = out[:, 0, 0, 0]
+    assert v.min() >= 80 - 1e-3 and v.max() <= 120 + 1e-3 and v.std() > 5  # contrast is a no-op on flat
+
+
+def test_prefetch_runs_in_background_and_is_bounded():
+    class Slow(ArrayDataset):
+        def __init__(self):
+            super().__init__(np.zeros((40, 4, 4, 3), np.uint8), np.zeros(40, np.int64))
+            self.calls, self.threads = 0, set()
+
+        def get_batch(self, idx):
+            self.calls += 1
+            self.threads.add(threading.current_thread().name)
+            time.sleep(0.01)
+            return super().get_batch(idx)
+
+    ds = Slow()
+    it = iter(DataLoader(ds, 2, prefetch=3, num_threads=1))
+    next(it)
+    time.sleep(0.2)
+    assert ds.calls <= 1 + 3, ds.calls
+    assert all(name.startswith("leaflens-loader") for name in ds.threads)
+    before = threading.active_count()
+    it.close()
+    assert threading.active_count() < before
+
+
+def test_producer_errors_propagate():
+    class Broken(ArrayDataset):
+        def get_batch(self, idx):
+            raise OSError("disk gone")
+
+    ds = Broken(np.zeros((10, 4, 4, 3), np.uint8))
+    with pytest.raises(OSError, match="disk gone"):
+        list(DataLoader(ds, 2, num_threads=2))
+
+
+def test_memmap_input_and_unlabelled(tmp_path):
+    path = tmp_path / "imgs.npy"
+    np.save(path, np.random.default_rng(0).integers(0, 256, (20, 8, 8, 3), dtype=np.uint8))
+    mm = np.load(path, mmap_mode="r")
+    xb, yb = next(iter(DataLoader(ArrayDataset(mm), 20, augment=Augment())))
+    assert xb.shape == (20, 8, 8, 3) and np.all(yb == -1)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        ArrayDataset(np.zeros((3, 4, 4, 3), np.float32))
+    with pytest.raises(ValueError):
+        ArrayDataset(np.zeros((3, 4, 4, 3), np.uint8), np.zeros(2, np.int64))
+    with pytest.raises(ValueError):
+        DataLoader(_indexed(), 0)
+    with pytest.raises(ValueError):
+        DataLoader(_indexed(), 4, std=(1, 0, 1))
+    with pytest.raises(ValueError):
+        Augment(crop="zoom")

@@ -1,0 +1,64 @@
+"""A trained run directory: what `leaflens distill` writes and `leaflens export` reads.
+
+The weights chosen for use live in ``best.npz``, an engine checkpoint (see engine.checkpoint)
+whose ``extra`` entry describes everything needed to rebuild and use the model:
+
+- ``model_config``: {"kind": "student_cnn", "num_classes", "widths", "in_channels", "dropout"}
+- ``dataset``: {"classes": [...], "mean": [r, g, b], "std": [r, g, b] (pixel/255 scale),
+  "image_size": S, "resize": "crop" | "pad", "manifest_sha256": "..."}
+- ``metrics``: {"val_accuracy", "test_accuracy", "uncertain_threshold"} (any may be absent)
+- ``run_id``: a string naming the run
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.checkpoint import CheckpointError, read_checkpoint_arrays
+from engine.nn import Module
+from pipeline.student import StudentCNN
+
+BEST = "best.npz"
+
+
+@dataclass
+class RunInfo:
+    path: Path
+    model_config: dict[str, Any]
+    dataset: dict[str, Any]
+    metrics: dict[str, Any]
+    run_id: str
+
+
+def build_model(config: dict[str, Any]) -> Module:
+    """The engine model described by a run's ``model_config``."""
+    kind = config.get("kind")
+    if kind == "student_cnn":
+        return StudentCNN(int(config["num_classes"]), widths=config["widths"],
+                          in_channels=int(config.get("in_channels", 3)), dropout=float(config.get("dropout", 0.0)))
+    raise ValueError(f"unknown model kind {kind!r} in model_config")
+
+
+def read_run(run_dir: str | os.PathLike[str]) -> RunInfo:
+    path = Path(run_dir) / BEST
+    meta, _ = read_checkpoint_arrays(path)
+    extra = meta.get("extra", {})
+    for key in ("model_config", "dataset"):
+        if key not in extra:
+            raise CheckpointError(f"{path} lacks '{key}': it was not written by `leaflens distill`")
+    return RunInfo(path=path, model_config=extra["model_config"], dataset=extra["dataset"],
+                   metrics=extra.get("metrics", {}), run_id=str(extra.get("run_id", Path(run_dir).name)))
+
+
+def load_model(run_dir: str | os.PathLike[str]) -> tuple[Module, RunInfo]:
+    """The run's chosen model in eval mode (training-only heads such as the projection are dropped)."""
+    info = read_run(run_dir)
+    model = build_model(info.model_config)
+    _, arrays = read_checkpoint_arrays(info.path)
+    state = {k[len("model/"):]: v for k, v in arrays.items() if k.startswith("model/")}
+    state = {k: v for k, v in state.items() if not k.startswith("projection.")}
+    model.load_state_dict(state)
+    return model.eval(), info

@@ -104,25 +104,47 @@ def _gather_bilinear(x: np.ndarray, sy: np.ndarray, sx: np.ndarray) -> np.ndarra
     """Sample each image n at rows ``sy[n]`` and columns ``sx[n]`` (float source coords), bilinear.
 
     ``x`` (N, H, W, C) uint8; ``sy`` (N, Ho); ``sx`` (N, Wo). Returns float32 (N, Ho, Wo, C).
+    Columns are gathered per image with ``np.take`` on uint8, rows for the whole batch at once
+    (whole-row copies): both avoid element-wise fancy indexing over three axes, several times slower.
     """
-    n, h, w, _ = x.shape
+    n, h, w, c = x.shape
     sy = np.clip(sy, 0, h - 1)
     sx = np.clip(sx, 0, w - 1)
     y0 = np.floor(sy).astype(np.intp)
     x0 = np.floor(sx).astype(np.intp)
     y1 = np.minimum(y0 + 1, h - 1)
     x1 = np.minimum(x0 + 1, w - 1)
-    wy = (sy - y0).astype(np.float32)[:, :, None, None]
-    wx = (sx - x0).astype(np.float32)[:, None, :, None]
-    b = np.arange(n)[:, None, None]
-    rows0, rows1 = y0[:, :, None], y1[:, :, None]
-    cols0, cols1 = x0[:, None, :], x1[:, None, :]
-    top = x[b, rows0, cols0].astype(np.float32)
-    top += (x[b, rows0, cols1] - top) * wx
-    bot = x[b, rows1, cols0].astype(np.float32)
-    bot += (x[b, rows1, cols1] - bot) * wx
-    top += (bot - top) * wy
-    return top
+    ho, wo = sy.shape[1], sx.shape[1]
+    # Weights shaped so the innermost loop runs over whole rows (W*C values), not over C=3.
+    wy = (sy - y0).astype(np.float32)[:, :, None]  # (N, Ho, 1)
+    wx = np.repeat((sx - x0).astype(np.float32), c, axis=1)[:, None, :]  # (N, 1, Wo*C)
+    # Columns first, per image on uint8 (a quarter of the bytes of float32) ...
+    left = np.empty((n, h, wo, c), np.uint8)
+    right = np.empty((n, h, wo, c), np.uint8)
+    for i in range(n):
+        np.take(x[i], x0[i], axis=1, out=left[i])
+        np.take(x[i], x1[i], axis=1, out=right[i])
+    cols = left.astype(np.float32)
+    cflat = cols.reshape(n, h, wo * c)
+    cflat += (right.reshape(n, h, wo * c) - cflat) * wx
+    # ... then rows for the whole batch at once (whole-row copies).
+    b = np.arange(n)[:, None]
+    out = cols[b, y0]
+    lower = cols[b, y1]
+    oflat, lflat = out.reshape(n, ho, wo * c), lower.reshape(n, ho, wo * c)
+    lflat -= oflat
+    lflat *= wy
+    oflat += lflat
+    return out
+
+
+def _gather_int(x: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """``out[n, i, j] = x[n, rows[n, i], cols[n, j]]`` for integer index arrays (uint8 stays uint8)."""
+    r = x[np.arange(x.shape[0])[:, None], rows]
+    out = np.empty((x.shape[0], rows.shape[1], cols.shape[1], x.shape[3]), x.dtype)
+    for i in range(x.shape[0]):
+        np.take(r[i], cols[i], axis=1, out=out[i])
+    return out
 
 
 def augment_batch(x: np.ndarray, aug: Augment, rng: np.random.Generator) -> np.ndarray:
@@ -152,7 +174,7 @@ def augment_batch(x: np.ndarray, aug: Augment, rng: np.random.Generator) -> np.n
         dx = rng.integers(0, 2 * aug.pad + 1, n)
         rows = np.clip(np.arange(h)[None, :] + dy[:, None] - aug.pad, 0, h - 1)  # edge padding
         cols = np.clip(np.arange(w)[None, :] + dx[:, None] - aug.pad, 0, w - 1)
-        return x[np.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]].astype(np.float32)
+        return _gather_int(x, rows, cols).astype(np.float32)
     return x.astype(np.float32)
 
 
@@ -171,8 +193,11 @@ def normalize(x: np.ndarray, mean: np.ndarray, std: np.ndarray, aug: Augment | N
         np.clip(x, 0.0, 255.0, out=x)
     scale = (1.0 / (255.0 * np.asarray(std, np.float32))).astype(np.float32)
     shift = (np.asarray(mean, np.float32) / np.asarray(std, np.float32)).astype(np.float32)
-    x *= scale
-    x -= shift
+    # Per-channel constants tiled along a whole row, so the inner loop is W*C long rather than C.
+    c, w = x.shape[-1], x.shape[-2]
+    rows = x.reshape(-1, w * c)
+    rows *= np.tile(scale, w)
+    rows -= np.tile(shift, w)
     return x
 
 

@@ -88,13 +88,13 @@ class IngestReport:
 
 
 # ---------------------------------------------------------------------------- decoding workers
-def _decode_task(task: tuple[int, str, int, str, int]) -> tuple[int, str | None, np.ndarray | None,
+def _decode_task(task: tuple[int, str, int, str, int]) -> tuple[int, bytes | None, np.ndarray | None,
                                                                 str | None, str | None]:
     """Worker: (index, path, size, resize, max_pixels) -> (index, sha256, pixels, reason, detail)."""
     index, path, size, resize, max_pixels = task
     try:
         data = read_source(path)
-        digest = hashlib.sha256(data).hexdigest()
+        digest = hashlib.sha256(data).digest()
         try:
             pixels = decode_image(data, size, resize=resize, max_pixels=max_pixels)
         except ImageDecodeError as exc:
@@ -111,20 +111,21 @@ def _decode_all(files: list[SourceFile], opts: IngestOptions, staging: Path, wor
     """Decode every file, streaming kept pixels into ``staging``; returns kept idx, hashes, rejects."""
     from tqdm import tqdm
 
-    tasks = [(i, f.path, opts.size, opts.resize, opts.max_pixels) for i, f in enumerate(files)]
+    total = len(files)
     kept: list[int] = []
-    hashes: list[str] = []
+    hashes: list[bytes] = []
     rejects: list[dict] = []
-    bar = tqdm(total=len(tasks), desc="decode", unit="img", disable=not progress, file=sys.stderr)
+    bar = tqdm(total=total, desc="decode", unit="img", disable=not progress, file=sys.stderr)
     pool = None
     try:
-        if workers > 1 and len(tasks) > 1:
+        if workers > 1 and total > 1:
             pool = multiprocessing.get_context().Pool(workers)
         window = max(64, workers * 128)  # bounded in-flight results: memory stays flat
-        chunksize = max(1, min(32, len(tasks) // (workers * 8) or 1))
+        chunksize = max(1, min(32, total // (workers * 8) or 1))
         with open(staging, "wb") as out:
-            for start in range(0, len(tasks), window):
-                block = tasks[start:start + window]
+            for start in range(0, total, window):
+                block = [(i, files[i].path, opts.size, opts.resize, opts.max_pixels)
+                         for i in range(start, min(total, start + window))]
                 results = pool.imap(_decode_task, block, chunksize) if pool else map(_decode_task, block)
                 for index, digest, pixels, reason, detail in results:
                     if pixels is None:
@@ -145,7 +146,7 @@ def _decode_all(files: list[SourceFile], opts: IngestOptions, staging: Path, wor
 
 
 # ---------------------------------------------------------------------------- splitting
-def _assign(scan: ScanResult, kept: list[int], hashes: list[str], opts: IngestOptions,
+def _assign(scan: ScanResult, kept: list[int], hashes: list[bytes], opts: IngestOptions,
             rejects: list[dict]) -> list[str | None]:
     """Split name per kept row (None: dropped as a cross-split duplicate, added to ``rejects``)."""
     files = scan.files
@@ -173,9 +174,9 @@ def _assign(scan: ScanResult, kept: list[int], hashes: list[str], opts: IngestOp
     return out
 
 
-def _duplicate_stats(scan: ScanResult, kept: list[int], hashes: list[str]) -> dict[str, int]:
-    groups: dict[str, set[int]] = {}
-    sizes: dict[str, int] = {}
+def _duplicate_stats(scan: ScanResult, kept: list[int], hashes: list[bytes]) -> dict[str, int]:
+    groups: dict[bytes, set[int]] = {}
+    sizes: dict[bytes, int] = {}
     for i, h in zip(kept, hashes):
         groups.setdefault(h, set()).add(scan.files[i].label)
         sizes[h] = sizes.get(h, 0) + 1
@@ -255,7 +256,8 @@ def _mean_std(hist: np.ndarray) -> tuple[list[float], list[float]]:
 
 def _fingerprint(scan: ScanResult, opts: IngestOptions, unlabeled: str | None) -> str:
     payload = json.dumps({"format_version": FORMAT_VERSION, "options": opts.as_dict(), "root": scan.root,
-                          "unlabeled": unlabeled, "files": scan.stats}, sort_keys=True)
+                          "unlabeled": unlabeled, "classes": scan.classes, "files": scan.stats_digest},
+                         sort_keys=True)
     return "sha256:" + hashlib.sha256(payload.encode()).hexdigest()
 
 

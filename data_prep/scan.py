@@ -9,6 +9,7 @@ Everything is returned in a sorted, deterministic order.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +43,7 @@ class ScanResult:
     classes: list[str]
     files: list[SourceFile]
     ignored: dict[str, int] = field(default_factory=dict)
-    stats: list[tuple[str, int, int]] = field(default_factory=list)  # (rel, size, mtime_ns) per file
+    stats_digest: str = ""  # SHA-256 over (path, size, mtime_ns, label, split) of every file, in order
 
 
 def _visible_dirs(path: Path) -> list[Path]:
@@ -132,8 +133,8 @@ def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = N
         for full, rel in _walk_images(udir, root_p, ignored):
             files.append(SourceFile(full, rel, -1, UNLABELED))
 
-    stats = []
-    for f in files:
+    digest = hashlib.sha256()
+    for f in files:  # hashed as we go: no per-file list kept in memory
         st = os.stat(f.path)
-        stats.append((f.rel, st.st_size, st.st_mtime_ns))
-    return ScanResult(str(root_p), layout, classes, files, ignored, stats)
+        digest.update(f"{f.rel}\0{st.st_size}\0{st.st_mtime_ns}\0{f.label}\0{f.split}\n".encode())
+    return ScanResult(str(root_p), layout, classes, files, ignored, digest.hexdigest())

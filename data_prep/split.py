@@ -8,7 +8,7 @@ a later split (train < val < test) are dropped and reported, so the official spl
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
@@ -27,10 +27,10 @@ def parse_ratios(text: str) -> tuple[float, float, float]:
     return (vals[0] / total, vals[1] / total, vals[2] / total)
 
 
-def assign_auto(labels: Sequence[int], hashes: Sequence[str], ratios: tuple[float, float, float],
+def assign_auto(labels: Sequence[int], hashes: Sequence[Hashable], ratios: tuple[float, float, float],
                 seed: int) -> list[str]:
     """Split per class with a seeded shuffle of duplicate groups; returns one split name per item."""
-    groups: dict[str, list[int]] = defaultdict(list)
+    groups: dict[Hashable, list[int]] = defaultdict(list)
     for i, h in enumerate(hashes):
         groups[h].append(i)
     units_by_class: dict[int, list[list[int]]] = defaultdict(list)
@@ -65,9 +65,9 @@ def assign_auto(labels: Sequence[int], hashes: Sequence[str], ratios: tuple[floa
     return out
 
 
-def resolve_given(splits: Sequence[str], hashes: Sequence[str]) -> list[int]:
+def resolve_given(splits: Sequence[str], hashes: Sequence[Hashable]) -> list[int]:
     """Indices to drop so no duplicate group spans two given splits (the earliest split keeps it)."""
-    first: dict[str, str] = {}
+    first: dict[Hashable, str] = {}
     for s, h in zip(splits, hashes):
         if h not in first or SPLIT_ORDER.index(s) < SPLIT_ORDER.index(first[h]):
             first[h] = s

@@ -1,0 +1,311 @@
+"""Export an engine model to ONNX: trace one forward pass, convert each op, fold BatchNorm, check.
+
+How: while the model runs once on an example input, ``Function.__call__`` (every engine op goes
+through it) and ``Module.__call__`` are wrapped to record each op with its input and output
+tensors and the module it ran in. The recorded ops are then replayed through the converter
+registry in engine.onnx_convert. Tracing was chosen over walking the module tree because a forward
+may also call functional ops (a residual ``x + y``, ``ops.l2_normalize``, a reshape) that no module
+describes, and because the trace hands converters the values forward resolved (TF-style 'same'
+padding becomes explicit, possibly asymmetric pads; axes are normalised). The price: the graph
+is specialised to the traced spatial size (the batch stays symbolic), and Python control flow
+is frozen as it ran, which is what an inference graph of these models wants anyway.
+
+The result follows one contract: one input (default "input", float32, NCHW, batch dimension
+"batch"), one output (default "logits"; rank-4 outputs are NCHW, others as the engine gives
+them), parameters as initialisers, BatchNorm folded into the preceding Conv/Gemm, opset
+:data:`OPSET` with IR version :data:`IR_VERSION`, checked with ``onnx.checker`` (full check).
+
+:func:`convert_float16` makes the FP16 variant (weights and compute in float16, float32 input and
+output kept through Cast nodes) for GPU execution providers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from engine.backend import to_device
+from engine.config import no_grad
+from engine.nn.module import Module
+from engine.onnx_convert import NOT_EXPORTABLE, find_converter, supported_ops
+from engine.onnx_graph import ExportError, GraphBuilder, UnsupportedOpError, channels_first, identity
+from engine.tensor import Function, Tensor, _coerce_inputs
+
+__all__ = ["IR_VERSION", "OPSET", "ExportError", "UnsupportedOpError", "convert_float16", "export_onnx",
+           "save_onnx", "supported_ops", "trace"]
+
+# Opset 17 and IR version 8 were released together (onnx 1.12, 2022): onnxruntime >= 1.12 loads
+# them, which covers every Triton Inference Server container since 22.08 (24.x ship 1.16-1.20).
+OPSET = 17
+IR_VERSION = 8
+PRODUCER = "leaflens-engine"
+FP16_MAX = float(np.finfo(np.float16).max)
+
+_TRACE_LOCK = threading.Lock()
+
+
+@dataclass
+class TracedCall:
+    """One engine op as it ran: the Function (with what forward resolved), inputs, outputs, module."""
+
+    fn: Function
+    inputs: list[Tensor]
+    outputs: list[Tensor]
+    scope: str
+
+
+@contextlib.contextmanager
+def trace(model: Module) -> Iterator[list[TracedCall]]:
+    """Record every engine op this thread runs inside the block (other threads are not recorded).
+
+    The wrappers are installed on the classes for the duration of the block only; a lock keeps two
+    traces from nesting their patches.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    calls: list[TracedCall] = []
+    scopes: list[str] = []
+    owner = threading.get_ident()
+    fn_call, mod_call = Function.__call__, Module.__call__
+
+    def traced_fn_call(self: Function, *inputs: Any) -> Any:
+        if threading.get_ident() != owner:
+            return fn_call(self, *inputs)
+        tensors = _coerce_inputs(inputs)  # so scalar operands are Tensors we can see
+        out = fn_call(self, *tensors)
+        outs = list(out) if isinstance(out, tuple) else [out]
+        calls.append(TracedCall(self, tensors, outs, scopes[-1] if scopes else ""))
+        return out
+
+    def traced_mod_call(self: Module, *args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() != owner:
+            return mod_call(self, *args, **kwargs)
+        scopes.append(names.get(id(self), scopes[-1] if scopes else ""))
+        try:
+            return mod_call(self, *args, **kwargs)
+        finally:
+            scopes.pop()
+
+    with _TRACE_LOCK:
+        Function.__call__ = traced_fn_call  # type: ignore[method-assign]
+        Module.__call__ = traced_mod_call  # type: ignore[method-assign]
+        try:
+            yield calls
+        finally:
+            Function.__call__ = fn_call  # type: ignore[method-assign]
+            Module.__call__ = mod_call  # type: ignore[method-assign]
+
+
+def _model_device(model: Module) -> str:
+    for p in model.parameters():
+        return p.device
+    return "cpu"
+
+
+def _unsupported(call: TracedCall) -> UnsupportedOpError:
+    name = type(call.fn).__name__
+    where = f"module '{call.scope}'" if call.scope else "the model's top-level forward"
+    shapes = ", ".join(str(t.shape) for t in call.inputs)
+    why = NOT_EXPORTABLE.get(name, "no ONNX converter is registered for it")
+    return UnsupportedOpError(f"cannot export engine op {name} (inputs {shapes}) in {where}: {why}. "
+                              f"Exportable ops: {', '.join(supported_ops())}")
+
+
+def _prune(nodes: list[onnx.NodeProto], outputs: Sequence[str]) -> list[onnx.NodeProto]:
+    """Drop nodes whose results never reach a graph output (e.g. a training-only head)."""
+    needed = set(outputs)
+    keep = []
+    for node in reversed(nodes):
+        if any(o in needed for o in node.output):
+            keep.append(node)
+            needed.update(i for i in node.input if i)
+    return keep[::-1]
+
+
+def export_onnx(model: Module, input_shape: Sequence[int], *, input_name: str = "input",
+                output_name: str = "logits", metadata: Mapping[str, str] | None = None,
+                graph_name: str = "leaflens", doc_string: str = "", opset: int = OPSET,
+                ir_version: int = IR_VERSION, trace_batch: int = 2, check: bool = True) -> onnx.ModelProto:
+    """The ONNX graph of ``model`` for inputs of ONNX shape ``[batch, *input_shape]``.
+
+    ``input_shape`` is given in ONNX layout without the batch: (C, H, W) for images, which the
+    engine sees as NHWC (N, H, W, C); a 1-D shape (F,) is a plain feature vector. The model runs
+    once in eval mode on seeded random data (its train/eval flags are restored afterwards).
+    Raises :class:`UnsupportedOpError` naming any op without a converter, :class:`ExportError`
+    for ops the contract cannot express (e.g. ones mixing the batch axis).
+    """
+    input_shape = tuple(int(d) for d in input_shape)
+    if not input_shape or any(d < 1 for d in input_shape):
+        raise ExportError(f"input_shape must be positive sizes without the batch, e.g. (3, 64, 64); "
+                          f"got {input_shape}")
+    if input_name == output_name:
+        raise ExportError(f"input and output need different names, both are {input_name!r}")
+    rank = len(input_shape) + 1
+    in_perm = channels_first(rank)
+    onnx_shape = (trace_batch, *input_shape)
+    engine_shape = tuple(onnx_shape[i] for i in np.argsort(in_perm))
+    x = np.random.default_rng(0).standard_normal(engine_shape).astype(np.float32)
+    x_t = Tensor(to_device(x, _model_device(model)))
+
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with no_grad(), trace(model) as calls:
+            y = model(x_t)
+    finally:
+        for m, mode in modes:
+            object.__setattr__(m, "training", mode)
+    if not isinstance(y, Tensor):
+        raise ExportError(f"{type(model).__name__}.forward returned {type(y).__name__}; export needs a model "
+                          "with one Tensor output")
+
+    uses: Counter[int] = Counter(id(t) for c in calls for t in c.inputs)
+    uses[id(y)] += 1
+    b = GraphBuilder(dict(uses), {id(p): n for n, p in model.named_parameters()})
+    b.reserve(input_name)
+    b.reserve(output_name)
+    b.bind(x_t, input_name, in_perm)
+    for call in calls:
+        if not any(b.is_activation(t) for t in call.inputs):
+            continue  # depends on constants only: its traced result is used as a constant
+        converter = find_converter(call.fn)
+        if converter is None:
+            raise _unsupported(call)
+        b.scope = call.scope
+        converter(b, call.fn, call.inputs, call.outputs)
+    b.scope = ""
+    if not b.is_activation(y):
+        raise ExportError(f"the output of {type(model).__name__} does not depend on its input")
+
+    out_perm = channels_first(4) if y.ndim == 4 else identity(y.ndim)
+    final = b.operand(y, out_perm)
+    if final == input_name:
+        b.nodes.append(helper.make_node("Identity", [input_name], [output_name], name="/Identity"))
+    else:
+        b.rename(final, output_name)
+    b.nodes[:] = _prune(b.nodes, [output_name])
+
+    out_shape = [y.shape[i] for i in out_perm]
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(y.dtype))
+    graph = helper.make_graph(
+        b.nodes, graph_name,
+        [helper.make_tensor_value_info(input_name, TensorProto.FLOAT, ["batch", *input_shape])],
+        [helper.make_tensor_value_info(output_name, elem, ["batch", *out_shape[1:]])],
+        b.used_initializers(),
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=ir_version,
+                              producer_name=PRODUCER, producer_version="1")
+    proto.doc_string = doc_string or f"{type(model).__name__} exported by the leaflens engine"
+    if metadata:
+        helper.set_model_props(proto, {str(k): str(v) for k, v in metadata.items()})
+    if check:
+        onnx.checker.check_model(proto, full_check=True)
+    return proto
+
+
+# ---- FP16 -----------------------------------------------------------------------------------------
+def _to_fp16(arr: np.ndarray, name: str) -> np.ndarray:
+    if not np.all(np.isfinite(arr)):
+        raise ExportError(f"FP16 conversion: initialiser {name!r} holds non-finite values")
+    big = float(np.abs(arr).max()) if arr.size else 0.0
+    if big > FP16_MAX:
+        raise ExportError(f"FP16 conversion: initialiser {name!r} reaches {big:.4g}, beyond float16's "
+                          f"{FP16_MAX:.0f}; keep this model in FP32")
+    out = arr.astype(np.float16)
+    if arr.size == 1 and arr.reshape(-1)[0] != 0 and out.reshape(-1)[0] == 0:
+        # a scalar such as an epsilon that float16 rounds to zero: keep it positive (smallest normal)
+        out = np.full(arr.shape, np.sign(arr.reshape(-1)[0]) * np.finfo(np.float16).tiny, np.float16)
+    return out
+
+
+def convert_float16(model: onnx.ModelProto, check: bool = True) -> onnx.ModelProto:
+    """A copy of ``model`` computing in float16, with its float32 inputs/outputs kept.
+
+    Float initialisers become float16, Cast nodes are inserted after each float32 graph input and
+    before each float32 graph output, and Cast nodes inside the graph that produced float32 now
+    produce float16. Refuses (naming the initialiser) weights outside float16's range.
+    """
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    for init in g.initializer:
+        if init.data_type == TensorProto.FLOAT:
+            half = _to_fp16(numpy_helper.to_array(init), init.name)
+            init.CopyFrom(numpy_helper.from_array(half, init.name))
+    for node in g.node:
+        if node.op_type == "Cast":
+            for attr in node.attribute:
+                if attr.name == "to" and attr.i == TensorProto.FLOAT:
+                    attr.i = TensorProto.FLOAT16
+        elif node.op_type == "Constant":
+            for attr in node.attribute:
+                if attr.name == "value" and attr.t.data_type == TensorProto.FLOAT:
+                    half = _to_fp16(numpy_helper.to_array(attr.t), node.name)
+                    attr.t.CopyFrom(numpy_helper.from_array(half, attr.t.name))
+    taken = {n for node in g.node for n in (*node.input, *node.output)} | {i.name for i in g.initializer}
+
+    def fresh(base: str) -> str:
+        name, k = base, 1
+        while name in taken:
+            k += 1
+            name = f"{base}_{k}"
+        taken.add(name)
+        return name
+
+    head: list[onnx.NodeProto] = []
+    for inp in g.input:
+        if inp.type.tensor_type.elem_type != TensorProto.FLOAT:
+            continue
+        half = fresh(f"{inp.name}_fp16")
+        for node in g.node:
+            for i, name in enumerate(node.input):
+                if name == inp.name:
+                    node.input[i] = half
+        head.append(helper.make_node("Cast", [inp.name], [half], to=TensorProto.FLOAT16,
+                                     name=fresh(f"/Cast_{inp.name}_to_fp16")))
+    tail: list[onnx.NodeProto] = []
+    for out in g.output:
+        if out.type.tensor_type.elem_type != TensorProto.FLOAT:
+            continue
+        half = fresh(f"{out.name}_fp16")
+        for node in g.node:
+            for seq in (node.input, node.output):
+                for i, name in enumerate(seq):
+                    if name == out.name:
+                        seq[i] = half
+        tail.append(helper.make_node("Cast", [half], [out.name], to=TensorProto.FLOAT,
+                                     name=fresh(f"/Cast_{out.name}_to_fp32")))
+    nodes = head + list(g.node) + tail
+    del g.node[:]
+    g.node.extend(nodes)
+    del g.value_info[:]
+    m.doc_string = (m.doc_string + " (float16 weights and compute, float32 input/output)").strip()
+    if check:
+        onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def save_onnx(model: onnx.ModelProto, path: str | os.PathLike[str]) -> Path:
+    """Write ``model`` atomically (temporary file beside it, fsync, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(model.SerializeToString())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path

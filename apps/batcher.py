@@ -112,7 +112,11 @@ class DynamicBatcher:
         max_queue: most items waiting (not yet running); beyond it :meth:`submit` raises
             :class:`BatcherBusy`.
         timeout_s: default per-request deadline, counted from submission (None: no deadline).
-        name: the worker thread's name (shows in stack dumps).
+        num_workers: worker threads, each running one batch at a time (like Triton's instance
+            count). With more than one, ``run_batch`` must be thread-safe (an onnxruntime session
+            is); on a CPU, two single-threaded runs side by side use the cores better than one
+            two-threaded run of a small batch.
+        name: the worker threads' name prefix (shows in stack dumps).
 
     All items must share one shape and dtype: the first accepted item fixes them, and a
     submission that differs is refused with ``ValueError`` (one caller's odd input must not fail
@@ -127,6 +131,7 @@ class DynamicBatcher:
         max_wait_ms: float = 5.0,
         max_queue: int = 1024,
         timeout_s: float | None = None,
+        num_workers: int = 1,
         name: str = "leaflens-batcher",
     ) -> None:
         if not callable(run_batch):
@@ -139,6 +144,8 @@ class DynamicBatcher:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s}")
+        if int(num_workers) < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self._run_batch = run_batch
         self.max_batch_size = int(max_batch_size)
         self.max_wait_s = float(max_wait_ms) / 1000.0
@@ -148,17 +155,19 @@ class DynamicBatcher:
         self._work_cond = threading.Condition(self._lock)  # worker: first item, batch full, closing
         self._reap_cond = threading.Condition(self._lock)  # reaper: earlier deadline, closing
         self._queue: deque[_Request] = deque()
-        self._running: list[_Request] = []  # the batch inside run_batch right now
+        self._running: set[_Request] = set()  # requests inside run_batch right now (all workers)
         self._deadlines: list[tuple[float, int, _Request]] = []  # heap of (deadline, seq, request)
         self._seq = 0
         self._reaper_wakes_at = float("inf")  # deadline the reaper sleeps until
         self._item_spec: tuple[tuple[int, ...], np.dtype] | None = None
         self._closing = False
-        self._worker_done = False
+        self._workers_alive = int(num_workers)
         self._stats = BatcherStats()
-        self._worker = threading.Thread(target=self._work, name=name, daemon=True)
+        self._workers = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+                         for i in range(int(num_workers))]
         self._reaper = threading.Thread(target=self._reap, name=f"{name}-deadlines", daemon=True)
-        self._worker.start()
+        for worker in self._workers:
+            worker.start()
         self._reaper.start()
 
     # ----------------------------------------------------------------------------- public API
@@ -247,9 +256,11 @@ class DynamicBatcher:
             self._work_cond.notify_all()
             self._reap_cond.notify_all()
         self._apply(settlements)
-        if threading.current_thread() in (self._worker, self._reaper):
-            return  # close() from a done-callback: the worker drains (or stops) once it returns
-        self._worker.join(timeout_s)
+        if threading.current_thread() in (*self._workers, self._reaper):
+            return  # close() from a done-callback: the workers drain (or stop) once it returns
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        for worker in self._workers:
+            worker.join(None if end is None else max(0.0, end - time.monotonic()))
         settlements = []
         with self._lock:
             for request in list(self._queue) + list(self._running):
@@ -258,7 +269,7 @@ class DynamicBatcher:
             self._queue.clear()
             self._reap_cond.notify_all()
         self._apply(settlements)
-        if not self._worker.is_alive():
+        if not any(w.is_alive() for w in self._workers):
             self._reaper.join(timeout_s)
 
     def __enter__(self) -> DynamicBatcher:
@@ -303,6 +314,7 @@ class DynamicBatcher:
             while True:
                 if not self._queue:
                     if self._closing:
+                        self._work_cond.notify_all()  # let the other workers see it too
                         return None
                     self._work_cond.wait()
                     continue
@@ -322,7 +334,9 @@ class DynamicBatcher:
                 else:
                     request.state = "done"
                     skipped.append((request, None, None, "cancelled"))
-            self._running = batch
+            self._running.update(batch)
+            if self._queue:  # more is waiting: let another idle worker watch its fill window
+                self._work_cond.notify()
             return batch, skipped
 
     def _work(self) -> None:
@@ -359,11 +373,11 @@ class DynamicBatcher:
                             settlements.extend(self._decide(request, result=rows[i]))
                         else:
                             settlements.extend(self._decide(request, exc=error))
-                    self._running = []
+                    self._running.difference_update(batch)
                 self._apply(settlements)
         finally:
             with self._lock:
-                self._worker_done = True
+                self._workers_alive -= 1
                 self._reap_cond.notify_all()
 
     def _reap(self) -> None:
@@ -371,7 +385,7 @@ class DynamicBatcher:
         while True:
             settlements: list[_Settlement] = []
             with self._lock:
-                if self._worker_done and self._closing:
+                if self._workers_alive == 0 and self._closing:
                     return
                 now = time.monotonic()
                 dropped = False

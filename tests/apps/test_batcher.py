@@ -47,9 +47,10 @@ def wait_running(rec: Recorder, batcher: DynamicBatcher) -> None:
     assert rec.started.wait(5)
 
 
-def test_hundreds_of_concurrent_requests_each_get_their_own_result():
+@pytest.mark.parametrize("workers", [1, 3])
+def test_hundreds_of_concurrent_requests_each_get_their_own_result(workers):
     rec = Recorder(delay_s=0.002)
-    batcher = DynamicBatcher(rec, max_batch_size=16, max_wait_ms=3, max_queue=1000)
+    batcher = DynamicBatcher(rec, max_batch_size=16, max_wait_ms=3, max_queue=1000, num_workers=workers)
     n = 600
 
     def client(i: int) -> tuple[int, np.ndarray]:
@@ -68,6 +69,28 @@ def test_hundreds_of_concurrent_requests_each_get_their_own_result():
     assert stats.batches == len(rec.batches) < n  # requests were really grouped
     assert stats.mean_batch_size == pytest.approx(n / len(rec.batches))
     assert stats.mean_batch_size > 2
+
+
+def test_two_workers_run_batches_side_by_side():
+    active, peak, calls, lock = [0], [0], [0], threading.Lock()
+    both = threading.Barrier(2, timeout=5)
+
+    def run_batch(batch: np.ndarray) -> np.ndarray:
+        with lock:
+            active[0] += 1
+            calls[0] += 1
+            first_two = calls[0] <= 2
+            peak[0] = max(peak[0], active[0])
+        if first_two:  # 4 items, batches of <= 2: at least two batches exist to meet here
+            both.wait()  # times out (and the batch fails) unless two batches really run at once
+        with lock:
+            active[0] -= 1
+        return batch * 2
+
+    with DynamicBatcher(run_batch, max_batch_size=2, max_wait_ms=0, num_workers=2) as batcher:
+        futures = [batcher.submit(item(i)) for i in range(4)]
+        assert [int(f.result(5)[0]) for f in futures] == [0, 2, 4, 6]
+    assert peak[0] == 2
 
 
 def test_asyncio_callers():

@@ -179,9 +179,14 @@ def augment_batch(x: np.ndarray, aug: Augment, rng: np.random.Generator) -> np.n
 
 
 def normalize(x: np.ndarray, mean: np.ndarray, std: np.ndarray, aug: Augment | None = None,
-              rng: np.random.Generator | None = None) -> np.ndarray:
-    """[0, 255] batch -> float32 ``(x / 255 - mean) / std``, with brightness/contrast jitter first."""
-    x = x.astype(np.float32, copy=not (x.dtype == np.float32))
+              rng: np.random.Generator | None = None, *, inplace: bool = False) -> np.ndarray:
+    """[0, 255] batch -> float32 ``(x / 255 - mean) / std``, with brightness/contrast jitter first.
+
+    ``mean``/``std`` are per channel on the [0, 1] scale (as in a dataset manifest). The input is
+    left untouched unless ``inplace`` is set and it is already a contiguous float32 array.
+    """
+    reuse = inplace and x.dtype == np.float32 and x.flags.c_contiguous and x.flags.writeable
+    x = x if reuse else np.array(x, dtype=np.float32, order="C")
     n = x.shape[0]
     if aug is not None and rng is not None and (aug.brightness > 0 or aug.contrast > 0):
         c = rng.uniform(1 - aug.contrast, 1 + aug.contrast, n).astype(np.float32)
@@ -257,13 +262,17 @@ class DataLoader:
 
     # -- one batch ---------------------------------------------------------------------------------
     def make_batch(self, order: np.ndarray, epoch: int, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """Batch ``b`` of ``epoch`` given that epoch's order (deterministic, thread-safe)."""
+        """Batch ``b`` of ``epoch`` given that epoch's order (deterministic, thread-safe).
+
+        Row ``i`` of the batch is sample ``order[b * batch_size + i]``, so callers can fetch
+        per-sample side data (teacher features, ...) for the same rows.
+        """
         idx = order[b * self.batch_size:(b + 1) * self.batch_size]
         x, y = self.dataset.get_batch(idx)
         if self.augment is not None:
             rng = np.random.default_rng([self.seed, epoch, b, 1])
             xf = augment_batch(x, self.augment, rng)
-            return normalize(xf, self.mean, self.std, self.augment, rng), y
+            return normalize(xf, self.mean, self.std, self.augment, rng, inplace=True), y
         return normalize(x, self.mean, self.std), y
 
     # -- iteration -----------------------------------------------------------------------------------

@@ -60,6 +60,27 @@ def test_seeded_shuffle_differs_per_epoch_and_reproduces():
     np.testing.assert_array_equal(_ids(next(iter(d))[0]), np.arange(40))
 
 
+def test_batch_rows_follow_epoch_order():
+    ds = _indexed(37)
+    loader = DataLoader(ds, 8, seed=11, augment=Augment(crop="pad"))
+    loader.set_epoch(2)
+    order = loader.epoch_order(2)
+    for b, (_, yb) in enumerate(loader):
+        np.testing.assert_array_equal(yb, order[b * 8:(b + 1) * 8] % 5)
+    plain = DataLoader(ds, 8, seed=11)
+    order = plain.epoch_order(0)
+    for b, (xb, _) in enumerate(plain):
+        np.testing.assert_array_equal(_ids(xb), order[b * 8:(b + 1) * 8])
+
+
+def test_normalize_leaves_input_alone_unless_inplace():
+    x = np.full((2, 3, 3, 3), 51.0, np.float32)
+    out = normalize(x, np.zeros(3), np.ones(3))
+    assert np.all(x == 51.0) and np.allclose(out, 0.2)
+    out = normalize(x, np.zeros(3), np.ones(3), inplace=True)
+    assert out is x and np.allclose(x, 0.2)
+
+
 def test_normalisation_uses_mean_std_on_unit_scale():
     x = np.random.default_rng(0).integers(0, 256, (4, 6, 6, 3), dtype=np.uint8)
     mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)

@@ -1,0 +1,104 @@
+"""NHWC im2col / col2im (``im2col.cu``): convolution as one matrix product.
+
+Column layout (the engine's contract): row ``m = (n*Ho + ho)*Wo + wo``, column ``k = (i*kw + j)*C + c``,
+so ``cols @ W.transpose(2, 3, 1, 0).reshape(kh*kw*C, Cout)`` (W stored OIHW) is the NHWC output.
+Padding is (top, bottom, left, right), asymmetric allowed (TF "same"); stride (sh, sw); dilation 1.
+col2im is the adjoint: it sums every cols entry back onto the pixel it was copied from.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kernels import _checks, _cuda
+
+
+def conv_output_size(
+    h: int, w: int, kernel: Any, stride: Any = 1, padding: Any = 0, name: str = "conv"
+) -> tuple[int, int]:
+    """Output (Ho, Wo) of a kh x kw window with the given stride and (top, bottom, left, right) padding."""
+    kh, kw = _checks.require_pair(name, "kernel", kernel, 1)
+    sh, sw = _checks.require_pair(name, "stride", stride, 1)
+    pt, pb, pl, pr = _checks.require_padding(name, padding)
+    ho = (h + pt + pb - kh) // sh + 1
+    wo = (w + pl + pr - kw) // sw + 1
+    if ho < 1 or wo < 1:
+        raise ValueError(f"{name}: a {kh}x{kw} window does not fit a {h}x{w} input with padding {padding}")
+    return ho, wo
+
+
+def conv_geometry(shape: tuple[int, ...], kernel: Any, stride: Any, padding: Any, name: str) -> tuple[int, ...]:
+    if len(shape) != 4:
+        raise ValueError(f"{name}: x must be NHWC (4-D), got shape {shape}")
+    n, h, w, c = shape
+    kh, kw = _checks.require_pair(name, "kernel", kernel, 1)
+    sh, sw = _checks.require_pair(name, "stride", stride, 1)
+    pt, pb, pl, pr = _checks.require_padding(name, padding)
+    ho, wo = conv_output_size(h, w, (kh, kw), (sh, sw), (pt, pb, pl, pr), name)
+    return n, h, w, c, kh, kw, sh, sw, pt, pb, pl, pr, ho, wo
+
+
+def im2col_reference(x: np.ndarray, kernel: Any, stride: Any = 1, padding: Any = 0) -> np.ndarray:
+    """(N, H, W, C) -> (N*Ho*Wo, kh*kw*C) patch matrix, same dtype as x."""
+    n, h, w, c, kh, kw, sh, sw, pt, pb, pl, pr, ho, wo = conv_geometry(x.shape, kernel, stride, padding, "im2col")
+    xp = np.pad(x, ((0, 0), (pt, pb), (pl, pr), (0, 0)))
+    # windows[n, a, b, c, i, j] = xp[n, a + i, b + j, c]; keep every stride-th window start.
+    windows = np.lib.stride_tricks.sliding_window_view(xp, (kh, kw), axis=(1, 2))
+    windows = windows[:, : (ho - 1) * sh + 1 : sh, : (wo - 1) * sw + 1 : sw]
+    return np.ascontiguousarray(windows.transpose(0, 1, 2, 4, 5, 3)).reshape(n * ho * wo, kh * kw * c)
+
+
+def col2im_reference(
+    cols: np.ndarray, x_shape: tuple[int, int, int, int], kernel: Any, stride: Any = 1, padding: Any = 0
+) -> np.ndarray:
+    """Adjoint of :func:`im2col_reference`: (N*Ho*Wo, kh*kw*C) -> (N, H, W, C), overlaps summed."""
+    n, h, w, c, kh, kw, sh, sw, pt, pb, pl, pr, ho, wo = conv_geometry(
+        tuple(x_shape), kernel, stride, padding, "col2im"
+    )
+    if cols.shape != (n * ho * wo, kh * kw * c):
+        raise ValueError(f"col2im: cols has shape {cols.shape}, expected {(n * ho * wo, kh * kw * c)}")
+    ct = np.result_type(cols.dtype, np.float32)
+    blocks = cols.astype(ct, copy=False).reshape(n, ho, wo, kh, kw, c)
+    xp = np.zeros((n, h + pt + pb, w + pl + pr, c), dtype=ct)
+    for i in range(kh):  # one vectorised add per tap, not per pixel
+        for j in range(kw):
+            xp[:, i : i + (ho - 1) * sh + 1 : sh, j : j + (wo - 1) * sw + 1 : sw, :] += blocks[:, :, :, i, j, :]
+    return xp[:, pt : pt + h, pl : pl + w, :].astype(cols.dtype)
+
+
+def _launch(kernel_name: str, src: Any, dst: Any, geo: tuple[int, ...], total: int) -> None:
+    n, h, w, c, kh, kw, sh, sw, pt, _pb, pl, _pr, ho, wo = geo
+    kernel = _cuda.load_kernel("im2col.cu", kernel_name)
+    grid, block = _cuda.grid_1d(total)
+    ints = (n, h, w, c, kh, kw, sh, sw, pt, pl, ho, wo)
+    kernel(grid, block, (src, dst) + tuple(np.int32(v) for v in ints))
+
+
+def im2col_cuda(x: Any, kernel: Any, stride: Any = 1, padding: Any = 0) -> Any:
+    """GPU twin of :func:`im2col_reference` (float32 or float16 CuPy x)."""
+    cp = _cuda.cupy_module()
+    name = "im2col_nhwc"
+    _checks.require_array(cp, name, "x", x, [np.float32, np.float16], ndim=4)
+    geo = conv_geometry(tuple(x.shape), kernel, stride, padding, name)
+    n, h, w, c, kh, kw, *_rest, ho, wo = geo
+    _checks.require_int32(name, N=n, H=h, W=w, C=c, taps_times_C=kh * kw * c)
+    cols = cp.empty((n * ho * wo, kh * kw * c), dtype=x.dtype)
+    if cols.size:
+        _launch(f"{name}_{_checks.float_suffix(name, x.dtype)}", x, cols, geo, int(cols.size))
+    return cols
+
+
+def col2im_cuda(cols: Any, x_shape: tuple[int, int, int, int], kernel: Any, stride: Any = 1, padding: Any = 0) -> Any:
+    """GPU twin of :func:`col2im_reference` (float32 or float16 CuPy cols; sums in float32)."""
+    cp = _cuda.cupy_module()
+    name = "col2im_nhwc"
+    geo = conv_geometry(tuple(x_shape), kernel, stride, padding, name)
+    n, h, w, c, kh, kw, *_rest, ho, wo = geo
+    _checks.require_array(cp, name, "cols", cols, [np.float32, np.float16], shape=(n * ho * wo, kh * kw * c))
+    _checks.require_int32(name, N=n, H=h, W=w, C=c, taps_times_C=kh * kw * c)
+    x = cp.empty(tuple(int(v) for v in x_shape), dtype=cols.dtype)
+    if x.size:
+        _launch(f"{name}_{_checks.float_suffix(name, cols.dtype)}", cols, x, geo, int(x.size))
+    return x

@@ -1,0 +1,181 @@
+// softmax_xent.cu: fused softmax + cross-entropy over the last axis of (N, C) logits.
+//
+// Forward: one block per row, one read of the row. Each thread keeps an online (max, sum of exp)
+// pair, so the row maximum never needs a separate pass; pairs are merged across the block with warp
+// shuffles. Per row it writes the loss and two saved statistics: stats[2r] = log-sum-exp, stats[2r+1]
+// = total target mass (1 for class-index targets; sum(q) for soft targets), which makes the backward
+// an exact gradient even when soft targets do not sum to one.
+//   hard targets t (int64) with label smoothing eps:
+//       q = (1 - eps) * onehot(t) + eps / C,  loss_r = lse - (1 - eps) * z_t - (eps / C) * sum(z)
+//   soft targets q (N, C):  loss_r = lse * sum(q) - sum(q * z)
+// A target index outside [0, C) gives a NaN row loss instead of an out-of-bounds read.
+// Backward (element-wise, one pass): dz = (exp(z - lse) * sum(q) - q) * g / N, where g points at the
+// upstream gradient of the mean loss (a device scalar, so no host synchronisation is needed).
+// Storage may be float32 or float16 (`_f16` kernels); all arithmetic is float32.
+#include "common.cuh"
+
+// Online update of a (max, sum exp(z - max)) pair with one value z.
+__device__ __forceinline__ void online_add(float& m, float& s, float z) {
+    if (z > m) {
+        s = s * expf(m - z) + 1.f;  // m = -inf on the first value: expf(-inf) = 0
+        m = z;
+    } else if (z != LEAFLENS_NEG_INF) {
+        s += expf(z - m);
+    }
+}
+
+// Merge (m2, s2) into (m, s); an empty pair has m = -inf, s = 0.
+__device__ __forceinline__ void online_merge(float& m, float& s, float m2, float s2) {
+    const float mn = fmaxf(m, m2);
+    if (mn == LEAFLENS_NEG_INF) return;  // both empty (or all -inf): nothing to add
+    s = s * expf(m - mn) + s2 * expf(m2 - mn);
+    m = mn;
+}
+
+// Block-wide merge of the online pairs; every thread returns the row's log-sum-exp.
+__device__ __forceinline__ float block_logsumexp(float m, float s, float* sm, float* ss) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, offset);
+        const float s2 = __shfl_xor_sync(0xffffffffu, s, offset);
+        online_merge(m, s, m2, s2);
+    }
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int nwarps = blockDim.x >> 5;
+    __syncthreads();
+    if (lane == 0) {
+        sm[warp] = m;
+        ss[warp] = s;
+    }
+    __syncthreads();
+    m = (lane < nwarps) ? sm[lane] : LEAFLENS_NEG_INF;
+    s = (lane < nwarps) ? ss[lane] : 0.f;
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, offset);
+        const float s2 = __shfl_xor_sync(0xffffffffu, s, offset);
+        online_merge(m, s, m2, s2);
+    }
+    return m + logf(s);
+}
+
+template <typename T>
+__device__ __forceinline__ void xent_hard_forward(const T* __restrict__ logits, const long long* __restrict__ targets,
+                                                  float* __restrict__ row_loss, float* __restrict__ stats, int N,
+                                                  int C, float smoothing) {
+    __shared__ float sm[32], ss[32], sz[32];
+    const int row = blockIdx.x;
+    if (row >= N) return;  // uniform across the block
+    const T* z = logits + (long long)row * C;
+    float m = LEAFLENS_NEG_INF, s = 0.f, zsum = 0.f;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        const float v = load_as_float(z, c);
+        online_add(m, s, v);
+        zsum += v;
+    }
+    const float lse = block_logsumexp(m, s, sm, ss);
+    zsum = block_sum(zsum, sz);
+    if (threadIdx.x == 0) {
+        const long long t = targets[row];
+        float loss;
+        if (t < 0 || t >= C) {
+            loss = __int_as_float(0x7fc00000);  // NaN marks an invalid class index
+        } else {
+            const float zt = load_as_float(z, t);
+            loss = lse - (1.f - smoothing) * zt - (smoothing / (float)C) * zsum;
+        }
+        row_loss[row] = loss;
+        stats[2 * (long long)row] = lse;
+        stats[2 * (long long)row + 1] = 1.f;
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void xent_soft_forward(const T* __restrict__ logits, const float* __restrict__ q,
+                                                  float* __restrict__ row_loss, float* __restrict__ stats, int N,
+                                                  int C) {
+    __shared__ float sm[32], ss[32], sq[32], sqz[32];
+    const int row = blockIdx.x;
+    if (row >= N) return;
+    const T* z = logits + (long long)row * C;
+    const float* qr = q + (long long)row * C;
+    float m = LEAFLENS_NEG_INF, s = 0.f, qsum = 0.f, qz = 0.f;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        const float v = load_as_float(z, c);
+        const float w = qr[c];
+        online_add(m, s, v);
+        qsum += w;
+        qz += w * v;
+    }
+    const float lse = block_logsumexp(m, s, sm, ss);
+    qsum = block_sum(qsum, sq);
+    qz = block_sum(qz, sqz);
+    if (threadIdx.x == 0) {
+        row_loss[row] = lse * qsum - qz;
+        stats[2 * (long long)row] = lse;
+        stats[2 * (long long)row + 1] = qsum;
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void xent_hard_backward(const T* __restrict__ logits, const long long* __restrict__ targets,
+                                                   const float* __restrict__ stats, const float* __restrict__ grad,
+                                                   T* __restrict__ dlogits, int N, int C, float smoothing) {
+    const long long total = (long long)N * C;
+    const float scale = grad[0] / (float)N;
+    const float off = smoothing / (float)C;
+    for (long long i = grid_start(); i < total; i += grid_stride()) {
+        const long long row = i / C;
+        const int c = (int)(i - row * C);
+        const float p = expf(load_as_float(logits, i) - stats[2 * row]);
+        const float q = (targets[row] == c ? 1.f - smoothing : 0.f) + off;
+        store_from_float(dlogits, i, (p * stats[2 * row + 1] - q) * scale);
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void xent_soft_backward(const T* __restrict__ logits, const float* __restrict__ q,
+                                                   const float* __restrict__ stats, const float* __restrict__ grad,
+                                                   T* __restrict__ dlogits, int N, int C) {
+    const long long total = (long long)N * C;
+    const float scale = grad[0] / (float)N;
+    for (long long i = grid_start(); i < total; i += grid_stride()) {
+        const long long row = i / C;
+        const float p = expf(load_as_float(logits, i) - stats[2 * row]);
+        store_from_float(dlogits, i, (p * stats[2 * row + 1] - q[i]) * scale);
+    }
+}
+
+extern "C" __global__ void xent_hard_forward_f32(const float* logits, const long long* targets, float* row_loss,
+                                                 float* stats, int N, int C, float smoothing) {
+    xent_hard_forward(logits, targets, row_loss, stats, N, C, smoothing);
+}
+extern "C" __global__ void xent_hard_forward_f16(const half_bits* logits, const long long* targets,
+                                                 float* row_loss, float* stats, int N, int C, float smoothing) {
+    xent_hard_forward(logits, targets, row_loss, stats, N, C, smoothing);
+}
+extern "C" __global__ void xent_soft_forward_f32(const float* logits, const float* q, float* row_loss, float* stats,
+                                                 int N, int C) {
+    xent_soft_forward(logits, q, row_loss, stats, N, C);
+}
+extern "C" __global__ void xent_soft_forward_f16(const half_bits* logits, const float* q, float* row_loss,
+                                                 float* stats, int N, int C) {
+    xent_soft_forward(logits, q, row_loss, stats, N, C);
+}
+extern "C" __global__ void xent_hard_backward_f32(const float* logits, const long long* targets, const float* stats,
+                                                  const float* grad, float* dlogits, int N, int C,
+                                                  float smoothing) {
+    xent_hard_backward(logits, targets, stats, grad, dlogits, N, C, smoothing);
+}
+extern "C" __global__ void xent_hard_backward_f16(const half_bits* logits, const long long* targets,
+                                                  const float* stats, const float* grad, half_bits* dlogits, int N,
+                                                  int C, float smoothing) {
+    xent_hard_backward(logits, targets, stats, grad, dlogits, N, C, smoothing);
+}
+extern "C" __global__ void xent_soft_backward_f32(const float* logits, const float* q, const float* stats,
+                                                  const float* grad, float* dlogits, int N, int C) {
+    xent_soft_backward(logits, q, stats, grad, dlogits, N, C);
+}
+extern "C" __global__ void xent_soft_backward_f16(const half_bits* logits, const float* q, const float* stats,
+                                                  const float* grad, half_bits* dlogits, int N, int C) {
+    xent_soft_backward(logits, q, stats, grad, dlogits, N, C);
+}

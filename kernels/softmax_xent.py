@@ -1,0 +1,158 @@
+"""Fused softmax + cross-entropy over the last axis of (N, C) logits (``softmax_xent.cu``).
+
+Targets are either int64 class indices (N,) with optional label smoothing ``eps`` (target distribution
+``(1 - eps) * onehot + eps / C``) or a float32 soft-target matrix (N, C). The loss is the mean over rows
+of ``-sum(q * log_softmax(z))``. The forward returns the loss and ``stats`` (N, 2) float32 = per row
+(log-sum-exp, total target mass); the backward computes ``(softmax * mass - q) * g / N``, which is the
+exact gradient of that loss and equals the usual ``(softmax - q) * g / N`` when each row of q sums to 1.
+All arithmetic is float32 (float16 logits are widened as they are read).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kernels import _checks, _cuda
+
+
+def _targets_kind(targets: Any, n: int, c: int, name: str) -> str:
+    if targets.dtype == np.int64:
+        if tuple(targets.shape) != (n,):
+            raise ValueError(f"{name}: class-index targets must have shape ({n},), got {tuple(targets.shape)}")
+        return "hard"
+    if targets.dtype.kind == "f":
+        if tuple(targets.shape) != (n, c):
+            raise ValueError(f"{name}: soft targets must have shape ({n}, {c}), got {tuple(targets.shape)}")
+        return "soft"
+    raise TypeError(f"{name}: targets must be int64 class indices or float soft targets, got {targets.dtype}")
+
+
+def _check_smoothing(name: str, kind: str, label_smoothing: float) -> None:
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{name}: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if kind == "soft" and label_smoothing != 0.0:
+        raise ValueError(f"{name}: label_smoothing applies to class-index targets only; smooth soft targets yourself")
+
+
+def _target_matrix(targets: np.ndarray, n: int, c: int, eps: float, ct: np.dtype) -> np.ndarray:
+    """Dense q (N, C) for either target kind."""
+    if targets.dtype == np.int64:
+        if n and (targets.min() < 0 or targets.max() >= c):
+            raise ValueError(f"softmax_xent: class index out of range [0, {c}): {targets.min()}..{targets.max()}")
+        q = np.full((n, c), eps / c, dtype=ct)
+        q[np.arange(n), targets] += ct.type(1.0 - eps)
+        return q
+    return targets.astype(ct, copy=False)
+
+
+def softmax_xent_forward_reference(
+    logits: np.ndarray, targets: np.ndarray, label_smoothing: float = 0.0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Return ``(loss, stats)``: the mean loss (0-d) and per-row (log-sum-exp, target mass) (N, 2)."""
+    if logits.ndim != 2:
+        raise ValueError(f"softmax_xent: logits must be (N, C), got {logits.shape}")
+    n, c = logits.shape
+    kind = _targets_kind(targets, n, c, "softmax_xent")
+    _check_smoothing("softmax_xent", kind, label_smoothing)
+    if n == 0 or c == 0:
+        raise ValueError(f"softmax_xent: logits must have at least one row and one class, got {logits.shape}")
+    ct = np.result_type(logits.dtype, np.float32)
+    z = logits.astype(ct, copy=False)
+    m = np.max(z, axis=1, keepdims=True)
+    lse = (m + np.log(np.sum(np.exp(z - m), axis=1, keepdims=True)))[:, 0]
+    q = _target_matrix(targets, n, c, label_smoothing, ct)
+    mass = np.sum(q, axis=1)
+    row_loss = lse * mass - np.sum(q * z, axis=1)
+    stats = np.stack([lse, mass], axis=1).astype(ct, copy=False)
+    return np.asarray(row_loss.mean(dtype=ct)), stats
+
+
+def softmax_xent_backward_reference(
+    logits: np.ndarray,
+    targets: np.ndarray,
+    stats: np.ndarray,
+    grad: float | np.ndarray = 1.0,
+    label_smoothing: float = 0.0,
+) -> np.ndarray:
+    """Gradient of the mean loss with respect to the logits, scaled by the upstream ``grad``."""
+    n, c = logits.shape
+    kind = _targets_kind(targets, n, c, "softmax_xent backward")
+    _check_smoothing("softmax_xent backward", kind, label_smoothing)
+    ct = np.result_type(logits.dtype, np.float32)
+    z = logits.astype(ct, copy=False)
+    q = _target_matrix(targets, n, c, label_smoothing, ct)
+    st = stats.astype(ct, copy=False)
+    p = np.exp(z - st[:, :1])
+    g = ct.type(np.asarray(grad, dtype=ct).reshape(()))
+    d = (p * st[:, 1:2] - q) * (g / ct.type(n))
+    return d.astype(logits.dtype, copy=False)
+
+
+def softmax_xent_forward_cuda(
+    logits: Any, targets: Any, label_smoothing: float = 0.0, validate: bool = True
+) -> tuple[Any, Any]:
+    """GPU twin of :func:`softmax_xent_forward_reference`; returns ``(loss (0-d float32), stats)``.
+
+    ``validate`` checks class indices on the device first (one host synchronisation); without it an
+    out-of-range index gives a NaN row loss rather than a wrong number.
+    """
+    cp = _cuda.cupy_module()
+    name = "softmax_xent_forward"
+    _checks.require_array(cp, name, "logits", logits, [np.float32, np.float16], ndim=2)
+    n, c = logits.shape
+    kind = _targets_kind(targets, n, c, name)
+    _check_smoothing(name, kind, label_smoothing)
+    _checks.require_int32(name, N=n, C=c)
+    if n == 0 or c == 0:
+        raise ValueError(f"{name}: logits must have at least one row and one class, got {tuple(logits.shape)}")
+    suffix = _checks.float_suffix(name, logits.dtype)
+    row_loss = cp.empty((n,), dtype=np.float32)
+    stats = cp.empty((n, 2), dtype=np.float32)
+    block = (_cuda.row_block(c),)
+    if kind == "hard":
+        _checks.require_array(cp, name, "targets", targets, [np.int64], shape=(n,))
+        if validate and bool(((targets < 0) | (targets >= c)).any()):
+            raise ValueError(f"{name}: a class index is outside [0, {c})")
+        kernel = _cuda.load_kernel("softmax_xent.cu", f"xent_hard_forward_{suffix}")
+        kernel(
+            (n,),
+            block,
+            (logits, targets, row_loss, stats, np.int32(n), np.int32(c), np.float32(label_smoothing)),
+        )
+    else:
+        _checks.require_array(cp, name, "targets", targets, [np.float32], shape=(n, c))
+        kernel = _cuda.load_kernel("softmax_xent.cu", f"xent_soft_forward_{suffix}")
+        kernel((n,), block, (logits, targets, row_loss, stats, np.int32(n), np.int32(c)))
+    return row_loss.mean(), stats
+
+
+def softmax_xent_backward_cuda(
+    logits: Any, targets: Any, stats: Any, grad: Any = 1.0, label_smoothing: float = 0.0
+) -> Any:
+    """GPU twin of :func:`softmax_xent_backward_reference`; ``grad`` may be a float or a device scalar."""
+    cp = _cuda.cupy_module()
+    name = "softmax_xent_backward"
+    _checks.require_array(cp, name, "logits", logits, [np.float32, np.float16], ndim=2)
+    n, c = logits.shape
+    kind = _targets_kind(targets, n, c, name)
+    _check_smoothing(name, kind, label_smoothing)
+    _checks.require_array(cp, name, "stats", stats, [np.float32], shape=(n, 2))
+    _checks.require_int32(name, N=n, C=c)
+    g = cp.asarray(grad, dtype=np.float32).reshape(1)  # stays on the device: no synchronisation
+    dlogits = cp.empty_like(logits)
+    if n == 0 or c == 0:
+        return dlogits
+    suffix = _checks.float_suffix(name, logits.dtype)
+    grid, block = _cuda.grid_1d(n * c)
+    if kind == "hard":
+        _checks.require_array(cp, name, "targets", targets, [np.int64], shape=(n,))
+        kernel = _cuda.load_kernel("softmax_xent.cu", f"xent_hard_backward_{suffix}")
+        args = (logits, targets, stats, g, dlogits, np.int32(n), np.int32(c), np.float32(label_smoothing))
+    else:
+        _checks.require_array(cp, name, "targets", targets, [np.float32], shape=(n, c))
+        kernel = _cuda.load_kernel("softmax_xent.cu", f"xent_soft_backward_{suffix}")
+        args = (logits, targets, stats, g, dlogits, np.int32(n), np.int32(c))
+    kernel(grid, block, args)
+    return dlogits

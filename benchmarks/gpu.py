@@ -1,0 +1,453 @@
+"""GPU benchmark: each hand-written kernel beside its CuPy / cuBLAS equivalent, on the same GPU.
+
+For every kernel family the same inputs go through our kernel (``kernels/*_cuda``) and through the
+obvious CuPy expression of the same maths (cuBLAS for the matrix product); the outputs are compared
+(max |difference|, so a fast wrong kernel cannot hide) and timed with CUDA events. Rates are
+effective: GFLOP/s for SGEMM, and for the memory-bound kernels GB/s counting the bytes that must
+at least be read and written once.
+
+SGEMM is the educational kernel of the set: cuBLAS is expected to win, and the engine keeps
+``cupy.matmul`` (cuBLAS) for its convolutions and linear layers wherever it is faster; the table says
+by how much.
+
+Without a GPU it prints why and ends with a JSON line whose figures are null and whose ``skipped``
+holds the reason. The last line of output is always one JSON object.
+
+    python benchmarks/gpu.py [--repeats 20] [--sizes full|tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import _cuda  # noqa: E402
+from kernels.activation_grad import activation_grad_cuda  # noqa: E402
+from kernels.fused_optim import adamw_cuda, sgd_momentum_cuda  # noqa: E402
+from kernels.im2col import col2im_cuda, im2col_cuda  # noqa: E402
+from kernels.l2norm import l2norm_backward_cuda, l2norm_forward_cuda  # noqa: E402
+from kernels.maxpool import maxpool_backward_cuda, maxpool_forward_cuda  # noqa: E402
+from kernels.sgemm import sgemm_cuda  # noqa: E402
+from kernels.softmax_xent import softmax_xent_backward_cuda, softmax_xent_forward_cuda  # noqa: E402
+
+KERNEL_NAMES = [
+    "sgemm",
+    "sgemm_conv_shape",
+    "softmax_xent",
+    "relu_grad_f32",
+    "relu_grad_f16",
+    "l2norm",
+    "im2col",
+    "col2im",
+    "maxpool",
+    "sgd_momentum",
+    "adamw",
+]
+
+# Problem sizes: "full" for a real GPU, "tiny" for the CPU smoke test of this script (emulated kernels).
+SIZES = {
+    "full": dict(
+        gemm=(2048, 2048, 2048),
+        conv_gemm=(64 * 32 * 32, 288, 64),
+        xent=(8192, 1000),
+        elems=1 << 24,
+        l2=(8192, 1280),
+        img=(64, 64, 64, 32),
+        pool=(64, 64, 64, 32),
+        params=1 << 23,
+    ),
+    "tiny": dict(
+        gemm=(70, 33, 65),
+        conv_gemm=(96, 27, 8),
+        xent=(6, 10),
+        elems=700,
+        l2=(4, 40),
+        img=(1, 5, 6, 3),
+        pool=(1, 6, 6, 2),
+        params=600,
+    ),
+}
+
+
+@dataclass
+class Case:
+    """One kernel versus its CuPy equivalent on the same inputs."""
+
+    name: str
+    shape: str
+    ours: Callable[[], Any]
+    theirs: Callable[[], Any]
+    work: float  # bytes moved (memory-bound) or floating-point operations (SGEMM)
+    unit: str  # "GB/s" or "GFLOP/s"
+    compare: Callable[[Any, Any], float] | None = None  # max |difference| of the two outputs
+    note: str = ""
+
+
+def _maxdiff(xp: Any, a: Any, b: Any) -> float:
+    if isinstance(a, tuple):
+        return max(_maxdiff(xp, x, y) for x, y in zip(a, b))
+    return float(xp.max(xp.abs(xp.asarray(a, dtype=xp.float32) - xp.asarray(b, dtype=xp.float32))))
+
+
+# ---- CuPy expressions of the same maths (they also run on NumPy, which the smoke test uses) ----------
+def xent_composed(xp: Any, z: Any, t: Any) -> tuple[Any, Any]:
+    n = z.shape[0]
+    m = z.max(axis=1, keepdims=True)
+    lse = m + xp.log(xp.exp(z - m).sum(axis=1, keepdims=True))
+    loss = (lse[:, 0] - z[xp.arange(n), t]).mean()
+    g = xp.exp(z - lse)
+    g[xp.arange(n), t] -= 1
+    return loss, g / n
+
+
+def l2norm_composed(xp: Any, x: Any, gy: Any, eps: float) -> tuple[Any, Any]:
+    norm = xp.sqrt((x * x).sum(axis=1, keepdims=True))
+    denom = xp.maximum(norm, eps)
+    y = x / denom
+    proj = (gy * y).sum(axis=1, keepdims=True) * (norm >= eps)
+    return y, (gy - y * proj) / denom
+
+
+def im2col_composed(xp: Any, x: Any, k: int, pad: int) -> Any:
+    n, h, w, c = x.shape
+    xpad = xp.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
+    ho, wo = h + 2 * pad - k + 1, w + 2 * pad - k + 1
+    cols = xp.empty((n, ho, wo, k, k, c), dtype=x.dtype)
+    for i in range(k):
+        for j in range(k):
+            cols[:, :, :, i, j, :] = xpad[:, i : i + ho, j : j + wo, :]
+    return cols.reshape(n * ho * wo, k * k * c)
+
+
+def col2im_composed(xp: Any, cols: Any, shape: tuple[int, ...], k: int, pad: int) -> Any:
+    n, h, w, c = shape
+    ho, wo = h + 2 * pad - k + 1, w + 2 * pad - k + 1
+    blocks = cols.reshape(n, ho, wo, k, k, c)
+    gx = xp.zeros((n, h + 2 * pad, w + 2 * pad, c), dtype=cols.dtype)
+    for i in range(k):
+        for j in range(k):
+            gx[:, i : i + ho, j : j + wo, :] += blocks[:, :, :, i, j, :]
+    return gx[:, pad : pad + h, pad : pad + w, :]
+
+
+def maxpool2_composed(xp: Any, x: Any, gy: Any) -> tuple[Any, Any]:
+    """2x2 stride-2 max-pool forward (maximum chain) and backward (first tap equal to the max)."""
+    taps = [x[:, i::2, j::2, :] for i in range(2) for j in range(2)]
+    y = taps[0].copy()
+    for t in taps[1:]:
+        xp.maximum(y, t, out=y)
+    gx = xp.zeros_like(x)
+    unclaimed = xp.ones(y.shape, dtype=bool)
+    for t, (i, j) in zip(taps, [(0, 0), (0, 1), (1, 0), (1, 1)]):
+        hit = (t == y) & unclaimed
+        gx[:, i::2, j::2, :] = xp.where(hit, gy, 0)
+        unclaimed &= ~hit
+    return y, gx
+
+
+def sgd_composed(p: Any, g: Any, buf: Any, lr: float, mom: float, wd: float) -> None:
+    d = g + wd * p
+    buf *= mom
+    buf += d
+    p -= lr * buf
+
+
+def adamw_composed(xp: Any, p: Any, g: Any, m: Any, v: Any, step: int, lr: float, wd: float) -> None:
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    p *= 1 - lr * wd
+    m *= b1
+    m += (1 - b1) * g
+    v *= b2
+    v += (1 - b2) * g * g
+    denom = xp.sqrt(v) / np.sqrt(1 - b2**step) + eps
+    p -= (lr / (1 - b1**step)) * m / denom
+
+
+# ---- the cases ----------------------------------------------------------------------------------------------
+def build_cases(xp: Any, sizes: dict[str, Any]) -> list[Case]:
+    rng = np.random.default_rng(0)
+
+    def put(a: np.ndarray) -> Any:
+        return xp.asarray(a)
+
+    f32 = np.float32
+    cases: list[Case] = []
+
+    for name, (m, k, n) in (("sgemm", sizes["gemm"]), ("sgemm_conv_shape", sizes["conv_gemm"])):
+        a = put(rng.standard_normal((m, k)).astype(f32))
+        b = put(rng.standard_normal((k, n)).astype(f32))
+        cases.append(
+            Case(
+                name,
+                f"{m}x{k} @ {k}x{n}",
+                lambda a=a, b=b: sgemm_cuda(a, b),
+                lambda a=a, b=b: xp.matmul(a, b),
+                2.0 * m * n * k,
+                "GFLOP/s",
+                lambda o, t: _maxdiff(xp, o, t),
+                "vs cuBLAS; the engine keeps cuBLAS where it is faster",
+            )
+        )
+
+    n, c = sizes["xent"]
+    z = put((rng.standard_normal((n, c)) * 3).astype(f32))
+    t = put(rng.integers(0, c, n).astype(np.int64))
+
+    def xent_ours(z=z, t=t):
+        loss, stats = softmax_xent_forward_cuda(z, t, validate=False)
+        return loss, softmax_xent_backward_cuda(z, t, stats, 1.0)
+
+    cases.append(
+        Case(
+            "softmax_xent",
+            f"{n}x{c} fwd+bwd",
+            xent_ours,
+            lambda z=z, t=t: xent_composed(xp, z, t),
+            3.0 * n * c * 4,
+            "GB/s",
+            lambda o, r: _maxdiff(xp, o, r),
+        )
+    )
+
+    e = sizes["elems"]
+    for dt, label in ((np.float32, "f32"), (np.float16, "f16")):
+        y = put(np.maximum(rng.standard_normal(e), 0).astype(dt))
+        gy = put(rng.standard_normal(e).astype(dt))
+        cases.append(
+            Case(
+                f"relu_grad_{label}",
+                f"{e} elements",
+                lambda y=y, gy=gy: activation_grad_cuda("relu", y, gy),
+                lambda y=y, gy=gy: xp.where(y > 0, gy, xp.zeros((), dtype=gy.dtype)),
+                3.0 * e * np.dtype(dt).itemsize,
+                "GB/s",
+                lambda o, r: _maxdiff(xp, o, r),
+            )
+        )
+
+    n, d = sizes["l2"]
+    x = put(rng.standard_normal((n, d)).astype(f32))
+    gy = put(rng.standard_normal((n, d)).astype(f32))
+
+    def l2_ours(x=x, gy=gy):
+        y, norm = l2norm_forward_cuda(x, 1e-12)
+        return y, l2norm_backward_cuda(y, gy, norm, 1e-12)
+
+    cases.append(
+        Case(
+            "l2norm",
+            f"{n}x{d} fwd+bwd",
+            l2_ours,
+            lambda x=x, gy=gy: l2norm_composed(xp, x, gy, 1e-12),
+            5.0 * n * d * 4,  # fwd: read x, write y; bwd: read y, gy, write gx
+            "GB/s",
+            lambda o, r: _maxdiff(xp, o, r),
+        )
+    )
+
+    shape = sizes["img"]
+    x = put(rng.standard_normal(shape).astype(f32))
+    nb, h, w, ch = shape
+    cols_elems = nb * h * w * 9 * ch
+    cases.append(
+        Case(
+            "im2col",
+            f"{shape} k3 s1 p1",
+            lambda x=x: im2col_cuda(x, 3, 1, 1),
+            lambda x=x: im2col_composed(xp, x, 3, 1),
+            4.0 * (cols_elems + x.size),
+            "GB/s",
+            lambda o, r: _maxdiff(xp, o, r),
+        )
+    )
+    g = put(rng.standard_normal((nb * h * w, 9 * ch)).astype(f32))
+    cases.append(
+        Case(
+            "col2im",
+            f"{shape} k3 s1 p1",
+            lambda g=g, shape=shape: col2im_cuda(g, shape, 3, 1, 1),
+            lambda g=g, shape=shape: col2im_composed(xp, g, shape, 3, 1),
+            4.0 * (cols_elems + x.size),
+            "GB/s",
+            lambda o, r: _maxdiff(xp, o, r),
+        )
+    )
+
+    shape = sizes["pool"]
+    x = put(rng.standard_normal(shape).astype(f32))
+    gy = put(rng.standard_normal((shape[0], shape[1] // 2, shape[2] // 2, shape[3])).astype(f32))
+
+    def pool_ours(x=x, gy=gy, shape=shape):
+        y, idx = maxpool_forward_cuda(x, 2, 2, 0)
+        return y, maxpool_backward_cuda(gy, idx, shape, 2, 2, 0)
+
+    cases.append(
+        Case(
+            "maxpool",
+            f"{shape} 2x2/2 fwd+bwd",
+            pool_ours,
+            lambda x=x, gy=gy: maxpool2_composed(xp, x, gy),
+            4.0 * (x.size + gy.size) * 2,  # fwd: read x, write y (+ idx); bwd: read gy (+ idx), write gx
+            "GB/s",
+            lambda o, r: _maxdiff(xp, o, r),
+        )
+    )
+
+    p_n = sizes["params"]
+    p0 = rng.standard_normal(p_n).astype(f32)
+    grad = put(rng.standard_normal(p_n).astype(f32))
+    p1, buf1, p2, buf2 = put(p0), put(np.zeros(p_n, f32)), put(p0), put(np.zeros(p_n, f32))
+
+    def sgd_ours(p=p1, g=grad, b=buf1):
+        sgd_momentum_cuda(p, g, b, lr=1e-3, momentum=0.9, weight_decay=1e-4)
+        return p
+
+    def sgd_theirs(p=p2, g=grad, b=buf2):
+        sgd_composed(p, g, b, 1e-3, 0.9, 1e-4)
+        return p
+
+    # run_cases calls each side once before timing, so both buffers have taken exactly one step when compared
+    same = lambda o, r: _maxdiff(xp, o, r)  # noqa: E731
+    cases.append(Case("sgd_momentum", f"{p_n} params", sgd_ours, sgd_theirs, 20.0 * p_n, "GB/s", same))
+    pa, ma, va = put(p0), put(np.zeros(p_n, f32)), put(np.zeros(p_n, f32))
+    pb, mb, vb = put(p0), put(np.zeros(p_n, f32)), put(np.zeros(p_n, f32))
+    steps = {"ours": 0, "theirs": 0}
+
+    def adamw_ours():
+        steps["ours"] += 1
+        adamw_cuda(pa, grad, ma, va, step=steps["ours"], lr=1e-3, weight_decay=1e-2)
+        return pa
+
+    def adamw_theirs():
+        steps["theirs"] += 1
+        adamw_composed(xp, pb, grad, mb, vb, steps["theirs"], 1e-3, 1e-2)
+        return pb
+
+    cases.append(Case("adamw", f"{p_n} params", adamw_ours, adamw_theirs, 28.0 * p_n, "GB/s", same))
+    return cases
+
+
+# ---- timing -------------------------------------------------------------------------------------------------
+def gpu_timer(cp: Any) -> Callable[[Callable[[], Any], int], float]:
+    """Milliseconds per call of ``fn``, from CUDA events around ``repeats`` calls (median of 3 rounds)."""
+
+    def timer(fn: Callable[[], Any], repeats: int) -> float:
+        fn()  # warm-up: compiles kernels, fills the memory pool
+        cp.cuda.Device().synchronize()
+        rounds = []
+        for _ in range(3):
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            for _ in range(repeats):
+                fn()
+            end.record()
+            end.synchronize()
+            rounds.append(cp.cuda.get_elapsed_time(start, end) / repeats)
+        return median(rounds)
+
+    return timer
+
+
+def cpu_timer(fn: Callable[[], Any], repeats: int) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def run_cases(cases: list[Case], timer: Callable[[Callable[[], Any], int], float], repeats: int) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for case in cases:
+        diff = case.compare(case.ours(), case.theirs()) if case.compare else None
+        ours_ms = timer(case.ours, repeats)
+        theirs_ms = timer(case.theirs, repeats)
+        scale = 1e-9 / 1e-3  # (work / ms) -> G units per second
+        results[case.name] = {
+            "shape": case.shape,
+            "unit": case.unit,
+            "ours_ms": ours_ms,
+            "cupy_ms": theirs_ms,
+            "ours_rate": case.work / ours_ms * scale,
+            "cupy_rate": case.work / theirs_ms * scale,
+            "speedup_vs_cupy": theirs_ms / ours_ms,
+            "max_abs_diff": diff,
+            "note": case.note,
+        }
+    return results
+
+
+def print_table(results: dict[str, Any]) -> None:
+    head = f"{'kernel':<17} {'shape':<28} {'ours ms':>9} {'cupy ms':>9} {'ours':>10} {'cupy':>10} {'unit':<8} {'x':>6}"
+    print(head)
+    print("-" * len(head))
+    for name, r in results.items():
+        print(
+            f"{name:<17} {r['shape']:<28} {r['ours_ms']:>9.3f} {r['cupy_ms']:>9.3f} {r['ours_rate']:>10.1f} "
+            f"{r['cupy_rate']:>10.1f} {r['unit']:<8} {r['speedup_vs_cupy']:>6.2f}"
+            + (f"  max|diff| {r['max_abs_diff']:.2e}" if r["max_abs_diff"] is not None else "")
+        )
+    print("x = CuPy time / our time (> 1: our kernel is faster). Rates are effective GB/s or GFLOP/s.")
+    if "sgemm" in results:
+        print(
+            f"SGEMM: our tiled kernel reaches {results['sgemm']['ours_rate'] / results['sgemm']['cupy_rate']:.0%} of "
+            "cuBLAS; the engine uses cuBLAS (cupy.matmul) for its matrix products."
+        )
+
+
+# ==== LEAD: engine-vs-PyTorch training step =========================================================
+# The student training step (same network as benchmarks/engine_speed.py, batch 64 and 256, 64x64) in
+# the engine on the GPU versus PyTorch eager on the same GPU (when importable), float32 and mixed
+# precision, with peak GPU memory for both, goes here once the engine's GPU path is wired to these
+# kernels. It must return a JSON-able dict (or None while it is not built); main() reports it under
+# "train_step".
+def train_step_benchmark(cp: Any) -> dict[str, Any] | None:
+    return None
+
+
+# ================================================================================================
+
+
+def skipped_json(reason: str) -> dict[str, Any]:
+    return {"skipped": reason, "device": None, "kernels": {name: None for name in KERNEL_NAMES}, "train_step": None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per round")
+    parser.add_argument("--sizes", choices=sorted(SIZES), default="full")
+    args = parser.parse_args(argv)
+
+    ok, reason = _cuda.gpu_probe()
+    if not ok:
+        print(f"benchmarks/gpu.py: skipped, no GPU: {reason}")
+        print(json.dumps(skipped_json(reason)))
+        return 0
+    import cupy as cp
+
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    device = f"{name} (compute capability {props['major']}.{props['minor']})"
+    print(f"GPU: {device}, CuPy {cp.__version__}")
+    results = run_cases(build_cases(cp, SIZES[args.sizes]), gpu_timer(cp), args.repeats)
+    print_table(results)
+    train = train_step_benchmark(cp)
+    if train is None:
+        print("training step (engine vs PyTorch): not measured yet, engine GPU path not built")
+    print(json.dumps({"skipped": None, "device": device, "kernels": results, "train_step": train}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

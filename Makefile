@@ -1,16 +1,39 @@
 # leaflens: the two commands a newcomer needs are `make demo` and `make test`.
+#
+#   make demo                      synthetic leaves -> preprocess -> teacher -> distill -> export -> web app
+#   make preprocess DATA=photos/ SIZE=64
+#   make teacher | distill | export | serve
+#
+# Stage targets depend on the real files each stage writes, so an up-to-date stage is skipped.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+LEAFLENS := $(PY) -m pipeline.cli
 ART ?= artifacts
-DATA ?= $(ART)/synthetic
+SYNTH := $(ART)/synthetic
+DATA ?= $(SYNTH)
 SIZE ?= 64
+DATASET := $(ART)/dataset
+TEACHER := $(ART)/teacher
+STUDENT := $(ART)/student
+EXPORT := $(ART)/export
+TEACHER_ARGS ?=
+DISTILL_ARGS ?=
+EXPORT_ARGS ?=
+SERVE_ARGS ?=
+EXTRAS ?= dev,serve-cpu,teacher
 
-.PHONY: help test lint bench-engine bench-mnist train-example clean
+.PHONY: help venv test lint data preprocess teacher distill export serve demo bench-engine bench-mnist clean FORCE
 
 help:
-	@echo "make test           run the default test suite (creates $(VENV) on first use)"
-	@echo "make train-example  train the engine on a built-in toy example"
+	@echo "make demo           the whole pipeline on the built-in synthetic leaves, then the web app"
+	@echo "make test           the default test suite (creates $(VENV) on first use)"
+	@echo "make data           generate the synthetic leaf photos into $(SYNTH)"
+	@echo "make preprocess     DATA=<photo folder> SIZE=<pixels> -> $(DATASET)"
+	@echo "make teacher        teacher features -> $(TEACHER) (TEACHER_ARGS=--frozen|--onnx M|--train-cnn)"
+	@echo "make distill        student, distilled and from scratch -> $(STUDENT) (DISTILL_ARGS=...)"
+	@echo "make export         ONNX FP32/FP16/INT8 + Triton repository -> $(EXPORT)"
+	@echo "make serve          the local web app on 127.0.0.1"
 	@echo "make bench-engine   engine training-step speed (vs PyTorch when installed)"
 	@echo "make bench-mnist    MNIST with the engine (MNIST=dir with the IDX files)"
 	@echo "make lint           ruff"
@@ -19,8 +42,10 @@ help:
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[dev,serve-cpu]"
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
 	touch $@
+
+venv: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
@@ -28,9 +53,42 @@ test: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
 
-train-example: $(VENV)/.installed
-	$(PY) -m pipeline.cli train-example
+# ---- the pipeline ----------------------------------------------------------------------------
+$(SYNTH)/classes.toml: | $(VENV)/.installed
+	$(LEAFLENS) data synth --out $(SYNTH)
 
+data: $(SYNTH)/classes.toml
+
+# preprocess always looks at the photos (it does no work and keeps the manifest's time stamp when
+# nothing changed), so later stages re-run only when the dataset really changed.
+$(DATASET)/manifest.json: FORCE $(if $(filter $(SYNTH),$(DATA)),$(SYNTH)/classes.toml) | $(VENV)/.installed
+	$(LEAFLENS) preprocess --src $(DATA) --out $(DATASET) --size $(SIZE)
+
+preprocess: $(DATASET)/manifest.json
+
+$(TEACHER)/teacher.json: $(DATASET)/manifest.json
+	$(LEAFLENS) teacher --dataset $(DATASET) --out $(TEACHER) $(TEACHER_ARGS)
+
+teacher: $(TEACHER)/teacher.json
+
+$(STUDENT)/best.npz: $(TEACHER)/teacher.json
+	$(LEAFLENS) distill --dataset $(DATASET) --teacher $(TEACHER) --out $(STUDENT) $(DISTILL_ARGS)
+
+distill: $(STUDENT)/best.npz
+
+$(EXPORT)/student.onnx: $(STUDENT)/best.npz
+	$(LEAFLENS) export --run $(STUDENT) --dataset $(DATASET) --out $(EXPORT) $(EXPORT_ARGS)
+
+export: $(EXPORT)/student.onnx
+
+serve: $(EXPORT)/student.onnx
+	$(LEAFLENS) serve --model $(EXPORT)/student.onnx $(SERVE_ARGS)
+
+demo: serve
+
+FORCE:
+
+# ---- benchmarks ------------------------------------------------------------------------------
 bench-engine: $(VENV)/.installed
 	$(PY) benchmarks/engine_speed.py
 

@@ -23,7 +23,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "predict": ("apps.cmd_predict", "classify image files and folders with an exported model"),
     "serve": ("apps.cmd_serve", "start the local web app"),
     "doctor": ("pipeline.cmd_doctor", "report Python, NumPy, CuPy, GPU and BLAS facts"),
-    "train-example": ("pipeline.cmd_train_example", "train the engine on a built-in toy example"),
 }
 
 

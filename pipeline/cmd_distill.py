@@ -1,0 +1,73 @@
+"""`leaflens distill`: train the student from the teacher and from scratch; keep the better."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pipeline.config import ConfigError, load_config
+
+DEFAULT_CONFIG = "distill_default.toml"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "distill", help="train the student (distilled and from scratch), keep the better",
+        description="Train the small student CNN on a preprocessed dataset, learning from the teacher's features "
+                    "(and logits), beside the same student trained from scratch; the better on the validation "
+                    "split is kept. Writes checkpoints, metrics.jsonl, curves.png, confusion.png, report.json "
+                    f"and report.md. Defaults: pipeline/{DEFAULT_CONFIG}.")
+    p.add_argument("--dataset", type=Path, default=Path("artifacts/dataset"), help="preprocessed dataset folder")
+    p.add_argument("--teacher", type=Path, default=Path("artifacts/teacher"), help="teacher folder (features)")
+    p.add_argument("--out", type=Path, default=Path("artifacts/student"), help="run folder to write")
+    p.add_argument("--config", type=Path, help="TOML file overriding the defaults")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one setting, e.g. --set train.epochs=10 (repeatable)")
+    p.add_argument("--no-teacher", action="store_true", help="train from scratch only (cross-entropy alone)")
+    p.add_argument("--seed", type=int, help="random seed (same as --set train.seed=N)")
+    p.add_argument("--epochs", type=int, help="epochs (same as --set train.epochs=N)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run in <out>.partial")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from data_prep.manifest import DatasetError  # noqa: PLC0415
+    from engine.checkpoint import CheckpointError  # noqa: PLC0415
+    from pipeline.distill import run_distill  # noqa: PLC0415
+    from pipeline.teacher_io import TeacherError  # noqa: PLC0415
+    from pipeline.train_student import TrainingStopped  # noqa: PLC0415
+
+    overrides = list(args.overrides)
+    if args.seed is not None:
+        overrides.append(f"train.seed={args.seed}")
+    if args.epochs is not None:
+        overrides.append(f"train.epochs={args.epochs}")
+    try:
+        cfg = load_config(DEFAULT_CONFIG, args.config, overrides)
+    except ConfigError as exc:
+        print(f"leaflens distill: {exc}", file=sys.stderr)
+        return 2
+    teacher = None if args.no_teacher else args.teacher
+    if teacher is not None and not (teacher / "teacher.json").exists():
+        print(f"leaflens distill: no teacher at {teacher} (run `leaflens teacher` first, or pass --no-teacher)",
+              file=sys.stderr)
+        return 2
+    try:
+        report = run_distill(args.dataset, teacher, args.out, cfg, no_teacher=args.no_teacher,
+                             resume=args.resume, progress=not args.quiet)
+    except (DatasetError, TeacherError, CheckpointError, ValueError) as exc:
+        print(f"leaflens distill: {exc}", file=sys.stderr)
+        return 2
+    except TrainingStopped as exc:
+        print(f"leaflens distill: stopped: {exc}", file=sys.stderr)
+        return 3
+    v = report["variants"]
+    print(f"kept: {report['winner']} (val accuracy {report['val_accuracy']:.4f}; test accuracy "
+          f"{report['test_accuracy'] if report['test_accuracy'] is None else format(report['test_accuracy'], '.4f')})")
+    if len(v) > 1:
+        print("  " + ", ".join(f"{k}: val {x['val_accuracy']:.4f}" for k, x in v.items()))
+    print(f"report: {args.out / 'report.md'}")
+    return 0

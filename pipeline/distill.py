@@ -1,0 +1,223 @@
+"""The distill stage: train the student from the teacher and from scratch, keep the better, report.
+
+Output folder (written as ``<out>.partial`` and renamed into place when complete; ``--resume``
+continues a partial one):
+
+    best.npz            the chosen student (engine checkpoint; see pipeline/runs.py)
+    config.toml         the resolved configuration
+    distilled/, scratch/  each variant's last.npz, best.npz, metrics.jsonl (and faults.jsonl)
+    report.json, report.md, curves.png, confusion.png, hardest.png, feature_maps.png
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from data_prep.manifest import load_dataset
+from engine import Tensor, no_grad
+from engine.checkpoint import load_checkpoint, save_checkpoint
+from engine.data import normalize
+from pipeline import metrics, plots
+from pipeline.config import dump_toml
+from pipeline.hardware import describe_hardware
+from pipeline.report_md import write_report
+from pipeline.teacher_io import load_teacher, manifest_sha256
+from pipeline.train_student import (
+    BEST,
+    ConcatImages,
+    TrainData,
+    build_student,
+    predict_logits,
+    train_run,
+)
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def _partial_dir(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
+
+
+def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathLike[str] | None,
+                out_dir: str | os.PathLike[str], cfg: dict[str, Any], no_teacher: bool = False,
+                resume: bool = False, progress: bool = True) -> dict[str, Any]:
+    out = Path(out_dir)
+    work = _partial_dir(out)
+    if not resume and work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "config.toml").write_text(dump_toml(cfg), encoding="utf-8")
+
+    ds = load_dataset(dataset_dir)
+    for split in ("train", "val"):
+        if split not in ds or ds[split].labels is None:
+            raise ValueError(f"dataset {ds.root} has no labelled '{split}' split")
+    train, val = ds["train"], ds["val"]
+    mean, std = ds.mean, ds.std
+    base_meta: dict[str, Any] = {
+        "model_config": {"kind": "student_cnn", "num_classes": ds.num_classes, "widths": list(cfg["model"]["widths"]),
+                         "in_channels": 3, "dropout": float(cfg["model"]["dropout"])},
+        "dataset": {"classes": ds.classes, "mean": [float(v) for v in mean], "std": [float(v) for v in std],
+                    "image_size": ds.image_size, "resize": ds.manifest.get("options", {}).get("resize", "crop"),
+                    "manifest_sha256": manifest_sha256(ds.root), "root": str(ds.root)},
+        "run_id": json.loads((work / "run_id.json").read_text())["run_id"] if (work / "run_id.json").exists()
+        else f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}",
+    }
+    (work / "run_id.json").write_text(json.dumps({"run_id": base_meta["run_id"]}))
+
+    variants: dict[str, TrainData] = {}
+    teacher_info = None
+    if teacher_dir is not None and not no_teacher:
+        tt = load_teacher(teacher_dir, ds)
+        teacher_info = tt.info
+        parts = ["train"] + (["unlabeled"] if "unlabeled" in ds else [])
+        labels = np.concatenate([np.asarray(ds[p].labels) if ds[p].labels is not None
+                                 else np.full(len(ds[p]), -1, np.int64) for p in parts])
+        variants["distilled"] = TrainData(
+            images=ConcatImages([ds[p].images for p in parts]), labels=labels,
+            features=ConcatImages([tt.features[p] for p in parts]),
+            logits=ConcatImages([tt.logits[p] for p in parts]) if tt.has_logits else None)
+    if not variants or cfg["distill"]["compare_scratch"]:
+        variants["scratch"] = TrainData(images=train.images, labels=np.asarray(train.labels))
+
+    results = {}
+    for name, data in variants.items():
+        results[name] = train_run(work / name, cfg, data, val.images, np.asarray(val.labels), mean, std,
+                                  ds.num_classes, {**base_meta, "variant": name}, resume=resume, label=name,
+                                  progress=progress)
+    # Ties go to the simpler recipe: distillation has to earn its place.
+    order = sorted(results, key=lambda k: (results[k].best_val_accuracy, k == "scratch"), reverse=True)
+    winner = order[0]
+
+    evaluated = {name: _evaluate_variant(work / name / BEST, cfg, ds) for name in results}
+    chosen = evaluated[winner]
+    threshold = metrics.choose_uncertain_threshold(chosen["val_probs"], np.asarray(val.labels))
+    threshold_value = float(threshold["threshold"]) if isinstance(threshold, dict) else float(threshold)
+    model = chosen["model"]
+    test_summary = chosen.get("test_summary")
+    final_metrics = {"val_accuracy": results[winner].best_val_accuracy,
+                     "test_accuracy": None if test_summary is None else test_summary["accuracy"],
+                     "uncertain_threshold": threshold_value}
+    save_checkpoint(work / BEST, model, epoch=results[winner].best_epoch, step=0,
+                    extra={**base_meta, "variant": winner, "metrics": final_metrics,
+                           "teacher": None if teacher_info is None else teacher_info.get("teacher")})
+
+    report = _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold, teacher_info, model)
+    _write_visuals(work, ds, results, chosen, model, mean, std)
+    _write_json(work / "report.json", report)
+    write_report(work, report)
+
+    if out.exists():
+        old = out.with_name(out.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(out, old)
+        os.replace(work, out)
+        shutil.rmtree(old)
+    else:
+        os.replace(work, out)
+    return report
+
+
+def _evaluate_variant(best_path: Path, cfg: dict[str, Any], ds: Any) -> dict[str, Any]:
+    """Reload a variant's best weights and score them on val and (when present) test."""
+    model = build_student(cfg, ds.num_classes, None)
+    ck_meta = load_checkpoint(best_path, None, restore_rng=False).meta
+    from engine.checkpoint import read_checkpoint_arrays  # noqa: PLC0415
+
+    _, arrays = read_checkpoint_arrays(best_path)
+    state = {k[6:]: v for k, v in arrays.items() if k.startswith("model/") and not k.startswith("model/projection.")}
+    model.load_state_dict(state)
+    model.eval()
+    bs = int(cfg["train"]["eval_batch_size"])
+    out: dict[str, Any] = {"model": model, "epoch": ck_meta["epoch"]}
+    out["val_probs"] = _softmax(predict_logits(model, ds["val"].images, ds.mean, ds.std, bs))
+    if "test" in ds and ds["test"].labels is not None and len(ds["test"]):
+        probs = _softmax(predict_logits(model, ds["test"].images, ds.mean, ds.std, bs))
+        out["test_probs"] = probs
+        out["test_summary"] = metrics.evaluation_summary(probs, np.asarray(ds["test"].labels), ds.classes)
+    return out
+
+
+def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold, teacher_info, model) -> dict:
+    variants = {}
+    for name, r in results.items():
+        ts = evaluated[name].get("test_summary")
+        variants[name] = {"val_accuracy": r.best_val_accuracy, "best_epoch": r.best_epoch, "epochs_run": r.epochs_run,
+                          "train_seconds": round(r.train_seconds, 1), "stopped_early": r.stopped_early,
+                          "test_accuracy": None if ts is None else ts["accuracy"]}
+    gain = None
+    if "distilled" in variants and "scratch" in variants:
+        gain = {"val": variants["distilled"]["val_accuracy"] - variants["scratch"]["val_accuracy"],
+                "test": None if variants["scratch"]["test_accuracy"] is None
+                else variants["distilled"]["test_accuracy"] - variants["scratch"]["test_accuracy"]}
+    chosen = evaluated[winner]
+    return {
+        "winner": winner,
+        "test_accuracy": final_metrics["test_accuracy"],
+        "val_accuracy": final_metrics["val_accuracy"],
+        "uncertain_threshold": final_metrics["uncertain_threshold"],
+        "threshold_choice": threshold if isinstance(threshold, dict) else None,
+        "params": model.num_parameters(),
+        "train_seconds": round(sum(r.train_seconds for r in results.values()), 1),
+        "variants": variants,
+        "distillation_gain": gain,
+        "test": chosen.get("test_summary"),
+        "classes": ds.classes,
+        "teacher": None if teacher_info is None else teacher_info.get("teacher"),
+        "config": cfg,
+        "hardware": describe_hardware(),
+        "dataset": {"root": str(ds.root), "counts": {s: len(ds[s]) for s in ds.splits},
+                    "image_size": ds.image_size},
+    }
+
+
+def _write_visuals(work: Path, ds, results, chosen, model, mean, std) -> None:
+    plots.plot_curves(None, work / "curves.png", series={k: r.history for k, r in results.items()},
+                      title="Student training: distilled vs scratch" if len(results) > 1 else "Student training")
+    split = "test" if "test_probs" in chosen else "val"
+    probs = chosen.get("test_probs", chosen["val_probs"])
+    y = np.asarray(ds[split].labels)
+    pred = probs.argmax(1)
+    cm = metrics.confusion_matrix(y, pred, ds.num_classes)
+    plots.plot_confusion(cm, ds.classes, work / "confusion.png", title=f"Confusion matrix ({split} split)")
+    wrong = np.flatnonzero(pred != y)
+    if len(wrong):
+        hardest = wrong[np.argsort(-probs[wrong, pred[wrong]])][:24]
+        caps = [f"{ds.classes[y[i]]} -> {ds.classes[pred[i]]} ({probs[i, pred[i]]:.2f})" for i in hardest]
+        plots.contact_sheet(np.asarray(ds[split].images[np.sort(hardest)])[np.argsort(np.argsort(hardest))], caps,
+                            work / "hardest.png")
+    # first convolution's feature maps for a few validation images, captured with a forward hook
+    first_conv = model.features[0][0]
+    captured: list[np.ndarray] = []
+    remove = first_conv.register_forward_hook(lambda m, i, o: captured.append(o.numpy()))
+    imgs = np.asarray(ds["val"].images[: min(4, len(ds["val"]))])
+    with no_grad():
+        model(Tensor(normalize(imgs, mean, std)))
+    remove()
+    plots.feature_map_grid(captured[0], work / "feature_maps.png", images=imgs)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=_json_default), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON-serialisable: {type(o).__name__}")

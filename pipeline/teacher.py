@@ -1,0 +1,238 @@
+"""The teacher stage: features (and logits) of a big model for every image of a dataset.
+
+Teachers:
+- ``EfficientNetTeacher`` (default): ImageNet-pretrained EfficientNet-Lite0 rebuilt in the engine,
+  fine-tuned on the dataset unless frozen (pipeline/teacher_effnet.py);
+- ``OnnxEncoder``: any ONNX image encoder run by onnxruntime;
+- a CNN the engine trains on the dataset itself (``train_cnn_teacher``);
+- a features file the user computed elsewhere (``import_features``).
+
+All of them end in the same artefact (pipeline/teacher_io.py): ``features_<split>.npy`` memmaps
+and ``teacher.json`` tied to the dataset manifest's checksum, written into a temporary folder
+that replaces the old one only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+from tqdm import tqdm
+
+from data_prep.arrays import NpyRowWriter
+from data_prep.decode import decode_image_at
+from data_prep.ingest import swap_into_place
+from pipeline.teacher_io import FORMAT, TEACHER_JSON, feature_paths, manifest_sha256
+
+
+class TeacherStageError(ValueError):
+    """The teacher stage cannot run as asked (the message says why and what to do)."""
+
+
+class Encoder(Protocol):
+    input_size: int
+    feature_dim: int
+    num_classes: int | None
+
+    def encode(self, images: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """uint8 (N, S, S, 3) RGB -> (features (N, D) float32, logits (N, C) or None)."""
+
+    def identity(self) -> dict[str, Any]:
+        """What teacher.json records about this encoder (name, weights, preprocessing)."""
+
+
+def split_source_dir(ds: Any, split: str) -> Path | None:
+    """Where the original photos of a split live (None when the manifest does not say)."""
+    key = "unlabeled_source" if split == "unlabeled" else "source_root"
+    root = ds.manifest.get(key)
+    return Path(root) if root else None
+
+
+def iter_split_images(ds: Any, split: str, size: int, shorter_side: int | None, batch: int,
+                      from_arrays: bool = False, workers: int = 2) -> Iterator[np.ndarray]:
+    """Batches of a split's images at the teacher's resolution.
+
+    At the dataset's own size the stored arrays are used. Otherwise the original photos are
+    decoded again through data_prep's decode path (same crop rule), so the teacher sees real
+    detail rather than upsampled thumbnails; ``from_arrays`` upsamples the stored arrays instead
+    (for datasets whose originals are gone).
+    """
+    images = ds[split].images
+    n = len(images)
+    resize = ds.manifest.get("options", {}).get("resize", "crop")
+    if size == ds.image_size:
+        for i in range(0, n, batch):
+            yield np.asarray(images[i:i + batch])
+        return
+    if from_arrays:
+        from PIL import Image  # noqa: PLC0415
+
+        for i in range(0, n, batch):
+            chunk = np.asarray(images[i:i + batch])
+            yield np.stack([np.asarray(Image.fromarray(im).resize((size, size), Image.Resampling.BICUBIC))
+                            for im in chunk])
+        return
+    src = split_source_dir(ds, split)
+    files = ds[split].files
+    if src is None or not src.is_dir():
+        raise TeacherStageError(
+            f"the original photos of split '{split}' are not at {src}: the teacher needs them at {size}x{size}. "
+            f"Pass --from-arrays to upsample the stored {ds.image_size}x{ds.image_size} arrays instead.")
+    paths = [src / f for f in files]
+    missing = [p for p in paths if not p.is_file()]
+    if missing:
+        raise TeacherStageError(f"{len(missing)} original photos of split '{split}' are missing, first {missing[0]}; "
+                                "pass --from-arrays to use the stored arrays")
+
+    def load(p: Path) -> np.ndarray:
+        return decode_image_at(p, size, resize, shorter_side=shorter_side)
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for i in range(0, n, batch):
+            yield np.stack(list(pool.map(load, paths[i:i + batch])))
+
+
+def write_teacher(out: str | os.PathLike[str], ds: Any, encoder: Encoder, batch: int = 32,
+                  shorter_side: int | None = None, from_arrays: bool = False, dtype: Any = np.float32,
+                  extra: dict[str, Any] | None = None, progress: bool = True) -> Path:
+    """Run ``encoder`` over every split of ``ds`` and write the teacher folder atomically."""
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        total = sum(len(ds[s]) for s in ds.splits)
+        bar = tqdm(total=total, desc="teacher features", unit="img", disable=not progress)
+        for split in ds.splits:
+            n = len(ds[split])
+            fname, lname = feature_paths(split)
+            fw = NpyRowWriter(tmp / fname, n, (encoder.feature_dim,), dtype)
+            lw = NpyRowWriter(tmp / lname, n, (encoder.num_classes,), np.float32) if encoder.num_classes else None
+            if hasattr(encoder, "start"):
+                encoder.start(split)
+            try:
+                for chunk in iter_split_images(ds, split, encoder.input_size, shorter_side, batch, from_arrays):
+                    f, lg = encoder.encode(chunk)
+                    fw.write(f)
+                    if lw is not None:
+                        lw.write(lg)
+                    bar.update(len(chunk))
+            except BaseException:
+                fw.abort()
+                if lw is not None:
+                    lw.abort()
+                raise
+            fw.close()
+            if lw is not None:
+                lw.close()
+        bar.close()
+        info = {
+            "format": FORMAT,
+            "teacher": encoder.identity(),
+            "feature_dim": encoder.feature_dim,
+            "num_classes": encoder.num_classes,
+            "classes": ds.classes if encoder.num_classes else None,
+            "input_size": encoder.input_size,
+            "shorter_side": shorter_side,
+            "from_arrays": from_arrays,
+            "dtype": np.dtype(dtype).name,
+            "dataset_manifest_sha256": manifest_sha256(ds.root),
+            "dataset_root": str(ds.root),
+            "rows": {s: len(ds[s]) for s in ds.splits},
+            **(extra or {}),
+        }
+        (tmp / TEACHER_JSON).write_text(json.dumps(info, indent=2, default=_json_default), encoding="utf-8")
+        swap_into_place(tmp, out)
+    except BaseException:
+        import shutil  # noqa: PLC0415
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON-serialisable: {type(o).__name__}")
+
+
+def knn_accuracy(train_f: np.ndarray, train_y: np.ndarray, test_f: np.ndarray, test_y: np.ndarray) -> float:
+    """1-nearest-neighbour accuracy under cosine similarity: how well features separate the classes."""
+    a = train_f / np.maximum(np.linalg.norm(train_f, axis=1, keepdims=True), 1e-12)
+    b = test_f / np.maximum(np.linalg.norm(test_f, axis=1, keepdims=True), 1e-12)
+    nearest = (b @ a.T).argmax(axis=1)
+    return float((train_y[nearest] == test_y).mean())
+
+
+class ArrayEncoder:
+    """Precomputed features (and logits) per split, served as an encoder so they take the same path."""
+
+    def __init__(self, features: dict[str, np.ndarray], logits: dict[str, np.ndarray] | None, source: Path,
+                 input_size: int, identity: dict[str, Any] | None = None):
+        dims = {f.shape[1] for f in features.values()}
+        if len(dims) != 1:
+            raise TeacherStageError(f"{source}: feature arrays of different widths {sorted(dims)}")
+        self.features, self.logits, self.source = features, logits, source
+        self._identity = identity or {"kind": "features-file", "path": str(Path(source).resolve())}
+        self.feature_dim = dims.pop()
+        self.num_classes = None if not logits else next(iter(logits.values())).shape[1]
+        self.input_size = input_size
+        self._split: str | None = None
+        self._row = 0
+
+    def start(self, split: str) -> None:
+        self._split, self._row = split, 0
+
+    def encode(self, images: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        assert self._split is not None
+        a, b = self._row, self._row + len(images)
+        self._row = b
+        lg = None if not self.logits else np.asarray(self.logits[self._split][a:b], np.float32)
+        return np.asarray(self.features[self._split][a:b], np.float32), lg
+
+    def identity(self) -> dict[str, Any]:
+        return self._identity
+
+
+def read_features_source(path: Path, ds: Any) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+    """A folder of ``features_<split>.npy`` (+ ``logits_<split>.npy``) or one ``.npz`` with those keys."""
+    feats: dict[str, np.ndarray] = {}
+    logits: dict[str, np.ndarray] = {}
+    if path.is_dir():
+        for split in ds.splits:
+            fname, lname = feature_paths(split)
+            if not (path / fname).is_file():
+                raise TeacherStageError(f"{path} has no {fname} for split '{split}'")
+            feats[split] = np.load(path / fname, mmap_mode="r", allow_pickle=False)
+            if (path / lname).is_file():
+                logits[split] = np.load(path / lname, mmap_mode="r", allow_pickle=False)
+    elif path.suffix == ".npz" and path.is_file():
+        with np.load(path, allow_pickle=False) as z:
+            for split in ds.splits:
+                key = f"features_{split}"
+                if key not in z.files:
+                    raise TeacherStageError(f"{path} has no array '{key}' (has: {', '.join(z.files)})")
+                feats[split] = z[key]
+                if f"logits_{split}" in z.files:
+                    logits[split] = z[f"logits_{split}"]
+    else:
+        raise TeacherStageError(f"--features {path}: expected a folder of features_<split>.npy or an .npz file")
+    for split, f in feats.items():
+        n = len(ds[split])
+        if f.ndim != 2 or f.shape[0] != n:
+            raise TeacherStageError(f"{path}: features for '{split}' have shape {f.shape}, the dataset has {n} rows "
+                                    "(features must be aligned with the manifest's row order)")
+        if not np.isfinite(np.asarray(f)).all():
+            raise TeacherStageError(f"{path}: features for '{split}' contain NaN or inf")
+    if logits and set(logits) != set(feats):
+        raise TeacherStageError(f"{path}: logits are given for some splits only ({sorted(logits)})")
+    return feats, (logits or None)

@@ -1,0 +1,291 @@
+"""One student training run: the loop, its checkpoints, metrics and fault handling.
+
+Used twice by `leaflens distill`: once learning from the teacher (feature + CE + KD loss, on the
+labelled images and any unlabelled ones) and once from scratch (CE alone, labelled images only),
+with the same recipe and seed, so that the gain from distillation is measured, never assumed.
+
+Every epoch appends a line to ``metrics.jsonl`` and writes ``last.npz`` (model, optimiser,
+scheduler, loader position, history: everything needed to resume exactly); ``best.npz`` holds the
+weights with the best validation accuracy so far.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from engine import NonFiniteLossError, Tensor, no_grad, ops
+from engine import random as erandom
+from engine.checkpoint import load_checkpoint, save_checkpoint
+from engine.data import ArrayDataset, Augment, DataLoader, normalize
+from engine.nn import Module
+from engine.optim import SGD, AdamW, WarmupCosine, clip_grad_norm_
+from pipeline.student import StudentCNN
+
+LAST, BEST, METRICS, FAULTS = "last.npz", "best.npz", "metrics.jsonl", "faults.jsonl"
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on repeated numerical faults; ``last.npz`` lets it resume after a fix."""
+
+
+class ConcatImages:
+    """Row-wise concatenation of (memory-mapped) image arrays without copying them into memory."""
+
+    def __init__(self, parts: list[np.ndarray]):
+        if len({p.shape[1:] for p in parts}) != 1:
+            raise ValueError(f"image arrays of different shapes cannot be combined: {[p.shape for p in parts]}")
+        self.parts = parts
+        self.offsets = np.cumsum([0] + [len(p) for p in parts])
+        self.shape = (int(self.offsets[-1]), *parts[0].shape[1:])
+        self.dtype, self.ndim = parts[0].dtype, parts[0].ndim
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, idx: np.ndarray) -> np.ndarray:
+        idx = np.asarray(idx)
+        out = np.empty((len(idx), *self.shape[1:]), self.dtype)
+        which = np.searchsorted(self.offsets, idx, side="right") - 1
+        for k, part in enumerate(self.parts):
+            sel = which == k
+            if sel.any():
+                out[sel] = part[idx[sel] - self.offsets[k]]
+        return out
+
+
+@dataclass
+class TrainData:
+    """What a run trains on: images, labels (-1 = unlabelled) and optional teacher targets per row."""
+
+    images: Any
+    labels: np.ndarray
+    features: np.ndarray | None = None   # (N, D) teacher features, or None
+    logits: np.ndarray | None = None     # (N, C) teacher logits, or None
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    best_val_accuracy: float
+    best_epoch: int
+    epochs_run: int
+    train_seconds: float
+    history: list[dict[str, Any]] = field(default_factory=list)
+    stopped_early: bool = False
+
+
+def build_student(cfg: dict[str, Any], num_classes: int, teacher_dim: int | None) -> StudentCNN:
+    m = cfg["model"]
+    return StudentCNN(num_classes, widths=m["widths"], teacher_dim=teacher_dim, dropout=m["dropout"])
+
+
+def make_augment(cfg: dict[str, Any]) -> Augment:
+    a = cfg["augment"]
+    crop = None if a["crop"] in (None, "none") else a["crop"]
+    return Augment(hflip=a["hflip"], vflip=a["vflip"], crop=crop, scale=tuple(a["scale"]),
+                   brightness=a["brightness"], contrast=a["contrast"])
+
+
+def predict_logits(model: Module, images: Any, mean: np.ndarray, std: np.ndarray, batch: int = 256) -> np.ndarray:
+    """Logits for every row of a uint8 NHWC array, in eval mode, without recording a graph."""
+    was_training = model.training
+    model.eval()
+    out = []
+    with no_grad():
+        for i in range(0, len(images), batch):
+            x = normalize(np.asarray(images[i:i + batch]), mean, std)
+            out.append(model(Tensor(x)).numpy())
+    model.train(was_training)
+    return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _l2n(a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a, np.float32)
+    return a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    z = z - z.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def distill_loss(model: StudentCNN, x: np.ndarray, y: np.ndarray, feats: np.ndarray | None,
+                 tlogits: np.ndarray | None, dcfg: dict[str, Any],
+                 label_smoothing: float) -> tuple[Tensor, dict[str, float], np.ndarray]:
+    """The batch loss, its parts (feature = 2 - 2 cos, cross-entropy on labelled rows, KD) and the logits."""
+    parts: dict[str, float] = {}
+    labelled = bool((y >= 0).any())
+    if feats is None:
+        logits = model(Tensor(x))
+        loss = ops.cross_entropy(logits, y, label_smoothing=label_smoothing, ignore_index=-1)
+        parts["ce"] = loss.item()
+        return loss, parts, logits.data
+    logits, proj = model.forward_with_projection(Tensor(x))
+    diff = ops.l2_normalize(proj, axis=1) - _l2n(feats)
+    feat = (diff * diff).sum(axis=1).mean()
+    loss = feat * float(dcfg["feature_weight"])
+    parts["feature"] = feat.item()
+    if labelled and dcfg["alpha"]:
+        ce = ops.cross_entropy(logits, y, label_smoothing=label_smoothing, ignore_index=-1)
+        loss = loss + ce * float(dcfg["alpha"])
+        parts["ce"] = ce.item()
+    if tlogits is not None and dcfg["kd_weight"]:
+        t = float(dcfg["temperature"])
+        soft = _softmax(np.asarray(tlogits, np.float32) / t).astype(np.float32)
+        kd = ops.cross_entropy(logits * (1.0 / t), soft) * (t * t)
+        loss = loss + kd * float(dcfg["kd_weight"])
+        parts["kd"] = kd.item()
+    return loss, parts, logits.data
+
+
+def train_run(run_dir: str | os.PathLike[str], cfg: dict[str, Any], data: TrainData, val_images: Any,
+              val_labels: np.ndarray, mean: np.ndarray, std: np.ndarray, num_classes: int,
+              extra_meta: dict[str, Any], resume: bool = False, label: str = "student",
+              progress: bool = True) -> RunResult:
+    """Train one student in ``run_dir``; resumes from ``last.npz`` when ``resume`` and it exists."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tcfg, dcfg = cfg["train"], cfg["distill"]
+    seed = int(tcfg["seed"])
+    erandom.seed(seed)
+    teacher_dim = None if data.features is None else int(data.features.shape[1])
+    model = build_student(cfg, num_classes, teacher_dim)
+    dataset = ArrayDataset(data.images, data.labels)
+    loader = DataLoader(dataset, int(tcfg["batch_size"]), shuffle=True, drop_last=len(dataset) > tcfg["batch_size"],
+                        seed=seed, mean=mean, std=std, augment=make_augment(cfg), prefetch=3, num_threads=1)
+    steps_per_epoch = len(loader)
+    epochs = int(tcfg["epochs"])
+    if tcfg["optimizer"] == "adamw":
+        opt = AdamW(model.parameters(), lr=tcfg["lr"], weight_decay=tcfg["weight_decay"])
+    elif tcfg["optimizer"] == "sgd":
+        opt = SGD(model.parameters(), lr=tcfg["lr"], momentum=0.9, nesterov=True, weight_decay=tcfg["weight_decay"])
+    else:
+        raise ValueError(f"train.optimizer must be 'adamw' or 'sgd', got {tcfg['optimizer']!r}")
+    sched = WarmupCosine(opt, total_steps=max(epochs * steps_per_epoch, 1),
+                         warmup_steps=min(int(tcfg["warmup_epochs"]) * steps_per_epoch, epochs * steps_per_epoch))
+
+    history: list[dict[str, Any]] = []
+    best_acc, best_epoch, start_epoch, train_seconds, bad_streak = -1.0, -1, 0, 0.0, 0
+    last = run_dir / LAST
+    if resume and last.exists():
+        ck = load_checkpoint(last, model, opt, sched)
+        st = ck.extra["train_state"]
+        history, best_acc, best_epoch = st["history"], st["best_acc"], st["best_epoch"]
+        train_seconds, start_epoch = st["train_seconds"], ck.epoch + 1
+        loader.load_state_dict(st["loader"])
+        _truncate_jsonl(run_dir / METRICS, len(history))
+    elif not resume:
+        for name in (LAST, BEST, METRICS, FAULTS):
+            (run_dir / name).unlink(missing_ok=True)
+
+    patience = int(tcfg["early_stopping_patience"])
+    stopped_early = False
+    for epoch in range(start_epoch, epochs):
+        if patience and best_epoch >= 0 and epoch - best_epoch > patience:
+            stopped_early = True
+            break
+        model.train()
+        loader.set_epoch(epoch)
+        order = loader.epoch_order(epoch)
+        bs = loader.batch_size
+        t0 = time.perf_counter()
+        sums: dict[str, float] = {}
+        seen = correct = labelled_seen = steps = skipped = 0
+        bar = tqdm(loader, total=steps_per_epoch, desc=f"{label} epoch {epoch + 1}/{epochs}", leave=False,
+                   disable=not progress, unit="batch")
+        for b, (x, y) in enumerate(bar):
+            idx = order[b * bs:(b + 1) * bs]
+            feats = None if data.features is None else np.asarray(data.features[idx])
+            tl = None if data.logits is None else np.asarray(data.logits[idx])
+            opt.zero_grad()
+            try:
+                loss, parts, logits = distill_loss(model, x, y, feats, tl, dcfg, tcfg["label_smoothing"])
+                loss.backward()
+                gnorm = clip_grad_norm_(model.parameters(), float(tcfg["clip_grad_norm"]))
+                if not math.isfinite(gnorm):
+                    raise NonFiniteLossError(f"gradient norm is {gnorm}")
+            except NonFiniteLossError as exc:
+                skipped += 1
+                bad_streak += 1
+                _append_jsonl(run_dir / FAULTS, {"epoch": epoch, "batch": b, "rows": idx.tolist(),
+                                                  "error": str(exc)})
+                if bad_streak >= int(tcfg["max_bad_steps"]):
+                    save_checkpoint(last, model, opt, sched, epoch=epoch - 1, step=sched.last_step,
+                                    extra=_state_extra(extra_meta, history, best_acc, best_epoch, train_seconds,
+                                                       loader, epoch))
+                    raise TrainingStopped(
+                        f"{label}: {bad_streak} consecutive non-finite losses/gradients (last at epoch {epoch + 1}, "
+                        f"batch {b}; rows in {run_dir / FAULTS}). Lower train.lr or check the data, then rerun "
+                        "with --resume.") from exc
+                continue
+            bad_streak = 0
+            opt.step()
+            sched.step()
+            steps += 1
+            for k, v in parts.items():
+                sums[k] = sums.get(k, 0.0) + v
+            sums["loss"] = sums.get("loss", 0.0) + loss.item()
+            labelled = y >= 0
+            labelled_seen += int(labelled.sum())
+            correct += int((logits.argmax(1)[labelled] == y[labelled]).sum())
+            seen += len(y)
+        elapsed = time.perf_counter() - t0
+        train_seconds += elapsed
+        val_logits = predict_logits(model, val_images, mean, std, int(tcfg["eval_batch_size"]))
+        val_pred = val_logits.argmax(1) if len(val_logits) else np.zeros(0, np.int64)
+        val_acc = float((val_pred == val_labels).mean()) if len(val_labels) else 0.0
+        val_loss = float(ops.cross_entropy(Tensor(val_logits), val_labels).item()) if len(val_labels) else 0.0
+        row = {"epoch": epoch + 1, "lr": sched.get_lr()[0], "val_acc": val_acc, "val_loss": val_loss,
+               "images_per_s": seen / elapsed if elapsed else 0.0, "skipped_steps": skipped,
+               "peak_rss_mb": round(_peak_rss_mb(), 1), "epoch_seconds": round(elapsed, 2)}
+        row.update({f"train_{k}": v / max(steps, 1) for k, v in sums.items()})
+        row["train_acc"] = correct / labelled_seen if labelled_seen else None
+        history.append(row)
+        _append_jsonl(run_dir / METRICS, row)
+        if val_acc > best_acc:
+            best_acc, best_epoch = val_acc, epoch
+            save_checkpoint(run_dir / BEST, model, epoch=epoch, step=sched.last_step,
+                            extra={**extra_meta, "metrics": {"val_accuracy": val_acc}})
+        save_checkpoint(last, model, opt, sched, epoch=epoch, step=sched.last_step,
+                        extra=_state_extra(extra_meta, history, best_acc, best_epoch, train_seconds, loader, epoch + 1))
+        if progress:
+            tqdm.write(f"{label} epoch {epoch + 1}/{epochs}: loss {row.get('train_loss', float('nan')):.4f} "
+                       f"val acc {val_acc:.4f} (best {best_acc:.4f}) {row['images_per_s']:.0f} img/s")
+    return RunResult(run_dir, best_acc, best_epoch + 1, len(history), train_seconds, history, stopped_early)
+
+
+def _state_extra(meta, history, best_acc, best_epoch, train_seconds, loader, next_epoch) -> dict[str, Any]:
+    loader.set_epoch(next_epoch)
+    return {**meta, "train_state": {"history": history, "best_acc": best_acc, "best_epoch": best_epoch,
+                                    "train_seconds": train_seconds, "loader": loader.state_dict()}}
+
+
+def _append_jsonl(path: Path, row: dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+
+
+def _truncate_jsonl(path: Path, keep: int) -> None:
+    """After a resume, drop metric lines written after the checkpoint the run resumed from."""
+    if not path.exists():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines()[:keep]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    os.replace(tmp, path)

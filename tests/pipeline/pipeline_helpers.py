@@ -1,0 +1,49 @@
+"""Tiny datasets and teachers for pipeline tests, made from scratch in tmp_path."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data_prep"))
+
+from dp_helpers import make_class_folders  # noqa: E402
+
+from data_prep.ingest import IngestOptions, ingest  # noqa: E402
+from data_prep.manifest import load_dataset  # noqa: E402
+
+
+def tiny_dataset(tmp: Path, per_class: int = 16, size: int = 16, unlabeled: int = 0) -> Path:
+    """Three colour classes, split 70/15/15, at ``size`` pixels (plus an optional unlabeled folder)."""
+    src = make_class_folders(tmp / "photos", per_class=per_class)
+    unl = None
+    if unlabeled:
+        unl = tmp / "unlabeled_photos"
+        unl.mkdir()
+        rng = np.random.default_rng(5)
+        for i in range(unlabeled):
+            arr = np.clip(rng.normal(120, 60, (20, 20, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(arr).save(unl / f"u{i}.png")
+    out = tmp / "dataset"
+    ingest(src, out, IngestOptions(size=size), unlabeled=unl, workers=1, log=lambda s: None)
+    return out
+
+
+def class_features(dataset_dir: Path, out: Path, dim: int = 12, noise: float = 0.3, seed: int = 0) -> Path:
+    """A features folder a good teacher would give: class prototypes plus noise (random for unlabelled)."""
+    ds = load_dataset(dataset_dir)
+    rng = np.random.default_rng(seed)
+    protos = rng.standard_normal((ds.num_classes, dim))
+    out.mkdir(parents=True, exist_ok=True)
+    for split in ds.splits:
+        n = len(ds[split])
+        labels = ds[split].labels
+        base = protos[np.asarray(labels)] if labels is not None else rng.standard_normal((n, dim))
+        feats = (base + noise * rng.standard_normal((n, dim))).astype(np.float32)
+        np.save(out / f"features_{split}.npy", feats)
+        logit = (feats @ protos.T).astype(np.float32)
+        np.save(out / f"logits_{split}.npy", logit)
+    return out

@@ -1,0 +1,112 @@
+"""The distill stage end to end on a tiny dataset: both variants, winner, reports, resume, refusals."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from pipeline_helpers import class_features, tiny_dataset
+
+from data_prep.manifest import load_dataset
+from pipeline.cli import main as cli
+from pipeline.config import load_config
+from pipeline.distill import run_distill
+from pipeline.runs import load_model
+from pipeline.teacher import ArrayEncoder, read_features_source, write_teacher
+from pipeline.teacher_io import TeacherError, load_teacher
+
+
+def _cfg(epochs=4, **extra):
+    sets = [f"train.epochs={epochs}", "train.batch_size=8", "model.widths=[8, 16]", "train.warmup_epochs=1",
+            "train.lr=0.01"] + [f"{k}={v}" for k, v in extra.items()]
+    return load_config("distill_default.toml", None, sets)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("distill")
+    ds_dir = tiny_dataset(tmp, per_class=14, size=16, unlabeled=6)
+    ds = load_dataset(ds_dir)
+    feats, logits = read_features_source(class_features(ds_dir, tmp / "feats"), ds)
+    write_teacher(tmp / "teacher", ds, ArrayEncoder(feats, logits, tmp / "feats", ds.image_size), progress=False)
+    return tmp, ds_dir
+
+
+def test_distill_writes_run_with_both_variants(tiny):
+    tmp, ds_dir = tiny
+    out = tmp / "run"
+    report = run_distill(ds_dir, tmp / "teacher", out, _cfg(), progress=False)
+    assert set(report["variants"]) == {"distilled", "scratch"}
+    assert report["winner"] in report["variants"]
+    for key in ("test_accuracy", "val_accuracy", "params", "train_seconds"):
+        assert report[key] is not None
+    for name in ("best.npz", "report.json", "report.md", "curves.png", "confusion.png", "feature_maps.png",
+                 "config.toml", "distilled/metrics.jsonl", "scratch/metrics.jsonl"):
+        assert (out / name).exists(), name
+    assert not (tmp / "run.partial").exists()
+    rows = [json.loads(line) for line in (out / "distilled" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and {"train_feature", "train_ce", "train_kd", "val_acc", "lr"} <= set(rows[0])
+    # both loss terms go down over the run
+    assert rows[-1]["train_feature"] < rows[0]["train_feature"]
+    assert rows[-1]["train_ce"] < rows[0]["train_ce"]
+    model, info = load_model(out)
+    assert info.dataset["classes"] == load_dataset(ds_dir).classes
+    assert info.metrics["uncertain_threshold"] is not None
+    assert model.projection is None  # the training-only head is not part of the kept model
+
+
+def test_no_teacher_trains_scratch_only(tiny):
+    tmp, ds_dir = tiny
+    report = run_distill(ds_dir, None, tmp / "scratch_only", _cfg(epochs=2), no_teacher=True, progress=False)
+    assert set(report["variants"]) == {"scratch"} and report["winner"] == "scratch"
+
+
+def test_resume_gives_the_same_result_as_an_uninterrupted_run(tiny, monkeypatch):
+    tmp, ds_dir = tiny
+    cfg = _cfg(epochs=3, **{"distill.compare_scratch": "false"})
+    full = run_distill(ds_dir, tmp / "teacher", tmp / "full", cfg, progress=False)
+
+    import pipeline.train_student as ts
+
+    calls = {"n": 0}
+    real = ts.save_checkpoint
+
+    def dying_save(path, *a, **k):
+        real(path, *a, **k)
+        if path.name == "last.npz":
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise KeyboardInterrupt("simulated crash after epoch 2")
+
+    monkeypatch.setattr(ts, "save_checkpoint", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        run_distill(ds_dir, tmp / "teacher", tmp / "cut", cfg, progress=False)
+    monkeypatch.setattr(ts, "save_checkpoint", real)
+    assert (tmp / "cut.partial" / "distilled" / "last.npz").exists()
+    resumed = run_distill(ds_dir, tmp / "teacher", tmp / "cut", cfg, resume=True, progress=False)
+    assert resumed["variants"]["distilled"]["val_accuracy"] == full["variants"]["distilled"]["val_accuracy"]
+    assert resumed["test_accuracy"] == full["test_accuracy"]
+    a = np.load(tmp / "full" / "best.npz")
+    b = np.load(tmp / "cut" / "best.npz")
+    for k in a.files:
+        if k != "meta":
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_features_of_another_dataset_are_refused(tiny, tmp_path):
+    tmp, ds_dir = tiny
+    other = tiny_dataset(tmp_path, per_class=12, size=16)
+    with pytest.raises(TeacherError, match="another dataset"):
+        load_teacher(tmp / "teacher", load_dataset(other))
+
+
+def test_cli_distill_reports_and_refuses_unknown_settings(tiny, capsys):
+    tmp, ds_dir = tiny
+    code = cli(["distill", "--dataset", str(ds_dir), "--teacher", str(tmp / "teacher"), "--out", str(tmp / "cli"),
+                "--set", "train.epochs=1", "--set", "model.widths=[8]", "--quiet"])
+    assert code == 0
+    assert "kept:" in capsys.readouterr().out
+    code = cli(["distill", "--dataset", str(ds_dir), "--out", str(tmp / "cli2"), "--set", "train.epoks=1"])
+    assert code == 2
+    assert "unknown setting 'epoks'" in capsys.readouterr().err

@@ -1,0 +1,91 @@
+"""The teacher stage's sources (features file, ONNX encoder, engine-trained CNN) and its artefact."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+from pipeline_helpers import class_features, tiny_dataset
+
+from data_prep.manifest import load_dataset
+from pipeline.cli import main as cli
+from pipeline.teacher import knn_accuracy
+from pipeline.teacher_io import load_teacher
+
+
+@pytest.fixture(scope="module")
+def ds_dir(tmp_path_factory):
+    return tiny_dataset(tmp_path_factory.mktemp("teacher"), per_class=12, size=16)
+
+
+def _tiny_encoder(path, size=16, dim=6):
+    """NCHW conv encoder: 3 -> dim channels, global average pool, flatten."""
+    rng = np.random.default_rng(0)
+    w = helper.make_tensor("w", TensorProto.FLOAT, [dim, 3, 3, 3], rng.standard_normal((dim, 3, 3, 3)).ravel())
+    nodes = [helper.make_node("Conv", ["input", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("GlobalAveragePool", ["r"], ["g"]),
+             helper.make_node("Flatten", ["g"], ["features"])]
+    graph = helper.make_graph(nodes, "enc", [helper.make_tensor_value_info("input", TensorProto.FLOAT,
+                                                                           ["batch", 3, size, size])],
+                              [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", dim])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+def test_features_file_is_imported_and_tied_to_the_dataset(ds_dir, tmp_path, capsys):
+    feats = class_features(ds_dir, tmp_path / "feats", dim=8)
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--features", str(feats),
+                "--quiet"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["feature_dim"] == 8 and summary["knn_test_acc"] > 0.9
+    ds = load_dataset(ds_dir)
+    tt = load_teacher(tmp_path / "t", ds)
+    np.testing.assert_allclose(tt.features["val"], np.load(feats / "features_val.npy"))
+    assert tt.has_logits and tt.info["teacher"]["kind"] == "features-file"
+
+
+def test_misaligned_features_are_refused(ds_dir, tmp_path, capsys):
+    feats = class_features(ds_dir, tmp_path / "feats", dim=8)
+    np.save(feats / "features_val.npy", np.zeros((3, 8), np.float32))
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--features", str(feats)]) == 2
+    assert "aligned with the manifest" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()
+
+
+def test_onnx_encoder_teacher(ds_dir, tmp_path, capsys):
+    enc = _tiny_encoder(tmp_path / "enc.onnx")
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--onnx", str(enc),
+                "--quiet"]) == 0
+    ds = load_dataset(ds_dir)
+    tt = load_teacher(tmp_path / "t", ds)
+    assert tt.feature_dim == 6 and not tt.has_logits
+    assert tt.info["teacher"]["kind"] == "onnx" and tt.info["input_size"] == 16
+    assert np.isfinite(np.asarray(tt.features["train"])).all()
+
+
+def test_not_an_onnx_file_is_refused(ds_dir, tmp_path, capsys):
+    bad = tmp_path / "bad.onnx"
+    bad.write_text("not a model")
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--onnx", str(bad)]) == 2
+    assert "bad.onnx" in capsys.readouterr().err
+
+
+def test_train_cnn_teacher_learns_the_classes(ds_dir, tmp_path, capsys):
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--train-cnn", "--epochs", "6",
+                "--quiet"]) == 0
+    ds = load_dataset(ds_dir)
+    tt = load_teacher(tmp_path / "t", ds)
+    assert tt.has_logits and tt.info["teacher"]["kind"] == "train-cnn"
+    acc = float((np.asarray(tt.logits["test"]).argmax(1) == np.asarray(ds["test"].labels)).mean())
+    assert acc >= 0.6, acc
+
+
+def test_knn_accuracy():
+    a = np.array([[1.0, 0], [0, 1.0]])
+    assert knn_accuracy(a, np.array([0, 1]), np.array([[0.9, 0.1], [0.2, 0.8]]), np.array([0, 1])) == 1.0

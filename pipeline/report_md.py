@@ -1,0 +1,258 @@
+"""``report.md``: the short human report of a distill run, written from the same dict as report.json.
+
+The report dict (what ``pipeline.distill`` puts in report.json); every key is optional except where
+noted, and a missing one is written as "not recorded" rather than failing the report:
+
+- ``run_id``: str
+- ``winner`` (or ``kept``): "distilled" or "scratch", the model the run keeps (chosen on validation)
+- ``variants`` (or ``candidates``): {"distilled": {"val_accuracy", "test_accuracy", "best_epoch",
+  "epochs_run"}, "scratch": {...}}; one entry when only one student was trained (``--no-teacher``)
+- ``val_accuracy``, ``test_accuracy``, ``params``, ``train_seconds``: of the kept model (report.json's
+  required figures)
+- ``test``: :func:`pipeline.metrics.evaluation_summary` of the kept model on the test split (accuracy
+  and its confidence interval, per-class precision/recall/F1, confusion matrix, ECE)
+- ``threshold_choice`` (or ``uncertain``): :func:`pipeline.metrics.choose_uncertain_threshold`'s result;
+  ``uncertain_threshold`` alone (a float) is shown when the choice details are absent
+- ``hardware``: :func:`pipeline.hardware.describe_hardware`'s result
+- ``teacher``: the teacher's identity (teacher.json's ``teacher`` entry)
+- ``epochs``, ``best_epoch``: ints (else taken from the kept variant's ``epochs_run``/``best_epoch``)
+
+The figures (curves.png, confusion.png, hardest.png, feature_maps.png) are linked when they exist in the
+run directory, so write them before the report.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+REPORT_MD = "report.md"
+#: Figures of a run directory, in the order the report shows them.
+FIGURES = (
+    ("curves.png", "Training curves"),
+    ("confusion.png", "Confusion matrix (test)"),
+    ("hardest.png", "Hardest misclassified test images"),
+    ("feature_maps.png", "First convolution feature maps"),
+)
+NO_GAIN = "distillation did not beat training from scratch on this data; the scratch model is kept"
+_NAMED_COLUMNS_MAX = 10  # wider confusion tables number their columns instead of naming them
+
+
+def _pct(v: Any, digits: int = 1) -> str:
+    try:
+        return f"{100 * float(v):.{digits}f} %"
+    except (TypeError, ValueError):
+        return "not recorded"
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _duration(seconds: Any) -> str:
+    try:
+        s = float(seconds)
+    except (TypeError, ValueError):
+        return "not recorded"
+    if s < 60:
+        return f"{s:.1f} s"
+    minutes, sec = divmod(int(round(s)), 60)
+    if minutes < 60:
+        return f"{minutes} min {sec:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]],
+           align: Sequence[str] | None = None) -> list[str]:
+    align = align or ["l"] + ["r"] * (len(header) - 1)
+    rule = ["---:" if a == "r" else ":---" for a in align]
+    lines = ["| " + " | ".join(_cell(h) for h in header) + " |", "| " + " | ".join(rule) + " |"]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def _float(v: Any) -> float | None:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _kept(report: Mapping[str, Any]) -> Any:
+    return report.get("winner") or report.get("kept")
+
+
+def _candidates(report: Mapping[str, Any]) -> Mapping[str, Any]:
+    return report.get("variants") or report.get("candidates") or {}
+
+
+def _winner_section(report: Mapping[str, Any]) -> list[str]:
+    cands = _candidates(report)
+    d_val = _float((cands.get("distilled") or {}).get("val_accuracy"))
+    s_val = _float((cands.get("scratch") or {}).get("val_accuracy"))
+    kept = _kept(report)
+    lines = ["## Distilled or scratch", ""]
+    if d_val is not None and s_val is not None:
+        if kept not in ("distilled", "scratch"):
+            kept = "distilled" if d_val > s_val else "scratch"
+        gap = 100 * (d_val - s_val)
+        if kept == "distilled":
+            lines.append(f"**The distilled student is kept**: {_pct(d_val)} validation accuracy against "
+                         f"{_pct(s_val)} for the same student trained from scratch ({gap:+.1f} points).")
+        else:
+            lines.append(f"**Result:** {NO_GAIN} (validation accuracy {_pct(s_val)} from scratch, "
+                         f"{_pct(d_val)} distilled, {gap:+.1f} points).")
+        lines.append("")
+        rows = []
+        for name in ("distilled", "scratch"):
+            c = cands.get(name) or {}
+            rows.append([name + (" (kept)" if name == kept else ""), _pct(c.get("val_accuracy")),
+                         _pct(c.get("test_accuracy"))])
+        lines += _table(["student", "val accuracy", "test accuracy"], rows)
+    elif s_val is not None or kept == "scratch":
+        lines.append("Only the scratch student was trained (no teacher): the gain from distillation was "
+                     "not measured on this run.")
+    elif d_val is not None or kept == "distilled":
+        lines.append("Only the distilled student was trained: there is no scratch baseline in this run, "
+                     "so the gain from distillation was not measured.")
+    else:
+        lines.append("No comparison recorded.")
+    return lines + [""]
+
+
+def _accuracy_section(report: Mapping[str, Any]) -> list[str]:
+    test = report.get("test") or {}
+    lines = ["## Accuracy", ""]
+    if "accuracy" in test and "accuracy_ci" in test:
+        lo, hi = test["accuracy_ci"]
+        level = int(round(100 * float(test.get("ci_level", 0.95))))
+        lines.append(f"- Test accuracy: **{_pct(test['accuracy'])}** ({test.get('correct', '?')} of "
+                     f"{test.get('n', '?')}; {level} % confidence interval {_pct(lo)} to {_pct(hi)}, Wilson)")
+    else:
+        lines.append(f"- Test accuracy: **{_pct(report.get('test_accuracy'))}** "
+                     "(no confidence interval recorded)")
+    lines.append(f"- Validation accuracy: {_pct(report.get('val_accuracy'))}")
+    if "macro_f1" in test:
+        lines.append(f"- Macro F1 (test): {float(test['macro_f1']):.3f}")
+    if "ece" in test:
+        lines.append(f"- Expected calibration error (test, {len(test.get('calibration', [])) or 15} bins): "
+                     f"{float(test['ece']):.3f}")
+    unc = report.get("threshold_choice") or report.get("uncertain") or {}
+    if "threshold" not in unc and _float(report.get("uncertain_threshold")) is not None:
+        lines.append(f"- \"Uncertain\" below a top probability of {float(report['uncertain_threshold']):.3f}")
+    if "threshold" in unc:
+        how = {"target": f"chosen on validation to keep {_pct(unc.get('target'), 0)} accuracy",
+               "best_effort": f"the {_pct(unc.get('target'), 0)} target was not reachable on validation",
+               "default": "default: too few validation images to choose one"}.get(unc.get("method"), "")
+        lines.append(f"- \"Uncertain\" below a top probability of {float(unc['threshold']):.3f} ({how}; on "
+                     f"validation it keeps {_pct(unc.get('coverage'))} of the images at "
+                     f"{_pct(unc.get('accuracy'))} accuracy)")
+    return lines + [""]
+
+
+def _per_class_section(test: Mapping[str, Any]) -> list[str]:
+    per_class = test.get("per_class") or []
+    if not per_class:
+        return ["## Per class (test)", "", "Not recorded.", ""]
+    rows = [[c.get("class", i), f"{c['precision']:.3f}", f"{c['recall']:.3f}", f"{c['f1']:.3f}", c["support"]]
+            for i, c in enumerate(per_class)]
+    if "macro_f1" in test:
+        rows.append(["*macro mean*", f"{test.get('macro_precision', 0):.3f}",
+                     f"{test.get('macro_recall', 0):.3f}", f"{test['macro_f1']:.3f}",
+                     sum(int(c["support"]) for c in per_class)])
+    table = _table(["class", "precision", "recall", "F1", "support"], rows)
+    return ["## Per class (test)", ""] + table + [""]
+
+
+def _confusion_section(test: Mapping[str, Any]) -> list[str]:
+    cm = test.get("confusion_matrix")
+    per_class = test.get("per_class") or []
+    classes = list(test.get("classes") or [c.get("class", str(i)) for i, c in enumerate(per_class)])
+    if not cm:
+        return ["## Confusion matrix (test)", "", "Not recorded.", ""]
+    if len(classes) != len(cm):
+        classes = [str(i) for i in range(len(cm))]
+    lines = ["## Confusion matrix (test)", "", "Rows: true class; columns: predicted class.", ""]
+    if len(classes) <= _NAMED_COLUMNS_MAX:
+        cols = classes
+    else:
+        cols = [str(i) for i in range(len(classes))]
+        lines[-2] = "Rows: true class (numbered); columns: predicted class, by the same numbers."
+    rows = [[(f"{i}. " if len(classes) > _NAMED_COLUMNS_MAX else "") + name, *row]
+            for i, (name, row) in enumerate(zip(classes, cm))]
+    return lines + _table(["true \\ predicted", *cols], rows) + [""]
+
+
+def _facts_section(report: Mapping[str, Any]) -> list[str]:
+    hw = report.get("hardware") or {}
+    params = report.get("params")
+    params_text = f"{int(params):,}" if isinstance(params, (int, float)) else "not recorded"
+    lines = ["## Model and run", "",
+             f"- Parameters (inference model): {params_text}",
+             f"- Training time: {_duration(report.get('train_seconds'))}"]
+    kept_variant = _candidates(report).get(_kept(report)) or {}
+    epochs = report.get("epochs", kept_variant.get("epochs_run"))
+    if epochs is not None:
+        best_epoch = report.get("best_epoch", kept_variant.get("best_epoch"))
+        best = f", best on validation at epoch {best_epoch}" if best_epoch is not None else ""
+        lines.append(f"- Epochs ({_kept(report) or 'kept'} student): {epochs}{best}")
+    teacher = report.get("teacher")
+    if isinstance(teacher, Mapping):
+        shown = {k: teacher[k] for k in ("kind", "name", "fine_tuned", "params") if k in teacher}
+        if teacher.get("weights"):
+            shown["weights"] = Path(str(teacher["weights"])).name
+        described = ", ".join(f"{k} {v}" for k, v in shown.items())
+        lines.append(f"- Teacher: {described or 'recorded in report.json'}")
+    elif teacher:
+        lines.append(f"- Teacher: {teacher}")
+    lines.append(f"- Hardware: {hw.get('summary') or 'not recorded'}")
+    return lines + [""]
+
+
+def _figures_section(run_dir: Path) -> list[str]:
+    present = [(name, caption) for name, caption in FIGURES if (run_dir / name).is_file()]
+    missing = [name for name, _ in FIGURES if not (run_dir / name).is_file()]
+    lines = ["## Figures", ""]
+    lines += [f"- [{caption}]({name})" for name, caption in present]
+    lines.append("")
+    for name, caption in present:
+        lines += [f"![{caption}]({name})", ""]
+    if missing:
+        lines.append("Not produced in this run: " + ", ".join(missing) + ".")
+        lines.append("")
+    return lines
+
+
+def render_report(run_dir: str | os.PathLike[str], report: Mapping[str, Any]) -> str:
+    """The Markdown text of :func:`write_report` (figures are looked up in ``run_dir``)."""
+    run_dir = Path(run_dir)
+    # written inside the stage's temporary folder ("<out>.partial") before it is renamed into place
+    run_id = report.get("run_id") or run_dir.name.removesuffix(".partial").removesuffix(".tmp")
+    kept = _kept(report)
+    head = [f"# leaflens run report: {run_id}", ""]
+    if kept:
+        head += [f"Kept model: **{kept}** student. Test accuracy {_pct(report.get('test_accuracy'))}, "
+                 f"validation accuracy {_pct(report.get('val_accuracy'))}.", ""]
+    test = report.get("test") or {}
+    parts = (head + _winner_section(report) + _accuracy_section(report) + _per_class_section(test)
+             + _confusion_section(test) + _facts_section(report) + _figures_section(run_dir))
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def write_report(run_dir: str | os.PathLike[str], report: Mapping[str, Any]) -> Path:
+    """Write ``run_dir/report.md`` atomically (temporary file, then ``os.replace``) and return its path."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"write_report: run directory {run_dir} does not exist")
+    text = render_report(run_dir, report)
+    path = run_dir / REPORT_MD
+    tmp = run_dir / f".{REPORT_MD}.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path

@@ -1,0 +1,154 @@
+"""report.md carries the key figures of report.json; pipeline.hardware describes the machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pipeline import hardware, metrics, report_md
+
+CLASSES = ["angular_leaf_spot", "bean_rust", "healthy"]
+
+
+def summary() -> dict[str, Any]:
+    y = np.repeat([0, 1, 2], 40)
+    pred = y.copy()
+    pred[[0, 1, 2]] = 1  # three angular_leaf_spot images called bean_rust
+    pred[[50]] = 2
+    probs = np.full((120, 3), 0.05)
+    probs[np.arange(120), pred] = 0.9
+    return metrics.evaluation_summary(probs, y, CLASSES)
+
+
+def report(**over: Any) -> dict[str, Any]:
+    base = {
+        "run_id": "run-7",
+        "kept": "distilled",
+        "candidates": {"distilled": {"val_accuracy": 0.962, "test_accuracy": 0.953},
+                       "scratch": {"val_accuracy": 0.947, "test_accuracy": 0.945}},
+        "val_accuracy": 0.962, "test_accuracy": 116 / 120, "params": 391234, "train_seconds": 754.2,
+        "test": summary(),
+        "uncertain": {"threshold": 0.61, "coverage": 0.9, "accuracy": 0.97, "kept": 90, "n_val": 100,
+                      "target": 0.95, "reached": True, "method": "target"},
+        "hardware": {"summary": "trained on CPU AMD EPYC (2 cores); no GPU"},
+        "epochs": 60, "best_epoch": 47,
+    }
+    base.update(over)
+    return base
+
+
+def test_report_contains_the_key_figures(tmp_path: Path) -> None:
+    (tmp_path / "curves.png").write_bytes(b"png")
+    (tmp_path / "confusion.png").write_bytes(b"png")
+    path = report_md.write_report(tmp_path, report())
+    assert path == tmp_path / "report.md"
+    text = path.read_text(encoding="utf-8")
+    assert "distilled student is kept" in text and "+1.5 points" in text
+    assert report_md.NO_GAIN not in text
+    acc, lo, hi = metrics.accuracy_ci(116, 120)
+    assert f"{100 * acc:.1f} %" in text and f"{100 * lo:.1f} % to {100 * hi:.1f} %" in text
+    assert "| angular_leaf_spot | 1.000 | 0.925 | 0.961 | 40 |" in text  # per-class P/R/F1/support
+    assert "| angular_leaf_spot | 37 | 3 | 0 |" in text  # confusion row
+    assert "391,234" in text and "12 min 34 s" in text and "AMD EPYC" in text
+    assert "[Training curves](curves.png)" in text and "![Confusion matrix (test)](confusion.png)" in text
+    assert "Not produced in this run: hardest.png, feature_maps.png." in text
+    assert "0.610" in text  # the uncertain threshold
+    assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_report_says_plainly_when_distillation_did_not_help(tmp_path: Path) -> None:
+    rep = report(kept="scratch",
+                 candidates={"distilled": {"val_accuracy": 0.93}, "scratch": {"val_accuracy": 0.95}})
+    text = report_md.write_report(tmp_path, rep).read_text(encoding="utf-8")
+    assert report_md.NO_GAIN in text and "-2.0 points" in text
+    assert "scratch (kept)" in text
+
+
+def test_report_without_a_comparison_or_figures_does_not_invent_them(tmp_path: Path) -> None:
+    rep = {"kept": "scratch", "candidates": {"scratch": {"val_accuracy": 0.9}}, "test_accuracy": 0.88}
+    text = report_md.write_report(tmp_path, rep).read_text(encoding="utf-8")
+    assert "gain from distillation was not measured" in text
+    assert "88.0 %" in text and "no confidence interval recorded" in text
+    assert "Parameters (inference model): not recorded" in text and "Hardware: not recorded" in text
+    assert report_md.NO_GAIN not in text
+
+
+def test_report_numbers_columns_of_wide_confusion_tables_and_escapes_pipes(tmp_path: Path) -> None:
+    classes = [f"class|{i}" for i in range(12)]
+    y = np.arange(12).repeat(3)
+    probs = np.full((36, 12), 0.01)
+    probs[np.arange(36), y] = 0.89
+    rep = report(test=metrics.evaluation_summary(probs, y, classes))
+    text = report_md.write_report(tmp_path, rep).read_text(encoding="utf-8")
+    assert "| true \\ predicted | 0 | 1 | 2 |" in text
+    assert "| 11. class\\|11 |" in text
+
+
+def test_report_needs_an_existing_run_directory(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        report_md.write_report(tmp_path / "missing", report())
+
+
+# ---- hardware -------------------------------------------------------------------------------------------
+def test_describe_hardware_without_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels import _cuda
+
+    monkeypatch.setattr(_cuda, "gpu_probe", lambda refresh=False: (False, "no CUDA here"))
+    facts = hardware.describe_hardware(device="cpu")
+    assert facts["cpu_cores"] >= 1 and facts["usable_cores"] >= 1
+    assert facts["gpu"] is None and facts["gpu_reason"] == "no CUDA here"
+    assert facts["summary"].startswith("trained on CPU") and f"{facts['cpu_cores']} cores" in facts["summary"]
+
+
+def test_describe_hardware_names_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels import _cuda
+
+    class FakeRuntime:
+        @staticmethod
+        def getDeviceProperties(i: int) -> dict[str, Any]:
+            return {"name": b"NVIDIA Test GPU", "totalGlobalMem": 24 * 2**30}
+
+    class FakeCuda:
+        runtime = FakeRuntime
+
+        class Device:
+            id = 0
+
+    class FakeCupy:
+        cuda = FakeCuda
+
+    monkeypatch.setattr(_cuda, "gpu_probe", lambda refresh=False: (True, "1 CUDA device(s)"))
+    monkeypatch.setattr(_cuda, "cupy_module", lambda: FakeCupy)
+    facts = hardware.describe_hardware(device="cuda")
+    assert facts["gpu"] == "NVIDIA Test GPU" and facts["gpu_memory_gib"] == 24.0
+    assert facts["summary"].startswith("trained on GPU NVIDIA Test GPU, 24.0 GiB")
+    assert "(not used)" in hardware.describe_hardware(device="cpu")["summary"]
+
+
+def test_report_reads_the_distill_stage_schema(tmp_path: Path) -> None:
+    """pipeline.distill's report.json spells the keys winner/variants/threshold_choice."""
+    rep = {
+        "winner": "scratch", "val_accuracy": 0.95, "test_accuracy": 116 / 120, "params": 12345,
+        "train_seconds": 42.0, "uncertain_threshold": 0.7,
+        "threshold_choice": {"threshold": 0.7, "coverage": 0.8, "accuracy": 0.99, "target": 0.95,
+                             "method": "target"},
+        "variants": {
+            "distilled": {"val_accuracy": 0.95, "best_epoch": 9, "epochs_run": 12, "test_accuracy": 0.9},
+            "scratch": {"val_accuracy": 0.95, "best_epoch": 7, "epochs_run": 10, "test_accuracy": 0.92},
+        },
+        "test": summary(),
+        "teacher": {"kind": "efficientnet-lite0", "weights": "/x/y/efficientnet-lite0-57934424.pth",
+                    "fine_tuned": True},
+    }
+    text = report_md.write_report(tmp_path, rep).read_text(encoding="utf-8")
+    assert report_md.NO_GAIN in text and "+0.0 points" in text  # a tie keeps scratch
+    assert "Epochs (scratch student): 10, best on validation at epoch 7" in text
+    assert "0.700" in text and "80.0 %" in text
+    assert "efficientnet-lite0-57934424.pth" in text and "/x/y/" not in text
+    partial = tmp_path / "student.partial"  # the distill stage writes into "<out>.partial" first
+    partial.mkdir()
+    assert report_md.write_report(partial, rep).read_text(encoding="utf-8").startswith(
+        "# leaflens run report: student\n")

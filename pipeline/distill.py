@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from data_prep.ingest import swap_into_place
 from data_prep.manifest import load_dataset
 from engine import Tensor, no_grad
 from engine.checkpoint import load_checkpoint, save_checkpoint
@@ -113,20 +114,13 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
                     extra={**base_meta, "variant": winner, "metrics": final_metrics,
                            "teacher": None if teacher_info is None else teacher_info.get("teacher")})
 
-    report = _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold, teacher_info, model)
+    report = _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold, teacher_info, model,
+                           base_meta["run_id"])
     _write_visuals(work, ds, results, chosen, model, mean, std)
     _write_json(work / "report.json", report)
     write_report(work, report)
 
-    if out.exists():
-        old = out.with_name(out.name + ".old")
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(out, old)
-        os.replace(work, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(work, out)
+    swap_into_place(work, out)
     return report
 
 
@@ -150,7 +144,8 @@ def _evaluate_variant(best_path: Path, cfg: dict[str, Any], ds: Any) -> dict[str
     return out
 
 
-def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold, teacher_info, model) -> dict:
+def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold, teacher_info, model,
+                  run_id: str) -> dict:
     variants = {}
     for name, r in results.items():
         ts = evaluated[name].get("test_summary")
@@ -164,6 +159,7 @@ def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold,
                 else variants["distilled"]["test_accuracy"] - variants["scratch"]["test_accuracy"]}
     chosen = evaluated[winner]
     return {
+        "run_id": run_id,
         "winner": winner,
         "test_accuracy": final_metrics["test_accuracy"],
         "val_accuracy": final_metrics["val_accuracy"],
@@ -177,7 +173,7 @@ def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold,
         "classes": ds.classes,
         "teacher": None if teacher_info is None else teacher_info.get("teacher"),
         "config": cfg,
-        "hardware": describe_hardware(),
+        "hardware": describe_hardware(device="cpu"),
         "dataset": {"root": str(ds.root), "counts": {s: len(ds[s]) for s in ds.splits},
                     "image_size": ds.image_size},
     }
@@ -185,6 +181,7 @@ def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold,
 
 def _write_visuals(work: Path, ds, results, chosen, model, mean, std) -> None:
     plots.plot_curves(None, work / "curves.png", series={k: r.history for k, r in results.items()},
+                      keys_left=("train_ce", "val_loss"),
                       title="Student training: distilled vs scratch" if len(results) > 1 else "Student training")
     split = "test" if "test_probs" in chosen else "val"
     probs = chosen.get("test_probs", chosen["val_probs"])
@@ -192,12 +189,11 @@ def _write_visuals(work: Path, ds, results, chosen, model, mean, std) -> None:
     pred = probs.argmax(1)
     cm = metrics.confusion_matrix(y, pred, ds.num_classes)
     plots.plot_confusion(cm, ds.classes, work / "confusion.png", title=f"Confusion matrix ({split} split)")
-    wrong = np.flatnonzero(pred != y)
-    if len(wrong):
-        hardest = wrong[np.argsort(-probs[wrong, pred[wrong]])][:24]
-        caps = [f"{ds.classes[y[i]]} -> {ds.classes[pred[i]]} ({probs[i, pred[i]]:.2f})" for i in hardest]
-        plots.contact_sheet(np.asarray(ds[split].images[np.sort(hardest)])[np.argsort(np.argsort(hardest))], caps,
-                            work / "hardest.png")
+    hardest = metrics.hardest_misclassified(probs, y, k=24)
+    caps = [f"{ds.classes[y[i]]} -> {ds.classes[pred[i]]} ({probs[i, pred[i]]:.2f})" for i in hardest]
+    rows = np.asarray(ds[split].images[np.sort(hardest)])[np.argsort(np.argsort(hardest))] if len(hardest) \
+        else np.zeros((0, ds.image_size, ds.image_size, 3), np.uint8)
+    plots.contact_sheet(rows, caps, work / "hardest.png")
     # first convolution's feature maps for a few validation images, captured with a forward hook
     first_conv = model.features[0][0]
     captured: list[np.ndarray] = []

@@ -1,0 +1,72 @@
+"""`leaflens export`: a trained run -> ONNX FP32/FP16/INT8 with a parity report and a Triton repository."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "export",
+        help="student -> ONNX (FP32, FP16, INT8) + Triton repository",
+        description="Export the run's best.npz to ONNX (student.onnx FP32, student_fp16.onnx, "
+                    "student_int8.onnx), check engine-vs-onnxruntime parity on the validation split "
+                    "(parity.json), and write a Triton model repository. Fails (exit 1, nothing replaced) "
+                    "when FP32/FP16 parity does not hold.",
+    )
+    p.add_argument("--run", type=Path, default=Path("artifacts/student"),
+                   help="trained run folder holding best.npz (default artifacts/student)")
+    p.add_argument("--out", type=Path, default=Path("artifacts/export"),
+                   help="output folder, replaced atomically (default artifacts/export)")
+    p.add_argument("--dataset", type=Path, default=Path("artifacts/dataset"),
+                   help="the dataset the run was trained on, for calibration and parity "
+                        "(default artifacts/dataset)")
+    p.add_argument("--triton", type=Path, default=None,
+                   help="Triton model repository to write <name>/ into (default OUT/triton)")
+    p.add_argument("--name", default="leaflens_student", help="Triton model name (default leaflens_student)")
+    p.add_argument("--triton-variant", choices=("fp32", "fp16", "int8"), default="fp32",
+                   help="model file the Triton repository serves (default fp32: runs on CPU and GPU)")
+    p.add_argument("--max-batch-size", type=int, default=64, help="Triton max_batch_size (default 64)")
+    p.add_argument("--queue-delay-us", type=int, default=2000,
+                   help="Triton dynamic_batching max_queue_delay_microseconds (default 2000)")
+    p.add_argument("--no-int8", action="store_true", help="skip the INT8 variant")
+    p.add_argument("--calib-images", type=int, default=256,
+                   help="training images used to calibrate INT8 (default 256)")
+    p.add_argument("--int8-activations", choices=("uint8", "int8"), default="uint8",
+                   help="INT8 activation type (default uint8; weights are always per-channel int8)")
+    p.add_argument("--speed-seconds", type=float, default=1.0,
+                   help="time spent timing each variant on the CPU (default 1.0)")
+    p.add_argument("--threads", type=int, default=None, help="onnxruntime CPU threads (default: usable CPUs)")
+    p.add_argument("--allow-dataset-mismatch", action="store_true",
+                   help="export even if --dataset is not the dataset the run was trained on")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from data_prep.manifest import DatasetError  # noqa: PLC0415
+    from engine.checkpoint import CheckpointError  # noqa: PLC0415
+    from engine.onnx_export import ExportError  # noqa: PLC0415
+    from pipeline.export import ExportFailed, ExportOptions, export_run, summary  # noqa: PLC0415
+    from pipeline.triton import TritonConfigError  # noqa: PLC0415
+
+    opts = ExportOptions(run=args.run, out=args.out, dataset=args.dataset, triton=args.triton, name=args.name,
+                         int8=not args.no_int8, triton_variant=args.triton_variant,
+                         max_batch_size=args.max_batch_size, queue_delay_us=args.queue_delay_us,
+                         calib_images=args.calib_images, int8_activations=args.int8_activations,
+                         speed_seconds=args.speed_seconds, threads=args.threads,
+                         allow_dataset_mismatch=args.allow_dataset_mismatch)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    try:
+        report = export_run(opts, log=log)
+    except (ExportFailed, ExportError, TritonConfigError, CheckpointError, DatasetError) as exc:
+        print(f"leaflens export: error: {exc}", file=sys.stderr)
+        return 1
+    print(summary(report))
+    print(f"wrote {Path(args.out) / 'parity.json'}")
+    return 0

@@ -1,0 +1,335 @@
+"""The export stage: a trained run -> ONNX FP32/FP16/INT8, a parity report, a Triton repository.
+
+Reads ``<run>/best.npz`` (pipeline.runs) and the dataset it was trained on, and writes into
+``--out`` (replaced atomically, only when parity holds):
+
+- ``student.onnx``: FP32, BatchNorm folded, the model card in its metadata (apps.model_card);
+- ``student_fp16.onnx``: float16 weights/compute for GPU providers, float32 input/output;
+- ``student_int8.onnx``: static INT8 (QDQ) for CPUs, calibrated on training images;
+- ``parity.json``: engine vs onnxruntime on the validation split (max |logit difference|, top-1
+  agreement), test accuracy of every variant, CPU speed of every variant;
+- ``triton/<name>/{config.pbtxt, labels.txt, 1/model.onnx}`` (or under ``--triton DIR``).
+
+Gates: FP32 max |difference| <= 1e-4 with top-1 agreement 100 % (flips between classes tied
+within that tolerance excepted, and counted), FP16 agreement >= 99.5 %. When a gate fails nothing
+is replaced, the report is written beside the output as ``<out>.parity-failed.json`` and
+:class:`ExportFailed` says which gate failed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from apps.model_card import ModelCard
+from apps.predictor import usable_cpus
+from data_prep.manifest import Dataset, load_dataset, write_json_atomic
+from engine.nn import Module
+from engine.onnx_export import IR_VERSION, OPSET, convert_float16, export_onnx, save_onnx
+from pipeline import parity, triton
+from pipeline.quantize import calibration_indices, quantize_int8
+from pipeline.runs import RunInfo, load_model
+
+FP32_FILE, FP16_FILE, INT8_FILE = "student.onnx", "student_fp16.onnx", "student_int8.onnx"
+REPORT = "parity.json"
+REPORT_FORMAT = "leaflens-export-1"
+
+
+class ExportFailed(RuntimeError):
+    """The export cannot be produced or did not pass its parity gates (the message says which)."""
+
+
+@dataclass
+class ExportOptions:
+    run: Path
+    out: Path
+    dataset: Path = Path("artifacts/dataset")
+    triton: Path | None = None  # default: <out>/triton
+    name: str = "leaflens_student"
+    int8: bool = True
+    triton_variant: str = "fp32"  # which file goes into the Triton repository: fp32 | fp16 | int8
+    max_batch_size: int = 64
+    queue_delay_us: int = 2000
+    calib_images: int = 256
+    int8_activations: str = "uint8"
+    fp32_tolerance: float = 1e-4
+    fp16_min_agreement: float = 0.995
+    speed_seconds: float = 1.0
+    batch: int = 64
+    threads: int | None = None
+    allow_dataset_mismatch: bool = False
+
+
+def manifest_digest(root: Path) -> str:
+    """SHA-256 (hex) of the dataset's manifest.json, as a run records it in ``manifest_sha256``."""
+    return hashlib.sha256((root / "manifest.json").read_bytes()).hexdigest()
+
+
+def _check_dataset(info: RunInfo, ds: Dataset, opts: ExportOptions) -> list[str]:
+    """Refuse a dataset other than the run's (unless allowed); returns warnings."""
+    warnings = []
+    want = str(info.dataset.get("manifest_sha256", "")).removeprefix("sha256:")
+    have = manifest_digest(ds.root)
+    if not want:
+        warnings.append(f"{info.path} records no dataset manifest_sha256; cannot confirm {ds.root} is the "
+                        "dataset this run was trained on")
+    elif want != have:
+        msg = (f"{ds.root}/manifest.json (sha256 {have[:12]}...) is not the dataset run {info.run_id} was "
+               f"trained on (manifest_sha256 {want[:12]}... in {info.path}); pass the right --dataset")
+        if not opts.allow_dataset_mismatch:
+            raise ExportFailed(msg + " or --allow-dataset-mismatch")
+        warnings.append(msg)
+    classes = list(info.dataset.get("classes", []))
+    if classes != list(ds.classes):
+        raise ExportFailed(f"run {info.run_id} has classes {classes} but dataset {ds.root} has {ds.classes}")
+    if int(info.dataset.get("image_size", -1)) != ds.image_size:
+        raise ExportFailed(f"run {info.run_id} was trained at {info.dataset.get('image_size')} px but "
+                           f"dataset {ds.root} holds {ds.image_size} px images")
+    return warnings
+
+
+def model_card(info: RunInfo, model: Module) -> ModelCard:
+    d, m = info.dataset, info.metrics
+    threshold = m.get("uncertain_threshold")
+    return ModelCard(
+        classes=tuple(d["classes"]), input_size=int(d["image_size"]),
+        mean=tuple(float(v) for v in d["mean"]), std=tuple(float(v) for v in d["std"]),  # type: ignore[arg-type]
+        resize=str(d.get("resize", "crop")),
+        uncertain_threshold=float(threshold) if threshold is not None else 0.5,
+        threshold_from_model=threshold is not None, run_id=info.run_id,
+        accuracy=float(m["test_accuracy"]) if m.get("test_accuracy") is not None else None,
+        params=int(model.num_parameters()),
+    )
+
+
+def _file_facts(path: Path) -> dict[str, Any]:
+    return {"file": path.name, "bytes": path.stat().st_size,
+            "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+
+
+def _pick_split(ds: Dataset, preferred: str) -> str:
+    for name in (preferred, "test", "train"):
+        if name in ds and len(ds[name]) and ds[name].labels is not None:
+            return name
+    raise ExportFailed(f"dataset {ds.root} has no labelled images to check parity on")
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / REPORT).exists())):
+        raise ExportFailed(f"output {out} exists and is not a leaflens export folder; refusing to replace it")
+
+
+def _swap(tmp: Path, dest: Path) -> None:
+    """Rename ``tmp`` to ``dest``, replacing an old ``dest`` only once the new one is complete."""
+    if dest.exists():
+        old = dest.parent / f".{dest.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+        os.rename(dest, old)
+        os.rename(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, dest)
+
+
+def _gates(report: dict[str, Any], opts: ExportOptions) -> list[str]:
+    failures = []
+    fp32 = report["parity"]["fp32"]
+    if not fp32["finite"] or fp32["max_abs_diff"] > opts.fp32_tolerance:
+        failures.append(f"FP32 max |logit difference| {fp32['max_abs_diff']:.3g} > {opts.fp32_tolerance:g}")
+    if fp32["disagreements"] - fp32["ties"] > 0:
+        failures.append(f"FP32 top-1 agreement {fp32['top1_agreement']:.2%} ({fp32['disagreements']} images "
+                        f"differ, {fp32['ties']} of them ties)")
+    fp16 = report["parity"]["fp16"]
+    if not fp16["finite"] or fp16["top1_agreement"] < opts.fp16_min_agreement:
+        failures.append(f"FP16 top-1 agreement {fp16['top1_agreement']:.2%} < {opts.fp16_min_agreement:.1%}"
+                        + ("" if fp16["finite"] else " (non-finite outputs)"))
+    return failures
+
+
+def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the export stage (see the module docstring); returns the parity report."""
+    t_start = time.perf_counter()
+    out = Path(opts.out).resolve()
+    if opts.triton_variant not in ("fp32", "fp16", "int8"):
+        raise ExportFailed(f"triton variant must be fp32, fp16 or int8, got {opts.triton_variant!r}")
+    if opts.triton_variant == "int8" and not opts.int8:
+        raise ExportFailed("--triton-variant int8 needs the INT8 model (drop --no-int8)")
+    triton_root = Path(opts.triton).resolve() if opts.triton is not None else out / "triton"
+    triton_inside = triton_root == out or out in triton_root.parents
+    _check_out(out)
+    model, info = load_model(opts.run)
+    ds = load_dataset(opts.dataset)
+    warnings = _check_dataset(info, ds, opts)
+    for w in warnings:
+        log(f"warning: {w}")
+    card = model_card(info, model)
+    mean, std = np.asarray(card.mean, np.float32), np.asarray(card.std, np.float32)
+    size = card.input_size
+    threads = opts.threads or usable_cpus()
+
+    log(f"exporting run {info.run_id} ({type(model).__name__}, {card.params} parameters, "
+        f"{size}x{size} input)")
+    proto = export_onnx(model, (3, size, size), metadata=card.to_metadata(), graph_name=opts.name,
+                        doc_string=f"leaflens student, run {info.run_id}")
+    proto16 = convert_float16(proto)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    triton_tmp: Path | None = None
+    try:
+        paths = {"fp32": save_onnx(proto, tmp / FP32_FILE), "fp16": save_onnx(proto16, tmp / FP16_FILE)}
+        if opts.int8:
+            if "train" not in ds or len(ds["train"]) == 0:
+                raise ExportFailed(f"dataset {ds.root} has no training images to calibrate INT8 with; "
+                                   "pass --no-int8")
+            train = ds["train"]
+            idx = calibration_indices(len(train), opts.calib_images)
+            log(f"calibrating INT8 on {len(idx)} training images")
+            paths["int8"] = quantize_int8(paths["fp32"], tmp / INT8_FILE, train.images[idx], mean, std,
+                                          activations=opts.int8_activations)
+
+        sessions = {k: parity.cpu_session(p, threads) for k, p in paths.items()}
+        split = _pick_split(ds, "val")
+        log(f"parity on the '{split}' split ({len(ds[split])} images)")
+        val = parity.engine_and_onnx_logits(model, sessions, ds[split].images, mean, std, opts.batch)
+        tie = 2 * opts.fp32_tolerance
+        report: dict[str, Any] = {
+            "format": REPORT_FORMAT,
+            "run": {"id": info.run_id, "path": str(info.path), "metrics": info.metrics},
+            "dataset": {"root": str(ds.root), "manifest_sha256": manifest_digest(ds.root),
+                        "parity_split": split},
+            "onnx": {"opset": OPSET, "ir_version": IR_VERSION, "input": proto.graph.input[0].name,
+                     "output": proto.graph.output[0].name, "input_shape": ["batch", 3, size, size],
+                     "metadata": card.to_metadata()},
+            "files": {k: _file_facts(p) for k, p in paths.items()},
+            "parity": {k: {**parity.compare(val["engine"], val[k], tie if k == "fp32" else 0.0),
+                           "split": split} for k in paths},
+            "gates": {"fp32_max_abs_diff": opts.fp32_tolerance, "fp32_top1_agreement": 1.0,
+                      "fp32_tie_margin": tie, "fp16_min_top1_agreement": opts.fp16_min_agreement},
+            "warnings": warnings,
+            "options": options_dict(opts),
+        }
+        acc = {split: {k: parity.accuracy(v, ds[split].labels) for k, v in val.items()}}
+        if split != "test" and "test" in ds and len(ds["test"]) and ds["test"].labels is not None:
+            test = parity.engine_and_onnx_logits(model, sessions, ds["test"].images, mean, std, opts.batch)
+            acc["test"] = {k: parity.accuracy(v, ds["test"].labels) for k, v in test.items()}
+        report["accuracy"] = acc
+        acc_split = "test" if "test" in acc else split
+        if opts.int8:
+            a = acc[acc_split]
+            report["int8"] = {"split": acc_split, "accuracy_fp32": a["fp32"], "accuracy_int8": a["int8"],
+                              "accuracy_change": a["int8"] - a["fp32"],
+                              "top1_agreement_with_engine": report["parity"]["int8"]["top1_agreement"],
+                              "calibration_images": int(min(opts.calib_images, len(ds["train"]))),
+                              "activations": opts.int8_activations}
+
+        bench_images = ds[acc_split].images[: min(32, len(ds[acc_split]))]
+        x32 = next(parity.batches(bench_images, mean, std, 32)).transpose(0, 3, 1, 2)
+        x32 = np.ascontiguousarray(np.resize(x32, (32, *x32.shape[1:])))  # always a full batch of 32
+        log(f"timing on {threads} CPU thread(s)")
+        report["speed_cpu"] = {"threads": threads, **{k: parity.speed(s, x32, opts.speed_seconds)
+                                                      for k, s in sessions.items()}}
+        if opts.int8:
+            sp = report["speed_cpu"]
+            report["int8"]["speedup_vs_fp32"] = sp["int8"]["img_s"] / sp["fp32"]["img_s"]
+        del sessions
+
+        failures = _gates(report, opts)
+        report["passed"] = not failures
+        report["failures"] = failures
+        if failures:
+            failed = out.parent / f"{out.name}.parity-failed.json"
+            write_json_atomic(failed, report)
+            raise ExportFailed("parity check failed, nothing was replaced: " + "; ".join(failures)
+                               + f" (full report: {failed})")
+
+        variant_bytes = paths[opts.triton_variant].read_bytes()
+        comment = (f"Written by `leaflens export` for run {info.run_id}: {paths[opts.triton_variant].name}, "
+                   f"opset {OPSET}, IR {IR_VERSION}.\nInput: float32 NCHW, normalised (pixel/255 - mean)/std "
+                   f"with mean {[round(v, 6) for v in card.mean]} and std {[round(v, 6) for v in card.std]}; "
+                   "output: logits (no softmax).")
+        config = triton.config_text(onnx.load_from_string(variant_bytes), opts.name, opts.max_batch_size,
+                                    opts.queue_delay_us, labels=True, comment=comment)
+        if triton_inside:
+            rel = triton_root.relative_to(out)
+            model_dir = triton.write_model_dir(tmp / rel / opts.name, variant_bytes, config, card.classes)
+        else:
+            existing = triton_root / opts.name
+            if existing.exists() and not (existing / "config.pbtxt").exists():
+                raise ExportFailed(f"{existing} exists and is not a Triton model folder; refusing to "
+                                   "replace it")
+            triton_root.mkdir(parents=True, exist_ok=True)
+            triton_tmp = triton_root / f".{opts.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+            model_dir = triton.write_model_dir(triton_tmp, variant_bytes, config, card.classes)
+        if triton_inside:
+            triton.check_model_dir(model_dir)
+        else:
+            _check_renamed(model_dir, opts.name)
+        report["triton"] = {"repository": str(triton_root), "model": opts.name,
+                            "variant": opts.triton_variant, "max_batch_size": opts.max_batch_size,
+                            "max_queue_delay_microseconds": opts.queue_delay_us}
+        report["seconds"] = round(time.perf_counter() - t_start, 2)
+        write_json_atomic(tmp / REPORT, report)
+        _swap(tmp, out)
+        if triton_tmp is not None:
+            _swap(triton_tmp, triton_root / opts.name)
+            triton_tmp = None
+        stale = out.parent / f"{out.name}.parity-failed.json"
+        if stale.exists():
+            stale.unlink()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if triton_tmp is not None:
+            shutil.rmtree(triton_tmp, ignore_errors=True)
+        raise
+    return report
+
+
+def _check_renamed(model_dir: Path, name: str) -> None:
+    """Check a model folder still under its temporary name (Triton requires name == folder name)."""
+    config = triton.parse_pbtxt((model_dir / "config.pbtxt").read_text(encoding="utf-8"))
+    triton.check_config(config, onnx.load(str(model_dir / "1" / "model.onnx")), name)
+
+
+def summary(report: dict[str, Any]) -> str:
+    """A few readable lines about an export report."""
+    lines = []
+    for k, p in report["parity"].items():
+        lines.append(f"{k:>5}: max |diff| {p['max_abs_diff']:.2e}, top-1 agreement {p['top1_agreement']:.2%} "
+                     f"on {p['images']} {p['split']} images")
+    for split, acc in report.get("accuracy", {}).items():
+        lines.append(f"{split} accuracy: " + ", ".join(f"{k} {v:.2%}" for k, v in acc.items()))
+    speed = report.get("speed_cpu", {})
+    for k in ("fp32", "fp16", "int8"):
+        if k in speed:
+            s = speed[k]
+            lines.append(f"{k:>5} CPU: {s['img_s']:.0f} img/s at batch {s['batch']}, batch-1 p50 "
+                         f"{s['b1_p50_ms']:.2f} ms ({speed['threads']} threads)")
+    if "int8" in report:
+        i8 = report["int8"]
+        lines.append(f"INT8: accuracy change {i8['accuracy_change']:+.2%} on {i8['split']}, "
+                     f"{i8['speedup_vs_fp32']:.2f}x FP32 throughput")
+    if "triton" in report:
+        t = report["triton"]
+        lines.append(f"Triton: {t['repository']}/{t['model']} ({t['variant']}, "
+                     f"max_batch_size {t['max_batch_size']})")
+    return "\n".join(lines)
+
+
+def options_dict(opts: ExportOptions) -> dict[str, Any]:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()}
+
+
+def read_report(out: str | os.PathLike[str]) -> dict[str, Any]:
+    return json.loads((Path(out) / REPORT).read_text(encoding="utf-8"))

@@ -1,0 +1,114 @@
+"""Engine versus onnxruntime: logits on a split, agreement figures, accuracy, and CPU speed.
+
+The same float32 batch (normalised once, with engine.data.normalize as in training) goes to the
+engine as NHWC and to onnxruntime as NCHW, so any difference comes from the exported graph alone.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from engine import Tensor, no_grad
+from engine.data import normalize
+from engine.nn import Module
+
+
+def cpu_session(model: str | os.PathLike[str] | bytes, threads: int) -> Any:
+    """An onnxruntime CPU session with ``threads`` intra-op threads and no idle spinning."""
+    import onnxruntime as ort  # noqa: PLC0415
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    opts.log_severity_level = 3
+    src = model if isinstance(model, bytes) else str(model)
+    return ort.InferenceSession(src, sess_options=opts, providers=["CPUExecutionProvider"])
+
+
+def batches(images: Any, mean: np.ndarray, std: np.ndarray, batch: int):
+    """Yield normalised float32 NHWC batches of a uint8 image array (memory-mapped arrays welcome)."""
+    for i in range(0, len(images), batch):
+        yield normalize(np.asarray(images[i:i + batch]), mean, std)
+
+
+def engine_and_onnx_logits(model: Module, sessions: dict[str, Any], images: Any, mean: np.ndarray,
+                           std: np.ndarray, batch: int = 64) -> dict[str, np.ndarray]:
+    """Logits of the engine (key "engine") and of each named session, on the very same inputs."""
+    model.eval()
+    out: dict[str, list[np.ndarray]] = {"engine": [], **{k: [] for k in sessions}}
+    for x in batches(images, mean, std, batch):
+        with no_grad():
+            out["engine"].append(model(Tensor(x)).numpy().astype(np.float32))
+        x_nchw = np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+        for k, sess in sessions.items():
+            (logits,) = sess.run(None, {sess.get_inputs()[0].name: x_nchw})
+            out[k].append(logits.astype(np.float32, copy=False))
+    return {k: np.concatenate(v) if v else np.zeros((0, 0), np.float32) for k, v in out.items()}
+
+
+def onnx_logits(sess: Any, images: Any, mean: np.ndarray, std: np.ndarray, batch: int = 64) -> np.ndarray:
+    parts = [sess.run(None, {sess.get_inputs()[0].name: np.ascontiguousarray(x.transpose(0, 3, 1, 2))})[0]
+             for x in batches(images, mean, std, batch)]
+    return np.concatenate(parts).astype(np.float32, copy=False)
+
+
+def compare(reference: np.ndarray, other: np.ndarray, tie_margin: float = 0.0) -> dict[str, Any]:
+    """Max/mean absolute logit difference and top-1 agreement of ``other`` with ``reference``.
+
+    A disagreement on an image whose two best reference logits are within ``tie_margin`` is
+    counted as a tie: a difference of d per logit can flip an argmax only where the margin is
+    at most 2d, so with ``tie_margin = 2 * tolerance`` a tie is a flip the tolerance allows.
+    """
+    if reference.shape != other.shape:
+        raise ValueError(f"logit shapes differ: {reference.shape} vs {other.shape}")
+    n = len(reference)
+    if n == 0:
+        raise ValueError("no images to compare")
+    diff = np.abs(reference.astype(np.float64) - other.astype(np.float64))
+    agree = reference.argmax(1) == other.argmax(1)
+    top2 = np.sort(reference, axis=1)[:, -2:] if reference.shape[1] > 1 else np.zeros((n, 2))
+    margin = top2[:, 1] - top2[:, 0]
+    ties = int(np.sum(~agree & (margin <= tie_margin)))
+    return {
+        "images": int(n),
+        "max_abs_diff": float(diff.max()),
+        "mean_abs_diff": float(diff.mean()),
+        "finite": bool(np.isfinite(other).all()),
+        "top1_agreement": float(agree.mean()),
+        "disagreements": int(np.sum(~agree)),
+        "ties": ties,
+    }
+
+
+def accuracy(logits: np.ndarray, labels: np.ndarray) -> float:
+    return float(np.mean(logits.argmax(1) == np.asarray(labels))) if len(labels) else float("nan")
+
+
+def speed(sess: Any, x_batch: np.ndarray, seconds: float) -> dict[str, float]:
+    """Images/s for batches like ``x_batch`` (NCHW float32), and batch-1 latency percentiles, on this CPU."""
+    name = sess.get_inputs()[0].name
+    for _ in range(2):  # warm-up: first runs allocate and pick kernels
+        sess.run(None, {name: x_batch})
+    runs, t0 = 0, time.perf_counter()
+    while True:
+        sess.run(None, {name: x_batch})
+        runs += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds and runs >= 3:
+            break
+    one = x_batch[:1]
+    sess.run(None, {name: one})
+    lat: list[float] = []
+    t_end = time.perf_counter() + seconds / 2
+    while time.perf_counter() < t_end or len(lat) < 10:
+        t = time.perf_counter()
+        sess.run(None, {name: one})
+        lat.append((time.perf_counter() - t) * 1e3)
+    return {"batch": int(len(x_batch)), "img_s": runs * len(x_batch) / elapsed,
+            "b1_p50_ms": float(np.percentile(lat, 50)), "b1_p95_ms": float(np.percentile(lat, 95))}

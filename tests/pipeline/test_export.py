@@ -1,0 +1,235 @@
+"""`leaflens export` end to end on a tiny run, the Triton config parser/checker, and the failure paths."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+
+from data_prep.ingest import IngestOptions, ingest  # noqa: E402
+from data_prep.manifest import load_dataset  # noqa: E402
+from engine import Tensor, nn  # noqa: E402
+from engine.checkpoint import save_checkpoint  # noqa: E402
+from engine.data import normalize  # noqa: E402
+from engine.optim import Adam  # noqa: E402
+from pipeline import triton  # noqa: E402
+from pipeline.cli import main  # noqa: E402
+from pipeline.export import ExportFailed, ExportOptions, export_run, manifest_digest  # noqa: E402
+from pipeline.student import StudentCNN  # noqa: E402
+
+CLASSES = ["blight", "healthy", "rust"]
+COLOURS = {"blight": (150, 90, 40), "healthy": (40, 160, 50), "rust": (170, 60, 30)}
+SIZE = 16
+
+
+def _photos(root: Path, per_class: int = 20) -> Path:
+    """Class folders of small photos: a class colour, a per-image texture, and noise."""
+    rng = np.random.default_rng(0)
+    yy, xx = np.mgrid[0:24, 0:24]
+    for ci, cls in enumerate(CLASSES):
+        (root / cls).mkdir(parents=True)
+        for i in range(per_class):
+            base = np.array(COLOURS[cls], np.float64)
+            stripes = 40 * np.sin((xx if ci % 2 else yy) / (2 + ci) + rng.uniform(0, 6))[..., None]
+            img = base + stripes + rng.normal(0, 25, (24, 24, 3))
+            Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(root / cls / f"{cls}_{i:03d}.png")
+    return root
+
+
+def _train(model: nn.Module, ds, steps: int = 40) -> None:
+    """A few Adam steps so the logits have real margins (parity on random weights is mostly ties)."""
+    train = ds["train"]
+    opt = Adam(model.parameters(), lr=0.02)
+    x_all = normalize(np.asarray(train.images), ds.mean, ds.std)
+    y_all = np.asarray(train.labels)
+    from engine import ops  # noqa: PLC0415
+
+    model.train()
+    for _ in range(steps):
+        loss = ops.cross_entropy(model(Tensor(x_all)), y_all)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> tuple[Path, Path]:
+    """(run dir, dataset dir): a StudentCNN trained briefly on a 3-class dataset written by data_prep."""
+    tmp = tmp_path_factory.mktemp("export")
+    dataset = tmp / "dataset"
+    ingest(_photos(tmp / "photos"), dataset, IngestOptions(size=SIZE), workers=1, log=lambda s: None)
+    ds = load_dataset(dataset)
+    model = StudentCNN(len(CLASSES), widths=(8, 16), teacher_dim=5)
+    _train(model, ds)
+    run = tmp / "student"
+    extra = {
+        "model_config": {"kind": "student_cnn", "num_classes": len(CLASSES), "widths": [8, 16],
+                         "in_channels": 3, "dropout": 0.0},
+        "dataset": {"classes": ds.classes, "mean": ds.mean.tolist(), "std": ds.std.tolist(),
+                    "image_size": SIZE, "resize": "crop", "manifest_sha256": manifest_digest(dataset)},
+        "metrics": {"val_accuracy": 0.9, "test_accuracy": 0.875, "uncertain_threshold": 0.55},
+        "run_id": "tiny-run-1",
+    }
+    save_checkpoint(run / "best.npz", model, epoch=3, step=30, extra=extra)
+    return run, dataset
+
+
+def _opts(run: Path, dataset: Path, out: Path, **kw) -> ExportOptions:
+    return ExportOptions(run=run, out=out, dataset=dataset, speed_seconds=0.05, calib_images=32, threads=1,
+                         **kw)
+
+
+def test_export_end_to_end_via_cli(tiny_run, tmp_path, capsys):
+    run, dataset = tiny_run
+    out = tmp_path / "export"
+    code = main(["export", "--run", str(run), "--out", str(out), "--dataset", str(dataset), "--speed-seconds",
+                 "0.05", "--calib-images", "32", "--threads", "1", "--max-batch-size", "16",
+                 "--queue-delay-us", "500"])
+    assert code == 0, capsys.readouterr().err
+    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert files == ["parity.json", "student.onnx", "student_fp16.onnx", "student_int8.onnx",
+                     "triton/leaflens_student/1/model.onnx", "triton/leaflens_student/config.pbtxt",
+                     "triton/leaflens_student/labels.txt"]
+    report = json.loads((out / "parity.json").read_text())
+    assert report["passed"] and not report["failures"]
+    fp32, fp16 = report["parity"]["fp32"], report["parity"]["fp16"]
+    assert fp32["split"] == "val" and fp32["images"] == len(load_dataset(dataset)["val"])
+    assert fp32["max_abs_diff"] <= 1e-4 and fp32["top1_agreement"] == 1.0
+    assert fp16["top1_agreement"] >= 0.995
+    assert set(report["accuracy"]["test"]) == {"engine", "fp32", "fp16", "int8"}
+    assert report["accuracy"]["test"]["fp32"] == report["accuracy"]["test"]["engine"]
+    i8 = report["int8"]
+    assert i8["accuracy_change"] == pytest.approx(i8["accuracy_int8"] - i8["accuracy_fp32"])
+    assert i8["speedup_vs_fp32"] > 0 and report["speed_cpu"]["fp32"]["img_s"] > 0
+    for variant in ("fp32", "fp16", "int8"):
+        onnx.checker.check_model(onnx.load(str(out / report["files"][variant]["file"])), full_check=True)
+    assert not (tmp_path / "export.parity-failed.json").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".export")]  # no temp dirs left
+    stdout = capsys.readouterr().out
+    assert "top-1 agreement" in stdout and "INT8: accuracy change" in stdout
+
+
+def test_exported_model_is_what_the_predictor_serves(tiny_run, tmp_path):
+    """The metadata contract holds for every variant: apps.Predictor loads it and agrees with the engine."""
+    from apps.predictor import Predictor  # noqa: PLC0415
+    from pipeline.parity import engine_and_onnx_logits  # noqa: PLC0415
+    from pipeline.runs import load_model  # noqa: PLC0415
+
+    run, dataset = tiny_run
+    out = tmp_path / "export"
+    export_run(_opts(run, dataset, out), log=lambda s: None)
+    ds = load_dataset(dataset)
+    model, _ = load_model(run)
+    want = engine_and_onnx_logits(model, {}, ds["test"].images, ds.mean, ds.std)["engine"]
+    for name in ("student.onnx", "student_fp16.onnx", "student_int8.onnx"):
+        pred = Predictor(out / name, intra_op_threads=1)
+        card = pred.card
+        assert card.classes == tuple(CLASSES) and card.input_size == SIZE and card.resize == "crop"
+        assert card.run_id == "tiny-run-1" and card.accuracy == 0.875
+        assert card.params == model.num_parameters()
+        assert card.threshold_from_model and card.uncertain_threshold == 0.55
+        np.testing.assert_allclose(card.mean, ds.mean, rtol=1e-6)
+        got = pred.logits_arrays(np.asarray(ds["test"].images))
+        if name == "student.onnx":
+            np.testing.assert_allclose(got, want, atol=1e-4)
+        else:
+            assert (got.argmax(1) == want.argmax(1)).mean() >= 0.9
+
+
+def test_triton_config_matches_the_graph(tiny_run, tmp_path):
+    run, dataset = tiny_run
+    out, repo = tmp_path / "export", tmp_path / "repo"
+    (repo / "other_model").mkdir(parents=True)  # a repository holds other models: left alone
+    export_run(_opts(run, dataset, out, triton=repo, name="leaf_fp16", triton_variant="fp16",
+                     max_batch_size=8, queue_delay_us=750), log=lambda s: None)
+    assert not (out / "triton").exists() and (repo / "other_model").is_dir()
+    model_dir = repo / "leaf_fp16"
+    config = triton.parse_pbtxt((model_dir / "config.pbtxt").read_text())
+    graph = onnx.load(str(model_dir / "1" / "model.onnx"))
+    assert graph.SerializeToString() == (out / "student_fp16.onnx").read_bytes()
+    assert config["name"] == ["leaf_fp16"] and config["platform"] == ["onnxruntime_onnx"]
+    assert config["max_batch_size"] == [8]
+    assert config["dynamic_batching"][0]["max_queue_delay_microseconds"] == [750]
+    (inp,), (outp,) = config["input"], config["output"]
+    assert inp["name"] == [graph.graph.input[0].name] == ["input"]
+    assert inp["data_type"] == ["TYPE_FP32"] and inp["dims"] == [3, SIZE, SIZE]
+    assert outp["name"] == [graph.graph.output[0].name] == ["logits"]
+    assert outp["data_type"] == ["TYPE_FP32"] and outp["dims"] == [len(CLASSES)]
+    assert (model_dir / "labels.txt").read_text().split() == CLASSES
+    triton.check_model_dir(model_dir)
+    # the checker notices a config that does not match its model
+    text = (model_dir / "config.pbtxt").read_text()
+    bad = text.replace(f"dims: [ 3, {SIZE}, {SIZE} ]", "dims: [ 3, 32, 32 ]")
+    assert bad != text
+    with pytest.raises(triton.TritonConfigError, match="dims"):
+        triton.check_config(triton.parse_pbtxt(bad), graph, "leaf_fp16")
+    with pytest.raises(triton.TritonConfigError, match="folder"):
+        triton.check_config(config, graph, "renamed")
+
+
+def test_pbtxt_parser_on_handwritten_text():
+    text = '''
+    # a comment
+    name: "m"   platform: "onnxruntime_onnx"
+    max_batch_size: 4
+    input [ { name: "a" data_type: TYPE_FP32 dims: [ 3, -1 ] }, { name: "b\\"q" dims: 7 dims: 8 } ]
+    dynamic_batching { preferred_batch_size: [ 2, 4 ] max_queue_delay_microseconds: 100 }
+    instance_group [ { count: 2, kind: KIND_CPU } ]
+    parameters: { key: "x" value: { string_value: "1.5" } }
+    '''
+    cfg = triton.parse_pbtxt(text)
+    assert cfg["name"] == ["m"] and cfg["max_batch_size"] == [4]
+    a, b = cfg["input"]
+    assert a == {"name": ["a"], "data_type": ["TYPE_FP32"], "dims": [3, -1]}
+    assert b == {"name": ['b"q'], "dims": [7, 8]}
+    assert cfg["dynamic_batching"] == [{"preferred_batch_size": [2, 4],
+                                        "max_queue_delay_microseconds": [100]}]
+    assert cfg["instance_group"] == [{"count": [2], "kind": ["KIND_CPU"]}]
+    assert cfg["parameters"][0]["value"] == [{"string_value": ["1.5"]}]
+    for broken in ('name: "m" input [ { name: "a" ', "name: : 3", "input { ] }", "9x: 1"):
+        with pytest.raises(triton.TritonConfigError):
+            triton.parse_pbtxt(broken)
+
+
+def test_parity_failure_exits_non_zero_and_replaces_nothing(tiny_run, tmp_path, capsys):
+    run, dataset = tiny_run
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "parity.json").write_text("{}")  # a previous export, which must survive
+    code = main(["export", "--run", str(run), "--out", str(out), "--dataset", str(dataset), "--no-int8",
+                 "--speed-seconds", "0.01", "--threads", "1"])
+    assert code == 0
+    previous = (out / "student.onnx").read_bytes()
+    # an impossible FP16 gate makes parity fail
+    with pytest.raises(ExportFailed, match="FP16 top-1 agreement"):
+        export_run(_opts(run, dataset, out, int8=False, fp16_min_agreement=1.01), log=lambda s: None)
+    assert (out / "student.onnx").read_bytes() == previous
+    failed = json.loads((tmp_path / "export.parity-failed.json").read_text())
+    assert failed["passed"] is False and failed["failures"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".export.tmp")]
+
+
+def test_wrong_dataset_and_foreign_output_are_refused(tiny_run, tmp_path, capsys):
+    run, dataset = tiny_run
+    other = tmp_path / "other_dataset"
+    ingest(_photos(tmp_path / "photos", per_class=12), other, IngestOptions(size=SIZE), workers=1,
+           log=lambda s: None)
+    code = main(["export", "--run", str(run), "--out", str(tmp_path / "e"), "--dataset", str(other)])
+    err = capsys.readouterr().err
+    assert code == 1 and "not the dataset run tiny-run-1 was trained on" in err and "--dataset" in err
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(ExportFailed, match="not a leaflens export folder"):
+        export_run(_opts(run, dataset, foreign), log=lambda s: None)
+    assert (foreign / "notes.txt").read_text() == "mine"
+    code = main(["export", "--run", str(tmp_path / "nowhere"), "--out", str(tmp_path / "e"), "--dataset",
+                 str(dataset)])
+    assert code == 1 and "does not exist" in capsys.readouterr().err

@@ -17,8 +17,14 @@ DATASET := $(ART)/dataset
 TEACHER := $(ART)/teacher
 STUDENT := $(ART)/student
 EXPORT := $(ART)/export
+# On the synthetic demo data the stages use shorter recipes (pipeline/distill_demo.toml).
+ifeq ($(DATA),$(SYNTH))
+TEACHER_ARGS ?= --epochs 4
+DISTILL_ARGS ?= --config pipeline/distill_demo.toml
+else
 TEACHER_ARGS ?=
 DISTILL_ARGS ?=
+endif
 EXPORT_ARGS ?=
 SERVE_ARGS ?=
 EXTRAS ?= dev,serve-cpu,teacher

@@ -10,16 +10,25 @@ from typing import Any
 
 from engine import random as erandom
 from engine.backend import array_module
+from engine.parallel import for_rows
 from engine.tensor import Function, Tensor
 
 
 class ReLU(Function):
     def forward(self, x):
-        self.y = array_module(x).maximum(x, 0)
-        return self.y
+        xp = array_module(x)
+        y = xp.empty_like(x)
+        for_rows(xp, len(x) if x.ndim else 1, x.size, lambda lo, hi: xp.maximum(x[lo:hi], 0, out=y[lo:hi]))
+        self.y = y
+        return y
 
     def backward(self, gy):
-        return gy * (self.y > 0)
+        xp = array_module(gy)
+        g = xp.empty_like(gy)
+        y = self.y
+        for_rows(xp, len(gy) if gy.ndim else 1, gy.size,
+                 lambda lo, hi: xp.multiply(gy[lo:hi], y[lo:hi] > 0, out=g[lo:hi]))
+        return g
 
 
 class LeakyReLU(Function):

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.backend import array_module
+from engine.parallel import for_rows
 from engine.tensor import Function, Tensor
 
 Padding = int | tuple[int, int] | tuple[int, int, int, int] | str
@@ -59,8 +60,13 @@ def pad_nhwc(x: Any, pads: tuple[int, int, int, int], value: float = 0.0) -> Any
         return x
     xp = array_module(x)
     n, h, w, c = x.shape
-    out = xp.full((n, h + t + b, w + l + r, c), value, dtype=x.dtype)
-    out[:, t:t + h, l:l + w, :] = x
+    out = xp.empty((n, h + t + b, w + l + r, c), dtype=x.dtype)
+
+    def fill(lo: int, hi: int) -> None:
+        out[lo:hi] = value
+        out[lo:hi, t:t + h, l:l + w, :] = x[lo:hi]
+
+    for_rows(xp, n, out.size, fill)
     return out
 
 
@@ -77,9 +83,13 @@ def im2col(xpad: Any, kernel: tuple[int, int], out_hw: tuple[int, int], stride: 
     kh, kw = kernel
     ho, wo = out_hw
     cols = xp.empty((n, ho, wo, kh, kw, c), dtype=xpad.dtype)
-    for i in range(kh):
-        for j in range(kw):
-            cols[:, :, :, i, j, :] = tap(xpad, i, j, out_hw, stride)
+
+    def fill(lo: int, hi: int) -> None:
+        for i in range(kh):
+            for j in range(kw):
+                cols[lo:hi, :, :, i, j, :] = tap(xpad[lo:hi], i, j, out_hw, stride)
+
+    for_rows(xp, n, cols.size, fill)
     return cols.reshape(n * ho * wo, kh * kw * c)
 
 
@@ -91,10 +101,16 @@ def col2im(cols: Any, padded_shape: tuple[int, ...], kernel: tuple[int, int], ou
     kh, kw = kernel
     ho, wo = out_hw
     cols = cols.reshape(n, ho, wo, kh, kw, c)
-    gx = xp.zeros(padded_shape, dtype=cols.dtype)
-    for i in range(kh):
-        for j in range(kw):
-            tap(gx, i, j, out_hw, stride)[...] += cols[:, :, :, i, j, :]
+    gx = xp.empty(padded_shape, dtype=cols.dtype)
+
+    def add(lo: int, hi: int) -> None:
+        g = gx[lo:hi]
+        g[...] = 0
+        for i in range(kh):
+            for j in range(kw):
+                tap(g, i, j, out_hw, stride)[...] += cols[lo:hi, :, :, i, j, :]
+
+    for_rows(xp, n, cols.size, add)
     return gx
 
 
@@ -143,7 +159,10 @@ class Conv2d(Function):
             self.mode = "grouped"
             y = self._grouped_forward(xpad, w)
         if b is not None:
-            y += b
+            def add_bias(lo: int, hi: int) -> None:
+                y[lo:hi] += b
+
+            for_rows(array_module(y), y.shape[0], y.size, add_bias)
         return y
 
     # -- groups == 1: im2col + one matmul ---------------------------------------------------------
@@ -184,13 +203,19 @@ class Conv2d(Function):
         n, c = xpad.shape[0], xpad.shape[3]
         kh, kw = self.kernel
         ho, wo = self.out_hw
-        wt = w.reshape(c, kh, kw)
-        y = xp.zeros((n, ho, wo, c), dtype=xpad.dtype)
-        tmp = xp.empty_like(y)
-        for i in range(kh):
-            for j in range(kw):
-                xp.multiply(tap(xpad, i, j, self.out_hw, self.stride), wt[:, i, j], out=tmp)
-                y += tmp
+        wt = xp.ascontiguousarray(w.reshape(c, kh, kw).transpose(1, 2, 0))  # (kh, kw, c)
+        y = xp.empty((n, ho, wo, c), dtype=xpad.dtype)
+
+        def run(lo: int, hi: int) -> None:
+            yy, src = y[lo:hi], xpad[lo:hi]
+            tmp = xp.empty_like(yy)
+            xp.multiply(tap(src, 0, 0, self.out_hw, self.stride), wt[0, 0], out=yy)
+            for t in range(1, kh * kw):
+                i, j = divmod(t, kw)
+                xp.multiply(tap(src, i, j, self.out_hw, self.stride), wt[i, j], out=tmp)
+                yy += tmp
+
+        for_rows(xp, n, y.size * kh * kw, run)
         if self.recording:
             self.xpad = xpad if self.needs_grad[1] else None
             self.wt = wt if self.needs_grad[0] else None
@@ -201,18 +226,32 @@ class Conv2d(Function):
         kh, kw = self.kernel
         c = gy.shape[-1]
         gx = gw = None
+        n = gy.shape[0]
         if self.needs_grad[1]:
-            gw = xp.empty((c, 1, kh, kw), dtype=gy.dtype)
-            tmp = xp.empty_like(gy)
-            for i in range(kh):
-                for j in range(kw):
-                    xp.multiply(tap(self.xpad, i, j, self.out_hw, self.stride), gy, out=tmp)
-                    gw[:, 0, i, j] = tmp.reshape(-1, c).sum(axis=0)
+            def wgrad(lo: int, hi: int) -> Any:
+                part = xp.empty((kh, kw, c), dtype=gy.dtype)
+                tmp = xp.empty_like(gy[lo:hi])
+                for i in range(kh):
+                    for j in range(kw):
+                        xp.multiply(tap(self.xpad[lo:hi], i, j, self.out_hw, self.stride), gy[lo:hi], out=tmp)
+                        part[i, j] = tmp.reshape(-1, c).sum(axis=0)
+                return part
+
+            parts = for_rows(xp, n, gy.size * kh * kw, wgrad)
+            gw = sum(parts[1:], parts[0]).transpose(2, 0, 1).reshape(c, 1, kh, kw)
         if self.needs_grad[0]:
-            gxpad = xp.zeros(self.padded_shape, dtype=gy.dtype)
-            for i in range(kh):
-                for j in range(kw):
-                    tap(gxpad, i, j, self.out_hw, self.stride)[...] += gy * self.wt[:, i, j]
+            gxpad = xp.empty(self.padded_shape, dtype=gy.dtype)
+
+            def dgrad(lo: int, hi: int) -> None:
+                g = gxpad[lo:hi]
+                g[...] = 0
+                tmp = xp.empty_like(gy[lo:hi])
+                for i in range(kh):
+                    for j in range(kw):
+                        xp.multiply(gy[lo:hi], self.wt[i, j], out=tmp)
+                        tap(g, i, j, self.out_hw, self.stride)[...] += tmp
+
+            for_rows(xp, n, gy.size * kh * kw, dgrad)
             gx = _unpad(gxpad, self.pads, self.in_shape[1:3])
         return gx, gw
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.backend import array_module
+from engine.parallel import for_rows
 from engine.tensor import Function, Tensor
 
 
@@ -28,17 +29,29 @@ class BatchNorm(Function):
         xp = array_module(x)
         x2 = x.reshape(-1, c)
         n = x2.shape[0]
+        y = xp.empty_like(x2)
         if self.training:
             if n < 2:
                 raise ValueError(f"batch_norm in training mode needs more than one value per channel, got "
                                  f"input shape {tuple(x.shape)}")
-            mean = x2.mean(axis=0)
-            xc = x2 - mean
-            var = (xc * xc).mean(axis=0)
+            mean = _sum_rows(xp, x2) / n
+            xhat = xp.empty_like(x2)
+
+            def centre(lo: int, hi: int) -> Any:
+                xc = xhat[lo:hi]
+                xp.subtract(x2[lo:hi], mean, out=xc)
+                return (xc * xc).sum(axis=0)
+
+            var = _total(for_rows(xp, n, x2.size, centre)) / n
             inv = 1 / xp.sqrt(var + x.dtype.type(self.eps))
-            xhat = xc
-            xhat *= inv
-            y = xhat * gamma + beta
+
+            def scale(lo: int, hi: int) -> None:
+                xh = xhat[lo:hi]
+                xh *= inv
+                xp.multiply(xh, gamma, out=y[lo:hi])
+                y[lo:hi] += beta
+
+            for_rows(xp, n, x2.size, scale)
             if self.running_mean is not None:
                 m = self.momentum
                 self.running_mean *= 1 - m
@@ -50,29 +63,67 @@ class BatchNorm(Function):
         else:
             inv = 1 / xp.sqrt(self.running_var.astype(x.dtype) + x.dtype.type(self.eps))
             scale = gamma * inv
-            y = x2 * scale + (beta - self.running_mean.astype(x.dtype) * scale)
+            shift = beta - self.running_mean.astype(x.dtype) * scale
+
+            def affine(lo: int, hi: int) -> None:
+                xp.multiply(x2[lo:hi], scale, out=y[lo:hi])
+                y[lo:hi] += shift
+
+            for_rows(xp, n, x2.size, affine)
             if self.recording:
                 self.x2, self.inv, self.scale = x2, inv, scale
         return y.reshape(x.shape)
 
     def backward(self, gy):
+        xp = array_module(gy)
         c = gy.shape[-1]
         g2 = gy.reshape(-1, c)
-        gbeta = g2.sum(axis=0)
+        n = g2.shape[0]
         if self.training:
-            n = g2.shape[0]
-            ggamma = (g2 * self.xhat).sum(axis=0)
+            xhat = self.xhat
+
+            def sums(lo: int, hi: int) -> Any:
+                g = g2[lo:hi]
+                return xp.stack([g.sum(axis=0), (g * xhat[lo:hi]).sum(axis=0)])
+
+            gbeta, ggamma = _total(for_rows(xp, n, g2.size, sums))
             gx = None
             if self.needs_grad[0]:
-                gx = g2 - (gbeta / n)
-                gx -= self.xhat * (ggamma / n)
-                gx *= self.gamma * self.inv
+                gx = xp.empty_like(g2)
+                k = self.gamma * self.inv
+                mean_g, mean_gx = gbeta / n, ggamma / n
+
+                def grad(lo: int, hi: int) -> None:
+                    out = gx[lo:hi]
+                    xp.multiply(xhat[lo:hi], mean_gx, out=out)
+                    xp.subtract(g2[lo:hi], out, out=out)
+                    out -= mean_g
+                    out *= k
+
+                for_rows(xp, n, g2.size, grad)
                 gx = gx.reshape(gy.shape)
             return gx, ggamma, gbeta
-        xhat = (self.x2 - self.running_mean.astype(g2.dtype)) * self.inv
-        ggamma = (g2 * xhat).sum(axis=0)
+        rm = self.running_mean.astype(g2.dtype)
+
+        def sums_eval(lo: int, hi: int) -> Any:
+            g = g2[lo:hi]
+            return xp.stack([g.sum(axis=0), (g * ((self.x2[lo:hi] - rm) * self.inv)).sum(axis=0)])
+
+        gbeta, ggamma = _total(for_rows(xp, n, g2.size, sums_eval))
         gx = (g2 * self.scale).reshape(gy.shape) if self.needs_grad[0] else None
         return gx, ggamma, gbeta
+
+
+def _total(parts: list[Any]) -> Any:
+    """Sum per-slice partial results in a fixed order (deterministic for a given thread count)."""
+    out = parts[0]
+    for p in parts[1:]:
+        out = out + p
+    return out
+
+
+def _sum_rows(xp: Any, x2: Any) -> Any:
+    return _total(for_rows(xp, x2.shape[0], x2.size, lambda lo, hi: x2[lo:hi].sum(axis=0)))
 
 
 class L2Normalize(Function):

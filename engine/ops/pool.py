@@ -6,6 +6,7 @@ from typing import Any
 
 from engine.backend import array_module
 from engine.ops.conv import Padding, _pair, _unpad, pad_nhwc, resolve_padding, tap
+from engine.parallel import for_rows
 from engine.tensor import Function, Tensor
 
 
@@ -40,9 +41,15 @@ class MaxPool2d(Function):
         self.in_shape = x.shape
         xpad = pad_nhwc(x, self.pads, value=-xp.inf)
         kh, kw = self.kernel
-        y = tap(xpad, 0, 0, self.out_hw, self.stride).copy()
-        for t in range(1, kh * kw):
-            xp.maximum(y, tap(xpad, t // kw, t % kw, self.out_hw, self.stride), out=y)
+        y = xp.empty((x.shape[0], *self.out_hw, x.shape[3]), dtype=x.dtype)
+
+        def run(lo: int, hi: int) -> None:
+            src, yy = xpad[lo:hi], y[lo:hi]
+            yy[...] = tap(src, 0, 0, self.out_hw, self.stride)
+            for t in range(1, kh * kw):
+                xp.maximum(yy, tap(src, t // kw, t % kw, self.out_hw, self.stride), out=yy)
+
+        for_rows(xp, x.shape[0], x.size, run)
         if self.recording:
             self.xpad, self.y = xpad, y
         return y
@@ -50,20 +57,29 @@ class MaxPool2d(Function):
     def backward(self, gy):
         xp = array_module(gy)
         kh, kw = self.kernel
-        gx = xp.zeros(self.xpad.shape, dtype=gy.dtype)
+        gx = xp.empty(self.xpad.shape, dtype=gy.dtype)
         overlapping = self.stride[0] < kh or self.stride[1] < kw
-        unclaimed = xp.ones(gy.shape, dtype=bool)
-        hit = xp.empty(gy.shape, dtype=bool)
-        for t in range(kh * kw):
-            i, j = t // kw, t % kw
-            xp.equal(tap(self.xpad, i, j, self.out_hw, self.stride), self.y, out=hit)
-            hit &= unclaimed
-            unclaimed &= ~hit
-            dst = tap(gx, i, j, self.out_hw, self.stride)
-            if overlapping:
-                dst += gy * hit
-            else:
-                xp.multiply(gy, hit, out=dst)
+        covered = not overlapping and self.xpad.shape[1] == kh * self.out_hw[0] \
+            and self.xpad.shape[2] == kw * self.out_hw[1]
+
+        def run(lo: int, hi: int) -> None:
+            g, src, y, gyy = gx[lo:hi], self.xpad[lo:hi], self.y[lo:hi], gy[lo:hi]
+            if not covered:  # some input pixels fall in no window (or in several): start from zero
+                g[...] = 0
+            unclaimed = xp.ones(gyy.shape, dtype=bool)
+            hit = xp.empty(gyy.shape, dtype=bool)
+            for t in range(kh * kw):
+                i, j = t // kw, t % kw
+                xp.equal(tap(src, i, j, self.out_hw, self.stride), y, out=hit)
+                hit &= unclaimed
+                unclaimed &= ~hit
+                dst = tap(g, i, j, self.out_hw, self.stride)
+                if overlapping:
+                    dst += gyy * hit
+                else:
+                    xp.multiply(gyy, hit, out=dst)
+
+        for_rows(xp, gy.shape[0], self.xpad.size, run)
         return _unpad(gx, self.pads, self.in_shape[1:3])
 
 

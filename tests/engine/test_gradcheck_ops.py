@@ -71,6 +71,7 @@ CASES = {
     "l2_normalize": (lambda a: ops.l2_normalize(a, axis=1), [r(4, 6)]),
     "global_avg_pool": (ops.global_avg_pool2d, [r(2, 3, 4, 5)]),
     "max_pool_2x2": (lambda a: ops.max_pool2d(a, 2), [distinct(2, 4, 6, 3)]),
+    "max_pool_2x2_odd_size": (lambda a: ops.max_pool2d(a, 2), [distinct(2, 5, 7, 2)]),
     "max_pool_3x3_s2_p1": (lambda a: ops.max_pool2d(a, 3, 2, 1), [distinct(2, 5, 5, 2)]),
     "avg_pool_2x2": (lambda a: ops.avg_pool2d(a, 2), [r(2, 4, 4, 3)]),
     "avg_pool_3x3_pad": (lambda a: ops.avg_pool2d(a, 3, 1, 1), [r(1, 4, 5, 2)]),

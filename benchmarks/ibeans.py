@@ -1,0 +1,183 @@
+"""Real field photos: teacher, scratch student and distilled student on iBeans (3 classes).
+
+    python benchmarks/ibeans.py --data ../shared/data/ibeans [--seeds 2] [--fraction 0.25] [--epochs N]
+
+Train on train, select on val, report on test (the official split). Two settings:
+- full: every training photo labelled;
+- fraction (default 25 %): a stratified, seeded 25 % of the training photos keep their labels and the
+  other 75 % are given to the pipeline as unlabelled photos (labels hidden). The scratch student can
+  only use the labelled 25 %; the teacher is fine-tuned on them and then labels... nothing: it gives
+  features and logits for all photos, which the distilled student learns from.
+The teacher (EfficientNet-Lite0, ImageNet weights) is measured frozen (1-NN and linear probe on its
+1280-d features) and fine-tuned once per setting; student seeds share it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from data_prep.ingest import IngestOptions, ingest  # noqa: E402
+from data_prep.manifest import load_dataset  # noqa: E402
+from engine import Tensor, nn, ops  # noqa: E402
+from engine import random as erandom  # noqa: E402
+from engine.optim import AdamW  # noqa: E402
+from pipeline.config import load_config  # noqa: E402
+from pipeline.distill import run_distill  # noqa: E402
+from pipeline.teacher import knn_accuracy, write_teacher  # noqa: E402
+from pipeline.teacher_effnet import build_effnet_teacher  # noqa: E402
+from pipeline.teacher_io import load_teacher  # noqa: E402
+
+EXTS = {".jpg", ".jpeg", ".png"}
+
+
+def fraction_sources(src: Path, work: Path, fraction: float, seed: int = 0) -> tuple[Path, Path]:
+    """Symlink trees: labelled (fraction of train + all val/test) and unlabelled (the rest of train)."""
+    lab, unl = work / f"labelled_{fraction}", work / f"unlabeled_{fraction}"
+    rng = np.random.default_rng(seed)
+    for split in ("train", "val", "test"):
+        for cdir in sorted(p for p in (src / split).iterdir() if p.is_dir()):
+            files = sorted(f for f in cdir.iterdir() if f.suffix.lower() in EXTS)
+            if split == "train":
+                keep = set(rng.choice(len(files), max(1, round(fraction * len(files))), replace=False).tolist())
+            else:
+                keep = set(range(len(files)))
+            (lab / split / cdir.name).mkdir(parents=True, exist_ok=True)
+            for i, f in enumerate(files):
+                if i in keep:
+                    os.symlink(f.resolve(), lab / split / cdir.name / f.name)
+                else:
+                    unl.mkdir(parents=True, exist_ok=True)
+                    os.symlink(f.resolve(), unl / f"{cdir.name}__{f.name}")
+    return lab, unl
+
+
+def linear_probe(ds, feats) -> float:
+    """Logistic regression on frozen features (engine, AdamW, full batch), chosen on val, scored on test."""
+    erandom.seed(0)
+    mu = np.asarray(feats["train"], np.float32).mean(0)
+    sd = np.asarray(feats["train"], np.float32).std(0) + 1e-6
+    x = {s: (np.asarray(feats[s], np.float32) - mu) / sd for s in ("train", "val", "test")}
+    y = {s: np.asarray(ds[s].labels) for s in ("train", "val", "test")}
+    model = nn.Linear(x["train"].shape[1], ds.num_classes)
+    opt = AdamW(model.parameters(), lr=1e-2, weight_decay=1e-2)
+    best = (-1.0, 0.0)
+    for _ in range(300):
+        opt.zero_grad()
+        ops.cross_entropy(model(Tensor(x["train"])), y["train"]).backward()
+        opt.step()
+        val = float((model(Tensor(x["val"])).data.argmax(1) == y["val"]).mean())
+        if val > best[0]:
+            best = (val, float((model(Tensor(x["test"])).data.argmax(1) == y["test"]).mean()))
+    return best[1]
+
+
+def teacher_args(frozen: bool, epochs: int | None) -> argparse.Namespace:
+    return argparse.Namespace(weights=None, frozen=frozen, epochs=epochs, batch_size=32, from_arrays=False,
+                              finetune_from_block=None)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", type=Path, required=True, help="iBeans folder with train/val/test/<class>/")
+    p.add_argument("--seeds", type=int, default=2, help="student seeds per setting")
+    p.add_argument("--fraction", type=float, default=0.25, help="labelled fraction of the training photos")
+    p.add_argument("--size", type=int, default=64, help="student input size")
+    p.add_argument("--epochs", type=int, help="student epochs (default: the distill config's)")
+    p.add_argument("--teacher-epochs", type=int, default=8, help="teacher fine-tuning epochs")
+    p.add_argument("--work", type=Path, help="keep intermediate artefacts here (default: a temp folder)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], help="distill config override")
+    args = p.parse_args()
+    if not (args.data / "train").is_dir():
+        sys.exit(f"ibeans.py: {args.data} has no train/ folder (expected the iBeans layout)")
+    t_all = time.perf_counter()
+    work = args.work or Path(tempfile.mkdtemp(prefix="leaflens-ibeans-"))
+    work.mkdir(parents=True, exist_ok=True)
+    walls: dict[str, float] = {}
+
+    def timed(name, fn, *a, **k):
+        t0 = time.perf_counter()
+        out = fn(*a, **k)
+        walls[name] = walls.get(name, 0.0) + time.perf_counter() - t0
+        return out
+
+    quiet = dict(log=lambda s: None)
+    lab, unl = fraction_sources(args.data, work / "sources", args.fraction)
+    timed("preprocess", ingest, args.data, work / "ds_full", IngestOptions(size=args.size), **quiet)
+    timed("preprocess", ingest, lab, work / "ds_frac", IngestOptions(size=args.size), unlabeled=unl, **quiet)
+    ds_full, ds_frac = load_dataset(work / "ds_full"), load_dataset(work / "ds_frac")
+
+    # frozen teacher: how good are ImageNet features on these photos?
+    enc, _ = timed("teacher_frozen", build_effnet_teacher, ds_full, teacher_args(True, None), False)
+    feats = enc.features
+    knn = knn_accuracy(np.asarray(feats["train"], np.float32), np.asarray(ds_full["train"].labels),
+                       np.asarray(feats["test"], np.float32), np.asarray(ds_full["test"].labels))
+    probe = timed("teacher_probe", linear_probe, ds_full, feats)
+
+    teachers, teacher_acc = {}, {}
+    for name, ds in (("full", ds_full), ("frac", ds_frac)):
+        targs = teacher_args(False, args.teacher_epochs)
+        enc, extra = timed(f"teacher_finetune_{name}", build_effnet_teacher, ds, targs, False)
+        write_teacher(work / f"teacher_{name}", ds, enc, progress=False, extra={"stage": extra})
+        tt = load_teacher(work / f"teacher_{name}", ds)
+        teachers[name] = work / f"teacher_{name}"
+        teacher_acc[name] = float((np.asarray(tt.logits["test"]).argmax(1) == np.asarray(ds["test"].labels)).mean())
+
+    rows = []
+    for seed in range(args.seeds):
+        for name, ds_dir in (("full", work / "ds_full"), ("frac", work / "ds_frac")):
+            sets = [f"train.seed={seed}"] + ([f"train.epochs={args.epochs}"] if args.epochs else []) + args.overrides
+            cfg = load_config("distill_default.toml", None, sets)
+            rep = timed(f"students_{name}", run_distill, ds_dir, teachers[name], work / f"run_{name}_{seed}", cfg,
+                        progress=False)
+            v = rep["variants"]
+            rows.append({"seed": seed, "setting": name, "scratch": v["scratch"]["test_accuracy"],
+                         "distilled": v["distilled"]["test_accuracy"], "winner": rep["winner"],
+                         "scratch_val": v["scratch"]["val_accuracy"], "distilled_val": v["distilled"]["val_accuracy"],
+                         "params": rep["params"]})
+            print(f"seed {seed} {name:>4}: scratch {rows[-1]['scratch']:.4f}  distilled {rows[-1]['distilled']:.4f}  "
+                  f"(val {rows[-1]['scratch_val']:.4f} / {rows[-1]['distilled_val']:.4f}, kept {rep['winner']})",
+                  flush=True)
+
+    def stat(setting, key):
+        vals = [r[key] for r in rows if r["setting"] == setting]
+        return statistics.mean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
+
+    print()
+    print(f"iBeans test accuracy ({args.seeds} seeds; student {args.size}x{args.size}, "
+          f"{rows[0]['params']:,} parameters; fraction setting: {args.fraction:.0%} labelled + the rest unlabelled)")
+    print(f"{'':<34}{'full labels':>16}{f'{args.fraction:.0%} labels':>16}")
+    print(f"{'teacher frozen, 1-NN':<34}{knn:>16.4f}{'':>16}")
+    print(f"{'teacher frozen, linear probe':<34}{probe:>16.4f}{'':>16}")
+    print(f"{'teacher fine-tuned':<34}{teacher_acc['full']:>16.4f}{teacher_acc['frac']:>16.4f}")
+    for key in ("scratch", "distilled"):
+        (mf, sf), (mr, sr) = stat("full", key), stat("frac", key)
+        print(f"{'student ' + key:<34}{f'{mf:.4f} ± {sf:.4f}':>16}{f'{mr:.4f} ± {sr:.4f}':>16}")
+    print("wall time per stage (s): " + ", ".join(f"{k} {v:.0f}" for k, v in walls.items()))
+    if args.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps({
+        "teacher_knn_acc": round(knn, 4), "teacher_probe_acc": round(probe, 4),
+        "teacher_finetuned_acc": round(teacher_acc["full"], 4),
+        "teacher_finetuned_acc_25": round(teacher_acc["frac"], 4),
+        "scratch_acc": round(stat("full", "scratch")[0], 4), "distilled_acc": round(stat("full", "distilled")[0], 4),
+        "scratch_acc_25": round(stat("frac", "scratch")[0], 4),
+        "distilled_acc_25": round(stat("frac", "distilled")[0], 4),
+        "student_params": rows[0]["params"], "seeds": args.seeds, "fraction": args.fraction,
+        "wall_s": round(time.perf_counter() - t_all, 1), "stage_wall_s": {k: round(v, 1) for k, v in walls.items()},
+    }))
+
+
+if __name__ == "__main__":
+    main()

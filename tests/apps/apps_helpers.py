@@ -5,6 +5,7 @@ synthetic photos, so the tests need neither the engine nor any downloaded data.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -93,3 +94,40 @@ def write_photo(path: Path, size: tuple[int, int] = (48, 40), seed: int = 0, fmt
     arr = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
     Image.fromarray(arr).save(path, format=fmt)
     return path
+
+
+def make_dataset(root: Path, classes: list[str], size: int = 16, per_class: int = 8) -> Path:
+    """A real (tiny) preprocessed dataset, with the synthetic set's classes.toml carried along."""
+    from data_prep.ingest import IngestOptions, ingest
+    from data_prep.synth import classes_toml
+
+    src = root / "photos"
+    for c, cls in enumerate(classes):
+        (src / cls).mkdir(parents=True)
+        for i in range(per_class):
+            write_photo(src / cls / f"{cls}_{i}.png", (24, 20), seed=100 * c + i)
+    (src / "classes.toml").write_text(classes_toml(tuple(classes)), encoding="utf-8")
+    return ingest(src, root / "dataset", IngestOptions(size=size), workers=1, log=lambda *_: None).out
+
+
+def fake_run(tmp_path: Path, dataset: Path) -> Path:
+    """A run folder as `leaflens distill` leaves it, as far as the app reads it."""
+    run = tmp_path / "student"
+    run.mkdir()
+    report = {"test_accuracy": 0.9, "params": 1234, "dataset": {"root": str(dataset)},
+              "test": {"accuracy": 0.9, "accuracy_ci": [0.8, 0.95], "ci_level": 0.95, "n": 60}}
+    (run / "report.json").write_text(json.dumps(report))
+    for name in ("curves.png", "confusion.png"):
+        write_photo(run / name, (30, 20))
+    return run
+
+
+def serve_args(**kw) -> argparse.Namespace:
+    """`leaflens serve` arguments as parsed from --key value options (True: a bare flag)."""
+    from apps import cmd_serve
+
+    parser = cmd_serve.add_parser(argparse.ArgumentParser().add_subparsers())
+    argv = []
+    for key, value in kw.items():
+        argv += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    return parser.parse_args(argv)

@@ -1,0 +1,179 @@
+"""Interface text of the web app in English and Simplified Chinese.
+
+Every string a person reads in the page comes from :data:`STRINGS` through :func:`t`, so the two
+languages cannot drift apart silently: a key present in one language must be present in the other
+(tests check it). Placeholders use ``str.format`` names.
+"""
+
+from __future__ import annotations
+
+__all__ = ["DEFAULT_LANG", "LANGS", "LANG_CHOICES", "STRINGS", "lang_from_choice", "t"]
+
+LANGS = ("en", "zh")
+DEFAULT_LANG = "en"
+# What the language switch shows, in the language it stands for.
+LANG_CHOICES = {"en": "English", "zh": "中文"}
+
+STRINGS: dict[str, dict[str, str]] = {
+    "en": {
+        "title": "# leaflens: what is wrong with this leaf?",
+        "intro": ("Take a photo of one leaf, close and in daylight, and drop it here. Several photos of "
+                  "leaves from the same plant give a more reliable answer: they are judged together."),
+        "photos": "Leaf photos (JPEG, PNG, WebP or HEIC; one or several)",
+        "diagnose": "Diagnose",
+        "clear": "Clear",
+        "language": "Language / 语言",
+        "tab_diagnose": "Diagnose",
+        "tab_model": "Model",
+        "ranking": "Most likely",
+        "verdict_heading": "### Verdict",
+        "per_photo": "Each photo",
+        "details": "Details (JSON, as the API returns it)",
+        "examples": "Examples from the training data (click one to try it)",
+        "gallery": "Your photos",
+        "waiting": "Drop one or more leaf photos above and press **Diagnose**.",
+        # verdicts
+        "verdict_healthy": "This leaf looks **healthy** ({conf} confident).",
+        "verdict_sick": "Most likely **{name}** ({conf} confident).",
+        "verdict_uncertain": ("**Uncertain:** this may not be a leaf of a known crop, or the photo is unclear. "
+                              "Best guess: {name} ({conf}). Try another photo: one leaf, close up, in daylight."),
+        "runner_up": "Next most likely: {name} ({conf}).",
+        "combined": "**Combined vote of {n} photos** (probabilities averaged): ",
+        "agreement": "{k} of {n} photos have this as their first answer.",
+        "skipped_some": "{k} of {n} files could not be used (see below).",
+        "no_photos": "No photo was given: drop one or more leaf photos and press **Diagnose**.",
+        "all_failed": "None of the files could be read as a photo. See the message for each file below.",
+        "one_failed": "**{name}** could not be read: {message}",
+        "too_many": "Only the first {max} photos were used ({n} were given).",
+        # notes
+        "what_it_is": "What it is",
+        "what_to_do": "What to do",
+        # per-photo table
+        "col_photo": "Photo",
+        "col_result": "Result",
+        "col_conf": "Confidence",
+        "uncertain_tag": "uncertain",
+        "error_tag": "not read",
+        # decode errors, by ImageDecodeError.reason (plus our own size/ext checks)
+        "err_empty": "the file is empty (0 bytes).",
+        "err_truncated": "the file is incomplete: the upload or copy was probably cut short.",
+        "err_corrupt": "the file is damaged and cannot be read as an image.",
+        "err_not_an_image": "this is not a picture, or not in a format we read (JPEG, PNG, WebP, HEIC).",
+        "err_too_large": "the picture has too many pixels to process safely.",
+        "err_unsupported_mode": "the picture uses a colour format we cannot convert.",
+        "err_heic_unsupported": ("this is an HEIC photo (iPhone), which this server cannot read: install "
+                                 "pillow-heif (pip install 'leaflens[heic]') or send the photo as JPEG."),
+        "err_unreadable": "the file could not be opened.",
+        "err_file_too_big": "the file is {size} MB; the largest accepted is {limit} MB.",
+        "err_internal": "the server failed while reading this photo.",
+        "err_busy": "the server is busy right now; please try this photo again in a moment.",
+        # model tab
+        "model_heading": "### The model",
+        "m_file": "File",
+        "m_run": "Training run",
+        "m_classes": "Classes",
+        "m_input": "Input size",
+        "m_resize": "Photo framing",
+        "m_resize_crop": "centre crop of the shorter side",
+        "m_resize_pad": "whole photo, letterboxed",
+        "m_provider": "Runs on",
+        "m_params": "Parameters",
+        "m_threshold": "Uncertain below",
+        "m_threshold_default": "(default, not calibrated)",
+        "m_accuracy": "Test accuracy",
+        "m_accuracy_ci": "{acc} ({level} confidence interval {lo} to {hi}, {n} test photos)",
+        "m_accuracy_unknown": "not recorded",
+        "m_batching": "Batching",
+        "m_batching_value": "up to {batch} photos per model call, waiting at most {wait} ms",
+        "m_no_report": ("No training report was found, so accuracy with its interval, the confusion matrix and "
+                        "the training curves are not shown (start with `--run <run folder>`)."),
+        "confusion": "Confusion matrix",
+        "curves": "Training curves",
+    },
+    "zh": {
+        "title": "# leaflens：这片叶子怎么了？",
+        "intro": "请在自然光下近距离拍一片叶子，把照片拖到这里。同一株植物的多张叶片照片会一起判断，结果更可靠。",
+        "photos": "叶片照片（JPEG、PNG、WebP 或 HEIC；一张或多张）",
+        "diagnose": "诊断",
+        "clear": "清除",
+        "language": "Language / 语言",
+        "tab_diagnose": "诊断",
+        "tab_model": "模型",
+        "ranking": "最可能的结果",
+        "verdict_heading": "### 结论",
+        "per_photo": "每张照片",
+        "details": "详细信息（JSON，与 API 返回的相同）",
+        "examples": "训练数据中的示例（点击试用）",
+        "gallery": "您的照片",
+        "waiting": "请在上方放入一张或多张叶片照片，然后点击 **诊断**。",
+        "verdict_healthy": "这片叶子看起来 **健康**（置信度 {conf}）。",
+        "verdict_sick": "最可能是 **{name}**（置信度 {conf}）。",
+        "verdict_uncertain": ("**不确定：** 这可能不是已知作物的叶片，或者照片不清楚。"
+                              "最可能的猜测：{name}（{conf}）。请重新拍摄：一片叶子、近距离、自然光。"),
+        "runner_up": "其次可能：{name}（{conf}）。",
+        "combined": "**{n} 张照片的综合判断**（概率取平均）：",
+        "agreement": "{n} 张照片中有 {k} 张的首选结果与此相同。",
+        "skipped_some": "{n} 个文件中有 {k} 个无法使用（见下文）。",
+        "no_photos": "没有收到照片：请放入一张或多张叶片照片，然后点击 **诊断**。",
+        "all_failed": "所有文件都无法作为照片读取。请查看下面每个文件的说明。",
+        "one_failed": "无法读取 **{name}**：{message}",
+        "too_many": "只使用了前 {max} 张照片（共收到 {n} 张）。",
+        "what_it_is": "这是什么",
+        "what_to_do": "怎么处理",
+        "col_photo": "照片",
+        "col_result": "结果",
+        "col_conf": "置信度",
+        "uncertain_tag": "不确定",
+        "error_tag": "无法读取",
+        "err_empty": "文件是空的（0 字节）。",
+        "err_truncated": "文件不完整：上传或复制可能被中断了。",
+        "err_corrupt": "文件已损坏，无法作为图片读取。",
+        "err_not_an_image": "这不是图片，或不是我们能读取的格式（JPEG、PNG、WebP、HEIC）。",
+        "err_too_large": "图片像素太多，无法安全处理。",
+        "err_unsupported_mode": "图片的颜色格式无法转换。",
+        "err_heic_unsupported": ("这是 HEIC 照片（iPhone），本服务器无法读取：请安装 pillow-heif"
+                                 "（pip install 'leaflens[heic]'），或以 JPEG 格式发送照片。"),
+        "err_unreadable": "无法打开该文件。",
+        "err_file_too_big": "文件大小为 {size} MB；最大允许 {limit} MB。",
+        "err_internal": "服务器读取这张照片时出错。",
+        "err_busy": "服务器正忙，请稍后再试这张照片。",
+        "model_heading": "### 模型",
+        "m_file": "文件",
+        "m_run": "训练记录",
+        "m_classes": "类别",
+        "m_input": "输入尺寸",
+        "m_resize": "取景方式",
+        "m_resize_crop": "按短边居中裁剪",
+        "m_resize_pad": "整张照片，补边",
+        "m_provider": "运行于",
+        "m_params": "参数量",
+        "m_threshold": "低于此置信度视为不确定",
+        "m_threshold_default": "（默认值，未校准）",
+        "m_accuracy": "测试准确率",
+        "m_accuracy_ci": "{acc}（{level} 置信区间 {lo} 至 {hi}，{n} 张测试照片）",
+        "m_accuracy_unknown": "未记录",
+        "m_batching": "批处理",
+        "m_batching_value": "每次模型调用最多 {batch} 张照片，最多等待 {wait} 毫秒",
+        "m_no_report": ("未找到训练报告，因此不显示带置信区间的准确率、混淆矩阵和训练曲线"
+                        "（启动时加 `--run <训练目录>`）。"),
+        "confusion": "混淆矩阵",
+        "curves": "训练曲线",
+    },
+}
+
+
+def t(key: str, lang: str = DEFAULT_LANG, **values: object) -> str:
+    """The interface string ``key`` in ``lang`` (unknown languages fall back to English)."""
+    table = STRINGS.get(lang, STRINGS[DEFAULT_LANG])
+    text = table[key]
+    return text.format(**values) if values else text
+
+
+def lang_from_choice(choice: str | None) -> str:
+    """Map the language switch's value ("English", "中文", or a code) to a language code."""
+    if choice in LANGS:
+        return str(choice)
+    for code, label in LANG_CHOICES.items():
+        if choice == label:
+            return code
+    return DEFAULT_LANG

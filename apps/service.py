@@ -1,0 +1,143 @@
+"""The web app's engine room: uploaded files in, the JSON answer of :func:`apps.diagnosis.summarise` out.
+
+:class:`DiagnosisService` owns one :class:`~apps.predictor.Predictor` and one
+:class:`~apps.batcher.DynamicBatcher`. Gradio runs each request in its own thread (up to the
+event's concurrency limit); every request decodes its photos (in parallel when there are several,
+Pillow releases the GIL) and submits each decoded photo to the shared batcher, so photos from
+concurrent requests meet in one model call. Nothing here imports Gradio, so the same object serves
+the page, the API, tests and the latency benchmark.
+
+Every file either gets probabilities or a reason it has none (too big, not an image, truncated,
+HEIC without pillow-heif, server busy, ...); an unexpected exception is logged with its traceback
+and becomes the reason "internal" for that file only. One log line per request records the
+server-side latency (``leaflens.serve`` logger).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from apps.batcher import BatcherBusy, BatcherClosed, DynamicBatcher
+from apps.diagnosis import PhotoOutcome, summarise
+from apps.notes import ClassNotes
+from apps.predictor import Predictor, usable_cpus
+from data_prep.decode import ImageDecodeError
+
+__all__ = ["MB", "DiagnosisService", "ServiceOptions"]
+
+MB = 1024 * 1024
+log = logging.getLogger("leaflens.serve")
+
+
+@dataclass(frozen=True)
+class ServiceOptions:
+    """Limits and batching of the service (the CLI exposes the ones people tune)."""
+
+    max_upload_mb: float = 20.0  # per file; Gradio enforces it at upload too
+    max_photos: int = 16  # per request; more are ignored with a message
+    top_k: int = 3
+    max_batch_size: int = 32
+    max_wait_ms: float = 2.0  # how long a photo may wait for others to share its model call
+    batch_workers: int = 1
+    max_queue: int = 256  # decoded photos waiting for the model; beyond it: "busy"
+    request_timeout_s: float = 30.0
+    decode_workers: int | None = None  # default: the CPUs this process may use
+
+
+class DiagnosisService:
+    """Diagnose uploaded photo files with a model behind a dynamic batcher (thread-safe)."""
+
+    def __init__(self, predictor: Predictor, notes: ClassNotes | None = None,
+                 options: ServiceOptions | None = None) -> None:
+        self.predictor = predictor
+        self.notes = notes or ClassNotes()
+        self.options = opts = options or ServiceOptions()
+        if opts.max_upload_mb <= 0 or opts.max_photos < 1 or opts.top_k < 1:
+            raise ValueError(f"need max_upload_mb > 0, max_photos >= 1 and top_k >= 1, got {opts}")
+        self.max_upload_bytes = int(opts.max_upload_mb * MB)
+        self.batcher = DynamicBatcher(predictor.predict_arrays, max_batch_size=opts.max_batch_size,
+                                      max_wait_ms=opts.max_wait_ms, max_queue=opts.max_queue,
+                                      timeout_s=opts.request_timeout_s, num_workers=opts.batch_workers,
+                                      name="leaflens-serve")
+        self._pool = ThreadPoolExecutor(opts.decode_workers or usable_cpus(), thread_name_prefix="leaflens-decode")
+
+    # ----------------------------------------------------------------------------- one file
+    def _start(self, path: str, name: str) -> PhotoOutcome | Future:
+        """Check and decode one file, then hand it to the batcher: a future, or a failed outcome."""
+        try:
+            size = os.path.getsize(path)
+            if size > self.max_upload_bytes:
+                return PhotoOutcome(name, reason="file_too_big", detail=f"{size} bytes",
+                                    values={"size": round(size / MB, 1), "limit": self.options.max_upload_mb})
+            pixels = self.predictor.decode(path)
+            return self.batcher.submit(pixels)
+        except ImageDecodeError as exc:
+            return PhotoOutcome(name, reason=exc.reason, detail=exc.detail)
+        except OSError as exc:
+            return PhotoOutcome(name, reason="unreadable", detail=exc.strerror or str(exc))
+        except (BatcherBusy, BatcherClosed) as exc:
+            return PhotoOutcome(name, reason="busy", detail=str(exc))
+        except Exception as exc:  # a bug or an exotic file must cost one photo, not the page
+            log.exception("unexpected failure reading %s", name)
+            return PhotoOutcome(name, reason="internal", detail=f"{type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def _finish(name: str, started: PhotoOutcome | Future) -> PhotoOutcome:
+        if isinstance(started, PhotoOutcome):
+            return started
+        try:
+            return PhotoOutcome(name, probs=np.asarray(started.result()))
+        except (TimeoutError, BatcherBusy, BatcherClosed) as exc:
+            return PhotoOutcome(name, reason="busy", detail=str(exc))
+        except Exception as exc:
+            log.exception("model failed on %s", name)
+            return PhotoOutcome(name, reason="internal", detail=f"{type(exc).__name__}: {exc}")
+
+    # ----------------------------------------------------------------------------- a request
+    def diagnose(self, files: Sequence[str | os.PathLike] | None) -> dict[str, Any]:
+        """Diagnose ``files`` (paths; their base names are shown) and return the JSON answer.
+
+        At most ``max_photos`` files are used; the answer's ``given`` says how many came. Adds
+        ``server_ms`` (wall time of this call) and ``model`` (the model file's name).
+        """
+        t0 = time.perf_counter()
+        paths = [os.fspath(f) for f in (files or [])]
+        used = paths[: self.options.max_photos]
+        names = [Path(p).name for p in used]
+        if len(used) == 1:
+            started = [self._start(used[0], names[0])]
+        else:
+            started = list(self._pool.map(self._start, used, names))
+        outcomes = [self._finish(n, s) for n, s in zip(names, started)]
+        result = summarise(outcomes, self.predictor.classes, self.predictor.card.uncertain_threshold,
+                           top_k=self.options.top_k, given=len(paths), notes=self.notes)
+        elapsed_ms = (time.perf_counter() - t0) * 1000.0
+        result["server_ms"] = round(elapsed_ms, 2)
+        result["model"] = self.predictor.model_path.name
+        ok = sum(o.ok for o in outcomes)
+        answer = result["answer"]
+        log.info("diagnose photos=%d ok=%d failed=%d answer=%s%s server_ms=%.1f per_photo_ms=%.1f",
+                 len(used), ok, len(used) - ok, answer["label"] if answer else "-",
+                 " (uncertain)" if answer and answer["uncertain"] else "", elapsed_ms,
+                 elapsed_ms / max(1, len(used)))
+        return result
+
+    def close(self) -> None:
+        """Answer what is queued, then stop the batcher and the decode threads."""
+        self.batcher.close(drain=True, timeout_s=10)
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> DiagnosisService:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

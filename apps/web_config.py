@@ -1,0 +1,27 @@
+"""The web page's settings besides the model service (kept apart from apps.web so that building
+them, and checking the command line, never imports Gradio)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from apps.i18n import DEFAULT_LANG
+from apps.model_info import ServeContext
+
+__all__ = ["AppConfig"]
+
+
+@dataclass
+class AppConfig:
+    """Everything the page shows besides the service's answers, and Gradio's queue limits.
+
+    ``concurrency``: diagnose requests running at once (each decodes its photos, then waits on the
+    shared batcher); ``queue_size``: requests waiting beyond those before Gradio answers "busy".
+    """
+
+    context: ServeContext = field(default_factory=ServeContext)
+    examples: list[Path] = field(default_factory=list)
+    lang: str = DEFAULT_LANG
+    concurrency: int = 4
+    queue_size: int = 64

@@ -1,0 +1,300 @@
+"""The web app's logic without a browser or Gradio: verdicts, the combined vote, class notes,
+interface strings, and the service's handling of real photo files (formats, sizes, broken files)."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+from apps_helpers import reference_probs, write_photo
+from PIL import Image
+
+from apps.diagnosis import PhotoOutcome, format_percent, is_healthy, md_escape, render, summarise
+from apps.i18n import LANGS, STRINGS, lang_from_choice, t
+from apps.notes import ClassNotes, NotesError, find_notes, load_notes
+from data_prep.decode import decode_image
+
+CLASSES = ["healthy", "rust", "early_blight"]
+NOTES = ClassNotes({
+    "rust": {"name": "Rust", "name_zh": "锈病", "description": "Orange pustules.", "description_zh": "橙色孢子堆。",
+             "advice": "Remove infected leaves.", "advice_zh": "摘除病叶。"},
+    "healthy": {"name": "Healthy", "name_zh": "健康"},
+})
+
+
+def outcome(name: str, probs: list[float]) -> PhotoOutcome:
+    return PhotoOutcome(name, probs=np.array(probs))
+
+
+# ----------------------------------------------------------------------------- the vote and the verdict
+def test_vote_is_the_mean_of_the_readable_photos():
+    a, b, c = [0.2, 0.7, 0.1], [0.1, 0.3, 0.6], [0.05, 0.8, 0.15]
+    res = summarise([outcome("a.jpg", a), PhotoOutcome("x.jpg", reason="not_an_image"), outcome("b.jpg", b),
+                     outcome("c.jpg", c)], CLASSES, threshold=0.5)
+    mean = np.mean([a, b, c], axis=0)
+    ans = res["answer"]
+    assert ans["label"] == "rust" and ans["confidence"] == pytest.approx(mean[1])
+    assert [e["label"] for e in ans["top"]] == ["rust", "early_blight", "healthy"]
+    assert ans["photos_used"] == 3 and ans["agree"] == 2  # b's first answer is early_blight
+    assert ans["uncertain"] is False  # 0.6 >= 0.5
+    assert [p["name"] for p in res["photos"]] == ["a.jpg", "x.jpg", "b.jpg", "c.jpg"]
+    assert res["photos"][1]["error"]["reason"] == "not_an_image" and not res["photos"][1]["ok"]
+    assert res["photos"][2]["label"] == "early_blight"
+    json.dumps(res)  # the API answer is plain JSON
+
+
+def test_vote_can_overrule_the_first_photo_and_be_uncertain():
+    # one confident photo against two weak ones: the average, not the loudest photo, decides
+    res = summarise([outcome("a", [0.0, 0.9, 0.1]), outcome("b", [0.1, 0.0, 0.9]), outcome("c", [0.6, 0.0, 0.4])],
+                    CLASSES, threshold=0.5)
+    mean = np.mean([[0.0, 0.9, 0.1], [0.1, 0.0, 0.9], [0.6, 0.0, 0.4]], axis=0)
+    assert res["answer"]["label"] == CLASSES[int(mean.argmax())] == "early_blight"
+    assert res["answer"]["uncertain"] is True  # 0.467 < 0.5
+
+
+def test_threshold_is_the_uncertainty_boundary():
+    probs = [0.1, 0.55, 0.35]
+    assert summarise([outcome("a", probs)], CLASSES, threshold=0.55)["answer"]["uncertain"] is False
+    assert summarise([outcome("a", probs)], CLASSES, threshold=0.56)["answer"]["uncertain"] is True
+
+
+def test_wrong_number_of_probabilities_is_refused():
+    with pytest.raises(ValueError, match="a.jpg"):
+        summarise([outcome("a.jpg", [0.5, 0.5])], CLASSES, threshold=0.5)
+
+
+def test_render_single_confident_photo_with_notes_in_both_languages():
+    res = summarise([outcome("leaf.jpg", [0.05, 0.9, 0.05])], CLASSES, 0.5, notes=NOTES)
+    assert res["note"]["advice"] == "Remove infected leaves."
+    value, verdict, notes_md, table = render(res, "en", NOTES)
+    assert value == {"Rust": pytest.approx(0.9), "early_blight": pytest.approx(0.05),
+                     "Healthy": pytest.approx(0.05)}
+    assert "**Rust**" in verdict and "90%" in verdict and "Uncertain" not in verdict
+    assert "Orange pustules." in notes_md and "Remove infected leaves." in notes_md
+    assert table == ""  # one readable photo: no per-photo table
+    value, verdict, notes_md, _ = render(res, "zh", NOTES)
+    assert "锈病" in value and "锈病" in verdict and "摘除病叶。" in notes_md and "橙色孢子堆。" in notes_md
+
+
+def test_render_healthy_and_uncertain_wording():
+    healthy = render(summarise([outcome("a", [0.97, 0.02, 0.01])], CLASSES, 0.5), "en", NOTES)[1]
+    assert "healthy" in healthy and "97%" in healthy
+    res = summarise([outcome("a", [0.3, 0.4, 0.3])], CLASSES, 0.5, notes=NOTES)
+    value, verdict, notes_md, _ = render(res, "en", NOTES)
+    assert verdict.startswith("**Uncertain:**") and "may not be a leaf of a known crop" in verdict
+    assert "Best guess: Rust (40%)" in verdict and "Next most likely" in verdict
+    assert notes_md == ""  # no advice for a guess
+    assert value is not None  # the ranking is still shown
+    assert "不确定" in render(res, "zh", NOTES)[1]
+
+
+def test_render_several_photos_and_failures():
+    res = summarise([outcome("one.jpg", [0.1, 0.8, 0.1]), outcome("two.jpg", [0.1, 0.7, 0.2]),
+                     PhotoOutcome("notes.txt", reason="not_an_image", detail="not a recognised image format")],
+                    CLASSES, 0.5)
+    _, verdict, _, table = render(res, "en", NOTES)
+    assert "Combined vote of 2 photos" in verdict and "2 of 2 photos" in verdict
+    assert "1 of 3 files could not be used" in verdict
+    assert "notes\\.txt" in table and "not a picture" in table and "two\\.jpg" in table
+    assert table.count("\n") == 4  # header, rule, three rows
+
+
+def test_render_one_broken_file_says_so_plainly():
+    res = summarise([PhotoOutcome("broken.jpg", reason="truncated", detail="image file is truncated")],
+                    CLASSES, 0.5)
+    assert res["answer"] is None
+    value, verdict, notes_md, table = render(res, "en")
+    assert value is None and notes_md == "" and table == ""
+    assert "broken\\.jpg" in verdict and "incomplete" in verdict and "Traceback" not in verdict
+    assert "不完整" in render(res, "zh")[1]
+
+
+def test_render_size_limit_message_keeps_its_numbers_in_both_languages():
+    res = summarise([PhotoOutcome("big.jpg", reason="file_too_big", values={"size": 25.3, "limit": 20.0})],
+                    CLASSES, 0.5)
+    assert "25.3 MB" in res["photos"][0]["error"]["message"]
+    assert "25.3 MB" in render(res, "en")[1] and "20.0 MB" in render(res, "zh")[1]
+
+
+def test_render_nothing_yet_and_no_photos():
+    assert render(None, "en")[1] == t("waiting", "en")
+    assert "No photo" in render(summarise([], CLASSES, 0.5), "en")[1]
+
+
+def test_helpers():
+    assert format_percent(0.001) == "<1%" and format_percent(0.9999) == ">99%" and format_percent(0.5) == "50%"
+    assert is_healthy("healthy") and is_healthy("Tomato___healthy") and not is_healthy("unhealthy")
+    assert not is_healthy("rust")
+    assert md_escape("a|b*c_<script>") == "a\\|b\\*c\\_\\<script\\>"
+
+
+# ----------------------------------------------------------------------------- interface strings
+def test_every_string_exists_in_both_languages_with_the_same_placeholders():
+    import string
+
+    keys = {lang: set(STRINGS[lang]) for lang in LANGS}
+    assert keys["en"] == keys["zh"]
+    for key in keys["en"]:
+        fields = [{f for _, f, _, _ in string.Formatter().parse(STRINGS[lang][key]) if f} for lang in LANGS]
+        assert fields[0] == fields[1], key
+    assert lang_from_choice("中文") == "zh" and lang_from_choice("zh") == "zh" and lang_from_choice(None) == "en"
+
+
+# ----------------------------------------------------------------------------- class notes
+def test_notes_from_synth_toml_json_and_fallbacks(tmp_path):
+    from data_prep.synth import CLASSES as SYNTH_CLASSES
+    from data_prep.synth import classes_toml
+
+    (tmp_path / "classes.toml").write_text(classes_toml(), encoding="utf-8")
+    notes = load_notes(tmp_path / "classes.toml")
+    assert set(notes.entries) == set(SYNTH_CLASSES)
+    assert notes.name("rust", "zh") == "锈病" and notes.name("rust") == "Rust"
+    assert notes.text("rust", "advice", "zh").startswith("摘除")
+    partial = tmp_path / "notes.json"
+    partial.write_text(json.dumps({"rust": {"name": "Rust", "advice": "Act."}}), encoding="utf-8")
+    notes = load_notes(partial)
+    assert notes.name("rust", "zh") == "Rust"  # no Chinese name: English
+    assert notes.name("blight", "zh") == "blight"  # no entry: the class id
+    assert notes.text("rust", "description") == "" and notes.text("rust", "advice", "zh") == "Act."
+    assert notes.unknown_classes(["healthy"]) == ["rust"]
+    assert find_notes([None, tmp_path / "nowhere", tmp_path]) == tmp_path / "classes.toml"
+
+
+@pytest.mark.parametrize("name,text,match", [
+    ("classes.toml", "[classes.rust\nname = 1", "not valid TOML"),
+    ("classes.json", "{", "not valid JSON"),
+    ("classes.toml", "[classes.rust]\nname = 3\n", r"'classes\.rust\.name' must be text"),
+    ("classes.json", '{"classes": {"rust": "Rust"}}', r"'classes\.rust' must be a table"),
+])
+def test_bad_notes_files_name_the_file_and_entry(tmp_path, name, text, match):
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(NotesError, match=match) as info:
+        load_notes(path)
+    assert str(path) in str(info.value)
+
+
+# ----------------------------------------------------------------------------- the service on real files
+@pytest.fixture
+def service(tiny_model):
+    from apps.predictor import Predictor
+    from apps.service import DiagnosisService, ServiceOptions
+
+    path, weights = tiny_model(classes=CLASSES, size=16)
+    svc = DiagnosisService(Predictor(path, intra_op_threads=1), NOTES,
+                           ServiceOptions(max_upload_mb=0.05, max_photos=4, max_wait_ms=1))
+    svc.weights = weights
+    yield svc
+    svc.close()
+
+
+def encoded(im: Image.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def test_service_matches_the_reference_network_and_votes(service, tmp_path):
+    paths = [write_photo(tmp_path / f"p{i}.png", (40, 30), seed=i) for i in range(3)]
+    res = service.diagnose(paths)
+    pixels = np.stack([decode_image(p, 16) for p in paths])
+    ref = reference_probs(pixels, service.weights)
+    for photo, row in zip(res["photos"], ref):
+        assert photo["ok"] and photo["label"] == CLASSES[int(row.argmax())]
+        assert photo["confidence"] == pytest.approx(row.max(), abs=1e-5)
+    mean = ref.mean(axis=0)
+    assert res["answer"]["label"] == CLASSES[int(mean.argmax())]
+    assert res["answer"]["confidence"] == pytest.approx(mean.max(), abs=1e-5)
+    assert res["server_ms"] > 0 and res["model"] == "tiny.onnx"
+
+
+def test_service_reads_what_phones_send(service, tmp_path):
+    rng = np.random.default_rng(3)
+    base = Image.fromarray(rng.integers(0, 256, (60, 80, 3), dtype=np.uint8))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees on display
+    files = {
+        "photo.jpg": encoded(base, "JPEG", quality=90),
+        "rotated.jpg": encoded(base, "JPEG", quality=90, exif=exif.tobytes()),
+        "grey.png": encoded(base.convert("L"), "PNG"),
+        "alpha.png": encoded(base.convert("RGBA"), "PNG"),
+        "cmyk.jpg": encoded(base.convert("CMYK"), "JPEG"),
+        "photo.webp": encoded(base, "WEBP", quality=90),
+    }
+    paths = []
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        paths.append(tmp_path / name)
+    res = service.diagnose(paths[:4])
+    res2 = service.diagnose(paths[4:])
+    photos = res["photos"] + res2["photos"]
+    assert [p["name"] for p in photos] == list(files) and all(p["ok"] for p in photos), photos
+    # the rotated photo was turned upright: the model saw different pixels than the plain one
+    ref = reference_probs(np.stack([decode_image(tmp_path / "rotated.jpg", 16)]), service.weights)[0]
+    assert photos[1]["confidence"] == pytest.approx(ref.max(), abs=1e-5)
+
+
+def test_service_big_phone_photo_is_decoded(tiny_model, tmp_path):
+    from apps.predictor import Predictor
+    from apps.service import DiagnosisService
+
+    path, weights = tiny_model(classes=CLASSES, size=16)
+    rng = np.random.default_rng(0)
+    small = rng.integers(0, 256, (30, 40, 3), dtype=np.uint8)
+    big = Image.fromarray(small).resize((4000, 3000), Image.Resampling.BILINEAR)
+    big.save(tmp_path / "phone.jpg", quality=85)
+    with DiagnosisService(Predictor(path, intra_op_threads=1)) as svc:
+        res = svc.diagnose([tmp_path / "phone.jpg"])
+    assert res["photos"][0]["ok"]
+    ref = reference_probs(decode_image(tmp_path / "phone.jpg", 16)[None], weights)[0]
+    assert res["answer"]["confidence"] == pytest.approx(ref.max(), abs=1e-5)
+
+
+def test_service_turns_bad_files_into_reasons(service, tmp_path, monkeypatch, caplog):
+    import data_prep.decode as decode
+
+    monkeypatch.setattr(decode, "_register_heif", lambda: False)  # as without pillow-heif
+    write_photo(tmp_path / "good.jpg", seed=1)
+    whole = write_photo(tmp_path / "whole.jpg", (200, 150), seed=2).read_bytes()
+    (tmp_path / "notes.txt").write_text("not a photo")
+    (tmp_path / "empty.jpg").write_bytes(b"")
+    (tmp_path / "cut.jpg").write_bytes(whole[: len(whole) // 2])
+    (tmp_path / "iphone.heic").write_bytes(b"\0\0\0\x18ftypheic\0\0\0\0mif1heic" + b"\0" * 64)
+    (tmp_path / "huge.png").write_bytes(b"\x89PNG" + bytes(60_000))  # over the 0.05 MB limit
+    names = ["notes.txt", "empty.jpg", "cut.jpg", "iphone.heic", "huge.png"]
+    with caplog.at_level(logging.INFO, logger="leaflens.serve"):
+        res = service.diagnose([tmp_path / "good.jpg", *[tmp_path / n for n in names[:3]]])
+        res2 = service.diagnose([tmp_path / n for n in names[3:]])
+    reasons = {p["name"]: p["error"]["reason"] for p in res["photos"] + res2["photos"] if not p["ok"]}
+    assert reasons == {"notes.txt": "not_an_image", "empty.jpg": "empty", "cut.jpg": "truncated",
+                       "iphone.heic": "heic_unsupported", "huge.png": "file_too_big"}
+    assert res["answer"]["photos_used"] == 1 and res2["answer"] is None
+    assert "pillow-heif" in res2["photos"][0]["error"]["message"]
+    assert str(tmp_path) not in json.dumps(res2)  # server paths never go back to the client
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("diagnose")]
+    assert len(lines) == 2 and "server_ms=" in lines[0] and "photos=4 ok=1 failed=3" in lines[0]
+
+
+def test_service_caps_photos_per_request(service, tmp_path):
+    paths = [write_photo(tmp_path / f"p{i}.png", seed=i) for i in range(6)]
+    res = service.diagnose(paths)
+    assert len(res["photos"]) == 4 and res["given"] == 6
+    assert "Only the first 4 photos" in render(res, "en", max_photos=4)[1]
+
+
+def test_service_unexpected_failure_costs_one_photo(service, tmp_path, monkeypatch):
+    real = service.predictor.decode
+
+    def flaky(src):
+        if Path(src).name == "bad.png":
+            raise RuntimeError("boom")
+        return real(src)
+
+    monkeypatch.setattr(service.predictor, "decode", flaky)
+    res = service.diagnose([write_photo(tmp_path / "bad.png"), write_photo(tmp_path / "ok.png", seed=2)])
+    assert res["photos"][0]["error"]["reason"] == "internal" and res["photos"][1]["ok"]
+    assert "boom" not in render(res, "en")[3]  # the page gets a plain message, the log the details

@@ -1,0 +1,91 @@
+"""How `leaflens serve` finds its context: run report, dataset examples, class notes, model tab; CLI errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from apps_helpers import fake_run, make_dataset, serve_args
+
+from apps.examples import write_examples
+from apps.model_info import discover, model_markdown, run_images
+from data_prep.decode import decode_image
+from data_prep.manifest import load_dataset
+
+CLASSES = ["early_blight", "healthy", "rust"]  # sorted: the order preprocess gives
+
+
+@pytest.fixture
+def dataset(tmp_path: Path) -> Path:
+    return make_dataset(tmp_path, CLASSES)
+
+
+def test_examples_reproduce_the_dataset_pixels(dataset, tmp_path):
+    paths = write_examples(dataset, tmp_path / "cache", CLASSES)
+    assert sorted(p.stem for p in paths) == CLASSES
+    ds = load_dataset(dataset)
+    labels = np.asarray(ds["test"].labels)
+    for p in paths:
+        row = int(np.flatnonzero(labels == CLASSES.index(p.stem))[0])
+        assert decode_image(p, 16).tolist() == np.asarray(ds["test"].images[row]).tolist()
+        assert min(decode_image(p, 16).shape[:2]) == 16
+    again = write_examples(dataset, tmp_path / "cache", CLASSES)  # reused, not rewritten
+    assert again == paths and all(p.stat().st_mtime_ns == q.stat().st_mtime_ns for p, q in zip(paths, again))
+    assert write_examples(dataset, tmp_path / "cache2", ["a", "b", "c"]) == []  # another model's classes
+    assert write_examples(tmp_path / "nothing", tmp_path / "cache3", CLASSES) == []
+
+
+def test_discover_follows_the_export_records(dataset, tmp_path, tiny_model):
+    from apps.predictor import Predictor
+
+    run = fake_run(tmp_path, dataset)
+    export = tmp_path / "export"
+    export.mkdir()
+    model, _ = tiny_model(classes=CLASSES, name="student.onnx", **{"leaflens.run_id": "r1"})
+    model = model.replace(export / "student.onnx")
+    (export / "parity.json").write_text(json.dumps({"run": {"path": str(run / "best.npz")},
+                                                    "dataset": {"root": str(dataset)}}))
+    ctx = discover(model)
+    assert ctx.run_dir == run and ctx.dataset_root == dataset and ctx.run_report["params"] == 1234
+    assert ctx.notes_path == dataset / "classes.toml" and ctx.warnings == []
+    assert set(run_images(ctx)) == {"confusion", "curves"}
+    md = model_markdown(Predictor(model), ctx, "en")
+    assert "90.0% (95% confidence interval 80.0% to 95.0%, 60 test photos)" in md
+    assert "16 x 16" in md and "CPUExecutionProvider" in md and "`r1`" in md and "1,234" in md
+    assert "(default, not calibrated)" in md
+    assert "置信区间" in model_markdown(Predictor(model), ctx, "zh")
+
+    # explicit arguments win; a missing explicit path is an error naming it; no records -> warnings only
+    other = tmp_path / "notes.json"
+    other.write_text("{}")
+    assert discover(model, notes_path=other).notes_path == other
+    with pytest.raises(FileNotFoundError, match="--run .*nowhere"):
+        discover(model, run_dir=tmp_path / "nowhere")
+    bare, _ = tiny_model(classes=CLASSES, name="bare.onnx")
+    ctx = discover(bare)
+    assert ctx.run_dir is None and ctx.run_report is None and ctx.dataset_root is None
+    assert "No training report" in model_markdown(Predictor(bare), ctx, "en")
+
+
+def test_cli_defaults_are_local_and_private():
+    args = serve_args()
+    assert args.host == "127.0.0.1" and args.share is False and args.port == 7860
+    assert args.model == "artifacts/export/student.onnx" and args.max_upload_mb == 20.0
+
+
+def test_cli_errors_exit_2_with_a_message(tmp_path, capsys, tiny_model):
+    from apps import cmd_serve
+
+    assert cmd_serve.run(serve_args(model=tmp_path / "missing.onnx")) == 2
+    assert "missing.onnx: model file not found" in capsys.readouterr().err
+    model, _ = tiny_model()
+    assert cmd_serve.run(serve_args(model=model, port=0)) == 2
+    assert "--port must be 1..65535" in capsys.readouterr().err
+    assert cmd_serve.run(serve_args(model=model, classes_notes=tmp_path / "nope.toml")) == 2
+    assert "--classes-notes" in capsys.readouterr().err
+    bad = tmp_path / "classes.toml"
+    bad.write_text("[classes.x\n")
+    assert cmd_serve.run(serve_args(model=model, classes_notes=bad)) == 2
+    assert "not valid TOML" in capsys.readouterr().err

@@ -1,0 +1,184 @@
+"""The leaflens web page (Gradio Blocks): drop leaf photos, get ranked diagnoses.
+
+Layout: a language switch (English / 中文), then two tabs.
+
+- "Diagnose": a file drop zone (one or several photos), a Diagnose button, the ranked labels
+  (``gr.Label``), the verdict in plain words, the class notes (what it is, what to do), a per-photo
+  table when there are several files or a file could not be read, the answer as JSON (closed), and
+  example photos from the training data (clicking one diagnoses it).
+- "Model": the model card (classes, test accuracy with its confidence interval, input size,
+  provider, parameters) and the run's confusion matrix and training curves.
+
+The Diagnose button's event is the public API endpoint ``/diagnose`` (files in, the JSON of
+:func:`apps.diagnosis.summarise` out); the page then renders that JSON in the chosen language in a
+chained, private event, so a language switch re-renders the last answer without asking the model
+again. Gradio's queue feeds the service's dynamic batcher: up to ``concurrency`` requests run at
+once (each decoding its photos and submitting them to the shared batcher) and at most
+``queue_size`` more wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from apps.diagnosis import format_percent, render
+from apps.i18n import LANG_CHOICES, lang_from_choice, t
+from apps.model_info import model_markdown, run_images
+from apps.service import DiagnosisService
+from apps.web_config import AppConfig
+
+__all__ = ["AppConfig", "build_app", "launch"]
+
+log = logging.getLogger("leaflens.serve")
+
+
+# Uploaded files shown back as thumbnails (what browsers display; HEIC and TIFF are not).
+BROWSER_FORMATS = (".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp")
+
+CSS = """
+#verdict { font-size: 1.15em; }
+#verdict p { margin: 0.3em 0; }
+"""
+
+
+def build_app(service: DiagnosisService, config: AppConfig | None = None) -> gr.Blocks:
+    """The Blocks app around ``service`` (queue configured; call :func:`launch` or ``.launch()``)."""
+    cfg = config or AppConfig()
+    notes = service.notes
+    predictor = service.predictor
+    opts = service.options
+    images = run_images(cfg.context)
+    batching = (opts.max_batch_size, opts.max_wait_ms)
+    lang0 = lang_from_choice(cfg.lang)
+
+    def example_items(lang: str) -> list[tuple[str, str]]:
+        return [(str(p), notes.name(p.stem.rsplit("_", 1)[0] if p.stem not in predictor.classes else p.stem, lang))
+                for p in cfg.examples]
+
+    with gr.Blocks(title="leaflens", analytics_enabled=False) as demo:
+        title = gr.Markdown(t("title", lang0))
+        with gr.Row():
+            intro = gr.Markdown(t("intro", lang0))
+            lang_radio = gr.Radio([(label, code) for code, label in LANG_CHOICES.items()], value=lang0,
+                                  label=t("language", lang0), elem_id="lang", scale=0, min_width=200)
+        with gr.Tabs():
+            with gr.Tab(t("tab_diagnose", lang0), id="diagnose") as tab_diagnose:
+                with gr.Row():
+                    with gr.Column(scale=1):
+                        files = gr.File(label=t("photos", lang0), file_count="multiple", type="filepath",
+                                        elem_id="photos")
+                        with gr.Row():
+                            go = gr.Button(t("diagnose", lang0), variant="primary", elem_id="diagnose")
+                            clear = gr.Button(t("clear", lang0), elem_id="clear")
+                        shown = gr.Gallery(label=t("gallery", lang0), columns=4, height=260, object_fit="contain",
+                                           interactive=False, visible=False, elem_id="your-photos")
+                        gallery = gr.Gallery(example_items(lang0), label=t("examples", lang0), columns=4,
+                                             height=120 * max(1, math.ceil(len(cfg.examples) / 4)) + 30,
+                                             allow_preview=False, interactive=False,
+                                             visible=bool(cfg.examples), elem_id="examples")
+                    with gr.Column(scale=1):
+                        label = gr.Label(label=t("ranking", lang0), num_top_classes=opts.top_k, elem_id="ranking",
+                                         visible=False)
+                        verdict = gr.Markdown(t("waiting", lang0), elem_id="verdict")
+                        notes_md = gr.Markdown("", elem_id="notes")
+                        table = gr.Markdown("", elem_id="per-photo")
+                        with gr.Accordion(t("details", lang0), open=False) as details:
+                            answer = gr.JSON(label="diagnose", elem_id="answer")
+            with gr.Tab(t("tab_model", lang0), id="model") as tab_model:
+                model_md = gr.Markdown(model_markdown(predictor, cfg.context, lang0, notes, batching),
+                                       elem_id="model-card")
+                with gr.Row():
+                    confusion = gr.Image(str(images["confusion"]) if "confusion" in images else None,
+                                         label=t("confusion", lang0), interactive=False,
+                                         visible="confusion" in images, buttons=["fullscreen"])
+                    curves = gr.Image(str(images["curves"]) if "curves" in images else None,
+                                      label=t("curves", lang0), interactive=False, visible="curves" in images,
+                                      buttons=["fullscreen"])
+
+        def diagnose(photos: list[str] | None) -> dict[str, Any]:
+            """Diagnose one or several leaf photos; returns ranked classes per photo and their combined vote."""
+            try:
+                return service.diagnose(photos or [])
+            except Exception:  # never a traceback in the page: log it, answer with a clear message
+                log.exception("diagnose failed")
+                names = [Path(p).name for p in (photos or [])]
+                return {"photos": [{"name": n, "ok": False, "label": None, "confidence": None, "uncertain": None,
+                                    "top": [], "error": {"reason": "internal", "message": t("err_internal", "en"),
+                                                         "detail": None, "values": {}}} for n in names],
+                        "answer": None, "threshold": predictor.card.uncertain_threshold, "given": len(names),
+                        "note": None}
+
+        def show(result: dict[str, Any] | None, lang: str, paths: list[str] | None):
+            lang = lang_from_choice(lang)
+            value, verdict_text, notes_text, table_text = render(result, lang, notes, opts.max_photos)
+            items = photo_items(result, paths, lang)
+            return (gr.update(value=value, visible=value is not None), verdict_text, notes_text, table_text,
+                    gr.update(value=items, visible=bool(items)))
+
+        def photo_items(result: dict[str, Any] | None, paths: list[str] | None, lang: str) -> list[tuple[str, str]]:
+            """The uploaded photos a browser can show, captioned with their own answer."""
+            items = []
+            for photo, path in zip((result or {}).get("photos", []), paths or []):
+                if photo["ok"] and Path(path).suffix.lower() in BROWSER_FORMATS:
+                    caption = f"{notes.name(photo['label'], lang)} {format_percent(photo['confidence'])}"
+                    if photo["uncertain"]:
+                        caption += f" ({t('uncertain_tag', lang)})"
+                    items.append((path, caption))
+            return items
+
+        def relabel(lang_choice: str, result: dict[str, Any] | None, paths: list[str] | None):
+            lang = lang_from_choice(lang_choice)
+            return (
+                t("title", lang), t("intro", lang), gr.update(label=t("language", lang)),
+                gr.update(label=t("tab_diagnose", lang)), gr.update(label=t("tab_model", lang)),
+                gr.update(label=t("photos", lang)), gr.update(value=t("diagnose", lang)),
+                gr.update(value=t("clear", lang)),
+                gr.update(value=example_items(lang), label=t("examples", lang)),
+                gr.update(label=t("ranking", lang)), gr.update(label=t("details", lang)),
+                model_markdown(predictor, cfg.context, lang, notes, batching),
+                gr.update(label=t("confusion", lang)), gr.update(label=t("curves", lang)),
+                *show(result, lang, paths)[:4], gr.update(label=t("gallery", lang),
+                                                          value=photo_items(result, paths, lang)),
+            )
+
+        def pick_example(evt: gr.SelectData) -> list[str]:
+            index = evt.index if isinstance(evt.index, int) else evt.index[0]
+            return [str(cfg.examples[index])]
+
+        def reset(lang: str):
+            return (None, None, *show(None, lang, None))
+
+        rendered = [label, verdict, notes_md, table, shown]
+        go.click(diagnose, inputs=[files], outputs=[answer], api_name="diagnose",
+                 concurrency_limit=cfg.concurrency, concurrency_id="diagnose").then(
+            show, inputs=[answer, lang_radio, files], outputs=rendered, api_visibility="private", queue=False)
+        gallery.select(pick_example, inputs=None, outputs=[files], api_visibility="private", queue=False).then(
+            diagnose, inputs=[files], outputs=[answer], api_visibility="private",
+            concurrency_limit=cfg.concurrency, concurrency_id="diagnose").then(
+            show, inputs=[answer, lang_radio, files], outputs=rendered, api_visibility="private", queue=False)
+        clear.click(reset, inputs=[lang_radio], outputs=[files, answer, *rendered], api_visibility="private",
+                    queue=False)
+        lang_radio.change(relabel, inputs=[lang_radio, answer, files],
+                          outputs=[title, intro, lang_radio, tab_diagnose, tab_model, files, go, clear, gallery,
+                                   label, details, model_md, confusion, curves, *rendered],
+                          api_visibility="private", queue=False)
+
+    demo.queue(max_size=cfg.queue_size, default_concurrency_limit=cfg.concurrency)
+    return demo
+
+
+def launch(demo: gr.Blocks, service: DiagnosisService, config: AppConfig, host: str = "127.0.0.1",
+           port: int = 7860, share: bool = False, block: bool = True, quiet: bool = False) -> gr.Blocks:
+    """Start the server (``block=False`` returns once it listens, for tests and benchmarks)."""
+    allowed = [str(p.parent) for p in config.examples[:1]]
+    if config.context.run_dir is not None:
+        allowed.append(str(config.context.run_dir))
+    demo.launch(server_name=host, server_port=port, share=share, inbrowser=False, show_error=False,
+                max_file_size=service.max_upload_bytes, allowed_paths=allowed, prevent_thread_lock=not block,
+                quiet=quiet, footer_links=["api"], css=CSS, ssr_mode=False)
+    return demo

@@ -1,0 +1,201 @@
+"""The running app: its API through gradio_client, and the page in headless Chromium (Playwright).
+
+One server per module (started through `leaflens serve`'s own build path on a free local port)
+with a tiny model made here, a tiny preprocessed dataset (examples, class notes) and a run folder.
+Importing Gradio alone takes several seconds on a loaded 2-core machine, so every test here is
+marked ``slow``; the browser tests are also marked ``browser``. CI runs them (see .ci/run):
+``pytest -m slow tests/apps``. The browser test saves its screenshot to
+``$LEAFLENS_SCREENSHOT_DIR/app.png`` when that is set, else under pytest's tmp path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from apps_helpers import (
+    build_tiny_model,
+    fake_run,
+    leaflens_metadata,
+    make_dataset,
+    reference_probs,
+    serve_args,
+    tiny_weights,
+    write_photo,
+)
+
+from apps.notes import load_notes
+from data_prep.decode import decode_image
+
+pytestmark = pytest.mark.slow
+gr = pytest.importorskip("gradio", reason="gradio is not installed (pip install 'leaflens[serve-cpu]')")
+
+CLASSES = ["early_blight", "healthy", "rust"]
+SIZE = 16
+
+
+class Server:
+    def __init__(self, root: Path) -> None:
+        from apps import cmd_serve
+        from apps.screenshot import free_port
+        from apps.web import launch
+
+        self.root = root
+        self.dataset = make_dataset(root, CLASSES, SIZE)
+        self.run = fake_run(root, self.dataset)
+        self.weights = tiny_weights(len(CLASSES), seed=4)
+        self.weights["fc_w"] *= 6.0  # peaky outputs: the answers below are confident, not "uncertain"
+        self.model = build_tiny_model(root / "student.onnx", self.weights, SIZE,
+                                      leaflens_metadata(CLASSES, SIZE, **{"leaflens.run_id": "test-run"}))
+        self.notes = load_notes(self.dataset / "classes.toml")
+        self.port = free_port()
+        args = serve_args(model=self.model, run=self.run, port=self.port, max_upload_mb=1,
+                          examples_cache=root / "examples")
+        self.service, self.demo, self.config = cmd_serve.build(args)
+        launch(self.demo, self.service, self.config, port=self.port, block=False, quiet=True)
+        self.url = f"http://127.0.0.1:{self.port}/"
+
+    def expected(self, path: Path) -> tuple[str, float]:
+        probs = reference_probs(decode_image(path, SIZE)[None], self.weights)[0]
+        return CLASSES[int(probs.argmax())], float(probs.max())
+
+    def close(self) -> None:
+        self.demo.close()
+        self.service.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("app"))
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def leaf(server) -> Path:
+    """A photo whose reference answer is confident (precondition of the page checks)."""
+    for seed in range(50):
+        path = write_photo(server.root / f"leaf_{seed}.jpg", (300, 200), seed=seed)
+        label, conf = server.expected(path)
+        if conf > 0.8:
+            return path
+    pytest.fail("no confident test photo found; the tiny model's weights changed")
+
+
+# ----------------------------------------------------------------------------- the API
+def test_app_is_wired_from_the_cli_build(server):
+    assert server.service.notes.name("rust", "zh") == "锈病"  # found through the run report's dataset
+    assert sorted(p.stem for p in server.config.examples) == CLASSES
+    public = {d.get("api_name") for d in server.demo.config["dependencies"] if d.get("api_visibility") == "public"}
+    assert public == {"diagnose"}
+
+
+def test_gradio_client_api(server, leaf):
+    from gradio_client import Client, handle_file
+
+    client = Client(server.url, verbose=False)
+    info = client.view_api(print_info=False, return_format="dict")
+    assert list(info["named_endpoints"]) == ["/diagnose"]
+    broken = server.root / "broken.jpg"
+    broken.write_bytes(b"\xff\xd8\xff\xe0 this is not really a JPEG")
+    other = write_photo(server.root / "other.png", (64, 48), seed=99)
+    res = client.predict([handle_file(str(leaf)), handle_file(str(broken)), handle_file(str(other))],
+                         api_name="/diagnose")
+    label, conf = server.expected(leaf)
+    first, bad, second = res["photos"]
+    assert first["name"] == leaf.name and first["label"] == label
+    assert first["confidence"] == pytest.approx(conf, abs=1e-5)
+    assert bad["ok"] is False and bad["error"]["reason"] == "corrupt" and "damaged" in bad["error"]["message"]
+    ref = reference_probs(np.stack([decode_image(p, SIZE) for p in (leaf, other)]), server.weights).mean(axis=0)
+    assert res["answer"]["label"] == CLASSES[int(ref.argmax())]
+    assert res["answer"]["confidence"] == pytest.approx(float(ref.max()), abs=1e-5)
+    assert res["answer"]["photos_used"] == 2 and res["server_ms"] > 0
+    if res["answer"]["label"] == "rust" and not res["answer"]["uncertain"]:
+        assert res["note"]["name_zh"] == "锈病"
+
+
+def test_upload_size_limit_is_enforced(server):
+    from gradio_client import Client, handle_file
+
+    big = server.root / "big.png"
+    big.write_bytes(b"\x89PNG\r\n\x1a\n" + os.urandom(int(1.2 * 1024 * 1024)))
+    client = Client(server.url, verbose=False)
+    with pytest.raises(ValueError, match="exceeds the maximum file size of 1048576 bytes"):
+        client.predict([handle_file(str(big))], api_name="/diagnose")  # refused before uploading
+    # and the service refuses it by itself when handed such a path directly (examples, scripts)
+    res = server.service.diagnose([big])
+    assert res["photos"][0]["error"]["reason"] == "file_too_big"
+
+
+# ----------------------------------------------------------------------------- the page, in a browser
+def _browser_or_skip() -> None:
+    from apps.screenshot import find_chromium
+
+    if importlib.util.find_spec("playwright") is None:
+        pytest.skip("playwright is not installed (pip install 'leaflens[dev]')")
+    if find_chromium() is None:
+        pytest.skip("no Chromium browser found (apt-get install chromium, or set LEAFLENS_CHROMIUM)")
+
+
+@pytest.mark.browser
+def test_page_in_headless_chromium(server, leaf, tmp_path):
+    _browser_or_skip()
+    from apps.screenshot import drive
+
+    shots = Path(os.environ.get("LEAFLENS_SCREENSHOT_DIR") or tmp_path)
+    label, conf = server.expected(leaf)
+    name = server.notes.name(label, "en")
+    page = drive(server.url, [leaf], screenshot=shots / "app.png")
+    assert name in page.ranking and name in page.verdict, page
+    assert f"{conf:.0%}" in page.verdict or ">99%" in page.verdict
+    advice = server.notes.text(label, "advice", "en")
+    assert advice and advice in page.notes  # the class notes come with the result
+    png = (shots / "app.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+    broken = server.root / "broken_upload.jpg"
+    broken.write_bytes(b"this is a text file called .jpg, not a photo")
+    page = drive(server.url, [broken], screenshot=shots / "app_error.png")
+    assert "broken_upload.jpg could not be read" in page.verdict, page
+    assert "not a picture" in page.verdict and "Traceback" not in page.verdict
+    assert page.ranking == ""  # no ranking without a readable photo
+
+
+@pytest.mark.browser
+def test_page_in_chinese(server, leaf):
+    _browser_or_skip()
+    from apps.screenshot import drive
+
+    label, _ = server.expected(leaf)
+    page = drive(server.url, [leaf], lang="zh")
+    zh_name = server.notes.name(label, "zh")
+    assert zh_name in page.verdict and zh_name in page.ranking, page
+    assert "怎么处理" in page.notes and server.notes.text(label, "advice", "zh") in page.notes
+
+
+@pytest.mark.browser
+def test_clicking_an_example_diagnoses_it(server):
+    _browser_or_skip()
+    from playwright.sync_api import sync_playwright
+
+    from apps.screenshot import BROWSER_ARGS, find_chromium
+
+    example = server.config.examples[0]  # sorted by class id: early_blight
+    label, _ = server.expected(example)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=find_chromium(), args=BROWSER_ARGS)
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(60_000)
+            page.goto(server.url)
+            page.wait_for_selector("#examples img")
+            before = page.inner_text("#verdict")
+            page.locator("#examples img").first.click()
+            page.wait_for_function("t => document.querySelector('#verdict').innerText !== t", arg=before)
+            assert server.notes.name(label, "en") in page.inner_text("#ranking")
+            page.locator("#photos").get_by_text(example.stem).first.wait_for()  # the example became the input
+        finally:
+            browser.close()

@@ -272,9 +272,11 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _clean_stale(out: Path) -> None:
-    """Remove temporary folders left by runs that were killed (their process is gone)."""
-    for prefix in (f".{out.name}.tmp-", f".{out.name}.old-"):
+def clean_stale_temps(out: Path) -> None:
+    """Remove the temporary folders (``.<name>.tmp-<pid>-*``, ``.old-``, ``.partial-``) that runs killed
+    while writing ``out`` left beside it (their process is gone). Every stage that writes through a
+    temporary folder calls this first, so a kill -9 never leaks disk for good."""
+    for prefix in (f".{out.name}.tmp-", f".{out.name}.old-", f".{out.name}.partial-"):
         for p in out.parent.glob(prefix + "*"):
             try:
                 pid = int(p.name[len(prefix):].split("-")[0])
@@ -332,7 +334,7 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike, options: IngestOption
         return IngestReport(out_p, True, scan.classes, seconds=time.perf_counter() - t0)
 
     out_p.parent.mkdir(parents=True, exist_ok=True)
-    _clean_stale(out_p)
+    clean_stale_temps(out_p)
     tmp = out_p.parent / f".{out_p.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:

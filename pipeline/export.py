@@ -34,6 +34,7 @@ import onnx
 
 from apps.model_card import ModelCard
 from apps.predictor import usable_cpus
+from data_prep.ingest import clean_stale_temps
 from data_prep.manifest import Dataset, load_dataset, write_json_atomic
 from engine.nn import Module
 from engine.onnx_export import IR_VERSION, OPSET, convert_float16, export_onnx, save_onnx
@@ -184,6 +185,9 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
     proto16 = convert_float16(proto)
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_temps(out)  # folders of killed runs
+    if not triton_inside:
+        clean_stale_temps(triton_root / opts.name)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     triton_tmp: Path | None = None

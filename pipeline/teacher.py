@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,7 +27,7 @@ from tqdm import tqdm
 
 from data_prep.arrays import NpyRowWriter
 from data_prep.decode import decode_image_at
-from data_prep.ingest import swap_into_place
+from data_prep.ingest import clean_stale_temps, swap_into_place
 from pipeline.teacher_io import FORMAT, TEACHER_JSON, feature_paths, manifest_sha256
 
 
@@ -102,8 +103,10 @@ def write_teacher(out: str | os.PathLike[str], ds: Any, encoder: Encoder, batch:
                   extra: dict[str, Any] | None = None, progress: bool = True) -> Path:
     """Run ``encoder`` over every split of ``ds`` and write the teacher folder atomically."""
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_temps(out)  # folders of killed runs
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp.mkdir()
     try:
         total = sum(len(ds[s]) for s in ds.splits)
         bar = tqdm(total=total, desc="teacher features", unit="img", disable=not progress)

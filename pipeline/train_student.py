@@ -186,6 +186,11 @@ def train_run(run_dir: str | os.PathLike[str], cfg: dict[str, Any], data: TrainD
     last = run_dir / LAST
     if resume and last.exists():
         ck = load_checkpoint(last, model, opt, sched)
+        # The configuration is the authority on resume (it is what config.toml records): a run stopped by
+        # non-finite losses is meant to be resumed with a lower train.lr, which the saved groups would undo.
+        for g in opt.param_groups:
+            g["initial_lr"], g["weight_decay"] = float(tcfg["lr"]), float(tcfg["weight_decay"])
+        sched.load_state_dict(sched.state_dict())  # re-applies the schedule to the configured lr
         st = ck.extra["train_state"]
         history, best_acc, best_epoch = st["history"], st["best_acc"], st["best_epoch"]
         train_seconds, start_epoch = st["train_seconds"], ck.epoch + 1
@@ -227,13 +232,13 @@ def train_run(run_dir: str | os.PathLike[str], cfg: dict[str, Any], data: TrainD
                 _append_jsonl(run_dir / FAULTS, {"epoch": epoch, "batch": b, "rows": idx.tolist(),
                                                   "error": str(exc)})
                 if bad_streak >= int(tcfg["max_bad_steps"]):
-                    save_checkpoint(last, model, opt, sched, epoch=epoch - 1, step=sched.last_step,
-                                    extra=_state_extra(extra_meta, history, best_acc, best_epoch, train_seconds,
-                                                       loader, epoch))
+                    if _finite_state(model):  # bad data, sound weights: resume from here after fixing the data
+                        save_checkpoint(last, model, opt, sched, epoch=epoch - 1, step=sched.last_step,
+                                        extra=_state_extra(extra_meta, history, best_acc, best_epoch, train_seconds,
+                                                           loader, epoch))
                     raise TrainingStopped(
                         f"{label}: {bad_streak} consecutive non-finite losses/gradients (last at epoch {epoch + 1}, "
-                        f"batch {b}; rows in {run_dir / FAULTS}). Lower train.lr or check the data, then rerun "
-                        "with --resume.") from exc
+                        f"batch {b}; rows in {run_dir / FAULTS}). {_resume_hint(model, last)}") from exc
                 continue
             bad_streak = 0
             opt.step()
@@ -248,6 +253,9 @@ def train_run(run_dir: str | os.PathLike[str], cfg: dict[str, Any], data: TrainD
             seen += len(y)
         elapsed = time.perf_counter() - t0
         train_seconds += elapsed
+        if not _finite_state(model):  # a step with a finite loss blew the weights up: keep the last good state
+            raise TrainingStopped(f"{label}: the weights became non-finite during epoch {epoch + 1} (learning rate "
+                                  f"too high?). {_resume_hint(model, last)}")
         val_logits = predict_logits(model, val_images, mean, std, int(tcfg["eval_batch_size"]))
         val_pred = val_logits.argmax(1) if len(val_logits) else np.zeros(0, np.int64)
         val_acc = float((val_pred == val_labels).mean()) if len(val_labels) else 0.0
@@ -269,6 +277,21 @@ def train_run(run_dir: str | os.PathLike[str], cfg: dict[str, Any], data: TrainD
             tqdm.write(f"{label} epoch {epoch + 1}/{epochs}: loss {row.get('train_loss', float('nan')):.4f} "
                        f"val acc {val_acc:.4f} (best {best_acc:.4f}) {row['images_per_s']:.0f} img/s")
     return RunResult(run_dir, best_acc, best_epoch + 1, len(history), train_seconds, history, stopped_early)
+
+
+def _finite_state(model: Module) -> bool:
+    """True when every parameter and buffer (BatchNorm statistics included) is finite."""
+    return all(bool(np.isfinite(v).all()) for v in model.state_dict().values())
+
+
+def _resume_hint(model: Module, last: Path) -> str:
+    """What the user can do after a stop on numerical faults, given which checkpoint is usable."""
+    if _finite_state(model):
+        return f"Check the data (or lower train.lr), then rerun with --resume (state saved in {last})."
+    if last.exists():
+        return (f"{last} still holds the last finite state (end of the previous epoch): lower train.lr, "
+                "then rerun with --resume.")
+    return "No epoch finished with finite weights, so there is nothing to resume: lower train.lr and rerun."
 
 
 def _state_extra(meta, history, best_acc, best_epoch, train_seconds, loader, next_epoch) -> dict[str, Any]:

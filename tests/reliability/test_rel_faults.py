@@ -1,0 +1,142 @@
+"""Numerical faults in training: a poisoned batch is skipped and logged, repeated faults stop the run.
+
+The poison is real data, not a patched loss: a teacher whose float16 feature file overflowed to
+inf on chosen rows (what an fp16 teacher with large activations produces). Every batch holding
+such a row has a non-finite loss; it must be skipped, logged in faults.jsonl with its row indices,
+and training must go on. When every batch is poisoned, or the learning rate blows the weights up,
+`leaflens distill` must stop with exit code 3, a message saying what to do, and no non-finite
+checkpoint on disk; the saved state must resume once the cause is fixed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from rel_helpers import class_folders
+
+from data_prep.ingest import IngestOptions, ingest
+from data_prep.manifest import load_dataset
+from engine.checkpoint import read_checkpoint_arrays
+from pipeline.cli import main as cli
+from pipeline.teacher import ArrayEncoder, write_teacher
+
+SETS = ["--set", "train.epochs=3", "--set", "train.batch_size=4", "--set", "model.widths=[8, 16]",
+        "--set", "train.warmup_epochs=0", "--set", "train.lr=0.01", "--set", "distill.compare_scratch=false",
+        "--quiet"]
+POISONED = (2, 17)
+
+
+def _write_teacher(ds_dir: Path, out: Path, poison: str | tuple[int, ...] = ()) -> Path:
+    """Class-prototype features (a good teacher), stored as float16; ``poison`` rows of train (or "all")
+    are set to 1e6, which float16 stores as inf."""
+    ds = load_dataset(ds_dir)
+    rng = np.random.default_rng(0)
+    protos = rng.standard_normal((ds.num_classes, 12))
+    feats = {}
+    for split in ds.splits:
+        f = protos[np.asarray(ds[split].labels)] + 0.3 * rng.standard_normal((len(ds[split]), 12))
+        if split == "train":
+            f[:] = 1e6 if poison == "all" else f
+            if poison != "all":
+                f[list(poison)] = 1e6
+        feats[split] = f.astype(np.float32)
+    with np.errstate(over="ignore"):
+        write_teacher(out, ds, ArrayEncoder(feats, None, out, ds.image_size), dtype=np.float16, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("faults")
+    src = class_folders(tmp / "photos", per_class=12)
+    ds_dir = ingest(src, tmp / "ds", IngestOptions(size=16), workers=1, log=lambda *_: None).out
+    return tmp, ds_dir
+
+
+def _distill(ds_dir: Path, teacher: Path | None, out: Path, *extra: str) -> int:
+    args = ["distill", "--dataset", str(ds_dir), "--out", str(out), *SETS, *extra]
+    args += ["--teacher", str(teacher)] if teacher is not None else ["--no-teacher"]
+    return cli(args)
+
+
+def _finite_checkpoint(path: Path) -> bool:
+    _, arrays = read_checkpoint_arrays(path)
+    return all(np.isfinite(v).all() for k, v in arrays.items() if k.startswith("model/"))
+
+
+def test_poisoned_batches_are_skipped_logged_and_training_continues(data, capsys):
+    tmp, ds_dir = data
+    teacher = _write_teacher(ds_dir, tmp / "teacher_poisoned", POISONED)
+    assert not np.isfinite(np.load(teacher / "features_train.npy")[list(POISONED)]).any()
+    out = tmp / "run_poisoned"
+    assert _distill(ds_dir, teacher, out) == 0, capsys.readouterr().err
+    faults = [json.loads(line) for line in (out / "distilled" / "faults.jsonl").read_text().splitlines()]
+    assert faults, "no poisoned batch was detected"
+    for f in faults:
+        assert set(f["rows"]) & set(POISONED), f"a batch without poisoned rows was skipped: {f}"
+        assert "non-finite" in f["error"] or "nan" in f["error"].lower()
+    seen = set().union(*(set(f["rows"]) & set(POISONED) for f in faults))
+    assert seen == set(POISONED), f"poisoned rows never caught: {set(POISONED) - seen}"
+    metrics = [json.loads(line) for line in (out / "distilled" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 3, "training did not run all its epochs"
+    assert sum(m["skipped_steps"] for m in metrics) == len(faults)
+    assert all(np.isfinite(m["train_loss"]) and m["skipped_steps"] <= 2 for m in metrics)
+    steps_per_epoch = len(load_dataset(ds_dir)["train"]) // 4
+    meta, _ = read_checkpoint_arrays(out / "distilled" / "last.npz")
+    assert meta["step"] == 3 * steps_per_epoch - len(faults)  # skipped batches made no optimiser step
+    assert _finite_checkpoint(out / "best.npz")
+
+
+def test_every_batch_poisoned_stops_with_exit_3_and_resumes_after_the_fix(data, capsys):
+    tmp, ds_dir = data
+    teacher = _write_teacher(ds_dir, tmp / "teacher_all", "all")
+    out = tmp / "run_all"
+    code = _distill(ds_dir, teacher, out, "--set", "train.max_bad_steps=3")
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert "3 consecutive non-finite" in err and "faults.jsonl" in err and "--resume" in err
+    last = tmp / "run_all.partial" / "distilled" / "last.npz"
+    assert last.exists() and _finite_checkpoint(last)  # bad data, sound weights: the state is kept
+    assert not out.exists()
+    faults = (tmp / "run_all.partial" / "distilled" / "faults.jsonl").read_text().splitlines()
+    assert len(faults) == 3
+    _write_teacher(ds_dir, teacher)  # the data is fixed
+    assert _distill(ds_dir, teacher, out, "--set", "train.max_bad_steps=3", "--resume") == 0, capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    assert report["variants"]["distilled"]["epochs_run"] == 3 and _finite_checkpoint(out / "best.npz")
+
+
+def test_divergence_stops_without_a_non_finite_checkpoint(data, capsys):
+    tmp, ds_dir = data
+    out = tmp / "run_lr"
+    code = _distill(ds_dir, None, out, "--set", "train.lr=1e8")
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert "non-finite" in err and "lower train.lr" in err
+    for ckpt in (tmp / "run_lr.partial" / "scratch").glob("*.npz"):
+        assert _finite_checkpoint(ckpt), f"{ckpt} holds non-finite weights"
+    assert _distill(ds_dir, None, out, "--resume") == 0, capsys.readouterr().err
+
+
+def test_resume_uses_the_configured_learning_rate(data, tmp_path):
+    """The advice after a stop is 'lower train.lr, then --resume': the resumed epochs must use it."""
+    from pipeline.config import load_config
+    from pipeline.train_student import TrainData, train_run
+
+    _, ds_dir = data
+    ds = load_dataset(ds_dir)
+
+    def cfg(lr: float, epochs: int):
+        return load_config("distill_default.toml", None, [f"train.lr={lr}", f"train.epochs={epochs}",
+                                                          "train.warmup_epochs=0", "train.batch_size=8",
+                                                          "model.widths=[8]"])
+
+    args = (TrainData(ds["train"].images, np.asarray(ds["train"].labels)), ds["val"].images,
+            np.asarray(ds["val"].labels), ds.mean, ds.std, ds.num_classes, {})
+    train_run(tmp_path / "r", cfg(0.05, 2), *args, progress=False)
+    result = train_run(tmp_path / "r", cfg(0.001, 4), *args, resume=True, progress=False)
+    lrs = [row["lr"] for row in result.history]
+    assert lrs[0] > 0.01 and max(lrs[2:]) <= 0.001, lrs

@@ -32,8 +32,10 @@ from data_prep.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
     REJECTED_NAME,
+    SELF_DIGEST_KEY,
     DatasetError,
     load_dataset,
+    manifest_self_digest,
     split_paths,
     write_json_atomic,
 )
@@ -388,6 +390,7 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike, options: IngestOption
             "checksums": checksums,
             "input_fingerprint": fingerprint,
         }
+        manifest[SELF_DIGEST_KEY] = manifest_self_digest(manifest)
         write_json_atomic(tmp / MANIFEST_NAME, manifest)
         swap_into_place(tmp, out_p)
     except BaseException:

@@ -8,6 +8,7 @@ with ``verify=True`` the recorded SHA-256) and memory-maps the arrays, so nothin
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -22,6 +23,9 @@ MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "leaflens-dataset"
 FORMAT_VERSION = 1
 REJECTED_NAME = "rejected.jsonl"
+# The manifest's digest of its own content: an edited manifest (a renamed or reordered class, a changed
+# mean/std) would silently mislabel or mis-normalise everything trained on it, so it is refused.
+SELF_DIGEST_KEY = "manifest_sha256"
 
 
 class DatasetError(ValueError):
@@ -41,6 +45,13 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
         json.dump(obj, fh, indent=2, sort_keys=False, ensure_ascii=False)
         fh.write("\n")
     os.replace(tmp, path)
+
+
+def manifest_self_digest(manifest: dict[str, Any]) -> str:
+    """``sha256:<hex>`` of the manifest's content without its own digest field (canonical JSON)."""
+    body = {k: v for k, v in manifest.items() if k != SELF_DIGEST_KEY}
+    text = json.dumps(body, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 @dataclass
@@ -111,6 +122,10 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
     for key in ("classes", "image_size", "splits", "mean", "std", "checksums"):
         if key not in manifest:
             raise _fail(root, f"{path}: field {key!r} is missing")
+    recorded = manifest.get(SELF_DIGEST_KEY)  # absent in datasets written before it was introduced
+    if recorded is not None and recorded != manifest_self_digest(manifest):
+        raise _fail(root, f"{path} was edited after it was written (its content no longer matches its "
+                          f"'{SELF_DIGEST_KEY}'); rebuild the dataset with `leaflens preprocess` or undo the edit")
     return manifest
 
 

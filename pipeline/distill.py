@@ -55,15 +55,17 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
                 resume: bool = False, progress: bool = True) -> dict[str, Any]:
     out = Path(out_dir)
     work = _partial_dir(out)
+    # Inputs are checked before anything is written (or a resumable partial run is removed).
+    ds = load_dataset(dataset_dir)
+    for split in ("train", "val"):
+        if split not in ds or ds[split].labels is None:
+            raise ValueError(f"dataset {ds.root} has no labelled '{split}' split")
+    tt = load_teacher(teacher_dir, ds) if teacher_dir is not None and not no_teacher else None
     if not resume and work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
     (work / "config.toml").write_text(dump_toml(cfg), encoding="utf-8")
 
-    ds = load_dataset(dataset_dir)
-    for split in ("train", "val"):
-        if split not in ds or ds[split].labels is None:
-            raise ValueError(f"dataset {ds.root} has no labelled '{split}' split")
     train, val = ds["train"], ds["val"]
     mean, std = ds.mean, ds.std
     base_meta: dict[str, Any] = {
@@ -79,8 +81,7 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
 
     variants: dict[str, TrainData] = {}
     teacher_info = None
-    if teacher_dir is not None and not no_teacher:
-        tt = load_teacher(teacher_dir, ds)
+    if tt is not None:
         teacher_info = tt.info
         parts = ["train"] + (["unlabeled"] if "unlabeled" in ds else [])
         labels = np.concatenate([np.asarray(ds[p].labels) if ds[p].labels is not None

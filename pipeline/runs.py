@@ -56,9 +56,16 @@ def read_run(run_dir: str | os.PathLike[str]) -> RunInfo:
 def load_model(run_dir: str | os.PathLike[str]) -> tuple[Module, RunInfo]:
     """The run's chosen model in eval mode (training-only heads such as the projection are dropped)."""
     info = read_run(run_dir)
-    model = build_model(info.model_config)
+    try:
+        model = build_model(info.model_config)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{info.path}: its model_config {info.model_config} cannot be built: {exc}") from exc
     _, arrays = read_checkpoint_arrays(info.path)
     state = {k[len("model/"):]: v for k, v in arrays.items() if k.startswith("model/")}
     state = {k: v for k, v in state.items() if not k.startswith("projection.")}
-    model.load_state_dict(state)
+    try:
+        model.load_state_dict(state)
+    except (ValueError, KeyError) as exc:  # weights of another model behind this model_config
+        raise CheckpointError(f"{info.path} holds weights of a different model than its model_config "
+                              f"{info.model_config} describes: {exc}") from exc
     return model.eval(), info

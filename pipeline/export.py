@@ -165,6 +165,7 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
         raise ExportFailed(f"triton variant must be fp32, fp16 or int8, got {opts.triton_variant!r}")
     if opts.triton_variant == "int8" and not opts.int8:
         raise ExportFailed("--triton-variant int8 needs the INT8 model (drop --no-int8)")
+    triton.check_model_name(opts.name)  # before any work: the name becomes a folder
     triton_root = Path(opts.triton).resolve() if opts.triton is not None else out / "triton"
     triton_inside = triton_root == out or out in triton_root.parents
     _check_out(out)

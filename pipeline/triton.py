@@ -48,11 +48,18 @@ def _io(value: onnx.ValueInfoProto, what: str) -> tuple[str, str, list[int], boo
     return value.name, ONNX_TO_TRITON[t.elem_type], rest, not dims[0].HasField("dim_value")
 
 
+def check_model_name(name: str) -> None:
+    """Refuse a model name that is not a plain folder name: it becomes ``<repo>/<name>``, so "..", "." or a
+    hidden name would write outside (or beside) the repository."""
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
+        raise TritonConfigError(f"Triton model name {name!r} must be letters, digits, '_', '.', '-', starting "
+                                "with a letter, digit or '_'")
+
+
 def config_text(model: onnx.ModelProto, name: str, max_batch_size: int = 64, queue_delay_us: int = 2000,
                 labels: bool = True, comment: str = "") -> str:
     """config.pbtxt for serving ``model`` (one input, one output, symbolic batch) under ``name``."""
-    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
-        raise TritonConfigError(f"Triton model name {name!r} must be letters, digits, '_', '.', '-'")
+    check_model_name(name)
     if max_batch_size < 1:
         raise TritonConfigError(f"max_batch_size must be >= 1, got {max_batch_size}")
     if queue_delay_us < 0:

@@ -19,7 +19,7 @@ STUDENT := $(ART)/student
 EXPORT := $(ART)/export
 # On the synthetic demo data the stages use shorter recipes (pipeline/distill_demo.toml).
 ifeq ($(DATA),$(SYNTH))
-TEACHER_ARGS ?= --epochs 4
+TEACHER_ARGS ?= --epochs 3 --input-size 160
 DISTILL_ARGS ?= --config pipeline/distill_demo.toml
 else
 TEACHER_ARGS ?=

@@ -29,7 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, help="fine-tuning (default 8) or --train-cnn (default 40) epochs")
     p.add_argument("--finetune-from-block", type=int, metavar="K",
                    help="EfficientNet: blocks before K stay frozen (cached), the rest is trained (default: 14 of 16)")
-    p.add_argument("--input-size", type=int, help="ONNX encoder input size (default: from the model)")
+    p.add_argument("--input-size", type=int,
+                   help="teacher input size (EfficientNet: 224 by default, smaller is faster; ONNX: from the model)")
     p.add_argument("--layout", choices=["NCHW", "NHWC"], help="ONNX encoder input layout")
     p.add_argument("--mean", type=float, nargs=3, help="ONNX encoder input mean (on the [0,1] scale)")
     p.add_argument("--std", type=float, nargs=3, help="ONNX encoder input std (on the [0,1] scale)")

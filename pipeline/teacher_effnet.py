@@ -26,15 +26,21 @@ from pipeline.efficientnet import EfficientNetLite, LiteConfig, normalize_images
 from pipeline.pretrained import find_lite0_weights, load_efficientnet_lite0
 from pipeline.teacher import ArrayEncoder, iter_split_images
 
-INPUT_SIZE, SHORTER_SIDE = 224, 256
+INPUT_SIZE = 224  # what the ImageNet weights were trained at; smaller sizes trade accuracy for speed
+
+
+def shorter_side(size: int) -> int:
+    """The classic ImageNet evaluation crop: shorter side to 256/224 of the input size, then centre crop."""
+    return round(size * 256 / 224)
 
 
 class FrontRunner:
     """The frozen front, run by onnxruntime on the graph our exporter makes of it (several times faster
     than the NumPy engine at 224x224); the engine itself when onnxruntime is not installed."""
 
-    def __init__(self, front: Any):
+    def __init__(self, front: Any, input_size: int = INPUT_SIZE):
         self.front = front
+        self.input_size = input_size
         self.session = None
         try:
             import onnxruntime as ort  # noqa: PLC0415
@@ -42,7 +48,7 @@ class FrontRunner:
             from engine.onnx_export import export_onnx  # noqa: PLC0415
         except ImportError:
             return
-        graph = export_onnx(front, (3, INPUT_SIZE, INPUT_SIZE), output_name="front")
+        graph = export_onnx(front, (3, input_size, input_size), output_name="front")
         self.session = ort.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
 
     @property
@@ -62,7 +68,8 @@ def _run_front(front: FrontRunner, ds: Any, split: str, normalization: str, batc
                mirror: bool, bar: tqdm) -> tuple[np.ndarray, np.ndarray | None]:
     """Front outputs (N, h, w, c) float16 for a split, and for its mirrored images when asked."""
     plain, flipped = [], []
-    for chunk in iter_split_images(ds, split, INPUT_SIZE, SHORTER_SIDE, batch, from_arrays):
+    size = front.input_size
+    for chunk in iter_split_images(ds, split, size, shorter_side(size), batch, from_arrays):
         x = normalize_images(chunk, normalization)
         plain.append(front(x).astype(np.float16))
         if mirror:
@@ -91,7 +98,8 @@ def build_effnet_teacher(ds: Any, args: argparse.Namespace, progress: bool = Tru
     if not frozen:
         net.reset_classifier(ds.num_classes)
     front_module, back = net.split(k)
-    front = FrontRunner(front_module.eval())
+    size = getattr(args, "input_size", None) or INPUT_SIZE
+    front = FrontRunner(front_module.eval(), size)
     t0 = time.perf_counter()
     total = sum(len(ds[s]) * (2 if (s == "train" and not frozen) else 1) for s in ds.splits)
     bar = tqdm(total=total, desc=f"teacher: EfficientNet-Lite0 blocks 0-{k - 1} (frozen)", unit="img",
@@ -109,7 +117,7 @@ def build_effnet_teacher(ds: Any, args: argparse.Namespace, progress: bool = Tru
                              "front_backend": front.backend,
                              "front_seconds": round(front_seconds, 1), "fine_tuned": not frozen}
     identity = {"kind": "efficientnet-lite0", "weights": str(weights), "fine_tuned": not frozen, "split_block": k,
-                "input_size": INPUT_SIZE, "shorter_side": SHORTER_SIDE, "padding": cfg.padding,
+                "input_size": size, "shorter_side": shorter_side(size), "padding": cfg.padding,
                 "normalization": cfg.normalization, "bn_eps": cfg.bn_eps}
     if frozen:
         feats = {s: _back_outputs(back, h)[0] for s, h in fronts.items()}

@@ -1,0 +1,52 @@
+"""The default teacher stage (ImageNet EfficientNet-Lite0, partially fine-tuned) on a tiny dataset."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from pipeline_helpers import tiny_dataset
+
+from data_prep.manifest import load_dataset
+from pipeline.cli import main as cli
+from pipeline.teacher_io import load_teacher
+
+pretrained = pytest.importorskip("pipeline.pretrained")
+
+
+def _weights_or_skip():
+    try:
+        return pretrained.find_lite0_weights()
+    except pretrained.WeightsNotFoundError as exc:
+        pytest.skip(f"EfficientNet-Lite0 weights not installed: {exc}")
+
+
+def test_effnet_teacher_fine_tunes_and_writes_features_and_logits(tmp_path, capsys):
+    _weights_or_skip()
+    ds_dir = tiny_dataset(tmp_path, per_class=10, size=16)
+    # 32x32 input keeps the test fast; the original photos are decoded again at that size
+    code = cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--epochs", "2",
+                "--input-size", "32", "--quiet"])
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ds = load_dataset(ds_dir)
+    tt = load_teacher(tmp_path / "t", ds)
+    assert tt.feature_dim == 1280 and tt.has_logits
+    assert tt.info["teacher"]["kind"] == "efficientnet-lite0" and tt.info["teacher"]["fine_tuned"]
+    assert tt.info["teacher"]["input_size"] == 32
+    stage = tt.info["stage"]
+    assert stage["front_backend"] in ("onnxruntime", "engine") and len(stage["fine_tune_history"]) == 2
+    for split in ds.splits:
+        assert np.isfinite(np.asarray(tt.features[split])).all()
+        assert np.asarray(tt.logits[split]).shape == (len(ds[split]), ds.num_classes)
+    assert "knn_test_acc" in summary
+
+
+def test_frozen_teacher_has_no_logits(tmp_path):
+    _weights_or_skip()
+    ds_dir = tiny_dataset(tmp_path, per_class=8, size=16)
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--frozen", "--input-size", "32",
+                "--quiet"]) == 0
+    tt = load_teacher(tmp_path / "t", load_dataset(ds_dir))
+    assert not tt.has_logits and not tt.info["teacher"]["fine_tuned"]

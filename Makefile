@@ -29,7 +29,8 @@ EXPORT_ARGS ?=
 SERVE_ARGS ?=
 EXTRAS ?= dev,serve-cpu,teacher
 
-.PHONY: help venv test lint data preprocess teacher distill export serve demo bench-engine bench-mnist clean FORCE
+.PHONY: help venv test lint data preprocess teacher distill export serve demo clean FORCE \
+	bench-engine bench-mnist bench-preprocess bench-loader bench-serve bench-ibeans bench-gpu
 
 help:
 	@echo "make demo           the whole pipeline on the built-in synthetic leaves, then the web app"
@@ -42,6 +43,7 @@ help:
 	@echo "make serve          the local web app on 127.0.0.1"
 	@echo "make bench-engine   engine training-step speed (vs PyTorch when installed)"
 	@echo "make bench-mnist    MNIST with the engine (MNIST=dir with the IDX files)"
+	@echo "make bench-preprocess | bench-loader | bench-serve | bench-ibeans | bench-gpu"
 	@echo "make lint           ruff"
 
 # The virtual environment is rebuilt when pyproject.toml changes.
@@ -101,6 +103,22 @@ bench-engine: $(VENV)/.installed
 MNIST ?= ../shared/data/mnist
 bench-mnist: $(VENV)/.installed
 	$(PY) benchmarks/mnist.py --data $(MNIST)
+
+bench-preprocess: $(VENV)/.installed
+	$(PY) benchmarks/preprocess.py
+
+bench-loader: $(VENV)/.installed
+	$(PY) benchmarks/loader.py
+
+bench-serve: $(VENV)/.installed
+	$(PY) benchmarks/serve.py
+
+IBEANS ?= ../shared/data/ibeans
+bench-ibeans: $(VENV)/.installed
+	$(PY) benchmarks/ibeans.py --data $(IBEANS)
+
+bench-gpu: $(VENV)/.installed
+	$(PY) benchmarks/gpu.py
 
 clean:
 	rm -rf $(ART) .pytest_cache

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import os
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -42,14 +43,17 @@ def model_signature(model: Module) -> dict[str, list[int]]:
     return {k: list(v.shape) for k, v in model.state_dict().items()}
 
 
-def atomic_write_npz(path: str | os.PathLike[str], arrays: dict[str, np.ndarray]) -> Path:
-    """np.savez to a temporary file beside ``path``, fsync, then rename over it."""
+def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> Path:
+    """Call ``write(file)`` on a temporary file beside ``path``, fsync, then rename it over ``path``.
+
+    A crash at any point leaves either the old file or the new one, never a torn one.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -65,6 +69,11 @@ def atomic_write_npz(path: str | os.PathLike[str], arrays: dict[str, np.ndarray]
     except OSError:
         pass  # some filesystems cannot sync a directory; the rename itself is still atomic
     return path
+
+
+def atomic_write_npz(path: str | os.PathLike[str], arrays: dict[str, np.ndarray]) -> Path:
+    """np.savez written atomically (see :func:`atomic_write`)."""
+    return atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
 def save_checkpoint(path: str | os.PathLike[str], model: Module, optimizer: Optimizer | None = None,

@@ -35,6 +35,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from engine.backend import to_device
+from engine.checkpoint import atomic_write
 from engine.config import no_grad
 from engine.nn.module import Module
 from engine.onnx_convert import NOT_EXPORTABLE, find_converter, supported_ops
@@ -296,16 +297,5 @@ def convert_float16(model: onnx.ModelProto, check: bool = True) -> onnx.ModelPro
 
 def save_onnx(model: onnx.ModelProto, path: str | os.PathLike[str]) -> Path:
     """Write ``model`` atomically (temporary file beside it, fsync, rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(model.SerializeToString())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
+    data = model.SerializeToString()
+    return atomic_write(path, lambda f: f.write(data))

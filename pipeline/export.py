@@ -34,7 +34,7 @@ import onnx
 
 from apps.model_card import ModelCard
 from apps.predictor import usable_cpus
-from data_prep.ingest import clean_stale_temps
+from data_prep.ingest import clean_stale_temps, swap_into_place
 from data_prep.manifest import Dataset, load_dataset, write_json_atomic
 from engine.nn import Module
 from engine.onnx_export import IR_VERSION, OPSET, convert_float16, export_onnx, save_onnx
@@ -129,17 +129,6 @@ def _pick_split(ds: Dataset, preferred: str) -> str:
 def _check_out(out: Path) -> None:
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / REPORT).exists())):
         raise ExportFailed(f"output {out} exists and is not a leaflens export folder; refusing to replace it")
-
-
-def _swap(tmp: Path, dest: Path) -> None:
-    """Rename ``tmp`` to ``dest``, replacing an old ``dest`` only once the new one is complete."""
-    if dest.exists():
-        old = dest.parent / f".{dest.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-        os.rename(dest, old)
-        os.rename(tmp, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, dest)
 
 
 def _gates(report: dict[str, Any], opts: ExportOptions) -> list[str]:
@@ -286,9 +275,9 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
                             "max_queue_delay_microseconds": opts.queue_delay_us}
         report["seconds"] = round(time.perf_counter() - t_start, 2)
         write_json_atomic(tmp / REPORT, report)
-        _swap(tmp, out)
+        swap_into_place(tmp, out)
         if triton_tmp is not None:
-            _swap(triton_tmp, triton_root / opts.name)
+            swap_into_place(triton_tmp, triton_root / opts.name)
             triton_tmp = None
         stale = out.parent / f"{out.name}.parity-failed.json"
         if stale.exists():

@@ -1,0 +1,64 @@
+"""Every command the README shows exists: each `make` target and each `leaflens` subcommand and option."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pipeline.cli import SUBCOMMANDS, build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def code_lines() -> list[str]:
+    blocks = re.findall(r"```(?:bash|sh|console)?\n(.*?)```", README, flags=re.S)
+    lines = []
+    for block in blocks:
+        for line in block.splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line:
+                lines.append(line)
+    return lines
+
+
+def make_targets() -> set[str]:
+    text = (ROOT / "Makefile").read_text(encoding="utf-8")
+    return set(re.findall(r"^([A-Za-z][\w-]*):", text, flags=re.M))
+
+
+def test_readme_names_the_two_commands():
+    assert "make demo" in README and "make test" in README
+
+
+def test_every_make_target_in_the_readme_exists():
+    targets = make_targets()
+    named = {m for line in code_lines() for m in re.findall(r"\bmake ([a-z][\w-]*)", line)}
+    assert named, "the README shows no make commands"
+    assert named <= targets, f"README names make targets that do not exist: {sorted(named - targets)}"
+
+
+def test_every_leaflens_subcommand_and_option_in_the_readme_exists():
+    used = [line[line.index("leaflens "):] for line in code_lines() if "leaflens " in line]
+    assert used, "the README shows no leaflens commands"
+    for line in used:
+        words = line.split()
+        sub = words[1]
+        assert sub in SUBCOMMANDS, f"README uses unknown subcommand: {line}"
+        parser = build_parser(only=sub)
+        subparser = parser._subparsers._group_actions[0].choices[sub]  # noqa: SLF001
+        known = {opt for action in subparser._actions for opt in action.option_strings}  # noqa: SLF001
+        for w in words[2:]:
+            if w.startswith("--"):
+                assert w.split("=")[0] in known, f"README uses unknown option {w} of `leaflens {sub}`: {line}"
+
+
+@pytest.mark.parametrize("sub", sorted(SUBCOMMANDS))
+def test_every_subcommand_has_help(sub):
+    out = subprocess.run([str(Path(__import__("sys").executable)), "-m", "pipeline.cli", sub, "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "usage: leaflens" in out.stdout

@@ -23,6 +23,9 @@ from engine.checkpoint import read_checkpoint_arrays
 from pipeline.cli import main as cli
 from pipeline.teacher import ArrayEncoder, write_teacher
 
+# the faults are induced on purpose: NumPy's overflow/invalid-value warnings are the expected symptoms
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
 SETS = ["--set", "train.epochs=3", "--set", "train.batch_size=4", "--set", "model.widths=[8, 16]",
         "--set", "train.warmup_epochs=0", "--set", "train.lr=0.01", "--set", "distill.compare_scratch=false",
         "--quiet"]

@@ -75,6 +75,7 @@ def test_cases_are_replayable():
     assert make_case(corpus, 3, 18).data != a.data or make_case(corpus, 4, 17).data != a.data
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Pillow warns about the damaged EXIF/TIFF it reads
 def test_ingest_of_a_folder_full_of_damaged_files(tmp_path):
     """A real `preprocess` over photos mixed with 120 fuzz cases: it finishes, every file is kept or
     rejected with a known reason, and the dataset it writes is valid."""

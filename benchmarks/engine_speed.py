@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,7 +26,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--size", type=int, default=64)
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--steps", type=int, default=10, help="timed steps per round")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best round counts")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="interleaved rounds; rates are medians over rounds, ratios medians of per-round ratios")
     p.add_argument("--threads", type=int, default=2, help="BLAS / PyTorch threads")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch reference")
     return p.parse_args()
@@ -108,27 +109,35 @@ def main() -> None:
             runners["PyTorch channels_last"] = torch_runner(args, channels_last=True)
         except ImportError:
             pass
-    best = {k: 0.0 for k in runners}
+    rates: dict[str, list[float]] = {k: [] for k in runners}
     for _ in range(args.rounds):
         for name, step in runners.items():
-            best[name] = max(best[name], time_steps(step, args.steps) * args.batch)
+            rates[name].append(time_steps(step, args.steps) * args.batch)
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    eng_name = "engine (NumPy, NHWC)"
 
-    eng = best["engine (NumPy, NHWC)"]
-    tn = best.get("PyTorch NCHW")
-    tc = best.get("PyTorch channels_last")
+    def ratio(ref: str) -> float | None:
+        if ref not in rates:
+            return None
+        return statistics.median(e / r for e, r in zip(rates[eng_name], rates[ref]))
+
+    eng = med[eng_name]
+    tn, tc = med.get("PyTorch NCHW"), med.get("PyTorch channels_last")
+    rn, rc = ratio("PyTorch NCHW"), ratio("PyTorch channels_last")
     print(f"student CNN training step: batch {args.batch}, {args.size}x{args.size}x3, {params:,} parameters, "
-          f"{args.threads} threads (OMP/OPENBLAS_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})")
-    print(f"{'implementation':<28}{'images/s':>12}{'engine / this':>16}")
-    for name, v in best.items():
-        print(f"{name:<28}{v:>12.1f}{eng / v:>16.2f}")
+          f"{args.threads} threads, {args.rounds} interleaved rounds of {args.steps} steps")
+    print(f"{'implementation':<28}{'images/s (median)':>18}{'min':>9}{'max':>9}{'engine / this':>15}")
+    for name, v in rates.items():
+        r = 1.0 if name == eng_name else ratio(name)
+        print(f"{name:<28}{med[name]:>18.1f}{min(v):>9.1f}{max(v):>9.1f}{r:>15.2f}")
     if torch_version is None:
         print("PyTorch not installed: reference columns are null (pip install torch==2.13.0 to compare)")
     print(json.dumps({
         "engine_img_s": round(eng, 1),
         "torch_nchw_img_s": None if tn is None else round(tn, 1),
         "torch_cl_img_s": None if tc is None else round(tc, 1),
-        "ratio_vs_torch_nchw": None if tn is None else round(eng / tn, 3),
-        "ratio_vs_torch_cl": None if tc is None else round(eng / tc, 3),
+        "ratio_vs_torch_nchw": None if rn is None else round(rn, 3),
+        "ratio_vs_torch_cl": None if rc is None else round(rc, 3),
         "batch": args.batch, "size": args.size, "threads": args.threads, "torch_version": torch_version,
     }))
 

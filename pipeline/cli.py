@@ -18,7 +18,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "preprocess": ("pipeline.cmd_preprocess", "photos in class folders -> memory-mapped arrays + manifest"),
     "teacher": ("pipeline.cmd_teacher", "teacher features (and logits) for every image"),
     "distill": ("pipeline.cmd_distill", "train the student (distilled and from scratch), keep the better"),
-    "evaluate": ("pipeline.cmd_evaluate", "evaluate a trained run on a split"),
     "export": ("pipeline.cmd_export", "student -> ONNX (FP32, FP16, INT8) + Triton repository"),
     "predict": ("apps.cmd_predict", "classify image files and folders with an exported model"),
     "serve": ("apps.cmd_serve", "start the local web app"),

@@ -139,7 +139,28 @@ def _open(data: bytes, name: str, max_pixels: int) -> Image.Image:
         raise ImageDecodeError(
             "too_large", name, f"declared size {w}x{h} = {w * h} pixels exceeds the limit of {max_pixels}"
         )
+    if im.format == "PNG":
+        _check_png_ratio(data, w, h, name)
     return im
+
+
+# Deflate cannot compress better than 1032:1 (a 258-byte match in 2 bits), so a PNG declaring more pixel
+# bytes than that many times its own size cannot hold its image: a few-KB file claiming 100 MP would
+# otherwise cost a 100 MP allocation and seconds of work before failing (or decoding to black rows).
+_DEFLATE_MAX_RATIO = 1032
+_PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # IHDR colour type -> samples per pixel
+
+
+def _check_png_ratio(data: bytes, w: int, h: int, name: str) -> None:
+    if len(data) < 29 or data[12:16] != b"IHDR":
+        return
+    depth, colour = data[24], data[25]
+    raw = h * (1 + -(-w * _PNG_CHANNELS.get(colour, 1) * depth // 8))  # filter byte + packed row
+    if raw > _DEFLATE_MAX_RATIO * len(data):
+        raise ImageDecodeError(
+            "truncated", name, f"declares {w}x{h} pixels ({raw} bytes of image data) but the file has only "
+                               f"{len(data)} bytes, beyond deflate's {_DEFLATE_MAX_RATIO}:1 limit"
+        )
 
 
 def _orientation(im: Image.Image) -> int:

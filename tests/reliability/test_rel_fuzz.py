@@ -201,3 +201,27 @@ def test_png_bomb_is_a_real_bomb():
         decode_image(data, 16, max_pixels=1000 * 700 - 1)
     assert exc.value.reason == "too_large"
     assert np.prod((1000, 700)) * 3 > 100 * len(data)  # compression ratio of a bomb
+
+
+def test_png_declaring_more_pixels_than_deflate_can_hold_is_refused_at_once():
+    """Found by the fuzzer (seed 2, case 7932): a 2 KB 16-bit PNG declaring 15705 x 7079 pixels decoded
+    to a mostly black image after seconds of work and about 1 GB of memory. Deflate cannot compress
+    beyond 1032:1, so such a file is refused from its header; a solid-colour PNG at the best ratio
+    deflate reaches still passes."""
+    import io
+    import time
+
+    from PIL import Image
+
+    from data_prep.decode import ImageDecodeError, decode_image
+
+    case = make_case(seed_corpus(), 2, 7932)
+    t0 = time.perf_counter()
+    with pytest.raises(ImageDecodeError) as exc:
+        decode_image(case.data, 32)
+    assert exc.value.reason == "truncated" and "1032:1" in exc.value.detail
+    assert time.perf_counter() - t0 < 0.1
+    for mode in ("RGB", "L", "1"):
+        buf = io.BytesIO()
+        Image.new(mode, (4000, 3000), 0).save(buf, "PNG", optimize=True)
+        assert decode_image(buf.getvalue(), 16).shape == (16, 16, 3)

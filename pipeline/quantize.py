@@ -64,7 +64,9 @@ def quantize_int8(fp32_path: str | os.PathLike[str], out_path: str | os.PathLike
     try:
         source = fp32_path
         if preprocess:
-            quant_pre_process(str(fp32_path), str(pre))
+            # our graphs have static shapes but for the batch, so ONNX's own shape inference is enough
+            # (the symbolic one needs sympy, which leaflens does not depend on)
+            quant_pre_process(str(fp32_path), str(pre), skip_symbolic_shape=True)
             source = pre
         quantize_static(str(source), str(tmp), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
                         activation_type=QuantType.QUInt8 if activations == "uint8" else QuantType.QInt8,

@@ -46,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+from array import array
 from collections import Counter
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -123,7 +124,9 @@ class Tally:
     busy: int = 0
     failed: int = 0
     lost: int = 0
-    latencies_ms: list[float] = field(default_factory=list)
+    # array('d'): 8 bytes per answer, so the batcher phase's RSS (this process) is not the benchmark's own
+    # record growing (a list of floats costs 32 bytes per answer, 4.5 MB over 140 000 answers)
+    latencies_ms: array = field(default_factory=lambda: array("d"))
     errors: Counter = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -136,7 +139,7 @@ class Tally:
                 self.errors[error[:160]] += 1
 
     def summary(self, seconds: float) -> dict:
-        lat = np.asarray(self.latencies_ms) if self.latencies_ms else np.zeros(1)
+        lat = np.frombuffer(self.latencies_ms, np.float64) if len(self.latencies_ms) else np.zeros(1)
         return {"sent": self.sent, "answered": self.answered, "busy": self.busy, "failed": self.failed,
                 "lost": self.lost, "p50_ms": round(float(np.percentile(lat, 50)), 2),
                 "p99_ms": round(float(np.percentile(lat, 99)), 2),

@@ -180,5 +180,8 @@ def launch(demo: gr.Blocks, service: DiagnosisService, config: AppConfig, host: 
         allowed.append(str(config.context.run_dir))
     demo.launch(server_name=host, server_port=port, share=share, inbrowser=False, show_error=False,
                 max_file_size=service.max_upload_bytes, allowed_paths=allowed, prevent_thread_lock=not block,
-                quiet=quiet, footer_links=["api"], css=CSS, ssr_mode=False)
+                quiet=quiet, footer_links=["api"], css=CSS, ssr_mode=False,
+                # Gradio keeps per-session state for 10,000 sessions by default and every API call is a
+                # session: measured ~56 KB each (docs/reliability.md). 200 keeps a long-running server flat.
+                state_session_capacity=200)
     return demo

@@ -19,6 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# Import the engine before anything loads NumPy, as the `leaflens` CLI does: it sets OpenBLAS's thread
+# spin timeout, which only takes effect before OpenBLAS is loaded (see engine/__init__.py).
+import engine  # noqa: E402, F401
+
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

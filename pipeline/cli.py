@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+# Before any stage imports NumPy: keep OpenBLAS threads from spinning between calls (see engine/__init__.py).
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 # subcommand -> (module, one-line help). Keep alphabetical within each group.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {

@@ -24,12 +24,13 @@ import numpy as np
 from data_prep.ingest import swap_into_place
 from data_prep.manifest import load_dataset
 from engine import Tensor, no_grad
-from engine.checkpoint import load_checkpoint, save_checkpoint
+from engine.checkpoint import save_checkpoint
 from engine.data import normalize
 from pipeline import metrics, plots
 from pipeline.config import dump_toml
 from pipeline.hardware import describe_hardware
 from pipeline.report_md import write_report
+from pipeline.runs import load_student_weights
 from pipeline.teacher_io import load_teacher, manifest_sha256
 from pipeline.train_student import (
     BEST,
@@ -128,12 +129,7 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
 def _evaluate_variant(best_path: Path, cfg: dict[str, Any], ds: Any) -> dict[str, Any]:
     """Reload a variant's best weights and score them on val and (when present) test."""
     model = build_student(cfg, ds.num_classes, None)
-    ck_meta = load_checkpoint(best_path, None, restore_rng=False).meta
-    from engine.checkpoint import read_checkpoint_arrays  # noqa: PLC0415
-
-    _, arrays = read_checkpoint_arrays(best_path)
-    state = {k[6:]: v for k, v in arrays.items() if k.startswith("model/") and not k.startswith("model/projection.")}
-    model.load_state_dict(state)
+    ck_meta = load_student_weights(model, best_path)
     model.eval()
     bs = int(cfg["train"]["eval_batch_size"])
     out: dict[str, Any] = {"model": model, "epoch": ck_meta["epoch"]}

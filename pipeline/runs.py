@@ -42,29 +42,44 @@ def build_model(config: dict[str, Any]) -> Module:
     raise ValueError(f"unknown model kind {kind!r} in model_config")
 
 
-def read_run(run_dir: str | os.PathLike[str]) -> RunInfo:
-    path = Path(run_dir) / BEST
-    meta, _ = read_checkpoint_arrays(path)
+def _run_info(path: Path, meta: dict[str, Any], run_dir: Path) -> RunInfo:
     extra = meta.get("extra", {})
     for key in ("model_config", "dataset"):
         if key not in extra:
             raise CheckpointError(f"{path} lacks '{key}': it was not written by `leaflens distill`")
     return RunInfo(path=path, model_config=extra["model_config"], dataset=extra["dataset"],
-                   metrics=extra.get("metrics", {}), run_id=str(extra.get("run_id", Path(run_dir).name)))
+                   metrics=extra.get("metrics", {}), run_id=str(extra.get("run_id", run_dir.name)))
+
+
+def read_run(run_dir: str | os.PathLike[str]) -> RunInfo:
+    path = Path(run_dir) / BEST
+    meta, _ = read_checkpoint_arrays(path)
+    return _run_info(path, meta, Path(run_dir))
+
+
+def load_student_weights(model: Module, path: str | os.PathLike[str],
+                         checkpoint: tuple[dict[str, Any], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Load a checkpoint's model weights into ``model``, leaving out training-only heads (the
+    distillation projection); returns the checkpoint's meta. ``checkpoint`` is the file's
+    (meta, arrays) when the caller has already read it."""
+    meta, arrays = checkpoint or read_checkpoint_arrays(path)
+    state = {k[len("model/"):]: v for k, v in arrays.items()
+             if k.startswith("model/") and not k.startswith("model/projection.")}
+    model.load_state_dict(state)
+    return meta
 
 
 def load_model(run_dir: str | os.PathLike[str]) -> tuple[Module, RunInfo]:
     """The run's chosen model in eval mode (training-only heads such as the projection are dropped)."""
-    info = read_run(run_dir)
+    path = Path(run_dir) / BEST
+    checkpoint = read_checkpoint_arrays(path)
+    info = _run_info(path, checkpoint[0], Path(run_dir))
     try:
         model = build_model(info.model_config)
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{info.path}: its model_config {info.model_config} cannot be built: {exc}") from exc
-    _, arrays = read_checkpoint_arrays(info.path)
-    state = {k[len("model/"):]: v for k, v in arrays.items() if k.startswith("model/")}
-    state = {k: v for k, v in state.items() if not k.startswith("projection.")}
     try:
-        model.load_state_dict(state)
+        load_student_weights(model, info.path, checkpoint)
     except (ValueError, KeyError) as exc:  # weights of another model behind this model_config
         raise CheckpointError(f"{info.path} holds weights of a different model than its model_config "
                               f"{info.model_config} describes: {exc}") from exc

@@ -14,6 +14,7 @@ import numpy as np
 
 from engine import Tensor, no_grad
 from engine.data import normalize
+from pipeline.runs import load_student_weights
 from pipeline.student import StudentCNN
 from pipeline.train_student import BEST, TrainData, build_student, train_run
 
@@ -48,9 +49,6 @@ def train_cnn_teacher(ds: Any, cfg: dict[str, Any], work_dir: Path, widths: list
                        np.asarray(ds["val"].labels), ds.mean, ds.std, ds.num_classes, {"teacher": "train-cnn"},
                        label="teacher", progress=progress)
     model = build_student(tcfg, ds.num_classes, None)
-    from engine.checkpoint import read_checkpoint_arrays  # noqa: PLC0415
-
-    _, arrays = read_checkpoint_arrays(Path(work_dir) / BEST)
-    model.load_state_dict({k[6:]: v for k, v in arrays.items() if k.startswith("model/")})
+    load_student_weights(model, Path(work_dir) / BEST)
     enc = EngineCnnEncoder(model, ds.mean, ds.std, ds.image_size, widths)
     return enc, {"val_accuracy": result.best_val_accuracy, "best_epoch": result.best_epoch}

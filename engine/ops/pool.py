@@ -22,18 +22,22 @@ def _geometry(x: Any, kernel: tuple[int, int], stride: tuple[int, int], padding:
     return pads, (ho, wo)
 
 
-class MaxPool2d(Function):
+class _Pool(Function):
+    """Kernel, stride (default: the kernel) and padding shared by the windowed pools."""
+
+    def __init__(self, kernel, stride, padding):
+        self.kernel = _pair(kernel, "kernel_size")
+        self.stride = _pair(stride if stride is not None else kernel, "stride")
+        self.padding = padding
+
+
+class MaxPool2d(_Pool):
     """Max over the kernel taps; in backward the gradient goes to the first tap that equals the max.
 
     The forward is a chain of ``maximum`` calls over shifted views. Which tap won is worked out
     only in backward, from the saved input (usually the ReLU output that is saved anyway), so no
     index array is built in forward.
     """
-
-    def __init__(self, kernel, stride, padding):
-        self.kernel = _pair(kernel, "kernel_size")
-        self.stride = _pair(stride if stride is not None else kernel, "stride")
-        self.padding = padding
 
     def forward(self, x):
         xp = array_module(x)
@@ -83,13 +87,8 @@ class MaxPool2d(Function):
         return _unpad(gx, self.pads, self.in_shape[1:3])
 
 
-class AvgPool2d(Function):
+class AvgPool2d(_Pool):
     """Mean over each window; padded positions are left out of the count (ONNX count_include_pad=0)."""
-
-    def __init__(self, kernel, stride, padding):
-        self.kernel = _pair(kernel, "kernel_size")
-        self.stride = _pair(stride if stride is not None else kernel, "stride")
-        self.padding = padding
 
     def forward(self, x):
         xp = array_module(x)

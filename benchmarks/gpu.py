@@ -10,10 +10,16 @@ SGEMM is the educational kernel of the set: cuBLAS is expected to win, and the e
 ``cupy.matmul`` (cuBLAS) for its convolutions and linear layers wherever it is faster; the table says
 by how much.
 
+Then the student training step (benchmarks/engine_speed.py's network, batch 64 and 256, 64x64) in the
+engine on the GPU beside PyTorch on the same GPU (when torch with CUDA is importable), in float32 and
+in mixed precision: images/s and peak GPU memory for both. The final JSON line carries them as flat
+keys (``engine_step_img_s_b64_fp32``, ``torch_step_img_s_b256_amp``, ``engine_peak_mb_b64_amp``, ...) and
+in detail under ``train_step``.
+
 Without a GPU it prints why and ends with a JSON line whose figures are null and whose ``skipped``
 holds the reason. The last line of output is always one JSON object.
 
-    python benchmarks/gpu.py [--repeats 20] [--sizes full|tiny]
+    python benchmarks/gpu.py [--repeats 20] [--sizes full|tiny] [--no-train-step]
 """
 
 from __future__ import annotations
@@ -406,32 +412,219 @@ def print_table(results: dict[str, Any]) -> None:
         )
 
 
-# ==== LEAD: engine-vs-PyTorch training step =========================================================
-# The student training step (same network as benchmarks/engine_speed.py, batch 64 and 256, 64x64) in
-# the engine on the GPU versus PyTorch eager on the same GPU (when importable), float32 and mixed
-# precision, with peak GPU memory for both, goes here once the engine's GPU path is wired to these
-# kernels. It must return a JSON-able dict (or None while it is not built); main() reports it under
-# "train_step".
-def train_step_benchmark(cp: Any) -> dict[str, Any] | None:
-    return None
+# ---- the student training step: engine vs PyTorch on the same GPU ---------------------------------------------
+TRAIN_BATCHES = (64, 256)
+TRAIN_SIZE = 64
+TRAIN_CLASSES = 10
+PRECISIONS = ("fp32", "amp")
 
 
-# ================================================================================================
+def train_step_keys() -> list[str]:
+    """The flat keys the final JSON line carries for the training-step section (null without a GPU)."""
+    keys = []
+    for b in TRAIN_BATCHES:
+        for prec in PRECISIONS:
+            keys += [f"engine_step_img_s_b{b}_{prec}", f"torch_step_img_s_b{b}_{prec}",
+                     f"engine_peak_mb_b{b}_{prec}", f"torch_peak_mb_b{b}_{prec}"]
+    return keys
+
+
+def engine_step(cp: Any, batch: int, size: int, use_amp: bool) -> Callable[[], None]:
+    """One training step of the engine's student (benchmarks/engine_speed.py's network: StudentCNN with its
+    default widths 32-64-128; cross-entropy; SGD with momentum) on the GPU, mixed precision or float32."""
+    from engine import Tensor, ops
+    from engine import random as erandom
+    from engine.amp import GradScaler, autocast
+    from engine.optim import SGD
+    from pipeline.student import StudentCNN
+
+    erandom.seed(0)
+    model = StudentCNN(TRAIN_CLASSES)
+    model.to("cuda")
+    opt = SGD(model.parameters(), lr=0.01, momentum=0.9)
+    scaler = GradScaler(enabled=use_amp)
+    rng = np.random.default_rng(0)
+    x = cp.asarray(rng.standard_normal((batch, size, size, 3), dtype=np.float32))
+    y = cp.asarray(rng.integers(0, TRAIN_CLASSES, batch))
+
+    def step() -> None:
+        opt.zero_grad()
+        with autocast(use_amp):
+            loss = ops.cross_entropy(model(Tensor(x)), y)
+        with np.errstate(over="ignore", invalid="ignore"):
+            scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+
+    return step
+
+
+def torch_step(torch: Any, batch: int, size: int, use_amp: bool) -> Callable[[], None]:
+    """The same network and step in PyTorch eager on the GPU, channels_last (NHWC in memory, like the
+    engine; the layout cuDNN prefers with float16), torch.autocast + GradScaler for mixed precision."""
+    from torch import nn
+
+    torch.manual_seed(0)
+
+    def block(a: int, b: int) -> list[Any]:
+        return [nn.Conv2d(a, b, 3, padding=1, bias=False), nn.BatchNorm2d(b), nn.ReLU(), nn.MaxPool2d(2)]
+
+    model = nn.Sequential(*block(3, 32), *block(32, 64), *block(64, 128), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(128, TRAIN_CLASSES)).cuda().to(memory_format=torch.channels_last)
+    x = torch.randn(batch, 3, size, size, device="cuda").contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, TRAIN_CLASSES, (batch,), device="cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    scaler = torch.amp.GradScaler("cuda", enabled=use_amp) if hasattr(torch, "amp") and hasattr(
+        torch.amp, "GradScaler") else torch.cuda.amp.GradScaler(enabled=use_amp)
+    lossf = nn.CrossEntropyLoss()
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.float16, enabled=use_amp):
+            loss = lossf(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    return step
+
+
+def wall_timer(sync: Callable[[], None]) -> Callable[[Callable[[], Any], int], float]:
+    """Milliseconds per call, wall clock between device synchronisations (median of 3 rounds): the same
+    clock for both frameworks, and it counts the host work between kernels as well as the kernels."""
+
+    def timer(fn: Callable[[], Any], repeats: int) -> float:
+        fn()  # warm-up: kernel compilation, cuDNN autotuning, memory pools
+        sync()
+        rounds = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                fn()
+            sync()
+            rounds.append((time.perf_counter() - t0) / repeats * 1e3)
+        return median(rounds)
+
+    return timer
+
+
+def _torch_cuda() -> tuple[Any, str | None]:
+    try:
+        import torch
+    except Exception as exc:  # not installed, or a broken install
+        return None, f"PyTorch is not importable ({type(exc).__name__}: {exc})"
+    if not torch.cuda.is_available():
+        return None, f"PyTorch {torch.__version__} sees no CUDA device (a CPU-only build?)"
+    return torch, None
+
+
+def train_step_benchmark(cp: Any, repeats: int = 20) -> dict[str, Any]:
+    """Images/s and peak GPU memory of the student training step, engine and PyTorch, float32 and mixed
+    precision, batch 64 and 256 at 64x64. Peak memory: CuPy's pool (emptied before, its size after: what the
+    engine holds) and ``torch.cuda.max_memory_allocated`` (also ``max_memory_reserved``, PyTorch's pool)."""
+    import gc
+
+    pool = cp.get_default_memory_pool()
+    engine_timer = wall_timer(lambda: cp.cuda.Device().synchronize())
+    torch, torch_reason = _torch_cuda()
+    out: dict[str, Any] = {"batches": list(TRAIN_BATCHES), "size": TRAIN_SIZE, "repeats": repeats,
+                           "torch_version": None if torch is None else torch.__version__, "torch_skipped": torch_reason,
+                           "cases": {}}
+    for b in TRAIN_BATCHES:
+        for prec in PRECISIONS:
+            use_amp = prec == "amp"
+            case: dict[str, Any] = {}
+            gc.collect()
+            pool.free_all_blocks()
+            base = pool.used_bytes()
+            try:
+                step = engine_step(cp, b, TRAIN_SIZE, use_amp)
+                ms = engine_timer(step, repeats)
+                cp.cuda.Device().synchronize()
+                case["engine_ms"] = ms
+                case["engine_img_s"] = b / (ms / 1e3)
+                case["engine_peak_mb"] = (pool.total_bytes() - base) / 2**20
+                del step
+            except Exception as exc:  # report and go on: the kernel table above still stands
+                case["engine_error"] = f"{type(exc).__name__}: {exc}"
+            gc.collect()
+            pool.free_all_blocks()
+            if torch is not None:
+                try:
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                    tstep = torch_step(torch, b, TRAIN_SIZE, use_amp)
+                    ms = wall_timer(torch.cuda.synchronize)(tstep, repeats)
+                    case["torch_ms"] = ms
+                    case["torch_img_s"] = b / (ms / 1e3)
+                    case["torch_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+                    case["torch_reserved_peak_mb"] = torch.cuda.max_memory_reserved() / 2**20
+                    del tstep
+                    torch.cuda.empty_cache()
+                except Exception as exc:
+                    case["torch_error"] = f"{type(exc).__name__}: {exc}"
+            out["cases"][f"b{b}_{prec}"] = case
+    return out
+
+
+def train_step_flat(train: dict[str, Any] | None) -> dict[str, Any]:
+    """The final JSON line's flat keys from :func:`train_step_benchmark`'s result (None: all null)."""
+    flat: dict[str, Any] = {k: None for k in train_step_keys()}
+    if train is None:
+        return flat
+    for b in TRAIN_BATCHES:
+        for prec in PRECISIONS:
+            case = train["cases"].get(f"b{b}_{prec}", {})
+            for who in ("engine", "torch"):
+                img_s, peak = case.get(f"{who}_img_s"), case.get(f"{who}_peak_mb")
+                flat[f"{who}_step_img_s_b{b}_{prec}"] = None if img_s is None else round(img_s, 1)
+                flat[f"{who}_peak_mb_b{b}_{prec}"] = None if peak is None else round(peak, 1)
+    return flat
+
+
+def print_train_table(train: dict[str, Any]) -> None:
+    print(f"\nstudent training step ({TRAIN_SIZE}x{TRAIN_SIZE}x3, widths 32-64-128, SGD momentum), wall clock "
+          f"between syncs, median of 3 rounds of {train['repeats']} steps")
+    head = f"{'batch':>5} {'precision':<9} {'engine img/s':>13} {'torch img/s':>12} {'engine/torch':>12} " \
+           f"{'engine MiB':>11} {'torch MiB':>10}"
+    print(head)
+    print("-" * len(head))
+
+    def num(v: Any, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    for b in TRAIN_BATCHES:
+        for prec in PRECISIONS:
+            c = train["cases"][f"b{b}_{prec}"]
+            e, t = c.get("engine_img_s"), c.get("torch_img_s")
+            ratio = e / t if e and t else None
+            print(f"{b:>5} {prec:<9} {num(e, '.0f'):>13} {num(t, '.0f'):>12} {num(ratio, '.2f'):>12} "
+                  f"{num(c.get('engine_peak_mb'), '.0f'):>11} {num(c.get('torch_peak_mb'), '.0f'):>10}")
+            for who in ("engine", "torch"):
+                if f"{who}_error" in c:
+                    print(f"      {who} failed: {c[f'{who}_error']}")
+    if train["torch_skipped"]:
+        print(f"PyTorch columns empty: {train['torch_skipped']}")
+    print("engine MiB: CuPy memory pool after the steps (what the engine holds); torch MiB: max_memory_allocated")
 
 
 def skipped_json(reason: str) -> dict[str, Any]:
-    return {"skipped": reason, "device": None, "kernels": {name: None for name in KERNEL_NAMES}, "train_step": None}
+    return {"skipped": reason, "device": None, "kernels": {name: None for name in KERNEL_NAMES}, "train_step": None,
+            **train_step_flat(None)}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per round")
     parser.add_argument("--sizes", choices=sorted(SIZES), default="full")
+    parser.add_argument("--no-train-step", action="store_true", help="skip the engine-vs-PyTorch training step")
     args = parser.parse_args(argv)
 
     ok, reason = _cuda.gpu_probe()
     if not ok:
         print(f"benchmarks/gpu.py: skipped, no GPU: {reason}")
+        print("training step (engine vs PyTorch, float32 and mixed precision): not measured, no GPU")
         print(json.dumps(skipped_json(reason)))
         return 0
     import cupy as cp
@@ -442,10 +635,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"GPU: {device}, CuPy {cp.__version__}")
     results = run_cases(build_cases(cp, SIZES[args.sizes]), gpu_timer(cp), args.repeats)
     print_table(results)
-    train = train_step_benchmark(cp)
-    if train is None:
-        print("training step (engine vs PyTorch): not measured yet, engine GPU path not built")
-    print(json.dumps({"skipped": None, "device": device, "kernels": results, "train_step": train}))
+    train = None
+    if args.no_train_step:
+        print("training step (engine vs PyTorch): skipped (--no-train-step)")
+    else:
+        train = train_step_benchmark(cp, args.repeats)
+        print_train_table(train)
+    print(json.dumps({"skipped": None, "device": device, "kernels": results, "train_step": train,
+                      **train_step_flat(train)}))
     return 0
 
 

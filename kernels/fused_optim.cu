@@ -1,7 +1,8 @@
 // fused_optim.cu: optimiser updates over ONE flat float32 parameter buffer, in a single pass.
 //
-// The engine keeps every parameter (and its gradient and optimiser state) as a view into one flat
-// buffer, so a whole step is one launch instead of several element-wise kernels per tensor.
+// The buffer may hold many parameters or one: the engine's optimisers (engine/optim, through
+// engine/ops/_kernels.py) launch once per parameter over a flat view of it, one launch instead of
+// several element-wise kernels per tensor.
 // PyTorch semantics:
 //   SGD:   d = g * grad_scale + weight_decay * p        (L2 decay added to the gradient)
 //          b = momentum * b + d                          (dampening 0; b starts at 0, so b_1 = d_1)

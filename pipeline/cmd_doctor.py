@@ -2,32 +2,91 @@
 
 Prints the Python/NumPy/CuPy/onnxruntime versions, the CPU facts (cores, BLAS in use), and either
 "no GPU: <reason>" or the GPU's name, compute capability, total/free memory, the host-to-device
-bandwidth measured with pinned memory, and the largest safe batch size for a model and input size.
+bandwidth measured with pinned memory, and the largest safe training batch for a model and input
+size (``--widths``/``--size``, or read from a trained run with ``--run``).
 
-The batch size is derived from the peak GPU memory of real training steps (measured at two small
-batches, extrapolated linearly), never guessed; until the engine's GPU training path exists the
-command says the estimate is unavailable instead of inventing one.
+The batch size is derived from the peak memory of real training steps (forward, backward, optimiser
+step) measured at two small batches: the two peaks give a fixed cost (weights, optimiser state,
+workspace) and a cost per image, and the largest batch is the one whose predicted peak stays within
+80 % of the free memory (20 % is left as a margin for fragmentation, the CUDA context and libraries).
+On a GPU the peak is CuPy's memory pool after the step (emptied before it), plus the loader's two
+device batch buffers. On a CPU-only machine the same fit runs on the Python/NumPy heap peak
+(``tracemalloc``) against the RAM the kernel reports available, and is labelled for what it is: a
+memory ceiling, while on a CPU the batch size is limited by speed long before memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import os
 import platform
 import sys
+import tracemalloc
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-ENGINE_GPU_UNAVAILABLE = "engine GPU path not built"
+SAFETY = 0.8  # use at most 80 % of the free memory: 20 % stays free as a margin
+GPU_BATCHES = (16, 64)  # measured on a GPU (large enough that the pool's rounding does not dominate)
+CPU_BATCHES = (2, 8)    # measured on the CPU (cheap)
 
 
 class BatchEstimateUnavailable(RuntimeError):
     """The peak memory of a training step cannot be measured here (says why)."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The student to size a batch for: conv widths, classes, precision (what ``leaflens distill`` trains)."""
+
+    widths: tuple[int, ...] = (32, 64, 128, 256)
+    num_classes: int = 10
+    mixed_precision: str = "auto"  # "auto" (on with a GPU), "on", "off": as train.mixed_precision
+    source: str = "defaults"       # where the numbers came from (defaults, options, a run folder)
+    configured_batch: int | None = None  # train.batch_size of that recipe or run
+
+    def describe(self) -> str:
+        return f"student CNN widths {'-'.join(map(str, self.widths))}, {self.num_classes} classes"
+
+
+def default_spec() -> ModelSpec:
+    """The student of the default recipe (pipeline/distill_default.toml)."""
+    from pipeline.config import load_config  # noqa: PLC0415
+
+    cfg = load_config("distill_default.toml")
+    return ModelSpec(widths=tuple(int(w) for w in cfg["model"]["widths"]),
+                     mixed_precision=str(cfg["train"].get("mixed_precision", "auto")),
+                     configured_batch=int(cfg["train"]["batch_size"]))
+
+
+def spec_from_run(run_dir: str | os.PathLike[str]) -> tuple[ModelSpec, int]:
+    """(model, input size) of a trained run folder: widths and classes from best.npz, the recipe's batch
+    size and precision from its config.toml when present."""
+    from pipeline.config import read_toml  # noqa: PLC0415
+    from pipeline.runs import read_run  # noqa: PLC0415
+
+    info = read_run(run_dir)
+    mc = info.model_config
+    cfg_path = Path(run_dir) / "config.toml"
+    train = read_toml(cfg_path).get("train", {}) if cfg_path.exists() else {}
+    spec = ModelSpec(widths=tuple(int(w) for w in mc["widths"]), num_classes=int(mc["num_classes"]),
+                     mixed_precision=str(train.get("mixed_precision", "auto")), source=str(run_dir),
+                     configured_batch=int(train["batch_size"]) if "batch_size" in train else None)
+    return spec, int(info.dataset["image_size"])
+
+
+def _as_spec(model: ModelSpec | str) -> ModelSpec:
+    if isinstance(model, ModelSpec):
+        return model
+    if model == "student":
+        return default_spec()
+    raise BatchEstimateUnavailable(f"unknown model {model!r}: only the student CNN can be sized")
 
 
 # ---- software and CPU facts --------------------------------------------------------------------------------
@@ -137,20 +196,113 @@ def measure_h2d_bandwidth(cp: Any, nbytes: int = 64 << 20, repeats: int = 5) -> 
     return nbytes / (best_ms / 1e3) / 1e9
 
 
-def measure_train_step_peak_bytes(model: str, input_size: int, batch: int) -> int:
+def _use_amp(spec: ModelSpec, device: str) -> bool:
+    from pipeline.train_student import resolve_precision  # noqa: PLC0415
+
+    return resolve_precision(spec.mixed_precision, device)
+
+
+def _training_step(spec: ModelSpec, input_size: int, batch: int, device: str) -> Callable[[], None]:
+    """One real training step of the student (AdamW, cross-entropy, mixed precision as the spec says)
+    on random data that lives on ``device``."""
+    from engine import Tensor, ops  # noqa: PLC0415
+    from engine.amp import GradScaler, autocast  # noqa: PLC0415
+    from engine.optim import AdamW  # noqa: PLC0415
+    from pipeline.student import StudentCNN  # noqa: PLC0415
+
+    use_amp = _use_amp(spec, device)
+    model = StudentCNN(spec.num_classes, widths=spec.widths)
+    if device != "cpu":
+        model.to(device)
+    opt = AdamW(model.parameters(), lr=1e-3)
+    scaler = GradScaler(enabled=use_amp)
+    shape = (batch, input_size, input_size, 3)
+    if device == "cpu":
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal(shape, dtype=np.float32)
+        y = rng.integers(0, spec.num_classes, batch)
+    else:
+        import cupy as cp  # noqa: PLC0415
+
+        x = cp.random.standard_normal(shape, dtype=cp.float32)
+        y = cp.random.randint(0, spec.num_classes, batch)
+
+    def step() -> None:
+        opt.zero_grad()
+        with autocast(use_amp):
+            loss = ops.cross_entropy(model(Tensor(x)), y)
+        with np.errstate(over="ignore", invalid="ignore"):
+            scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+
+    return step
+
+
+def loader_buffer_bytes(input_size: int, batch: int) -> int:
+    """Device memory of DeviceLoader's two batch buffers (float32 images, int64 labels)."""
+    return 2 * batch * (input_size * input_size * 3 * 4 + 8)
+
+
+def measure_train_step_peak_bytes(model: ModelSpec | str, input_size: int, batch: int) -> int:
     """Peak GPU memory (bytes) of one forward + backward + optimiser step of ``model`` on a batch of
     ``batch`` RGB images of ``input_size`` x ``input_size``, measured, not computed.
 
-    To be completed with the engine's GPU training path: build the model by name, move it to "cuda",
-    free CuPy's memory pool, run one real step on random data, synchronise, and return the pool's
-    high-water mark (``cupy.get_default_memory_pool().total_bytes()`` right after the step, with the
-    pool emptied before). Until then this raises, and ``leaflens doctor`` says the estimate is
-    unavailable instead of guessing.
+    A warm-up step first (optimiser state, cuBLAS workspace, kernel compilation); then CuPy's memory
+    pool is emptied of cached blocks, one more step runs, and the pool's size right after it is the
+    high-water mark (blocks freed during the step stay cached in the pool, so the pool only grows when
+    the step needs more at once). The loader's two device buffers are added. Raises
+    BatchEstimateUnavailable without a usable GPU.
     """
-    raise BatchEstimateUnavailable(ENGINE_GPU_UNAVAILABLE)
+    from engine.device_loader import gpu_usable  # noqa: PLC0415
+
+    ok, why = gpu_usable()
+    if not ok:
+        raise BatchEstimateUnavailable(f"no usable GPU: {why}")
+    import cupy as cp  # noqa: PLC0415
+
+    spec = _as_spec(model)
+    pool = cp.get_default_memory_pool()
+    step = _training_step(spec, input_size, batch, "cuda")
+    try:
+        step()
+        cp.cuda.Device().synchronize()
+        pool.free_all_blocks()
+        step()
+        cp.cuda.Device().synchronize()
+        peak = int(pool.total_bytes())
+    except cp.cuda.memory.OutOfMemoryError as exc:
+        raise BatchEstimateUnavailable(f"out of GPU memory at batch {batch}: {exc}") from exc
+    finally:
+        del step
+        gc.collect()
+        pool.free_all_blocks()
+    return peak + loader_buffer_bytes(input_size, batch)
 
 
-def largest_safe_batch(samples: list[tuple[int, int]], free_bytes: int, safety: float = 0.85) -> int:
+def measure_cpu_step_peak_bytes(model: ModelSpec | str, input_size: int, batch: int) -> int:
+    """Peak Python/NumPy heap growth (bytes) of one CPU training step, measured with ``tracemalloc``
+    (NumPy reports its array buffers to it), after a warm-up step that allocates the optimiser state."""
+    spec = _as_spec(model)
+    step = _training_step(spec, input_size, batch, "cpu")
+    step()
+    gc.collect()
+    was_tracing = tracemalloc.is_tracing()
+    if not was_tracing:
+        tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        step()
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        if not was_tracing:
+            tracemalloc.stop()
+    return int(peak)
+
+
+def largest_safe_batch(samples: list[tuple[int, int]], free_bytes: int, safety: float = SAFETY) -> int:
     """Largest batch whose predicted peak fits ``safety * free_bytes``.
 
     ``samples`` are measured (batch, peak_bytes) pairs at two or more batch sizes; peak memory is
@@ -167,25 +319,61 @@ def largest_safe_batch(samples: list[tuple[int, int]], free_bytes: int, safety: 
     if per_sample < 1.0:  # under a byte per sample: flat (or shrinking) peaks, nothing to extrapolate
         raise ValueError(f"peak memory does not grow with the batch ({samples}); cannot extrapolate")
     budget = safety * free_bytes - fixed
-    return max(0, int(budget // per_sample))
+    return max(0, int(np.floor(budget / per_sample + 1e-6)))  # + 1e-6: least-squares rounding, not memory
 
 
 def batch_estimate(
-    model: str,
+    model: ModelSpec | str,
     input_size: int,
     free_bytes: int,
-    measure: Callable[[str, int, int], int] = measure_train_step_peak_bytes,
-    batches: tuple[int, int] = (2, 8),
+    measure: Callable[[Any, int, int], int] = measure_train_step_peak_bytes,
+    batches: tuple[int, int] = GPU_BATCHES,
+    safety: float = SAFETY,
 ) -> dict[str, Any]:
-    """{"batch": int, "samples": [...]} from measured peaks, or {"unavailable": reason}."""
+    """{"batch", "samples", "free_bytes", "safety", "per_image_bytes"} from measured peaks, or
+    {"unavailable": reason}."""
     try:
         samples = [(b, int(measure(model, input_size, b))) for b in batches]
-        return {"batch": largest_safe_batch(samples, free_bytes), "samples": samples}
-    except BatchEstimateUnavailable as exc:
+        batch = largest_safe_batch(samples, free_bytes, safety)
+    except (BatchEstimateUnavailable, ValueError) as exc:
         return {"unavailable": str(exc)}
+    (b0, p0), (b1, p1) = samples[0], samples[-1]
+    return {"batch": batch, "samples": samples, "free_bytes": int(free_bytes), "safety": safety,
+            "per_image_bytes": (p1 - p0) / (b1 - b0)}
 
 
-def gpu_facts(model: str, input_size: int, measure_bandwidth: bool = True) -> dict[str, Any]:
+def available_ram_bytes() -> int | None:
+    """RAM the kernel says new allocations can use without swapping (MemAvailable), else free pages."""
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+CPU_SPEED_NOTE = ("a memory ceiling, not a recommendation: on the CPU the batch size is limited by speed, not "
+                  "memory (a step's time grows with its batch)")
+
+
+def cpu_batch_estimate(spec: ModelSpec, input_size: int,
+                       measure: Callable[[Any, int, int], int] = measure_cpu_step_peak_bytes) -> dict[str, Any]:
+    """The memory ceiling for a CPU batch (measured heap peaks vs available RAM), with the speed caveat."""
+    ram = available_ram_bytes()
+    if ram is None:
+        return {"unavailable": "available RAM unknown on this system", "note": CPU_SPEED_NOTE}
+    est = batch_estimate(spec, input_size, ram, measure=measure, batches=CPU_BATCHES)
+    est["note"] = CPU_SPEED_NOTE
+    return est
+
+
+def gpu_facts(model: ModelSpec | str, input_size: int, measure_bandwidth: bool = True,
+              measure_batch: bool = True) -> dict[str, Any]:
     """Probe result plus, with a GPU, device properties, memory, bandwidth and the batch estimate."""
     from kernels import _cuda
 
@@ -212,22 +400,43 @@ def gpu_facts(model: str, input_size: int, measure_bandwidth: bool = True) -> di
     }
     if measure_bandwidth:
         facts["h2d_pinned_gbps"] = measure_h2d_bandwidth(cp)
-    facts["batch_estimate"] = batch_estimate(model, input_size, int(free))
+    if measure_batch:
+        est = batch_estimate(model, input_size, int(free))
+        if "out of GPU memory" in est.get("unavailable", ""):  # a small GPU or a large input: smaller probes
+            est = batch_estimate(model, input_size, int(free), batches=CPU_BATCHES)
+        facts["batch_estimate"] = est
+    else:
+        facts["batch_estimate"] = {"unavailable": "not measured (--no-measure)"}
     return facts
 
 
-def collect(model: str, input_size: int, measure_bandwidth: bool = True) -> dict[str, Any]:
-    return {
+def collect(model: ModelSpec | str, input_size: int, measure_bandwidth: bool = True,
+            measure_batch: bool = True) -> dict[str, Any]:
+    """Every fact the report shows, as one JSON-able dict (``--json`` prints it as it is)."""
+    spec = _as_spec(model)
+    gpu = gpu_facts(spec, input_size, measure_bandwidth, measure_batch)
+    facts = {
         "software": software_facts(),
         "cpu": cpu_facts(),
-        "gpu": gpu_facts(model, input_size, measure_bandwidth),
-        "request": {"model": model, "input_size": input_size},
+        "gpu": gpu,
+        "request": {"model": "student", "input_size": input_size, "widths": list(spec.widths),
+                    "num_classes": spec.num_classes, "mixed_precision": _use_amp(spec, "cuda" if gpu["available"]
+                                                                                  else "cpu"),
+                    "source": spec.source, "configured_batch": spec.configured_batch},
     }
+    if not gpu["available"]:  # CPU-only: the memory ceiling of a CPU batch, with its caveat
+        facts["cpu_batch_estimate"] = (cpu_batch_estimate(spec, input_size) if measure_batch
+                                       else {"unavailable": "not measured (--no-measure)", "note": CPU_SPEED_NOTE})
+    return facts
 
 
 # ---- report ----------------------------------------------------------------------------------------------------
 def _gib(n: int | None) -> str:
     return "?" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 @dataclass
@@ -236,6 +445,22 @@ class _Lines:
 
     def add(self, key: str, value: Any) -> None:
         self.rows.append(f"  {key:<22} {value}")
+
+
+def _estimate_lines(out: _Lines, est: dict[str, Any], req: dict[str, Any], memory: str) -> None:
+    what = (f"student {'-'.join(map(str, req.get('widths', [])))} at {req['input_size']}x{req['input_size']}"
+            f"{', mixed precision' if req.get('mixed_precision') else ', float32'}")
+    if "unavailable" in est:
+        out.add("largest safe batch", f"batch-size estimate unavailable: {est['unavailable']}")
+        return
+    measured = ", ".join(f"batch {b}: {_mib(p)}" for b, p in est["samples"])
+    out.add("largest safe batch", f"{est['batch']} for {what}")
+    out.add("  from", f"measured peaks {measured}; {_mib(est['per_image_bytes'])} per image; "
+                      f"{est['safety']:.0%} of {_gib(est['free_bytes'])} {memory}")
+    configured = req.get("configured_batch")
+    if configured:
+        verdict = "fits" if configured <= est["batch"] else "does NOT fit: lower train.batch_size"
+        out.add("  recipe batch", f"{configured} ({verdict})")
 
 
 def render(facts: dict[str, Any]) -> str:
@@ -264,7 +489,13 @@ def render(facts: dict[str, Any]) -> str:
     out.rows.append("gpu")
     if not gpu["available"]:
         out.rows.append(f"  no GPU: {gpu['reason']}")
-        out.rows.append("  (training and inference run on the CPU path; install leaflens[gpu] on a CUDA machine)")
+        out.rows.append("  CPU-only machine: training and inference run on the CPU path "
+                        "(install leaflens[gpu] on a CUDA machine)")
+        est = facts.get("cpu_batch_estimate")
+        if est is not None:
+            out.rows.append("training batch on the CPU")
+            _estimate_lines(out, est, req, "available RAM")
+            out.add("note", est["note"])
         return "\n".join(out.rows)
     out.add("name", f"{gpu['name']} (device {gpu['device']}, {gpu['multiprocessors']} SMs)")
     out.add("compute capability", gpu["compute_capability"])
@@ -272,21 +503,50 @@ def render(facts: dict[str, Any]) -> str:
     out.add("CUDA driver/runtime", f"{gpu['driver_version']} / {gpu['runtime_version']}")
     if "h2d_pinned_gbps" in gpu:
         out.add("host->device (pinned)", f"{gpu['h2d_pinned_gbps']:.1f} GB/s")
-    est = gpu["batch_estimate"]
-    what = f"{req['model']} at {req['input_size']}x{req['input_size']}"
-    if "unavailable" in est:
-        out.add("largest safe batch", f"batch-size estimate unavailable: {est['unavailable']}")
-    else:
-        measured = ", ".join(f"batch {b}: {_gib(p)}" for b, p in est["samples"])
-        out.add("largest safe batch", f"{est['batch']} for {what} (measured peaks {measured})")
+    _estimate_lines(out, gpu["batch_estimate"], req, "free GPU memory")
     return "\n".join(out.rows)
 
 
+def _parse_widths(text: str) -> tuple[int, ...]:
+    try:
+        widths = tuple(int(w) for w in text.replace(" ", "").strip("[]()").split(",") if w)
+    except ValueError:
+        raise ValueError(f"--widths must be comma-separated integers, got {text!r}") from None
+    if not widths or min(widths) < 1:
+        raise ValueError(f"--widths must be positive integers, got {text!r}")
+    return widths
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.input_size < 8:
-        print(f"doctor: --input-size must be >= 8, got {args.input_size}", file=sys.stderr)
+    if args.run is not None:
+        try:
+            spec, size = spec_from_run(args.run)
+        except Exception as exc:  # CheckpointError, a missing folder, a foreign file
+            print(f"doctor: cannot read the run {args.run}: {exc}", file=sys.stderr)
+            return 2
+        size = args.input_size or size
+    else:
+        spec, size = default_spec(), args.input_size or 64
+        if args.model != "student":
+            print(f"doctor: unknown --model {args.model!r}: only 'student' can be sized", file=sys.stderr)
+            return 2
+    if size < 8:
+        print(f"doctor: --input-size must be >= 8, got {size}", file=sys.stderr)
         return 2
-    facts = collect(args.model, args.input_size, measure_bandwidth=not args.no_bandwidth)
+    changes: dict[str, Any] = {}
+    try:
+        if args.widths:
+            changes["widths"] = _parse_widths(args.widths)
+    except ValueError as exc:
+        print(f"doctor: {exc}", file=sys.stderr)
+        return 2
+    if args.classes:
+        changes["num_classes"] = args.classes
+    if args.mixed_precision:
+        changes["mixed_precision"] = args.mixed_precision
+    if changes:
+        spec = ModelSpec(**{**asdict(spec), **changes, "source": "options" if args.run is None else spec.source})
+    facts = collect(spec, size, measure_bandwidth=not args.no_bandwidth, measure_batch=not args.no_measure)
     print(json.dumps(facts, indent=2, default=str) if args.json else render(facts))
     return 0
 
@@ -296,11 +556,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "doctor",
         help="report Python, NumPy, CuPy, GPU and BLAS facts",
         description="Report versions, CPU facts (cores, BLAS) and, with a GPU, its memory, measured pinned "
-        "host-to-device bandwidth and the largest safe training batch for a model and input size.",
+        "host-to-device bandwidth and the largest safe training batch for a model and input size (measured "
+        "from real training steps at two small batches). Without a GPU, the memory ceiling of a CPU batch.",
     )
     parser.add_argument("--model", default="student", help="model to size the batch for (default: student)")
-    parser.add_argument("--input-size", type=int, default=64, help="square input side in pixels (default: 64)")
+    parser.add_argument("--input-size", "--size", dest="input_size", type=int, default=None,
+                        help="square input side in pixels (default: 64, or the run's image size)")
+    parser.add_argument("--widths", default=None,
+                        help="student conv widths, e.g. 32,64,128,256 (default: the distill recipe's)")
+    parser.add_argument("--classes", type=int, default=None, help="number of classes (default: 10, or the run's)")
+    parser.add_argument("--mixed-precision", choices=("auto", "on", "off"), default=None,
+                        help="size for float16 training (auto: on with a GPU; default: the recipe's setting)")
+    parser.add_argument("--run", type=Path, default=None,
+                        help="a trained run folder (leaflens distill --out): size its student and image size")
     parser.add_argument("--json", action="store_true", help="print the facts as one JSON object")
     parser.add_argument("--no-bandwidth", action="store_true", help="skip the host-to-device bandwidth measurement")
+    parser.add_argument("--no-measure", action="store_true", help="skip the training-step memory measurements")
     parser.set_defaults(func=run)
     return parser

@@ -1,15 +1,18 @@
 """Activations, softmax and dropout.
 
 The ReLU family saves its output, not its input: the gradient mask can be read from y, and the
-input array can then be freed (the GPU kernels do the same from the saved output).
+input array can then be freed (the GPU kernels do the same from the saved output). On CuPy their
+backward runs the ``activation_grad`` kernel (engine/ops/_kernels.py); on NumPy the code below.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from engine import amp
 from engine import random as erandom
 from engine.backend import array_module
+from engine.ops import _kernels as gpu
 from engine.parallel import for_rows
 from engine.tensor import Function, Tensor
 
@@ -24,6 +27,9 @@ class ReLU(Function):
 
     def backward(self, gy):
         xp = array_module(gy)
+        fused = gpu.activation_grad(xp, "relu", self.y, gy)
+        if fused is not None:
+            return fused
         g = xp.empty_like(gy)
         y = self.y
         for_rows(xp, len(gy) if gy.ndim else 1, gy.size,
@@ -42,6 +48,9 @@ class LeakyReLU(Function):
 
     def backward(self, gy):
         xp = array_module(gy)
+        fused = gpu.activation_grad(xp, "leaky_relu", self.y, gy, self.slope)
+        if fused is not None:
+            return fused
         return gy * xp.where(self.y > 0, gy.dtype.type(1), gy.dtype.type(self.slope))
 
 
@@ -51,6 +60,9 @@ class ReLU6(Function):
         return self.y
 
     def backward(self, gy):
+        fused = gpu.activation_grad(array_module(gy), "relu6", self.y, gy)
+        if fused is not None:
+            return fused
         return gy * ((self.y > 0) & (self.y < 6))
 
 
@@ -144,11 +156,11 @@ def tanh(x: Any) -> Tensor:
 
 
 def softmax(x: Any, axis: int = -1) -> Tensor:
-    return Softmax(axis)(x)
+    return Softmax(axis)(amp.float_input(x))
 
 
 def log_softmax(x: Any, axis: int = -1) -> Tensor:
-    return LogSoftmax(axis)(x)
+    return LogSoftmax(axis)(amp.float_input(x))
 
 
 def dropout(x: Any, p: float = 0.5, training: bool = True) -> Tensor:

@@ -10,13 +10,20 @@ costs a copy of the (small) weight per call.
 
 Depthwise convolutions (groups == channels) skip im2col: they are kh*kw multiply-adds of shifted
 slices, which moves far less memory than building columns for a matmul of width one.
+
+On CuPy, ``im2col``/``col2im`` run the ``im2col.cu`` kernels (engine/ops/_kernels.py): their column
+layout (row ``(n*Ho+ho)*Wo+wo``, column ``(i*kw+j)*C+c``) is exactly the one built here, so one
+kernel launch replaces kh*kw strided copies with no reshuffle before or after. The matrix products
+stay on ``cupy.matmul`` (cuBLAS), and depthwise convolutions stay on the shifted-slice xp code.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from engine import amp
 from engine.backend import array_module
+from engine.ops import _kernels as gpu
 from engine.parallel import for_rows
 from engine.tensor import Function, Tensor
 
@@ -79,6 +86,9 @@ def tap(xpad: Any, i: int, j: int, out_hw: tuple[int, int], stride: tuple[int, i
 def im2col(xpad: Any, kernel: tuple[int, int], out_hw: tuple[int, int], stride: tuple[int, int]) -> Any:
     """Columns (N*Ho*Wo, kh*kw*C), tap-major with channels fastest."""
     xp = array_module(xpad)
+    fused = gpu.im2col(xp, xpad, kernel, stride)
+    if fused is not None:
+        return fused
     n, c = xpad.shape[0], xpad.shape[3]
     kh, kw = kernel
     ho, wo = out_hw
@@ -97,6 +107,9 @@ def col2im(cols: Any, padded_shape: tuple[int, ...], kernel: tuple[int, int], ou
            stride: tuple[int, int]) -> Any:
     """The adjoint of im2col: overlapping contributions are summed into the padded input."""
     xp = array_module(cols)
+    fused = gpu.col2im(xp, cols, padded_shape, kernel, stride)
+    if fused is not None:
+        return fused
     n, c = padded_shape[0], padded_shape[3]
     kh, kw = kernel
     ho, wo = out_hw
@@ -307,5 +320,6 @@ class Conv2d(Function):
 def conv2d(x: Any, weight: Any, bias: Any = None, stride: int | tuple[int, int] = 1,
            padding: Padding = 0, groups: int = 1) -> Tensor:
     """Convolve NHWC ``x`` with OIHW ``weight`` (dilation 1); ``padding`` may be asymmetric or 'same'."""
+    x, weight, bias = amp.half_inputs(x, weight, bias)  # float16 under engine.amp.autocast()
     fn = Conv2d(stride, padding, groups)
     return fn(x, weight) if bias is None else fn(x, weight, bias)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine import amp
 from engine.backend import array_module
+from engine.ops import _kernels as gpu
 from engine.ops.activation import _log_softmax
 from engine.tensor import Function, Tensor
 
@@ -15,7 +17,11 @@ class CrossEntropy(Function):
     ``q`` is the one-hot target (optionally smoothed: (1 - eps) * onehot + eps / C) for integer
     class targets, or a given probability matrix for soft targets (knowledge distillation). Rows
     whose integer target equals ``ignore_index`` contribute nothing and are left out of the mean.
+    On CuPy, integer targets without ``ignore_index`` (reduction 'mean'/'sum') use the fused
+    ``softmax_xent`` kernel (see engine/ops/_kernels.py); everything else runs the xp code below.
     """
+
+    fused: gpu.SoftmaxXentSaved | None = None  # set when the forward ran the fused kernel
 
     def __init__(self, target: Any, label_smoothing: float, ignore_index: int | None, reduction: str):
         self.target, self.smoothing, self.ignore_index = target, label_smoothing, ignore_index
@@ -25,6 +31,10 @@ class CrossEntropy(Function):
         xp = array_module(logits)
         if logits.ndim != 2:
             raise ValueError(f"cross_entropy expects (batch, classes) logits, got shape {tuple(logits.shape)}")
+        fused = gpu.softmax_xent_forward(xp, logits, self.target, self.smoothing, self.ignore_index, self.reduction)
+        if fused is not None:
+            loss, self.fused = fused
+            return loss
         n, c = logits.shape
         t = self.target
         logp = _log_softmax(logits, axis=1)
@@ -57,6 +67,8 @@ class CrossEntropy(Function):
 
     def backward(self, gy):
         xp = array_module(gy)
+        if self.fused is not None:
+            return gpu.softmax_xent_backward(xp, self.fused, gy)
         p = xp.exp(self.logp)
         # sum(q) per row is 1 (or 0 for ignored rows): d/dlogits = p * sum(q) - q
         g = p * self.q.sum(axis=1, keepdims=True) - self.q
@@ -77,11 +89,12 @@ def cross_entropy(logits: Any, target: Any, label_smoothing: float = 0.0, ignore
     t = target.data if isinstance(target, Tensor) else target
     if not hasattr(t, "dtype"):
         t = array_module(logits.data if isinstance(logits, Tensor) else logits).asarray(t)
-    return CrossEntropy(t, label_smoothing, ignore_index, reduction)(logits)
+    return CrossEntropy(t, label_smoothing, ignore_index, reduction)(amp.float_input(logits))
 
 
 def mse_loss(a: Any, b: Any, reduction: str = "mean") -> Tensor:
     """Squared error: 'mean' over every element, 'sum', or 'none' (elementwise)."""
+    a, b = amp.float_input(a), amp.float_input(b)  # float32 under engine.amp.autocast()
     a = a if isinstance(a, Tensor) else Tensor(a)
     diff = a - b
     sq = diff * diff

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine import amp
 from engine.backend import array_module
+from engine.ops import _kernels as gpu
 from engine.parallel import for_rows
 from engine.tensor import Function, Tensor
 
@@ -127,13 +129,23 @@ def _sum_rows(xp: Any, x2: Any) -> Any:
 
 
 class L2Normalize(Function):
-    """y = x / max(||x||, eps) over one axis (the feature axis)."""
+    """y = x / max(||x||, eps) over one axis (the feature axis).
+
+    On CuPy, over the last axis, forward and backward run the ``l2norm`` kernels
+    (engine/ops/_kernels.py), which keep the float32 row norms instead of ``denom``/``clamped``.
+    """
+
+    norm: Any = None  # the kernel forward's row norms; None on the xp path
 
     def __init__(self, axis: int, eps: float):
         self.axis, self.eps = axis, eps
 
     def forward(self, x):
         xp = array_module(x)
+        fused = gpu.l2norm_forward(xp, x, self.axis, self.eps)
+        if fused is not None:
+            self.y, self.norm = fused
+            return self.y
         norm = xp.sqrt((x * x).sum(axis=self.axis, keepdims=True))
         self.denom = xp.maximum(norm, x.dtype.type(self.eps))
         self.clamped = norm < self.eps
@@ -141,6 +153,8 @@ class L2Normalize(Function):
         return self.y
 
     def backward(self, gy):
+        if self.norm is not None:
+            return gpu.l2norm_backward(array_module(gy), self.y, gy, self.norm, self.eps)
         y = self.y
         proj = (gy * y).sum(axis=self.axis, keepdims=True)
         # where the norm was clamped to eps the map is linear (x / eps): no projection term
@@ -153,8 +167,8 @@ def batch_norm(x: Any, weight: Any, bias: Any, running_mean: Any = None, running
     """Batch normalisation over the last axis of ``x`` (NHWC or (N, C))."""
     if not training and (running_mean is None or running_var is None):
         raise ValueError("batch_norm in evaluation mode needs running_mean and running_var")
-    return BatchNorm(running_mean, running_var, training, momentum, eps)(x, weight, bias)
+    return BatchNorm(running_mean, running_var, training, momentum, eps)(amp.float_input(x), weight, bias)
 
 
 def l2_normalize(x: Any, axis: int = -1, eps: float = 1e-12) -> Tensor:
-    return L2Normalize(axis, eps)(x)
+    return L2Normalize(axis, eps)(amp.float_input(x))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.backend import array_module
+from engine.ops import _kernels as gpu
 from engine.ops.conv import Padding, _pair, _unpad, pad_nhwc, resolve_padding, tap
 from engine.parallel import for_rows
 from engine.tensor import Function, Tensor
@@ -37,12 +38,24 @@ class MaxPool2d(_Pool):
     The forward is a chain of ``maximum`` calls over shifted views. Which tap won is worked out
     only in backward, from the saved input (usually the ReLU output that is saved anyway), so no
     index array is built in forward.
+
+    On CuPy the ``maxpool`` kernels run instead (engine/ops/_kernels.py). They are NHWC like the
+    engine, so the activations go in as they are (no transpose); their forward records the winning
+    tap per output as uint8 (1 byte per output) and their backward scatters through it.
     """
+
+    idx: Any = None  # the kernel forward's uint8 tap indices; None on the xp path
 
     def forward(self, x):
         xp = array_module(x)
         self.pads, self.out_hw = _geometry(x, self.kernel, self.stride, self.padding, "max_pool2d")
         self.in_shape = x.shape
+        fused = gpu.maxpool_forward(xp, x, self.kernel, self.stride, self.pads)
+        if fused is not None:
+            y, idx = fused
+            if self.recording:
+                self.idx = idx
+            return y
         xpad = pad_nhwc(x, self.pads, value=-xp.inf)
         kh, kw = self.kernel
         y = xp.empty((x.shape[0], *self.out_hw, x.shape[3]), dtype=x.dtype)
@@ -60,6 +73,8 @@ class MaxPool2d(_Pool):
 
     def backward(self, gy):
         xp = array_module(gy)
+        if self.idx is not None:
+            return gpu.maxpool_backward(xp, gy, self.idx, self.in_shape, self.kernel, self.stride, self.pads)
         kh, kw = self.kernel
         gx = xp.empty(self.xpad.shape, dtype=gy.dtype)
         overlapping = self.stride[0] < kh or self.stride[1] < kw

@@ -1,4 +1,9 @@
-"""Adam (L2 weight decay in the gradient) and AdamW (decoupled weight decay, Loshchilov & Hutter)."""
+"""Adam (L2 weight decay in the gradient) and AdamW (decoupled weight decay, Loshchilov & Hutter).
+
+On CuPy, float32 parameters take one fused ``adamw`` kernel launch per parameter (engine/ops/_kernels.py
+explains why per parameter rather than one flat buffer); the state (``exp_avg``, ``exp_avg_sq``, ``step``)
+is the same arrays either way, so checkpoints move freely between the two paths.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from engine.backend import array_module
+from engine.ops import _kernels as gpu
 from engine.optim.optimizer import Optimizer
 
 
@@ -32,6 +38,9 @@ class Adam(Optimizer):
             state["step"] = np.zeros((), dtype=np.int64)
         state["step"] = state["step"] + 1
         t = int(state["step"])
+        if gpu.adam_step(xp, d, grad, state["exp_avg"], state["exp_avg_sq"], t, lr=lr, beta1=b1, beta2=b2, eps=eps,
+                         weight_decay=wd, decoupled=self.decoupled):
+            return
         if wd:
             if self.decoupled:
                 d *= f(1 - lr * wd)

@@ -1,10 +1,16 @@
-"""Stochastic gradient descent with momentum, Nesterov momentum and L2 weight decay (PyTorch semantics)."""
+"""Stochastic gradient descent with momentum, Nesterov momentum and L2 weight decay (PyTorch semantics).
+
+On CuPy, float32 parameters with momentum (dampening 0) take one fused ``sgd_momentum`` kernel launch
+per parameter (engine/ops/_kernels.py explains why per parameter rather than one flat buffer).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
 
+from engine.backend import array_module
+from engine.ops import _kernels as gpu
 from engine.optim.optimizer import Optimizer
 
 
@@ -21,6 +27,9 @@ class SGD(Optimizer):
     def update(self, p, grad, group, state):
         d = p.data
         lr, mom, wd = group["lr"], group["momentum"], group["weight_decay"]
+        if gpu.sgd_step(array_module(d), d, grad, state, lr=lr, momentum=mom, dampening=group["dampening"],
+                        weight_decay=wd, nesterov=group["nesterov"]):
+            return
         g = grad + d.dtype.type(wd) * d if wd else grad
         if mom:
             buf = state.get("momentum_buffer")

@@ -8,7 +8,7 @@ import pytest
 
 ops = pytest.importorskip("engine.ops", reason="engine ops not built in this checkout")
 from engine.nn.module import Parameter  # noqa: E402
-from engine.optim import SGD, AdamW  # noqa: E402
+from engine.optim import SGD, Adam, AdamW  # noqa: E402
 from engine.tensor import Tensor  # noqa: E402
 from kernels.activation_grad import activation_grad_reference  # noqa: E402
 from kernels.fused_optim import adamw_reference, sgd_momentum_reference  # noqa: E402
@@ -126,4 +126,42 @@ def test_fused_adamw_matches_engine_adamw():
         param.grad = g.copy()
         opt.step()
         adamw_reference(flat, g, m, v, step=step, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
+    np.testing.assert_allclose(flat, param.data, **F32)
+
+
+@pytest.mark.parametrize("betas,weight_decay", [((0.9, 0.999), 0.01), ((0.5, 0.9), 0.3), ((0.9, 0.999), 0.0)])
+def test_fused_adamw_matches_engine_adamw_over_many_steps(betas, weight_decay):
+    """Decoupled decay and both bias corrections, over enough steps for the corrections to fade: the
+    fused kernel's reference follows engine/optim/adam.py (the engine routes CuPy AdamW to the kernel)."""
+    rng = np.random.default_rng(8)
+    p0 = rng.standard_normal((3, 5)).astype(np.float32)
+    param = Parameter(p0.copy())
+    opt = AdamW([param], lr=3e-3, betas=betas, eps=1e-8, weight_decay=weight_decay)
+    flat, m, v = p0.reshape(-1).copy(), np.zeros(15, np.float32), np.zeros(15, np.float32)
+    for step in range(1, 31):
+        g = (rng.standard_normal((3, 5)) * (10.0 if step % 7 == 0 else 0.1)).astype(np.float32)
+        param.grad = g.copy()
+        opt.step()
+        adamw_reference(flat, g.reshape(-1), m, v, step=step, lr=3e-3, beta1=betas[0], beta2=betas[1], eps=1e-8,
+                        weight_decay=weight_decay)
+    np.testing.assert_allclose(flat.reshape(3, 5), param.data, **F32)
+    np.testing.assert_allclose(m.reshape(3, 5), opt.state[id(param)]["exp_avg"], **F32)
+    np.testing.assert_allclose(v.reshape(3, 5), opt.state[id(param)]["exp_avg_sq"], **F32)
+    assert int(opt.state[id(param)]["step"]) == 30
+
+
+def test_adam_l2_decay_is_the_fused_kernel_with_decay_folded_into_the_gradient():
+    """Adam (not AdamW) adds ``wd * p`` to the gradient; the engine's CuPy path does exactly that and
+    runs the AdamW kernel with decay 0 (engine/ops/_kernels.adam_step)."""
+    rng = np.random.default_rng(9)
+    p0 = rng.standard_normal(12).astype(np.float32)
+    param = Parameter(p0.copy())
+    opt = Adam([param], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    flat, m, v = p0.copy(), np.zeros(12, np.float32), np.zeros(12, np.float32)
+    for step in range(1, 6):
+        g = rng.standard_normal(12).astype(np.float32)
+        param.grad = g.copy()
+        opt.step()
+        adamw_reference(flat, g + np.float32(0.1) * flat, m, v, step=step, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8,
+                        weight_decay=0.0)
     np.testing.assert_allclose(flat, param.data, **F32)

@@ -1,4 +1,5 @@
-"""``leaflens doctor``: the CPU-only report, the JSON form, and the batch-size arithmetic."""
+"""``leaflens doctor``: the CPU-only report, the JSON form, run folders, and the batch-size arithmetic
+and measurements (CPU heap peaks here; the GPU memory pool where there is a GPU)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import json
 
 import pytest
 
+from engine.checkpoint import save_checkpoint
 from kernels import _cuda
 from pipeline import cmd_doctor
 from pipeline.cli import main
+from pipeline.student import StudentCNN
 
 
 @pytest.fixture
@@ -24,17 +27,60 @@ def test_doctor_on_a_cpu_only_machine(no_gpu, capsys):
     assert main(["doctor", "--no-bandwidth"]) == 0
     out = capsys.readouterr().out
     assert f"no GPU: disabled by {_cuda.DISABLE_ENV}=1" in out
-    for label in ("Python", "NumPy", "CuPy", "onnxruntime", "cores", "BLAS"):
+    assert "CPU-only machine" in out
+    for label in ("Python", "NumPy", "CuPy", "onnxruntime", "cores", "BLAS", "largest safe batch",
+                  "per image", "available RAM", "limited by speed, not memory"):
         assert label in out, label
 
 
 def test_doctor_json(no_gpu, capsys):
-    assert main(["doctor", "--json", "--model", "student", "--input-size", "96"]) == 0
+    assert main(["doctor", "--json", "--model", "student", "--input-size", "96", "--no-measure"]) == 0
     facts = json.loads(capsys.readouterr().out)
     assert facts["gpu"] == {"available": False, "reason": f"disabled by {_cuda.DISABLE_ENV}=1"}
-    assert facts["request"] == {"model": "student", "input_size": 96}
+    req = facts["request"]
+    assert req["model"] == "student" and req["input_size"] == 96 and req["widths"] == [32, 64, 128, 256]
+    assert req["mixed_precision"] is False and req["source"] == "defaults" and req["configured_batch"] == 64
+    assert "--no-measure" in facts["cpu_batch_estimate"]["unavailable"]
     assert facts["cpu"]["logical_cores"] >= 1
     assert facts["software"]["numpy"]
+
+
+def test_doctor_sizes_a_given_student_on_the_cpu(no_gpu, capsys):
+    assert main(["doctor", "--json", "--no-bandwidth", "--widths", "8,16", "--size", "24", "--classes", "4"]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert facts["request"]["widths"] == [8, 16] and facts["request"]["input_size"] == 24
+    assert facts["request"]["source"] == "options"
+    est = facts["cpu_batch_estimate"]
+    assert est["batch"] > 0 and est["per_image_bytes"] > 0 and est["safety"] == cmd_doctor.SAFETY
+    (b0, p0), (b1, p1) = est["samples"]
+    assert (b0, b1) == cmd_doctor.CPU_BATCHES and p1 > p0 > 0
+    assert "limited by speed" in est["note"]
+    assert main(["doctor", "--widths", "8,x"]) == 2
+    assert "--widths must be" in capsys.readouterr().err
+
+
+def test_doctor_reads_a_run_folder(no_gpu, tmp_path, capsys):
+    model = StudentCNN(5, widths=(8, 16, 24))
+    save_checkpoint(tmp_path / "best.npz", model, extra={
+        "model_config": {"kind": "student_cnn", "num_classes": 5, "widths": [8, 16, 24], "in_channels": 3},
+        "dataset": {"classes": list("abcde"), "image_size": 40, "mean": [0.5] * 3, "std": [0.25] * 3}})
+    (tmp_path / "config.toml").write_text('[train]\nbatch_size = 16\nmixed_precision = "on"\n')
+    assert main(["doctor", "--json", "--no-bandwidth", "--no-measure", "--run", str(tmp_path)]) == 0
+    req = json.loads(capsys.readouterr().out)["request"]
+    assert req["widths"] == [8, 16, 24] and req["num_classes"] == 5 and req["input_size"] == 40
+    assert req["configured_batch"] == 16 and req["mixed_precision"] is True and req["source"] == str(tmp_path)
+    assert main(["doctor", "--run", str(tmp_path / "nothing")]) == 2
+    assert "cannot read the run" in capsys.readouterr().err
+
+
+def test_cpu_step_peak_is_measured_and_grows_with_the_batch():
+    spec = cmd_doctor.ModelSpec(widths=(4, 8), num_classes=3)
+    small = cmd_doctor.measure_cpu_step_peak_bytes(spec, 16, 2)
+    big = cmd_doctor.measure_cpu_step_peak_bytes(spec, 16, 8)
+    # at least the input batch and the first conv's float32 output per image, more for the larger batch
+    assert big - small >= 6 * 16 * 16 * (3 + 4) * 4
+    est = cmd_doctor.cpu_batch_estimate(spec, 16, measure=lambda m, s, b: 1000 + 100 * b)
+    assert est["batch"] > 0 and "limited by speed" in est["note"]
 
 
 def test_doctor_rejects_tiny_input(capsys):
@@ -45,11 +91,11 @@ def test_doctor_rejects_tiny_input(capsys):
 def test_largest_safe_batch_fits_a_line_through_measured_peaks():
     mib = 2**20
     gib = 2**30
-    # 800 MiB fixed + 200 MiB per sample; 10 GiB free: 85 % usable -> (8704 - 800) / 200 = 39.5
+    # 800 MiB fixed + 200 MiB per sample; 10 GiB free: 80 % usable -> (8192 - 800) / 200 = 36.96
     samples = [(2, 1200 * mib), (8, 2400 * mib)]
-    assert cmd_doctor.largest_safe_batch(samples, 10 * gib) == 39
+    assert cmd_doctor.largest_safe_batch(samples, 10 * gib) == 36
     assert cmd_doctor.largest_safe_batch(samples, 10 * gib, safety=1.0) == 47  # (10240 - 800) / 200 = 47.2
-    assert cmd_doctor.largest_safe_batch(samples + [(4, 1600 * mib)], 10 * gib) == 39
+    assert cmd_doctor.largest_safe_batch(samples + [(4, 1600 * mib)], 10 * gib) == 36
     assert cmd_doctor.largest_safe_batch(samples, gib // 2) == 0
     with pytest.raises(ValueError, match="two or more"):
         cmd_doctor.largest_safe_batch([(2, gib)], 10 * gib)
@@ -57,25 +103,29 @@ def test_largest_safe_batch_fits_a_line_through_measured_peaks():
         cmd_doctor.largest_safe_batch([(2, gib), (4, gib)], 10 * gib)
 
 
-def test_batch_estimate_is_measured_or_says_unavailable():
+def test_batch_estimate_is_measured_or_says_unavailable(no_gpu):
     est = cmd_doctor.batch_estimate("student", 64, 8 * 2**30)
-    assert est == {"unavailable": cmd_doctor.ENGINE_GPU_UNAVAILABLE}
+    assert est == {"unavailable": f"no usable GPU: disabled by {_cuda.DISABLE_ENV}=1"}
     calls = []
 
     def fake_measure(model: str, size: int, batch: int) -> int:
         calls.append((model, size, batch))
         return 100 + 10 * batch
 
-    est = cmd_doctor.batch_estimate("student", 64, 1000, measure=fake_measure)
+    est = cmd_doctor.batch_estimate("student", 64, 1000, measure=fake_measure, batches=(2, 8))
     assert calls == [("student", 64, 2), ("student", 64, 8)]
-    assert est == {"batch": 75, "samples": [(2, 120), (8, 180)]}  # (850 - 100) / 10
+    assert est == {"batch": 70, "samples": [(2, 120), (8, 180)], "free_bytes": 1000,  # (800 - 100) / 10
+                   "safety": 0.8, "per_image_bytes": 10.0}
+    flat = cmd_doctor.batch_estimate("student", 64, 1000, measure=lambda m, s, b: 500)
+    assert "does not grow" in flat["unavailable"]
 
 
-def test_render_with_a_gpu_and_no_engine_path():
-    facts = {
+def _gpu_facts(estimate):
+    return {
         "software": cmd_doctor.software_facts(),
         "cpu": cmd_doctor.cpu_facts(),
-        "request": {"model": "student", "input_size": 64},
+        "request": {"model": "student", "input_size": 64, "widths": [32, 64], "mixed_precision": True,
+                    "configured_batch": 64},
         "gpu": {
             "available": True,
             "reason": "1 CUDA device(s)",
@@ -88,14 +138,23 @@ def test_render_with_a_gpu_and_no_engine_path():
             "driver_version": 12040,
             "runtime_version": 12040,
             "h2d_pinned_gbps": 12.3,
-            "batch_estimate": {"unavailable": cmd_doctor.ENGINE_GPU_UNAVAILABLE},
+            "batch_estimate": estimate,
         },
     }
-    text = cmd_doctor.render(facts)
+
+
+def test_render_with_a_gpu():
+    mib = 2**20
+    text = cmd_doctor.render(_gpu_facts({"batch": 1234, "samples": [(16, 300 * mib), (64, 396 * mib)],
+                                         "free_bytes": 7 * 2**30, "safety": 0.8, "per_image_bytes": 2 * mib}))
     assert "compute capability     8.6" in text
     assert "8.0 GiB total, 7.0 GiB free" in text
     assert "12.3 GB/s" in text
-    assert "batch-size estimate unavailable: engine GPU path not built" in text
+    assert "largest safe batch     1234 for student 32-64 at 64x64, mixed precision" in text
+    assert "batch 16: 300.0 MiB, batch 64: 396.0 MiB; 2.0 MiB per image; 80% of 7.0 GiB free GPU memory" in text
+    assert "64 (fits)" in text
+    text = cmd_doctor.render(_gpu_facts({"unavailable": "out of GPU memory at batch 64"}))
+    assert "batch-size estimate unavailable: out of GPU memory at batch 64" in text
 
 
 @pytest.mark.gpu
@@ -105,3 +164,14 @@ def test_doctor_on_a_gpu(capsys):
     assert "compute capability" in out
     assert "GB/s" in out
     assert "largest safe batch" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["on", "off"])
+def test_gpu_batch_estimate_is_positive_and_a_step_at_that_batch_fits(precision):
+    spec = cmd_doctor.ModelSpec(widths=(16, 32), num_classes=5, mixed_precision=precision)
+    free = 2 * 2**30  # size for a 2 GiB budget, whatever the GPU has, so that the check stays quick
+    est = cmd_doctor.batch_estimate(spec, 32, free)
+    assert est["batch"] > 0, est
+    peak = cmd_doctor.measure_train_step_peak_bytes(spec, 32, est["batch"])
+    assert peak <= free, (peak, est)

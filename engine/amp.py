@@ -1,0 +1,220 @@
+"""Mixed precision: float16 compute with float32 master weights, and dynamic loss scaling.
+
+Under ``autocast()`` the matrix-heavy ops (conv2d, linear, matmul) cast their inputs and weights to
+float16 and compute in float16; the ops whose maths needs the range or the precision of float32
+(cross-entropy and MSE losses, softmax / log-softmax, BatchNorm and its statistics, L2
+normalisation) cast float16 inputs back up to float32 first. The casts are autograd ops
+(``engine.ops.cast``), so gradients flow back through them and reach the float32 master
+parameters as float32; the optimiser only ever sees float32. Why: on a GPU float16 halves the
+memory of the saved activations and the im2col columns, and runs the matrix products on tensor
+cores; keeping the rest in float32 keeps training as stable as float32 training.
+
+float16 only: bfloat16 would need no loss scaling, but it is not a NumPy dtype, and the engine
+writes every op once for NumPy and CuPy. On the CPU float16 is correct but slow (NumPy has no
+float16 BLAS), so the pipeline turns mixed precision on only on a GPU unless told otherwise.
+
+float16 overflows above 65504 and flushes gradients below about 6e-8 to zero, so the loss is
+multiplied by a large factor before backward and the gradients divided by it afterwards
+(``GradScaler``): a step whose gradients overflowed is skipped and the factor halved; after
+``growth_interval`` good steps in a row the factor doubles again (dynamic loss scaling, as in
+Micikevicius et al. 2018 and ``torch.cuda.amp``).
+
+The switch is per thread, like ``engine.config.no_grad``: autocast in a training thread never
+changes what a serving thread beside it computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from engine.backend import array_module
+
+if TYPE_CHECKING:
+    from engine.tensor import Tensor
+
+__all__ = ["GradScaler", "autocast", "autocast_enabled", "float_input", "half_inputs"]
+
+LOW = np.dtype(np.float16)
+HIGH = np.dtype(np.float32)
+
+_state = threading.local()
+
+
+def autocast_enabled() -> bool:
+    """True inside ``autocast()`` on this thread."""
+    return getattr(_state, "enabled", False)
+
+
+@contextlib.contextmanager
+def autocast(enabled: bool = True, dtype: Any = np.float16) -> Iterator[None]:
+    """Context in which conv2d / linear / matmul compute in float16 (see the module docstring).
+
+    ``enabled=False`` gives a no-op context, so callers can write ``with autocast(use_amp):``.
+    """
+    if np.dtype(dtype) != LOW:
+        raise ValueError(f"autocast supports float16 only, got {dtype!r} (bfloat16 is not a NumPy dtype, and "
+                         "every engine op runs on NumPy as well as CuPy)")
+    previous = autocast_enabled()
+    _state.enabled = bool(enabled)
+    try:
+        yield
+    finally:
+        _state.enabled = previous
+
+
+def _cast(x: Any, wanted: Any, dtype: np.dtype) -> Any:
+    if x is None or not hasattr(x, "dtype") or not wanted(x.dtype):
+        return x
+    # Tensor.astype is the autograd cast (its gradient is cast back to x's dtype); a plain array (an input
+    # batch, a target) has nothing to differentiate and is simply converted.
+    return x.astype(dtype)
+
+
+def half_inputs(*xs: Any) -> tuple[Any, ...]:
+    """The inputs of a float16-friendly op (conv2d, linear, matmul): floats cast to float16 under autocast.
+
+    Outside autocast the inputs come back unchanged (one thread-local lookup), so the float32 path is
+    untouched. ``None`` (a missing bias) and non-float arrays pass through.
+    """
+    if not getattr(_state, "enabled", False):
+        return xs
+    return tuple(_cast(x, lambda d: d.kind == "f" and d != LOW, LOW) for x in xs)
+
+
+def float_input(x: Any) -> Any:
+    """The input of a float32-only op (loss, softmax, BatchNorm, L2 norm): float16 cast up under autocast."""
+    if not getattr(_state, "enabled", False):
+        return x
+    return _cast(x, lambda d: d == LOW, HIGH)
+
+
+class GradScaler:
+    """Dynamic loss scaling for float16 training with float32 master weights.
+
+    One step::
+
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)          # true gradients, before clipping
+        clip_grad_norm_(params, max_norm)   # skipped by the caller when scaler.found_inf
+        scaler.step(optimizer)              # skipped (returns False) on inf/NaN gradients
+        scaler.update()                     # halve on overflow, double after growth_interval good steps
+
+    With ``enabled=False`` every method is a pass-through (``step`` just calls ``optimizer.step()``), so
+    one training loop serves both precisions. ``state_dict()`` is JSON-able, for checkpoints.
+    """
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, enabled: bool = True):
+        if init_scale <= 0 or growth_factor <= 1 or not 0 < backoff_factor < 1 or growth_interval < 1:
+            raise ValueError(f"GradScaler: need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and "
+                             f"growth_interval >= 1, got {init_scale}, {growth_factor}, {backoff_factor}, "
+                             f"{growth_interval}")
+        self.enabled = bool(enabled)
+        self.scale_value = float(init_scale)
+        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.growth_tracker = 0   # good steps in a row since the scale last changed
+        self.skipped_steps = 0    # overflow steps skipped over the scaler's life
+        self.found_inf: bool | None = None  # this step's verdict, set by unscale_ (None: not unscaled yet)
+
+    def get_scale(self) -> float:
+        """The current loss scale (1.0 when disabled)."""
+        return self.scale_value if self.enabled else 1.0
+
+    def scale(self, loss: Tensor) -> Tensor:
+        """``loss * scale`` (a graph op, so backward produces scaled gradients); ``loss`` itself when disabled."""
+        if not self.enabled:
+            return loss
+        return loss * self.scale_value
+
+    def unscale_(self, optimizer_or_params: Any) -> bool:
+        """Divide every gradient by the scale in place and record whether any is inf/NaN; returns found_inf.
+
+        Takes an optimiser (all its parameter groups) or an iterable of parameters. Call it once per step,
+        before gradient clipping, so that clipping sees the true gradients.
+        """
+        if not self.enabled:
+            self.found_inf = False
+            return False
+        if self.found_inf is not None:
+            raise RuntimeError("GradScaler.unscale_() was already called for this step; call update() after the step")
+        grads = [p.grad for p in _parameters(optimizer_or_params) if p.grad is not None]
+        inv = 1.0 / self.scale_value
+        found = False
+        if grads:
+            xp = array_module(grads[0])
+            finite = []
+            for g in grads:
+                g *= g.dtype.type(inv)
+                finite.append(xp.isfinite(g).all())
+            # one device-to-host sync for all parameters on a GPU
+            found = not bool(xp.stack(finite).all()) if xp is not np else not all(bool(f) for f in finite)
+        self.found_inf = found
+        return found
+
+    def step(self, optimizer: Any) -> bool:
+        """``optimizer.step()`` unless the (unscaled) gradients hold inf/NaN; returns whether it stepped."""
+        if not self.enabled:
+            optimizer.step()
+            return True
+        if self.found_inf is None:
+            self.unscale_(optimizer)
+        if self.found_inf:
+            return False
+        optimizer.step()
+        return True
+
+    def update(self) -> None:
+        """Adjust the scale from this step's verdict and get ready for the next step.
+
+        Overflow: scale *= backoff_factor, the run of good steps restarts, the step counts as skipped.
+        A good step: after ``growth_interval`` of them in a row, scale *= growth_factor. A step that
+        was never unscaled (it failed before backward) leaves the scale alone.
+        """
+        if not self.enabled:
+            self.found_inf = None
+            return
+        if self.found_inf is True:
+            self.scale_value *= self.backoff_factor
+            self.growth_tracker = 0
+            self.skipped_steps += 1
+        elif self.found_inf is False:
+            self.growth_tracker += 1
+            if self.growth_tracker >= self.growth_interval:
+                grown = self.scale_value * self.growth_factor
+                if np.isfinite(np.float32(grown)):  # never grow into float32 overflow
+                    self.scale_value = grown
+                self.growth_tracker = 0
+        self.found_inf = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state: what a resumed run needs to scale exactly as an uninterrupted one."""
+        return {"enabled": self.enabled, "scale": self.scale_value, "growth_factor": self.growth_factor,
+                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval,
+                "growth_tracker": self.growth_tracker, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s values (refuses a non-positive or non-finite scale)."""
+        scale = float(state["scale"])
+        if not np.isfinite(scale) or scale <= 0:
+            raise ValueError(f"GradScaler state has an invalid scale {scale!r}")
+        self.enabled = bool(state.get("enabled", self.enabled))
+        self.scale_value = scale
+        self.growth_factor = float(state.get("growth_factor", self.growth_factor))
+        self.backoff_factor = float(state.get("backoff_factor", self.backoff_factor))
+        self.growth_interval = int(state.get("growth_interval", self.growth_interval))
+        self.growth_tracker = int(state.get("growth_tracker", 0))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.found_inf = None
+
+
+def _parameters(obj: Any) -> Iterable[Any]:
+    groups = getattr(obj, "param_groups", None)
+    if groups is not None:
+        return [p for g in groups for p in g["params"]]
+    return obj

@@ -1,0 +1,292 @@
+"""engine.device_loader: CPU pass-through, resume passthrough, and the CUDA protocol (pinned buffers, a
+copy stream, double buffering, ready/free events) checked on a simulated GPU that runs one kind of
+stream as early and the other as late as the recorded dependencies allow (both ways round), so that a
+missing wait or host synchronisation shows up as wrong data."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engine.data import ArrayDataset, Augment, DataLoader
+from engine.device_loader import DeviceLoader, resolve_device
+
+
+def _loader(n: int = 37, batch: int = 8, seed: int = 1) -> DataLoader:
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (n, 6, 6, 3), dtype=np.uint8)
+    ds = ArrayDataset(x, (np.arange(n) % 4).astype(np.int64))
+    return DataLoader(ds, batch, seed=seed, augment=Augment(crop="pad"), prefetch=2, num_threads=1)
+
+
+def _host_batches(loader) -> list[tuple[np.ndarray, np.ndarray]]:
+    return [(x.copy(), y.copy()) for x, y in loader]
+
+
+# ---- CPU -------------------------------------------------------------------------------------------------------
+def test_cpu_passes_batches_through_identically():
+    ref = _host_batches(_loader())
+    dl = DeviceLoader(_loader(), "cpu")
+    assert len(dl) == len(ref) == 5 and dl.batch_size == 8
+    got = list(dl)
+    for (x, y), (rx, ry) in zip(got, ref):
+        np.testing.assert_array_equal(x, rx)
+        np.testing.assert_array_equal(y, ry)
+    marker = (np.zeros(1), None)
+    assert next(iter(dl.upload([marker])))[0] is marker[0]  # no copy at all on the CPU
+
+
+def test_passthrough_keeps_exact_resume():
+    a = DeviceLoader(_loader(), "cpu")
+    a.set_epoch(2)
+    np.testing.assert_array_equal(a.epoch_order(), a.loader.epoch_order(2))
+    it = iter(a)
+    next(it)
+    next(it)
+    state = a.state_dict()
+    rest = [(x.copy(), y.copy()) for x, y in it]
+    b = DeviceLoader(_loader(), "cpu")
+    b.load_state_dict(state)
+    assert b.epoch == 2
+    again = list(b)
+    assert len(again) == len(rest) == 3
+    for (x, y), (rx, ry) in zip(again, rest):
+        np.testing.assert_array_equal(x, rx)
+        np.testing.assert_array_equal(y, ry)
+
+
+def test_refuses_unknown_devices():
+    with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
+        DeviceLoader(_loader(), "tpu")
+    assert resolve_device("auto") in ("cpu", "cuda")
+
+
+# ---- a simulated GPU ---------------------------------------------------------------------------------------------
+class SimGPU:
+    """Streams are queues of operations. With ``eager="copy"`` the copy stream runs as soon as its waits
+    allow and the compute stream only when the host synchronises; ``eager="compute"`` is the other way
+    round. CUDA's rules: an event's ``record`` captures the stream's work so far; ``wait_event`` makes
+    later work wait for the record current at the time of the call; an event never recorded counts as
+    done; the host may write a pinned buffer at any time, and a copy reads it when the copy runs."""
+
+    def __init__(self, eager: str = "copy") -> None:
+        self.copy_eager = eager == "copy"
+        self.compute = SimStream(self, eager=not self.copy_eager)
+        self.streams = [self.compute]
+        self.log: list[str] = []
+        self.pinned_allocs = 0
+
+    def run(self, until=lambda: False) -> None:
+        progress = True
+        while progress and not until():
+            progress = False
+            for s in sorted(self.streams, key=lambda s: not s.eager):  # eager streams first
+                if s.step():
+                    progress = True
+                    break
+
+    def pump(self) -> None:
+        """Run the eager streams as far as they go (the compute stream stays behind)."""
+        progress = True
+        while progress:
+            progress = any(s.step() for s in self.streams if s.eager)
+
+    def synchronize(self) -> None:
+        self.run()
+        assert all(not s.ops for s in self.streams), "deadlock: work left that can never run"
+
+
+class SimStream:
+    def __init__(self, gpu: SimGPU, eager: bool) -> None:
+        self.gpu, self.eager = gpu, eager
+        self.ops: deque[tuple[str, Any]] = deque()
+        self.done = 0      # operations completed so far
+        self.issued = 0
+
+    def enqueue(self, kind: str, payload: Any) -> int:
+        self.ops.append((kind, payload))
+        self.issued += 1
+        self.gpu.pump()
+        return self.issued
+
+    def step(self) -> bool:
+        if not self.ops:
+            return False
+        kind, payload = self.ops[0]
+        if kind == "wait":
+            stream, mark = payload
+            if stream is not None and stream.done < mark:
+                return False
+        elif kind == "run":
+            payload()
+        self.ops.popleft()
+        self.done += 1
+        return True
+
+    def wait_event(self, event: SimEvent) -> None:
+        self.enqueue("wait", (event.stream, event.mark))
+
+
+class SimEvent:
+    def __init__(self, gpu: SimGPU) -> None:
+        self.gpu, self.stream, self.mark = gpu, None, 0
+
+    def record(self, stream: SimStream) -> None:
+        self.stream, self.mark = stream, stream.issued + 1
+        stream.enqueue("mark", None)
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.gpu.run(until=lambda: self.stream.done >= self.mark)
+            assert self.stream.done >= self.mark, "deadlock waiting for an event"
+
+
+class SimArray:
+    def __init__(self, a: np.ndarray) -> None:
+        self.a = a
+
+    @property
+    def shape(self):
+        return self.a.shape
+
+    def __getitem__(self, key) -> SimArray:
+        return SimArray(self.a[key])
+
+    def set(self, host: np.ndarray, stream: SimStream) -> None:
+        assert host.shape == self.a.shape and host.dtype == self.a.dtype
+        dst = self.a
+        stream.enqueue("run", lambda: np.copyto(dst, host))  # the DMA reads the host buffer when it runs
+
+
+class FakeCupy:
+    """Just the CuPy surface DeviceLoader uses, on top of SimGPU."""
+
+    def __init__(self, gpu: SimGPU) -> None:
+        self.gpu = gpu
+        fake = self
+
+        class _Cuda:
+            @staticmethod
+            def Stream(non_blocking: bool = False):  # noqa: N802
+                s = SimStream(gpu, eager=gpu.copy_eager)
+                gpu.streams.append(s)
+                return s
+
+            @staticmethod
+            def Event(disable_timing: bool = False):  # noqa: N802
+                return SimEvent(gpu)
+
+            @staticmethod
+            def get_current_stream():
+                return gpu.compute
+
+            @staticmethod
+            def alloc_pinned_memory(nbytes: int):
+                fake.gpu.pinned_allocs += 1
+                return bytearray(nbytes)
+
+        self.cuda = _Cuda
+
+    def empty(self, shape, dtype) -> SimArray:
+        return SimArray(np.full(shape, 255 if np.dtype(dtype).kind in "iu" else np.nan, dtype=dtype))
+
+
+def _consume(dl, gpu: SimGPU, host_sync_every: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Enqueue, per batch, compute that reads the batch (runs late, on the compute stream)."""
+    seen: list[Any] = []
+    for i, (x, y) in enumerate(dl):
+        slot: dict[str, np.ndarray] = {}
+        seen.append(slot)
+        gpu.compute.enqueue("run", lambda x=x, y=y, slot=slot: slot.update(x=x.a.copy(), y=y.a.copy()))
+        if host_sync_every and (i + 1) % host_sync_every == 0:
+            gpu.synchronize()
+    gpu.synchronize()
+    return [(s["x"], s["y"]) for s in seen]
+
+
+@pytest.mark.parametrize("eager", ["copy", "compute"])
+@pytest.mark.parametrize("sync_every", [0, 1, 3])
+def test_cuda_protocol_delivers_every_batch_intact(sync_every, eager):
+    ref = _host_batches(_loader())
+    gpu = SimGPU(eager)
+    dl = DeviceLoader(_loader(), "cuda", cupy=FakeCupy(gpu))
+    got = _consume(dl, gpu, sync_every)
+    assert len(got) == len(ref)
+    for i, ((x, y), (rx, ry)) in enumerate(zip(got, ref)):
+        np.testing.assert_array_equal(x, rx, err_msg=f"batch {i}")
+        np.testing.assert_array_equal(y, ry, err_msg=f"batch {i}")
+    # two slots, each with a pinned x and y buffer, allocated once (the short last batch reuses them)
+    assert gpu.pinned_allocs == 4
+    # a second epoch reuses the same buffers and is still intact
+    ref2 = _host_batches(_loader_at_epoch(1))
+    got2 = _consume(dl, gpu, sync_every)
+    for (x, y), (rx, ry) in zip(got2, ref2):
+        np.testing.assert_array_equal(x, rx)
+        np.testing.assert_array_equal(y, ry)
+    assert gpu.pinned_allocs == 4
+
+
+def _loader_at_epoch(epoch: int) -> DataLoader:
+    dl = _loader()
+    dl.set_epoch(epoch)
+    return dl
+
+
+@pytest.mark.parametrize("skip", ["free event", "ready wait", "pinned sync"])
+def test_the_simulator_catches_each_missing_wait(monkeypatch, skip):
+    """The check above has teeth: leave out any one of the three waits and batches arrive corrupted."""
+    import engine.device_loader as dlm
+
+    gpu = SimGPU("copy" if skip == "free event" else "compute")
+    cp = FakeCupy(gpu)
+    real_fill = dlm._Slot.fill
+
+    def careless_fill(self, cp_, stream, batch):
+        if skip == "free event":
+            self.free = SimEvent(gpu)  # never recorded: "done" at once, so the copy overwrites in-use buffers
+        if skip == "pinned sync":
+            self.ready.synchronize = lambda: None  # refill pinned memory while its upload may still be pending
+        return real_fill(self, cp_, stream, batch)
+
+    monkeypatch.setattr(dlm._Slot, "fill", careless_fill)
+    if skip == "ready wait":
+        monkeypatch.setattr(gpu.compute, "wait_event", lambda event: None)  # compute reads before the upload
+    ref = _host_batches(_loader())
+    got = _consume(DeviceLoader(_loader(), "cuda", cupy=cp), gpu)
+    assert any(not np.array_equal(x, rx) for (x, _), (rx, _) in zip(got, ref))
+
+
+def test_upload_moves_prepared_tuples_and_passes_none_through():
+    gpu = SimGPU()
+    dl = DeviceLoader(_loader(), "cuda", cupy=FakeCupy(gpu))
+    feats = [np.full((4, 5), i, np.float32) for i in range(3)]
+    out = []
+    for f, none in dl.upload((f, None) for f in feats):
+        assert none is None and isinstance(f, SimArray)
+        slot: dict[str, np.ndarray] = {}
+        out.append(slot)
+        gpu.compute.enqueue("run", lambda f=f, slot=slot: slot.update(f=f.a.copy()))
+    gpu.synchronize()
+    for i, slot in enumerate(out):
+        np.testing.assert_array_equal(slot["f"], feats[i])
+
+
+# ---- a real GPU ----------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_cuda_yields_the_same_batches_as_the_cpu_loader():
+    import cupy as cp
+
+    ref = _host_batches(_loader(n=203, batch=16))
+    dl = DeviceLoader(_loader(n=203, batch=16), "cuda")
+    got = []
+    for x, y in dl:
+        assert isinstance(x, cp.ndarray) and x.dtype == np.float32 and y.dtype == np.int64
+        got.append((float(x.sum()), cp.asnumpy(x), cp.asnumpy(y)))  # compute on the batch, then copy it out
+    assert len(got) == len(ref)
+    for (s, x, y), (rx, ry) in zip(got, ref):
+        np.testing.assert_array_equal(x, rx)
+        np.testing.assert_array_equal(y, ry)
+        assert s == pytest.approx(float(rx.sum()), rel=1e-4)

@@ -45,6 +45,8 @@ EXTS = {".jpg", ".jpeg", ".png"}
 def fraction_sources(src: Path, work: Path, fraction: float, seed: int = 0) -> tuple[Path, Path]:
     """Symlink trees: labelled (fraction of train + all val/test) and unlabelled (the rest of train)."""
     lab, unl = work / f"labelled_{fraction}", work / f"unlabeled_{fraction}"
+    shutil.rmtree(lab, ignore_errors=True)
+    shutil.rmtree(unl, ignore_errors=True)
     rng = np.random.default_rng(seed)
     for split in ("train", "val", "test"):
         for cdir in sorted(p for p in (src / split).iterdir() if p.is_dir()):
@@ -96,7 +98,15 @@ def main() -> None:
     p.add_argument("--size", type=int, default=64, help="student input size")
     p.add_argument("--epochs", type=int, help="student epochs (default: the distill config's)")
     p.add_argument("--teacher-epochs", type=int, default=8, help="teacher fine-tuning epochs")
+    p.add_argument("--teacher-views", type=int, default=1, metavar="K",
+                   help="teacher view bank: K augmented views per training/unlabelled photo, so the distilled "
+                        "student learns on the views the teacher judged (default 1: plain photos)")
     p.add_argument("--work", type=Path, help="keep intermediate artefacts here (default: a temp folder)")
+    p.add_argument("--reuse", action="store_true",
+                   help="with --work: reuse the frozen-teacher figures and fine-tuned teachers already there "
+                        "(to try student recipes without re-training the teachers)")
+    p.add_argument("--settings", default="full,frac",
+                   help="which student settings to train: full, frac or both (comma-separated)")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="distill config override")
     args = p.parse_args()
     if not (args.data / "train").is_dir():
@@ -119,28 +129,39 @@ def main() -> None:
     ds_full, ds_frac = load_dataset(work / "ds_full"), load_dataset(work / "ds_frac")
 
     # frozen teacher: how good are ImageNet features on these photos?
-    enc, _ = timed("teacher_frozen", build_effnet_teacher, ds_full, teacher_args(True, None), False)
-    feats = enc.features
-    knn = knn_accuracy(np.asarray(feats["train"], np.float32), np.asarray(ds_full["train"].labels),
-                       np.asarray(feats["test"], np.float32), np.asarray(ds_full["test"].labels))
-    probe = timed("teacher_probe", linear_probe, ds_full, feats)
+    frozen_json = work / "teacher_frozen.json"
+    if args.reuse and frozen_json.is_file():
+        knn, probe = (json.loads(frozen_json.read_text())[k] for k in ("knn", "probe"))
+    else:
+        enc, _ = timed("teacher_frozen", build_effnet_teacher, ds_full, teacher_args(True, None), False)
+        feats = enc.features
+        knn = knn_accuracy(np.asarray(feats["train"], np.float32), np.asarray(ds_full["train"].labels),
+                           np.asarray(feats["test"], np.float32), np.asarray(ds_full["test"].labels))
+        probe = timed("teacher_probe", linear_probe, ds_full, feats)
+        frozen_json.write_text(json.dumps({"knn": knn, "probe": probe}))
 
     teachers, teacher_acc = {}, {}
     for name, ds in (("full", ds_full), ("frac", ds_frac)):
-        targs = teacher_args(False, args.teacher_epochs)
-        enc, extra = timed(f"teacher_finetune_{name}", build_effnet_teacher, ds, targs, False)
-        write_teacher(work / f"teacher_{name}", ds, enc, progress=False, extra={"stage": extra})
-        tt = load_teacher(work / f"teacher_{name}", ds)
-        teachers[name] = work / f"teacher_{name}"
+        tdir = work / f"teacher_{name}_e{args.teacher_epochs}_v{args.teacher_views}"
+        if not (args.reuse and (tdir / "teacher.json").is_file()):
+            targs = teacher_args(False, args.teacher_epochs)
+            enc, extra = timed(f"teacher_finetune_{name}", build_effnet_teacher, ds, targs, False)
+            timed(f"teacher_features_{name}", write_teacher, tdir, ds, enc, progress=False, extra={"stage": extra},
+                  views=args.teacher_views)
+        tt = load_teacher(tdir, ds)
+        teachers[name] = tdir
         teacher_acc[name] = float((np.asarray(tt.logits["test"]).argmax(1) == np.asarray(ds["test"].labels)).mean())
 
     rows = []
     for seed in range(args.seeds):
         for name, ds_dir in (("full", work / "ds_full"), ("frac", work / "ds_frac")):
+            if name not in args.settings.split(","):
+                continue
             sets = [f"train.seed={seed}"] + ([f"train.epochs={args.epochs}"] if args.epochs else []) + args.overrides
             cfg = load_config("distill_default.toml", None, sets)
-            rep = timed(f"students_{name}", run_distill, ds_dir, teachers[name], work / f"run_{name}_{seed}", cfg,
-                        progress=False)
+            run_dir = work / f"run_{name}_{seed}"
+            shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run per recipe, never a resumed one
+            rep = timed(f"students_{name}", run_distill, ds_dir, teachers[name], run_dir, cfg, progress=False)
             v = rep["variants"]
             rows.append({"seed": seed, "setting": name, "scratch": v["scratch"]["test_accuracy"],
                          "distilled": v["distilled"]["test_accuracy"], "winner": rep["winner"],
@@ -150,8 +171,13 @@ def main() -> None:
                   f"(val {rows[-1]['scratch_val']:.4f} / {rows[-1]['distilled_val']:.4f}, kept {rep['winner']})",
                   flush=True)
 
+    def rounded(v: float) -> float | None:
+        return None if v != v else round(v, 4)
+
     def stat(setting, key):
         vals = [r[key] for r in rows if r["setting"] == setting]
+        if not vals:
+            return float("nan"), float("nan")
         return statistics.mean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
 
     print()
@@ -171,10 +197,11 @@ def main() -> None:
         "teacher_knn_acc": round(knn, 4), "teacher_probe_acc": round(probe, 4),
         "teacher_finetuned_acc": round(teacher_acc["full"], 4),
         "teacher_finetuned_acc_25": round(teacher_acc["frac"], 4),
-        "scratch_acc": round(stat("full", "scratch")[0], 4), "distilled_acc": round(stat("full", "distilled")[0], 4),
-        "scratch_acc_25": round(stat("frac", "scratch")[0], 4),
-        "distilled_acc_25": round(stat("frac", "distilled")[0], 4),
+        "scratch_acc": rounded(stat("full", "scratch")[0]), "distilled_acc": rounded(stat("full", "distilled")[0]),
+        "scratch_acc_25": rounded(stat("frac", "scratch")[0]),
+        "distilled_acc_25": rounded(stat("frac", "distilled")[0]),
         "student_params": rows[0]["params"], "seeds": args.seeds, "fraction": args.fraction,
+        "teacher_views": args.teacher_views, "overrides": args.overrides,
         "wall_s": round(time.perf_counter() - t_all, 1), "stage_wall_s": {k: round(v, 1) for k, v in walls.items()},
     }))
 

@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Augment", "ArrayDataset", "DataLoader", "augment_batch", "normalize"]
+__all__ = ["Augment", "ArrayDataset", "DataLoader", "apply_view_boxes", "augment_batch", "normalize",
+           "sample_view_boxes"]
 
 STATE_VERSION = 1
 
@@ -176,6 +177,70 @@ def augment_batch(x: np.ndarray, aug: Augment, rng: np.random.Generator) -> np.n
         cols = np.clip(np.arange(w)[None, :] + dx[:, None] - aug.pad, 0, w - 1)
         return _gather_int(x, rows, cols).astype(np.float32)
     return x.astype(np.float32)
+
+
+VIEW_FIELDS = ("top", "left", "height", "width", "hflip", "vflip")
+
+
+def sample_view_boxes(n: int, k: int, aug: Augment, rng: np.random.Generator) -> np.ndarray:
+    """``k`` augmented views per image as resolution-free boxes, ``(n, k, 6)`` float32.
+
+    A view is a crop (top, left, height, width as fractions of the image) followed by optional
+    flips, drawn like ``augment_batch`` draws them. View 0 is always the plain image. Because the
+    boxes are fractions, the same view can be cut from the teacher's 224x224 image and from the
+    student's 64x64 one: that is what lets a teacher's targets be computed once per view and match
+    exactly what the student is shown ("function matching").
+    """
+    boxes = np.zeros((n, k, 6), np.float32)
+    boxes[:, :, 2:4] = 1.0
+    m = (n, k - 1)
+    if k > 1:
+        if aug.crop == "resized":
+            area = rng.uniform(aug.scale[0], aug.scale[1], m)
+            r = np.exp(rng.uniform(math.log(aug.ratio[0]), math.log(aug.ratio[1]), m))
+            ch = np.clip(np.sqrt(area / r), 0.05, 1.0)
+            cw = np.clip(np.sqrt(area * r), 0.05, 1.0)
+            boxes[:, 1:, 0] = rng.random(m) * (1 - ch)
+            boxes[:, 1:, 1] = rng.random(m) * (1 - cw)
+            boxes[:, 1:, 2], boxes[:, 1:, 3] = ch, cw
+        if aug.hflip:
+            boxes[:, 1:, 4] = rng.random(m) < 0.5
+        if aug.vflip:
+            boxes[:, 1:, 5] = rng.random(m) < 0.5
+    return boxes
+
+
+def apply_view_boxes(x: np.ndarray, boxes: np.ndarray) -> np.ndarray:
+    """Cut view ``boxes[i]`` (one row of :func:`sample_view_boxes`) out of image ``x[i]``, bilinear.
+
+    ``x`` (N, H, W, C) uint8 or float; returns float32 of the same shape. Bilinear resampling is
+    linear with weights summing to one, so it commutes with per-channel normalisation: views may be
+    cut before or after ``normalize`` with the same result.
+    """
+    n, h, w, c = x.shape
+    boxes = np.asarray(boxes, np.float32)
+    if boxes.shape != (n, 6):
+        raise ValueError(f"apply_view_boxes: boxes must be ({n}, 6), got {boxes.shape}")
+    top, left, bh, bw = (boxes[:, i].astype(np.float64) for i in range(4))
+    sy = (top * h)[:, None] + (np.arange(h)[None, :] + 0.5) * bh[:, None] - 0.5
+    sx = (left * w)[:, None] + (np.arange(w)[None, :] + 0.5) * bw[:, None] - 0.5
+    vf, hf = boxes[:, 5] > 0.5, boxes[:, 4] > 0.5
+    sy[vf] = sy[vf, ::-1]
+    sx[hf] = sx[hf, ::-1]
+    if x.dtype == np.uint8:
+        return _gather_bilinear(x, sy, sx)
+    sy, sx = np.clip(sy, 0, h - 1), np.clip(sx, 0, w - 1)
+    y0, x0 = np.floor(sy).astype(np.intp), np.floor(sx).astype(np.intp)
+    y1, x1 = np.minimum(y0 + 1, h - 1), np.minimum(x0 + 1, w - 1)
+    wy = (sy - y0).astype(np.float32)[:, :, None, None]
+    wx = (sx - x0).astype(np.float32)[:, None, :, None]
+    b = np.arange(n)[:, None]
+    xf = np.asarray(x, np.float32)
+    top_rows, bottom_rows = xf[b, y0], xf[b, y1]  # (N, H, W, C)
+    rows = top_rows + (bottom_rows - top_rows) * wy
+    left_cols = np.take_along_axis(rows, x0[:, None, :, None], axis=2)
+    right_cols = np.take_along_axis(rows, x1[:, None, :, None], axis=2)
+    return np.ascontiguousarray(left_cols + (right_cols - left_cols) * wx, dtype=np.float32)
 
 
 def normalize(x: np.ndarray, mean: np.ndarray, std: np.ndarray, aug: Augment | None = None,

@@ -37,6 +37,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--output", help="ONNX output holding the features (default: the first)")
     p.add_argument("--from-arrays", action="store_true",
                    help="upsample the stored dataset arrays instead of decoding the original photos again")
+    p.add_argument("--views", type=int, default=1, metavar="K",
+                   help="also encode K augmented views (random crop + flips; view 0 the plain photo) of every "
+                        "training and unlabelled photo, so the student can learn on the same views (default 1: "
+                        "plain photos only)")
+    p.add_argument("--view-scale", type=float, nargs=2, default=(0.5, 1.0), metavar=("LO", "HI"),
+                   help="area fraction range of the view crops (default 0.5 1.0, as the student's augmentation)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--fp16", action="store_true", help="store features as float16 (half the disk)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -51,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.teacher import TeacherStageError, knn_accuracy, write_teacher  # noqa: PLC0415
     from pipeline.teacher_io import load_teacher  # noqa: PLC0415
 
+    if args.views < 1:
+        print(f"leaflens teacher: --views must be at least 1, got {args.views}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     progress = not args.quiet
     dtype = np.float16 if args.fp16 else np.float32
@@ -80,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         shorter = getattr(enc, "shorter_side", None)
         write_teacher(args.out, ds, enc, batch=args.batch_size, shorter_side=shorter, from_arrays=args.from_arrays,
                       dtype=dtype, extra={"stage": extra, "seconds": round(time.perf_counter() - t0, 1)},
-                      progress=progress)
+                      progress=progress, views=args.views, view_scale=tuple(args.view_scale))
         tt = load_teacher(args.out, ds)
     except (DatasetError, TeacherStageError, FileNotFoundError, ValueError) as exc:
         print(f"leaflens teacher: {exc}", file=sys.stderr)

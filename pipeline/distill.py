@@ -91,6 +91,15 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
             images=ConcatImages([ds[p].images for p in parts]), labels=labels,
             features=ConcatImages([tt.features[p] for p in parts]),
             logits=ConcatImages([tt.logits[p] for p in parts]) if tt.has_logits else None)
+        if tt.views and cfg["distill"]["same_view"]:
+            missing = [p for p in parts if p not in tt.views]
+            if missing:
+                raise ValueError(f"teacher {tt.root} has views for {sorted(tt.views)} but not for {missing}: "
+                                 "rerun `leaflens teacher --views K`, or set distill.same_view = false")
+            d = variants["distilled"]
+            d.views = ConcatImages([tt.views[p][0] for p in parts])
+            d.view_features = ConcatImages([tt.views[p][1] for p in parts])
+            d.view_logits = ConcatImages([tt.views[p][2] for p in parts]) if tt.has_logits else None
     if not variants or cfg["distill"]["compare_scratch"]:
         variants["scratch"] = TrainData(images=train.images, labels=np.asarray(train.labels))
 
@@ -148,7 +157,8 @@ def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold,
         ts = evaluated[name].get("test_summary")
         variants[name] = {"val_accuracy": r.best_val_accuracy, "best_epoch": r.best_epoch, "epochs_run": r.epochs_run,
                           "train_seconds": round(r.train_seconds, 1), "stopped_early": r.stopped_early,
-                          "test_accuracy": None if ts is None else ts["accuracy"]}
+                          "test_accuracy": None if ts is None else ts["accuracy"],
+                          "device": r.device, "mixed_precision": r.mixed_precision}
     gain = None
     if "distilled" in variants and "scratch" in variants:
         gain = {"val": variants["distilled"]["val_accuracy"] - variants["scratch"]["val_accuracy"],
@@ -170,7 +180,7 @@ def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold,
         "classes": ds.classes,
         "teacher": None if teacher_info is None else teacher_info.get("teacher"),
         "config": cfg,
-        "hardware": describe_hardware(device="cpu"),
+        "hardware": describe_hardware(device=results[winner].device),
         "dataset": {"root": str(ds.root), "counts": {s: len(ds[s]) for s in ds.splits},
                     "image_size": ds.image_size},
     }

@@ -100,8 +100,13 @@ def iter_split_images(ds: Any, split: str, size: int, shorter_side: int | None, 
 
 def write_teacher(out: str | os.PathLike[str], ds: Any, encoder: Encoder, batch: int = 32,
                   shorter_side: int | None = None, from_arrays: bool = False, dtype: Any = np.float32,
-                  extra: dict[str, Any] | None = None, progress: bool = True) -> Path:
-    """Run ``encoder`` over every split of ``ds`` and write the teacher folder atomically."""
+                  extra: dict[str, Any] | None = None, progress: bool = True, views: int = 1,
+                  view_scale: tuple[float, float] = (0.5, 1.0), view_seed: int = 0) -> Path:
+    """Run ``encoder`` over every split of ``ds`` and write the teacher folder atomically.
+
+    With ``views`` > 1 the teacher also encodes that many augmented views of every training and
+    unlabelled photo (pipeline/teacher_views.py) for students that learn on the same views.
+    """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_temps(out)  # folders of killed runs
@@ -133,6 +138,13 @@ def write_teacher(out: str | os.PathLike[str], ds: Any, encoder: Encoder, batch:
             if lw is not None:
                 lw.close()
         bar.close()
+        view_info = None
+        if views > 1:
+            from pipeline.teacher_views import view_augment, write_view_bank  # noqa: PLC0415
+
+            view_encoder = encoder.view_encoder if isinstance(encoder, ArrayEncoder) else encoder
+            view_info = write_view_bank(tmp, ds, view_encoder, views, view_augment(view_scale), view_seed, batch,
+                                        from_arrays, dtype, progress)
         info = {
             "format": FORMAT,
             "teacher": encoder.identity(),
@@ -146,6 +158,7 @@ def write_teacher(out: str | os.PathLike[str], ds: Any, encoder: Encoder, batch:
             "dataset_manifest_sha256": manifest_sha256(ds.root),
             "dataset_root": str(ds.root),
             "rows": {s: len(ds[s]) for s in ds.splits},
+            "views": view_info,
             **(extra or {}),
         }
         (tmp / TEACHER_JSON).write_text(json.dumps(info, indent=2, default=_json_default), encoding="utf-8")
@@ -177,7 +190,13 @@ def knn_accuracy(train_f: np.ndarray, train_y: np.ndarray, test_f: np.ndarray, t
 
 
 class ArrayEncoder:
-    """Precomputed features (and logits) per split, served as an encoder so they take the same path."""
+    """Precomputed features (and logits) per split, served as an encoder so they take the same path.
+
+    It cannot look at new images; a teacher that can (for augmented views) is set as ``view_encoder``.
+    """
+
+    sees_images = False
+    view_encoder: Any = None
 
     def __init__(self, features: dict[str, np.ndarray], logits: dict[str, np.ndarray] | None, source: Path,
                  input_size: int, identity: dict[str, Any] | None = None):

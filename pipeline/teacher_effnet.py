@@ -89,6 +89,22 @@ def _back_outputs(back: Any, h: np.ndarray, batch: int = 64) -> tuple[np.ndarray
     return np.concatenate(feats), np.concatenate(logits)
 
 
+class EffnetImageEncoder:
+    """The teacher as a function of pixels (front in onnxruntime, back in the engine): for view banks."""
+
+    sees_images = True
+
+    def __init__(self, front: FrontRunner, back: Any, normalization: str, feature_dim: int,
+                 num_classes: int | None):
+        self.front, self.back, self.normalization = front, back, normalization
+        self.input_size, self.feature_dim, self.num_classes = front.input_size, feature_dim, num_classes
+
+    def encode(self, images: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        h = self.front(normalize_images(images, self.normalization)).astype(np.float16)  # as the cache holds it
+        feats, logits = _back_outputs(self.back, h)
+        return feats, (logits if self.num_classes else None)
+
+
 def build_effnet_teacher(ds: Any, args: argparse.Namespace, progress: bool = True) -> tuple[ArrayEncoder, dict]:
     cfg = LiteConfig(padding="same", bn_eps=1e-3, normalization="tf")
     weights = find_lite0_weights(args.weights)
@@ -121,11 +137,14 @@ def build_effnet_teacher(ds: Any, args: argparse.Namespace, progress: bool = Tru
                 "normalization": cfg.normalization, "bn_eps": cfg.bn_eps}
     if frozen:
         feats = {s: _back_outputs(back, h)[0] for s, h in fronts.items()}
-        return ArrayEncoder(feats, None, weights, ds.image_size, identity), extra
-    extra.update(_fine_tune(back, fronts, mirrored, ds, epochs=args.epochs or 8, progress=progress))
-    outs = {s: _back_outputs(back, h) for s, h in fronts.items()}
-    return ArrayEncoder({s: o[0] for s, o in outs.items()}, {s: o[1] for s, o in outs.items()}, weights,
-                        ds.image_size, identity), extra
+        enc = ArrayEncoder(feats, None, weights, ds.image_size, identity)
+    else:
+        extra.update(_fine_tune(back, fronts, mirrored, ds, epochs=args.epochs or 8, progress=progress))
+        outs = {s: _back_outputs(back, h) for s, h in fronts.items()}
+        enc = ArrayEncoder({s: o[0] for s, o in outs.items()}, {s: o[1] for s, o in outs.items()}, weights,
+                           ds.image_size, identity)
+    enc.view_encoder = EffnetImageEncoder(front, back, cfg.normalization, enc.feature_dim, enc.num_classes)
+    return enc, extra
 
 
 def _fine_tune(back: Any, fronts: dict[str, np.ndarray], mirrored: np.ndarray | None, ds: Any, epochs: int,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,8 @@ class TeacherTargets:
     info: dict[str, Any]
     features: dict[str, np.ndarray]
     logits: dict[str, np.ndarray]
+    # split -> (view boxes (N, K, 6), features (N, K, D), logits (N, K, C) or None); see teacher_views.py
+    views: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray | None]] = field(default_factory=dict)
 
     @property
     def feature_dim(self) -> int:
@@ -90,4 +92,6 @@ def load_teacher(root: str | os.PathLike[str], dataset: Any) -> TeacherTargets:
             if lg.shape != (n, int(info["num_classes"])):
                 raise TeacherError(f"{lpath} has shape {lg.shape}, expected ({n}, {info['num_classes']})")
             logits[split] = lg
-    return TeacherTargets(root, info, features, logits)
+    from pipeline.teacher_views import load_view_bank  # noqa: PLC0415
+
+    return TeacherTargets(root, info, features, logits, load_view_bank(root, dataset, info))

@@ -7,10 +7,19 @@ with the same recipe and seed, so that the gain from distillation is measured, n
 Every epoch appends a line to ``metrics.jsonl`` and writes ``last.npz`` (model, optimiser,
 scheduler, loader position, history: everything needed to resume exactly); ``best.npz`` holds the
 weights with the best validation accuracy so far.
+
+``train.device`` ("auto": CUDA when a usable GPU is found) chooses where the model, the batches and
+the teacher targets live; batches reach the GPU through ``engine.device_loader.DeviceLoader``
+(pinned memory, a copy stream, double buffering). ``train.mixed_precision`` ("auto": on with CUDA)
+runs conv/linear in float16 under ``engine.amp.autocast`` with float32 master weights and dynamic
+loss scaling; a step skipped because its float16 gradients overflowed is counted in the metrics
+(``amp_skipped_steps``), not reported as a fault. With device "cpu" and mixed precision off the
+loop computes exactly what it computed before either existed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -25,8 +34,11 @@ from tqdm import tqdm
 
 from engine import NonFiniteLossError, Tensor, no_grad, ops
 from engine import random as erandom
+from engine.amp import GradScaler, autocast
+from engine.backend import array_module, to_device
 from engine.checkpoint import load_checkpoint, save_checkpoint
-from engine.data import ArrayDataset, Augment, DataLoader, normalize
+from engine.data import ArrayDataset, Augment, DataLoader, apply_view_boxes, normalize
+from engine.device_loader import DeviceLoader, resolve_device
 from engine.nn import Module
 from engine.optim import SGD, AdamW, WarmupCosine, clip_grad_norm_
 from pipeline.student import StudentCNN
@@ -71,6 +83,11 @@ class TrainData:
     labels: np.ndarray
     features: np.ndarray | None = None   # (N, D) teacher features, or None
     logits: np.ndarray | None = None     # (N, C) teacher logits, or None
+    # Teacher view bank (pipeline/teacher_views.py): the student is shown view v of a photo and learns
+    # the teacher's targets for that view. (N, K, 6) boxes, (N, K, D) features, (N, K, C) logits.
+    views: Any = None
+    view_features: Any = None
+    view_logits: Any = None
 
 
 @dataclass
@@ -82,6 +99,8 @@ class RunResult:
     train_seconds: float
     history: list[dict[str, Any]] = field(default_factory=list)
     stopped_early: bool = False
+    device: str = "cpu"             # where it trained
+    mixed_precision: bool = False   # float16 compute with float32 master weights
 
 
 def build_student(cfg: dict[str, Any], num_classes: int, teacher_dim: int | None) -> StudentCNN:
@@ -89,22 +108,55 @@ def build_student(cfg: dict[str, Any], num_classes: int, teacher_dim: int | None
     return StudentCNN(num_classes, widths=m["widths"], teacher_dim=teacher_dim, dropout=m["dropout"])
 
 
-def make_augment(cfg: dict[str, Any]) -> Augment:
+def resolve_precision(setting: Any, device: str) -> bool:
+    """Whether ``train.mixed_precision`` ("auto", "on", "off") means float16 compute on ``device``.
+
+    "auto" is on with CUDA only: NumPy has no float16 BLAS, so on the CPU float16 is correct but slow.
+    """
+    s = ("on" if setting else "off") if isinstance(setting, bool) else str(setting).lower()
+    if s == "auto":
+        return device == "cuda"
+    if s in ("on", "off"):
+        return s == "on"
+    raise ValueError(f"train.mixed_precision must be 'auto', 'on' or 'off', got {setting!r}")
+
+
+def _model_device(model: Module) -> str:
+    params = model.parameters()
+    return params[0].device if params else "cpu"
+
+
+def make_augment(cfg: dict[str, Any], colour_only: bool = False) -> Augment:
+    """The loader's augmentation; ``colour_only`` when the geometry comes from the teacher's view bank."""
     a = cfg["augment"]
-    crop = None if a["crop"] in (None, "none") else a["crop"]
-    return Augment(hflip=a["hflip"], vflip=a["vflip"], crop=crop, scale=tuple(a["scale"]),
-                   brightness=a["brightness"], contrast=a["contrast"])
+    crop = None if a["crop"] in (None, "none") or colour_only else a["crop"]
+    return Augment(hflip=a["hflip"] and not colour_only, vflip=a["vflip"] and not colour_only, crop=crop,
+                   scale=tuple(a["scale"]), brightness=a["brightness"], contrast=a["contrast"])
+
+
+def pick_views(data: TrainData, idx: np.ndarray, x: np.ndarray, seed: int, epoch: int, batch: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """One teacher view per row (seeded by epoch and batch, so a resumed run repeats it): the batch cut
+    to those views, and the teacher's features and logits for exactly those views."""
+    k = data.views.shape[1]
+    v = np.random.default_rng([seed, epoch, batch]).integers(0, k, len(idx))
+    rows = np.arange(len(idx))
+    boxes = np.asarray(data.views[idx])[rows, v]
+    feats = np.asarray(data.view_features[idx])[rows, v]
+    logits = None if data.view_logits is None else np.asarray(data.view_logits[idx])[rows, v]
+    return apply_view_boxes(x, boxes), feats, logits
 
 
 def predict_logits(model: Module, images: Any, mean: np.ndarray, std: np.ndarray, batch: int = 256) -> np.ndarray:
     """Logits for every row of a uint8 NHWC array, in eval mode, without recording a graph."""
     was_training = model.training
     model.eval()
+    device = _model_device(model)
     out = []
     with no_grad():
         for i in range(0, len(images), batch):
             x = normalize(np.asarray(images[i:i + batch]), mean, std)
-            out.append(model(Tensor(x)).numpy())
+            out.append(model(Tensor(to_device(x, device))).numpy())
     model.train(was_training)
     return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
 
@@ -113,14 +165,17 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _l2n(a: np.ndarray) -> np.ndarray:
-    a = np.asarray(a, np.float32)
-    return a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
+def _l2n(a: Any) -> Any:
+    """Rows scaled to unit length (NumPy or CuPy, float32)."""
+    xp = array_module(a)
+    a = a.astype(np.float32, copy=False)
+    return a / xp.maximum(xp.linalg.norm(a, axis=1, keepdims=True), 1e-12)
 
 
-def _softmax(z: np.ndarray) -> np.ndarray:
+def _softmax(z: Any) -> Any:
+    xp = array_module(z)
     z = z - z.max(axis=1, keepdims=True)
-    e = np.exp(z)
+    e = xp.exp(z)
     return e / e.sum(axis=1, keepdims=True)
 
 
@@ -146,11 +201,12 @@ def distill_loss(model: StudentCNN, x: np.ndarray, y: np.ndarray, feats: np.ndar
         parts["ce"] = ce.item()
     if tlogits is not None and dcfg["kd_weight"]:
         t = float(dcfg["temperature"])
-        soft = _softmax(np.asarray(tlogits, np.float32) / t).astype(np.float32)
+        soft = _softmax(tlogits.astype(np.float32, copy=False) / t).astype(np.float32)
         kd = ops.cross_entropy(logits * (1.0 / t), soft) * (t * t)
         loss = loss + kd * float(dcfg["kd_weight"])
         # log the KL divergence (cross-entropy minus the targets' constant entropy), which goes to 0
-        entropy = float(-(soft * np.log(np.maximum(soft, 1e-12))).sum(axis=1).mean())
+        xp = array_module(soft)
+        entropy = float(-(soft * xp.log(xp.maximum(soft, 1e-12))).sum(axis=1).mean())
         parts["kd"] = kd.item() - t * t * entropy
     return loss, parts, logits.data
 
@@ -163,13 +219,20 @@ def train_run(run_dir: str | os.PathLike[str], cfg: dict[str, Any], data: TrainD
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     tcfg, dcfg = cfg["train"], cfg["distill"]
+    device = resolve_device(tcfg.get("device", "auto"))
+    use_amp = resolve_precision(tcfg.get("mixed_precision", "auto"), device)
     seed = int(tcfg["seed"])
     erandom.seed(seed)
     teacher_dim = None if data.features is None else int(data.features.shape[1])
     model = build_student(cfg, num_classes, teacher_dim)
+    if device != "cpu":
+        model.to(device)  # before the optimiser and the checkpoint: their state follows the parameters
     dataset = ArrayDataset(data.images, data.labels)
     loader = DataLoader(dataset, int(tcfg["batch_size"]), shuffle=True, drop_last=len(dataset) > tcfg["batch_size"],
-                        seed=seed, mean=mean, std=std, augment=make_augment(cfg), prefetch=3, num_threads=1)
+                        seed=seed, mean=mean, std=std, augment=make_augment(cfg, colour_only=data.views is not None),
+                        prefetch=3, num_threads=1)
+    device_loader = DeviceLoader(loader, device)
+    scaler = GradScaler(enabled=use_amp)
     steps_per_epoch = len(loader)
     epochs = int(tcfg["epochs"])
     if tcfg["optimizer"] == "adamw":
@@ -195,6 +258,8 @@ def train_run(run_dir: str | os.PathLike[str], cfg: dict[str, Any], data: TrainD
         history, best_acc, best_epoch = st["history"], st["best_acc"], st["best_epoch"]
         train_seconds, start_epoch = st["train_seconds"], ck.epoch + 1
         loader.load_state_dict(st["loader"])
+        if use_amp and st.get("grad_scaler"):
+            scaler.load_state_dict(st["grad_scaler"])
         _truncate_jsonl(run_dir / METRICS, len(history))
     elif not resume:
         for name in (LAST, BEST, METRICS, FAULTS):
@@ -212,21 +277,30 @@ def train_run(run_dir: str | os.PathLike[str], cfg: dict[str, Any], data: TrainD
         bs = loader.batch_size
         t0 = time.perf_counter()
         sums: dict[str, float] = {}
-        seen = correct = labelled_seen = steps = skipped = 0
-        bar = tqdm(loader, total=steps_per_epoch, desc=f"{label} epoch {epoch + 1}/{epochs}", leave=False,
-                   disable=not progress, unit="batch")
-        for b, (x, y) in enumerate(bar):
+        seen = correct = labelled_seen = steps = skipped = amp_skipped = 0
+        # Host side (teacher targets per row, views) in the loader's order, then on to the device.
+        host = (_host_batch(data, order, bs, seed, epoch, b, x, y) for b, (x, y) in enumerate(loader))
+        bar = tqdm(device_loader.upload(host), total=steps_per_epoch, desc=f"{label} epoch {epoch + 1}/{epochs}",
+                   leave=False, disable=not progress, unit="batch")
+        for b, (x, y, feats, tl) in enumerate(bar):
             idx = order[b * bs:(b + 1) * bs]
-            feats = None if data.features is None else np.asarray(data.features[idx])
-            tl = None if data.logits is None else np.asarray(data.logits[idx])
             opt.zero_grad()
             try:
-                loss, parts, logits = distill_loss(model, x, y, feats, tl, dcfg, tcfg["label_smoothing"])
-                loss.backward()
+                with autocast(use_amp):
+                    loss, parts, logits = distill_loss(model, x, y, feats, tl, dcfg, tcfg["label_smoothing"])
+                with np.errstate(over="ignore", invalid="ignore") if use_amp else contextlib.nullcontext():
+                    scaler.scale(loss).backward()  # float16 overflow is expected now and then: the scaler handles it
+                if scaler.unscale_(opt):  # true gradients before clipping; inf/NaN only with mixed precision
+                    if scaler.get_scale() > 1.0:  # float16 overflow at this loss scale: skip, not a fault
+                        amp_skipped += 1
+                        scaler.update()
+                        continue
+                    raise NonFiniteLossError("gradients are not finite even with the loss scale at 1")
                 gnorm = clip_grad_norm_(model.parameters(), float(tcfg["clip_grad_norm"]))
                 if not math.isfinite(gnorm):
                     raise NonFiniteLossError(f"gradient norm is {gnorm}")
             except NonFiniteLossError as exc:
+                scaler.update()
                 skipped += 1
                 bad_streak += 1
                 _append_jsonl(run_dir / FAULTS, {"epoch": epoch, "batch": b, "rows": idx.tolist(),
@@ -235,13 +309,14 @@ def train_run(run_dir: str | os.PathLike[str], cfg: dict[str, Any], data: TrainD
                     if _finite_state(model):  # bad data, sound weights: resume from here after fixing the data
                         save_checkpoint(last, model, opt, sched, epoch=epoch - 1, step=sched.last_step,
                                         extra=_state_extra(extra_meta, history, best_acc, best_epoch, train_seconds,
-                                                           loader, epoch))
+                                                           loader, epoch, scaler))
                     raise TrainingStopped(
                         f"{label}: {bad_streak} consecutive non-finite losses/gradients (last at epoch {epoch + 1}, "
                         f"batch {b}; rows in {run_dir / FAULTS}). {_resume_hint(model, last)}") from exc
                 continue
             bad_streak = 0
-            opt.step()
+            scaler.step(opt)
+            scaler.update()
             sched.step()
             steps += 1
             for k, v in parts.items():
@@ -262,7 +337,10 @@ def train_run(run_dir: str | os.PathLike[str], cfg: dict[str, Any], data: TrainD
         val_loss = float(ops.cross_entropy(Tensor(val_logits), val_labels).item()) if len(val_labels) else 0.0
         row = {"epoch": epoch + 1, "lr": sched.get_lr()[0], "val_acc": val_acc, "val_loss": val_loss,
                "images_per_s": seen / elapsed if elapsed else 0.0, "skipped_steps": skipped,
-               "peak_rss_mb": round(_peak_rss_mb(), 1), "epoch_seconds": round(elapsed, 2)}
+               "peak_rss_mb": round(_peak_rss_mb(), 1), "epoch_seconds": round(elapsed, 2),
+               "amp_skipped_steps": amp_skipped}
+        if use_amp:
+            row["loss_scale"] = scaler.get_scale()
         row.update({f"train_{k}": v / max(steps, 1) for k, v in sums.items()})
         row["train_acc"] = correct / labelled_seen if labelled_seen else None
         history.append(row)
@@ -272,11 +350,25 @@ def train_run(run_dir: str | os.PathLike[str], cfg: dict[str, Any], data: TrainD
             save_checkpoint(run_dir / BEST, model, epoch=epoch, step=sched.last_step,
                             extra={**extra_meta, "metrics": {"val_accuracy": val_acc}})
         save_checkpoint(last, model, opt, sched, epoch=epoch, step=sched.last_step,
-                        extra=_state_extra(extra_meta, history, best_acc, best_epoch, train_seconds, loader, epoch + 1))
+                        extra=_state_extra(extra_meta, history, best_acc, best_epoch, train_seconds, loader, epoch + 1,
+                                           scaler))
         if progress:
             tqdm.write(f"{label} epoch {epoch + 1}/{epochs}: loss {row.get('train_loss', float('nan')):.4f} "
                        f"val acc {val_acc:.4f} (best {best_acc:.4f}) {row['images_per_s']:.0f} img/s")
-    return RunResult(run_dir, best_acc, best_epoch + 1, len(history), train_seconds, history, stopped_early)
+    return RunResult(run_dir, best_acc, best_epoch + 1, len(history), train_seconds, history, stopped_early,
+                     device=device, mixed_precision=use_amp)
+
+
+def _host_batch(data: TrainData, order: np.ndarray, bs: int, seed: int, epoch: int, b: int, x: np.ndarray,
+                y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """Batch ``b`` with its teacher targets looked up on the host: (x, y, features, logits), each row of
+    the teacher's arrays matching the loader's row (cut to the teacher's views when there is a bank)."""
+    idx = order[b * bs:(b + 1) * bs]
+    feats = None if data.features is None else np.asarray(data.features[idx])
+    tl = None if data.logits is None else np.asarray(data.logits[idx])
+    if data.views is not None:
+        x, feats, tl = pick_views(data, idx, x, seed, epoch, b)
+    return x, y, feats, tl
 
 
 def _finite_state(model: Module) -> bool:
@@ -294,10 +386,13 @@ def _resume_hint(model: Module, last: Path) -> str:
     return "No epoch finished with finite weights, so there is nothing to resume: lower train.lr and rerun."
 
 
-def _state_extra(meta, history, best_acc, best_epoch, train_seconds, loader, next_epoch) -> dict[str, Any]:
+def _state_extra(meta, history, best_acc, best_epoch, train_seconds, loader, next_epoch,
+                 scaler: GradScaler | None = None) -> dict[str, Any]:
     loader.set_epoch(next_epoch)
     return {**meta, "train_state": {"history": history, "best_acc": best_acc, "best_epoch": best_epoch,
-                                    "train_seconds": train_seconds, "loader": loader.state_dict()}}
+                                    "train_seconds": train_seconds, "loader": loader.state_dict(),
+                                    "grad_scaler": scaler.state_dict() if scaler is not None and scaler.enabled
+                                    else None}}
 
 
 def _append_jsonl(path: Path, row: dict[str, Any]) -> None:

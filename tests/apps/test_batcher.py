@@ -220,7 +220,9 @@ def test_close_drains_pending_requests():
 def test_close_without_drain_fails_waiting_requests():
     gate = threading.Event()
     rec = Recorder(gate)
-    batcher = DynamicBatcher(rec, max_batch_size=2, max_wait_ms=0, max_queue=100)
+    # a long fill window: the first batch leaves only when full, so it is exactly items 0 and 1 however
+    # late this thread is scheduled (with max_wait_ms=0 a busy machine could run item 0 alone)
+    batcher = DynamicBatcher(rec, max_batch_size=2, max_wait_ms=60_000, max_queue=100)
     running = [batcher.submit(item(i)) for i in range(2)]
     wait_running(rec, batcher)
     waiting = [batcher.submit(item(i)) for i in range(2, 9)]

@@ -27,7 +27,7 @@ def test_effnet_teacher_fine_tunes_and_writes_features_and_logits(tmp_path, caps
     ds_dir = tiny_dataset(tmp_path, per_class=10, size=16)
     # 32x32 input keeps the test fast; the original photos are decoded again at that size
     code = cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--epochs", "2",
-                "--input-size", "32", "--quiet"])
+                "--input-size", "32", "--views", "2", "--quiet"])
     assert code == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     ds = load_dataset(ds_dir)
@@ -41,6 +41,11 @@ def test_effnet_teacher_fine_tunes_and_writes_features_and_logits(tmp_path, caps
         assert np.isfinite(np.asarray(tt.features[split])).all()
         assert np.asarray(tt.logits[split]).shape == (len(ds[split]), ds.num_classes)
     assert "knn_test_acc" in summary
+    # the view bank is made by the fine-tuned network (logits for the dataset's classes)
+    boxes, vfeats, vlogits = tt.views["train"]
+    n = len(ds["train"])
+    assert boxes.shape == (n, 2, 6) and vfeats.shape == (n, 2, 1280) and vlogits.shape == (n, 2, ds.num_classes)
+    assert np.isfinite(np.asarray(vfeats)).all() and np.isfinite(np.asarray(vlogits)).all()
 
 
 def test_frozen_teacher_has_no_logits(tmp_path):

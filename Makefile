@@ -1,7 +1,7 @@
 # leaflens: the two commands a newcomer needs are `make demo` and `make test`.
 #
 #   make demo                      synthetic leaves -> preprocess -> teacher -> distill -> export -> web app
-#   make preprocess DATA=photos/ SIZE=64
+#   make preprocess DATA=photos/ SIZE=128
 #   make teacher | distill | export | serve
 #
 # Stage targets depend on the real files each stage writes, so an up-to-date stage is skipped.
@@ -12,7 +12,7 @@ LEAFLENS := $(PY) -m pipeline.cli
 ART ?= artifacts
 SYNTH := $(ART)/synthetic
 DATA ?= $(SYNTH)
-SIZE ?= 64
+SIZE ?= 128
 DATASET := $(ART)/dataset
 TEACHER := $(ART)/teacher
 STUDENT := $(ART)/student

@@ -95,7 +95,10 @@ def main() -> None:
     p.add_argument("--data", type=Path, required=True, help="iBeans folder with train/val/test/<class>/")
     p.add_argument("--seeds", type=int, default=2, help="student seeds per setting")
     p.add_argument("--fraction", type=float, default=0.25, help="labelled fraction of the training photos")
-    p.add_argument("--size", type=int, default=64, help="student input size")
+    p.add_argument("--size", type=int, default=64, help="student input size (model.input_size)")
+    p.add_argument("--store-size", type=int, default=128,
+                   help="size the photos are preprocessed to (default 128: the student's crops are cut from the "
+                        "sharper stored image; 0: the student input size)")
     p.add_argument("--epochs", type=int, help="student epochs (default: the distill config's)")
     p.add_argument("--teacher-epochs", type=int, default=8, help="teacher fine-tuning epochs")
     p.add_argument("--teacher-views", type=int, default=1, metavar="K",
@@ -123,10 +126,13 @@ def main() -> None:
         return out
 
     quiet = dict(log=lambda s: None)
+    store = args.store_size or args.size
+    tag = "" if store == 64 else f"_s{store}"  # folders of earlier runs (stored at 64) stay reusable
+    ds_dirs = {"full": work / f"ds_full{tag}", "frac": work / f"ds_frac{tag}"}
     lab, unl = fraction_sources(args.data, work / "sources", args.fraction)
-    timed("preprocess", ingest, args.data, work / "ds_full", IngestOptions(size=args.size), **quiet)
-    timed("preprocess", ingest, lab, work / "ds_frac", IngestOptions(size=args.size), unlabeled=unl, **quiet)
-    ds_full, ds_frac = load_dataset(work / "ds_full"), load_dataset(work / "ds_frac")
+    timed("preprocess", ingest, args.data, ds_dirs["full"], IngestOptions(size=store), **quiet)
+    timed("preprocess", ingest, lab, ds_dirs["frac"], IngestOptions(size=store), unlabeled=unl, **quiet)
+    ds_full, ds_frac = load_dataset(ds_dirs["full"]), load_dataset(ds_dirs["frac"])
 
     # frozen teacher: how good are ImageNet features on these photos?
     frozen_json = work / "teacher_frozen.json"
@@ -142,7 +148,7 @@ def main() -> None:
 
     teachers, teacher_acc = {}, {}
     for name, ds in (("full", ds_full), ("frac", ds_frac)):
-        tdir = work / f"teacher_{name}_e{args.teacher_epochs}_v{args.teacher_views}"
+        tdir = work / f"teacher_{name}_e{args.teacher_epochs}_v{args.teacher_views}{tag}"
         if not (args.reuse and (tdir / "teacher.json").is_file()):
             targs = teacher_args(False, args.teacher_epochs)
             enc, extra = timed(f"teacher_finetune_{name}", build_effnet_teacher, ds, targs, False)
@@ -154,10 +160,11 @@ def main() -> None:
 
     rows = []
     for seed in range(args.seeds):
-        for name, ds_dir in (("full", work / "ds_full"), ("frac", work / "ds_frac")):
+        for name, ds_dir in ds_dirs.items():
             if name not in args.settings.split(","):
                 continue
-            sets = [f"train.seed={seed}"] + ([f"train.epochs={args.epochs}"] if args.epochs else []) + args.overrides
+            sets = [f"train.seed={seed}", f"model.input_size={args.size}"] + (
+                [f"train.epochs={args.epochs}"] if args.epochs else []) + args.overrides
             cfg = load_config("distill_default.toml", None, sets)
             run_dir = work / f"run_{name}_{seed}"
             shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run per recipe, never a resumed one
@@ -181,7 +188,7 @@ def main() -> None:
         return statistics.mean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
 
     print()
-    print(f"iBeans test accuracy ({args.seeds} seeds; student {args.size}x{args.size}, "
+    print(f"iBeans test accuracy ({args.seeds} seeds; student {args.size}x{args.size}, stored at {store} px, "
           f"{rows[0]['params']:,} parameters; fraction setting: {args.fraction:.0%} labelled + the rest unlabelled)")
     print(f"{'':<34}{'full labels':>16}{f'{args.fraction:.0%} labels':>16}")
     print(f"{'teacher frozen, 1-NN':<34}{knn:>16.4f}{'':>16}")
@@ -201,7 +208,8 @@ def main() -> None:
         "scratch_acc_25": rounded(stat("frac", "scratch")[0]),
         "distilled_acc_25": rounded(stat("frac", "distilled")[0]),
         "student_params": rows[0]["params"], "seeds": args.seeds, "fraction": args.fraction,
-        "teacher_views": args.teacher_views, "overrides": args.overrides,
+        "teacher_views": args.teacher_views, "overrides": args.overrides, "input_size": args.size,
+        "store_size": store,
         "wall_s": round(time.perf_counter() - t_all, 1), "stage_wall_s": {k: round(v, 1) for k, v in walls.items()},
     }))
 

@@ -9,7 +9,12 @@ Measures, on an exported leaflens model (or a stand-in of the student's shape wh
     (submit one 64x64 image, wait for its answer, repeat): throughput and p50/p95/p99 latency;
 (c) end to end: a 4000x3000 JPEG file (made here with Pillow: shapes, gradients and sensor-like
     noise, about the size of a phone photo) to a ranked answer with ``Predictor.predict_image``,
-    next to the same without JPEG draft decoding (full-size decode, then resize) as a reference.
+    next to the same without JPEG draft decoding (full-size decode, then resize) as a reference;
+(d) the batching ceiling: the model alone (no batcher, no queue), called by one thread with batches
+    of 1, 4, 16 and 64 images on the baseline's settings. No batcher can beat the best of these per
+    image, so (b)'s speed-up over (a) is bounded by ``ceiling`` = best batched rate / batch-1 rate:
+    large where a call's fixed cost dominates (GPUs, tiny models), near 1 where the convolutions'
+    arithmetic already keeps the cores busy at batch 1.
 
 Prints a table, then one JSON line with the figures as the last line of output.
 
@@ -148,6 +153,22 @@ def bench_sequential(predictor: Predictor, images: np.ndarray, seconds: float, t
     tally.wall_s += time.perf_counter() - start
 
 
+def bench_model_batches(predictor: Predictor, images: np.ndarray, batch: int, seconds: float, tally: Tally) -> None:
+    """One caller, ``batch`` images per call back to back (the model alone: the batching ceiling)."""
+    x = np.ascontiguousarray(images[:batch]) if batch <= len(images) else np.resize(images, (batch, *images.shape[1:]))
+    for _ in range(3):
+        predictor.predict_arrays(x)
+    cpu0 = time.process_time()
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        t = time.perf_counter()
+        predictor.predict_arrays(x)
+        tally.latencies.extend([time.perf_counter() - t] * batch)
+    tally.seconds += time.perf_counter() - start
+    tally.cpu_s += time.process_time() - cpu0
+    tally.wall_s += time.perf_counter() - start
+
+
 def bench_batched(predictor: Predictor, images: np.ndarray, reference: np.ndarray, clients: int,
                   seconds: float, tally: Tally, max_batch_size: int, max_wait_ms: float, workers: int) -> None:
     """``clients`` threads in a closed loop through one DynamicBatcher, after 0.2 s of warm-up.
@@ -245,8 +266,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="intra-op threads for (b) and (c) (default: usable CPUs / workers)")
     ap.add_argument("--spin", action="store_true", help="let onnxruntime threads spin in (b) and (c)")
     ap.add_argument("--e2e-runs", type=int, default=40)
+    ap.add_argument("--model-batches", default="1,4,16,64", help="batch sizes for the batching ceiling (d)")
     args = ap.parse_args(argv)
     clients = [int(c) for c in args.clients.split(",") if c]
+    model_batches = [int(b) for b in args.model_batches.split(",") if b]
 
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="leaflens-serve-") as tmp:
@@ -268,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                           for thr in sorted({1, cpus}) for spin in (False, True)}
         seq_tallies = {cfg: Tally() for cfg in seq_predictors}
         batch_tallies = {c: Tally() for c in clients}
+        ceiling_tallies = {b: Tally() for b in model_batches}
         # Interleaved rounds: a load spike from other processes hits every scenario alike.
         slice_s = args.seconds / args.rounds
         for _ in range(args.rounds):
@@ -276,10 +300,16 @@ def main(argv: list[str] | None = None) -> int:
             for c in clients:
                 bench_batched(predictor, images, reference, c, slice_s, batch_tallies[c],
                               args.max_batch_size, args.max_wait_ms, workers)
+        # (d) on the baseline's settings, known only once the rounds are done
+        best_cfg = max(seq_tallies, key=lambda k: seq_tallies[k].summary()["img_s"])
+        for _ in range(args.rounds):
+            for b in model_batches:
+                bench_model_batches(seq_predictors[best_cfg], images, b, slice_s, ceiling_tallies[b])
         seq_runs = {cfg: t.summary() for cfg, t in seq_tallies.items()}
         best_cfg = max(seq_runs, key=lambda k: seq_runs[k]["img_s"])
         seq = seq_runs[best_cfg]
         batched = {c: t.summary() for c, t in batch_tallies.items()}
+        ceiling = {b: t.summary() for b, t in ceiling_tallies.items()}
         e2e = bench_e2e(predictor, photo, args.e2e_runs)
         full = bench_e2e_full_decode(predictor, photo, max(3, args.e2e_runs // 8))
 
@@ -298,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         label = f"(b) DynamicBatcher, {c} clients"
         print(f"{label:<52}{r['img_s']:>9.0f}{r['p50_ms']:>9.2f}{r['p95_ms']:>9.2f}{r['p99_ms']:>9.2f}"
               f"{r['mean_batch']:>7.1f}{r['cores_used']:>7.2f}")
+    for b, r in ceiling.items():
+        label = f"(d) model alone, batch {b}, {best_cfg[0]} thr, spin {'on' if best_cfg[1] else 'off'}"
+        print(f"{label:<52}{r['img_s']:>9.0f}{'':>27}{b:>7}{r['cores_used']:>7.2f}")
     print(f"{'':<52}cores = CPU time / wall time of this process ({cpus:.2f} = all usable CPUs)")
     print(f"{f'(c) e2e {photo_mb:.1f} MB 4000x3000 JPEG, draft':<52}{'':>9}{e2e['p50_ms']:>9.2f}"
           f"{e2e['p95_ms']:>9.2f}{e2e['p99_ms']:>9.2f}   (CPU time p50 {e2e['cpu_p50_ms']:.1f} ms)")
@@ -311,6 +344,11 @@ def main(argv: list[str] | None = None) -> int:
               f"(< 50 ms): {'met' if ok else 'NOT met'}; e2e p50 {e2e['p50_ms']:.1f} ms (< 40 ms): "
               f"{'met' if e2e['p50_ms'] < 40 else 'NOT met'}")
 
+    ceiling_x = (max(r["img_s"] for r in ceiling.values()) / ceiling[1]["img_s"]
+                 if ceiling and 1 in ceiling else float("nan"))
+    if ceiling:
+        print(f"batching ceiling: the model alone runs at most {ceiling_x:.2f}x faster per image in batches than "
+              f"one at a time on this machine, which bounds what any batcher can gain over (a)")
     got = max(r["cores_used"] for r in batched.values()) if batched else float(cpus)
     if got < 0.8 * cpus:
         print(f"WARNING: other processes shared the CPUs: the batcher got at most {got:.2f} of {cpus} cores, "
@@ -339,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     figures.update({f"e2e_{k}": round(v, 3) for k, v in e2e.items()})
     figures["e2e_full_decode_p50_ms"] = round(full["p50_ms"], 3)
     figures["photo_mb"] = round(photo_mb, 2)
+    figures.update({f"model_img_s_b{b}": round(r["img_s"], 1) for b, r in ceiling.items()})
+    figures["batching_ceiling"] = round(ceiling_x, 3)
     print(json.dumps(figures))
     return 0
 

@@ -8,7 +8,10 @@ The engine wraps them in tensors itself.
 
 Augmentation is vectorised over the whole batch: random horizontal (and optionally vertical) flip,
 random resized crop (bilinear) or pad-and-crop, then brightness/contrast jitter fused with the
-normalisation in one float pass.
+normalisation in one float pass. ``Augment.out_size`` lets the stored images be larger than the
+network's input: crops are then cut from the sharper stored image and brought down to the input
+size with an area filter (``downsample`` does the same for evaluation), instead of being cut from a
+thumbnail and blown back up.
 
 Reproducibility and resume: the shuffle order of epoch ``e`` comes from ``default_rng([seed, e])``
 and the augmentation of batch ``b`` of epoch ``e`` from ``default_rng([seed, e, b, 1])``. Batches are
@@ -31,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Augment", "ArrayDataset", "DataLoader", "apply_view_boxes", "augment_batch", "normalize",
-           "sample_view_boxes"]
+__all__ = ["Augment", "ArrayDataset", "DataLoader", "apply_view_boxes", "augment_batch", "downsample",
+           "normalize", "sample_view_boxes"]
 
 STATE_VERSION = 1
 
@@ -89,6 +92,7 @@ class Augment:
     pad: int = 4  # pixels of edge padding for crop="pad"
     brightness: float = 0.2  # multiplicative factor in [1 - b, 1 + b]
     contrast: float = 0.2  # factor in [1 - c, 1 + c] around each image's mean
+    out_size: int | None = None  # side of the output in pixels (None: the input's own)
 
     def __post_init__(self) -> None:
         if self.crop not in (None, "resized", "pad"):
@@ -99,6 +103,8 @@ class Augment:
             raise ValueError(f"Augment.ratio must satisfy 0 < lo <= hi, got {self.ratio}")
         if self.pad < 0 or self.brightness < 0 or self.contrast < 0:
             raise ValueError("Augment.pad, brightness and contrast must be >= 0")
+        if self.out_size is not None and self.out_size < 1:
+            raise ValueError(f"Augment.out_size must be >= 1 or None, got {self.out_size}")
 
 
 def _gather_bilinear(x: np.ndarray, sy: np.ndarray, sx: np.ndarray) -> np.ndarray:
@@ -148,9 +154,51 @@ def _gather_int(x: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray
     return out
 
 
-def augment_batch(x: np.ndarray, aug: Augment, rng: np.random.Generator) -> np.ndarray:
-    """Geometric augmentation of a uint8 batch -> float32 batch in [0, 255] (same H, W)."""
+def _supersampling(h: int, w: int, out: int) -> int:
+    """Samples per output pixel and axis: enough that a downsampling resize averages its source
+    pixels (an area filter) rather than picking a few of them (aliasing)."""
+    return max(1, math.ceil(max(h, w) / out - 1e-9))
+
+
+def _block_mean(x: np.ndarray, f: int) -> np.ndarray:
+    """Average ``f`` x ``f`` blocks of an (N, f*H, f*W, C) float32 batch."""
+    if f == 1:
+        return x
+    n, h, w, c = x.shape
+    return np.ascontiguousarray(x.reshape(n, h // f, f, w // f, f, c).mean(axis=(2, 4), dtype=np.float32))
+
+
+def _box_grid(top: np.ndarray, left: np.ndarray, bh: np.ndarray, bw: np.ndarray, out: int, f: int
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Source coordinates of an ``out`` x ``out`` grid (``f`` samples per pixel and axis) covering each
+    box (top, left, height, width in source pixels); the +/-0.5 align pixel centres."""
+    s = out * f
+    steps = np.arange(s)[None, :] + 0.5
+    return top[:, None] + steps * (bh / s)[:, None] - 0.5, left[:, None] + steps * (bw / s)[:, None] - 0.5
+
+
+def downsample(x: np.ndarray, size: int) -> np.ndarray:
+    """An (N, H, W, C) batch resized to ``size`` x ``size`` with an area filter, float32.
+
+    Exact block means when ``size`` divides the sides; otherwise bilinear samples, several per output
+    pixel, averaged. A batch already at ``size`` comes back unchanged (as float32).
+    """
     n, h, w, _ = x.shape
+    if (h, w) == (size, size):
+        return np.asarray(x, np.float32)
+    if h % size == 0 and w % size == 0 and h // size == w // size:
+        return _block_mean(np.asarray(x, np.float32), h // size)
+    f = _supersampling(h, w, size)
+    zeros = np.zeros(n)
+    sy, sx = _box_grid(zeros, zeros, np.full(n, float(h)), np.full(n, float(w)), size, f)
+    xs = x if x.dtype == np.uint8 else np.asarray(x, np.float32)
+    return _block_mean(_gather_bilinear(xs, sy, sx) if xs.dtype == np.uint8 else _gather_float(xs, sy, sx), f)
+
+
+def augment_batch(x: np.ndarray, aug: Augment, rng: np.random.Generator) -> np.ndarray:
+    """Geometric augmentation of a uint8 batch -> float32 batch in [0, 255] (``out_size`` or same H, W)."""
+    n, h, w, _ = x.shape
+    out = aug.out_size or h
     if aug.hflip:
         m = rng.random(n) < 0.5
         x = x.copy() if m.any() else x
@@ -167,16 +215,19 @@ def augment_batch(x: np.ndarray, aug: Augment, rng: np.random.Generator) -> np.n
         cw = np.clip(np.sqrt(area * r), 0.05, 1.0) * w
         oy = rng.random(n) * (h - ch)
         ox = rng.random(n) * (w - cw)
-        sy = oy[:, None] + (np.arange(h)[None, :] + 0.5) * (ch / h)[:, None] - 0.5
-        sx = ox[:, None] + (np.arange(w)[None, :] + 0.5) * (cw / w)[:, None] - 0.5
-        return _gather_bilinear(x, sy, sx)
+        if aug.out_size is None:
+            sy = oy[:, None] + (np.arange(h)[None, :] + 0.5) * (ch / h)[:, None] - 0.5
+            sx = ox[:, None] + (np.arange(w)[None, :] + 0.5) * (cw / w)[:, None] - 0.5
+            return _gather_bilinear(x, sy, sx)
+        f = _supersampling(h, w, out)
+        return _block_mean(_gather_bilinear(x, *_box_grid(oy, ox, ch, cw, out, f)), f)
     if aug.crop == "pad" and aug.pad > 0:
         dy = rng.integers(0, 2 * aug.pad + 1, n)
         dx = rng.integers(0, 2 * aug.pad + 1, n)
         rows = np.clip(np.arange(h)[None, :] + dy[:, None] - aug.pad, 0, h - 1)  # edge padding
         cols = np.clip(np.arange(w)[None, :] + dx[:, None] - aug.pad, 0, w - 1)
-        return _gather_int(x, rows, cols).astype(np.float32)
-    return x.astype(np.float32)
+        return downsample(_gather_int(x, rows, cols), out)
+    return downsample(x, out)
 
 
 VIEW_FIELDS = ("top", "left", "height", "width", "hflip", "vflip")
@@ -210,33 +261,44 @@ def sample_view_boxes(n: int, k: int, aug: Augment, rng: np.random.Generator) ->
     return boxes
 
 
-def apply_view_boxes(x: np.ndarray, boxes: np.ndarray) -> np.ndarray:
+def apply_view_boxes(x: np.ndarray, boxes: np.ndarray, out_size: int | None = None) -> np.ndarray:
     """Cut view ``boxes[i]`` (one row of :func:`sample_view_boxes`) out of image ``x[i]``, bilinear.
 
-    ``x`` (N, H, W, C) uint8 or float; returns float32 of the same shape. Bilinear resampling is
-    linear with weights summing to one, so it commutes with per-channel normalisation: views may be
-    cut before or after ``normalize`` with the same result.
+    ``x`` (N, H, W, C) uint8 or float; returns float32 (N, S, S, C) with S = ``out_size`` (area-filtered
+    when that is smaller than the image), or the input's own H, W. Bilinear resampling is linear with
+    weights summing to one, so it commutes with per-channel normalisation: views may be cut before or
+    after ``normalize`` with the same result.
     """
     n, h, w, c = x.shape
     boxes = np.asarray(boxes, np.float32)
     if boxes.shape != (n, 6):
         raise ValueError(f"apply_view_boxes: boxes must be ({n}, 6), got {boxes.shape}")
     top, left, bh, bw = (boxes[:, i].astype(np.float64) for i in range(4))
-    sy = (top * h)[:, None] + (np.arange(h)[None, :] + 0.5) * bh[:, None] - 0.5
-    sx = (left * w)[:, None] + (np.arange(w)[None, :] + 0.5) * bw[:, None] - 0.5
+    if out_size is None:
+        sy = (top * h)[:, None] + (np.arange(h)[None, :] + 0.5) * bh[:, None] - 0.5
+        sx = (left * w)[:, None] + (np.arange(w)[None, :] + 0.5) * bw[:, None] - 0.5
+        f = 1
+    else:
+        f = _supersampling(h, w, out_size)
+        sy, sx = _box_grid(top * h, left * w, bh * h, bw * w, out_size, f)
     vf, hf = boxes[:, 5] > 0.5, boxes[:, 4] > 0.5
     sy[vf] = sy[vf, ::-1]
     sx[hf] = sx[hf, ::-1]
     if x.dtype == np.uint8:
-        return _gather_bilinear(x, sy, sx)
+        return _block_mean(_gather_bilinear(x, sy, sx), f)
+    return _block_mean(_gather_float(np.asarray(x, np.float32), sy, sx), f)
+
+
+def _gather_float(xf: np.ndarray, sy: np.ndarray, sx: np.ndarray) -> np.ndarray:
+    """:func:`_gather_bilinear` for a float32 batch (values may be negative: normalised images)."""
+    h, w = xf.shape[1:3]
     sy, sx = np.clip(sy, 0, h - 1), np.clip(sx, 0, w - 1)
     y0, x0 = np.floor(sy).astype(np.intp), np.floor(sx).astype(np.intp)
     y1, x1 = np.minimum(y0 + 1, h - 1), np.minimum(x0 + 1, w - 1)
     wy = (sy - y0).astype(np.float32)[:, :, None, None]
     wx = (sx - x0).astype(np.float32)[:, None, :, None]
-    b = np.arange(n)[:, None]
-    xf = np.asarray(x, np.float32)
-    top_rows, bottom_rows = xf[b, y0], xf[b, y1]  # (N, H, W, C)
+    b = np.arange(xf.shape[0])[:, None]
+    top_rows, bottom_rows = xf[b, y0], xf[b, y1]  # (N, Ho, W, C)
     rows = top_rows + (bottom_rows - top_rows) * wy
     left_cols = np.take_along_axis(rows, x0[:, None, :, None], axis=2)
     right_cols = np.take_along_axis(rows, x1[:, None, :, None], axis=2)

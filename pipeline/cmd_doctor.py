@@ -78,7 +78,7 @@ def spec_from_run(run_dir: str | os.PathLike[str]) -> tuple[ModelSpec, int]:
     spec = ModelSpec(widths=tuple(int(w) for w in mc["widths"]), num_classes=int(mc["num_classes"]),
                      mixed_precision=str(train.get("mixed_precision", "auto")), source=str(run_dir),
                      configured_batch=int(train["batch_size"]) if "batch_size" in train else None)
-    return spec, int(info.dataset["image_size"])
+    return spec, int(info.dataset.get("input_size", info.dataset["image_size"]))
 
 
 def _as_spec(model: ModelSpec | str) -> ModelSpec:

@@ -21,7 +21,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--src", required=True, help="folder of photos")
     p.add_argument("--out", required=True, help="dataset folder to write (replaced atomically)")
-    p.add_argument("--size", type=int, default=64, help="square output size in pixels (default 64)")
+    p.add_argument("--size", type=int, default=128,
+                   help="square output size in pixels (default 128: twice the student's 64 px input, so its "
+                        "training crops are cut from a sharper image; see model.input_size)")
     p.add_argument("--resize", choices=("crop", "pad"), default="crop",
                    help="centre crop (default) or letterbox pad to a square")
     p.add_argument("--split", default="70/15/15",

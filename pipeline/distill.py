@@ -25,7 +25,7 @@ from data_prep.ingest import swap_into_place
 from data_prep.manifest import load_dataset
 from engine import Tensor, no_grad
 from engine.checkpoint import save_checkpoint
-from engine.data import normalize
+from engine.data import downsample, normalize
 from pipeline import metrics, plots
 from pipeline.config import dump_toml
 from pipeline.hardware import describe_hardware
@@ -38,6 +38,7 @@ from pipeline.train_student import (
     TrainData,
     build_student,
     predict_logits,
+    student_input_size,
     train_run,
 )
 
@@ -69,11 +70,13 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
 
     train, val = ds["train"], ds["val"]
     mean, std = ds.mean, ds.std
+    input_size = student_input_size(cfg, ds.image_size)
     base_meta: dict[str, Any] = {
         "model_config": {"kind": "student_cnn", "num_classes": ds.num_classes, "widths": list(cfg["model"]["widths"]),
                          "in_channels": 3, "dropout": float(cfg["model"]["dropout"])},
         "dataset": {"classes": ds.classes, "mean": [float(v) for v in mean], "std": [float(v) for v in std],
-                    "image_size": ds.image_size, "resize": ds.manifest.get("options", {}).get("resize", "crop"),
+                    "image_size": ds.image_size, "input_size": input_size,
+                    "resize": ds.manifest.get("options", {}).get("resize", "crop"),
                     "manifest_sha256": manifest_sha256(ds.root), "root": str(ds.root)},
         "run_id": json.loads((work / "run_id.json").read_text())["run_id"] if (work / "run_id.json").exists()
         else f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}",
@@ -127,7 +130,7 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
 
     report = _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold, teacher_info, model,
                            base_meta["run_id"])
-    _write_visuals(work, ds, results, chosen, model, mean, std)
+    _write_visuals(work, ds, results, chosen, model, mean, std, input_size)
     _write_json(work / "report.json", report)
     write_report(work, report)
 
@@ -141,10 +144,11 @@ def _evaluate_variant(best_path: Path, cfg: dict[str, Any], ds: Any) -> dict[str
     ck_meta = load_student_weights(model, best_path)
     model.eval()
     bs = int(cfg["train"]["eval_batch_size"])
+    size = student_input_size(cfg, ds.image_size)
     out: dict[str, Any] = {"model": model, "epoch": ck_meta["epoch"]}
-    out["val_probs"] = _softmax(predict_logits(model, ds["val"].images, ds.mean, ds.std, bs))
+    out["val_probs"] = _softmax(predict_logits(model, ds["val"].images, ds.mean, ds.std, bs, size))
     if "test" in ds and ds["test"].labels is not None and len(ds["test"]):
-        probs = _softmax(predict_logits(model, ds["test"].images, ds.mean, ds.std, bs))
+        probs = _softmax(predict_logits(model, ds["test"].images, ds.mean, ds.std, bs, size))
         out["test_probs"] = probs
         out["test_summary"] = metrics.evaluation_summary(probs, np.asarray(ds["test"].labels), ds.classes)
     return out
@@ -182,11 +186,11 @@ def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold,
         "config": cfg,
         "hardware": describe_hardware(device=results[winner].device),
         "dataset": {"root": str(ds.root), "counts": {s: len(ds[s]) for s in ds.splits},
-                    "image_size": ds.image_size},
+                    "image_size": ds.image_size, "input_size": student_input_size(cfg, ds.image_size)},
     }
 
 
-def _write_visuals(work: Path, ds, results, chosen, model, mean, std) -> None:
+def _write_visuals(work: Path, ds, results, chosen, model, mean, std, input_size: int) -> None:
     plots.plot_curves(None, work / "curves.png", series={k: r.history for k, r in results.items()},
                       keys_left=("train_ce", "val_loss"),
                       title="Student training: distilled vs scratch" if len(results) > 1 else "Student training")
@@ -205,9 +209,10 @@ def _write_visuals(work: Path, ds, results, chosen, model, mean, std) -> None:
     first_conv = model.features[0][0]
     captured: list[np.ndarray] = []
     remove = first_conv.register_forward_hook(lambda m, i, o: captured.append(o.numpy()))
-    imgs = np.asarray(ds["val"].images[: min(4, len(ds["val"]))])
+    imgs = downsample(np.asarray(ds["val"].images[: min(4, len(ds["val"]))]), input_size)
     with no_grad():
         model(Tensor(normalize(imgs, mean, std)))
+    imgs = np.clip(np.rint(imgs), 0, 255).astype(np.uint8)
     remove()
     plots.feature_map_grid(captured[0], work / "feature_maps.png", images=imgs)
 

@@ -104,7 +104,7 @@ def model_card(info: RunInfo, model: Module) -> ModelCard:
     d, m = info.dataset, info.metrics
     threshold = m.get("uncertain_threshold")
     return ModelCard(
-        classes=tuple(d["classes"]), input_size=int(d["image_size"]),
+        classes=tuple(d["classes"]), input_size=int(d.get("input_size", d["image_size"])),
         mean=tuple(float(v) for v in d["mean"]), std=tuple(float(v) for v in d["std"]),  # type: ignore[arg-type]
         resize=str(d.get("resize", "crop")),
         uncertain_threshold=float(threshold) if threshold is not None else 0.5,
@@ -190,13 +190,15 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
             train = ds["train"]
             idx = calibration_indices(len(train), opts.calib_images)
             log(f"calibrating INT8 on {len(idx)} training images")
-            paths["int8"] = quantize_int8(paths["fp32"], tmp / INT8_FILE, train.images[idx], mean, std,
+            paths["int8"] = quantize_int8(paths["fp32"], tmp / INT8_FILE, parity.at_size(train.images, size)[idx],
+                                          mean, std,
                                           activations=opts.int8_activations)
 
         sessions = {k: parity.cpu_session(p, threads) for k, p in paths.items()}
         split = _pick_split(ds, "val")
         log(f"parity on the '{split}' split ({len(ds[split])} images)")
-        val = parity.engine_and_onnx_logits(model, sessions, ds[split].images, mean, std, opts.batch)
+        val = parity.engine_and_onnx_logits(model, sessions, parity.at_size(ds[split].images, size), mean, std,
+                                            opts.batch)
         tie = 2 * opts.fp32_tolerance
         report: dict[str, Any] = {
             "format": REPORT_FORMAT,
@@ -216,7 +218,8 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
         }
         acc = {split: {k: parity.accuracy(v, ds[split].labels) for k, v in val.items()}}
         if split != "test" and "test" in ds and len(ds["test"]) and ds["test"].labels is not None:
-            test = parity.engine_and_onnx_logits(model, sessions, ds["test"].images, mean, std, opts.batch)
+            test = parity.engine_and_onnx_logits(model, sessions, parity.at_size(ds["test"].images, size), mean,
+                                                 std, opts.batch)
             acc["test"] = {k: parity.accuracy(v, ds["test"].labels) for k, v in test.items()}
         report["accuracy"] = acc
         acc_split = "test" if "test" in acc else split
@@ -228,7 +231,7 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
                               "calibration_images": int(min(opts.calib_images, len(ds["train"]))),
                               "activations": opts.int8_activations}
 
-        bench_images = ds[acc_split].images[: min(32, len(ds[acc_split]))]
+        bench_images = parity.at_size(ds[acc_split].images, size)[: min(32, len(ds[acc_split]))]
         x32 = next(parity.batches(bench_images, mean, std, 32)).transpose(0, 3, 1, 2)
         x32 = np.ascontiguousarray(np.resize(x32, (32, *x32.shape[1:])))  # always a full batch of 32
         log(f"timing on {threads} CPU thread(s)")

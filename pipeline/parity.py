@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from engine import Tensor, no_grad
-from engine.data import normalize
+from engine.data import downsample, normalize
 from engine.nn import Module
 
 
@@ -29,6 +29,28 @@ def cpu_session(model: str | os.PathLike[str] | bytes, threads: int) -> Any:
     opts.log_severity_level = 3
     src = model if isinstance(model, bytes) else str(model)
     return ort.InferenceSession(src, sess_options=opts, providers=["CPUExecutionProvider"])
+
+
+class AtSize:
+    """Rows of a uint8 image array, area-downsampled to ``size`` px when read (as the student saw them
+    in training when the dataset is stored larger than its input). Lazy: a memmap stays on disk."""
+
+    def __init__(self, images: Any, size: int) -> None:
+        self.images, self.size = images, int(size)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, idx: Any) -> np.ndarray:
+        x = np.asarray(self.images[idx])
+        if x.ndim != 4:
+            raise IndexError("AtSize supports slices and index arrays only")
+        return downsample(x, self.size)
+
+
+def at_size(images: Any, size: int) -> Any:
+    """``images`` themselves when already ``size`` px, else an :class:`AtSize` view of them."""
+    return images if np.asarray(images[:1]).shape[1] == size else AtSize(images, size)
 
 
 def batches(images: Any, mean: np.ndarray, std: np.ndarray, batch: int):

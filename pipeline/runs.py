@@ -5,7 +5,8 @@ whose ``extra`` entry describes everything needed to rebuild and use the model:
 
 - ``model_config``: {"kind": "student_cnn", "num_classes", "widths", "in_channels", "dropout"}
 - ``dataset``: {"classes": [...], "mean": [r, g, b], "std": [r, g, b] (pixel/255 scale),
-  "image_size": S, "resize": "crop" | "pad", "manifest_sha256": "..."}
+  "image_size": S (as stored), "input_size": s (the model's input; absent in older runs: S),
+  "resize": "crop" | "pad", "manifest_sha256": "..."}
 - ``metrics``: {"val_accuracy", "test_accuracy", "uncertain_threshold"} (any may be absent)
 - ``run_id``: a string naming the run
 """

@@ -43,6 +43,7 @@ def train_cnn_teacher(ds: Any, cfg: dict[str, Any], work_dir: Path, widths: list
     """Train a wide CNN on the labelled train split, select on val, return it as an encoder."""
     tcfg = copy.deepcopy(cfg)
     tcfg["model"]["widths"] = widths
+    tcfg["model"]["input_size"] = 0  # the teacher sees the images at the full stored size
     tcfg["train"]["epochs"] = epochs
     train = ds["train"]
     result = train_run(work_dir, tcfg, TrainData(train.images, np.asarray(train.labels)), ds["val"].images,

@@ -37,7 +37,7 @@ from engine import random as erandom
 from engine.amp import GradScaler, autocast
 from engine.backend import array_module, to_device
 from engine.checkpoint import load_checkpoint, save_checkpoint
-from engine.data import ArrayDataset, Augment, DataLoader, apply_view_boxes, normalize
+from engine.data import ArrayDataset, Augment, DataLoader, apply_view_boxes, downsample, normalize
 from engine.device_loader import DeviceLoader, resolve_device
 from engine.nn import Module
 from engine.optim import SGD, AdamW, WarmupCosine, clip_grad_norm_
@@ -108,6 +108,13 @@ def build_student(cfg: dict[str, Any], num_classes: int, teacher_dim: int | None
     return StudentCNN(num_classes, widths=m["widths"], teacher_dim=teacher_dim, dropout=m["dropout"])
 
 
+def student_input_size(cfg: dict[str, Any], image_size: int) -> int:
+    """The side of the student's input for a dataset stored at ``image_size`` px: ``model.input_size``
+    (0: the stored size), never more than the stored size (images are never blown up)."""
+    want = int(cfg["model"].get("input_size", 0) or 0)
+    return image_size if want <= 0 else min(want, int(image_size))
+
+
 def resolve_precision(setting: Any, device: str) -> bool:
     """Whether ``train.mixed_precision`` ("auto", "on", "off") means float16 compute on ``device``.
 
@@ -126,16 +133,18 @@ def _model_device(model: Module) -> str:
     return params[0].device if params else "cpu"
 
 
-def make_augment(cfg: dict[str, Any], colour_only: bool = False) -> Augment:
-    """The loader's augmentation; ``colour_only`` when the geometry comes from the teacher's view bank."""
+def make_augment(cfg: dict[str, Any], colour_only: bool = False, out_size: int | None = None) -> Augment:
+    """The loader's augmentation, its output ``out_size`` px (None: as stored); ``colour_only`` when the
+    geometry comes from the teacher's view bank (the views are then cut at the input size later)."""
     a = cfg["augment"]
     crop = None if a["crop"] in (None, "none") or colour_only else a["crop"]
     return Augment(hflip=a["hflip"] and not colour_only, vflip=a["vflip"] and not colour_only, crop=crop,
-                   scale=tuple(a["scale"]), brightness=a["brightness"], contrast=a["contrast"])
+                   scale=tuple(a["scale"]), brightness=a["brightness"], contrast=a["contrast"],
+                   out_size=None if colour_only else out_size)
 
 
-def pick_views(data: TrainData, idx: np.ndarray, x: np.ndarray, seed: int, epoch: int, batch: int
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def pick_views(data: TrainData, idx: np.ndarray, x: np.ndarray, seed: int, epoch: int, batch: int,
+               out_size: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """One teacher view per row (seeded by epoch and batch, so a resumed run repeats it): the batch cut
     to those views, and the teacher's features and logits for exactly those views."""
     k = data.views.shape[1]
@@ -144,18 +153,23 @@ def pick_views(data: TrainData, idx: np.ndarray, x: np.ndarray, seed: int, epoch
     boxes = np.asarray(data.views[idx])[rows, v]
     feats = np.asarray(data.view_features[idx])[rows, v]
     logits = None if data.view_logits is None else np.asarray(data.view_logits[idx])[rows, v]
-    return apply_view_boxes(x, boxes), feats, logits
+    return apply_view_boxes(x, boxes, out_size), feats, logits
 
 
-def predict_logits(model: Module, images: Any, mean: np.ndarray, std: np.ndarray, batch: int = 256) -> np.ndarray:
-    """Logits for every row of a uint8 NHWC array, in eval mode, without recording a graph."""
+def predict_logits(model: Module, images: Any, mean: np.ndarray, std: np.ndarray, batch: int = 256,
+                   size: int | None = None) -> np.ndarray:
+    """Logits for every row of a uint8 NHWC array, in eval mode, without recording a graph; the images
+    are first area-downsampled to ``size`` px when they are stored larger."""
     was_training = model.training
     model.eval()
     device = _model_device(model)
     out = []
     with no_grad():
         for i in range(0, len(images), batch):
-            x = normalize(np.asarray(images[i:i + batch]), mean, std)
+            x = np.asarray(images[i:i + batch])
+            if size is not None and x.shape[1] != size:
+                x = downsample(x, size)
+            x = normalize(x, mean, std, inplace=True)
             out.append(model(Tensor(to_device(x, device))).numpy())
     model.train(was_training)
     return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
@@ -228,9 +242,10 @@ def train_run(run_dir: str | os.PathLike[str], cfg: dict[str, Any], data: TrainD
     if device != "cpu":
         model.to(device)  # before the optimiser and the checkpoint: their state follows the parameters
     dataset = ArrayDataset(data.images, data.labels)
+    size = student_input_size(cfg, dataset.image_shape[0])
+    augment = make_augment(cfg, colour_only=data.views is not None, out_size=size)
     loader = DataLoader(dataset, int(tcfg["batch_size"]), shuffle=True, drop_last=len(dataset) > tcfg["batch_size"],
-                        seed=seed, mean=mean, std=std, augment=make_augment(cfg, colour_only=data.views is not None),
-                        prefetch=3, num_threads=1)
+                        seed=seed, mean=mean, std=std, augment=augment, prefetch=3, num_threads=1)
     device_loader = DeviceLoader(loader, device)
     scaler = GradScaler(enabled=use_amp)
     steps_per_epoch = len(loader)
@@ -279,7 +294,7 @@ def train_run(run_dir: str | os.PathLike[str], cfg: dict[str, Any], data: TrainD
         sums: dict[str, float] = {}
         seen = correct = labelled_seen = steps = skipped = amp_skipped = 0
         # Host side (teacher targets per row, views) in the loader's order, then on to the device.
-        host = (_host_batch(data, order, bs, seed, epoch, b, x, y) for b, (x, y) in enumerate(loader))
+        host = (_host_batch(data, order, bs, seed, epoch, b, x, y, size) for b, (x, y) in enumerate(loader))
         bar = tqdm(device_loader.upload(host), total=steps_per_epoch, desc=f"{label} epoch {epoch + 1}/{epochs}",
                    leave=False, disable=not progress, unit="batch")
         for b, (x, y, feats, tl) in enumerate(bar):
@@ -331,7 +346,7 @@ def train_run(run_dir: str | os.PathLike[str], cfg: dict[str, Any], data: TrainD
         if not _finite_state(model):  # a step with a finite loss blew the weights up: keep the last good state
             raise TrainingStopped(f"{label}: the weights became non-finite during epoch {epoch + 1} (learning rate "
                                   f"too high?). {_resume_hint(model, last)}")
-        val_logits = predict_logits(model, val_images, mean, std, int(tcfg["eval_batch_size"]))
+        val_logits = predict_logits(model, val_images, mean, std, int(tcfg["eval_batch_size"]), size)
         val_pred = val_logits.argmax(1) if len(val_logits) else np.zeros(0, np.int64)
         val_acc = float((val_pred == val_labels).mean()) if len(val_labels) else 0.0
         val_loss = float(ops.cross_entropy(Tensor(val_logits), val_labels).item()) if len(val_labels) else 0.0
@@ -360,14 +375,14 @@ def train_run(run_dir: str | os.PathLike[str], cfg: dict[str, Any], data: TrainD
 
 
 def _host_batch(data: TrainData, order: np.ndarray, bs: int, seed: int, epoch: int, b: int, x: np.ndarray,
-                y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+                y: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
     """Batch ``b`` with its teacher targets looked up on the host: (x, y, features, logits), each row of
     the teacher's arrays matching the loader's row (cut to the teacher's views when there is a bank)."""
     idx = order[b * bs:(b + 1) * bs]
     feats = None if data.features is None else np.asarray(data.features[idx])
     tl = None if data.logits is None else np.asarray(data.logits[idx])
     if data.views is not None:
-        x, feats, tl = pick_views(data, idx, x, seed, epoch, b)
+        x, feats, tl = pick_views(data, idx, x, seed, epoch, b, size)
     return x, y, feats, tl
 
 

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from engine.data import ArrayDataset, Augment, DataLoader, augment_batch, normalize
+from engine.data import ArrayDataset, Augment, DataLoader, augment_batch, downsample, normalize
 
 
 def _indexed(n: int = 50, size: int = 8) -> ArrayDataset:
@@ -222,3 +222,34 @@ def test_bad_arguments():
         DataLoader(_indexed(), 4, std=(1, 0, 1))
     with pytest.raises(ValueError):
         Augment(crop="zoom")
+
+
+def test_downsample_is_an_area_filter():
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 256, (3, 16, 16, 3), dtype=np.uint8)
+    want = x.reshape(3, 8, 2, 8, 2, 3).astype(np.float64).mean(axis=(2, 4))
+    np.testing.assert_allclose(downsample(x, 8), want, atol=1e-4)
+    np.testing.assert_allclose(downsample(x.astype(np.float32), 8), want, atol=1e-4)
+    np.testing.assert_array_equal(downsample(x, 16), x.astype(np.float32))  # already at size
+    # a non-integer factor still averages: a fine checkerboard becomes flat grey, not stripes
+    board = (np.indices((15, 15)).sum(0) % 2 * 255).astype(np.uint8)[None, :, :, None].repeat(3, -1)
+    small = downsample(board, 6)
+    assert small.shape == (1, 6, 6, 3) and np.ptp(small) < 60 and abs(small.mean() - 127.5) < 15
+
+
+def test_crops_cut_from_a_larger_stored_image_come_out_at_out_size():
+    rng = np.random.default_rng(6)
+    x = rng.integers(0, 256, (4, 32, 32, 3), dtype=np.uint8)
+    whole = Augment(hflip=False, scale=(1.0, 1.0), ratio=(1, 1), out_size=16, brightness=0, contrast=0)
+    np.testing.assert_allclose(augment_batch(x, whole, np.random.default_rng(0)), downsample(x, 16), atol=1e-3)
+    for crop in ("resized", "pad", None):
+        out = augment_batch(x, Augment(crop=crop, out_size=16), np.random.default_rng(1))
+        assert out.shape == (4, 16, 16, 3) and out.dtype == np.float32
+    # a quarter-area crop of a ramp spans half the ramp, at the output size
+    ramp = np.broadcast_to(np.arange(64, dtype=np.uint8)[None, None, :, None] * 4, (8, 64, 64, 3)).copy()
+    rc = augment_batch(ramp, Augment(hflip=False, scale=(0.25, 0.25), ratio=(1, 1), out_size=16),
+                       np.random.default_rng(4))
+    assert rc.shape == (8, 16, 16, 3)
+    np.testing.assert_allclose(rc[:, :, -1, 0] - rc[:, :, 0, 0], 0.5 * 64 * 4 * 15 / 16, rtol=0.05)
+    with pytest.raises(ValueError, match="out_size"):
+        Augment(out_size=0)

@@ -62,6 +62,28 @@ def test_no_teacher_trains_scratch_only(tiny):
     assert set(report["variants"]) == {"scratch"} and report["winner"] == "scratch"
 
 
+def test_the_student_trains_and_is_judged_at_model_input_size(tiny):
+    """Stored at 16 px: input_size 8 trains and evaluates on 8 px images; 64 is never blown up beyond 16."""
+    tmp, ds_dir = tiny
+    report = run_distill(ds_dir, tmp / "teacher", tmp / "at8", _cfg(epochs=2, **{"model.input_size": 8}),
+                         progress=False)
+    assert report["dataset"]["image_size"] == 16 and report["dataset"]["input_size"] == 8
+    _, info = load_model(tmp / "at8")
+    assert info.dataset["input_size"] == 8
+    # the kept weights score on val exactly what the report says when fed 8 px area-downsampled images
+    from engine.data import downsample  # noqa: PLC0415
+    from pipeline.train_student import predict_logits  # noqa: PLC0415
+
+    model, _ = load_model(tmp / "at8")
+    ds = load_dataset(ds_dir)
+    small = downsample(np.asarray(ds["val"].images), 8)
+    acc = float((predict_logits(model, small, ds.mean, ds.std).argmax(1) == np.asarray(ds["val"].labels)).mean())
+    assert acc == pytest.approx(report["val_accuracy"])
+    big = run_distill(ds_dir, None, tmp / "at64", _cfg(epochs=1, **{"model.input_size": 64}), no_teacher=True,
+                      progress=False)
+    assert big["dataset"]["input_size"] == 16
+
+
 def test_resume_gives_the_same_result_as_an_uninterrupted_run(tiny, monkeypatch):
     tmp, ds_dir = tiny
     cfg = _cfg(epochs=3, **{"distill.compare_scratch": "false"})

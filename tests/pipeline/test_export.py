@@ -233,3 +233,33 @@ def test_wrong_dataset_and_foreign_output_are_refused(tiny_run, tmp_path, capsys
     code = main(["export", "--run", str(tmp_path / "nowhere"), "--out", str(tmp_path / "e"), "--dataset",
                  str(dataset)])
     assert code == 1 and "does not exist" in capsys.readouterr().err
+
+
+def test_a_student_with_a_smaller_input_than_the_stored_images_exports_at_its_input_size(tiny_run, tmp_path):
+    """Stored at 32 px, trained at 16 (model.input_size): the ONNX input, metadata and parity are at 16."""
+    from apps.predictor import Predictor  # noqa: PLC0415
+    from engine.data import downsample  # noqa: PLC0415
+
+    run16, _ = tiny_run
+    dataset = tmp_path / "dataset32"
+    ingest(_photos(tmp_path / "photos"), dataset, IngestOptions(size=32), workers=1, log=lambda s: None)
+    ds = load_dataset(dataset)
+    from pipeline.runs import load_model  # noqa: PLC0415
+
+    model, info = load_model(run16)
+    extra = {"model_config": info.model_config, "metrics": info.metrics, "run_id": "tiny-run-32",
+             "dataset": {"classes": ds.classes, "mean": ds.mean.tolist(), "std": ds.std.tolist(), "image_size": 32,
+                         "input_size": 16, "resize": "crop", "manifest_sha256": manifest_digest(dataset)}}
+    run = tmp_path / "student32"
+    save_checkpoint(run / "best.npz", model, epoch=3, step=30, extra=extra)
+    out = tmp_path / "export"
+    export_run(_opts(run, dataset, out), log=lambda s: None)
+    report = json.loads((out / "parity.json").read_text())
+    assert report["onnx"]["input_shape"] == ["batch", 3, 16, 16]
+    assert report["parity"]["fp32"]["top1_agreement"] == 1.0
+    pred = Predictor(out / "student.onnx", intra_op_threads=1)
+    assert pred.card.input_size == 16
+    small = np.clip(np.rint(downsample(np.asarray(ds["test"].images), 16)), 0, 255).astype(np.uint8)
+    model.eval()
+    want = model(Tensor(normalize(small, ds.mean, ds.std))).numpy()
+    np.testing.assert_allclose(pred.logits_arrays(small), want, atol=1e-4)

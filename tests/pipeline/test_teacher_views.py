@@ -11,7 +11,7 @@ from pipeline_helpers import tiny_dataset
 from test_teacher_stage import _tiny_encoder
 
 from data_prep.manifest import load_dataset
-from engine.data import Augment, apply_view_boxes, sample_view_boxes
+from engine.data import Augment, apply_view_boxes, downsample, sample_view_boxes
 from pipeline.cli import main as cli
 from pipeline.config import load_config
 from pipeline.distill import run_distill
@@ -52,6 +52,12 @@ def test_a_view_is_the_same_region_at_any_resolution():
     from_big = np.asarray(Image.fromarray(view_big).resize((24, 24), Image.Resampling.BOX), np.float32)
     from_small = apply_view_boxes(small, box)[0]
     assert np.abs(from_big - from_small).mean() < 3.0  # grey levels; a misplaced box gives tens
+    # the student's view cut straight from the 96 px image at its 24 px input size (out_size) agrees too
+    direct = apply_view_boxes(big, box, out_size=24)[0]
+    assert direct.shape == (24, 24, 3) and np.abs(from_big - direct).mean() < 3.0
+    assert np.abs(apply_view_boxes(big.astype(np.float32), box, out_size=24)[0] - direct).max() < 1e-3
+    plain = np.array([[0, 0, 1, 1, 0, 0]], np.float32)
+    np.testing.assert_allclose(apply_view_boxes(big, plain, out_size=24), downsample(big, 24), atol=1e-3)
 
 
 def test_teacher_writes_a_view_bank_that_distill_learns_from(ds_dir, tmp_path, capsys):

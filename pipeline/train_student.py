@@ -167,9 +167,8 @@ def predict_logits(model: Module, images: Any, mean: np.ndarray, std: np.ndarray
     with no_grad():
         for i in range(0, len(images), batch):
             x = np.asarray(images[i:i + batch])
-            if size is not None and x.shape[1] != size:
-                x = downsample(x, size)
-            x = normalize(x, mean, std, inplace=True)
+            # never in place: at its own size, x may be a view of the caller's float array
+            x = normalize(x if size is None else downsample(x, size), mean, std)
             out.append(model(Tensor(to_device(x, device))).numpy())
     model.train(was_training)
     return np.concatenate(out) if out else np.zeros((0, 0), np.float32)

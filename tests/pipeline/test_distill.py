@@ -77,8 +77,11 @@ def test_the_student_trains_and_is_judged_at_model_input_size(tiny):
     model, _ = load_model(tmp / "at8")
     ds = load_dataset(ds_dir)
     small = downsample(np.asarray(ds["val"].images), 8)
-    acc = float((predict_logits(model, small, ds.mean, ds.std).argmax(1) == np.asarray(ds["val"].labels)).mean())
+    kept = small.copy()
+    acc = float((predict_logits(model, small, ds.mean, ds.std, size=8).argmax(1)
+                 == np.asarray(ds["val"].labels)).mean())
     assert acc == pytest.approx(report["val_accuracy"])
+    np.testing.assert_array_equal(small, kept)  # the caller's images are not normalised in place
     big = run_distill(ds_dir, None, tmp / "at64", _cfg(epochs=1, **{"model.input_size": 64}), no_teacher=True,
                       progress=False)
     assert big["dataset"]["input_size"] == 16

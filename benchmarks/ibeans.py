@@ -127,7 +127,7 @@ def main() -> None:
 
     quiet = dict(log=lambda s: None)
     store = args.store_size or args.size
-    tag = "" if store == 64 else f"_s{store}"  # folders of earlier runs (stored at 64) stay reusable
+    tag = f"_s{store}"  # datasets (and the teachers tied to them) per stored size
     ds_dirs = {"full": work / f"ds_full{tag}", "frac": work / f"ds_frac{tag}"}
     lab, unl = fraction_sources(args.data, work / "sources", args.fraction)
     timed("preprocess", ingest, args.data, ds_dirs["full"], IngestOptions(size=store), **quiet)

@@ -136,34 +136,25 @@ class Tally:
                 "cores_used": self.cpu_s / self.wall_s if self.wall_s else float("nan")}
 
 
-def bench_sequential(predictor: Predictor, images: np.ndarray, seconds: float, tally: Tally) -> None:
-    """One caller, batch-1 calls back to back."""
+def bench_sequential(predictor: Predictor, images: np.ndarray, seconds: float, tally: Tally, batch: int = 1) -> None:
+    """One caller, calls of ``batch`` images back to back: batch 1 is (a); larger batches, the model
+    alone without a batcher, are (d). Every image of a call is counted with that call's latency."""
+    n = len(images)
+
+    def chunk(i: int) -> np.ndarray:
+        return images[i % n][None] if batch == 1 else np.take(images, np.arange(i * batch, (i + 1) * batch) % n, 0)
+
     for i in range(10):
-        predictor.predict_arrays(images[i % len(images)][None])
+        predictor.predict_arrays(chunk(i))
     cpu0 = time.process_time()
     start = time.perf_counter()
     i = 0
     while time.perf_counter() - start < seconds:
-        t = time.perf_counter()
-        predictor.predict_arrays(images[i % len(images)][None])
-        tally.latencies.append(time.perf_counter() - t)
-        i += 1
-    tally.seconds += time.perf_counter() - start
-    tally.cpu_s += time.process_time() - cpu0
-    tally.wall_s += time.perf_counter() - start
-
-
-def bench_model_batches(predictor: Predictor, images: np.ndarray, batch: int, seconds: float, tally: Tally) -> None:
-    """One caller, ``batch`` images per call back to back (the model alone: the batching ceiling)."""
-    x = np.ascontiguousarray(images[:batch]) if batch <= len(images) else np.resize(images, (batch, *images.shape[1:]))
-    for _ in range(3):
-        predictor.predict_arrays(x)
-    cpu0 = time.process_time()
-    start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
+        x = chunk(i)
         t = time.perf_counter()
         predictor.predict_arrays(x)
         tally.latencies.extend([time.perf_counter() - t] * batch)
+        i += 1
     tally.seconds += time.perf_counter() - start
     tally.cpu_s += time.process_time() - cpu0
     tally.wall_s += time.perf_counter() - start
@@ -300,14 +291,13 @@ def main(argv: list[str] | None = None) -> int:
             for c in clients:
                 bench_batched(predictor, images, reference, c, slice_s, batch_tallies[c],
                               args.max_batch_size, args.max_wait_ms, workers)
-        # (d) on the baseline's settings, known only once the rounds are done
-        best_cfg = max(seq_tallies, key=lambda k: seq_tallies[k].summary()["img_s"])
-        for _ in range(args.rounds):
-            for b in model_batches:
-                bench_model_batches(seq_predictors[best_cfg], images, b, slice_s, ceiling_tallies[b])
         seq_runs = {cfg: t.summary() for cfg, t in seq_tallies.items()}
         best_cfg = max(seq_runs, key=lambda k: seq_runs[k]["img_s"])
         seq = seq_runs[best_cfg]
+        # (d) on the baseline's settings, known only once the rounds above are done
+        for _ in range(args.rounds):
+            for b in model_batches:
+                bench_sequential(seq_predictors[best_cfg], images, slice_s, ceiling_tallies[b], batch=b)
         batched = {c: t.summary() for c, t in batch_tallies.items()}
         ceiling = {b: t.summary() for b, t in ceiling_tallies.items()}
         e2e = bench_e2e(predictor, photo, args.e2e_runs)

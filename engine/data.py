@@ -168,13 +168,20 @@ def _block_mean(x: np.ndarray, f: int) -> np.ndarray:
     return np.ascontiguousarray(x.reshape(n, h // f, f, w // f, f, c).mean(axis=(2, 4), dtype=np.float32))
 
 
-def _box_grid(top: np.ndarray, left: np.ndarray, bh: np.ndarray, bw: np.ndarray, out: int, f: int
-              ) -> tuple[np.ndarray, np.ndarray]:
-    """Source coordinates of an ``out`` x ``out`` grid (``f`` samples per pixel and axis) covering each
-    box (top, left, height, width in source pixels); the +/-0.5 align pixel centres."""
-    s = out * f
-    steps = np.arange(s)[None, :] + 0.5
-    return top[:, None] + steps * (bh / s)[:, None] - 0.5, left[:, None] + steps * (bw / s)[:, None] - 0.5
+def _box_grid(top: np.ndarray, left: np.ndarray, bh: np.ndarray, bw: np.ndarray, out_h: int, out_w: int,
+              f: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Source coordinates of an ``out_h`` x ``out_w`` grid (``f`` samples per pixel and axis) covering
+    each box (top, left, height, width in source pixels); the +/-0.5 align pixel centres."""
+    sh, sw = out_h * f, out_w * f
+    sy = top[:, None] + (np.arange(sh)[None, :] + 0.5) * (bh / sh)[:, None] - 0.5
+    sx = left[:, None] + (np.arange(sw)[None, :] + 0.5) * (bw / sw)[:, None] - 0.5
+    return sy, sx
+
+
+def _resample(x: np.ndarray, sy: np.ndarray, sx: np.ndarray, f: int) -> np.ndarray:
+    """Bilinear samples of ``x`` (uint8 or float) at the grid ``sy``/``sx``, ``f`` x ``f`` blocks averaged."""
+    sampled = _gather_bilinear(x, sy, sx) if x.dtype == np.uint8 else _gather_float(np.asarray(x, np.float32), sy, sx)
+    return _block_mean(sampled, f)
 
 
 def downsample(x: np.ndarray, size: int) -> np.ndarray:
@@ -190,15 +197,13 @@ def downsample(x: np.ndarray, size: int) -> np.ndarray:
         return _block_mean(np.asarray(x, np.float32), h // size)
     f = _supersampling(h, w, size)
     zeros = np.zeros(n)
-    sy, sx = _box_grid(zeros, zeros, np.full(n, float(h)), np.full(n, float(w)), size, f)
-    xs = x if x.dtype == np.uint8 else np.asarray(x, np.float32)
-    return _block_mean(_gather_bilinear(xs, sy, sx) if xs.dtype == np.uint8 else _gather_float(xs, sy, sx), f)
+    return _resample(x, *_box_grid(zeros, zeros, np.full(n, float(h)), np.full(n, float(w)), size, size, f), f)
 
 
 def augment_batch(x: np.ndarray, aug: Augment, rng: np.random.Generator) -> np.ndarray:
     """Geometric augmentation of a uint8 batch -> float32 batch in [0, 255] (``out_size`` or same H, W)."""
     n, h, w, _ = x.shape
-    out = aug.out_size or h
+    out_h, out_w = (aug.out_size, aug.out_size) if aug.out_size else (h, w)
     if aug.hflip:
         m = rng.random(n) < 0.5
         x = x.copy() if m.any() else x
@@ -215,19 +220,15 @@ def augment_batch(x: np.ndarray, aug: Augment, rng: np.random.Generator) -> np.n
         cw = np.clip(np.sqrt(area * r), 0.05, 1.0) * w
         oy = rng.random(n) * (h - ch)
         ox = rng.random(n) * (w - cw)
-        if aug.out_size is None:
-            sy = oy[:, None] + (np.arange(h)[None, :] + 0.5) * (ch / h)[:, None] - 0.5
-            sx = ox[:, None] + (np.arange(w)[None, :] + 0.5) * (cw / w)[:, None] - 0.5
-            return _gather_bilinear(x, sy, sx)
-        f = _supersampling(h, w, out)
-        return _block_mean(_gather_bilinear(x, *_box_grid(oy, ox, ch, cw, out, f)), f)
+        f = _supersampling(h, w, aug.out_size) if aug.out_size else 1
+        return _resample(x, *_box_grid(oy, ox, ch, cw, out_h, out_w, f), f)
     if aug.crop == "pad" and aug.pad > 0:
         dy = rng.integers(0, 2 * aug.pad + 1, n)
         dx = rng.integers(0, 2 * aug.pad + 1, n)
         rows = np.clip(np.arange(h)[None, :] + dy[:, None] - aug.pad, 0, h - 1)  # edge padding
         cols = np.clip(np.arange(w)[None, :] + dx[:, None] - aug.pad, 0, w - 1)
-        return downsample(_gather_int(x, rows, cols), out)
-    return downsample(x, out)
+        x = _gather_int(x, rows, cols)
+    return downsample(x, aug.out_size) if aug.out_size else x.astype(np.float32)
 
 
 VIEW_FIELDS = ("top", "left", "height", "width", "hflip", "vflip")
@@ -269,24 +270,18 @@ def apply_view_boxes(x: np.ndarray, boxes: np.ndarray, out_size: int | None = No
     weights summing to one, so it commutes with per-channel normalisation: views may be cut before or
     after ``normalize`` with the same result.
     """
-    n, h, w, c = x.shape
+    n, h, w, _ = x.shape
     boxes = np.asarray(boxes, np.float32)
     if boxes.shape != (n, 6):
         raise ValueError(f"apply_view_boxes: boxes must be ({n}, 6), got {boxes.shape}")
     top, left, bh, bw = (boxes[:, i].astype(np.float64) for i in range(4))
-    if out_size is None:
-        sy = (top * h)[:, None] + (np.arange(h)[None, :] + 0.5) * bh[:, None] - 0.5
-        sx = (left * w)[:, None] + (np.arange(w)[None, :] + 0.5) * bw[:, None] - 0.5
-        f = 1
-    else:
-        f = _supersampling(h, w, out_size)
-        sy, sx = _box_grid(top * h, left * w, bh * h, bw * w, out_size, f)
+    out_h, out_w = (out_size, out_size) if out_size else (h, w)
+    f = _supersampling(h, w, out_size) if out_size else 1
+    sy, sx = _box_grid(top * h, left * w, bh * h, bw * w, out_h, out_w, f)
     vf, hf = boxes[:, 5] > 0.5, boxes[:, 4] > 0.5
     sy[vf] = sy[vf, ::-1]
     sx[hf] = sx[hf, ::-1]
-    if x.dtype == np.uint8:
-        return _block_mean(_gather_bilinear(x, sy, sx), f)
-    return _block_mean(_gather_float(np.asarray(x, np.float32), sy, sx), f)
+    return _resample(x, sy, sx, f)
 
 
 def _gather_float(xf: np.ndarray, sy: np.ndarray, sx: np.ndarray) -> np.ndarray:

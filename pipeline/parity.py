@@ -50,7 +50,7 @@ class AtSize:
 
 def at_size(images: Any, size: int) -> Any:
     """``images`` themselves when already ``size`` px, else an :class:`AtSize` view of them."""
-    return images if np.asarray(images[:1]).shape[1] == size else AtSize(images, size)
+    return images if images.shape[1] == size else AtSize(images, size)
 
 
 def batches(images: Any, mean: np.ndarray, std: np.ndarray, batch: int):

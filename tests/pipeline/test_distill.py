@@ -135,3 +135,23 @@ def test_cli_distill_reports_and_refuses_unknown_settings(tiny, capsys):
     code = cli(["distill", "--dataset", str(ds_dir), "--out", str(tmp / "cli2"), "--set", "train.epoks=1"])
     assert code == 2
     assert "unknown setting 'epoks'" in capsys.readouterr().err
+
+
+def test_equal_val_accuracy_is_broken_by_the_lower_val_loss():
+    from pipeline.train_student import is_better_epoch  # noqa: PLC0415
+
+    assert is_better_epoch(0.9, 0.5, 0.8, 0.1)        # higher accuracy wins whatever the loss
+    assert not is_better_epoch(0.8, 0.1, 0.9, 0.5)
+    assert is_better_epoch(0.9, 0.2, 0.9, 0.3)        # a tie: the lower loss wins
+    assert not is_better_epoch(0.9, 0.3, 0.9, 0.3)    # an exact repeat is no improvement
+    assert is_better_epoch(0.0, 1.0, -1.0, float("inf"))  # the first epoch always counts
+
+
+def test_the_kept_epoch_is_the_best_by_accuracy_then_loss(tiny):
+    tmp, ds_dir = tiny
+    report = run_distill(ds_dir, None, tmp / "select", _cfg(epochs=6), no_teacher=True, progress=False)
+    rows = [json.loads(line) for line in (tmp / "select" / "scratch" / "metrics.jsonl").read_text().splitlines()]
+    best = min(rows, key=lambda r: (-r["val_acc"], r["val_loss"], r["epoch"]))
+    assert report["variants"]["scratch"]["best_epoch"] == best["epoch"]
+    ck = np.load(tmp / "select" / "scratch" / "best.npz")
+    assert json.loads(str(ck["meta"]))["epoch"] == best["epoch"] - 1

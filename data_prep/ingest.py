@@ -55,7 +55,7 @@ class IngestError(RuntimeError):
 class IngestOptions:
     """Everything that changes the output; recorded in the manifest and in the fingerprint."""
 
-    size: int = 64
+    size: int = 128  # twice the student's default 64 px input (see model.input_size)
     resize: str = "crop"
     ratios: tuple[float, float, float] = (0.7, 0.15, 0.15)
     seed: int = 0

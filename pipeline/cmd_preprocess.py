@@ -21,7 +21,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--src", required=True, help="folder of photos")
     p.add_argument("--out", required=True, help="dataset folder to write (replaced atomically)")
-    p.add_argument("--size", type=int, default=128,
+    p.add_argument("--size", type=int, default=IngestOptions.size,
                    help="square output size in pixels (default 128: twice the student's 64 px input, so its "
                         "training crops are cut from a sharper image; see model.input_size)")
     p.add_argument("--resize", choices=("crop", "pad"), default="crop",

@@ -35,6 +35,7 @@ from data_prep.manifest import load_dataset  # noqa: E402
 from engine import Tensor, nn, ops  # noqa: E402
 from engine import random as erandom  # noqa: E402
 from engine.optim import AdamW  # noqa: E402
+from engine.parallel import num_threads  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.distill import run_distill  # noqa: E402
 from pipeline.teacher import knn_accuracy, write_teacher  # noqa: E402
@@ -183,15 +184,15 @@ def main() -> None:
         teachers[name] = tdir
         teacher_acc[name] = float((np.asarray(tt.logits["test"]).argmax(1) == np.asarray(ds["test"].labels)).mean())
 
-    runs = [(seed, name) for seed in range(args.seeds) for name in ds_dirs if name in args.settings.split(",")]
     jobs = [(work, seed, name, ds_dirs[name], teachers[name],
              [f"train.seed={seed}", f"model.input_size={args.size}"]
-             + ([f"train.epochs={args.epochs}"] if args.epochs else []) + args.overrides) for seed, name in runs]
+             + ([f"train.epochs={args.epochs}"] if args.epochs else []) + args.overrides)
+            for seed in range(args.seeds) for name in ds_dirs if name in args.settings.split(",")]
     rows = []
     if args.jobs > 1:
         # Each run in its own process with its share of the cores (BLAS and the engine's threads), so
         # that the single-threaded parts of a training step overlap too.
-        share = str(max(1, (os.cpu_count() or 1) // args.jobs))
+        share = str(max(1, num_threads() // args.jobs))
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "LEAFLENS_THREADS"):
             os.environ[var] = share
         t0 = time.perf_counter()

@@ -8,7 +8,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-LEAFLENS := $(PY) -m pipeline.cli
+LEAFLENS := $(PY) -m leaflens
 ART ?= artifacts
 SYNTH := $(ART)/synthetic
 DATA ?= $(SYNTH)

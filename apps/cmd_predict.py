@@ -1,7 +1,7 @@
 """`leaflens predict`: classify image files and folders with an exported ONNX model.
 
 Files named on the command line are classified whatever their extension; folders are searched
-recursively for image files (data_prep.scan.IMAGE_EXTENSIONS, hidden entries skipped). Images go
+recursively for image files (leaflens.data_prep.scan.IMAGE_EXTENSIONS, hidden entries skipped). Images go
 through the model in batches with a progress bar; an unreadable image does not stop the run, it
 gets a row with an error instead. Exit code: 0 all images classified, 1 some could not be read,
 2 usage or model errors (nothing classified).
@@ -17,9 +17,9 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from apps.model_card import ModelError
-from apps.predictor import Prediction, Predictor
-from data_prep.scan import IMAGE_EXTENSIONS
+from leaflens.apps.model_card import ModelError
+from leaflens.apps.predictor import Prediction, Predictor
+from leaflens.data_prep.scan import IMAGE_EXTENSIONS
 
 __all__ = ["add_parser", "collect_images", "run", "write_csv"]
 

@@ -6,7 +6,7 @@
 
 Binds 127.0.0.1 unless ``--host`` says otherwise; ``--share`` (a public Gradio link) is off unless
 asked. The run folder, dataset (for example photos) and class notes are found from the export's own
-records when not given (see apps.model_info). One log line per request gives the server-side
+records when not given (see leaflens.apps.model_info). One log line per request gives the server-side
 latency. Exit code 2 on a usage or model error.
 """
 
@@ -84,12 +84,12 @@ def prepare(args: argparse.Namespace):
     Raises UsageError, ModelError, NotesError or FileNotFoundError with a message naming the
     option or file.
     """
-    from apps.examples import default_cache_dir, write_examples
-    from apps.model_info import discover
-    from apps.notes import ClassNotes, load_notes
-    from apps.predictor import Predictor, usable_cpus
-    from apps.service import DiagnosisService, ServiceOptions
-    from apps.web_config import AppConfig
+    from leaflens.apps.examples import default_cache_dir, write_examples
+    from leaflens.apps.model_info import discover
+    from leaflens.apps.notes import ClassNotes, load_notes
+    from leaflens.apps.predictor import Predictor, usable_cpus
+    from leaflens.apps.service import DiagnosisService, ServiceOptions
+    from leaflens.apps.web_config import AppConfig
 
     _check(args)
     predictor = Predictor(args.model, intra_op_threads=args.threads)
@@ -114,7 +114,7 @@ def prepare(args: argparse.Namespace):
 
 def build(args: argparse.Namespace):
     """(service, demo, config): :func:`prepare`, then the Gradio app (not yet launched)."""
-    from apps.web import build_app
+    from leaflens.apps.web import build_app
 
     service, config = prepare(args)
     try:
@@ -134,15 +134,15 @@ def run(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("gradio") is None:
         print(f"{prog}: error: gradio is not installed; pip install 'leaflens[serve-cpu]'", file=sys.stderr)
         return 2
-    from apps.model_card import ModelError
-    from apps.notes import NotesError
+    from leaflens.apps.model_card import ModelError
+    from leaflens.apps.notes import NotesError
 
     try:
         service, config = prepare(args)
     except (UsageError, ModelError, NotesError, FileNotFoundError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
-    from apps.web import build_app, launch
+    from leaflens.apps.web import build_app, launch
 
     try:
         demo = build_app(service, config)

@@ -9,7 +9,7 @@ Pure logic without Gradio, so it is unit-tested directly and shared by the page 
   threshold, exactly as for a single photo.
 - :func:`render` turns that answer into what a person reads, in English or Chinese: the ranked
   labels for ``gr.Label``, a plain-language verdict, the class notes (description, what to do) and
-  a per-photo table. Error messages are the friendly ones of :mod:`apps.i18n`, never tracebacks.
+  a per-photo table. Error messages are the friendly ones of :mod:`leaflens.apps.i18n`, never tracebacks.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from apps.i18n import t
-from apps.notes import ClassNotes
+from leaflens.apps.i18n import t
+from leaflens.apps.notes import ClassNotes
 
 __all__ = ["PhotoOutcome", "error_message", "format_percent", "is_healthy", "md_escape", "render", "summarise"]
 
@@ -32,7 +32,7 @@ class PhotoOutcome:
     """One uploaded file: its probabilities over the model's classes, or why it has none.
 
     ``name`` is what the person called the file (never a server path); ``reason`` is an
-    :class:`data_prep.decode.ImageDecodeError` reason or one of the app's own ("file_too_big",
+    :class:`leaflens.data_prep.decode.ImageDecodeError` reason or one of the app's own ("file_too_big",
     "internal"); ``detail`` is the technical message (logged, and returned by the API).
     """
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from data_prep.manifest import MANIFEST_NAME, DatasetError, load_dataset
+from leaflens.data_prep.manifest import MANIFEST_NAME, DatasetError, load_dataset
 
 __all__ = ["DISPLAY_SIZE", "default_cache_dir", "write_examples"]
 

@@ -12,7 +12,7 @@ leaflens.classes                yes        JSON list of class names
 leaflens.input_size             yes        S (input is [N, 3, S, S])
 leaflens.mean / leaflens.std    yes        JSON lists of 3 floats on the [0, 1] pixel scale
 leaflens.layout                 yes        "NCHW"
-leaflens.resize                 yes        "crop" or "pad" (as in data_prep.decode)
+leaflens.resize                 yes        "crop" or "pad" (as in leaflens.data_prep.decode)
 leaflens.uncertain_threshold    no         float; top probability below it => "uncertain"
 leaflens.run_id                 no         training run id
 leaflens.accuracy               no         float, test accuracy of that run

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from apps.i18n import t
-from apps.notes import find_notes
+from leaflens.apps.i18n import t
+from leaflens.apps.notes import find_notes
 
 __all__ = ["EXPORT_REPORT", "RUN_REPORT", "ServeContext", "discover", "model_markdown", "run_images"]
 

@@ -1,8 +1,8 @@
 """Inference with an exported leaflens ONNX model: photo in, ranked classes out.
 
-The :class:`Predictor` loads the model once, reads its :class:`~apps.model_card.ModelCard` (class
+The :class:`Predictor` loads the model once, reads its :class:`~leaflens.apps.model_card.ModelCard` (class
 names, input size, normalisation, resize mode, uncertainty threshold) from the file's metadata,
-and preprocesses every photo with :func:`data_prep.decode.decode_image`, the very function the
+and preprocesses every photo with :func:`leaflens.data_prep.decode.decode_image`, the very function the
 training data went through, so serving sees the pixels training saw. Softmax is applied here (the
 graph ends at the logits). A prediction whose top probability is below the model's threshold is
 flagged ``uncertain``: a photo that is not a leaf should not get a confident disease name.
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from apps.model_card import ModelCard, ModelError
-from data_prep.decode import ImageDecodeError, decode_image
+from leaflens.apps.model_card import ModelCard, ModelError
+from leaflens.data_prep.decode import ImageDecodeError, decode_image
 
 # What decode_image accepts: a path or the encoded bytes of a photo.
 Source = str | os.PathLike | bytes
@@ -251,7 +251,7 @@ class Predictor:
     def decode(self, src: Source) -> np.ndarray:
         """One photo (path or encoded bytes) -> uint8 ``[S, S, 3]``, exactly as training decoded it.
 
-        Raises :class:`data_prep.decode.ImageDecodeError` for unreadable images.
+        Raises :class:`leaflens.data_prep.decode.ImageDecodeError` for unreadable images.
         """
         return decode_image(src, self.card.input_size, self.card.resize)
 

@@ -2,7 +2,7 @@
 
 Used by the end-to-end browser test and to make the README's screenshot::
 
-    python -m apps.screenshot --model artifacts/export/student.onnx --photo leaf.jpg --out docs/app.png
+    python -m leaflens.apps.screenshot --model artifacts/export/student.onnx --photo leaf.jpg --out docs/app.png
 
 (any other ``leaflens serve`` option may follow). The app is started in this process on a free
 local port. The browser is the system's Chromium driven by Playwright (``playwright install``
@@ -97,7 +97,7 @@ def drive(url: str, photos: Sequence[str | os.PathLike], screenshot: str | os.Pa
             page.goto(url, wait_until="domcontentloaded")
             page.wait_for_selector("#diagnose")
             if lang is not None:
-                from apps.i18n import LANG_CHOICES
+                from leaflens.apps.i18n import LANG_CHOICES
 
                 page.locator("#lang").get_by_text(LANG_CHOICES[lang], exact=True).click()
                 page.wait_for_function("t => document.querySelector('#diagnose').innerText.trim() === t",
@@ -121,7 +121,7 @@ def drive(url: str, photos: Sequence[str | os.PathLike], screenshot: str | os.Pa
 
 
 def _button_text(lang: str) -> str:
-    from apps.i18n import t
+    from leaflens.apps.i18n import t
 
     return t("diagnose", lang)
 
@@ -133,10 +133,10 @@ def _text(page, selector: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Start the app with ``leaflens serve`` options, diagnose ``--photo`` files, save ``--out``."""
-    from apps import cmd_serve
-    from apps.web import launch
+    from leaflens.apps import cmd_serve
+    from leaflens.apps.web import launch
 
-    own = argparse.ArgumentParser(prog="python -m apps.screenshot", description=__doc__.split("\n\n")[0])
+    own = argparse.ArgumentParser(prog="python -m leaflens.apps.screenshot", description=__doc__.split("\n\n")[0])
     own.add_argument("--photo", action="append", required=True, help="photo to upload (repeat for several)")
     own.add_argument("--out", required=True, help="PNG to write (re-encoded to stay under 300 KB)")
     own.add_argument("--shot-lang", choices=["en", "zh"], default=None, help="switch the page to this language")

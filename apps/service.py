@@ -1,7 +1,7 @@
-"""The web app's engine room: uploaded files in, the JSON answer of :func:`apps.diagnosis.summarise` out.
+"""The web app's engine room: uploaded files in, the JSON answer of :func:`leaflens.apps.diagnosis.summarise` out.
 
-:class:`DiagnosisService` owns one :class:`~apps.predictor.Predictor` and one
-:class:`~apps.batcher.DynamicBatcher`. Gradio runs each request in its own thread (up to the
+:class:`DiagnosisService` owns one :class:`~leaflens.apps.predictor.Predictor` and one
+:class:`~leaflens.apps.batcher.DynamicBatcher`. Gradio runs each request in its own thread (up to the
 event's concurrency limit); every request decodes its photos (in parallel when there are several,
 Pillow releases the GIL) and submits each decoded photo to the shared batcher, so photos from
 concurrent requests meet in one model call. Nothing here imports Gradio, so the same object serves
@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from apps.batcher import BatcherBusy, BatcherClosed, DynamicBatcher
-from apps.diagnosis import PhotoOutcome, summarise
-from apps.notes import ClassNotes
-from apps.predictor import Predictor, usable_cpus
-from data_prep.decode import ImageDecodeError
+from leaflens.apps.batcher import BatcherBusy, BatcherClosed, DynamicBatcher
+from leaflens.apps.diagnosis import PhotoOutcome, summarise
+from leaflens.apps.notes import ClassNotes
+from leaflens.apps.predictor import Predictor, usable_cpus
+from leaflens.data_prep.decode import ImageDecodeError
 
 __all__ = ["MB", "DiagnosisService", "ServiceOptions"]
 

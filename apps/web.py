@@ -10,7 +10,7 @@ Layout: a language switch (English / 中文), then two tabs.
   provider, parameters) and the run's confusion matrix and training curves.
 
 The Diagnose button's event is the public API endpoint ``/diagnose`` (files in, the JSON of
-:func:`apps.diagnosis.summarise` out); the page then renders that JSON in the chosen language in a
+:func:`leaflens.apps.diagnosis.summarise` out); the page then renders that JSON in the chosen language in a
 chained, private event, so a language switch re-renders the last answer without asking the model
 again. Gradio's queue feeds the service's dynamic batcher: up to ``concurrency`` requests run at
 once (each decoding its photos and submitting them to the shared batcher) and at most
@@ -26,11 +26,11 @@ from typing import Any
 
 import gradio as gr
 
-from apps.diagnosis import format_percent, render
-from apps.i18n import LANG_CHOICES, lang_from_choice, t
-from apps.model_info import model_markdown, run_images
-from apps.service import DiagnosisService
-from apps.web_config import AppConfig
+from leaflens.apps.diagnosis import format_percent, render
+from leaflens.apps.i18n import LANG_CHOICES, lang_from_choice, t
+from leaflens.apps.model_info import model_markdown, run_images
+from leaflens.apps.service import DiagnosisService
+from leaflens.apps.web_config import AppConfig
 
 __all__ = ["AppConfig", "build_app", "launch"]
 

@@ -1,4 +1,4 @@
-"""The web page's settings besides the model service (kept apart from apps.web so that building
+"""The web page's settings besides the model service (kept apart from leaflens.apps.web so that building
 them, and checking the command line, never imports Gradio)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from apps.i18n import DEFAULT_LANG
-from apps.model_info import ServeContext
+from leaflens.apps.i18n import DEFAULT_LANG
+from leaflens.apps.model_info import ServeContext
 
 __all__ = ["AppConfig"]
 

@@ -34,11 +34,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from apps.predictor import Predictor, usable_cpus  # noqa: E402
-from apps.service import DiagnosisService  # noqa: E402
-from data_prep.decode import RESAMPLE  # noqa: E402
+from leaflens.apps.predictor import Predictor, usable_cpus
+from leaflens.apps.service import DiagnosisService
+from leaflens.data_prep.decode import RESAMPLE
 
 TARGET_MS = 60.0
 
@@ -135,9 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_http:
             from gradio_client import Client, handle_file
 
-            from apps.screenshot import free_port
-            from apps.web import build_app, launch
-            from apps.web_config import AppConfig
+            from leaflens.apps.screenshot import free_port
+            from leaflens.apps.web import build_app, launch
+            from leaflens.apps.web_config import AppConfig
 
             port = free_port()
             config = AppConfig()

@@ -13,15 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The runtime settings the `leaflens` command makes, before anything loads NumPy: OpenBLAS's thread
+# spin timeout only takes effect before OpenBLAS is loaded (see leaflens.pipeline.cli.runtime).
+from leaflens.pipeline.cli.runtime import configure_process
 
-# Import the engine before anything loads NumPy, as the `leaflens` CLI does: it sets OpenBLAS's thread
-# spin timeout, which only takes effect before OpenBLAS is loaded (see engine/__init__.py).
-import engine  # noqa: E402, F401
+configure_process(engine=True)
 
 
 def parse_args() -> argparse.Namespace:
@@ -40,10 +38,10 @@ def parse_args() -> argparse.Namespace:
 def engine_runner(args):
     import numpy as np
 
-    from engine import Tensor, ops
-    from engine import random as erandom
-    from engine.optim import SGD
-    from pipeline.student import StudentCNN
+    from leaflens.engine import Tensor, ops
+    from leaflens.engine import random as erandom
+    from leaflens.engine.optim import SGD
+    from leaflens.pipeline.models.student import StudentCNN
 
     erandom.seed(0)
     model = StudentCNN(args.classes)

@@ -30,22 +30,20 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from statistics import median
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels import _cuda  # noqa: E402
-from kernels.activation_grad import activation_grad_cuda  # noqa: E402
-from kernels.fused_optim import adamw_cuda, sgd_momentum_cuda  # noqa: E402
-from kernels.im2col import col2im_cuda, im2col_cuda  # noqa: E402
-from kernels.l2norm import l2norm_backward_cuda, l2norm_forward_cuda  # noqa: E402
-from kernels.maxpool import maxpool_backward_cuda, maxpool_forward_cuda  # noqa: E402
-from kernels.sgemm import sgemm_cuda  # noqa: E402
-from kernels.softmax_xent import softmax_xent_backward_cuda, softmax_xent_forward_cuda  # noqa: E402
+from leaflens.kernels import _cuda
+from leaflens.kernels.activation_grad import activation_grad_cuda
+from leaflens.kernels.fused_optim import adamw_cuda, sgd_momentum_cuda
+from leaflens.kernels.im2col import col2im_cuda, im2col_cuda
+from leaflens.kernels.l2norm import l2norm_backward_cuda, l2norm_forward_cuda
+from leaflens.kernels.maxpool import maxpool_backward_cuda, maxpool_forward_cuda
+from leaflens.kernels.sgemm import sgemm_cuda
+from leaflens.kernels.softmax_xent import softmax_xent_backward_cuda, softmax_xent_forward_cuda
+from leaflens.pipeline.cli.runtime import configure_process
 
 KERNEL_NAMES = [
     "sgemm",
@@ -432,11 +430,11 @@ def train_step_keys() -> list[str]:
 def engine_step(cp: Any, batch: int, size: int, use_amp: bool) -> Callable[[], None]:
     """One training step of the engine's student (benchmarks/engine_speed.py's network: StudentCNN with its
     default widths 32-64-128; cross-entropy; SGD with momentum) on the GPU, mixed precision or float32."""
-    from engine import Tensor, ops
-    from engine import random as erandom
-    from engine.amp import GradScaler, autocast
-    from engine.optim import SGD
-    from pipeline.student import StudentCNN
+    from leaflens.engine import Tensor, ops
+    from leaflens.engine import random as erandom
+    from leaflens.engine.amp import GradScaler, autocast
+    from leaflens.engine.optim import SGD
+    from leaflens.pipeline.models.student import StudentCNN
 
     erandom.seed(0)
     model = StudentCNN(TRAIN_CLASSES)
@@ -615,6 +613,7 @@ def skipped_json(reason: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    configure_process(engine=True)  # what the `leaflens` command runs with
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per round")
     parser.add_argument("--sizes", choices=sorted(SIZES), default="full")

@@ -28,19 +28,18 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from data_prep.ingest import IngestOptions, ingest  # noqa: E402
-from data_prep.manifest import load_dataset  # noqa: E402
-from engine import Tensor, nn, ops  # noqa: E402
-from engine import random as erandom  # noqa: E402
-from engine.optim import AdamW  # noqa: E402
-from engine.parallel import num_threads  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
-from pipeline.distill import run_distill  # noqa: E402
-from pipeline.teacher import knn_accuracy, write_teacher  # noqa: E402
-from pipeline.teacher_effnet import build_effnet_teacher  # noqa: E402
-from pipeline.teacher_io import load_teacher  # noqa: E402
+from leaflens.data_prep.ingest import IngestOptions, ingest
+from leaflens.data_prep.manifest import load_dataset
+from leaflens.engine import Tensor, nn, ops
+from leaflens.engine import random as erandom
+from leaflens.engine.optim import AdamW
+from leaflens.engine.parallel import num_threads
+from leaflens.pipeline.cli.runtime import configure_process
+from leaflens.pipeline.config import load_config
+from leaflens.pipeline.distill import run_distill
+from leaflens.pipeline.teachers.artefact import load_teacher
+from leaflens.pipeline.teachers.effnet import build_effnet_teacher
+from leaflens.pipeline.teachers.stage import knn_accuracy, write_teacher
 
 EXTS = {".jpg", ".jpeg", ".png"}
 
@@ -114,6 +113,7 @@ def report_row(row: dict) -> dict:
 
 
 def main() -> None:
+    configure_process(engine=True)  # what the `leaflens` command runs with
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, required=True, help="iBeans folder with train/val/test/<class>/")
     p.add_argument("--seeds", type=int, default=2, help="student seeds per setting")

@@ -55,11 +55,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from leaflens.apps.batcher import BatcherBusy, DynamicBatcher
+from leaflens.apps.predictor import Predictor
 
-from apps.batcher import BatcherBusy, DynamicBatcher  # noqa: E402
-from apps.predictor import Predictor  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 REQUEST_TIMEOUT_S = 60.0  # an answer later than this counts as lost
 
@@ -275,11 +274,11 @@ def free_port() -> int:
 
 
 def start_server(model: Path, port: int, gradio_tmp: Path, queue_size: int | None, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pipeline.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "leaflens", "serve", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--no-examples"]
     if queue_size is not None:
         cmd += ["--queue-size", str(queue_size)]
-    env = dict(os.environ, PYTHONPATH=str(REPO), GRADIO_TEMP_DIR=str(gradio_tmp), GRADIO_ANALYTICS_ENABLED="False")
+    env = dict(os.environ, GRADIO_TEMP_DIR=str(gradio_tmp), GRADIO_ANALYTICS_ENABLED="False")
     fh = open(log, "wb")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     proc._log_fh = fh  # type: ignore[attr-defined]

@@ -1,6 +1,6 @@
 """Loader throughput against the engine's training step, at 64x64, batch 64.
 
-The loader (engine.data.DataLoader over a memory-mapped uint8 array, with random resized crop,
+The loader (leaflens.engine.data.DataLoader over a memory-mapped uint8 array, with random resized crop,
 flips and brightness/contrast jitter) must deliver batches far faster than the engine trains on
 them. Side by side in one run:
 
@@ -8,7 +8,7 @@ them. Side by side in one run:
   augmentation) and a reference: the same augmentation done per image in a Python loop with
   Pillow (the usual torchvision-style path);
 - the training step rate of the student CNN (3x3 conv 32-64-128, each BatchNorm2d + ReLU +
-  MaxPool2d(2), global average pool, Linear) built with engine.nn, SGD with momentum, on a fixed
+  MaxPool2d(2), global average pool, Linear) built with leaflens.engine.nn, SGD with momentum, on a fixed
   batch and fed by the loader (if the loader keeps up, the two rates match).
 
     python benchmarks/loader.py [--images 4096] [--batches 60] [--steps 8] [--quick]
@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from leaflens.engine.data import ArrayDataset, Augment, DataLoader
+from leaflens.pipeline.cli.runtime import configure_process
 
-from engine.data import ArrayDataset, Augment, DataLoader  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 MEAN, STD = (0.45, 0.5, 0.35), (0.2, 0.2, 0.2)
 
@@ -93,10 +93,10 @@ def per_image_reference(images: np.ndarray, labels: np.ndarray, batch: int, batc
 
 
 def build_student(num_classes: int):
-    """The student CNN from engine.nn; None when the engine's nn/optim are not available."""
+    """The student CNN from leaflens.engine.nn; None when the engine's nn/optim are not available."""
     try:
-        from engine import nn
-        from engine.optim import SGD
+        from leaflens.engine import nn
+        from leaflens.engine.optim import SGD
     except ImportError:
         return None, None
 
@@ -109,11 +109,11 @@ def build_student(num_classes: int):
 
 
 def train_rates(loader: DataLoader, steps: int, num_classes: int) -> tuple[float | None, float | None]:
-    """(steps/s on a fixed batch, steps/s fed by the loader); (None, None) without engine.nn/optim."""
+    """(steps/s on a fixed batch, steps/s fed by the loader); (None, None) without leaflens.engine.nn/optim."""
     model, opt = build_student(num_classes)
     if model is None:
         return None, None
-    from engine import Tensor, ops
+    from leaflens.engine import Tensor, ops
 
     def step(x: np.ndarray, y: np.ndarray) -> None:
         opt.zero_grad()
@@ -139,6 +139,7 @@ def train_rates(loader: DataLoader, steps: int, num_classes: int) -> tuple[float
 
 
 def main() -> int:
+    configure_process(engine=True)  # what the `leaflens` command runs with
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", type=int, default=4096)
     p.add_argument("--size", type=int, default=64)
@@ -178,7 +179,7 @@ def main() -> int:
     print(f"{'reference: per-image Pillow loop':<48}{ref:>10.1f}{ref * args.batch:>10.0f}")
     print()
     if fixed is None:
-        print("training step: engine.nn / engine.optim not importable in this checkout -> train_steps_s null")
+        print("training step: engine nn / optim not importable in this checkout -> train_steps_s null")
     else:
         print(f"{'student training step (engine, CPU)':<48}{'steps/s':>10}")
         print(f"{'  fixed batch':<48}{fixed:>10.2f}")

@@ -18,11 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine import Tensor, nn, no_grad, ops  # noqa: E402
-from engine import random as erandom  # noqa: E402
-from engine.optim import AdamW, WarmupCosine  # noqa: E402
+from leaflens.engine import Tensor, nn, no_grad, ops
+from leaflens.engine import random as erandom
+from leaflens.engine.optim import AdamW, WarmupCosine
+from leaflens.pipeline.cli.runtime import configure_process
 
 FILES = {
     "train_x": "train-images-idx3-ubyte", "train_y": "train-labels-idx1-ubyte",
@@ -79,6 +78,7 @@ def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, batch: int = 1000) 
 
 
 def main() -> None:
+    configure_process(engine=True)  # what the `leaflens` command runs with
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, required=True, help="folder with the MNIST IDX files")
     p.add_argument("--epochs", type=int, default=4)

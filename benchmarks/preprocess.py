@@ -27,10 +27,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from leaflens.data_prep import decode as dec
 
-from data_prep import decode as dec  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def photo_jpeg(seed: int, w: int = 4000, h: int = 3000, exif_rotate: bool = False) -> bytes:
@@ -55,7 +54,7 @@ def photo_jpeg(seed: int, w: int = 4000, h: int = 3000, exif_rotate: bool = Fals
 
 
 def small_jpeg(seed: int, size: int = 256) -> bytes:
-    from data_prep.synth import render
+    from leaflens.data_prep.synth import render
 
     buf = io.BytesIO()
     arr = render(["healthy", "rust", "aphids"][seed % 3], size, np.random.default_rng(seed))
@@ -113,8 +112,7 @@ def filter_study(photos: list[bytes], smalls: list[bytes]) -> list[tuple[str, st
 
 RSS_CHILD = r"""
 import json, resource, sys
-sys.path.insert(0, sys.argv[3])
-from data_prep.ingest import IngestOptions, ingest
+from leaflens.data_prep.ingest import IngestOptions, ingest
 ingest(sys.argv[1], sys.argv[2], IngestOptions(size=64), log=lambda m: None)
 # VmHWM: peak RSS of this process image (ru_maxrss would carry over the forking parent's peak).
 hwm = [int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")][0]

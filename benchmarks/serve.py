@@ -37,10 +37,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from apps.batcher import DynamicBatcher  # noqa: E402
-from apps.predictor import Predictor, usable_cpus  # noqa: E402
+from leaflens.apps.batcher import DynamicBatcher
+from leaflens.apps.predictor import Predictor, usable_cpus
 
 STANDIN_CLASSES = ["angular_leaf_spot", "bean_rust", "healthy"]
 

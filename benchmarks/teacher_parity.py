@@ -1,6 +1,6 @@
 """Is the engine's EfficientNet-Lite0 right? Parity with PyTorch, speed, and feature quality on iBeans.
 
-1. Reader: every array ``pipeline.torch_weights`` reads equals ``torch.load(weights_only=True)``'s.
+1. Reader: every array ``leaflens.pipeline.models.torch_weights`` reads equals ``torch.load(weights_only=True)``'s.
 2. Parity: the same network written here independently with ``torch.nn.functional`` (NCHW; block
    strides hard-coded from EfficientNet-B0; TF 'same' padding computed per input like the
    reference ``Conv2dDynamicSamePadding``) gets the same state dict; 1280-d features of real photos
@@ -31,12 +31,11 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine import no_grad  # noqa: E402
-from pipeline.efficientnet import EfficientNetLite, LiteConfig, normalize_images  # noqa: E402
-from pipeline.pretrained import find_lite0_weights  # noqa: E402
-from pipeline.torch_weights import load_torch_state_dict  # noqa: E402
+from leaflens.engine import no_grad
+from leaflens.pipeline.cli.runtime import configure_process
+from leaflens.pipeline.models.efficientnet import EfficientNetLite, LiteConfig, normalize_images
+from leaflens.pipeline.models.pretrained import find_lite0_weights
+from leaflens.pipeline.models.torch_weights import load_torch_state_dict
 
 CONFIGS = [("same", "tf"), ("same", "imagenet"), ("symmetric", "tf"), ("symmetric", "imagenet")]
 B0_BLOCK_STRIDES = [1, 2, 1, 2, 1, 2, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1]
@@ -131,7 +130,7 @@ def list_split(root: Path, split: str, per_class: int) -> tuple[list[Path], list
 
 
 def decode_split(files: list[Path]) -> np.ndarray:
-    from data_prep.decode import decode_image_at
+    from leaflens.data_prep.decode import decode_image_at
 
     return np.stack([decode_image_at(f, 224, "crop", shorter_side=256) for f in files])
 
@@ -203,6 +202,7 @@ def timed(fn, *args) -> tuple[float, object]:
 
 
 def main() -> int:
+    configure_process(engine=True)  # what the `leaflens` command runs with
     args = parse_args()
     import torch
 

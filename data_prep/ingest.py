@@ -1,8 +1,8 @@
 """Folder of photos -> dataset folder of memory-mapped arrays (what `leaflens preprocess` runs).
 
-Steps: scan the source (:mod:`data_prep.scan`), decode every photo in a process pool with the
+Steps: scan the source (:mod:`leaflens.data_prep.scan`), decode every photo in a process pool with the
 shared decode path and stream the pixels into a staging file, assign splits (stratified, seeded,
-duplicate-aware: :mod:`data_prep.split`), stream the staging rows into ``<split>_images.npy`` /
+duplicate-aware: :mod:`leaflens.data_prep.split`), stream the staging rows into ``<split>_images.npy`` /
 ``<split>_labels.npy`` / ``<split>_files.txt``, compute mean/std on train from exact per-channel
 histograms, write ``rejected.jsonl`` and ``manifest.json``, and rename the finished temporary
 folder into place. A broken file is rejected with its reason and never stops the run; an
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.arrays import NpyRowWriter, sha256_file
-from data_prep.decode import DEFAULT_MAX_PIXELS, ImageDecodeError, decode_image, read_source
-from data_prep.manifest import (
+from leaflens.data_prep.arrays import NpyRowWriter, sha256_file
+from leaflens.data_prep.decode import DEFAULT_MAX_PIXELS, ImageDecodeError, decode_image, read_source
+from leaflens.data_prep.manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -39,8 +39,8 @@ from data_prep.manifest import (
     split_paths,
     write_json_atomic,
 )
-from data_prep.scan import SPLITS, UNLABELED, ScanResult, SourceFile, scan_source
-from data_prep.split import assign_auto, resolve_given
+from leaflens.data_prep.scan import SPLITS, UNLABELED, ScanResult, SourceFile, scan_source
+from leaflens.data_prep.split import assign_auto, resolve_given
 
 _STAGING = "staging.bin"
 CLASS_INFO_NAME = "classes.toml"  # optional per-class display names/advice next to the photos

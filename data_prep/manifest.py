@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from data_prep.arrays import npy_expected_size, sha256_file
+from leaflens.data_prep.arrays import npy_expected_size, sha256_file
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "leaflens-dataset"

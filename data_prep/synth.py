@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from data_prep.ingest import swap_into_place
+from leaflens.data_prep.ingest import swap_into_place
 
 CLASS_INFO: dict[str, dict[str, str]] = {
     "healthy": {

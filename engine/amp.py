@@ -4,7 +4,7 @@ Under ``autocast()`` the matrix-heavy ops (conv2d, linear, matmul) cast their in
 float16 and compute in float16; the ops whose maths needs the range or the precision of float32
 (cross-entropy and MSE losses, softmax / log-softmax, BatchNorm and its statistics, L2
 normalisation) cast float16 inputs back up to float32 first. The casts are autograd ops
-(``engine.ops.cast``), so gradients flow back through them and reach the float32 master
+(``leaflens.engine.ops.cast``), so gradients flow back through them and reach the float32 master
 parameters as float32; the optimiser only ever sees float32. Why: on a GPU float16 halves the
 memory of the saved activations and the im2col columns, and runs the matrix products on tensor
 cores; keeping the rest in float32 keeps training as stable as float32 training.
@@ -19,7 +19,7 @@ multiplied by a large factor before backward and the gradients divided by it aft
 ``growth_interval`` good steps in a row the factor doubles again (dynamic loss scaling, as in
 Micikevicius et al. 2018 and ``torch.cuda.amp``).
 
-The switch is per thread, like ``engine.config.no_grad``: autocast in a training thread never
+The switch is per thread, like ``leaflens.engine.config.no_grad``: autocast in a training thread never
 changes what a serving thread beside it computes.
 """
 
@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engine.backend import array_module
+from leaflens.engine.backend import array_module
 
 if TYPE_CHECKING:
-    from engine.tensor import Tensor
+    from leaflens.engine.tensor import Tensor
 
 __all__ = ["GradScaler", "autocast", "autocast_enabled", "float_input", "half_inputs"]
 

@@ -17,10 +17,10 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from engine import random as erandom
-from engine.nn.module import Module
-from engine.optim.optimizer import Optimizer
-from engine.optim.schedulers import Scheduler
+from leaflens.engine import random as erandom
+from leaflens.engine.nn.module import Module
+from leaflens.engine.optim.optimizer import Optimizer
+from leaflens.engine.optim.schedulers import Scheduler
 
 FORMAT = "leaflens-checkpoint-1"
 

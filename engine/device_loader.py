@@ -1,6 +1,6 @@
 """Batches on the training device: the host DataLoader's batches, uploaded asynchronously to the GPU.
 
-``DeviceLoader(loader, device)`` wraps an ``engine.data.DataLoader`` (or any iterable of tuples of
+``DeviceLoader(loader, device)`` wraps an ``leaflens.engine.data.DataLoader`` (or any iterable of tuples of
 host arrays). On the CPU it passes every batch through untouched: the CPU path is exactly what it
 was. On CUDA, while the GPU computes on batch ``b``, batch ``b + 1`` is already on its way:
 
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.backend import cupy_module
+from leaflens.engine.backend import cupy_module
 
 __all__ = ["DeviceLoader", "gpu_usable", "resolve_device"]
 
@@ -42,11 +42,11 @@ def gpu_usable() -> tuple[bool, str]:
 
     The probe honours ``LEAFLENS_DISABLE_GPU=1``, so a GPU machine can be made to train on the CPU.
     """
-    from kernels import _cuda  # noqa: PLC0415  (no CuPy import unless a GPU is asked about)
+    from leaflens.kernels import _cuda  # noqa: PLC0415  (no CuPy import unless a GPU is asked about)
 
     ok, why = _cuda.gpu_probe()
     if ok and cupy_module() is None:
-        return False, "CuPy imports but engine.backend finds no CUDA device"
+        return False, "CuPy imports but leaflens.engine.backend finds no CUDA device"
     return ok, why
 
 

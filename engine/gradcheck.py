@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.config import enable_grad
-from engine.tensor import Tensor
+from leaflens.engine.config import enable_grad
+from leaflens.engine.tensor import Tensor
 
 
 class GradcheckError(AssertionError):

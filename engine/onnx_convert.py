@@ -3,7 +3,7 @@
 A converter receives the GraphBuilder, the Function instance as it ran in the traced forward pass
 (its attributes hold what forward resolved: padding, kernel, axes, ...), the input tensors and
 the output tensors. It appends nodes and binds each output to an ONNX value and layout (see
-engine.onnx_graph). Ops whose inputs are all constants never reach a converter: the exporter
+leaflens.engine.onnx_graph). Ops whose inputs are all constants never reach a converter: the exporter
 stores their traced result as a constant instead.
 
 To support a new op, write ``@register(TheFunction) def _convert(b, fn, inputs, outputs): ...``.
@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 from onnx import helper
 
-from engine.backend import to_device
-from engine.onnx_graph import ExportError, FoldTarget, GraphBuilder, channels_first, identity, inverse
-from engine.ops import activation, arith, conv, linalg, norm, pool, reduce, shape
-from engine.tensor import Function, Tensor
+from leaflens.engine.backend import to_device
+from leaflens.engine.onnx_graph import ExportError, FoldTarget, GraphBuilder, channels_first, identity, inverse
+from leaflens.engine.ops import activation, arith, conv, linalg, norm, pool, reduce, shape
+from leaflens.engine.tensor import Function, Tensor
 
 Converter = Callable[[GraphBuilder, Function, Sequence[Tensor], Sequence[Tensor]], None]
 CONVERTERS: dict[type, Converter] = {}

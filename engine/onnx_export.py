@@ -3,7 +3,7 @@
 How: while the model runs once on an example input, ``Function.__call__`` (every engine op goes
 through it) and ``Module.__call__`` are wrapped to record each op with its input and output
 tensors and the module it ran in. The recorded ops are then replayed through the converter
-registry in engine.onnx_convert. Tracing was chosen over walking the module tree because a forward
+registry in leaflens.engine.onnx_convert. Tracing was chosen over walking the module tree because a forward
 may also call functional ops (a residual ``x + y``, ``ops.l2_normalize``, a reshape) that no module
 describes, and because the trace hands converters the values forward resolved (TF-style 'same'
 padding becomes explicit, possibly asymmetric pads; axes are normalised). The price: the graph
@@ -34,13 +34,13 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from engine.backend import to_device
-from engine.checkpoint import atomic_write
-from engine.config import no_grad
-from engine.nn.module import Module
-from engine.onnx_convert import NOT_EXPORTABLE, find_converter, supported_ops
-from engine.onnx_graph import ExportError, GraphBuilder, UnsupportedOpError, channels_first, identity
-from engine.tensor import Function, Tensor, _coerce_inputs
+from leaflens.engine.backend import to_device
+from leaflens.engine.checkpoint import atomic_write
+from leaflens.engine.config import no_grad
+from leaflens.engine.nn.module import Module
+from leaflens.engine.onnx_convert import NOT_EXPORTABLE, find_converter, supported_ops
+from leaflens.engine.onnx_graph import ExportError, GraphBuilder, UnsupportedOpError, channels_first, identity
+from leaflens.engine.tensor import Function, Tensor, _coerce_inputs
 
 __all__ = ["IR_VERSION", "OPSET", "ExportError", "UnsupportedOpError", "convert_float16", "export_onnx",
            "save_onnx", "supported_ops", "trace"]

@@ -1,4 +1,4 @@
-"""The ONNX graph under construction while an engine forward pass is replayed (see engine.onnx_export).
+"""The ONNX graph under construction while an engine forward pass is replayed (see leaflens.engine.onnx_export).
 
 The engine computes in NHWC; the exported graph is NCHW, as ONNX operators (Conv, pools,
 BatchNormalization) expect. Rather than transposing around every op, each traced activation is
@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 from onnx import NodeProto, helper, numpy_helper
 
-from engine.backend import to_device
-from engine.tensor import Tensor
+from leaflens.engine.backend import to_device
+from leaflens.engine.tensor import Tensor
 
 
 class ExportError(ValueError):

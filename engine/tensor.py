@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.backend import array_module, device_of, to_device
-from engine.config import grad_enabled
+from leaflens.engine.backend import array_module, device_of, to_device
+from leaflens.engine.config import grad_enabled
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -181,7 +181,7 @@ class Tensor:
         else:
             self.grad += g
 
-    # ---- operators (implemented in engine.ops) -------------------------------------------------
+    # ---- operators (implemented in leaflens.engine.ops) -------------------------------------------------
     def __add__(self, other: Any) -> Tensor:
         return _ops.add(self, other)
 
@@ -398,4 +398,4 @@ def sum_to(g: Any, shape: tuple[int, ...]) -> Any:
     return g
 
 
-from engine import ops as _ops  # noqa: E402  (operators above dispatch to the op modules)
+from leaflens.engine import ops as _ops  # noqa: E402  (operators above dispatch to the op modules)

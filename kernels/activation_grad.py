@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels import _checks, _cuda
+from leaflens.kernels import _checks, _cuda
 
 KINDS = ("relu", "leaky_relu", "relu6")
 

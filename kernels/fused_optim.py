@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels import _checks, _cuda
+from leaflens.kernels import _checks, _cuda
 
 
 def _check_sgd(lr: float, momentum: float, weight_decay: float, nesterov: bool) -> None:

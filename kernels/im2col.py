@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels import _checks, _cuda
+from leaflens.kernels import _checks, _cuda
 
 
 def conv_output_size(

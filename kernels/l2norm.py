@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels import _checks, _cuda
+from leaflens.kernels import _checks, _cuda
 
 
 def l2norm_forward_reference(x: np.ndarray, eps: float = 1e-12) -> tuple[np.ndarray, np.ndarray]:

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from kernels import _checks, _cuda
-from kernels.im2col import conv_geometry
+from leaflens.kernels import _checks, _cuda
+from leaflens.kernels.im2col import conv_geometry
 
 
 def _check_taps(name: str, kh: int, kw: int) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels import _checks, _cuda
+from leaflens.kernels import _checks, _cuda
 
 TILE_M = 64  # rows of C per block (must match SGEMM_BM in sgemm.cu)
 TILE_N = 64  # columns of C per block (SGEMM_BN)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels import _checks, _cuda
+from leaflens.kernels import _checks, _cuda
 
 
 def _targets_kind(targets: Any, n: int, c: int, name: str) -> str:

@@ -21,18 +21,18 @@ from typing import Any
 
 import numpy as np
 
-from data_prep.ingest import swap_into_place
-from data_prep.manifest import load_dataset
-from engine import Tensor, no_grad
-from engine.checkpoint import save_checkpoint
-from engine.data import downsample, normalize
-from pipeline import metrics, plots
-from pipeline.config import dump_toml
-from pipeline.hardware import describe_hardware
-from pipeline.report_md import write_report
-from pipeline.runs import load_student_weights
-from pipeline.teacher_io import load_teacher, manifest_sha256
-from pipeline.train_student import (
+from leaflens.data_prep.ingest import swap_into_place
+from leaflens.data_prep.manifest import load_dataset
+from leaflens.engine import Tensor, no_grad
+from leaflens.engine.checkpoint import save_checkpoint
+from leaflens.engine.data import downsample, normalize
+from leaflens.pipeline.config import dump_toml
+from leaflens.pipeline.hardware import describe_hardware
+from leaflens.pipeline.report import metrics, plots
+from leaflens.pipeline.report.markdown import write_report
+from leaflens.pipeline.runs import load_student_weights
+from leaflens.pipeline.teachers.artefact import load_teacher, manifest_sha256
+from leaflens.pipeline.train_student import (
     BEST,
     ConcatImages,
     TrainData,

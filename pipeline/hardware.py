@@ -1,7 +1,7 @@
 """What machine a run was trained on, for report.json and report.md.
 
-Reuses ``leaflens doctor``'s CPU facts (pipeline.cmd_doctor) and the kernels' guarded GPU probe
-(kernels._cuda), so the report and the doctor always describe a machine the same way. Unlike the
+Reuses ``leaflens doctor``'s CPU facts (leaflens.pipeline.cli.doctor) and the kernels' guarded GPU probe
+(leaflens.kernels._cuda), so the report and the doctor always describe a machine the same way. Unlike the
 doctor, it measures nothing (no bandwidth test, no batch-size estimate): it is called at the end of
 every training run and must be quick and unable to fail the run.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.cmd_doctor import cpu_facts
+from leaflens.pipeline.cli.doctor import cpu_facts
 
 
 def _blas_name(blas: dict[str, Any]) -> str | None:
@@ -23,7 +23,7 @@ def _blas_name(blas: dict[str, Any]) -> str | None:
 
 def _gpu() -> dict[str, Any]:
     """Name and memory of the current CUDA device, or ``gpu: None`` with the probe's reason."""
-    from kernels import _cuda
+    from leaflens.kernels import _cuda
 
     ok, reason = _cuda.gpu_probe()
     if not ok:

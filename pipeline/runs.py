@@ -1,6 +1,6 @@
 """A trained run directory: what `leaflens distill` writes and `leaflens export` reads.
 
-The weights chosen for use live in ``best.npz``, an engine checkpoint (see engine.checkpoint)
+The weights chosen for use live in ``best.npz``, an engine checkpoint (see leaflens.engine.checkpoint)
 whose ``extra`` entry describes everything needed to rebuild and use the model:
 
 - ``model_config``: {"kind": "student_cnn", "num_classes", "widths", "in_channels", "dropout"}
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.checkpoint import CheckpointError, read_checkpoint_arrays
-from engine.nn import Module
-from pipeline.student import StudentCNN
+from leaflens.engine.checkpoint import CheckpointError, read_checkpoint_arrays
+from leaflens.engine.nn import Module
+from leaflens.pipeline.models.student import StudentCNN
 
 BEST = "best.npz"
 

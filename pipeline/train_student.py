@@ -9,9 +9,9 @@ scheduler, loader position, history: everything needed to resume exactly); ``bes
 weights with the best validation accuracy so far (equal accuracies: the lower validation loss).
 
 ``train.device`` ("auto": CUDA when a usable GPU is found) chooses where the model, the batches and
-the teacher targets live; batches reach the GPU through ``engine.device_loader.DeviceLoader``
+the teacher targets live; batches reach the GPU through ``leaflens.engine.device_loader.DeviceLoader``
 (pinned memory, a copy stream, double buffering). ``train.mixed_precision`` ("auto": on with CUDA)
-runs conv/linear in float16 under ``engine.amp.autocast`` with float32 master weights and dynamic
+runs conv/linear in float16 under ``leaflens.engine.amp.autocast`` with float32 master weights and dynamic
 loss scaling; a step skipped because its float16 gradients overflowed is counted in the metrics
 (``amp_skipped_steps``), not reported as a fault. With device "cpu" and mixed precision off the
 loop computes exactly what it computed before either existed.
@@ -32,16 +32,16 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from engine import NonFiniteLossError, Tensor, no_grad, ops
-from engine import random as erandom
-from engine.amp import GradScaler, autocast
-from engine.backend import array_module, to_device
-from engine.checkpoint import load_checkpoint, save_checkpoint
-from engine.data import ArrayDataset, Augment, DataLoader, apply_view_boxes, downsample, normalize
-from engine.device_loader import DeviceLoader, resolve_device
-from engine.nn import Module
-from engine.optim import SGD, AdamW, WarmupCosine, clip_grad_norm_
-from pipeline.student import StudentCNN
+from leaflens.engine import NonFiniteLossError, Tensor, no_grad, ops
+from leaflens.engine import random as erandom
+from leaflens.engine.amp import GradScaler, autocast
+from leaflens.engine.backend import array_module, to_device
+from leaflens.engine.checkpoint import load_checkpoint, save_checkpoint
+from leaflens.engine.data import ArrayDataset, Augment, DataLoader, apply_view_boxes, downsample, normalize
+from leaflens.engine.device_loader import DeviceLoader, resolve_device
+from leaflens.engine.nn import Module
+from leaflens.engine.optim import SGD, AdamW, WarmupCosine, clip_grad_norm_
+from leaflens.pipeline.models.student import StudentCNN
 
 LAST, BEST, METRICS, FAULTS = "last.npz", "best.npz", "metrics.jsonl", "faults.jsonl"
 
@@ -83,7 +83,7 @@ class TrainData:
     labels: np.ndarray
     features: np.ndarray | None = None   # (N, D) teacher features, or None
     logits: np.ndarray | None = None     # (N, C) teacher logits, or None
-    # Teacher view bank (pipeline/teacher_views.py): the student is shown view v of a photo and learns
+    # Teacher view bank (pipeline/teachers/views.py): the student is shown view v of a photo and learns
     # the teacher's targets for that view. (N, K, 6) boxes, (N, K, D) features, (N, K, C) logits.
     views: Any = None
     view_features: Any = None

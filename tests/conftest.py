@@ -10,7 +10,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return
-    from kernels._cuda import gpu_probe  # imported only when gpu tests were collected
+    from leaflens.kernels._cuda import gpu_probe  # imported only when gpu tests were collected
 
     ok, reason = gpu_probe()
     if ok:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import SUBCOMMANDS, build_parser
+from leaflens.pipeline.cli import SUBCOMMANDS, build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -58,7 +58,7 @@ def test_every_leaflens_subcommand_and_option_in_the_readme_exists():
 
 @pytest.mark.parametrize("sub", sorted(SUBCOMMANDS))
 def test_every_subcommand_has_help(sub):
-    out = subprocess.run([str(Path(__import__("sys").executable)), "-m", "pipeline.cli", sub, "--help"], cwd=ROOT,
+    out = subprocess.run([str(Path(__import__("sys").executable)), "-m", "leaflens", sub, "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "usage: leaflens" in out.stdout

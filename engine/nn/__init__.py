@@ -1,7 +1,7 @@
 """Neural-network building blocks: Module, Parameter, layers and initialisers."""
 
-from engine.nn import init
-from engine.nn.layers import (
+from leaflens.engine.nn import init
+from leaflens.engine.nn.layers import (
     AvgPool2d,
     BatchNorm1d,
     BatchNorm2d,
@@ -20,7 +20,7 @@ from engine.nn.layers import (
     Softmax,
     Tanh,
 )
-from engine.nn.module import Module, Parameter
+from leaflens.engine.nn.module import Module, Parameter
 
 __all__ = ["AvgPool2d", "BatchNorm1d", "BatchNorm2d", "Conv2d", "Dropout", "Flatten", "GlobalAvgPool2d",
            "Identity", "LeakyReLU", "Linear", "MaxPool2d", "Module", "Parameter", "ReLU", "ReLU6", "Sequential",

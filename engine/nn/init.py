@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from engine import random as erandom
+from leaflens.engine import random as erandom
 
 
 def fans(shape: tuple[int, ...]) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""Layers: thin Modules over the functional ops in engine.ops. Activations are NHWC."""
+"""Layers: thin Modules over the functional ops in leaflens.engine.ops. Activations are NHWC."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from engine import ops
-from engine.nn import init
-from engine.nn.module import Module, Parameter
-from engine.ops.conv import Padding
+from leaflens.engine import ops
+from leaflens.engine.nn import init
+from leaflens.engine.nn.module import Module, Parameter
+from leaflens.engine.ops.conv import Padding
 
 
 class Linear(Module):

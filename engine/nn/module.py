@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.backend import array_module, to_device
-from engine.tensor import Tensor
+from leaflens.engine.backend import array_module, to_device
+from leaflens.engine.tensor import Tensor
 
 
 class Parameter(Tensor):

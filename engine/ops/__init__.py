@@ -1,6 +1,6 @@
 """Differentiable operations, each a small forward/backward pair (see the modules beside this one)."""
 
-from engine.ops.activation import (
+from leaflens.engine.ops.activation import (
     dropout,
     leaky_relu,
     log_softmax,
@@ -10,7 +10,7 @@ from engine.ops.activation import (
     softmax,
     tanh,
 )
-from engine.ops.arith import (
+from leaflens.engine.ops.arith import (
     abs,
     add,
     cast,
@@ -26,13 +26,13 @@ from engine.ops.arith import (
     sqrt,
     sub,
 )
-from engine.ops.conv import conv2d
-from engine.ops.linalg import linear, matmul
-from engine.ops.loss import cross_entropy, mse_loss
-from engine.ops.norm import batch_norm, l2_normalize
-from engine.ops.pool import avg_pool2d, global_avg_pool2d, max_pool2d
-from engine.ops.reduce import max, mean, min, sum, var
-from engine.ops.shape import concatenate, flatten, getitem, reshape, stack, transpose
+from leaflens.engine.ops.conv import conv2d
+from leaflens.engine.ops.linalg import linear, matmul
+from leaflens.engine.ops.loss import cross_entropy, mse_loss
+from leaflens.engine.ops.norm import batch_norm, l2_normalize
+from leaflens.engine.ops.pool import avg_pool2d, global_avg_pool2d, max_pool2d
+from leaflens.engine.ops.reduce import max, mean, min, sum, var
+from leaflens.engine.ops.shape import concatenate, flatten, getitem, reshape, stack, transpose
 
 __all__ = [
     "abs", "add", "avg_pool2d", "batch_norm", "cast", "clip", "concatenate", "conv2d", "cross_entropy", "div",

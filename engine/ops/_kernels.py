@@ -4,7 +4,7 @@ Every function here takes the op's array module ``xp`` first and answers in one 
 kernel's result, or ``None`` (``False`` for the optimiser steps) meaning "no kernel applies, run the
 generic ``xp`` code". For NumPy arrays the answer is always None after a single identity test, so the
 CPU path computes exactly what it computed before these kernels were wired in. On CuPy arrays a
-kernel runs when kernels are enabled, ``kernels._cuda.gpu_available()`` says the device works, and
+kernel runs when kernels are enabled, ``leaflens.kernels._cuda.gpu_available()`` says the device works, and
 the kernel supports the case (dtype float32/float16, the options the kernel implements, sizes that fit
 its 32-bit indices); anything else falls back.
 
@@ -41,13 +41,13 @@ from typing import Any
 
 import numpy as np
 
-from kernels import _cuda
-from kernels.activation_grad import activation_grad_cuda
-from kernels.fused_optim import adamw_cuda, sgd_momentum_cuda
-from kernels.im2col import col2im_cuda, im2col_cuda
-from kernels.l2norm import l2norm_backward_cuda, l2norm_forward_cuda
-from kernels.maxpool import maxpool_backward_cuda, maxpool_forward_cuda
-from kernels.softmax_xent import softmax_xent_backward_cuda, softmax_xent_forward_cuda
+from leaflens.kernels import _cuda
+from leaflens.kernels.activation_grad import activation_grad_cuda
+from leaflens.kernels.fused_optim import adamw_cuda, sgd_momentum_cuda
+from leaflens.kernels.im2col import col2im_cuda, im2col_cuda
+from leaflens.kernels.l2norm import l2norm_backward_cuda, l2norm_forward_cuda
+from leaflens.kernels.maxpool import maxpool_backward_cuda, maxpool_forward_cuda
+from leaflens.kernels.softmax_xent import softmax_xent_backward_cuda, softmax_xent_forward_cuda
 
 #: Set to 1 (any value but "" or "0") to keep the engine's ops on generic CuPy code.
 DISABLE_ENV = "LEAFLENS_NO_KERNELS"
@@ -59,7 +59,7 @@ _INT32_MAX = 2**31 - 1
 _forced: bool | None = None  # set by use_kernels(); None: the environment decides
 _counts: Counter[str] = Counter()
 
-# Tests only: route NumPy arrays through the kernel wrappers too, with kernels._cuda patched to the
+# Tests only: route NumPy arrays through the kernel wrappers too, with leaflens.kernels._cuda patched to the
 # CPU emulator (tests/kernels/kernel_emu.py), so the wiring is exercised on machines without a GPU.
 _EMULATE_ON_NUMPY = False
 

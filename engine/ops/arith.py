@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.backend import array_module
-from engine.tensor import Function, Tensor, sum_to
+from leaflens.engine.backend import array_module
+from leaflens.engine.tensor import Function, Tensor, sum_to
 
 
 def _check_broadcast(op: str, a: Any, b: Any) -> None:

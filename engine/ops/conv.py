@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine import amp
-from engine.backend import array_module
-from engine.ops import _kernels as gpu
-from engine.parallel import for_rows
-from engine.tensor import Function, Tensor
+from leaflens.engine import amp
+from leaflens.engine.backend import array_module
+from leaflens.engine.ops import _kernels as gpu
+from leaflens.engine.parallel import for_rows
+from leaflens.engine.tensor import Function, Tensor
 
 Padding = int | tuple[int, int] | tuple[int, int, int, int] | str
 
@@ -320,6 +320,6 @@ class Conv2d(Function):
 def conv2d(x: Any, weight: Any, bias: Any = None, stride: int | tuple[int, int] = 1,
            padding: Padding = 0, groups: int = 1) -> Tensor:
     """Convolve NHWC ``x`` with OIHW ``weight`` (dilation 1); ``padding`` may be asymmetric or 'same'."""
-    x, weight, bias = amp.half_inputs(x, weight, bias)  # float16 under engine.amp.autocast()
+    x, weight, bias = amp.half_inputs(x, weight, bias)  # float16 under leaflens.engine.amp.autocast()
     fn = Conv2d(stride, padding, groups)
     return fn(x, weight) if bias is None else fn(x, weight, bias)

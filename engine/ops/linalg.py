@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine import amp
-from engine.tensor import Function, Tensor, sum_to
+from leaflens.engine import amp
+from leaflens.engine.tensor import Function, Tensor, sum_to
 
 
 def _swap(a: Any) -> Any:
@@ -54,9 +54,9 @@ class Linear(Function):
 
 
 def matmul(a: Any, b: Any) -> Tensor:
-    return MatMul()(*amp.half_inputs(a, b))  # float16 under engine.amp.autocast()
+    return MatMul()(*amp.half_inputs(a, b))  # float16 under leaflens.engine.amp.autocast()
 
 
 def linear(x: Any, weight: Any, bias: Any = None) -> Tensor:
-    x, weight, bias = amp.half_inputs(x, weight, bias)  # float16 under engine.amp.autocast()
+    x, weight, bias = amp.half_inputs(x, weight, bias)  # float16 under leaflens.engine.amp.autocast()
     return Linear()(x, weight) if bias is None else Linear()(x, weight, bias)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine import amp
-from engine.backend import array_module
-from engine.ops import _kernels as gpu
-from engine.ops.activation import _log_softmax
-from engine.tensor import Function, Tensor
+from leaflens.engine import amp
+from leaflens.engine.backend import array_module
+from leaflens.engine.ops import _kernels as gpu
+from leaflens.engine.ops.activation import _log_softmax
+from leaflens.engine.tensor import Function, Tensor
 
 
 class CrossEntropy(Function):
@@ -94,7 +94,7 @@ def cross_entropy(logits: Any, target: Any, label_smoothing: float = 0.0, ignore
 
 def mse_loss(a: Any, b: Any, reduction: str = "mean") -> Tensor:
     """Squared error: 'mean' over every element, 'sum', or 'none' (elementwise)."""
-    a, b = amp.float_input(a), amp.float_input(b)  # float32 under engine.amp.autocast()
+    a, b = amp.float_input(a), amp.float_input(b)  # float32 under leaflens.engine.amp.autocast()
     a = a if isinstance(a, Tensor) else Tensor(a)
     diff = a - b
     sq = diff * diff

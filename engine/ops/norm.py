@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine import amp
-from engine.backend import array_module
-from engine.ops import _kernels as gpu
-from engine.parallel import for_rows
-from engine.tensor import Function, Tensor
+from leaflens.engine import amp
+from leaflens.engine.backend import array_module
+from leaflens.engine.ops import _kernels as gpu
+from leaflens.engine.parallel import for_rows
+from leaflens.engine.tensor import Function, Tensor
 
 
 class BatchNorm(Function):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.backend import array_module
-from engine.ops import _kernels as gpu
-from engine.ops.conv import Padding, _pair, _unpad, pad_nhwc, resolve_padding, tap
-from engine.parallel import for_rows
-from engine.tensor import Function, Tensor
+from leaflens.engine.backend import array_module
+from leaflens.engine.ops import _kernels as gpu
+from leaflens.engine.ops.conv import Padding, _pair, _unpad, pad_nhwc, resolve_padding, tap
+from leaflens.engine.parallel import for_rows
+from leaflens.engine.tensor import Function, Tensor
 
 
 def _geometry(x: Any, kernel: tuple[int, int], stride: tuple[int, int], padding: Padding, op: str):

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.backend import array_module, scatter_add
-from engine.tensor import Function, Tensor
+from leaflens.engine.backend import array_module, scatter_add
+from leaflens.engine.tensor import Function, Tensor
 
 
 class Reshape(Function):

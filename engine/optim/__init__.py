@@ -1,9 +1,9 @@
 """Optimisers, learning-rate schedules and gradient clipping."""
 
-from engine.optim.adam import Adam, AdamW
-from engine.optim.clip import clip_grad_norm_
-from engine.optim.optimizer import Optimizer
-from engine.optim.schedulers import Scheduler, StepLR, WarmupCosine
-from engine.optim.sgd import SGD
+from leaflens.engine.optim.adam import Adam, AdamW
+from leaflens.engine.optim.clip import clip_grad_norm_
+from leaflens.engine.optim.optimizer import Optimizer
+from leaflens.engine.optim.schedulers import Scheduler, StepLR, WarmupCosine
+from leaflens.engine.optim.sgd import SGD
 
 __all__ = ["SGD", "Adam", "AdamW", "Optimizer", "Scheduler", "StepLR", "WarmupCosine", "clip_grad_norm_"]

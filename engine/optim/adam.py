@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from engine.backend import array_module
-from engine.ops import _kernels as gpu
-from engine.optim.optimizer import Optimizer
+from leaflens.engine.backend import array_module
+from leaflens.engine.ops import _kernels as gpu
+from leaflens.engine.optim.optimizer import Optimizer
 
 
 class Adam(Optimizer):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from engine.backend import array_module
-from engine.nn.module import Parameter
+from leaflens.engine.backend import array_module
+from leaflens.engine.nn.module import Parameter
 
 
 def clip_grad_norm_(params: Iterable[Parameter], max_norm: float) -> float:

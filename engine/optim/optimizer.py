@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.backend import array_module, to_device
-from engine.nn.module import Parameter
+from leaflens.engine.backend import array_module, to_device
+from leaflens.engine.nn.module import Parameter
 
 
 class Optimizer:

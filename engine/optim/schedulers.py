@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from engine.optim.optimizer import Optimizer
+from leaflens.engine.optim.optimizer import Optimizer
 
 
 class Scheduler:

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from engine.backend import array_module
-from engine.ops import _kernels as gpu
-from engine.optim.optimizer import Optimizer
+from leaflens.engine.backend import array_module
+from leaflens.engine.ops import _kernels as gpu
+from leaflens.engine.optim.optimizer import Optimizer
 
 
 class SGD(Optimizer):

@@ -98,8 +98,8 @@ def write_photo(path: Path, size: tuple[int, int] = (48, 40), seed: int = 0, fmt
 
 def make_dataset(root: Path, classes: list[str], size: int = 16, per_class: int = 8) -> Path:
     """A real (tiny) preprocessed dataset, with the synthetic set's classes.toml carried along."""
-    from data_prep.ingest import IngestOptions, ingest
-    from data_prep.synth import classes_toml
+    from leaflens.data_prep.ingest import IngestOptions, ingest
+    from leaflens.data_prep.synth import classes_toml
 
     src = root / "photos"
     for c, cls in enumerate(classes):
@@ -124,7 +124,7 @@ def fake_run(tmp_path: Path, dataset: Path) -> Path:
 
 def serve_args(**kw) -> argparse.Namespace:
     """`leaflens serve` arguments as parsed from --key value options (True: a bare flag)."""
-    from apps import cmd_serve
+    from leaflens.apps import cmd_serve
 
     parser = cmd_serve.add_parser(argparse.ArgumentParser().add_subparsers())
     argv = []

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import numpy as np
 import pytest
 
-from apps.batcher import BatcherBusy, BatcherClosed, DynamicBatcher
+from leaflens.apps.batcher import BatcherBusy, BatcherClosed, DynamicBatcher
 
 
 class Recorder:

@@ -7,9 +7,9 @@ import csv
 import numpy as np
 from apps_helpers import reference_probs, write_photo
 
-from apps.cmd_predict import collect_images
-from data_prep.decode import decode_image
-from pipeline.cli import main
+from leaflens.apps.cmd_predict import collect_images
+from leaflens.data_prep.decode import decode_image
+from leaflens.pipeline.cli import main
 
 CLASSES = ["angular_leaf_spot", "bean_rust", "healthy"]
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from apps_helpers import reference_probs, tiny_weights, write_photo
 
-from apps.model_card import DEFAULT_UNCERTAIN_THRESHOLD, ModelCard, ModelError
-from apps.predictor import Predictor, choose_providers
-from data_prep.decode import decode_image
+from leaflens.apps.model_card import DEFAULT_UNCERTAIN_THRESHOLD, ModelCard, ModelError
+from leaflens.apps.predictor import Predictor, choose_providers
+from leaflens.data_prep.decode import decode_image
 
 CLASSES = ["angular_leaf_spot", "bean_rust", "healthy"]
 

@@ -13,10 +13,10 @@ import pytest
 from apps_helpers import reference_probs, write_photo
 from PIL import Image
 
-from apps.diagnosis import PhotoOutcome, format_percent, is_healthy, md_escape, render, summarise
-from apps.i18n import LANGS, STRINGS, lang_from_choice, t
-from apps.notes import ClassNotes, NotesError, find_notes, load_notes
-from data_prep.decode import decode_image
+from leaflens.apps.diagnosis import PhotoOutcome, format_percent, is_healthy, md_escape, render, summarise
+from leaflens.apps.i18n import LANGS, STRINGS, lang_from_choice, t
+from leaflens.apps.notes import ClassNotes, NotesError, find_notes, load_notes
+from leaflens.data_prep.decode import decode_image
 
 CLASSES = ["healthy", "rust", "early_blight"]
 NOTES = ClassNotes({
@@ -146,8 +146,8 @@ def test_every_string_exists_in_both_languages_with_the_same_placeholders():
 
 # ----------------------------------------------------------------------------- class notes
 def test_notes_from_synth_toml_json_and_fallbacks(tmp_path):
-    from data_prep.synth import CLASSES as SYNTH_CLASSES
-    from data_prep.synth import classes_toml
+    from leaflens.data_prep.synth import CLASSES as SYNTH_CLASSES
+    from leaflens.data_prep.synth import classes_toml
 
     (tmp_path / "classes.toml").write_text(classes_toml(), encoding="utf-8")
     notes = load_notes(tmp_path / "classes.toml")
@@ -181,8 +181,8 @@ def test_bad_notes_files_name_the_file_and_entry(tmp_path, name, text, match):
 # ----------------------------------------------------------------------------- the service on real files
 @pytest.fixture
 def service(tiny_model):
-    from apps.predictor import Predictor
-    from apps.service import DiagnosisService, ServiceOptions
+    from leaflens.apps.predictor import Predictor
+    from leaflens.apps.service import DiagnosisService, ServiceOptions
 
     path, weights = tiny_model(classes=CLASSES, size=16)
     svc = DiagnosisService(Predictor(path, intra_op_threads=1), NOTES,
@@ -239,8 +239,8 @@ def test_service_reads_what_phones_send(service, tmp_path):
 
 
 def test_service_big_phone_photo_is_decoded(tiny_model, tmp_path):
-    from apps.predictor import Predictor
-    from apps.service import DiagnosisService
+    from leaflens.apps.predictor import Predictor
+    from leaflens.apps.service import DiagnosisService
 
     path, weights = tiny_model(classes=CLASSES, size=16)
     rng = np.random.default_rng(0)
@@ -255,7 +255,7 @@ def test_service_big_phone_photo_is_decoded(tiny_model, tmp_path):
 
 
 def test_service_turns_bad_files_into_reasons(service, tmp_path, monkeypatch, caplog):
-    import data_prep.decode as decode
+    import leaflens.data_prep.decode as decode
 
     monkeypatch.setattr(decode, "_register_heif", lambda: False)  # as without pillow-heif
     write_photo(tmp_path / "good.jpg", seed=1)

@@ -27,8 +27,8 @@ from apps_helpers import (
     write_photo,
 )
 
-from apps.notes import load_notes
-from data_prep.decode import decode_image
+from leaflens.apps.notes import load_notes
+from leaflens.data_prep.decode import decode_image
 
 pytestmark = pytest.mark.slow
 gr = pytest.importorskip("gradio", reason="gradio is not installed (pip install 'leaflens[serve-cpu]')")
@@ -39,9 +39,9 @@ SIZE = 16
 
 class Server:
     def __init__(self, root: Path) -> None:
-        from apps import cmd_serve
-        from apps.screenshot import free_port
-        from apps.web import launch
+        from leaflens.apps import cmd_serve
+        from leaflens.apps.screenshot import free_port
+        from leaflens.apps.web import launch
 
         self.root = root
         self.dataset = make_dataset(root, CLASSES, SIZE)
@@ -132,7 +132,7 @@ def test_upload_size_limit_is_enforced(server):
 
 # ----------------------------------------------------------------------------- the page, in a browser
 def _browser_or_skip() -> None:
-    from apps.screenshot import find_chromium
+    from leaflens.apps.screenshot import find_chromium
 
     if importlib.util.find_spec("playwright") is None:
         pytest.skip("playwright is not installed (pip install 'leaflens[dev]')")
@@ -143,7 +143,7 @@ def _browser_or_skip() -> None:
 @pytest.mark.browser
 def test_page_in_headless_chromium(server, leaf, tmp_path):
     _browser_or_skip()
-    from apps.screenshot import drive
+    from leaflens.apps.screenshot import drive
 
     shots = Path(os.environ.get("LEAFLENS_SCREENSHOT_DIR") or tmp_path)
     label, conf = server.expected(leaf)
@@ -167,7 +167,7 @@ def test_page_in_headless_chromium(server, leaf, tmp_path):
 @pytest.mark.browser
 def test_page_in_chinese(server, leaf):
     _browser_or_skip()
-    from apps.screenshot import drive
+    from leaflens.apps.screenshot import drive
 
     label, _ = server.expected(leaf)
     page = drive(server.url, [leaf], lang="zh")
@@ -181,7 +181,7 @@ def test_clicking_an_example_diagnoses_it(server):
     _browser_or_skip()
     from playwright.sync_api import sync_playwright
 
-    from apps.screenshot import BROWSER_ARGS, find_chromium
+    from leaflens.apps.screenshot import BROWSER_ARGS, find_chromium
 
     example = server.config.examples[0]  # sorted by class id: early_blight
     label, _ = server.expected(example)

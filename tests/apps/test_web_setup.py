@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from apps_helpers import fake_run, make_dataset, serve_args
 
-from apps.examples import write_examples
-from apps.model_info import discover, model_markdown, run_images
-from data_prep.decode import decode_image
-from data_prep.manifest import load_dataset
+from leaflens.apps.examples import write_examples
+from leaflens.apps.model_info import discover, model_markdown, run_images
+from leaflens.data_prep.decode import decode_image
+from leaflens.data_prep.manifest import load_dataset
 
 CLASSES = ["early_blight", "healthy", "rust"]  # sorted: the order preprocess gives
 
@@ -38,7 +38,7 @@ def test_examples_reproduce_the_dataset_pixels(dataset, tmp_path):
 
 
 def test_discover_follows_the_export_records(dataset, tmp_path, tiny_model):
-    from apps.predictor import Predictor
+    from leaflens.apps.predictor import Predictor
 
     run = fake_run(tmp_path, dataset)
     export = tmp_path / "export"
@@ -76,7 +76,7 @@ def test_cli_defaults_are_local_and_private():
 
 
 def test_cli_errors_exit_2_with_a_message(tmp_path, capsys, tiny_model):
-    from apps import cmd_serve
+    from leaflens.apps import cmd_serve
 
     assert cmd_serve.run(serve_args(model=tmp_path / "missing.onnx")) == 2
     assert "missing.onnx: model file not found" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Tests for data_prep.decode: every mode to RGB, EXIF rotation, draft mode, broken-file reasons."""
+"""Tests for leaflens.data_prep.decode: every mode to RGB, EXIF rotation, draft mode, broken-file reasons."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from data_prep.decode import ImageDecodeError, decode_image, decode_image_at
+from leaflens.data_prep.decode import ImageDecodeError, decode_image, decode_image_at
 
 
 def _encode(im: Image.Image, fmt: str, **kw) -> bytes:

@@ -1,4 +1,4 @@
-"""Tests for folder ingest (data_prep.ingest) and manifest validation (data_prep.manifest)."""
+"""Tests for folder ingest (leaflens.data_prep.ingest) and manifest validation (leaflens.data_prep.manifest)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import pytest
 from dp_helpers import COLOURS, encode, make_class_folders, photo, png_bomb
 from PIL import Image
 
-from data_prep import ingest as ingest_mod
-from data_prep.ingest import IngestError, IngestOptions, ingest
-from data_prep.manifest import DatasetError, load_dataset
+from leaflens.data_prep import ingest as ingest_mod
+from leaflens.data_prep.ingest import IngestError, IngestOptions, ingest
+from leaflens.data_prep.manifest import DatasetError, load_dataset
 
 REPO = Path(__file__).resolve().parents[2]
 QUIET = {"log": lambda msg: None}
@@ -166,7 +166,7 @@ def test_killed_process_keeps_previous_output_and_stale_temp_is_cleaned(tmp_path
     out = tmp_path / "ds"
     ingest(root, out, IngestOptions(size=16), workers=1, **QUIET)
     before = (out / "train_images.npy").read_bytes()
-    cmd = [sys.executable, "-m", "pipeline.cli", "preprocess", "--src", str(root), "--out", str(out),
+    cmd = [sys.executable, "-m", "leaflens", "preprocess", "--src", str(root), "--out", str(out),
            "--size", "96", "--workers", "1", "--no-progress"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 30
@@ -263,7 +263,7 @@ def test_real_ibeans_sample(tmp_path):
             (root / s / cdir.name).mkdir(parents=True)
             for f in sorted(cdir.iterdir())[:3]:  # links, not copies
                 (root / s / cdir.name / f.name).symlink_to(f.resolve())
-    cmd = [sys.executable, "-m", "pipeline.cli", "preprocess", "--src", str(root), "--out",
+    cmd = [sys.executable, "-m", "leaflens", "preprocess", "--src", str(root), "--out",
            str(tmp_path / "ds"), "--size", "64", "--no-progress"]
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr

@@ -1,4 +1,4 @@
-"""Tests for the synthetic leaf dataset (data_prep.synth) and `leaflens data synth`."""
+"""Tests for the synthetic leaf dataset (leaflens.data_prep.synth) and `leaflens data synth`."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from data_prep.decode import decode_image
-from data_prep.ingest import IngestOptions, ingest
-from data_prep.manifest import load_dataset
-from data_prep.synth import CLASSES, SynthOptions, generate, image_seed, render
-from pipeline.cli import main as cli_main
+from leaflens.data_prep.decode import decode_image
+from leaflens.data_prep.ingest import IngestOptions, ingest
+from leaflens.data_prep.manifest import load_dataset
+from leaflens.data_prep.synth import CLASSES, SynthOptions, generate, image_seed, render
+from leaflens.pipeline.cli import main as cli_main
 
 try:
     import tomllib

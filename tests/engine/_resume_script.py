@@ -11,14 +11,12 @@ import signal
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 import numpy as np  # noqa: E402
 
-from engine import Tensor, nn, ops  # noqa: E402
-from engine import random as erandom  # noqa: E402
-from engine.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from engine.optim import SGD, WarmupCosine  # noqa: E402
+from leaflens.engine import Tensor, nn, ops  # noqa: E402
+from leaflens.engine import random as erandom  # noqa: E402
+from leaflens.engine.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from leaflens.engine.optim import SGD, WarmupCosine  # noqa: E402
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""engine.amp: autocast (float16 conv/linear/matmul, float32 losses and normalisation, float32 master
+"""leaflens.engine.amp: autocast (float16 conv/linear/matmul, float32 losses and normalisation, float32 master
 gradients), GradScaler (skip and back off on overflow, growth, unscale before clipping, state), and mixed
 precision in the student training loop on the CPU (it learns; resume is exact), plus one GPU step."""
 
@@ -11,13 +11,13 @@ import threading
 import numpy as np
 import pytest
 
-from engine import Tensor, amp, ops
-from engine import random as erandom
-from engine.amp import GradScaler, autocast
-from engine.nn import BatchNorm2d, Conv2d, Linear, Parameter
-from engine.optim import SGD, clip_grad_norm_
-from pipeline.config import load_config
-from pipeline.student import StudentCNN
+from leaflens.engine import Tensor, amp, ops
+from leaflens.engine import random as erandom
+from leaflens.engine.amp import GradScaler, autocast
+from leaflens.engine.nn import BatchNorm2d, Conv2d, Linear, Parameter
+from leaflens.engine.optim import SGD, clip_grad_norm_
+from leaflens.pipeline.config import load_config
+from leaflens.pipeline.models.student import StudentCNN
 
 
 # ---- autocast ----------------------------------------------------------------------------------------------
@@ -190,7 +190,7 @@ def _amp_cfg(epochs: int, **extra):
 
 
 def _run(tmp, cfg, resume=False):
-    from pipeline.train_student import TrainData, train_run
+    from leaflens.pipeline.train_student import TrainData, train_run
 
     (xt, yt), (xv, yv) = _tiny_data()
     mean, std = np.full(3, 0.5, np.float32), np.full(3, 0.25, np.float32)
@@ -202,7 +202,7 @@ def _run(tmp, cfg, resume=False):
 def small_scaler(monkeypatch):
     """A scaler that starts too high (the first steps overflow in float16 and are skipped) and grows
     every 4 good steps, so a short run exercises back-off, growth and their state across a resume."""
-    import pipeline.train_student as ts
+    import leaflens.pipeline.train_student as ts
 
     monkeypatch.setattr(ts, "GradScaler", functools.partial(GradScaler, init_scale=2.0 ** 19, growth_interval=4))
 
@@ -218,7 +218,7 @@ def test_mixed_precision_training_on_cpu_learns_and_skips_overflow_steps_without
 
 
 def test_mixed_precision_resume_is_exact_including_the_loss_scale(tmp_path, monkeypatch, small_scaler):
-    import pipeline.train_student as ts
+    import leaflens.pipeline.train_student as ts
 
     cfg = _amp_cfg(3)
     full = _run(tmp_path / "full", cfg)
@@ -250,8 +250,8 @@ def test_mixed_precision_resume_is_exact_including_the_loss_scale(tmp_path, monk
 
 
 def test_precision_and_device_settings():
-    from engine.device_loader import resolve_device
-    from pipeline.train_student import resolve_precision
+    from leaflens.engine.device_loader import resolve_device
+    from leaflens.pipeline.train_student import resolve_precision
 
     assert resolve_precision("auto", "cuda") and not resolve_precision("auto", "cpu")
     assert resolve_precision("on", "cpu") and not resolve_precision("off", "cuda")

@@ -9,8 +9,8 @@ import weakref
 import numpy as np
 import pytest
 
-from engine import GraphFreedError, NonFiniteLossError, Tensor, no_grad, ops
-from engine.config import grad_enabled
+from leaflens.engine import GraphFreedError, NonFiniteLossError, Tensor, no_grad, ops
+from leaflens.engine.config import grad_enabled
 
 
 def test_leaf_gradients_accumulate_across_backward_calls():

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import nn
-from engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from engine.optim import Adam
+from leaflens.engine import nn
+from leaflens.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from leaflens.engine.optim import Adam
 
 SCRIPT = Path(__file__).with_name("_resume_script.py")
 

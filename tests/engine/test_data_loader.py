@@ -1,4 +1,4 @@
-"""Tests for engine.data: ArrayDataset, DataLoader (shuffle, resume, prefetch) and augmentation."""
+"""Tests for leaflens.engine.data: ArrayDataset, DataLoader (shuffle, resume, prefetch) and augmentation."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from engine.data import ArrayDataset, Augment, DataLoader, augment_batch, downsample, normalize
+from leaflens.engine.data import ArrayDataset, Augment, DataLoader, augment_batch, downsample, normalize
 
 
 def _indexed(n: int = 50, size: int = 8) -> ArrayDataset:

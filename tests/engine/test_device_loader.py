@@ -1,4 +1,4 @@
-"""engine.device_loader: CPU pass-through, resume passthrough, and the CUDA protocol (pinned buffers, a
+"""leaflens.engine.device_loader: CPU pass-through, resume passthrough, and the CUDA protocol (pinned buffers, a
 copy stream, double buffering, ready/free events) checked on a simulated GPU that runs one kind of
 stream as early and the other as late as the recorded dependencies allow (both ways round), so that a
 missing wait or host synchronisation shows up as wrong data."""
@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine.data import ArrayDataset, Augment, DataLoader
-from engine.device_loader import DeviceLoader, resolve_device
+from leaflens.engine.data import ArrayDataset, Augment, DataLoader
+from leaflens.engine.device_loader import DeviceLoader, resolve_device
 
 
 def _loader(n: int = 37, batch: int = 8, seed: int = 1) -> DataLoader:
@@ -238,7 +238,7 @@ def _loader_at_epoch(epoch: int) -> DataLoader:
 @pytest.mark.parametrize("skip", ["free event", "ready wait", "pinned sync"])
 def test_the_simulator_catches_each_missing_wait(monkeypatch, skip):
     """The check above has teeth: leave out any one of the three waits and batches arrive corrupted."""
-    import engine.device_loader as dlm
+    import leaflens.engine.device_loader as dlm
 
     gpu = SimGPU("copy" if skip == "free event" else "compute")
     cp = FakeCupy(gpu)

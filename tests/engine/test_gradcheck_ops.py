@@ -1,13 +1,13 @@
-"""Every differentiable op against central differences in float64 (engine.gradcheck)."""
+"""Every differentiable op against central differences in float64 (leaflens.engine.gradcheck)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from engine import ops
-from engine import random as erandom
-from engine.gradcheck import GradcheckError, gradcheck
+from leaflens.engine import ops
+from leaflens.engine import random as erandom
+from leaflens.engine.gradcheck import GradcheckError, gradcheck
 
 rng = np.random.default_rng(1234)
 
@@ -153,7 +153,7 @@ def test_dropout_gradients_with_fixed_mask():
 
 
 def test_gradcheck_catches_a_wrong_backward():
-    from engine.tensor import Function
+    from leaflens.engine.tensor import Function
 
     class BadSquare(Function):
         def forward(self, x):

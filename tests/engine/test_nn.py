@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine import Tensor, nn, ops
-from engine import random as erandom
-from engine.optim import Adam
+from leaflens.engine import Tensor, nn, ops
+from leaflens.engine import random as erandom
+from leaflens.engine.optim import Adam
 
 
 class Tiny(nn.Module):

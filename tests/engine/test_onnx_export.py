@@ -12,8 +12,8 @@ import pytest
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
-from engine import Tensor, nn, no_grad, ops  # noqa: E402
-from engine.onnx_export import (  # noqa: E402
+from leaflens.engine import Tensor, nn, no_grad, ops  # noqa: E402
+from leaflens.engine.onnx_export import (  # noqa: E402
     IR_VERSION,
     OPSET,
     ExportError,
@@ -21,7 +21,7 @@ from engine.onnx_export import (  # noqa: E402
     convert_float16,
     export_onnx,
 )
-from pipeline.student import StudentCNN  # noqa: E402
+from leaflens.pipeline.models.student import StudentCNN  # noqa: E402
 
 
 class Fn(nn.Module):

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from engine.nn import Parameter
-from engine.optim import SGD, Adam, AdamW, StepLR, WarmupCosine, clip_grad_norm_
+from leaflens.engine.nn import Parameter
+from leaflens.engine.optim import SGD, Adam, AdamW, StepLR, WarmupCosine, clip_grad_norm_
 
 GRADS = [np.array([0.5, -1.0, 2.0]), np.array([-0.3, 0.2, 0.1]), np.array([1.0, 1.0, -1.0])]
 
@@ -69,7 +69,7 @@ def test_parameter_groups_take_their_own_learning_rate():
 
 
 def test_gradient_accumulation_is_not_zeroing():
-    from engine import Tensor
+    from leaflens.engine import Tensor
 
     p = Parameter(np.array([2.0]))
     for _ in range(3):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from kernel_emu import Emulator, compiler
 
-from kernels import _cuda
+from leaflens.kernels import _cuda
 
 
 @dataclass

@@ -222,7 +222,7 @@ class Emulator:
     faster than one per file; cached by source hash) handing out :class:`EmuKernel` objects."""
 
     def __init__(self, build_dir: Path, cxx: str, cu_files: list[str]) -> None:
-        from kernels import _cuda
+        from leaflens.kernels import _cuda
 
         self.kernels: dict[tuple[str, str], EmuKernel] = {}
         self._sigs: dict[str, dict[str, list[tuple[str, bool]]]] = {}
@@ -251,7 +251,7 @@ class Emulator:
         self._lib = ctypes.CDLL(str(lib_path))
 
     def load_kernel(self, cu_file: str, name: str, options: tuple[str, ...] = ()) -> EmuKernel:
-        """Drop-in for ``kernels._cuda.load_kernel``: the kernel must live in ``cu_file``."""
+        """Drop-in for ``leaflens.kernels._cuda.load_kernel``: the kernel must live in ``cu_file``."""
         sigs = self._sigs.get(cu_file)
         if sigs is None:
             raise FileNotFoundError(f"kernel source not built by the emulator: {cu_file}")

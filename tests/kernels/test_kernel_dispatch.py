@@ -5,7 +5,7 @@ Three layers:
 * CPU, always: on NumPy arrays every dispatcher answers None/False and touches nothing, and the
   switches (``LEAFLENS_NO_KERNELS``, ``use_kernels``) behave.
 * CPU emulator, always (where a C++20 compiler exists): the dispatch is pointed at NumPy arrays with
-  ``kernels._cuda`` patched to the host build of the real ``.cu`` sources, so each engine op runs its
+  ``leaflens.kernels._cuda`` patched to the host build of the real ``.cu`` sources, so each engine op runs its
   kernel branch end to end (argument preparation, saved state, backward) and must equal the same op
   with the kernels switched off.
 * GPU (``gpu`` marker, skipped with the probe's reason without one): each wired op on CuPy arrays
@@ -21,14 +21,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine import nn, ops
-from engine import random as erandom
-from engine.backend import to_device
-from engine.nn.module import Parameter
-from engine.ops import _kernels as gpu
-from engine.optim import SGD, Adam, AdamW
-from engine.tensor import Tensor
-from kernels import _cuda
+from leaflens.engine import nn, ops
+from leaflens.engine import random as erandom
+from leaflens.engine.backend import to_device
+from leaflens.engine.nn.module import Parameter
+from leaflens.engine.ops import _kernels as gpu
+from leaflens.engine.optim import SGD, Adam, AdamW
+from leaflens.engine.tensor import Tensor
+from leaflens.kernels import _cuda
 
 TOL = {np.float32: dict(rtol=1e-4, atol=1e-5), np.float16: dict(rtol=2e-2, atol=3e-2)}
 EMU_TOL = {np.float32: dict(rtol=1e-5, atol=1e-6), np.float16: dict(rtol=2e-2, atol=3e-2)}

@@ -6,16 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-ops = pytest.importorskip("engine.ops", reason="engine ops not built in this checkout")
-from engine.nn.module import Parameter  # noqa: E402
-from engine.optim import SGD, Adam, AdamW  # noqa: E402
-from engine.tensor import Tensor  # noqa: E402
-from kernels.activation_grad import activation_grad_reference  # noqa: E402
-from kernels.fused_optim import adamw_reference, sgd_momentum_reference  # noqa: E402
-from kernels.im2col import col2im_reference, im2col_reference  # noqa: E402
-from kernels.l2norm import l2norm_backward_reference, l2norm_forward_reference  # noqa: E402
-from kernels.maxpool import maxpool_backward_reference, maxpool_forward_reference  # noqa: E402
-from kernels.softmax_xent import softmax_xent_backward_reference, softmax_xent_forward_reference  # noqa: E402
+ops = pytest.importorskip("leaflens.engine.ops", reason="engine ops not built in this checkout")
+from leaflens.engine.nn.module import Parameter  # noqa: E402
+from leaflens.engine.optim import SGD, Adam, AdamW  # noqa: E402
+from leaflens.engine.tensor import Tensor  # noqa: E402
+from leaflens.kernels.activation_grad import activation_grad_reference  # noqa: E402
+from leaflens.kernels.fused_optim import adamw_reference, sgd_momentum_reference  # noqa: E402
+from leaflens.kernels.im2col import col2im_reference, im2col_reference  # noqa: E402
+from leaflens.kernels.l2norm import l2norm_backward_reference, l2norm_forward_reference  # noqa: E402
+from leaflens.kernels.maxpool import maxpool_backward_reference, maxpool_forward_reference  # noqa: E402
+from leaflens.kernels.softmax_xent import softmax_xent_backward_reference, softmax_xent_forward_reference  # noqa: E402
 
 F32 = dict(rtol=1e-5, atol=1e-6)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kernels import _cuda
+from leaflens.kernels import _cuda
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu.py"
 

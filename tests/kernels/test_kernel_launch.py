@@ -10,23 +10,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernels.activation_grad import activation_grad_cuda, activation_grad_reference
-from kernels.fused_optim import adamw_cuda, adamw_reference, sgd_momentum_cuda, sgd_momentum_reference
-from kernels.im2col import col2im_cuda, col2im_reference, im2col_cuda, im2col_reference
-from kernels.l2norm import (
+from leaflens.kernels.activation_grad import activation_grad_cuda, activation_grad_reference
+from leaflens.kernels.fused_optim import adamw_cuda, adamw_reference, sgd_momentum_cuda, sgd_momentum_reference
+from leaflens.kernels.im2col import col2im_cuda, col2im_reference, im2col_cuda, im2col_reference
+from leaflens.kernels.l2norm import (
     l2norm_backward_cuda,
     l2norm_backward_reference,
     l2norm_forward_cuda,
     l2norm_forward_reference,
 )
-from kernels.maxpool import (
+from leaflens.kernels.maxpool import (
     maxpool_backward_cuda,
     maxpool_backward_reference,
     maxpool_forward_cuda,
     maxpool_forward_reference,
 )
-from kernels.sgemm import sgemm_cuda, sgemm_reference
-from kernels.softmax_xent import (
+from leaflens.kernels.sgemm import sgemm_cuda, sgemm_reference
+from leaflens.kernels.softmax_xent import (
     softmax_xent_backward_cuda,
     softmax_xent_backward_reference,
     softmax_xent_forward_cuda,

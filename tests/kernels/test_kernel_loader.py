@@ -9,7 +9,7 @@ import types
 import numpy as np
 import pytest
 
-from kernels import _checks, _cuda
+from leaflens.kernels import _checks, _cuda
 
 INCLUDE = re.compile(r"^\s*#\s*include", re.MULTILINE)
 

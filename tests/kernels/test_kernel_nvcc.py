@@ -2,7 +2,7 @@
 current CUDA supports) and 9.0 (Hopper), so a syntax or type error in a kernel fails CI without a GPU.
 
 The source compiled is exactly what NVRTC receives at run time (local includes inlined by
-``kernels._cuda.kernel_source``); warnings are errors. Skipped where nvcc is not on the PATH.
+``leaflens.kernels._cuda.kernel_source``); warnings are errors. Skipped where nvcc is not on the PATH.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from kernels import _cuda
+from leaflens.kernels import _cuda
 
 CU_FILES = sorted(p.name for p in _cuda.KERNEL_DIR.glob("*.cu"))
 NVCC = shutil.which("nvcc")

@@ -9,13 +9,13 @@ import math
 import numpy as np
 import pytest
 
-from kernels.activation_grad import activation_grad_reference
-from kernels.fused_optim import adamw_reference, sgd_momentum_reference
-from kernels.im2col import col2im_reference, conv_output_size, im2col_reference
-from kernels.l2norm import l2norm_backward_reference, l2norm_forward_reference
-from kernels.maxpool import maxpool_backward_reference, maxpool_forward_reference
-from kernels.sgemm import sgemm_reference
-from kernels.softmax_xent import softmax_xent_backward_reference, softmax_xent_forward_reference
+from leaflens.kernels.activation_grad import activation_grad_reference
+from leaflens.kernels.fused_optim import adamw_reference, sgd_momentum_reference
+from leaflens.kernels.im2col import col2im_reference, conv_output_size, im2col_reference
+from leaflens.kernels.l2norm import l2norm_backward_reference, l2norm_forward_reference
+from leaflens.kernels.maxpool import maxpool_backward_reference, maxpool_forward_reference
+from leaflens.kernels.sgemm import sgemm_reference
+from leaflens.kernels.softmax_xent import softmax_xent_backward_reference, softmax_xent_forward_reference
 
 
 def test_sgemm_reference_against_triple_loop():

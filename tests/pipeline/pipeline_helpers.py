@@ -12,8 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data_prep"))
 
 from dp_helpers import make_class_folders  # noqa: E402
 
-from data_prep.ingest import IngestOptions, ingest  # noqa: E402
-from data_prep.manifest import load_dataset  # noqa: E402
+from leaflens.data_prep.ingest import IngestOptions, ingest  # noqa: E402
+from leaflens.data_prep.manifest import load_dataset  # noqa: E402
 
 
 def tiny_dataset(tmp: Path, per_class: int = 16, size: int = 16, unlabeled: int = 0) -> Path:

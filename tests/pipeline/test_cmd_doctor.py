@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from engine.checkpoint import save_checkpoint
-from kernels import _cuda
-from pipeline import cmd_doctor
-from pipeline.cli import main
-from pipeline.student import StudentCNN
+from leaflens.engine.checkpoint import save_checkpoint
+from leaflens.kernels import _cuda
+from leaflens.pipeline.cli import doctor as cmd_doctor
+from leaflens.pipeline.cli import main
+from leaflens.pipeline.models.student import StudentCNN
 
 
 @pytest.fixture

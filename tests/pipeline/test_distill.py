@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from pipeline_helpers import class_features, tiny_dataset
 
-from data_prep.manifest import load_dataset
-from pipeline.cli import main as cli
-from pipeline.config import load_config
-from pipeline.distill import run_distill
-from pipeline.runs import load_model
-from pipeline.teacher import ArrayEncoder, read_features_source, write_teacher
-from pipeline.teacher_io import TeacherError, load_teacher
+from leaflens.data_prep.manifest import load_dataset
+from leaflens.pipeline.cli import main as cli
+from leaflens.pipeline.config import load_config
+from leaflens.pipeline.distill import run_distill
+from leaflens.pipeline.runs import load_model
+from leaflens.pipeline.teachers.artefact import TeacherError, load_teacher
+from leaflens.pipeline.teachers.stage import ArrayEncoder, read_features_source, write_teacher
 
 
 def _cfg(epochs=4, **extra):
@@ -71,8 +71,8 @@ def test_the_student_trains_and_is_judged_at_model_input_size(tiny):
     _, info = load_model(tmp / "at8")
     assert info.dataset["input_size"] == 8
     # the kept weights score on val exactly what the report says when fed 8 px area-downsampled images
-    from engine.data import downsample  # noqa: PLC0415
-    from pipeline.train_student import predict_logits  # noqa: PLC0415
+    from leaflens.engine.data import downsample  # noqa: PLC0415
+    from leaflens.pipeline.train_student import predict_logits  # noqa: PLC0415
 
     model, _ = load_model(tmp / "at8")
     ds = load_dataset(ds_dir)
@@ -92,7 +92,7 @@ def test_resume_gives_the_same_result_as_an_uninterrupted_run(tiny, monkeypatch)
     cfg = _cfg(epochs=3, **{"distill.compare_scratch": "false"})
     full = run_distill(ds_dir, tmp / "teacher", tmp / "full", cfg, progress=False)
 
-    import pipeline.train_student as ts
+    import leaflens.pipeline.train_student as ts
 
     calls = {"n": 0}
     real = ts.save_checkpoint
@@ -138,7 +138,7 @@ def test_cli_distill_reports_and_refuses_unknown_settings(tiny, capsys):
 
 
 def test_equal_val_accuracy_is_broken_by_the_lower_val_loss():
-    from pipeline.train_student import is_better_epoch  # noqa: PLC0415
+    from leaflens.pipeline.train_student import is_better_epoch  # noqa: PLC0415
 
     assert is_better_epoch(0.9, 0.5, 0.8, 0.1)        # higher accuracy wins whatever the loss
     assert not is_better_epoch(0.8, 0.1, 0.9, 0.5)

@@ -1,4 +1,4 @@
-"""pipeline.efficientnet: EfficientNet-Lite built from a PyTorch-style state dict, checked against an
+"""leaflens.pipeline.models.efficientnet: EfficientNet-Lite built from a PyTorch-style state dict, checked against an
 independent NumPy forward, ONNX Runtime, and (when installed) the real ImageNet Lite0 weights."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from numpy.lib.stride_tricks import sliding_window_view
 
-from engine import Tensor, no_grad, ops
-from engine.optim import SGD
-from pipeline.efficientnet import (
+from leaflens.engine import Tensor, no_grad, ops
+from leaflens.engine.optim import SGD
+from leaflens.pipeline.models.efficientnet import (
     BlockSpec,
     EfficientNetLite,
     FeatureEncoder,
@@ -259,7 +259,7 @@ def test_normalisations():
 @pytest.mark.parametrize("padding", ["same", "symmetric"])
 def test_engine_matches_onnxruntime_on_the_exported_graph(padding):
     ort = pytest.importorskip("onnxruntime")
-    from engine.onnx_export import export_onnx
+    from leaflens.engine.onnx_export import export_onnx
 
     model, _ = tiny_model(padding)
     x = _x(n=3, size=16)
@@ -280,7 +280,7 @@ needs_weights = pytest.mark.skipif(importlib.util.find_spec("efficientnet_lite0_
 
 @pytest.fixture(scope="module")
 def lite0():
-    from pipeline.pretrained import load_efficientnet_lite0
+    from leaflens.pipeline.models.pretrained import load_efficientnet_lite0
 
     return load_efficientnet_lite0()
 
@@ -298,7 +298,7 @@ def test_real_lite0_weights(lite0):
 @needs_weights
 def test_real_lite0_matches_onnxruntime(lite0):
     ort = pytest.importorskip("onnxruntime")
-    from engine.onnx_export import export_onnx
+    from leaflens.engine.onnx_export import export_onnx
 
     x = normalize_images(np.random.default_rng(0).integers(0, 256, (2, 64, 64, 3)), "tf")
     with no_grad():

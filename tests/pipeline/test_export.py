@@ -12,16 +12,16 @@ from PIL import Image
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from data_prep.ingest import IngestOptions, ingest  # noqa: E402
-from data_prep.manifest import load_dataset  # noqa: E402
-from engine import Tensor, nn  # noqa: E402
-from engine.checkpoint import save_checkpoint  # noqa: E402
-from engine.data import normalize  # noqa: E402
-from engine.optim import Adam  # noqa: E402
-from pipeline import triton  # noqa: E402
-from pipeline.cli import main  # noqa: E402
-from pipeline.export import ExportFailed, ExportOptions, export_run, manifest_digest  # noqa: E402
-from pipeline.student import StudentCNN  # noqa: E402
+from leaflens.data_prep.ingest import IngestOptions, ingest  # noqa: E402
+from leaflens.data_prep.manifest import load_dataset  # noqa: E402
+from leaflens.engine import Tensor, nn  # noqa: E402
+from leaflens.engine.checkpoint import save_checkpoint  # noqa: E402
+from leaflens.engine.data import normalize  # noqa: E402
+from leaflens.engine.optim import Adam  # noqa: E402
+from leaflens.pipeline.cli import main  # noqa: E402
+from leaflens.pipeline.export import triton  # noqa: E402
+from leaflens.pipeline.export.stage import ExportFailed, ExportOptions, export_run, manifest_digest  # noqa: E402
+from leaflens.pipeline.models.student import StudentCNN  # noqa: E402
 
 CLASSES = ["blight", "healthy", "rust"]
 COLOURS = {"blight": (150, 90, 40), "healthy": (40, 160, 50), "rust": (170, 60, 30)}
@@ -48,7 +48,7 @@ def _train(model: nn.Module, ds, steps: int = 40) -> None:
     opt = Adam(model.parameters(), lr=0.02)
     x_all = normalize(np.asarray(train.images), ds.mean, ds.std)
     y_all = np.asarray(train.labels)
-    from engine import ops  # noqa: PLC0415
+    from leaflens.engine import ops  # noqa: PLC0415
 
     model.train()
     for _ in range(steps):
@@ -118,9 +118,9 @@ def test_export_end_to_end_via_cli(tiny_run, tmp_path, capsys):
 
 def test_exported_model_is_what_the_predictor_serves(tiny_run, tmp_path):
     """The metadata contract holds for every variant: apps.Predictor loads it and agrees with the engine."""
-    from apps.predictor import Predictor  # noqa: PLC0415
-    from pipeline.parity import engine_and_onnx_logits  # noqa: PLC0415
-    from pipeline.runs import load_model  # noqa: PLC0415
+    from leaflens.apps.predictor import Predictor  # noqa: PLC0415
+    from leaflens.pipeline.export.parity import engine_and_onnx_logits  # noqa: PLC0415
+    from leaflens.pipeline.runs import load_model  # noqa: PLC0415
 
     run, dataset = tiny_run
     out = tmp_path / "export"
@@ -237,14 +237,14 @@ def test_wrong_dataset_and_foreign_output_are_refused(tiny_run, tmp_path, capsys
 
 def test_a_student_with_a_smaller_input_than_the_stored_images_exports_at_its_input_size(tiny_run, tmp_path):
     """Stored at 32 px, trained at 16 (model.input_size): the ONNX input, metadata and parity are at 16."""
-    from apps.predictor import Predictor  # noqa: PLC0415
-    from engine.data import downsample  # noqa: PLC0415
+    from leaflens.apps.predictor import Predictor  # noqa: PLC0415
+    from leaflens.engine.data import downsample  # noqa: PLC0415
 
     run16, _ = tiny_run
     dataset = tmp_path / "dataset32"
     ingest(_photos(tmp_path / "photos"), dataset, IngestOptions(size=32), workers=1, log=lambda s: None)
     ds = load_dataset(dataset)
-    from pipeline.runs import load_model  # noqa: PLC0415
+    from leaflens.pipeline.runs import load_model  # noqa: PLC0415
 
     model, info = load_model(run16)
     extra = {"model_config": info.model_config, "metrics": info.metrics, "run_id": "tiny-run-32",

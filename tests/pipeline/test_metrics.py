@@ -1,4 +1,4 @@
-"""pipeline.metrics against hand-computed cases, published Wilson intervals and brute-force re-derivations."""
+"""pipeline.report.metrics against hand-computed cases, published Wilson intervals and brute-force re-derivations."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline import metrics
+from leaflens.pipeline.report import metrics
 
 
 def probs_from(conf: list[float], correct: list[bool], y: list[int], num_classes: int = 3) -> np.ndarray:

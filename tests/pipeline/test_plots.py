@@ -1,4 +1,4 @@
-"""pipeline.plots: each figure is a PNG Pillow re-opens, of the expected size, with the content it claims
+"""pipeline.report.plots: each figure is a PNG Pillow re-opens, of the expected size, with the content it claims
 (the curve colours, the pasted pixels, the colour-map ends), written atomically."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline import plots
+from leaflens.pipeline.report import plots
 
 
 def load(path: Path) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""pipeline.pretrained: where the default teacher's weights come from, and the error when they are absent."""
+"""pipeline.models.pretrained: where the default teacher's weights come from, and the error when they are absent."""
 
 from __future__ import annotations
 
@@ -9,8 +9,13 @@ import numpy as np
 import pytest
 from torch_pickle_helpers import TensorSpec, write_legacy
 
-from pipeline import pretrained
-from pipeline.pretrained import LITE0_PACKAGE, WeightsNotFoundError, find_lite0_weights, load_efficientnet_lite0
+from leaflens.pipeline.models import pretrained
+from leaflens.pipeline.models.pretrained import (
+    LITE0_PACKAGE,
+    WeightsNotFoundError,
+    find_lite0_weights,
+    load_efficientnet_lite0,
+)
 
 
 def test_missing_package_says_how_to_install(monkeypatch):

@@ -1,4 +1,4 @@
-"""report.md carries the key figures of report.json; pipeline.hardware describes the machine."""
+"""report.md carries the key figures of report.json; leaflens.pipeline.hardware describes the machine."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipeline import hardware, metrics, report_md
+from leaflens.pipeline import hardware
+from leaflens.pipeline.report import markdown as report_md
+from leaflens.pipeline.report import metrics
 
 CLASSES = ["angular_leaf_spot", "bean_rust", "healthy"]
 
@@ -94,7 +96,7 @@ def test_report_needs_an_existing_run_directory(tmp_path: Path) -> None:
 
 # ---- hardware -------------------------------------------------------------------------------------------
 def test_describe_hardware_without_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels import _cuda
+    from leaflens.kernels import _cuda
 
     monkeypatch.setattr(_cuda, "gpu_probe", lambda refresh=False: (False, "no CUDA here"))
     facts = hardware.describe_hardware(device="cpu")
@@ -104,7 +106,7 @@ def test_describe_hardware_without_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_describe_hardware_names_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels import _cuda
+    from leaflens.kernels import _cuda
 
     class FakeRuntime:
         @staticmethod
@@ -129,7 +131,7 @@ def test_describe_hardware_names_the_gpu(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_report_reads_the_distill_stage_schema(tmp_path: Path) -> None:
-    """pipeline.distill's report.json spells the keys winner/variants/threshold_choice."""
+    """leaflens.pipeline.distill's report.json spells the keys winner/variants/threshold_choice."""
     rep = {
         "winner": "scratch", "val_accuracy": 0.95, "test_accuracy": 116 / 120, "params": 12345,
         "train_seconds": 42.0, "uncertain_threshold": 0.7,

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from pipeline_helpers import tiny_dataset
 
-from data_prep.manifest import load_dataset
-from pipeline.cli import main as cli
-from pipeline.teacher_io import load_teacher
+from leaflens.data_prep.manifest import load_dataset
+from leaflens.pipeline.cli import main as cli
+from leaflens.pipeline.teachers.artefact import load_teacher
 
-pretrained = pytest.importorskip("pipeline.pretrained")
+pretrained = pytest.importorskip("leaflens.pipeline.models.pretrained")
 
 
 def _weights_or_skip():
@@ -61,8 +61,8 @@ def test_fine_tuned_teacher_does_not_depend_on_what_ran_before(tmp_path):
     """The new head is initialised from a fixed seed, whatever drew from the engine's generator earlier."""
     import argparse  # noqa: PLC0415
 
-    from engine import random as erandom  # noqa: PLC0415
-    from pipeline.teacher_effnet import build_effnet_teacher  # noqa: PLC0415
+    from leaflens.engine import random as erandom  # noqa: PLC0415
+    from leaflens.pipeline.teachers.effnet import build_effnet_teacher  # noqa: PLC0415
 
     _weights_or_skip()
     ds = load_dataset(tiny_dataset(tmp_path, per_class=6, size=16))

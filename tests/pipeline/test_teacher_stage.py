@@ -10,10 +10,10 @@ import pytest
 from onnx import TensorProto, helper
 from pipeline_helpers import class_features, tiny_dataset
 
-from data_prep.manifest import load_dataset
-from pipeline.cli import main as cli
-from pipeline.teacher import knn_accuracy
-from pipeline.teacher_io import load_teacher
+from leaflens.data_prep.manifest import load_dataset
+from leaflens.pipeline.cli import main as cli
+from leaflens.pipeline.teachers.artefact import load_teacher
+from leaflens.pipeline.teachers.stage import knn_accuracy
 
 
 @pytest.fixture(scope="module")

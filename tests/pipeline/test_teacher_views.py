@@ -10,15 +10,15 @@ from PIL import Image
 from pipeline_helpers import tiny_dataset
 from test_teacher_stage import _tiny_encoder
 
-from data_prep.manifest import load_dataset
-from engine.data import Augment, apply_view_boxes, downsample, sample_view_boxes
-from pipeline.cli import main as cli
-from pipeline.config import load_config
-from pipeline.distill import run_distill
-from pipeline.teacher import ArrayEncoder
-from pipeline.teacher_io import TeacherError, load_teacher
-from pipeline.teacher_onnx import OnnxEncoder
-from pipeline.teacher_views import write_view_bank
+from leaflens.data_prep.manifest import load_dataset
+from leaflens.engine.data import Augment, apply_view_boxes, downsample, sample_view_boxes
+from leaflens.pipeline.cli import main as cli
+from leaflens.pipeline.config import load_config
+from leaflens.pipeline.distill import run_distill
+from leaflens.pipeline.teachers.artefact import TeacherError, load_teacher
+from leaflens.pipeline.teachers.onnx_encoder import OnnxEncoder
+from leaflens.pipeline.teachers.stage import ArrayEncoder
+from leaflens.pipeline.teachers.views import write_view_bank
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""pipeline.torch_weights: PyTorch checkpoints read without torch, and without running what they name."""
+"""pipeline.models.torch_weights: PyTorch checkpoints read without torch, and without running what they name."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from torch_pickle_helpers import TensorSpec, call, glob, write_legacy, write_zip
 
-from pipeline.torch_weights import (
+from leaflens.pipeline.models.torch_weights import (
     ALLOWED_GLOBALS,
     CheckpointFormatError,
     UnsafeCheckpointError,

@@ -9,12 +9,12 @@ image signature), and a wrong extension. Case ``i`` of seed ``s`` is a pure func
 so any finding is replayed with ``--seed s --start i --cases 1``.
 
 Each case goes through four targets, and every outcome must be either an accepted image of the
-right shape or an :class:`~data_prep.decode.ImageDecodeError` whose ``reason`` is one of the
+right shape or an :class:`~leaflens.data_prep.decode.ImageDecodeError` whose ``reason`` is one of the
 documented codes:
 
 - ``decode_bytes``: ``decode_image(data, 32, crop|pad)``;
 - ``decode_path``: the same from a file with the case's extension (results must be identical);
-- ``ingest``: ``data_prep.ingest._decode_task``, the worker `leaflens preprocess` runs per file
+- ``ingest``: ``leaflens.data_prep.ingest._decode_task``, the worker `leaflens preprocess` runs per file
   (its catch-all reason ``"error"`` counts as a crash, as do pixels differing from decode_image);
 - ``predict``: ``Predictor.predict_image(path)`` on a tiny ONNX model (an escaping exception is a
   crash; an error must name the reason; an answer must hold finite probabilities).
@@ -50,9 +50,8 @@ from PIL import Image
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-for _p in (str(REPO), str(HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
 
 from rel_helpers import encode, photo, tiny_model  # noqa: E402
 
@@ -251,7 +250,7 @@ def make_case(corpus: list[tuple[str, str, bytes]], seed: int, index: int) -> Ca
 # ---------------------------------------------------------------------------- worker (child process)
 def _outcome_decode(fn) -> tuple[str, np.ndarray | None, str | None]:
     """("ok"|reason|"crash", pixels, crash detail) of one decode call."""
-    from data_prep.decode import ImageDecodeError
+    from leaflens.data_prep.decode import ImageDecodeError
 
     try:
         out = fn()
@@ -268,8 +267,8 @@ def _outcome_decode(fn) -> tuple[str, np.ndarray | None, str | None]:
 
 def run_case(case: Case, workdir: Path, predictor) -> dict:
     """All four targets on one case; a JSON-able record of outcomes, crash details and times."""
-    from data_prep.decode import decode_image
-    from data_prep.ingest import _decode_task
+    from leaflens.data_prep.decode import decode_image
+    from leaflens.data_prep.ingest import _decode_task
 
     resize = "pad" if case.index % 3 == 2 else "crop"
     path = workdir / f"case{case.ext}"
@@ -343,7 +342,7 @@ def worker_main(seed: int, start: int, stop: int) -> None:
     """Child process: run cases start..stop-1, one JSON line each (plus a 'begin' line before it)."""
     import resource
 
-    from apps.predictor import Predictor
+    from leaflens.apps.predictor import Predictor
 
     corpus = seed_corpus()
     with tempfile.TemporaryDirectory(prefix="leaflens-fuzz-") as tmp_s:

@@ -95,9 +95,8 @@ def tiny_model(path: Path, classes: tuple[str, ...] = CLASSES, size: int = 32, s
 
 
 def cli_env() -> dict[str, str]:
-    """Environment for `python -m pipeline.cli` subprocesses: repo importable, one BLAS thread."""
+    """Environment for `python -m leaflens` subprocesses: one BLAS thread."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("OPENBLAS_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
@@ -105,8 +104,8 @@ def cli_env() -> dict[str, str]:
 
 
 def cli_command(*args: str) -> list[str]:
-    """``nice -n 19 python -m pipeline.cli ARGS`` (the machine is shared with measurements)."""
-    return ["nice", "-n", "19", sys.executable, "-m", "pipeline.cli", *args]
+    """``nice -n 19 python -m leaflens.pipeline.cli ARGS`` (the machine is shared with measurements)."""
+    return ["nice", "-n", "19", sys.executable, "-m", "leaflens", *args]
 
 
 def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 from rel_helpers import class_folders, tiny_model
 
-from data_prep.ingest import IngestOptions, ingest
-from data_prep.manifest import load_dataset
-from engine.checkpoint import read_checkpoint_arrays, save_checkpoint
-from pipeline.cli import main as cli
-from pipeline.config import load_config
-from pipeline.distill import run_distill
-from pipeline.student import StudentCNN
-from pipeline.teacher import ArrayEncoder, write_teacher
+from leaflens.data_prep.ingest import IngestOptions, ingest
+from leaflens.data_prep.manifest import load_dataset
+from leaflens.engine.checkpoint import read_checkpoint_arrays, save_checkpoint
+from leaflens.pipeline.cli import main as cli
+from leaflens.pipeline.config import load_config
+from leaflens.pipeline.distill import run_distill
+from leaflens.pipeline.models.student import StudentCNN
+from leaflens.pipeline.teachers.stage import ArrayEncoder, write_teacher
 
 TINY = ["train.epochs=1", "train.batch_size=8", "model.widths=[8]", "train.warmup_epochs=0"]
 

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from rel_helpers import class_folders
 
-from data_prep.ingest import IngestOptions, ingest
-from data_prep.manifest import load_dataset
-from engine.checkpoint import read_checkpoint_arrays
-from pipeline.cli import main as cli
-from pipeline.teacher import ArrayEncoder, write_teacher
+from leaflens.data_prep.ingest import IngestOptions, ingest
+from leaflens.data_prep.manifest import load_dataset
+from leaflens.engine.checkpoint import read_checkpoint_arrays
+from leaflens.pipeline.cli import main as cli
+from leaflens.pipeline.teachers.stage import ArrayEncoder, write_teacher
 
 # the faults are induced on purpose: NumPy's overflow/invalid-value warnings are the expected symptoms
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -126,8 +126,8 @@ def test_divergence_stops_without_a_non_finite_checkpoint(data, capsys):
 
 def test_resume_uses_the_configured_learning_rate(data, tmp_path):
     """The advice after a stop is 'lower train.lr, then --resume': the resumed epochs must use it."""
-    from pipeline.config import load_config
-    from pipeline.train_student import TrainData, train_run
+    from leaflens.pipeline.config import load_config
+    from leaflens.pipeline.train_student import TrainData, train_run
 
     _, ds_dir = data
     ds = load_dataset(ds_dir)

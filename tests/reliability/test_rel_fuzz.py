@@ -19,8 +19,8 @@ import pytest
 from fuzz_images import KNOWN_REASONS, TARGETS, fuzz, make_case, seed_corpus
 from rel_helpers import REPO, class_folders
 
-from data_prep.ingest import IngestOptions, ingest
-from data_prep.manifest import REJECTED_NAME, load_dataset
+from leaflens.data_prep.ingest import IngestOptions, ingest
+from leaflens.data_prep.manifest import REJECTED_NAME, load_dataset
 
 
 def _check(rep: dict, cases: int) -> None:
@@ -145,7 +145,7 @@ BOMB_SCRIPT = textwrap.dedent("""
     import json, resource, sys, time
     from pathlib import Path
     sys.path.insert(0, sys.argv[1])
-    from data_prep.decode import ImageDecodeError, decode_image
+    from leaflens.data_prep.decode import ImageDecodeError, decode_image
     def rss():
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     ok = decode_image(Path(sys.argv[2]).read_bytes(), 64)  # warm: a normal photo, allocator primed
@@ -190,12 +190,12 @@ def test_decompression_bombs_refused_before_allocation(tmp_path):
 
 def test_png_bomb_is_a_real_bomb():
     """The bomb above is honest: under a limit it passes, it really decodes to that many pixels."""
-    from data_prep.decode import decode_image
+    from leaflens.data_prep.decode import decode_image
 
     data = png_zero_bomb(1000, 700)
     out = decode_image(data, 16, max_pixels=1000 * 700)
     assert out.shape == (16, 16, 3) and not out.any()
-    from data_prep.decode import ImageDecodeError
+    from leaflens.data_prep.decode import ImageDecodeError
 
     with pytest.raises(ImageDecodeError) as exc:
         decode_image(data, 16, max_pixels=1000 * 700 - 1)
@@ -213,7 +213,7 @@ def test_png_declaring_more_pixels_than_deflate_can_hold_is_refused_at_once():
 
     from PIL import Image
 
-    from data_prep.decode import ImageDecodeError, decode_image
+    from leaflens.data_prep.decode import ImageDecodeError, decode_image
 
     case = make_case(seed_corpus(), 2, 7932)
     t0 = time.perf_counter()

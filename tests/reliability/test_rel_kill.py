@@ -1,7 +1,7 @@
 """Crash safety: `kill -9` of every stage at a random (seeded) moment, then the checks that matter.
 
 For each of preprocess, teacher, distill and export: a first run writes the stage's output; a second
-run that would replace it is started as a subprocess (`python -m pipeline.cli ...`) and SIGKILLed
+run that would replace it is started as a subprocess (`python -m leaflens.pipeline.cli ...`) and SIGKILLed
 (its whole process group) at a moment drawn uniformly from the duration of an uninterrupted run;
 then the previous output must be byte-identical and accepted by the stage's own loader (dataset
 checksums verified, teacher tied to its dataset, checkpoint readable, ONNX loadable with the
@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from rel_helpers import class_folders, encode, kill9, photo, run_cli, start_cli, wait_for
 
-from data_prep.manifest import load_dataset
+from leaflens.data_prep.manifest import load_dataset
 
 DISTILL_SETS = ["--set", "train.epochs=5", "--set", "train.batch_size=16", "--set", "model.widths=[8, 16]",
                 "--set", "train.warmup_epochs=1", "--set", "train.lr=0.01", "--seed", "3"]
@@ -140,7 +140,7 @@ def export_args(tmp: Path) -> list[str]:
 @pytest.mark.parametrize("seed,while_writing", [(11, False), (12, False), (13, True), (14, True)])
 def test_teacher_killed_keeps_previous_teacher(staged, seed, while_writing):
     """Killed anywhere in the run, or (``while_writing``) within 0.3 s of its features folder appearing."""
-    from pipeline.teacher_io import load_teacher
+    from leaflens.pipeline.teachers.artefact import load_teacher
 
     tmp, times = staged
     ds = load_dataset(tmp / "ds")
@@ -167,7 +167,7 @@ def test_teacher_killed_keeps_previous_teacher(staged, seed, while_writing):
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [21, 22, 23])
 def test_export_killed_keeps_previous_export(staged, seed):
-    from apps.predictor import Predictor
+    from leaflens.apps.predictor import Predictor
 
     tmp, times = staged
     before = _snapshot(tmp / "export")
@@ -190,7 +190,7 @@ def _check_export(folder: Path) -> None:
     for facts in report["files"].values():
         data = (folder / facts["file"]).read_bytes()
         assert hashlib.sha256(data).hexdigest() == facts["sha256"], facts["file"]
-    from pipeline.triton import check_model_dir
+    from leaflens.pipeline.export.triton import check_model_dir
 
     check_model_dir(folder / "triton" / "leaflens_student")
 
@@ -198,8 +198,8 @@ def _check_export(folder: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [31, 32])
 def test_distill_killed_keeps_previous_run_and_resumes_to_the_same_result(staged, seed):
-    from engine.checkpoint import read_checkpoint_arrays
-    from pipeline.runs import load_model
+    from leaflens.engine.checkpoint import read_checkpoint_arrays
+    from leaflens.pipeline.runs import load_model
 
     tmp, times = staged
     out = tmp / "student"

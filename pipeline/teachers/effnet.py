@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from engine import NonFiniteLossError, Tensor, no_grad, ops
-from engine import random as erandom
-from engine.optim import AdamW, WarmupCosine, clip_grad_norm_
-from pipeline.efficientnet import EfficientNetLite, LiteConfig, normalize_images
-from pipeline.pretrained import find_lite0_weights, load_efficientnet_lite0
-from pipeline.teacher import ArrayEncoder, iter_split_images
+from leaflens.engine import NonFiniteLossError, Tensor, no_grad, ops
+from leaflens.engine import random as erandom
+from leaflens.engine.optim import AdamW, WarmupCosine, clip_grad_norm_
+from leaflens.pipeline.models.efficientnet import EfficientNetLite, LiteConfig, normalize_images
+from leaflens.pipeline.models.pretrained import find_lite0_weights, load_efficientnet_lite0
+from leaflens.pipeline.teachers.stage import ArrayEncoder, iter_split_images
 
 INPUT_SIZE = 224  # what the ImageNet weights were trained at; smaller sizes trade accuracy for speed
 
@@ -45,7 +45,7 @@ class FrontRunner:
         try:
             import onnxruntime as ort  # noqa: PLC0415
 
-            from engine.onnx_export import export_onnx  # noqa: PLC0415
+            from leaflens.engine.onnx_export import export_onnx  # noqa: PLC0415
         except ImportError:
             return
         graph = export_onnx(front, (3, input_size, input_size), output_name="front")

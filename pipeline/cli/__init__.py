@@ -10,23 +10,23 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
-# Before any stage imports NumPy: keep OpenBLAS threads from spinning between calls (see engine/__init__.py).
-os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+from leaflens.pipeline.cli.runtime import configure_process
 
 # subcommand -> (module, one-line help). Keep alphabetical within each group.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "data": ("pipeline.cmd_data", "built-in datasets (synthetic leaves)"),
-    "preprocess": ("pipeline.cmd_preprocess", "photos in class folders -> memory-mapped arrays + manifest"),
-    "teacher": ("pipeline.cmd_teacher", "teacher features (and logits) for every image"),
-    "distill": ("pipeline.cmd_distill", "train the student (distilled and from scratch), keep the better"),
-    "export": ("pipeline.cmd_export", "student -> ONNX (FP32, FP16, INT8) + Triton repository"),
-    "predict": ("apps.cmd_predict", "classify image files and folders with an exported model"),
-    "serve": ("apps.cmd_serve", "start the local web app"),
-    "doctor": ("pipeline.cmd_doctor", "report Python, NumPy, CuPy, GPU and BLAS facts"),
+    "data": ("leaflens.pipeline.cli.data", "built-in datasets (synthetic leaves)"),
+    "preprocess": ("leaflens.pipeline.cli.preprocess", "photos in class folders -> memory-mapped arrays + manifest"),
+    "teacher": ("leaflens.pipeline.cli.teacher", "teacher features (and logits) for every image"),
+    "distill": ("leaflens.pipeline.cli.distill", "train the student (distilled and from scratch), keep the better"),
+    "export": ("leaflens.pipeline.cli.export", "student -> ONNX (FP32, FP16, INT8) + Triton repository"),
+    "predict": ("leaflens.apps.cmd_predict", "classify image files and folders with an exported model"),
+    "serve": ("leaflens.apps.cmd_serve", "start the local web app"),
+    "doctor": ("leaflens.pipeline.cli.doctor", "report Python, NumPy, CuPy, GPU and BLAS facts"),
 }
+# Subcommands that run the training engine (the others serve with onnxruntime or only write files).
+ENGINE_COMMANDS = frozenset({"teacher", "distill", "export", "doctor"})
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -53,6 +53,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
+    configure_process(engine=command in ENGINE_COMMANDS)
     parser = build_parser(only=command if command in SUBCOMMANDS else None)
     args = parser.parse_args(argv)
     if args.command is None:
@@ -67,6 +68,3 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())

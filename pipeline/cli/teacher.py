@@ -53,9 +53,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import numpy as np  # noqa: PLC0415
 
-    from data_prep.manifest import DatasetError, load_dataset  # noqa: PLC0415
-    from pipeline.teacher import TeacherStageError, knn_accuracy, write_teacher  # noqa: PLC0415
-    from pipeline.teacher_io import load_teacher  # noqa: PLC0415
+    from leaflens.data_prep.manifest import DatasetError, load_dataset  # noqa: PLC0415
+    from leaflens.pipeline.teachers.artefact import load_teacher  # noqa: PLC0415
+    from leaflens.pipeline.teachers.stage import TeacherStageError, knn_accuracy, write_teacher  # noqa: PLC0415
 
     if args.views < 1:
         print(f"leaflens teacher: --views must be at least 1, got {args.views}", file=sys.stderr)
@@ -67,23 +67,23 @@ def run(args: argparse.Namespace) -> int:
         ds = load_dataset(args.dataset)
         extra: dict = {}
         if args.features is not None:
-            from pipeline.teacher import ArrayEncoder, read_features_source  # noqa: PLC0415
+            from leaflens.pipeline.teachers.stage import ArrayEncoder, read_features_source  # noqa: PLC0415
 
             feats, logits = read_features_source(args.features, ds)
             enc = ArrayEncoder(feats, logits, args.features, ds.image_size)
         elif args.onnx is not None:
-            from pipeline.teacher_onnx import OnnxEncoder  # noqa: PLC0415
+            from leaflens.pipeline.teachers.onnx_encoder import OnnxEncoder  # noqa: PLC0415
 
             enc = OnnxEncoder(args.onnx, args.input_size, args.layout, args.mean, args.std, args.output)
         elif args.train_cnn:
-            from pipeline.config import load_config  # noqa: PLC0415
-            from pipeline.teacher_cnn import train_cnn_teacher  # noqa: PLC0415
+            from leaflens.pipeline.config import load_config  # noqa: PLC0415
+            from leaflens.pipeline.teachers.cnn import train_cnn_teacher  # noqa: PLC0415
 
             cfg = load_config("distill_default.toml")
             work = args.out.with_name(f".{args.out.name}.cnn-work")
             enc, extra = train_cnn_teacher(ds, cfg, work, [64, 128, 256, 512], args.epochs or 40, progress)
         else:
-            from pipeline.teacher_effnet import build_effnet_teacher  # noqa: PLC0415
+            from leaflens.pipeline.teachers.effnet import build_effnet_teacher  # noqa: PLC0415
 
             enc, extra = build_effnet_teacher(ds, args, progress)
         shorter = getattr(enc, "shorter_side", None)

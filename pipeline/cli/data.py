@@ -1,11 +1,11 @@
-"""`leaflens data synth`: write the built-in synthetic leaf dataset (data_prep.synth)."""
+"""`leaflens data synth`: write the built-in synthetic leaf dataset (leaflens.data_prep.synth)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from data_prep.synth import SynthOptions, generate
+from leaflens.data_prep.synth import SynthOptions, generate
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from engine import nn, ops
+from leaflens.engine import nn, ops
 
 __all__ = ["B0_STAGE_STRIDES", "NORMALIZATIONS", "PADDINGS", "BlockSpec", "EfficientNetBack", "EfficientNetFront",
            "EfficientNetLite", "FeatureEncoder", "LiteConfig", "map_torch_state_dict", "normalize_images",

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from engine.onnx_export import save_onnx
-from pipeline.parity import batches
+from leaflens.engine.onnx_export import save_onnx
+from leaflens.pipeline.export.parity import batches
 
 
 def calibration_indices(n_available: int, n_wanted: int, seed: int = 0) -> np.ndarray:

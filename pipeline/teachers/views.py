@@ -6,7 +6,7 @@ reach on a CPU, so the teacher is run once on ``K`` augmented views of every tra
 unlabelled) photo, and the student, each time it meets a photo, is shown one of those ``K`` views
 and learns the teacher's features and logits for that very view.
 
-A view is a resolution-free box plus flips (``engine.data.sample_view_boxes``); the teacher cuts it
+A view is a resolution-free box plus flips (``leaflens.engine.data.sample_view_boxes``); the teacher cuts it
 from the photo decoded at its own resolution, over the same region the student's array covers
 (the whole shorter side: no ImageNet-style inner crop, or the views would not line up), and the
 student cuts it from its stored array. View 0 is the plain image.
@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from data_prep.arrays import NpyRowWriter
-from engine.data import Augment, apply_view_boxes, sample_view_boxes
+from leaflens.data_prep.arrays import NpyRowWriter
+from leaflens.engine.data import Augment, apply_view_boxes, sample_view_boxes
 
 VIEW_SPLITS = ("train", "unlabeled")
 
@@ -46,7 +46,7 @@ def write_view_bank(out: Path, ds: Any, encoder: Any, views: int, aug: Augment, 
     ``encoder`` must look at pixels (``encode(uint8 images)``): precomputed features cannot be
     re-run on new views.
     """
-    from pipeline.teacher import TeacherStageError, iter_split_images  # noqa: PLC0415 - avoids a cycle
+    from leaflens.pipeline.teachers.stage import TeacherStageError, iter_split_images  # noqa: PLC0415 - avoids a cycle
 
     if views < 2:
         raise ValueError(f"a view bank needs at least 2 views (view 0 is the plain image), got {views}")
@@ -99,7 +99,7 @@ def write_view_bank(out: Path, ds: Any, encoder: Any, views: int, aug: Augment, 
 def load_view_bank(root: Path, ds: Any, info: dict[str, Any]) -> dict[str, tuple[np.ndarray, np.ndarray,
                                                                               np.ndarray | None]]:
     """``{split: (boxes, features, logits or None)}`` memory-mapped, shapes checked against the dataset."""
-    from pipeline.teacher_io import TeacherError  # noqa: PLC0415
+    from leaflens.pipeline.teachers.artefact import TeacherError  # noqa: PLC0415
 
     meta = info.get("views")
     if not meta:

@@ -1,9 +1,9 @@
 """The export stage: a trained run -> ONNX FP32/FP16/INT8, a parity report, a Triton repository.
 
-Reads ``<run>/best.npz`` (pipeline.runs) and the dataset it was trained on, and writes into
+Reads ``<run>/best.npz`` (leaflens.pipeline.runs) and the dataset it was trained on, and writes into
 ``--out`` (replaced atomically, only when parity holds):
 
-- ``student.onnx``: FP32, BatchNorm folded, the model card in its metadata (apps.model_card);
+- ``student.onnx``: FP32, BatchNorm folded, the model card in its metadata (leaflens.apps.model_card);
 - ``student_fp16.onnx``: float16 weights/compute for GPU providers, float32 input/output;
 - ``student_int8.onnx``: static INT8 (QDQ) for CPUs, calibrated on training images;
 - ``parity.json``: engine vs onnxruntime on the validation split (max |logit difference|, top-1
@@ -32,15 +32,15 @@ from typing import Any
 import numpy as np
 import onnx
 
-from apps.model_card import ModelCard
-from apps.predictor import usable_cpus
-from data_prep.ingest import clean_stale_temps, swap_into_place
-from data_prep.manifest import Dataset, load_dataset, write_json_atomic
-from engine.nn import Module
-from engine.onnx_export import IR_VERSION, OPSET, convert_float16, export_onnx, save_onnx
-from pipeline import parity, triton
-from pipeline.quantize import calibration_indices, quantize_int8
-from pipeline.runs import RunInfo, load_model
+from leaflens.apps.model_card import ModelCard
+from leaflens.apps.predictor import usable_cpus
+from leaflens.data_prep.ingest import clean_stale_temps, swap_into_place
+from leaflens.data_prep.manifest import Dataset, load_dataset, write_json_atomic
+from leaflens.engine.nn import Module
+from leaflens.engine.onnx_export import IR_VERSION, OPSET, convert_float16, export_onnx, save_onnx
+from leaflens.pipeline.export import parity, triton
+from leaflens.pipeline.export.quantize import calibration_indices, quantize_int8
+from leaflens.pipeline.runs import RunInfo, load_model
 
 FP32_FILE, FP16_FILE, INT8_FILE = "student.onnx", "student_fp16.onnx", "student_int8.onnx"
 REPORT = "parity.json"

@@ -92,6 +92,6 @@ def load_teacher(root: str | os.PathLike[str], dataset: Any) -> TeacherTargets:
             if lg.shape != (n, int(info["num_classes"])):
                 raise TeacherError(f"{lpath} has shape {lg.shape}, expected ({n}, {info['num_classes']})")
             logits[split] = lg
-    from pipeline.teacher_views import load_view_bank  # noqa: PLC0415
+    from leaflens.pipeline.teachers.views import load_view_bank  # noqa: PLC0415
 
     return TeacherTargets(root, info, features, logits, load_view_bank(root, dataset, info))

@@ -1,6 +1,6 @@
 """Engine versus onnxruntime: logits on a split, agreement figures, accuracy, and CPU speed.
 
-The same float32 batch (normalised once, with engine.data.normalize as in training) goes to the
+The same float32 batch (normalised once, with leaflens.engine.data.normalize as in training) goes to the
 engine as NHWC and to onnxruntime as NCHW, so any difference comes from the exported graph alone.
 """
 
@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from engine import Tensor, no_grad
-from engine.data import downsample, normalize
-from engine.nn import Module
+from leaflens.engine import Tensor, no_grad
+from leaflens.engine.data import downsample, normalize
+from leaflens.engine.nn import Module
 
 
 def cpu_session(model: str | os.PathLike[str] | bytes, threads: int) -> Any:

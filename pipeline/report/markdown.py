@@ -1,6 +1,6 @@
 """``report.md``: the short human report of a distill run, written from the same dict as report.json.
 
-The report dict (what ``pipeline.distill`` puts in report.json); every key is optional except where
+The report dict (what ``leaflens.pipeline.distill`` puts in report.json); every key is optional except where
 noted, and a missing one is written as "not recorded" rather than failing the report:
 
 - ``run_id``: str
@@ -9,11 +9,11 @@ noted, and a missing one is written as "not recorded" rather than failing the re
   "epochs_run"}, "scratch": {...}}; one entry when only one student was trained (``--no-teacher``)
 - ``val_accuracy``, ``test_accuracy``, ``params``, ``train_seconds``: of the kept model (report.json's
   required figures)
-- ``test``: :func:`pipeline.metrics.evaluation_summary` of the kept model on the test split (accuracy
+- ``test``: :func:`leaflens.pipeline.report.metrics.evaluation_summary` of the kept model on the test split (accuracy
   and its confidence interval, per-class precision/recall/F1, confusion matrix, ECE)
-- ``threshold_choice`` (or ``uncertain``): :func:`pipeline.metrics.choose_uncertain_threshold`'s result;
+- ``threshold_choice`` (or ``uncertain``): :func:`leaflens.pipeline.report.metrics.choose_uncertain_threshold`'s result;
   ``uncertain_threshold`` alone (a float) is shown when the choice details are absent
-- ``hardware``: :func:`pipeline.hardware.describe_hardware`'s result
+- ``hardware``: :func:`leaflens.pipeline.hardware.describe_hardware`'s result
 - ``teacher``: the teacher's identity (teacher.json's ``teacher`` entry)
 - ``epochs``, ``best_epoch``: ints (else taken from the kept variant's ``epochs_run``/``best_epoch``)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-#: Threshold used when the validation split is too small to choose one (same default as apps.model_card).
+#: Threshold used when the validation split is too small to choose one (same default as leaflens.apps.model_card).
 DEFAULT_UNCERTAIN_THRESHOLD = 0.5
 
 
@@ -190,7 +190,7 @@ def choose_uncertain_threshold(
 
     Returns ``{"threshold", "coverage", "accuracy", "kept", "n_val", "target", "reached", "method"}``
     where coverage and accuracy are those of the kept validation predictions at the threshold
-    (a prediction with top probability ``p`` is uncertain when ``p < threshold``, as in apps.predictor).
+    (a prediction with top probability ``p`` is uncertain when ``p < threshold``, as in leaflens.apps.predictor).
     """
     p = _probs("probs_val", probs_val)
     y = _labels("y_val", y_val, p.shape[1])

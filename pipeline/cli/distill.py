@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline.config import ConfigError, load_config
+from leaflens.pipeline.config import ConfigError, load_config
 
 DEFAULT_CONFIG = "distill_default.toml"
 
@@ -34,11 +34,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from data_prep.manifest import DatasetError  # noqa: PLC0415
-    from engine.checkpoint import CheckpointError  # noqa: PLC0415
-    from pipeline.distill import run_distill  # noqa: PLC0415
-    from pipeline.teacher_io import TeacherError  # noqa: PLC0415
-    from pipeline.train_student import TrainingStopped  # noqa: PLC0415
+    from leaflens.data_prep.manifest import DatasetError  # noqa: PLC0415
+    from leaflens.engine.checkpoint import CheckpointError  # noqa: PLC0415
+    from leaflens.pipeline.distill import run_distill  # noqa: PLC0415
+    from leaflens.pipeline.teachers.artefact import TeacherError  # noqa: PLC0415
+    from leaflens.pipeline.train_student import TrainingStopped  # noqa: PLC0415
 
     overrides = list(args.overrides)
     if args.seed is not None:

@@ -57,7 +57,7 @@ class ModelSpec:
 
 def default_spec() -> ModelSpec:
     """The student of the default recipe (pipeline/distill_default.toml)."""
-    from pipeline.config import load_config  # noqa: PLC0415
+    from leaflens.pipeline.config import load_config  # noqa: PLC0415
 
     cfg = load_config("distill_default.toml")
     return ModelSpec(widths=tuple(int(w) for w in cfg["model"]["widths"]),
@@ -68,8 +68,8 @@ def default_spec() -> ModelSpec:
 def spec_from_run(run_dir: str | os.PathLike[str]) -> tuple[ModelSpec, int]:
     """(model, input size) of a trained run folder: widths and classes from best.npz, the recipe's batch
     size and precision from its config.toml when present."""
-    from pipeline.config import read_toml  # noqa: PLC0415
-    from pipeline.runs import read_run  # noqa: PLC0415
+    from leaflens.pipeline.config import read_toml  # noqa: PLC0415
+    from leaflens.pipeline.runs import read_run  # noqa: PLC0415
 
     info = read_run(run_dir)
     mc = info.model_config
@@ -197,7 +197,7 @@ def measure_h2d_bandwidth(cp: Any, nbytes: int = 64 << 20, repeats: int = 5) -> 
 
 
 def _use_amp(spec: ModelSpec, device: str) -> bool:
-    from pipeline.train_student import resolve_precision  # noqa: PLC0415
+    from leaflens.pipeline.train_student import resolve_precision  # noqa: PLC0415
 
     return resolve_precision(spec.mixed_precision, device)
 
@@ -205,10 +205,10 @@ def _use_amp(spec: ModelSpec, device: str) -> bool:
 def _training_step(spec: ModelSpec, input_size: int, batch: int, device: str) -> Callable[[], None]:
     """One real training step of the student (AdamW, cross-entropy, mixed precision as the spec says)
     on random data that lives on ``device``."""
-    from engine import Tensor, ops  # noqa: PLC0415
-    from engine.amp import GradScaler, autocast  # noqa: PLC0415
-    from engine.optim import AdamW  # noqa: PLC0415
-    from pipeline.student import StudentCNN  # noqa: PLC0415
+    from leaflens.engine import Tensor, ops  # noqa: PLC0415
+    from leaflens.engine.amp import GradScaler, autocast  # noqa: PLC0415
+    from leaflens.engine.optim import AdamW  # noqa: PLC0415
+    from leaflens.pipeline.models.student import StudentCNN  # noqa: PLC0415
 
     use_amp = _use_amp(spec, device)
     model = StudentCNN(spec.num_classes, widths=spec.widths)
@@ -255,7 +255,7 @@ def measure_train_step_peak_bytes(model: ModelSpec | str, input_size: int, batch
     the step needs more at once). The loader's two device buffers are added. Raises
     BatchEstimateUnavailable without a usable GPU.
     """
-    from engine.device_loader import gpu_usable  # noqa: PLC0415
+    from leaflens.engine.device_loader import gpu_usable  # noqa: PLC0415
 
     ok, why = gpu_usable()
     if not ok:
@@ -375,7 +375,7 @@ def cpu_batch_estimate(spec: ModelSpec, input_size: int,
 def gpu_facts(model: ModelSpec | str, input_size: int, measure_bandwidth: bool = True,
               measure_batch: bool = True) -> dict[str, Any]:
     """Probe result plus, with a GPU, device properties, memory, bandwidth and the batch estimate."""
-    from kernels import _cuda
+    from leaflens.kernels import _cuda
 
     ok, reason = _cuda.gpu_probe()
     if not ok:

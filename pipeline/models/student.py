@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine import nn
+from leaflens.engine import nn
 
 
 def conv_block(cin: int, cout: int) -> nn.Sequential:

@@ -2,12 +2,12 @@
 
 Teachers:
 - ``EfficientNetTeacher`` (default): ImageNet-pretrained EfficientNet-Lite0 rebuilt in the engine,
-  fine-tuned on the dataset unless frozen (pipeline/teacher_effnet.py);
+  fine-tuned on the dataset unless frozen (pipeline/teachers/effnet.py);
 - ``OnnxEncoder``: any ONNX image encoder run by onnxruntime;
 - a CNN the engine trains on the dataset itself (``train_cnn_teacher``);
 - a features file the user computed elsewhere (``import_features``).
 
-All of them end in the same artefact (pipeline/teacher_io.py): ``features_<split>.npy`` memmaps
+All of them end in the same artefact (pipeline/teachers/artefact.py): ``features_<split>.npy`` memmaps
 and ``teacher.json`` tied to the dataset manifest's checksum, written into a temporary folder
 that replaces the old one only when complete.
 """
@@ -25,10 +25,10 @@ from typing import Any, Protocol
 import numpy as np
 from tqdm import tqdm
 
-from data_prep.arrays import NpyRowWriter
-from data_prep.decode import decode_image_at
-from data_prep.ingest import clean_stale_temps, swap_into_place
-from pipeline.teacher_io import FORMAT, TEACHER_JSON, feature_paths, manifest_sha256
+from leaflens.data_prep.arrays import NpyRowWriter
+from leaflens.data_prep.decode import decode_image_at
+from leaflens.data_prep.ingest import clean_stale_temps, swap_into_place
+from leaflens.pipeline.teachers.artefact import FORMAT, TEACHER_JSON, feature_paths, manifest_sha256
 
 
 class TeacherStageError(ValueError):
@@ -105,7 +105,7 @@ def write_teacher(out: str | os.PathLike[str], ds: Any, encoder: Encoder, batch:
     """Run ``encoder`` over every split of ``ds`` and write the teacher folder atomically.
 
     With ``views`` > 1 the teacher also encodes that many augmented views of every training and
-    unlabelled photo (pipeline/teacher_views.py) for students that learn on the same views.
+    unlabelled photo (pipeline/teachers/views.py) for students that learn on the same views.
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -140,7 +140,7 @@ def write_teacher(out: str | os.PathLike[str], ds: Any, encoder: Encoder, batch:
         bar.close()
         view_info = None
         if views > 1:
-            from pipeline.teacher_views import view_augment, write_view_bank  # noqa: PLC0415
+            from leaflens.pipeline.teachers.views import view_augment, write_view_bank  # noqa: PLC0415
 
             view_encoder = encoder.view_encoder if isinstance(encoder, ArrayEncoder) else encoder
             view_info = write_view_bank(tmp, ds, view_encoder, views, view_augment(view_scale), view_seed, batch,

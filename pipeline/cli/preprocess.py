@@ -1,14 +1,14 @@
-"""`leaflens preprocess`: folders of leaf photos -> memory-mapped arrays + manifest (data_prep.ingest)."""
+"""`leaflens preprocess`: folders of leaf photos -> memory-mapped arrays + manifest (leaflens.data_prep.ingest)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from data_prep.decode import DEFAULT_MAX_PIXELS
-from data_prep.ingest import IngestError, IngestOptions, ingest
-from data_prep.scan import ScanError
-from data_prep.split import parse_ratios
+from leaflens.data_prep.decode import DEFAULT_MAX_PIXELS
+from leaflens.data_prep.ingest import IngestError, IngestOptions, ingest
+from leaflens.data_prep.scan import ScanError
+from leaflens.data_prep.split import parse_ratios
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

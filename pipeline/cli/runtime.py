@@ -1,0 +1,27 @@
+"""The process-wide settings a leaflens command runs with; the library itself sets none.
+
+Both are about speed on a CPU and are set by the command line (and by benchmarks, which measure
+what the command line runs), never as a side effect of importing a module:
+- OpenBLAS's worker threads busy-wait for a long time after every call by default. Between matmuls
+  the engine runs its own threads (``leaflens.engine.parallel``), and spinning BLAS threads starve
+  them: measured here, a training step ran 27 % faster with a short timeout. OpenBLAS reads the
+  variable when NumPy loads it, so this must run before NumPy is imported; an explicit setting in
+  the environment wins.
+- glibc's allocator thresholds, raised so that freed activation buffers are reused instead of
+  returned to the OS (``leaflens.engine.allocator``); only for commands that train or run the engine.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def configure_process(*, engine: bool) -> None:
+    """Apply the settings; ``engine`` for commands that run the training engine (not serving)."""
+    if "numpy" not in sys.modules:
+        os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+    if engine:
+        from leaflens.engine.allocator import tune_allocator
+
+        tune_allocator()

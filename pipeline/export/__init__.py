@@ -1,0 +1,1 @@
+"""The export stage: ONNX FP32/FP16/INT8, parity with the engine, the Triton repository."""

@@ -1,0 +1,1 @@
+"""Evaluation figures and reports: metrics, plots, report.md."""

@@ -9,8 +9,10 @@ the kernel supports the case (dtype float32/float16, the options the kernel impl
 its 32-bit indices); anything else falls back.
 
 Switching the kernels off (comparisons, debugging, a suspected kernel bug): set
-``LEAFLENS_NO_KERNELS=1`` in the environment, or use ``with use_kernels(False): ...`` in code. The ops
-then run the same generic CuPy code that runs without these kernels.
+``LEAFLENS_NO_KERNELS=1`` in the environment (the default for every thread), or use
+``with use_kernels(False): ...`` in code. The ops then run the same generic CuPy code that runs without
+these kernels. ``use_kernels`` is per thread, like ``no_grad`` and ``autocast``: a comparison run with
+the kernels off in one thread never changes what a training or serving thread beside it computes.
 
 What is dispatched (forward/backward pairs keep what the kernel's backward needs):
 
@@ -33,6 +35,7 @@ comparison really exercised the kernel, and it is handy when profiling).
 from __future__ import annotations
 
 import os
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -56,7 +59,7 @@ _FLOATS = (np.dtype(np.float32), np.dtype(np.float16))
 _F32 = np.dtype(np.float32)
 _INT32_MAX = 2**31 - 1
 
-_forced: bool | None = None  # set by use_kernels(); None: the environment decides
+_switch = threading.local()  # .forced: set by use_kernels() in this thread; absent or None: the environment decides
 _counts: Counter[str] = Counter()
 
 # Tests only: route NumPy arrays through the kernel wrappers too, with leaflens.kernels._cuda patched to the
@@ -66,22 +69,24 @@ _EMULATE_ON_NUMPY = False
 
 # ---- switches ------------------------------------------------------------------------------------
 def kernels_enabled() -> bool:
-    """Whether dispatch to the CUDA kernels is allowed (``use_kernels`` wins over the environment)."""
-    if _forced is not None:
-        return _forced
+    """Whether dispatch to the CUDA kernels is allowed in this thread (``use_kernels`` wins over the
+    environment's ``LEAFLENS_NO_KERNELS``, which is every thread's default)."""
+    forced = getattr(_switch, "forced", None)
+    if forced is not None:
+        return forced
     return os.environ.get(DISABLE_ENV, "") in ("", "0")
 
 
 @contextmanager
 def use_kernels(enabled: bool) -> Iterator[None]:
-    """Force kernel dispatch on or off (process-wide) inside the ``with`` block."""
-    global _forced
-    before = _forced
-    _forced = bool(enabled)
+    """Force kernel dispatch on or off for the calling thread inside the ``with`` block (other threads
+    keep their own setting)."""
+    before = getattr(_switch, "forced", None)
+    _switch.forced = bool(enabled)
     try:
         yield
     finally:
-        _forced = before
+        _switch.forced = before
 
 
 def active(xp: Any) -> bool:

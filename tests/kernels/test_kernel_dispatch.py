@@ -15,6 +15,8 @@ Three layers:
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -168,6 +170,38 @@ def test_switches(monkeypatch: pytest.MonkeyPatch):
     assert gpu.kernels_enabled()
     with gpu.use_kernels(False):
         assert not gpu.active(np)
+
+
+def test_switch_is_per_thread(monkeypatch: pytest.MonkeyPatch):
+    """Two threads hold different settings at the same time; a third, outside any ``use_kernels``,
+    follows the environment default; each thread's setting is restored when its block ends."""
+    monkeypatch.delenv(gpu.DISABLE_ENV, raising=False)
+    inside = threading.Barrier(3)  # both blocks are open while every thread looks
+    seen: dict[str, list[bool]] = {}
+
+    def worker(name: str, setting: bool | None) -> None:
+        ctx = gpu.use_kernels(setting) if setting is not None else contextlib.nullcontext()
+        with ctx:
+            inside.wait(timeout=10)
+            before = gpu.kernels_enabled()
+            inside.wait(timeout=10)
+        seen[name] = [before, gpu.kernels_enabled()]
+
+    threads = [threading.Thread(target=worker, args=args) for args in (("off", False), ("on", True),
+                                                                          ("default", None))]
+    with gpu.use_kernels(False):  # the main thread's own setting reaches none of them
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=20)
+        assert not gpu.kernels_enabled()
+    assert seen == {"off": [False, True], "on": [True, True], "default": [True, True]}
+    monkeypatch.setenv(gpu.DISABLE_ENV, "1")  # the environment is every thread's default
+    out: list[bool] = []
+    t = threading.Thread(target=lambda: out.append(gpu.kernels_enabled()))
+    t.start()
+    t.join(timeout=20)
+    assert out == [False]
 
 
 # ---- CPU emulator: the kernel branch of every op, end to end ------------------------------------------

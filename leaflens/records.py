@@ -7,8 +7,10 @@ required key that is missing, or a value of the wrong type. Nested records, ``li
 ``dict`` of them, ``X | None`` and ``Literal`` are followed through the type hints.
 
 Versioning: a record whose files change shape over time declares ``SCHEMA_VERSION`` and a
-``schema_version`` field; ``from_dict`` refuses a file written by a newer leaflens and hands older
-ones to ``_upgrade`` first, so each record keeps the knowledge of its own history.
+``schema_version`` field (or another name in ``VERSION_KEY``, for files that already carried their
+version under it, such as the dataset manifest's ``format_version``); ``from_dict`` refuses a file
+written by a newer leaflens and hands older ones to ``_upgrade`` first, so each record keeps the
+knowledge of its own history. A file without the key is version 1.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Record:
     """Base of the typed records (use with ``@dataclass``)."""
 
     SCHEMA_VERSION: ClassVar[int | None] = None
+    VERSION_KEY: ClassVar[str] = "schema_version"
 
     def to_dict(self) -> dict[str, Any]:
         """The record as JSON-ready values (records -> dicts, tuples -> lists)."""
@@ -43,15 +46,16 @@ class Record:
             raise RecordError(f"{where}: expected a table of keys, got {type(data).__name__}")
         data = dict(data)
         if cls.SCHEMA_VERSION is not None:
-            version = data.get("schema_version", 1)
+            key = cls.VERSION_KEY
+            version = data.get(key, 1)
             if not isinstance(version, int) or isinstance(version, bool):
-                raise RecordError(f"{where}: 'schema_version' must be an integer, got {version!r}")
+                raise RecordError(f"{where}: {key!r} must be an integer, got {version!r}")
             if version > cls.SCHEMA_VERSION:
-                raise RecordError(f"{where}: written by a newer leaflens (schema_version {version}; this "
+                raise RecordError(f"{where}: written by a newer leaflens ({key} {version}; this "
                                   f"version reads up to {cls.SCHEMA_VERSION}); upgrade leaflens")
             if version < cls.SCHEMA_VERSION:
                 data = cls._upgrade(data, version, where)
-            data["schema_version"] = cls.SCHEMA_VERSION
+            data[key] = cls.SCHEMA_VERSION
         return _build(cls, data, where)
 
     @classmethod

@@ -71,3 +71,28 @@ def test_older_versions_are_upgraded():
 def test_ints_are_accepted_as_floats_and_optional_values_as_none():
     rec = Outer.from_dict({"name": "x", "inner": {"size": 1, "mean": [0, 1, 2]}, "note": None})
     assert rec.inner.mean == (0.0, 1.0, 2.0) and all(isinstance(v, float) for v in rec.inner.mean)
+
+
+@dataclass(frozen=True)
+class Formatted(Record):
+    """A record whose files carried their version under another key before records existed."""
+
+    SCHEMA_VERSION: ClassVar[int | None] = 2
+    VERSION_KEY: ClassVar[str] = "format_version"
+    size: int
+    format_version: int = 2
+
+    @classmethod
+    def _upgrade(cls, data: dict[str, Any], version: int, where: str) -> dict[str, Any]:
+        return {**data, "size": data["size"] * 10}
+
+
+def test_the_version_can_live_under_another_key():
+    assert Formatted.from_dict({"size": 3, "format_version": 1}) == Formatted(30, 2)
+    assert Formatted.from_dict({"size": 3, "format_version": 2}).size == 3
+    with pytest.raises(RecordError, match="format_version 3"):
+        Formatted.from_dict({"size": 3, "format_version": 3})
+    with pytest.raises(RecordError, match="'format_version' must be an integer"):
+        Formatted.from_dict({"size": 3, "format_version": "2"})
+    with pytest.raises(RecordError, match="unknown key 'schema_version'"):
+        Formatted.from_dict({"size": 3, "schema_version": 2})

@@ -13,13 +13,13 @@ import argparse
 import csv
 import os
 import sys
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from leaflens.apps.model_card import ModelError
 from leaflens.apps.predictor import Prediction, Predictor
 from leaflens.data_prep.scan import IMAGE_EXTENSIONS
+from leaflens.files import write_path_atomic
 
 __all__ = ["add_parser", "collect_images", "run", "write_csv"]
 
@@ -89,9 +89,9 @@ def write_csv(path: str | os.PathLike, predictions: Iterable[Prediction], top_k:
     for i in range(1, top_k + 1):
         header += [f"class_{i}", f"prob_{i}"]
     header.append("error")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent or ".")
-    try:
-        with os.fdopen(fd, "w", newline="", encoding="utf-8") as fh:
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "x", newline="", encoding="utf-8") as fh:
             writer = csv.writer(fh)
             writer.writerow(header)
             for p in predictions:
@@ -102,11 +102,8 @@ def write_csv(path: str | os.PathLike, predictions: Iterable[Prediction], top_k:
                 else:
                     row = [p.source, "", "", ""] + [""] * (2 * top_k) + [p.error]
                 writer.writerow(row)
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+
+    write_path_atomic(target, write)
 
 
 def _line(p: Prediction) -> str:

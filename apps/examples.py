@@ -15,7 +15,6 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import numpy as np
 from PIL import Image
 
 from leaflens.data_prep.manifest import MANIFEST_NAME, DatasetError, load_dataset
+from leaflens.files import new_temp_dir, swap_into_place
 
 __all__ = ["DISPLAY_SIZE", "default_cache_dir", "write_examples"]
 
@@ -77,19 +77,13 @@ def write_examples(dataset_root: str | os.PathLike, cache_dir: str | os.PathLike
             if rank < len(rows) and len(chosen) < max_total:
                 chosen.append((f"{name}_{rank + 1}" if per_class > 1 else name, int(rows[rank])))
     factor = max(1, math.ceil(DISPLAY_SIZE / ds.image_size))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    tmp = new_temp_dir(target)
     try:
         for stem, row in chosen:
             img = Image.fromarray(np.asarray(ds[split].images[row]), "RGB")
             img = img.resize((img.width * factor, img.height * factor), Image.Resampling.NEAREST)
             img.save(tmp / f"{stem}.png", optimize=True)
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process wrote it first (or a stale empty folder): keep theirs
-            shutil.rmtree(tmp, ignore_errors=True)
-            if not any(target.glob("*.png")):
-                raise
+        swap_into_place(tmp, target, replace=False)  # another process wrote it first: keep theirs
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

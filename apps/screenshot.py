@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from leaflens.files import write_path_atomic
+
 __all__ = ["BROWSER_ARGS", "PageText", "drive", "find_chromium", "free_port", "main", "shrink_png"]
 
 BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -68,9 +70,7 @@ def shrink_png(path: str | os.PathLike, max_bytes: int = MAX_PNG_BYTES) -> int:
         return p.stat().st_size
     with Image.open(p) as im:
         small = im.convert("RGB").quantize(colors=256, method=Image.Quantize.FASTOCTREE)
-    tmp = p.with_name(f".{p.name}.tmp.png")
-    small.save(tmp, optimize=True)
-    os.replace(tmp, p)
+    write_path_atomic(p, lambda tmp: small.save(tmp, optimize=True))  # the temporary keeps the .png suffix
     return p.stat().st_size
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ import numpy as np
 from PIL import Image
 
 from leaflens.engine import no_grad
+from leaflens.files import write_path_atomic
 from leaflens.pipeline.cli.runtime import configure_process
 from leaflens.pipeline.models.efficientnet import EfficientNetLite, LiteConfig, normalize_images
 from leaflens.pipeline.models.pretrained import find_lite0_weights
@@ -142,10 +142,7 @@ def cached(cache: Path | None, name: str, make):
     if path.exists():
         return np.load(path, allow_pickle=False)
     arr = make()
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.npy")
-    np.save(tmp, arr)
-    os.replace(tmp, path)
+    write_path_atomic(path, lambda tmp: np.save(tmp, arr, allow_pickle=False))
     return arr
 
 

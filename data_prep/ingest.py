@@ -15,7 +15,6 @@ import hashlib
 import json
 import multiprocessing
 import os
-import secrets
 import shutil
 import sys
 import time
@@ -37,10 +36,10 @@ from leaflens.data_prep.manifest import (
     load_dataset,
     manifest_self_digest,
     split_paths,
-    write_json_atomic,
 )
 from leaflens.data_prep.scan import SPLITS, UNLABELED, ScanResult, SourceFile, scan_source
 from leaflens.data_prep.split import assign_auto, resolve_given
+from leaflens.files import clean_stale_temps, new_temp_dir, swap_into_place, write_json_atomic
 
 _STAGING = "staging.bin"
 CLASS_INFO_NAME = "classes.toml"  # optional per-class display names/advice next to the photos
@@ -264,46 +263,11 @@ def _fingerprint(scan: ScanResult, opts: IngestOptions, unlabeled: str | None) -
 
 
 # ---------------------------------------------------------------------------- output folder safety
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def clean_stale_temps(out: Path) -> None:
-    """Remove the temporary folders (``.<name>.tmp-<pid>-*``, ``.old-``, ``.partial-``) that runs killed
-    while writing ``out`` left beside it (their process is gone). Every stage that writes through a
-    temporary folder calls this first, so a kill -9 never leaks disk for good."""
-    for prefix in (f".{out.name}.tmp-", f".{out.name}.old-", f".{out.name}.partial-"):
-        for p in out.parent.glob(prefix + "*"):
-            try:
-                pid = int(p.name[len(prefix):].split("-")[0])
-            except ValueError:
-                continue
-            if pid != os.getpid() and not _pid_alive(pid):
-                shutil.rmtree(p, ignore_errors=True)
-
-
 def _check_out(src: Path, out: Path) -> None:
     if out == src or src in out.parents:
         raise IngestError(f"output folder {out} must not be inside the source folder {src}")
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST_NAME).exists())):
         raise IngestError(f"output {out} exists and is not a leaflens dataset folder; refusing to replace it")
-
-
-def swap_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished ``tmp`` folder to ``out``, replacing a previous ``out`` only at the end."""
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
 
 
 def _up_to_date(out: Path, fingerprint: str) -> bool:
@@ -337,8 +301,7 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike, options: IngestOption
 
     out_p.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_temps(out_p)
-    tmp = out_p.parent / f".{out_p.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
+    tmp = new_temp_dir(out_p)
     try:
         workers = max(1, workers or os.cpu_count() or 1)
         kept, hashes, rejects = _decode_all(scan.files, opts, tmp / _STAGING, workers, progress)

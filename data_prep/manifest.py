@@ -37,16 +37,6 @@ def split_paths(split: str) -> dict[str, str]:
     return {"images": f"{split}_images.npy", "labels": f"{split}_labels.npy", "files": f"{split}_files.txt"}
 
 
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """Write JSON to ``path`` through a temporary file and ``os.replace``."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(obj, fh, indent=2, sort_keys=False, ensure_ascii=False)
-        fh.write("\n")
-    os.replace(tmp, path)
-
-
 def manifest_self_digest(manifest: dict[str, Any]) -> str:
     """``sha256:<hex>`` of the manifest's content without its own digest field (canonical JSON)."""
     body = {k: v for k, v in manifest.items() if k != SELF_DIGEST_KEY}

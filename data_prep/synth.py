@@ -26,7 +26,6 @@ import json
 import math
 import multiprocessing
 import os
-import secrets
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -35,7 +34,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from leaflens.data_prep.ingest import swap_into_place
+from leaflens.files import new_temp_dir, swap_into_place
 
 CLASS_INFO: dict[str, dict[str, str]] = {
     "healthy": {
@@ -606,8 +605,7 @@ def generate(out: str | os.PathLike, options: SynthOptions | None = None, *, wor
                          "refusing to replace it")
     t0 = time.perf_counter()
     out_p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_p.parent / f".{out_p.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
+    tmp = new_temp_dir(out_p)
     try:
         tasks = []
         for ci, cls in enumerate(CLASSES):
@@ -633,10 +631,7 @@ def generate(out: str | os.PathLike, options: SynthOptions | None = None, *, wor
                 "images_per_class": opts.per_class, "backgrounds": list(BACKGROUNDS),
                 "exif_rotated": rotated, "broken": broken}
         (tmp / SYNTH_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        if out_p.exists():
-            swap_into_place(tmp, out_p)
-        else:
-            os.rename(tmp, out_p)
+        swap_into_place(tmp, out_p)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

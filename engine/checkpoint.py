@@ -10,10 +10,9 @@ from __future__ import annotations
 import json
 import os
 import zipfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
@@ -21,6 +20,7 @@ from leaflens.engine import random as erandom
 from leaflens.engine.nn.module import Module
 from leaflens.engine.optim.optimizer import Optimizer
 from leaflens.engine.optim.schedulers import Scheduler
+from leaflens.files import write_atomic
 
 FORMAT = "leaflens-checkpoint-1"
 
@@ -43,39 +43,6 @@ def model_signature(model: Module) -> dict[str, list[int]]:
     return {k: list(v.shape) for k, v in model.state_dict().items()}
 
 
-def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> Path:
-    """Call ``write(file)`` on a temporary file beside ``path``, fsync, then rename it over ``path``.
-
-    A crash at any point leaves either the old file or the new one, never a torn one.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    try:
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError:
-        pass  # some filesystems cannot sync a directory; the rename itself is still atomic
-    return path
-
-
-def atomic_write_npz(path: str | os.PathLike[str], arrays: dict[str, np.ndarray]) -> Path:
-    """np.savez written atomically (see :func:`atomic_write`)."""
-    return atomic_write(path, lambda f: np.savez(f, **arrays))
-
-
 def save_checkpoint(path: str | os.PathLike[str], model: Module, optimizer: Optimizer | None = None,
                     scheduler: Scheduler | None = None, epoch: int = 0, step: int = 0,
                     extra: dict[str, Any] | None = None) -> Path:
@@ -96,7 +63,7 @@ def save_checkpoint(path: str | os.PathLike[str], model: Module, optimizer: Opti
     if scheduler is not None:
         meta["scheduler"] = scheduler.state_dict()
     arrays["meta"] = np.array(json.dumps(meta))
-    return atomic_write_npz(path, arrays)
+    return write_atomic(path, lambda f: np.savez(f, **arrays), fsync=True)
 
 
 def read_checkpoint_arrays(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:

@@ -35,12 +35,12 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from leaflens.engine.backend import to_device
-from leaflens.engine.checkpoint import atomic_write
 from leaflens.engine.config import no_grad
 from leaflens.engine.nn.module import Module
 from leaflens.engine.onnx_convert import NOT_EXPORTABLE, find_converter, supported_ops
 from leaflens.engine.onnx_graph import ExportError, GraphBuilder, UnsupportedOpError, channels_first, identity
 from leaflens.engine.tensor import Function, Tensor, _coerce_inputs
+from leaflens.files import write_bytes_atomic
 
 __all__ = ["IR_VERSION", "OPSET", "ExportError", "UnsupportedOpError", "convert_float16", "export_onnx",
            "save_onnx", "supported_ops", "trace"]
@@ -298,4 +298,4 @@ def convert_float16(model: onnx.ModelProto, check: bool = True) -> onnx.ModelPro
 def save_onnx(model: onnx.ModelProto, path: str | os.PathLike[str]) -> Path:
     """Write ``model`` atomically (temporary file beside it, fsync, rename)."""
     data = model.SerializeToString()
-    return atomic_write(path, lambda f: f.write(data))
+    return write_bytes_atomic(path, data, fsync=True)

@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from leaflens.data_prep.ingest import swap_into_place
 from leaflens.data_prep.manifest import load_dataset
 from leaflens.engine import Tensor, no_grad
 from leaflens.engine.checkpoint import save_checkpoint
 from leaflens.engine.data import downsample, normalize
+from leaflens.files import swap_into_place, write_json_atomic, write_text_atomic
 from leaflens.pipeline.config import dump_toml
 from leaflens.pipeline.hardware import describe_hardware
 from leaflens.pipeline.report import metrics, plots
@@ -66,7 +66,7 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
     if not resume and work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
-    (work / "config.toml").write_text(dump_toml(cfg), encoding="utf-8")
+    write_text_atomic(work / "config.toml", dump_toml(cfg))
 
     train, val = ds["train"], ds["val"]
     mean, std = ds.mean, ds.std
@@ -78,10 +78,11 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
                     "image_size": ds.image_size, "input_size": input_size,
                     "resize": ds.manifest.get("options", {}).get("resize", "crop"),
                     "manifest_sha256": manifest_sha256(ds.root), "root": str(ds.root)},
-        "run_id": json.loads((work / "run_id.json").read_text())["run_id"] if (work / "run_id.json").exists()
+        "run_id": json.loads((work / "run_id.json").read_text(encoding="utf-8"))["run_id"]
+        if (work / "run_id.json").exists()
         else f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}",
     }
-    (work / "run_id.json").write_text(json.dumps({"run_id": base_meta["run_id"]}))
+    write_json_atomic(work / "run_id.json", {"run_id": base_meta["run_id"]})  # a resume reads it back
 
     variants: dict[str, TrainData] = {}
     teacher_info = None
@@ -131,7 +132,7 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
     report = _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold, teacher_info, model,
                            base_meta["run_id"])
     _write_visuals(work, ds, results, chosen, model, mean, std, input_size)
-    _write_json(work / "report.json", report)
+    write_json_atomic(work / "report.json", report)
     write_report(work, report)
 
     swap_into_place(work, out)
@@ -215,17 +216,3 @@ def _write_visuals(work: Path, ds, results, chosen, model, mean, std, input_size
     imgs = np.clip(np.rint(imgs), 0, 255).astype(np.uint8)
     remove()
     plots.feature_map_grid(captured[0], work / "feature_maps.png", images=imgs)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=_json_default), encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    raise TypeError(f"not JSON-serialisable: {type(o).__name__}")

@@ -41,6 +41,7 @@ from leaflens.engine.data import ArrayDataset, Augment, DataLoader, apply_view_b
 from leaflens.engine.device_loader import DeviceLoader, resolve_device
 from leaflens.engine.nn import Module
 from leaflens.engine.optim import SGD, AdamW, WarmupCosine, clip_grad_norm_
+from leaflens.files import write_text_atomic
 from leaflens.pipeline.models.student import StudentCNN
 
 LAST, BEST, METRICS, FAULTS = "last.npz", "best.npz", "metrics.jsonl", "faults.jsonl"
@@ -432,6 +433,4 @@ def _truncate_jsonl(path: Path, keep: int) -> None:
     if not path.exists():
         return
     lines = path.read_text(encoding="utf-8").splitlines()[:keep]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(line + "\n" for line in lines))

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
 import shutil
 import time
 from collections.abc import Callable
@@ -34,10 +33,10 @@ import onnx
 
 from leaflens.apps.model_card import ModelCard
 from leaflens.apps.predictor import usable_cpus
-from leaflens.data_prep.ingest import clean_stale_temps, swap_into_place
-from leaflens.data_prep.manifest import Dataset, load_dataset, write_json_atomic
+from leaflens.data_prep.manifest import Dataset, load_dataset
 from leaflens.engine.nn import Module
 from leaflens.engine.onnx_export import IR_VERSION, OPSET, convert_float16, export_onnx, save_onnx
+from leaflens.files import clean_stale_temps, new_temp_dir, swap_into_place, write_json_atomic
 from leaflens.pipeline.export import parity, triton
 from leaflens.pipeline.export.quantize import calibration_indices, quantize_int8
 from leaflens.pipeline.runs import RunInfo, load_model
@@ -178,8 +177,7 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
     clean_stale_temps(out)  # folders of killed runs
     if not triton_inside:
         clean_stale_temps(triton_root / opts.name)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
+    tmp = new_temp_dir(out)
     triton_tmp: Path | None = None
     try:
         paths = {"fp32": save_onnx(proto, tmp / FP32_FILE), "fp16": save_onnx(proto16, tmp / FP16_FILE)}
@@ -266,8 +264,7 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
             if existing.exists() and not (existing / "config.pbtxt").exists():
                 raise ExportFailed(f"{existing} exists and is not a Triton model folder; refusing to "
                                    "replace it")
-            triton_root.mkdir(parents=True, exist_ok=True)
-            triton_tmp = triton_root / f".{opts.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+            triton_tmp = new_temp_dir(triton_root / opts.name)
             model_dir = triton.write_model_dir(triton_tmp, variant_bytes, config, card.classes)
         if triton_inside:
             triton.check_model_dir(model_dir)

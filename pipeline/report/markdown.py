@@ -28,6 +28,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from leaflens.files import write_text_atomic
+
 REPORT_MD = "report.md"
 #: Figures of a run directory, in the order the report shows them.
 FIGURES = (
@@ -247,12 +249,4 @@ def write_report(run_dir: str | os.PathLike[str], report: Mapping[str, Any]) -> 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"write_report: run directory {run_dir} does not exist")
-    text = render_report(run_dir, report)
-    path = run_dir / REPORT_MD
-    tmp = run_dir / f".{REPORT_MD}.{os.getpid()}.tmp"
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return write_text_atomic(run_dir / REPORT_MD, render_report(run_dir, report))

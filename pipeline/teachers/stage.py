@@ -14,9 +14,7 @@ that replaces the old one only when complete.
 
 from __future__ import annotations
 
-import json
 import os
-import secrets
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,7 +25,8 @@ from tqdm import tqdm
 
 from leaflens.data_prep.arrays import NpyRowWriter
 from leaflens.data_prep.decode import decode_image_at
-from leaflens.data_prep.ingest import clean_stale_temps, swap_into_place
+from leaflens.files import clean_stale_temps, new_temp_dir, swap_into_place, write_json_atomic
+from leaflens.pipeline.config import StageConfig, dump_toml
 from leaflens.pipeline.teachers.artefact import FORMAT, TEACHER_JSON, feature_paths, manifest_sha256
 
 
@@ -101,17 +100,18 @@ def iter_split_images(ds: Any, split: str, size: int, shorter_side: int | None, 
 def write_teacher(out: str | os.PathLike[str], ds: Any, encoder: Encoder, batch: int = 32,
                   shorter_side: int | None = None, from_arrays: bool = False, dtype: Any = np.float32,
                   extra: dict[str, Any] | None = None, progress: bool = True, views: int = 1,
-                  view_scale: tuple[float, float] = (0.5, 1.0), view_seed: int = 0) -> Path:
+                  view_scale: tuple[float, float] = (0.5, 1.0), view_seed: int = 0,
+                  config: StageConfig | None = None) -> Path:
     """Run ``encoder`` over every split of ``ds`` and write the teacher folder atomically.
 
     With ``views`` > 1 the teacher also encodes that many augmented views of every training and
     unlabelled photo (pipeline/teachers/views.py) for students that learn on the same views.
+    ``config``, the resolved recipe the teacher was made with, is saved beside it as ``config.toml``.
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_temps(out)  # folders of killed runs
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
-    tmp.mkdir()
+    tmp = new_temp_dir(out, kind="partial")
     try:
         total = sum(len(ds[s]) for s in ds.splits)
         bar = tqdm(total=total, desc="teacher features", unit="img", disable=not progress)
@@ -161,7 +161,9 @@ def write_teacher(out: str | os.PathLike[str], ds: Any, encoder: Encoder, batch:
             "views": view_info,
             **(extra or {}),
         }
-        (tmp / TEACHER_JSON).write_text(json.dumps(info, indent=2, default=_json_default), encoding="utf-8")
+        write_json_atomic(tmp / TEACHER_JSON, info)
+        if config is not None:
+            (tmp / "config.toml").write_text(dump_toml(config), encoding="utf-8")
         swap_into_place(tmp, out)
     except BaseException:
         import shutil  # noqa: PLC0415
@@ -169,16 +171,6 @@ def write_teacher(out: str | os.PathLike[str], ds: Any, encoder: Encoder, batch:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if isinstance(o, Path):
-        return str(o)
-    raise TypeError(f"not JSON-serialisable: {type(o).__name__}")
 
 
 def knn_accuracy(train_f: np.ndarray, train_y: np.ndarray, test_f: np.ndarray, test_y: np.ndarray) -> float:

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from leaflens.files import write_path_atomic
+
 PRELUDE = r"""
 #define LEAFLENS_HOST_EMULATION 1
 #include <barrier>
@@ -241,13 +243,18 @@ class Emulator:
         if not lib_path.exists():
             src_path = build_dir / f"kernels-{digest}.{os.getpid()}.cpp"
             src_path.write_text(text, encoding="utf-8")
-            tmp_lib = f"{lib_path}.{os.getpid()}.tmp"
-            cmd = [cxx, "-std=c++20", "-O0", "-pthread", "-shared", "-fPIC", "-w", str(src_path), "-o", tmp_lib]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            src_path.unlink(missing_ok=True)
-            if proc.returncode != 0:
-                raise AssertionError(f"host build of the kernels failed:\n{proc.stderr[-4000:]}")
-            os.replace(tmp_lib, lib_path)  # atomic: a concurrent run sees the whole library or none
+
+            def build(tmp_lib: Path) -> None:
+                cmd = [cxx, "-std=c++20", "-O0", "-pthread", "-shared", "-fPIC", "-w", str(src_path), "-o",
+                       str(tmp_lib)]
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    raise AssertionError(f"host build of the kernels failed:\n{proc.stderr[-4000:]}")
+
+            try:  # atomic: a concurrent run sees the whole library or none
+                write_path_atomic(lib_path, build)
+            finally:
+                src_path.unlink(missing_ok=True)
         self._lib = ctypes.CDLL(str(lib_path))
 
     def load_kernel(self, cu_file: str, name: str, options: tuple[str, ...] = ()) -> EmuKernel:

@@ -1,0 +1,201 @@
+"""Atomic file and folder writes: a reader sees the old content or the new, never a torn file.
+
+Every write goes to a temporary name in the target's own folder (a rename is atomic only within one
+file system), then :func:`os.replace` puts it in place. Temporary names are unique per process and
+per call (``.<name>.tmp-<pid>-<random><suffix>``), so two runs writing the same target never write
+into each other's temporary file; the last rename wins whole. On any failure, the temporary file or
+folder is removed and the old target is left untouched.
+
+The one place for this in every package (engine checkpoints, data_prep manifests and arrays, pipeline
+reports and ONNX files, apps outputs): it lives at the package root and imports nothing from
+leaflens (only NumPy, to write its numbers as JSON), so each package may use it without breaking the
+design's import arrows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+PathLike = str | os.PathLike[str]
+
+# The markers of leftover temporaries beside a target: "tmp" from this module, "old" from a folder
+# swap, "partial" from stages that write their folder under that name.
+_TEMP_KINDS = ("tmp", "old", "partial")
+
+
+def temp_path(target: PathLike, kind: str = "tmp") -> Path:
+    """A fresh temporary name beside ``target``: ``.<name>.<kind>-<pid>-<random><suffix>``.
+
+    The target's suffix is kept, so writers that pick a format from the extension (Pillow) or add one
+    (``np.save`` appends ``.npy``) write exactly this path. :func:`clean_stale_temps` reads the pid back.
+    """
+    target = Path(target)
+    return target.with_name(f".{target.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}{target.suffix}")
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot sync a directory; the rename itself is still atomic
+    finally:
+        os.close(fd)
+
+
+def write_path_atomic(target: PathLike, write: Callable[[Path], object], *, fsync: bool = False) -> Path:
+    """Call ``write(tmp)`` to create a temporary file beside ``target``, then rename it over ``target``.
+
+    For writers that take a path (``image.save(tmp)``, ``np.save(tmp, a)``). With ``fsync`` the file
+    and its folder are synced, so the new content survives a power cut once this returns (checkpoints).
+    The parent folder is created if needed. Returns ``target`` as a Path.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(target)
+    try:
+        write(tmp)
+        if not tmp.is_file():
+            raise FileNotFoundError(f"writing {target}: the writer did not create its temporary file {tmp}")
+        if fsync:
+            _fsync_file(tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)  # after a successful replace it is gone already
+    if fsync:
+        _fsync_dir(target.parent)
+    return target
+
+
+def write_atomic(target: PathLike, write: Callable[[BinaryIO], object], *, fsync: bool = False) -> Path:
+    """Call ``write(fh)`` on a binary file open at a temporary name beside ``target``, then rename it
+    over ``target`` (see :func:`write_path_atomic`)."""
+
+    def to_file(tmp: Path) -> None:
+        with open(tmp, "xb") as fh:
+            write(fh)
+
+    return write_path_atomic(target, to_file, fsync=fsync)
+
+
+def write_bytes_atomic(target: PathLike, data: bytes, *, fsync: bool = False) -> Path:
+    """Write ``data`` to ``target`` atomically."""
+    return write_atomic(target, lambda fh: fh.write(data), fsync=fsync)
+
+
+def write_text_atomic(target: PathLike, text: str, *, encoding: str = "utf-8", fsync: bool = False) -> Path:
+    """Write ``text`` to ``target`` atomically (no newline translation)."""
+    return write_bytes_atomic(target, text.encode(encoding), fsync=fsync)
+
+
+def json_default(o: Any) -> Any:
+    """What ``json`` cannot write by itself: NumPy scalars and arrays (as numbers and lists), paths."""
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, os.PathLike):
+        return os.fspath(o)
+    raise TypeError(f"not JSON-serialisable: {type(o).__name__}")
+
+
+def write_json_atomic(target: PathLike, obj: Any, *, indent: int | None = 2,
+                      default: Callable[[Any], Any] = json_default, fsync: bool = False) -> Path:
+    """Write ``obj`` as UTF-8 JSON (non-ASCII kept, key order kept, newline at the end) atomically.
+
+    ``default`` converts what ``json`` cannot (by default :func:`json_default`). The object is
+    serialised before anything is written, so an unserialisable value leaves no file behind.
+    """
+    text = json.dumps(obj, indent=indent, ensure_ascii=False, default=default) + "\n"
+    return write_text_atomic(target, text, fsync=fsync)
+
+
+# ---------------------------------------------------------------------------- folders
+def new_temp_dir(target: PathLike, kind: str = "tmp") -> Path:
+    """Create and return an empty folder beside ``target`` to build its new content in
+    (``.<name>.<kind>-<pid>-<random>``); finish with :func:`swap_into_place`."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp.mkdir()
+    return tmp
+
+
+def swap_into_place(tmp: PathLike, target: PathLike, *, replace: bool = True) -> bool:
+    """Rename the finished folder ``tmp`` to ``target``; True when it is in place.
+
+    An existing ``target`` is first renamed aside and removed only after the new folder is in place,
+    so at every moment one complete folder exists on disk. With ``replace=False`` (caches, where any
+    complete copy will do) an existing non-empty ``target`` is kept: ``tmp`` is removed and False is
+    returned.
+    """
+    tmp, target = Path(tmp), Path(target)
+    if not replace:
+        try:
+            os.rename(tmp, target)  # succeeds onto nothing or an empty folder only
+            return True
+        except OSError:
+            if not target.is_dir():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            return False
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+        os.rename(target, old)
+        os.rename(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, target)
+    return True
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def clean_stale_temps(target: PathLike) -> list[Path]:
+    """Remove the temporaries (files or folders named ``.<name>.tmp-<pid>-*``, ``.old-``, ``.partial-``)
+    that processes killed while writing ``target`` left beside it; the removed paths.
+
+    Only temporaries of processes that no longer exist are touched: a concurrent writer's are its own.
+    Stages that write through a temporary folder call this first, so a kill -9 never leaks disk for good.
+    """
+    target = Path(target)
+    removed = []
+    for kind in _TEMP_KINDS:
+        prefix = f".{target.name}.{kind}-"
+        for p in target.parent.glob(prefix + "*"):
+            try:
+                pid = int(p.name[len(prefix):].split("-")[0])
+            except ValueError:
+                continue
+            if pid == os.getpid() or _pid_alive(pid):
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed

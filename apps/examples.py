@@ -10,7 +10,6 @@ temporary folder and renamed into place, and are reused on the next start.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
@@ -21,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from leaflens.data_prep.manifest import MANIFEST_NAME, DatasetError, load_dataset
+from leaflens.data_prep.manifest import DatasetError, load_dataset, manifest_sha256
 from leaflens.files import new_temp_dir, swap_into_place
 
 __all__ = ["DISPLAY_SIZE", "default_cache_dir", "write_examples"]
@@ -63,7 +62,7 @@ def write_examples(dataset_root: str | os.PathLike, cache_dir: str | os.PathLike
     if split is None:
         log.warning("no examples: dataset %s has no labelled images", root)
         return []
-    digest = hashlib.sha256((root / MANIFEST_NAME).read_bytes()).hexdigest()[:16]
+    digest = manifest_sha256(root)[:16]
     target = Path(cache_dir) / f"{digest}-{per_class}-{max_total}"
     if target.is_dir():
         found = sorted(target.glob("*.png"))

@@ -37,8 +37,22 @@ def split_paths(split: str) -> dict[str, str]:
     return {"images": f"{split}_images.npy", "labels": f"{split}_labels.npy", "files": f"{split}_files.txt"}
 
 
+def manifest_sha256(root: str | os.PathLike) -> str:
+    """SHA-256 (hex) of a dataset folder's ``manifest.json`` file: the dataset's identity.
+
+    The teacher (``dataset_manifest_sha256``), the student run (``dataset.manifest_sha256``) and the
+    export record it, and each later stage refuses a dataset whose manifest hashes differently. The
+    manifest holds every array's checksum, so any change to the dataset changes this digest.
+    """
+    return sha256_file(Path(root) / MANIFEST_NAME).removeprefix("sha256:")
+
+
 def manifest_self_digest(manifest: dict[str, Any]) -> str:
-    """``sha256:<hex>`` of the manifest's content without its own digest field (canonical JSON)."""
+    """``sha256:<hex>`` of the manifest's content without its own digest field (canonical JSON).
+
+    Not an identity (see :func:`manifest_sha256`) but an integrity check stored inside the manifest
+    itself, which is why it must leave its own field out: :func:`read_manifest` refuses an edited file.
+    """
     body = {k: v for k, v in manifest.items() if k != SELF_DIGEST_KEY}
     text = json.dumps(body, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from leaflens.data_prep.manifest import load_dataset
+from leaflens.data_prep.manifest import load_dataset, manifest_sha256
 from leaflens.engine import Tensor, no_grad
 from leaflens.engine.checkpoint import save_checkpoint
 from leaflens.engine.data import downsample, normalize
@@ -31,7 +31,7 @@ from leaflens.pipeline.hardware import describe_hardware
 from leaflens.pipeline.report import metrics, plots
 from leaflens.pipeline.report.markdown import write_report
 from leaflens.pipeline.runs import load_student_weights
-from leaflens.pipeline.teachers.artefact import load_teacher, manifest_sha256
+from leaflens.pipeline.teachers.artefact import load_teacher
 from leaflens.pipeline.train_student import (
     BEST,
     ConcatImages,

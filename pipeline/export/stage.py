@@ -18,7 +18,6 @@ is replaced, the report is written beside the output as ``<out>.parity-failed.js
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -33,7 +32,8 @@ import onnx
 
 from leaflens.apps.model_card import ModelCard
 from leaflens.apps.predictor import usable_cpus
-from leaflens.data_prep.manifest import Dataset, load_dataset
+from leaflens.data_prep.arrays import sha256_file
+from leaflens.data_prep.manifest import Dataset, load_dataset, manifest_sha256
 from leaflens.engine.nn import Module
 from leaflens.engine.onnx_export import IR_VERSION, OPSET, convert_float16, export_onnx, save_onnx
 from leaflens.files import clean_stale_temps, new_temp_dir, swap_into_place, write_json_atomic
@@ -71,16 +71,11 @@ class ExportOptions:
     allow_dataset_mismatch: bool = False
 
 
-def manifest_digest(root: Path) -> str:
-    """SHA-256 (hex) of the dataset's manifest.json, as a run records it in ``manifest_sha256``."""
-    return hashlib.sha256((root / "manifest.json").read_bytes()).hexdigest()
-
-
 def _check_dataset(info: RunInfo, ds: Dataset, opts: ExportOptions) -> list[str]:
     """Refuse a dataset other than the run's (unless allowed); returns warnings."""
     warnings = []
     want = str(info.dataset.get("manifest_sha256", "")).removeprefix("sha256:")
-    have = manifest_digest(ds.root)
+    have = manifest_sha256(ds.root)
     if not want:
         warnings.append(f"{info.path} records no dataset manifest_sha256; cannot confirm {ds.root} is the "
                         "dataset this run was trained on")
@@ -115,7 +110,7 @@ def model_card(info: RunInfo, model: Module) -> ModelCard:
 
 def _file_facts(path: Path) -> dict[str, Any]:
     return {"file": path.name, "bytes": path.stat().st_size,
-            "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+            "sha256": sha256_file(path).removeprefix("sha256:")}
 
 
 def _pick_split(ds: Dataset, preferred: str) -> str:
@@ -201,7 +196,7 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
         report: dict[str, Any] = {
             "format": REPORT_FORMAT,
             "run": {"id": info.run_id, "path": str(info.path), "metrics": info.metrics},
-            "dataset": {"root": str(ds.root), "manifest_sha256": manifest_digest(ds.root),
+            "dataset": {"root": str(ds.root), "manifest_sha256": manifest_sha256(ds.root),
                         "parity_split": split},
             "onnx": {"opset": OPSET, "ir_version": IR_VERSION, "input": proto.graph.input[0].name,
                      "output": proto.graph.output[0].name, "input_shape": ["batch", 3, size, size],

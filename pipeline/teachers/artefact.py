@@ -9,7 +9,6 @@ dataset manifest the rows belong to: features of another dataset are refused.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -18,17 +17,14 @@ from typing import Any
 
 import numpy as np
 
+from leaflens.data_prep.manifest import manifest_sha256
+
 TEACHER_JSON = "teacher.json"
 FORMAT = "leaflens-teacher-1"
 
 
 class TeacherError(ValueError):
     """A teacher folder that is missing, incomplete, or belongs to another dataset."""
-
-
-def manifest_sha256(dataset_root: str | os.PathLike[str]) -> str:
-    """SHA-256 of a dataset's manifest.json: the identity features are tied to."""
-    return hashlib.sha256((Path(dataset_root) / "manifest.json").read_bytes()).hexdigest()
 
 
 @dataclass
@@ -60,7 +56,7 @@ def load_teacher(root: str | os.PathLike[str], dataset: Any) -> TeacherTargets:
     if not meta_path.is_file():
         raise TeacherError(f"{meta_path} does not exist: run `leaflens teacher` first")
     try:
-        info = json.loads(meta_path.read_text())
+        info = json.loads(meta_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise TeacherError(f"{meta_path} is not valid JSON: {exc}") from None
     if info.get("format") != FORMAT:

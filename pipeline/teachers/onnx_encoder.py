@@ -7,13 +7,14 @@ comes from command-line options, or from the model's metadata when leaflens expo
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from leaflens.data_prep.arrays import sha256_file
 
 
 class OnnxEncoder:
@@ -70,8 +71,9 @@ class OnnxEncoder:
         return self._run(images)
 
     def identity(self) -> dict[str, Any]:
-        return {"kind": "onnx", "path": str(self.path.resolve()), "sha256": _sha256(self.path),
-                "output": self.output, "layout": self.layout, "mean": self.mean.tolist(), "std": self.std.tolist()}
+        return {"kind": "onnx", "path": str(self.path.resolve()),
+                "sha256": sha256_file(self.path).removeprefix("sha256:"), "output": self.output,
+                "layout": self.layout, "mean": self.mean.tolist(), "std": self.std.tolist()}
 
 
 def _guess_layout(shape: list[Any]) -> str:
@@ -81,11 +83,3 @@ def _guess_layout(shape: list[Any]) -> str:
 def _static_size(shape: list[Any], layout: str) -> int | None:
     h = shape[2] if layout == "NCHW" else shape[1]
     return h if isinstance(h, int) else None
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()

@@ -25,9 +25,10 @@ from tqdm import tqdm
 
 from leaflens.data_prep.arrays import NpyRowWriter
 from leaflens.data_prep.decode import decode_image_at
+from leaflens.data_prep.manifest import manifest_sha256
 from leaflens.files import clean_stale_temps, new_temp_dir, swap_into_place, write_json_atomic
 from leaflens.pipeline.config import StageConfig, dump_toml
-from leaflens.pipeline.teachers.artefact import FORMAT, TEACHER_JSON, feature_paths, manifest_sha256
+from leaflens.pipeline.teachers.artefact import FORMAT, TEACHER_JSON, feature_paths
 
 
 class TeacherStageError(ValueError):

@@ -13,14 +13,14 @@ onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
 from leaflens.data_prep.ingest import IngestOptions, ingest  # noqa: E402
-from leaflens.data_prep.manifest import load_dataset  # noqa: E402
+from leaflens.data_prep.manifest import load_dataset, manifest_sha256  # noqa: E402
 from leaflens.engine import Tensor, nn  # noqa: E402
 from leaflens.engine.checkpoint import save_checkpoint  # noqa: E402
 from leaflens.engine.data import normalize  # noqa: E402
 from leaflens.engine.optim import Adam  # noqa: E402
 from leaflens.pipeline.cli import main  # noqa: E402
 from leaflens.pipeline.export import triton  # noqa: E402
-from leaflens.pipeline.export.stage import ExportFailed, ExportOptions, export_run, manifest_digest  # noqa: E402
+from leaflens.pipeline.export.stage import ExportFailed, ExportOptions, export_run  # noqa: E402
 from leaflens.pipeline.models.student import StudentCNN  # noqa: E402
 
 CLASSES = ["blight", "healthy", "rust"]
@@ -73,7 +73,7 @@ def tiny_run(tmp_path_factory) -> tuple[Path, Path]:
         "model_config": {"kind": "student_cnn", "num_classes": len(CLASSES), "widths": [8, 16],
                          "in_channels": 3, "dropout": 0.0},
         "dataset": {"classes": ds.classes, "mean": ds.mean.tolist(), "std": ds.std.tolist(),
-                    "image_size": SIZE, "resize": "crop", "manifest_sha256": manifest_digest(dataset)},
+                    "image_size": SIZE, "resize": "crop", "manifest_sha256": manifest_sha256(dataset)},
         "metrics": {"val_accuracy": 0.9, "test_accuracy": 0.875, "uncertain_threshold": 0.55},
         "run_id": "tiny-run-1",
     }
@@ -249,7 +249,7 @@ def test_a_student_with_a_smaller_input_than_the_stored_images_exports_at_its_in
     model, info = load_model(run16)
     extra = {"model_config": info.model_config, "metrics": info.metrics, "run_id": "tiny-run-32",
              "dataset": {"classes": ds.classes, "mean": ds.mean.tolist(), "std": ds.std.tolist(), "image_size": 32,
-                         "input_size": 16, "resize": "crop", "manifest_sha256": manifest_digest(dataset)}}
+                         "input_size": 16, "resize": "crop", "manifest_sha256": manifest_sha256(dataset)}}
     run = tmp_path / "student32"
     save_checkpoint(run / "best.npz", model, epoch=3, step=30, extra=extra)
     out = tmp_path / "export"

@@ -17,9 +17,9 @@ DATASET := $(ART)/dataset
 TEACHER := $(ART)/teacher
 STUDENT := $(ART)/student
 EXPORT := $(ART)/export
-# On the synthetic demo data the stages use shorter recipes (pipeline/distill_demo.toml).
+# On the synthetic demo data the stages use shorter recipes (pipeline/distill_demo.toml: [teacher], [train]...).
 ifeq ($(DATA),$(SYNTH))
-TEACHER_ARGS ?= --epochs 3 --input-size 160
+TEACHER_ARGS ?= --config pipeline/distill_demo.toml
 DISTILL_ARGS ?= --config pipeline/distill_demo.toml
 else
 TEACHER_ARGS ?=

@@ -35,7 +35,7 @@ from leaflens.engine import random as erandom
 from leaflens.engine.optim import AdamW
 from leaflens.engine.parallel import num_threads
 from leaflens.pipeline.cli.runtime import configure_process
-from leaflens.pipeline.config import load_config
+from leaflens.pipeline.config import TeacherSection, load_config
 from leaflens.pipeline.distill import run_distill
 from leaflens.pipeline.teachers.artefact import load_teacher
 from leaflens.pipeline.teachers.effnet import build_effnet_teacher
@@ -87,15 +87,16 @@ def linear_probe(ds, feats) -> float:
     return best[1]
 
 
-def teacher_args(frozen: bool, epochs: int | None) -> argparse.Namespace:
-    return argparse.Namespace(weights=None, frozen=frozen, epochs=epochs, batch_size=32, from_arrays=False,
-                              finetune_from_block=None)
+def teacher_recipe(frozen: bool, epochs: int | None) -> TeacherSection:
+    """The default [teacher] recipe, frozen or fine-tuned for ``epochs`` (None: the recipe's)."""
+    sets = [f"teacher.frozen={'true' if frozen else 'false'}"] + ([f"teacher.epochs={epochs}"] if epochs else [])
+    return load_config(None, sets).teacher
 
 
 def student_run(job: tuple) -> dict:
     """One (seed, setting) pair: scratch and distilled students by the distill stage, as a result row."""
     work, seed, name, ds_dir, teacher_dir, sets = job
-    cfg = load_config("distill_default.toml", None, sets)
+    cfg = load_config(None, sets)
     run_dir = work / f"run_{name}_{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run per recipe, never a resumed one
     rep = run_distill(ds_dir, teacher_dir, run_dir, cfg, progress=False)
@@ -165,7 +166,7 @@ def main() -> None:
     if args.reuse and frozen_json.is_file():
         knn, probe = (json.loads(frozen_json.read_text())[k] for k in ("knn", "probe"))
     else:
-        enc, _ = timed("teacher_frozen", build_effnet_teacher, ds_full, teacher_args(True, None), False)
+        enc, _ = timed("teacher_frozen", build_effnet_teacher, ds_full, teacher_recipe(True, None), progress=False)
         feats = enc.features
         knn = knn_accuracy(np.asarray(feats["train"], np.float32), np.asarray(ds_full["train"].labels),
                            np.asarray(feats["test"], np.float32), np.asarray(ds_full["test"].labels))
@@ -176,8 +177,8 @@ def main() -> None:
     for name, ds in (("full", ds_full), ("frac", ds_frac)):
         tdir = work / f"teacher_{name}_e{args.teacher_epochs}_v{args.teacher_views}{tag}"
         if not (args.reuse and (tdir / "teacher.json").is_file()):
-            targs = teacher_args(False, args.teacher_epochs)
-            enc, extra = timed(f"teacher_finetune_{name}", build_effnet_teacher, ds, targs, False)
+            recipe = teacher_recipe(False, args.teacher_epochs)
+            enc, extra = timed(f"teacher_finetune_{name}", build_effnet_teacher, ds, recipe, progress=False)
             timed(f"teacher_features_{name}", write_teacher, tdir, ds, enc, progress=False, extra={"stage": extra},
                   views=args.teacher_views)
         tt = load_teacher(tdir, ds)

@@ -1,17 +1,32 @@
-"""Stage configuration: a documented default TOML, a user TOML on top, then ``--set key=value`` overrides.
+"""Stage configuration: typed sections, the documented default TOML, a user TOML on top, then ``--set``.
 
-The resolved configuration is saved beside the stage's outputs so a run can always be repeated.
+``StageConfig`` is the recipe of the teacher and distill stages as a tree of typed records
+(``[model]``, ``[train]``, ``[augment]``, ``[distill]``, ``[teacher]``). Every setting's value has
+one home, ``pipeline/distill_default.toml``: the records give each setting its type but no default
+value. The defaults need prose next to them (why 64 px, what was measured on iBeans) and users read
+and copy that file, so it stays the single source rather than a file generated from Python; because
+``StageConfig.from_dict`` requires every key, a default file that lacks a setting, or has one the
+code does not know, fails to load, and the two cannot drift apart.
+
+Layers: the default file, then a user TOML (``--config``), then ``--set section.key=value``
+overrides in order. A key no section knows is refused with its full name (``unknown key
+'train.epoch'``) and a value of the wrong type with the layer that set it. The resolved
+configuration is saved beside each stage's outputs (``config.toml``) so a run can be repeated.
 """
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import json
 import os
 import sys
+import typing
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from leaflens.records import Record, RecordError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -19,10 +34,104 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 CONFIG_DIR = Path(__file__).resolve().parent
+DEFAULT_CONFIG = CONFIG_DIR / "distill_default.toml"
 
 
 class ConfigError(ValueError):
     """A configuration file or override that cannot be used (the message names it)."""
+
+
+@dataclass(frozen=True)
+class ModelSection(Record):
+    """``[model]``: the student's architecture and input size."""
+
+    widths: tuple[int, ...]
+    dropout: float
+    input_size: int  # 0: the dataset's stored size
+
+
+@dataclass(frozen=True)
+class TrainSection(Record):
+    """``[train]``: the student's optimisation (also the --train-cnn teacher's)."""
+
+    epochs: int
+    batch_size: int
+    optimizer: Literal["adamw", "sgd"]
+    lr: float
+    weight_decay: float
+    warmup_epochs: int
+    clip_grad_norm: float
+    label_smoothing: float
+    early_stopping_patience: int
+    seed: int
+    max_bad_steps: int
+    eval_batch_size: int
+    device: Literal["auto", "cpu", "cuda"]
+    mixed_precision: Literal["auto", "on", "off"]
+
+
+@dataclass(frozen=True)
+class AugmentSection(Record):
+    """``[augment]``: the student loader's augmentation."""
+
+    hflip: bool
+    vflip: bool
+    crop: Literal["resized", "pad", "none"]
+    scale: tuple[float, float]
+    brightness: float
+    contrast: float
+
+
+@dataclass(frozen=True)
+class DistillSection(Record):
+    """``[distill]``: the distillation loss and which students are trained."""
+
+    feature_weight: float
+    alpha: float
+    kd_weight: float
+    temperature: float
+    same_view: bool
+    compare_scratch: bool
+
+
+@dataclass(frozen=True)
+class TeacherSection(Record):
+    """``[teacher]``: the EfficientNet-Lite0 fine-tune, the teacher's view bank, the --train-cnn teacher."""
+
+    frozen: bool
+    input_size: int
+    finetune_from_block: int
+    epochs: int
+    batch_size: int
+    lr: float
+    head_lr: float
+    weight_decay: float
+    warmup_epochs: int
+    label_smoothing: float
+    clip_grad_norm: float
+    mirror: bool
+    seed: int
+    encode_batch_size: int
+    views: int
+    view_scale: tuple[float, float]
+    cnn_widths: tuple[int, ...]
+    cnn_epochs: int
+
+    def __post_init__(self) -> None:
+        for name in ("input_size", "epochs", "batch_size", "encode_batch_size", "views", "cnn_epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class StageConfig(Record):
+    """The whole recipe; ``load_config`` builds it."""
+
+    model: ModelSection
+    train: TrainSection
+    augment: AugmentSection
+    distill: DistillSection
+    teacher: TeacherSection
 
 
 def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -36,32 +145,42 @@ def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
 
 
-def merge(base: dict[str, Any], top: dict[str, Any], where: str) -> dict[str, Any]:
-    """``top`` over ``base``; unknown keys are refused so a typo never passes silently."""
-    out = copy.deepcopy(base)
+def _section_type(hint: Any) -> type[Record] | None:
+    return hint if isinstance(hint, type) and issubclass(hint, Record) else None
+
+
+def overlay(base: dict[str, Any], top: dict[str, Any], where: str, record: type[Record] = StageConfig,
+            prefix: str = "") -> dict[str, Any]:
+    """``top``'s settings over ``base`` (raw TOML tables); a key ``record`` does not know is refused by
+    its full dotted name, so a typo never passes silently."""
+    hints = typing.get_type_hints(record)
+    names = names_of(record)
+    out = dict(base)
     for key, value in top.items():
-        if key not in base:
-            raise ConfigError(f"{where}: unknown setting {key!r} (known: {', '.join(sorted(base))})")
-        if isinstance(base[key], dict):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{where}: {key!r} must be a table")
-            out[key] = merge(base[key], value, f"{where}.{key}" if where else key)
+        dotted = prefix + key
+        if key not in names:
+            raise ConfigError(f"{where}: unknown key {dotted!r} (known: {', '.join(prefix + n for n in names)})")
+        section = _section_type(hints[key])
+        if section is None:
+            out[key] = value
+        elif not isinstance(value, dict):
+            raise ConfigError(f"{where}: {dotted!r} is a section; set one of its keys, e.g. "
+                              f"{dotted}.{names_of(section)[0]}")
         else:
-            out[key] = _coerce(value, base[key], f"{where}.{key}")
+            out[key] = overlay(dict(base.get(key, {})), value, where, section, dotted + ".")
     return out
 
 
-def _coerce(value: Any, like: Any, name: str) -> Any:
-    if isinstance(like, bool):
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{name} must be true or false, got {value!r}")
-    if isinstance(like, float) and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if like is not None and value is not None and type(value) is not type(like) \
-            and not (isinstance(like, int) and isinstance(value, int)):
-        raise ConfigError(f"{name} must be {type(like).__name__}, got {value!r}")
-    return value
+def names_of(record: type[Record]) -> list[str]:
+    """The keys a record knows, in declaration order."""
+    return [f.name for f in dataclasses.fields(record)]  # type: ignore[arg-type]
+
+
+def _build(data: dict[str, Any], where: str) -> StageConfig:
+    try:
+        return StageConfig.from_dict(data, where)
+    except RecordError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -76,12 +195,13 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
-def load_config(default_name: str, user_file: str | os.PathLike[str] | None = None,
-                overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """Default TOML (shipped in pipeline/) <- user file <- overrides."""
-    cfg = read_toml(CONFIG_DIR / default_name)
+def load_config(user_file: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> StageConfig:
+    """The default TOML (shipped in pipeline/) <- ``user_file`` <- ``overrides``, each layer checked."""
+    data = read_toml(DEFAULT_CONFIG)
+    cfg = _build(data, str(DEFAULT_CONFIG))
+    layers: list[tuple[str, dict[str, Any]]] = []
     if user_file:
-        cfg = merge(cfg, read_toml(user_file), str(user_file))
+        layers.append((str(user_file), read_toml(user_file)))
     for text in overrides:
         keys, value = parse_override(text)
         patch: dict[str, Any] = {}
@@ -89,7 +209,10 @@ def load_config(default_name: str, user_file: str | os.PathLike[str] | None = No
         for k in keys[:-1]:
             node = node.setdefault(k, {})
         node[keys[-1]] = value
-        cfg = merge(cfg, patch, f"--set {text}")
+        layers.append((f"--set {text}", patch))
+    for where, top in layers:
+        data = overlay(data, top, where)
+        cfg = _build(data, where)
     return cfg
 
 
@@ -105,11 +228,12 @@ def _toml_value(v: Any) -> str:
     raise ConfigError(f"cannot write {v!r} to TOML")
 
 
-def dump_toml(cfg: dict[str, Any]) -> str:
-    """TOML text for a two-level config (top-level scalars, then one table per section)."""
-    lines = [f"{k} = {_toml_value(v)}" for k, v in cfg.items() if not isinstance(v, dict) and v is not None]
-    for section, table in cfg.items():
+def dump_toml(cfg: Record) -> str:
+    """TOML text for a two-level record (top-level scalars, then one table per section)."""
+    data = cfg.to_dict()
+    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict) and v is not None]
+    for section, table in data.items():
         if isinstance(table, dict):
             lines += ["", f"[{section}]"]
             lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines).lstrip("\n") + "\n"

@@ -26,8 +26,9 @@ from leaflens.engine import Tensor, no_grad
 from leaflens.engine.checkpoint import save_checkpoint
 from leaflens.engine.data import downsample, normalize
 from leaflens.files import swap_into_place, write_json_atomic, write_text_atomic
-from leaflens.pipeline.config import dump_toml
+from leaflens.pipeline.config import StageConfig, dump_toml
 from leaflens.pipeline.hardware import describe_hardware
+from leaflens.pipeline.models.student import StudentSpec
 from leaflens.pipeline.report import metrics, plots
 from leaflens.pipeline.report.markdown import write_report
 from leaflens.pipeline.runs import load_student_weights
@@ -36,7 +37,6 @@ from leaflens.pipeline.train_student import (
     BEST,
     ConcatImages,
     TrainData,
-    build_student,
     predict_logits,
     student_input_size,
     train_run,
@@ -53,7 +53,7 @@ def _partial_dir(out: Path) -> Path:
 
 
 def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathLike[str] | None,
-                out_dir: str | os.PathLike[str], cfg: dict[str, Any], no_teacher: bool = False,
+                out_dir: str | os.PathLike[str], cfg: StageConfig, no_teacher: bool = False,
                 resume: bool = False, progress: bool = True) -> dict[str, Any]:
     out = Path(out_dir)
     work = _partial_dir(out)
@@ -72,8 +72,7 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
     mean, std = ds.mean, ds.std
     input_size = student_input_size(cfg, ds.image_size)
     base_meta: dict[str, Any] = {
-        "model_config": {"kind": "student_cnn", "num_classes": ds.num_classes, "widths": list(cfg["model"]["widths"]),
-                         "in_channels": 3, "dropout": float(cfg["model"]["dropout"])},
+        "model_config": StudentSpec.from_recipe(cfg.model, ds.num_classes).to_dict(),
         "dataset": {"classes": ds.classes, "mean": [float(v) for v in mean], "std": [float(v) for v in std],
                     "image_size": ds.image_size, "input_size": input_size,
                     "resize": ds.manifest.get("options", {}).get("resize", "crop"),
@@ -95,7 +94,7 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
             images=ConcatImages([ds[p].images for p in parts]), labels=labels,
             features=ConcatImages([tt.features[p] for p in parts]),
             logits=ConcatImages([tt.logits[p] for p in parts]) if tt.has_logits else None)
-        if tt.views and cfg["distill"]["same_view"]:
+        if tt.views and cfg.distill.same_view:
             missing = [p for p in parts if p not in tt.views]
             if missing:
                 raise ValueError(f"teacher {tt.root} has views for {sorted(tt.views)} but not for {missing}: "
@@ -104,7 +103,7 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
             d.views = ConcatImages([tt.views[p][0] for p in parts])
             d.view_features = ConcatImages([tt.views[p][1] for p in parts])
             d.view_logits = ConcatImages([tt.views[p][2] for p in parts]) if tt.has_logits else None
-    if not variants or cfg["distill"]["compare_scratch"]:
+    if not variants or cfg.distill.compare_scratch:
         variants["scratch"] = TrainData(images=train.images, labels=np.asarray(train.labels))
 
     results = {}
@@ -139,12 +138,12 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
     return report
 
 
-def _evaluate_variant(best_path: Path, cfg: dict[str, Any], ds: Any) -> dict[str, Any]:
+def _evaluate_variant(best_path: Path, cfg: StageConfig, ds: Any) -> dict[str, Any]:
     """Reload a variant's best weights and score them on val and (when present) test."""
-    model = build_student(cfg, ds.num_classes, None)
+    model = StudentSpec.from_recipe(cfg.model, ds.num_classes).build()
     ck_meta = load_student_weights(model, best_path)
     model.eval()
-    bs = int(cfg["train"]["eval_batch_size"])
+    bs = cfg.train.eval_batch_size
     size = student_input_size(cfg, ds.image_size)
     out: dict[str, Any] = {"model": model, "epoch": ck_meta["epoch"]}
     out["val_probs"] = _softmax(predict_logits(model, ds["val"].images, ds.mean, ds.std, bs, size))
@@ -184,7 +183,7 @@ def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold,
         "test": chosen.get("test_summary"),
         "classes": ds.classes,
         "teacher": None if teacher_info is None else teacher_info.get("teacher"),
-        "config": cfg,
+        "config": cfg.to_dict(),
         "hardware": describe_hardware(device=results[winner].device),
         "dataset": {"root": str(ds.root), "counts": {s: len(ds[s]) for s in ds.splits},
                     "image_size": ds.image_size, "input_size": student_input_size(cfg, ds.image_size)},

@@ -42,7 +42,8 @@ from leaflens.engine.device_loader import DeviceLoader, resolve_device
 from leaflens.engine.nn import Module
 from leaflens.engine.optim import SGD, AdamW, WarmupCosine, clip_grad_norm_
 from leaflens.files import write_text_atomic
-from leaflens.pipeline.models.student import StudentCNN
+from leaflens.pipeline.config import DistillSection, StageConfig
+from leaflens.pipeline.models.student import StudentCNN, StudentSpec
 
 LAST, BEST, METRICS, FAULTS = "last.npz", "best.npz", "metrics.jsonl", "faults.jsonl"
 
@@ -104,15 +105,10 @@ class RunResult:
     mixed_precision: bool = False   # float16 compute with float32 master weights
 
 
-def build_student(cfg: dict[str, Any], num_classes: int, teacher_dim: int | None) -> StudentCNN:
-    m = cfg["model"]
-    return StudentCNN(num_classes, widths=m["widths"], teacher_dim=teacher_dim, dropout=m["dropout"])
-
-
-def student_input_size(cfg: dict[str, Any], image_size: int) -> int:
+def student_input_size(cfg: StageConfig, image_size: int) -> int:
     """The side of the student's input for a dataset stored at ``image_size`` px: ``model.input_size``
     (0: the stored size), never more than the stored size (images are never blown up)."""
-    want = int(cfg["model"].get("input_size", 0) or 0)
+    want = cfg.model.input_size
     return image_size if want <= 0 else min(want, int(image_size))
 
 
@@ -134,13 +130,13 @@ def _model_device(model: Module) -> str:
     return params[0].device if params else "cpu"
 
 
-def make_augment(cfg: dict[str, Any], colour_only: bool = False, out_size: int | None = None) -> Augment:
+def make_augment(cfg: StageConfig, colour_only: bool = False, out_size: int | None = None) -> Augment:
     """The loader's augmentation, its output ``out_size`` px (None: as stored); ``colour_only`` when the
     geometry comes from the teacher's view bank (the views are then cut at the input size later)."""
-    a = cfg["augment"]
-    crop = None if a["crop"] in (None, "none") or colour_only else a["crop"]
-    return Augment(hflip=a["hflip"] and not colour_only, vflip=a["vflip"] and not colour_only, crop=crop,
-                   scale=tuple(a["scale"]), brightness=a["brightness"], contrast=a["contrast"],
+    a = cfg.augment
+    crop = None if a.crop == "none" or colour_only else a.crop
+    return Augment(hflip=a.hflip and not colour_only, vflip=a.vflip and not colour_only, crop=crop,
+                   scale=a.scale, brightness=a.brightness, contrast=a.contrast,
                    out_size=None if colour_only else out_size)
 
 
@@ -194,7 +190,7 @@ def _softmax(z: Any) -> Any:
 
 
 def distill_loss(model: StudentCNN, x: np.ndarray, y: np.ndarray, feats: np.ndarray | None,
-                 tlogits: np.ndarray | None, dcfg: dict[str, Any],
+                 tlogits: np.ndarray | None, dcfg: DistillSection,
                  label_smoothing: float) -> tuple[Tensor, dict[str, float], np.ndarray]:
     """The batch loss, its parts (feature = 2 - 2 cos, cross-entropy on labelled rows, KD) and the logits."""
     parts: dict[str, float] = {}
@@ -207,17 +203,17 @@ def distill_loss(model: StudentCNN, x: np.ndarray, y: np.ndarray, feats: np.ndar
     logits, proj = model.forward_with_projection(Tensor(x))
     diff = ops.l2_normalize(proj, axis=1) - _l2n(feats)
     feat = (diff * diff).sum(axis=1).mean()
-    loss = feat * float(dcfg["feature_weight"])
+    loss = feat * float(dcfg.feature_weight)
     parts["feature"] = feat.item()
-    if labelled and dcfg["alpha"]:
+    if labelled and dcfg.alpha:
         ce = ops.cross_entropy(logits, y, label_smoothing=label_smoothing, ignore_index=-1)
-        loss = loss + ce * float(dcfg["alpha"])
+        loss = loss + ce * float(dcfg.alpha)
         parts["ce"] = ce.item()
-    if tlogits is not None and dcfg["kd_weight"]:
-        t = float(dcfg["temperature"])
+    if tlogits is not None and dcfg.kd_weight:
+        t = float(dcfg.temperature)
         soft = _softmax(tlogits.astype(np.float32, copy=False) / t).astype(np.float32)
         kd = ops.cross_entropy(logits * (1.0 / t), soft) * (t * t)
-        loss = loss + kd * float(dcfg["kd_weight"])
+        loss = loss + kd * float(dcfg.kd_weight)
         # log the KL divergence (cross-entropy minus the targets' constant entropy), which goes to 0
         xp = array_module(soft)
         entropy = float(-(soft * xp.log(xp.maximum(soft, 1e-12))).sum(axis=1).mean())
@@ -225,39 +221,39 @@ def distill_loss(model: StudentCNN, x: np.ndarray, y: np.ndarray, feats: np.ndar
     return loss, parts, logits.data
 
 
-def train_run(run_dir: str | os.PathLike[str], cfg: dict[str, Any], data: TrainData, val_images: Any,
+def train_run(run_dir: str | os.PathLike[str], cfg: StageConfig, data: TrainData, val_images: Any,
               val_labels: np.ndarray, mean: np.ndarray, std: np.ndarray, num_classes: int,
               extra_meta: dict[str, Any], resume: bool = False, label: str = "student",
               progress: bool = True) -> RunResult:
     """Train one student in ``run_dir``; resumes from ``last.npz`` when ``resume`` and it exists."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    tcfg, dcfg = cfg["train"], cfg["distill"]
-    device = resolve_device(tcfg.get("device", "auto"))
-    use_amp = resolve_precision(tcfg.get("mixed_precision", "auto"), device)
-    seed = int(tcfg["seed"])
+    tcfg, dcfg = cfg.train, cfg.distill
+    device = resolve_device(tcfg.device)
+    use_amp = resolve_precision(tcfg.mixed_precision, device)
+    seed = int(tcfg.seed)
     erandom.seed(seed)
     teacher_dim = None if data.features is None else int(data.features.shape[1])
-    model = build_student(cfg, num_classes, teacher_dim)
+    model = StudentSpec.from_recipe(cfg.model, num_classes).build(teacher_dim)
     if device != "cpu":
         model.to(device)  # before the optimiser and the checkpoint: their state follows the parameters
     dataset = ArrayDataset(data.images, data.labels)
     size = student_input_size(cfg, dataset.image_shape[0])
     augment = make_augment(cfg, colour_only=data.views is not None, out_size=size)
-    loader = DataLoader(dataset, int(tcfg["batch_size"]), shuffle=True, drop_last=len(dataset) > tcfg["batch_size"],
+    loader = DataLoader(dataset, int(tcfg.batch_size), shuffle=True, drop_last=len(dataset) > tcfg.batch_size,
                         seed=seed, mean=mean, std=std, augment=augment, prefetch=3, num_threads=1)
     device_loader = DeviceLoader(loader, device)
     scaler = GradScaler(enabled=use_amp)
     steps_per_epoch = len(loader)
-    epochs = int(tcfg["epochs"])
-    if tcfg["optimizer"] == "adamw":
-        opt = AdamW(model.parameters(), lr=tcfg["lr"], weight_decay=tcfg["weight_decay"])
-    elif tcfg["optimizer"] == "sgd":
-        opt = SGD(model.parameters(), lr=tcfg["lr"], momentum=0.9, nesterov=True, weight_decay=tcfg["weight_decay"])
+    epochs = int(tcfg.epochs)
+    if tcfg.optimizer == "adamw":
+        opt = AdamW(model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay)
+    elif tcfg.optimizer == "sgd":
+        opt = SGD(model.parameters(), lr=tcfg.lr, momentum=0.9, nesterov=True, weight_decay=tcfg.weight_decay)
     else:
-        raise ValueError(f"train.optimizer must be 'adamw' or 'sgd', got {tcfg['optimizer']!r}")
+        raise ValueError(f"train.optimizer must be 'adamw' or 'sgd', got {tcfg.optimizer!r}")
     sched = WarmupCosine(opt, total_steps=max(epochs * steps_per_epoch, 1),
-                         warmup_steps=min(int(tcfg["warmup_epochs"]) * steps_per_epoch, epochs * steps_per_epoch))
+                         warmup_steps=min(int(tcfg.warmup_epochs) * steps_per_epoch, epochs * steps_per_epoch))
 
     history: list[dict[str, Any]] = []
     best_acc, best_loss, best_epoch, start_epoch, train_seconds, bad_streak = -1.0, math.inf, -1, 0, 0.0, 0
@@ -267,7 +263,7 @@ def train_run(run_dir: str | os.PathLike[str], cfg: dict[str, Any], data: TrainD
         # The configuration is the authority on resume (it is what config.toml records): a run stopped by
         # non-finite losses is meant to be resumed with a lower train.lr, which the saved groups would undo.
         for g in opt.param_groups:
-            g["initial_lr"], g["weight_decay"] = float(tcfg["lr"]), float(tcfg["weight_decay"])
+            g["initial_lr"], g["weight_decay"] = float(tcfg.lr), float(tcfg.weight_decay)
         sched.load_state_dict(sched.state_dict())  # re-applies the schedule to the configured lr
         st = ck.extra["train_state"]
         history, best_acc, best_epoch = st["history"], st["best_acc"], st["best_epoch"]
@@ -281,7 +277,7 @@ def train_run(run_dir: str | os.PathLike[str], cfg: dict[str, Any], data: TrainD
         for name in (LAST, BEST, METRICS, FAULTS):
             (run_dir / name).unlink(missing_ok=True)
 
-    patience = int(tcfg["early_stopping_patience"])
+    patience = int(tcfg.early_stopping_patience)
     stopped_early = False
     for epoch in range(start_epoch, epochs):
         if patience and best_epoch >= 0 and epoch - best_epoch > patience:
@@ -303,7 +299,7 @@ def train_run(run_dir: str | os.PathLike[str], cfg: dict[str, Any], data: TrainD
             opt.zero_grad()
             try:
                 with autocast(use_amp):
-                    loss, parts, logits = distill_loss(model, x, y, feats, tl, dcfg, tcfg["label_smoothing"])
+                    loss, parts, logits = distill_loss(model, x, y, feats, tl, dcfg, tcfg.label_smoothing)
                 with np.errstate(over="ignore", invalid="ignore") if use_amp else contextlib.nullcontext():
                     scaler.scale(loss).backward()  # float16 overflow is expected now and then: the scaler handles it
                 if scaler.unscale_(opt):  # true gradients before clipping; inf/NaN only with mixed precision
@@ -312,7 +308,7 @@ def train_run(run_dir: str | os.PathLike[str], cfg: dict[str, Any], data: TrainD
                         scaler.update()
                         continue
                     raise NonFiniteLossError("gradients are not finite even with the loss scale at 1")
-                gnorm = clip_grad_norm_(model.parameters(), float(tcfg["clip_grad_norm"]))
+                gnorm = clip_grad_norm_(model.parameters(), float(tcfg.clip_grad_norm))
                 if not math.isfinite(gnorm):
                     raise NonFiniteLossError(f"gradient norm is {gnorm}")
             except NonFiniteLossError as exc:
@@ -321,7 +317,7 @@ def train_run(run_dir: str | os.PathLike[str], cfg: dict[str, Any], data: TrainD
                 bad_streak += 1
                 _append_jsonl(run_dir / FAULTS, {"epoch": epoch, "batch": b, "rows": idx.tolist(),
                                                   "error": str(exc)})
-                if bad_streak >= int(tcfg["max_bad_steps"]):
+                if bad_streak >= int(tcfg.max_bad_steps):
                     if _finite_state(model):  # bad data, sound weights: resume from here after fixing the data
                         save_checkpoint(last, model, opt, sched, epoch=epoch - 1, step=sched.last_step,
                                         extra=_state_extra(extra_meta, history, (best_acc, best_loss), best_epoch,
@@ -347,7 +343,7 @@ def train_run(run_dir: str | os.PathLike[str], cfg: dict[str, Any], data: TrainD
         if not _finite_state(model):  # a step with a finite loss blew the weights up: keep the last good state
             raise TrainingStopped(f"{label}: the weights became non-finite during epoch {epoch + 1} (learning rate "
                                   f"too high?). {_resume_hint(model, last)}")
-        val_logits = predict_logits(model, val_images, mean, std, int(tcfg["eval_batch_size"]), size)
+        val_logits = predict_logits(model, val_images, mean, std, int(tcfg.eval_batch_size), size)
         val_pred = val_logits.argmax(1) if len(val_logits) else np.zeros(0, np.int64)
         val_acc = float((val_pred == val_labels).mean()) if len(val_labels) else 0.0
         val_loss = float(ops.cross_entropy(Tensor(val_logits), val_labels).item()) if len(val_labels) else 0.0

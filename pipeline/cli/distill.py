@@ -6,9 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from leaflens.pipeline.config import ConfigError, load_config
-
-DEFAULT_CONFIG = "distill_default.toml"
+from leaflens.pipeline.config import DEFAULT_CONFIG, ConfigError, load_config
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -17,7 +15,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="Train the small student CNN on a preprocessed dataset, learning from the teacher's features "
                     "(and logits), beside the same student trained from scratch; the better on the validation "
                     "split is kept. Writes checkpoints, metrics.jsonl, curves.png, confusion.png, report.json "
-                    f"and report.md. Defaults: pipeline/{DEFAULT_CONFIG}.")
+                    f"and report.md. Defaults: pipeline/{DEFAULT_CONFIG.name}.")
     p.add_argument("--dataset", type=Path, default=Path("artifacts/dataset"), help="preprocessed dataset folder")
     p.add_argument("--teacher", type=Path, default=Path("artifacts/teacher"), help="teacher folder (features)")
     p.add_argument("--out", type=Path, default=Path("artifacts/student"), help="run folder to write")
@@ -46,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     if args.epochs is not None:
         overrides.append(f"train.epochs={args.epochs}")
     try:
-        cfg = load_config(DEFAULT_CONFIG, args.config, overrides)
+        cfg = load_config(args.config, overrides)
     except ConfigError as exc:
         print(f"leaflens distill: {exc}", file=sys.stderr)
         return 2

@@ -45,7 +45,7 @@ class BatchEstimateUnavailable(RuntimeError):
 class ModelSpec:
     """The student to size a batch for: conv widths, classes, precision (what ``leaflens distill`` trains)."""
 
-    widths: tuple[int, ...] = (32, 64, 128, 256)
+    widths: tuple[int, ...]  # the default recipe's come from its [model] section (default_spec)
     num_classes: int = 10
     mixed_precision: str = "auto"  # "auto" (on with a GPU), "on", "off": as train.mixed_precision
     source: str = "defaults"       # where the numbers came from (defaults, options, a run folder)
@@ -59,10 +59,9 @@ def default_spec() -> ModelSpec:
     """The student of the default recipe (pipeline/distill_default.toml)."""
     from leaflens.pipeline.config import load_config  # noqa: PLC0415
 
-    cfg = load_config("distill_default.toml")
-    return ModelSpec(widths=tuple(int(w) for w in cfg["model"]["widths"]),
-                     mixed_precision=str(cfg["train"].get("mixed_precision", "auto")),
-                     configured_batch=int(cfg["train"]["batch_size"]))
+    cfg = load_config()
+    return ModelSpec(widths=cfg.model.widths, mixed_precision=cfg.train.mixed_precision,
+                     configured_batch=cfg.train.batch_size)
 
 
 def spec_from_run(run_dir: str | os.PathLike[str]) -> tuple[ModelSpec, int]:

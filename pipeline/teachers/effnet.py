@@ -7,26 +7,26 @@ block ``k``: the front (stem + early blocks) runs once per image with its ImageN
 output is cached (plain and mirrored views of the training photos); only the back (the last blocks,
 the head conv and a new classifier) is trained on that cache, with a low learning rate for the
 pretrained layers and a higher one for the new classifier, selecting the epoch on the validation
-split. The cached fronts then give every split's features (1280-d) and logits.
+split. The cached fronts then give every split's features (1280-d) and logits. The recipe (cut
+point, input size, epochs, learning rates...) is the ``[teacher]`` section of the stage config.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
 from leaflens.engine import NonFiniteLossError, Tensor, no_grad, ops
-from leaflens.engine import random as erandom
+from leaflens.engine.nn import set_dropout_generator
 from leaflens.engine.optim import AdamW, WarmupCosine, clip_grad_norm_
+from leaflens.pipeline.config import TeacherSection
 from leaflens.pipeline.models.efficientnet import EfficientNetLite, LiteConfig, normalize_images
 from leaflens.pipeline.models.pretrained import find_lite0_weights, load_efficientnet_lite0
 from leaflens.pipeline.teachers.stage import ArrayEncoder, iter_split_images
-
-INPUT_SIZE = 224  # what the ImageNet weights were trained at; smaller sizes trade accuracy for speed
 
 
 def shorter_side(size: int) -> int:
@@ -38,7 +38,7 @@ class FrontRunner:
     """The frozen front, run by onnxruntime on the graph our exporter makes of it (several times faster
     than the NumPy engine at 224x224); the engine itself when onnxruntime is not installed."""
 
-    def __init__(self, front: Any, input_size: int = INPUT_SIZE):
+    def __init__(self, front: Any, input_size: int):
         self.front = front
         self.input_size = input_size
         self.session = None
@@ -105,29 +105,33 @@ class EffnetImageEncoder:
         return feats, (logits if self.num_classes else None)
 
 
-def build_effnet_teacher(ds: Any, args: argparse.Namespace, progress: bool = True) -> tuple[ArrayEncoder, dict]:
+def build_effnet_teacher(ds: Any, teacher: TeacherSection, weights_file: str | Path | None = None,
+                         from_arrays: bool = False, progress: bool = True) -> tuple[ArrayEncoder, dict]:
+    """The EfficientNet-Lite0 teacher for ``ds``, fine-tuned by the ``[teacher]`` recipe unless it says
+    ``frozen`` (or the dataset has no labelled train split); ``weights_file`` None: the installed weights."""
     cfg = LiteConfig(padding="same", bn_eps=1e-3, normalization="tf")
-    weights = find_lite0_weights(args.weights)
+    weights = find_lite0_weights(weights_file)
     net: EfficientNetLite = load_efficientnet_lite0(weights, cfg)
-    frozen = args.frozen or "train" not in ds or ds["train"].labels is None
-    k = getattr(args, "finetune_from_block", None) or net.num_blocks - 2
+    frozen = teacher.frozen or "train" not in ds or ds["train"].labels is None
+    k = teacher.finetune_from_block
     if not frozen:
-        # Seeded here, not by whatever ran before in this process: the new head's initial weights alone
-        # moved the fine-tuned teacher's iBeans test accuracy by several points.
-        erandom.seed(0)
-        net.reset_classifier(ds.num_classes)
+        # A generator of its own from the recipe's seed, not a stream shared with whatever ran before in this
+        # process: the new head's initial weights alone moved the fine-tuned teacher's iBeans test accuracy
+        # by several points.
+        net.reset_classifier(ds.num_classes, np.random.default_rng(teacher.seed))
     front_module, back = net.split(k)
-    size = getattr(args, "input_size", None) or INPUT_SIZE
+    size = teacher.input_size
     front = FrontRunner(front_module.eval(), size)
     t0 = time.perf_counter()
-    total = sum(len(ds[s]) * (2 if (s == "train" and not frozen) else 1) for s in ds.splits)
+    mirror = teacher.mirror and not frozen
+    total = sum(len(ds[s]) * (2 if (s == "train" and mirror) else 1) for s in ds.splits)
     bar = tqdm(total=total, desc=f"teacher: EfficientNet-Lite0 blocks 0-{k - 1} (frozen)", unit="img",
                disable=not progress)
     fronts: dict[str, np.ndarray] = {}
     mirrored = None
     for split in ds.splits:
-        fronts[split], m = _run_front(front, ds, split, cfg.normalization, args.batch_size, args.from_arrays,
-                                      mirror=(split == "train" and not frozen), bar=bar)
+        fronts[split], m = _run_front(front, ds, split, cfg.normalization, teacher.encode_batch_size, from_arrays,
+                                      mirror=(split == "train" and mirror), bar=bar)
         if m is not None:
             mirrored = m
     bar.close()
@@ -142,7 +146,7 @@ def build_effnet_teacher(ds: Any, args: argparse.Namespace, progress: bool = Tru
         feats = {s: _back_outputs(back, h)[0] for s, h in fronts.items()}
         enc = ArrayEncoder(feats, None, weights, ds.image_size, identity)
     else:
-        extra.update(_fine_tune(back, fronts, mirrored, ds, epochs=args.epochs or 8, progress=progress))
+        extra.update(_fine_tune(back, fronts, mirrored, ds, teacher, progress=progress))
         outs = {s: _back_outputs(back, h) for s, h in fronts.items()}
         enc = ArrayEncoder({s: o[0] for s, o in outs.items()}, {s: o[1] for s, o in outs.items()}, weights,
                            ds.image_size, identity)
@@ -150,20 +154,22 @@ def build_effnet_teacher(ds: Any, args: argparse.Namespace, progress: bool = Tru
     return enc, extra
 
 
-def _fine_tune(back: Any, fronts: dict[str, np.ndarray], mirrored: np.ndarray | None, ds: Any, epochs: int,
-               progress: bool, batch: int = 32, lr: float = 1e-3, head_lr: float = 3e-3, seed: int = 0) -> dict:
+def _fine_tune(back: Any, fronts: dict[str, np.ndarray], mirrored: np.ndarray | None, ds: Any,
+               teacher: TeacherSection, progress: bool) -> dict:
     """Train the back on cached front outputs of the train split; keep the best epoch on val."""
-    erandom.seed(seed)
+    epochs, batch, seed = teacher.epochs, teacher.batch_size, teacher.seed
+    set_dropout_generator(back, np.random.default_rng(seed))  # the head's dropout masks
     rng = np.random.default_rng(seed)
     y = np.asarray(ds["train"].labels)
     yv = np.asarray(ds["val"].labels)
     views = [fronts["train"]] + ([mirrored] if mirrored is not None else [])
     head = {id(p) for p in back.fc.parameters()}
-    groups = [{"params": [p for p in back.parameters() if id(p) not in head], "lr": lr},
-              {"params": back.fc.parameters(), "lr": head_lr}]
-    opt = AdamW(groups, lr=lr, weight_decay=1e-4)
+    groups = [{"params": [p for p in back.parameters() if id(p) not in head], "lr": teacher.lr},
+              {"params": back.fc.parameters(), "lr": teacher.head_lr}]
+    opt = AdamW(groups, lr=teacher.lr, weight_decay=teacher.weight_decay)
     steps = max(len(y) // batch, 1)
-    sched = WarmupCosine(opt, total_steps=epochs * steps, warmup_steps=min(steps, epochs * steps))
+    sched = WarmupCosine(opt, total_steps=epochs * steps,
+                         warmup_steps=min(teacher.warmup_epochs * steps, epochs * steps))
     best = (-1.0, -1, None)
     history = []
     t_start = time.perf_counter()
@@ -180,11 +186,11 @@ def _fine_tune(back: Any, fronts: dict[str, np.ndarray], mirrored: np.ndarray | 
             h = np.stack([views[v][i] for v, i in zip(view[idx], idx)]).astype(np.float32)
             opt.zero_grad()
             try:
-                loss = ops.cross_entropy(back(Tensor(h)), y[idx], label_smoothing=0.1)
+                loss = ops.cross_entropy(back(Tensor(h)), y[idx], label_smoothing=teacher.label_smoothing)
                 loss.backward()
             except NonFiniteLossError:
                 continue
-            clip_grad_norm_(back.parameters(), 5.0)
+            clip_grad_norm_(back.parameters(), teacher.clip_grad_norm)
             opt.step()
             sched.step()
             losses.append(loss.item())

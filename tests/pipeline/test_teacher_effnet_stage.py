@@ -59,19 +59,17 @@ def test_frozen_teacher_has_no_logits(tmp_path):
 
 def test_fine_tuned_teacher_does_not_depend_on_what_ran_before(tmp_path):
     """The new head is initialised from a fixed seed, whatever drew from the engine's generator earlier."""
-    import argparse  # noqa: PLC0415
-
     from leaflens.engine import random as erandom  # noqa: PLC0415
+    from leaflens.pipeline.config import load_config  # noqa: PLC0415
     from leaflens.pipeline.teachers.effnet import build_effnet_teacher  # noqa: PLC0415
 
     _weights_or_skip()
     ds = load_dataset(tiny_dataset(tmp_path, per_class=6, size=16))
-    args = argparse.Namespace(weights=None, frozen=False, epochs=1, batch_size=32, from_arrays=False,
-                              finetune_from_block=None, input_size=32)
+    recipe = load_config(None, ["teacher.epochs=1", "teacher.input_size=32"]).teacher
     logits = []
     for seed in (3, 11):
         erandom.seed(seed)
         erandom.generator().normal(size=1000)  # an earlier job drew from the generator
-        enc, _ = build_effnet_teacher(ds, args, False)
+        enc, _ = build_effnet_teacher(ds, recipe, progress=False)
         logits.append(np.asarray(enc.logits["test"]))
     np.testing.assert_array_equal(logits[0], logits[1])

@@ -46,7 +46,7 @@ def staged(tmp_path_factory):
                     log=lambda *_: None).out
     ds = load_dataset(ds_dir)
     write_teacher(tmp / "teacher", ds, ArrayEncoder(_features(ds_dir), None, tmp, ds.image_size), progress=False)
-    cfg = load_config("distill_default.toml", None, TINY + ["distill.compare_scratch=false"])
+    cfg = load_config(None, TINY + ["distill.compare_scratch=false"])
     run_distill(ds_dir, tmp / "teacher", tmp / "student", cfg, progress=False)
     return tmp
 
@@ -160,7 +160,7 @@ def test_resume_from_a_checkpoint_of_another_model(staged, tmp_path, capsys):
     args = ["distill", "--dataset", str(staged / "ds"), "--no-teacher", "--out", str(out), "--quiet"]
     sets = [x for s in TINY for x in ("--set", s)]
     partial = tmp_path / "s.partial"
-    cfg = load_config("distill_default.toml", None, TINY)
+    cfg = load_config(None, TINY)
     run_distill(staged / "ds", None, out, cfg, no_teacher=True, progress=False)
     shutil.move(out, partial)  # as if killed after the training
     last = partial / "scratch" / "last.npz"

@@ -133,7 +133,7 @@ def test_resume_uses_the_configured_learning_rate(data, tmp_path):
     ds = load_dataset(ds_dir)
 
     def cfg(lr: float, epochs: int):
-        return load_config("distill_default.toml", None, [f"train.lr={lr}", f"train.epochs={epochs}",
+        return load_config(None, [f"train.lr={lr}", f"train.epochs={epochs}",
                                                           "train.warmup_epochs=0", "train.batch_size=8",
                                                           "model.widths=[8]"])
 

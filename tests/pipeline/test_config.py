@@ -1,0 +1,187 @@
+"""The stage config: typed sections built from the documented default TOML, user TOML, then --set."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+from pipeline_helpers import tiny_dataset
+
+from leaflens.data_prep.manifest import load_dataset
+from leaflens.pipeline.cli import main as cli
+from leaflens.pipeline.config import (
+    DEFAULT_CONFIG,
+    ConfigError,
+    StageConfig,
+    TeacherSection,
+    dump_toml,
+    load_config,
+    read_toml,
+)
+from leaflens.pipeline.teachers.artefact import load_teacher
+from leaflens.records import RecordError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+# What `leaflens distill` saved as config.toml before the [teacher] section existed (dump_toml of the
+# dict config): a run's recipe must stay usable as --config.
+PREVIOUS_CONFIG_TOML = """\
+[model]
+widths = [32, 64, 128]
+dropout = 0.1
+input_size = 64
+
+[train]
+epochs = 12
+batch_size = 32
+optimizer = "adamw"
+lr = 0.003
+weight_decay = 0.0005
+warmup_epochs = 1
+clip_grad_norm = 5.0
+label_smoothing = 0.0
+early_stopping_patience = 0
+seed = 0
+max_bad_steps = 10
+eval_batch_size = 256
+device = "auto"
+mixed_precision = "auto"
+
+[augment]
+hflip = true
+vflip = true
+crop = "resized"
+scale = [0.5, 1.0]
+brightness = 0.2
+contrast = 0.2
+
+[distill]
+feature_weight = 1.0
+alpha = 0.3
+kd_weight = 1.0
+temperature = 4.0
+same_view = true
+compare_scratch = true
+"""
+
+
+def test_the_default_file_is_the_typed_default_and_complete():
+    cfg = load_config()
+    assert cfg == StageConfig.from_dict(read_toml(DEFAULT_CONFIG))
+    assert cfg.model.widths == (32, 64, 128, 256) and cfg.train.optimizer == "adamw"
+    assert isinstance(cfg.train.lr, float) and isinstance(cfg.augment.scale, tuple)
+    assert cfg.teacher.input_size == 224 and cfg.teacher.finetune_from_block == 14
+    # every setting must be in the file: the records have no defaults to fall back on
+    data = read_toml(DEFAULT_CONFIG)
+    del data["teacher"]["head_lr"]
+    with pytest.raises(RecordError, match="teacher: required key 'head_lr' is missing"):
+        StageConfig.from_dict(data)
+
+
+def test_round_trip_through_the_saved_toml():
+    cfg = load_config(None, ["model.widths=[8, 16]", "train.lr=0.01", "teacher.view_scale=[0.25, 1]"])
+    again = StageConfig.from_dict(tomllib.loads(dump_toml(cfg)))
+    assert again == cfg and again.teacher.view_scale == (0.25, 1.0)
+
+
+def test_layers_user_file_then_overrides(tmp_path):
+    user = tmp_path / "mine.toml"
+    user.write_text('[train]\nepochs = 5\nlr = 1\n[teacher]\nepochs = 2\n')
+    cfg = load_config(user, ["train.epochs=7", "teacher.frozen=true"])
+    assert cfg.train.epochs == 7 and cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    assert cfg.teacher.epochs == 2 and cfg.teacher.frozen
+    assert cfg.model == load_config().model  # untouched sections keep the defaults
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.epoch=3"], "--set train.epoch=3: unknown key 'train.epoch'"),
+    (["trian.lr=1"], "--set trian.lr=1: unknown key 'trian'"),
+    (["teacher.epoch=3"], "unknown key 'teacher.epoch'"),
+    (["train=3"], "'train' is a section"),
+    (["train.lr=fast"], "--set train.lr=fast: train: lr: expected a number"),
+    (["train.optimizer=adam"], "optimizer: 'adam' is not one of 'adamw', 'sgd'"),
+    (["model.widths=[8, 1.5]"], "widths[1]: expected an integer"),
+    (["augment.scale=[0.5]"], "scale: expected 2 values"),
+    (["teacher.views=0"], "--set teacher.views=0: teacher: views must be at least 1"),
+    (["train.epochs"], "must look like section.key=value"),
+])
+def test_bad_overrides_are_refused_by_name(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert message in str(info.value)
+
+
+def test_a_user_file_with_an_unknown_key_is_named(tmp_path):
+    user = tmp_path / "typo.toml"
+    user.write_text("[train]\nepoch = 3\n")
+    with pytest.raises(ConfigError, match=r"typo.toml: unknown key 'train.epoch'"):
+        load_config(user)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_a_config_saved_by_the_previous_code_still_loads(tmp_path):
+    saved = tmp_path / "config.toml"
+    saved.write_text(PREVIOUS_CONFIG_TOML)
+    cfg = load_config(saved)
+    assert cfg.model.widths == (32, 64, 128) and cfg.train.epochs == 12
+    assert cfg.teacher == load_config().teacher  # no [teacher] then: the defaults
+
+
+def test_the_demo_recipe_shortens_the_teacher_too():
+    demo = load_config(DEFAULT_CONFIG.parent / "distill_demo.toml")
+    assert (demo.teacher.epochs, demo.teacher.input_size) == (3, 160)
+    assert dataclasses.replace(demo.teacher, epochs=8, input_size=224) == load_config().teacher
+
+
+def test_teacher_flags_are_overrides_of_the_teacher_section():
+    from leaflens.pipeline.cli.teacher import flag_overrides  # noqa: PLC0415
+
+    ns = type("Args", (), dict(frozen=True, train_cnn=False, epochs=4, finetune_from_block=15, input_size=96,
+                               views=3, view_scale=(0.3, 0.9), batch_size=16))()
+    cfg = load_config(None, flag_overrides(ns))
+    assert cfg.teacher == dataclasses.replace(load_config().teacher, frozen=True, epochs=4, finetune_from_block=15,
+                                              input_size=96, views=3, view_scale=(0.3, 0.9), encode_batch_size=16)
+    ns.train_cnn = True
+    assert load_config(None, flag_overrides(ns)).teacher.cnn_epochs == 4
+    none = type("Args", (), dict(frozen=False, train_cnn=False, epochs=None, finetune_from_block=None,
+                                 input_size=None, views=None, view_scale=None, batch_size=None))()
+    assert flag_overrides(none) == []
+
+
+def test_teacher_cli_reads_its_recipe_from_the_config(tmp_path, capsys):
+    ds_dir = tiny_dataset(tmp_path, per_class=8, size=16)
+    user = tmp_path / "recipe.toml"
+    user.write_text("[teacher]\ncnn_widths = [4, 8]\ncnn_epochs = 5\n[train]\nbatch_size = 8\n")
+    out = tmp_path / "t"
+    # the flag wins over the file: 2 epochs, not 5
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(out), "--train-cnn", "--config", str(user),
+                "--set", "train.lr=0.01", "--epochs", "2", "--quiet"]) == 0, capsys.readouterr().err
+    tt = load_teacher(out, load_dataset(ds_dir))
+    assert tt.info["teacher"]["widths"] == [4, 8]
+    saved = load_config(out / "config.toml")
+    assert saved.teacher.cnn_widths == (4, 8) and saved.teacher.cnn_epochs == 2
+    assert saved.train.batch_size == 8 and saved.train.lr == 0.01
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "u"), "--set", "teacher.epoch=3"]) == 2
+    assert "unknown key 'teacher.epoch'" in capsys.readouterr().err
+    assert not (tmp_path / "u").exists()
+
+
+def test_effnet_teacher_takes_its_recipe_from_the_teacher_section(tmp_path):
+    from leaflens.pipeline.models import pretrained  # noqa: PLC0415
+    from leaflens.pipeline.teachers.effnet import build_effnet_teacher  # noqa: PLC0415
+
+    try:
+        pretrained.find_lite0_weights()
+    except pretrained.WeightsNotFoundError as exc:
+        pytest.skip(f"EfficientNet-Lite0 weights not installed: {exc}")
+    ds = load_dataset(tiny_dataset(tmp_path, per_class=6, size=16))
+    recipe: TeacherSection = load_config(None, ["teacher.epochs=2", "teacher.input_size=32",
+                                                "teacher.finetune_from_block=15", "teacher.batch_size=4"]).teacher
+    enc, extra = build_effnet_teacher(ds, recipe, progress=False)
+    assert extra["split_block"] == 15 and len(extra["fine_tune_history"]) == 2
+    assert enc.identity()["input_size"] == 32 and enc.view_encoder.input_size == 32

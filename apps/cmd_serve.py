@@ -87,9 +87,10 @@ def prepare(args: argparse.Namespace):
     from leaflens.apps.examples import default_cache_dir, write_examples
     from leaflens.apps.model_info import discover
     from leaflens.apps.notes import ClassNotes, load_notes
-    from leaflens.apps.predictor import Predictor, usable_cpus
+    from leaflens.apps.predictor import Predictor
     from leaflens.apps.service import DiagnosisService, ServiceOptions
     from leaflens.apps.web_config import AppConfig
+    from leaflens.cpus import usable_cpus
 
     _check(args)
     predictor = Predictor(args.model, intra_op_threads=args.threads)

@@ -36,12 +36,13 @@ from pathlib import Path
 import numpy as np
 
 from leaflens.apps.model_card import ModelCard, ModelError
+from leaflens.cpus import usable_cpus
 from leaflens.data_prep.decode import ImageDecodeError, decode_image
 
 # What decode_image accepts: a path or the encoded bytes of a photo.
 Source = str | os.PathLike | bytes
 
-__all__ = ["PREFERRED_PROVIDERS", "Prediction", "Predictor", "choose_providers", "usable_cpus"]
+__all__ = ["PREFERRED_PROVIDERS", "Prediction", "Predictor", "choose_providers"]
 
 # Fastest first. TensorRT and CUDA come with the onnxruntime-gpu wheel; the list is filtered by
 # what this onnxruntime build offers, and onnxruntime itself drops a provider whose libraries fail
@@ -79,21 +80,6 @@ class Prediction:
     def as_dict(self) -> dict[str, object]:
         return {"source": self.source, "label": self.label, "confidence": self.confidence,
                 "uncertain": self.uncertain, "top": [list(t) for t in self.top], "error": self.error}
-
-
-def usable_cpus() -> int:
-    """CPUs this process may use: the affinity mask, capped by a cgroup v2 CPU quota (containers)."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-        if quota != "max":
-            n = min(n, max(1, int(int(quota) // int(period))))
-    except (OSError, ValueError):
-        pass
-    return max(1, n)
 
 
 def choose_providers(available: Sequence[str], requested: Sequence[str] | None = None) -> list[str]:

@@ -29,7 +29,8 @@ import numpy as np
 from leaflens.apps.batcher import BatcherBusy, BatcherClosed, DynamicBatcher
 from leaflens.apps.diagnosis import PhotoOutcome, summarise
 from leaflens.apps.notes import ClassNotes
-from leaflens.apps.predictor import Predictor, usable_cpus
+from leaflens.apps.predictor import Predictor
+from leaflens.cpus import usable_cpus
 from leaflens.data_prep.decode import ImageDecodeError
 
 __all__ = ["MB", "DiagnosisService", "ServiceOptions"]

@@ -34,8 +34,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from leaflens.apps.predictor import Predictor, usable_cpus
+from leaflens.apps.predictor import Predictor
 from leaflens.apps.service import DiagnosisService
+from leaflens.cpus import usable_cpus
 from leaflens.data_prep.decode import RESAMPLE
 
 TARGET_MS = 60.0

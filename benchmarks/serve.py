@@ -38,7 +38,8 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
 from leaflens.apps.batcher import DynamicBatcher
-from leaflens.apps.predictor import Predictor, usable_cpus
+from leaflens.apps.predictor import Predictor
+from leaflens.cpus import usable_cpus
 
 STANDIN_CLASSES = ["angular_leaf_spot", "bean_rust", "healthy"]
 

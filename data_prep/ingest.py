@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from leaflens.cpus import usable_cpus
 from leaflens.data_prep.arrays import NpyRowWriter, sha256_file
 from leaflens.data_prep.decode import DEFAULT_MAX_PIXELS, ImageDecodeError, decode_image, read_source
 from leaflens.data_prep.manifest import (
@@ -303,7 +304,7 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike, options: IngestOption
     clean_stale_temps(out_p)
     tmp = new_temp_dir(out_p)
     try:
-        workers = max(1, workers or os.cpu_count() or 1)
+        workers = max(1, workers or usable_cpus())
         kept, hashes, rejects = _decode_all(scan.files, opts, tmp / _STAGING, workers, progress)
         assigned = _assign(scan, kept, hashes, opts, rejects)
         info, hist = _write_splits(tmp, scan, kept, assigned, opts)

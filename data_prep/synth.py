@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
+from leaflens.cpus import usable_cpus
 from leaflens.files import new_temp_dir, swap_into_place
 
 CLASS_INFO: dict[str, dict[str, str]] = {
@@ -613,7 +614,7 @@ def generate(out: str | os.PathLike, options: SynthOptions | None = None, *, wor
             for i in range(opts.per_class):
                 tasks.append((cls, ci, i, opts.size, opts.seed, str(tmp / cls / f"{cls}_{i:04d}.jpg"),
                               opts.exif_fraction))
-        workers = max(1, workers or os.cpu_count() or 1)
+        workers = max(1, workers or usable_cpus())
         rotated = []
         bar = tqdm(total=len(tasks), desc="synth", unit="img", disable=not progress)
         if workers > 1:

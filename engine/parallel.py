@@ -5,17 +5,19 @@ conv-net training step those single-core passes (im2col copies, BatchNorm, ReLU,
 about as long as the matmuls. NumPy releases the GIL inside those loops, so giving each thread
 one slice of the batch runs them side by side: measured here about 1.8x on a 33 MB multiply with 2
 threads. The split depends only on the batch size and the thread count, so results stay
-deterministic on a given machine. Set ``LEAFLENS_THREADS=1`` to turn it off.
+deterministic on a given machine. Set ``LEAFLENS_THREADS=1`` to turn it off (it sets every leaflens
+pool's size: :mod:`leaflens.cpus`).
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
+from leaflens.cpus import usable_cpus
 
 MIN_ELEMENTS = 1 << 18  # below ~1 MB of float32 the hand-off costs more than it saves
 
@@ -24,13 +26,9 @@ _pool: ThreadPoolExecutor | None = None
 
 
 def num_threads() -> int:
-    env = os.environ.get("LEAFLENS_THREADS")
-    if env:
-        return max(1, int(env))
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
+    """Threads the engine splits work over: :func:`leaflens.cpus.usable_cpus` (affinity, cgroup quota,
+    ``LEAFLENS_THREADS``), the count every leaflens pool uses."""
+    return usable_cpus()
 
 
 def _get_pool(n: int) -> ThreadPoolExecutor:

@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from leaflens.cpus import THREADS_ENV, cpu_budget
+
 SAFETY = 0.8  # use at most 80 % of the free memory: 20 % stays free as a margin
 GPU_BATCHES = (16, 64)  # measured on a GPU (large enough that the pool's rounding does not dominate)
 CPU_BATCHES = (2, 8)    # measured on the CPU (cheap)
@@ -159,15 +161,16 @@ def blas_facts() -> dict[str, Any]:
 
 
 def cpu_facts() -> dict[str, Any]:
-    """Cores (logical, and usable by this process), CPU model, RAM, BLAS."""
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        usable = os.cpu_count()
+    """Cores (logical; usable by this process: affinity capped by the cgroup quota; the thread count leaflens
+    uses, see leaflens.cpus), CPU model, RAM, BLAS."""
+    budget = cpu_budget()
     return {
         "model": _cpu_model(),
-        "logical_cores": os.cpu_count(),
-        "usable_cores": usable,
+        "logical_cores": budget.logical,
+        "usable_cores": budget.available,
+        "cpu_quota": budget.quota,
+        "threads": budget.usable,
+        "threads_override": budget.override,
         "ram_bytes": _ram_bytes(),
         "blas": blas_facts(),
     }
@@ -473,7 +476,10 @@ def render(facts: dict[str, Any]) -> str:
         out.add("onnxruntime providers", ", ".join(sw["onnxruntime_providers"]))
     out.rows.append("cpu")
     out.add("model", cpu["model"] or "unknown")
-    out.add("cores", f"{cpu['logical_cores']} logical, {cpu['usable_cores']} usable by this process")
+    out.add("cores", f"{cpu['logical_cores']} logical, {cpu['usable_cores']} usable by this process"
+                     + (f" (cgroup CPU quota {cpu['cpu_quota']:g})" if cpu.get("cpu_quota") else ""))
+    if cpu.get("threads_override") is not None:
+        out.add("threads", f"{cpu['threads']} ({THREADS_ENV} is set)")
     out.add("RAM", _gib(cpu["ram_bytes"]))
     blas = cpu["blas"]
     for key in ("blas", "lapack"):

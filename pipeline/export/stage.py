@@ -31,7 +31,7 @@ import numpy as np
 import onnx
 
 from leaflens.apps.model_card import ModelCard
-from leaflens.apps.predictor import usable_cpus
+from leaflens.cpus import usable_cpus
 from leaflens.data_prep.arrays import sha256_file
 from leaflens.data_prep.manifest import Dataset, load_dataset, manifest_sha256
 from leaflens.engine.nn import Module

@@ -2,9 +2,12 @@
 
 ``ArrayDataset`` wraps an ``(N, H, W, 3)`` uint8 array (a read-only memmap from a dataset folder
 is fine: rows are read per batch, the file is never loaded whole) and optional int64 labels.
-``DataLoader`` yields ``(x, y)`` NumPy batches: ``x`` float32 NHWC normalised with the dataset's
-per-channel mean/std (given on the [0, 1] scale), ``y`` int64 (-1 where there are no labels).
-The engine wraps them in tensors itself.
+``DataLoader`` yields :class:`Batch` tuples ``(images, labels, indices, number)``: ``images`` float32
+NHWC normalised with the dataset's per-channel mean/std (given on the [0, 1] scale), ``labels`` int64
+(-1 where there are no labels), ``indices`` the dataset rows the batch holds, in its row order, and
+``number`` the batch's position in its epoch. Callers look per-sample side data (teacher targets, ...)
+up by ``indices``, so they never need to know or recompute the loader's shuffle order. The engine
+wraps the arrays in tensors itself.
 
 Augmentation is vectorised over the whole batch: random horizontal (and optionally vertical) flip,
 random resized crop (bilinear) or pad-and-crop, then brightness/contrast jitter fused with the
@@ -30,11 +33,11 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["Augment", "ArrayDataset", "DataLoader", "apply_view_boxes", "augment_batch", "downsample",
+__all__ = ["Augment", "ArrayDataset", "Batch", "DataLoader", "apply_view_boxes", "augment_batch", "downsample",
            "normalize", "sample_view_boxes"]
 
 STATE_VERSION = 1
@@ -328,6 +331,15 @@ def normalize(x: np.ndarray, mean: np.ndarray, std: np.ndarray, aug: Augment | N
     return x
 
 
+class Batch(NamedTuple):
+    """One batch of a :class:`DataLoader`: row ``i`` of ``images`` and ``labels`` is dataset row ``indices[i]``."""
+
+    images: np.ndarray   # (B, H, W, C) float32, normalised (and augmented)
+    labels: np.ndarray   # (B,) int64, -1 = unlabelled
+    indices: np.ndarray  # (B,) int64 dataset rows
+    number: int          # position of the batch in its epoch (0-based)
+
+
 class DataLoader:
     """Seeded, shuffled, augmented, prefetched batches over an :class:`ArrayDataset`.
 
@@ -383,22 +395,19 @@ class DataLoader:
         self._resume_at = 0
 
     # -- one batch ---------------------------------------------------------------------------------
-    def make_batch(self, order: np.ndarray, epoch: int, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """Batch ``b`` of ``epoch`` given that epoch's order (deterministic, thread-safe).
-
-        Row ``i`` of the batch is sample ``order[b * batch_size + i]``, so callers can fetch
-        per-sample side data (teacher features, ...) for the same rows.
-        """
-        idx = order[b * self.batch_size:(b + 1) * self.batch_size]
+    def make_batch(self, order: np.ndarray, epoch: int, b: int) -> Batch:
+        """Batch ``b`` of ``epoch`` given that epoch's order (deterministic, thread-safe); its
+        ``indices`` are ``order[b * batch_size:(b + 1) * batch_size]``."""
+        idx = np.asarray(order[b * self.batch_size:(b + 1) * self.batch_size], np.int64)
         x, y = self.dataset.get_batch(idx)
         if self.augment is not None:
             rng = np.random.default_rng([self.seed, epoch, b, 1])
             xf = augment_batch(x, self.augment, rng)
-            return normalize(xf, self.mean, self.std, self.augment, rng, inplace=True), y
-        return normalize(x, self.mean, self.std), y
+            return Batch(normalize(xf, self.mean, self.std, self.augment, rng, inplace=True), y, idx, b)
+        return Batch(normalize(x, self.mean, self.std), y, idx, b)
 
     # -- iteration -----------------------------------------------------------------------------------
-    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def __iter__(self) -> Iterator[Batch]:
         epoch, start = self.epoch, self._resume_at
         self._resume_at = 0
         self.batches_done = start

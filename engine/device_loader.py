@@ -19,7 +19,8 @@ was. On CUDA, while the GPU computes on batch ``b``, batch ``b + 1`` is already 
 
 A batch handed out on CUDA lives in a reused buffer: work enqueued on it before the consumer asks
 for the next batch is safe (the GPU finishes it before the buffer is refilled); to use a batch after
-that, copy it (``.copy()``) first.
+that, copy it (``.copy()``) first. A batch's ``indices`` (a :class:`leaflens.engine.data.Batch` field, or
+the same-named field of any named tuple) stay on the host: they are for looking up host-side data.
 
 ``len()``, ``state_dict()``, ``load_state_dict()``, ``set_epoch()``, ``epoch_order()``, ``batch_size``
 and every other attribute pass through to the wrapped loader, so exact resume works as before.
@@ -109,8 +110,9 @@ class DeviceLoader:
 
     def upload(self, batches: Iterable[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
         """Move each tuple of host arrays in ``batches`` to the device (elements that are not NumPy
-        arrays, such as None, pass through). Use it for batches a caller has prepared on the host from
-        the wrapped loader's output (teacher targets looked up per row, ...)."""
+        arrays, such as None, pass through, and so does a named tuple's ``indices`` field). Use it for
+        batches a caller has prepared on the host from the wrapped loader's output (teacher targets
+        looked up per row, ...); named tuples come back as the same type."""
         if self.device == "cpu":
             yield from batches
             return
@@ -172,8 +174,9 @@ class _Slot:
         self.ready.synchronize()        # the previous upload has read the pinned buffers: refill them
         stream.wait_event(self.free)    # the GPU has finished with the device buffers: overwrite them
         out = []
+        host_only = _host_fields(batch)
         for i, a in enumerate(batch):
-            if not isinstance(a, np.ndarray) or a.ndim == 0:
+            if not isinstance(a, np.ndarray) or a.ndim == 0 or i in host_only:
                 out.append(a)
                 continue
             host, dev = self._buffers(cp, i, a)
@@ -182,7 +185,7 @@ class _Slot:
             dev[:n].set(host[:n], stream=stream)  # pinned -> device, asynchronous on the copy stream
             out.append(dev[:n])
         self.ready.record(stream)
-        self.batch = tuple(out)
+        self.batch = type(batch)._make(out) if hasattr(batch, "_make") else tuple(out)
 
     def _buffers(self, cp: Any, i: int, a: np.ndarray) -> tuple[np.ndarray, Any]:
         """Pinned and device buffers for element ``i`` with room for ``a`` (first-axis slices are views)."""
@@ -193,3 +196,11 @@ class _Slot:
             self.host[i] = host
             self.device[i] = cp.empty(a.shape, dtype=a.dtype)
         return host, self.device[i]
+
+
+HOST_FIELDS = ("indices",)
+
+
+def _host_fields(batch: tuple[Any, ...]) -> set[int]:
+    """Positions of a named tuple's fields that stay on the host (dataset row indices)."""
+    return {i for i, name in enumerate(getattr(type(batch), "_fields", ())) if name in HOST_FIELDS}

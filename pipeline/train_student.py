@@ -27,7 +27,7 @@ import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from tqdm import tqdm
@@ -37,7 +37,7 @@ from leaflens.engine import random as erandom
 from leaflens.engine.amp import GradScaler, autocast
 from leaflens.engine.backend import array_module, to_device
 from leaflens.engine.checkpoint import load_checkpoint, save_checkpoint
-from leaflens.engine.data import ArrayDataset, Augment, DataLoader, apply_view_boxes, downsample, normalize
+from leaflens.engine.data import ArrayDataset, Augment, Batch, DataLoader, apply_view_boxes, downsample, normalize
 from leaflens.engine.device_loader import DeviceLoader, resolve_device
 from leaflens.engine.nn import Module
 from leaflens.engine.optim import SGD, AdamW, WarmupCosine, clip_grad_norm_
@@ -285,17 +285,14 @@ def train_run(run_dir: str | os.PathLike[str], cfg: StageConfig, data: TrainData
             break
         model.train()
         loader.set_epoch(epoch)
-        order = loader.epoch_order(epoch)
-        bs = loader.batch_size
         t0 = time.perf_counter()
         sums: dict[str, float] = {}
         seen = correct = labelled_seen = steps = skipped = amp_skipped = 0
-        # Host side (teacher targets per row, views) in the loader's order, then on to the device.
-        host = (_host_batch(data, order, bs, seed, epoch, b, x, y, size) for b, (x, y) in enumerate(loader))
+        # Host side (teacher targets looked up by the batch's dataset rows, views), then on to the device.
+        host = (_host_batch(data, batch, seed, epoch, size) for batch in loader)
         bar = tqdm(device_loader.upload(host), total=steps_per_epoch, desc=f"{label} epoch {epoch + 1}/{epochs}",
                    leave=False, disable=not progress, unit="batch")
-        for b, (x, y, feats, tl) in enumerate(bar):
-            idx = order[b * bs:(b + 1) * bs]
+        for x, y, feats, tl, idx, b in bar:
             opt.zero_grad()
             try:
                 with autocast(use_amp):
@@ -381,16 +378,26 @@ def is_better_epoch(val_acc: float, val_loss: float, best_acc: float, best_loss:
     return val_acc > best_acc or (val_acc == best_acc and val_loss < best_loss)
 
 
-def _host_batch(data: TrainData, order: np.ndarray, bs: int, seed: int, epoch: int, b: int, x: np.ndarray,
-                y: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """Batch ``b`` with its teacher targets looked up on the host: (x, y, features, logits), each row of
-    the teacher's arrays matching the loader's row (cut to the teacher's views when there is a bank)."""
-    idx = order[b * bs:(b + 1) * bs]
+class StudentBatch(NamedTuple):
+    """A loader batch with the teacher's targets for its rows (None without a teacher)."""
+
+    images: Any
+    labels: Any
+    features: Any
+    logits: Any
+    indices: np.ndarray  # dataset rows: stay on the host (DeviceLoader leaves ``indices`` alone)
+    number: int          # the batch's position in its epoch
+
+
+def _host_batch(data: TrainData, batch: Batch, seed: int, epoch: int, size: int) -> StudentBatch:
+    """A loader batch with its teacher targets looked up on the host by the batch's dataset rows
+    (cut to the teacher's views when there is a bank)."""
+    x, idx = batch.images, batch.indices
     feats = None if data.features is None else np.asarray(data.features[idx])
     tl = None if data.logits is None else np.asarray(data.logits[idx])
     if data.views is not None:
-        x, feats, tl = pick_views(data, idx, x, seed, epoch, b, size)
-    return x, y, feats, tl
+        x, feats, tl = pick_views(data, idx, x, seed, epoch, batch.number, size)
+    return StudentBatch(x, batch.labels, feats, tl, idx, batch.number)
 
 
 def _finite_state(model: Module) -> bool:

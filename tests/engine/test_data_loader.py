@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from leaflens.engine.data import ArrayDataset, Augment, DataLoader, augment_batch, downsample, normalize
+from leaflens.engine.data import ArrayDataset, Augment, DataLoader, augment_batch, normalize
 
 
 def _indexed(n: int = 50, size: int = 8) -> ArrayDataset:
@@ -32,16 +32,18 @@ def test_each_sample_once_per_epoch_and_labels_follow():
     assert len(loader) == 7
     seen = []
     sizes = []
-    for xb, yb in loader:
+    for b, (xb, yb, idx, number) in enumerate(loader):
         assert xb.dtype == np.float32 and yb.dtype == np.int64 and xb.shape[1:] == (8, 8, 3)
         ids = _ids(xb)
         np.testing.assert_array_equal(yb, ids % 5)
+        np.testing.assert_array_equal(idx, ids)  # the indices name the rows the batch holds, in its order
+        assert idx.dtype == np.int64 and number == b
         seen.extend(ids)
         sizes.append(len(yb))
     assert sorted(seen) == list(range(50)) and sizes[-1] == 2
     assert loader.epoch == 1
     dl = DataLoader(ds, 8, drop_last=True)
-    assert len(dl) == 6 and sum(len(y) for _, y in dl) == 48
+    assert len(dl) == 6 and sum(len(batch.labels) for batch in dl) == 48
 
 
 def test_seeded_shuffle_differs_per_epoch_and_reproduces():
@@ -65,12 +67,14 @@ def test_batch_rows_follow_epoch_order():
     loader = DataLoader(ds, 8, seed=11, augment=Augment(crop="pad"))
     loader.set_epoch(2)
     order = loader.epoch_order(2)
-    for b, (_, yb) in enumerate(loader):
+    for b, (_, yb, idx, _) in enumerate(loader):
         np.testing.assert_array_equal(yb, order[b * 8:(b + 1) * 8] % 5)
+        np.testing.assert_array_equal(idx, order[b * 8:(b + 1) * 8])
     plain = DataLoader(ds, 8, seed=11)
     order = plain.epoch_order(0)
-    for b, (xb, _) in enumerate(plain):
+    for b, (xb, _, idx, _) in enumerate(plain):
         np.testing.assert_array_equal(_ids(xb), order[b * 8:(b + 1) * 8])
+        np.testing.assert_array_equal(idx, order[b * 8:(b + 1) * 8])
 
 
 def test_normalize_leaves_input_alone_unless_inplace():
@@ -85,12 +89,12 @@ def test_normalisation_uses_mean_std_on_unit_scale():
     x = np.random.default_rng(0).integers(0, 256, (4, 6, 6, 3), dtype=np.uint8)
     mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
     loader = DataLoader(ArrayDataset(x, np.zeros(4, np.int64)), 4, shuffle=False, mean=mean, std=std)
-    xb, _ = next(iter(loader))
+    xb = next(iter(loader)).images
     np.testing.assert_allclose(xb, (x / 255.0 - np.array(mean)) / np.array(std), rtol=1e-5, atol=1e-5)
 
 
 def _epoch(loader):
-    return [(x.copy(), y.copy()) for x, y in loader]
+    return [(x.copy(), y.copy(), idx.copy(), number) for x, y, idx, number in loader]
 
 
 def test_augmentation_deterministic_regardless_of_threads():
@@ -99,9 +103,10 @@ def test_augmentation_deterministic_regardless_of_threads():
     runs = [_epoch(DataLoader(ds, 10, seed=9, augment=Augment(vflip=True), num_threads=t, prefetch=p))
             for t, p in ((0, 0), (1, 2), (3, 5))]
     for other in runs[1:]:
-        for (xa, ya), (xb, yb) in zip(runs[0], other):
+        for (xa, ya, ia, _), (xb, yb, ib, _) in zip(runs[0], other):
             np.testing.assert_array_equal(xa, xb)
             np.testing.assert_array_equal(ya, yb)
+            np.testing.assert_array_equal(ia, ib)
     plain = _epoch(DataLoader(ds, 10, seed=9))
     assert not all(np.array_equal(a[0], b[0]) for a, b in zip(runs[0], plain))
 
@@ -120,11 +125,14 @@ def test_resume_mid_epoch_reproduces_the_rest_of_the_run():
     fresh = DataLoader(ds, 6, seed=0, augment=aug)
     fresh.load_state_dict(state)
     rest = _epoch(fresh)
-    resumed = [(x.copy(), y.copy()) for x, y in got] + rest
+    resumed = [(x.copy(), y.copy(), idx.copy(), number) for x, y, idx, number in got] + rest
     assert len(resumed) == len(full) // 2
-    for (xa, ya), (xb, yb) in zip(full[len(full) // 2:], resumed):
+    assert [r[3] for r in rest] == list(range(3, len(full) // 2))  # batch numbers go on from the resume point
+    for (xa, ya, ia, na), (xb, yb, ib, nb) in zip(full[len(full) // 2:], resumed):
         np.testing.assert_array_equal(xa, xb)
         np.testing.assert_array_equal(ya, yb)
+        np.testing.assert_array_equal(ia, ib)  # side data looked up by index matches after a resume too
+        assert na == nb
     assert fresh.epoch == 2
     bad = dict(state, num_samples=44)
     with pytest.raises(ValueError, match="num_samples"):
@@ -207,8 +215,8 @@ def test_memmap_input_and_unlabelled(tmp_path):
     path = tmp_path / "imgs.npy"
     np.save(path, np.random.default_rng(0).integers(0, 256, (20, 8, 8, 3), dtype=np.uint8))
     mm = np.load(path, mmap_mode="r")
-    xb, yb = next(iter(DataLoader(ArrayDataset(mm), 20, augment=Augment())))
-    assert xb.shape == (20, 8, 8, 3) and np.all(yb == -1)
+    xb, yb, idx, _ = next(iter(DataLoader(ArrayDataset(mm), 20, augment=Augment())))
+    assert xb.shape == (20, 8, 8, 3) and np.all(yb == -1) and sorted(idx) == list(range(20))
 
 
 def test_bad_arguments():
@@ -224,24 +232,16 @@ def test_bad_arguments():
         Augment(crop="zoom")
 
 
-def test_downsample_is_an_area_filter():
-    rng = np.random.default_rng(5)
-    x = rng.integers(0, 256, (3, 16, 16, 3), dtype=np.uint8)
-    want = x.reshape(3, 8, 2, 8, 2, 3).astype(np.float64).mean(axis=(2, 4))
-    np.testing.assert_allclose(downsample(x, 8), want, atol=1e-4)
-    np.testing.assert_allclose(downsample(x.astype(np.float32), 8), want, atol=1e-4)
-    np.testing.assert_array_equal(downsample(x, 16), x.astype(np.float32))  # already at size
-    # a non-integer factor still averages: a fine checkerboard becomes flat grey, not stripes
-    board = (np.indices((15, 15)).sum(0) % 2 * 255).astype(np.uint8)[None, :, :, None].repeat(3, -1)
-    small = downsample(board, 6)
-    assert small.shape == (1, 6, 6, 3) and np.ptp(small) < 60 and abs(small.mean() - 127.5) < 15
-
-
 def test_crops_cut_from_a_larger_stored_image_come_out_at_out_size():
     rng = np.random.default_rng(6)
     x = rng.integers(0, 256, (4, 32, 32, 3), dtype=np.uint8)
     whole = Augment(hflip=False, scale=(1.0, 1.0), ratio=(1, 1), out_size=16, brightness=0, contrast=0)
-    np.testing.assert_allclose(augment_batch(x, whole, np.random.default_rng(0)), downsample(x, 16), atol=1e-3)
+    block_means = x.reshape(4, 16, 2, 16, 2, 3).astype(np.float64).mean(axis=(2, 4))
+    np.testing.assert_allclose(augment_batch(x, whole, np.random.default_rng(0)), block_means, atol=1e-3)
+    # a non-integer factor still averages: a fine checkerboard becomes flat grey, not stripes
+    board = (np.indices((15, 15)).sum(0) % 2 * 255).astype(np.uint8)[None, :, :, None].repeat(3, -1)
+    small = augment_batch(board, Augment(hflip=False, crop=None, out_size=6), np.random.default_rng(0))
+    assert small.shape == (1, 6, 6, 3) and np.ptp(small) < 60 and abs(small.mean() - 127.5) < 15
     for crop in ("resized", "pad", None):
         out = augment_batch(x, Augment(crop=crop, out_size=16), np.random.default_rng(1))
         assert out.shape == (4, 16, 16, 3) and out.dtype == np.float32

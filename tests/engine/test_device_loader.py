@@ -22,8 +22,8 @@ def _loader(n: int = 37, batch: int = 8, seed: int = 1) -> DataLoader:
     return DataLoader(ds, batch, seed=seed, augment=Augment(crop="pad"), prefetch=2, num_threads=1)
 
 
-def _host_batches(loader) -> list[tuple[np.ndarray, np.ndarray]]:
-    return [(x.copy(), y.copy()) for x, y in loader]
+def _host_batches(loader) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    return [(x.copy(), y.copy(), idx.copy()) for x, y, idx, _ in loader]
 
 
 # ---- CPU -------------------------------------------------------------------------------------------------------
@@ -32,9 +32,10 @@ def test_cpu_passes_batches_through_identically():
     dl = DeviceLoader(_loader(), "cpu")
     assert len(dl) == len(ref) == 5 and dl.batch_size == 8
     got = list(dl)
-    for (x, y), (rx, ry) in zip(got, ref):
+    for (x, y, idx, _), (rx, ry, ridx) in zip(got, ref):
         np.testing.assert_array_equal(x, rx)
         np.testing.assert_array_equal(y, ry)
+        np.testing.assert_array_equal(idx, ridx)
     marker = (np.zeros(1), None)
     assert next(iter(dl.upload([marker])))[0] is marker[0]  # no copy at all on the CPU
 
@@ -47,15 +48,16 @@ def test_passthrough_keeps_exact_resume():
     next(it)
     next(it)
     state = a.state_dict()
-    rest = [(x.copy(), y.copy()) for x, y in it]
+    rest = [(x.copy(), y.copy(), idx.copy()) for x, y, idx, _ in it]
     b = DeviceLoader(_loader(), "cpu")
     b.load_state_dict(state)
     assert b.epoch == 2
     again = list(b)
     assert len(again) == len(rest) == 3
-    for (x, y), (rx, ry) in zip(again, rest):
+    for (x, y, idx, _), (rx, ry, ridx) in zip(again, rest):
         np.testing.assert_array_equal(x, rx)
         np.testing.assert_array_equal(y, ry)
+        np.testing.assert_array_equal(idx, ridx)
 
 
 def test_refuses_unknown_devices():
@@ -194,17 +196,19 @@ class FakeCupy:
         return SimArray(np.full(shape, 255 if np.dtype(dtype).kind in "iu" else np.nan, dtype=dtype))
 
 
-def _consume(dl, gpu: SimGPU, host_sync_every: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Enqueue, per batch, compute that reads the batch (runs late, on the compute stream)."""
+def _consume(dl, gpu: SimGPU, host_sync_every: int = 0) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Enqueue, per batch, compute that reads the batch (runs late, on the compute stream); the batch's
+    dataset indices must arrive as a host array, usable at once."""
     seen: list[Any] = []
-    for i, (x, y) in enumerate(dl):
-        slot: dict[str, np.ndarray] = {}
+    for i, (x, y, idx, number) in enumerate(dl):
+        assert isinstance(idx, np.ndarray) and number == i
+        slot: dict[str, np.ndarray] = {"idx": idx.copy()}
         seen.append(slot)
         gpu.compute.enqueue("run", lambda x=x, y=y, slot=slot: slot.update(x=x.a.copy(), y=y.a.copy()))
         if host_sync_every and (i + 1) % host_sync_every == 0:
             gpu.synchronize()
     gpu.synchronize()
-    return [(s["x"], s["y"]) for s in seen]
+    return [(s["x"], s["y"], s["idx"]) for s in seen]
 
 
 @pytest.mark.parametrize("eager", ["copy", "compute"])
@@ -215,17 +219,20 @@ def test_cuda_protocol_delivers_every_batch_intact(sync_every, eager):
     dl = DeviceLoader(_loader(), "cuda", cupy=FakeCupy(gpu))
     got = _consume(dl, gpu, sync_every)
     assert len(got) == len(ref)
-    for i, ((x, y), (rx, ry)) in enumerate(zip(got, ref)):
+    for i, ((x, y, idx), (rx, ry, ridx)) in enumerate(zip(got, ref)):
         np.testing.assert_array_equal(x, rx, err_msg=f"batch {i}")
         np.testing.assert_array_equal(y, ry, err_msg=f"batch {i}")
-    # two slots, each with a pinned x and y buffer, allocated once (the short last batch reuses them)
+        np.testing.assert_array_equal(idx, ridx, err_msg=f"batch {i}")
+    # two slots, each with a pinned x and y buffer (the indices stay on the host), allocated once (the short
+    # last batch reuses them)
     assert gpu.pinned_allocs == 4
     # a second epoch reuses the same buffers and is still intact
     ref2 = _host_batches(_loader_at_epoch(1))
     got2 = _consume(dl, gpu, sync_every)
-    for (x, y), (rx, ry) in zip(got2, ref2):
+    for (x, y, idx), (rx, ry, ridx) in zip(got2, ref2):
         np.testing.assert_array_equal(x, rx)
         np.testing.assert_array_equal(y, ry)
+        np.testing.assert_array_equal(idx, ridx)
     assert gpu.pinned_allocs == 4
 
 
@@ -256,7 +263,7 @@ def test_the_simulator_catches_each_missing_wait(monkeypatch, skip):
         monkeypatch.setattr(gpu.compute, "wait_event", lambda event: None)  # compute reads before the upload
     ref = _host_batches(_loader())
     got = _consume(DeviceLoader(_loader(), "cuda", cupy=cp), gpu)
-    assert any(not np.array_equal(x, rx) for (x, _), (rx, _) in zip(got, ref))
+    assert any(not np.array_equal(x, rx) for (x, *_), (rx, *_) in zip(got, ref))
 
 
 def test_upload_moves_prepared_tuples_and_passes_none_through():
@@ -282,11 +289,13 @@ def test_cuda_yields_the_same_batches_as_the_cpu_loader():
     ref = _host_batches(_loader(n=203, batch=16))
     dl = DeviceLoader(_loader(n=203, batch=16), "cuda")
     got = []
-    for x, y in dl:
+    for x, y, idx, _ in dl:
         assert isinstance(x, cp.ndarray) and x.dtype == np.float32 and y.dtype == np.int64
-        got.append((float(x.sum()), cp.asnumpy(x), cp.asnumpy(y)))  # compute on the batch, then copy it out
+        assert isinstance(idx, np.ndarray)  # the dataset indices stay on the host
+        got.append((float(x.sum()), cp.asnumpy(x), cp.asnumpy(y), idx.copy()))  # compute on it, then copy out
     assert len(got) == len(ref)
-    for (s, x, y), (rx, ry) in zip(got, ref):
+    for (s, x, y, idx), (rx, ry, ridx) in zip(got, ref):
         np.testing.assert_array_equal(x, rx)
         np.testing.assert_array_equal(y, ry)
+        np.testing.assert_array_equal(idx, ridx)
         assert s == pytest.approx(float(rx.sum()), rel=1e-4)

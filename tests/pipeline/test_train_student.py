@@ -1,0 +1,77 @@
+"""The student training run: teacher targets follow the loader's rows (looked up by the batch's dataset
+indices, whatever the shuffle order), including after a resume."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import leaflens.pipeline.train_student as ts
+from leaflens.pipeline.config import load_config
+
+N, SIZE, STEP = 40, 8, 4  # image i is flat grey at i * STEP: its pixels name its row
+REAL_LOSS = ts.distill_loss
+
+
+def _cfg(epochs: int = 2):
+    sets = [f"train.epochs={epochs}", "train.batch_size=8", "model.widths=[4]", "train.warmup_epochs=0",
+            "train.lr=0.01", "train.device=cpu", "train.mixed_precision=off", "augment.brightness=0.0",
+            "augment.contrast=0.0", "distill.kd_weight=1.0"]
+    return load_config(None, sets)
+
+
+def _data() -> tuple[ts.TrainData, np.ndarray, np.ndarray]:
+    rows = np.arange(N)
+    images = np.broadcast_to((rows * STEP).astype(np.uint8)[:, None, None, None], (N, SIZE, SIZE, 3)).copy()
+    labels = (rows % 3).astype(np.int64)
+    features = np.stack([rows, -rows], axis=1).astype(np.float32)  # (N, 2): column 0 is the row
+    logits = np.stack([rows, np.zeros(N), -rows], axis=1).astype(np.float32) / N
+    val = images[:6].copy(), labels[:6].copy()
+    return ts.TrainData(images, labels, features, logits), *val
+
+
+def _run(tmp, monkeypatch, resume: bool = False) -> list[np.ndarray]:
+    """Train, recording for every batch the row each image shows and the rows its teacher targets are for."""
+    seen: list[np.ndarray] = []
+
+    def recording_loss(model, x, y, feats, tlogits, *args, **kwargs):
+        shown = np.rint(np.asarray(x)[:, 0, 0, 0] * 255.0 / STEP).astype(int)  # mean 0, std 1: pixel / 255
+        np.testing.assert_array_equal(np.asarray(feats)[:, 0], shown)  # the features are this image's
+        np.testing.assert_allclose(np.asarray(tlogits)[:, 0] * N, shown, atol=1e-4)  # and so are the logits
+        np.testing.assert_array_equal(np.asarray(y), shown % 3)
+        seen.append(shown)
+        return REAL_LOSS(model, x, y, feats, tlogits, *args, **kwargs)
+
+    monkeypatch.setattr(ts, "distill_loss", recording_loss)
+    data, xv, yv = _data()
+    ts.train_run(tmp, _cfg(), data, xv, yv, np.zeros(3, np.float32), np.ones(3, np.float32), 3, {},
+                 resume=resume, progress=False)
+    return seen
+
+
+def test_teacher_targets_belong_to_the_images_they_are_paired_with(tmp_path, monkeypatch):
+    seen = _run(tmp_path / "run", monkeypatch)
+    assert len(seen) == 2 * (N // 8)
+    epochs = [np.concatenate(seen[:5]), np.concatenate(seen[5:])]
+    for shown in epochs:  # every row once per epoch, in a shuffled order that differs between epochs
+        assert sorted(shown) == list(range(N))
+    assert not np.array_equal(epochs[0], np.arange(N)) and not np.array_equal(epochs[0], epochs[1])
+
+
+def test_resumed_run_pairs_targets_with_images_too(tmp_path, monkeypatch):
+    full = _run(tmp_path / "full", monkeypatch)
+    real_save = ts.save_checkpoint
+
+    def dying_save(path, *a, **k):
+        real_save(path, *a, **k)
+        if path.name == "last.npz":
+            raise KeyboardInterrupt("simulated crash after epoch 1")
+
+    monkeypatch.setattr(ts, "save_checkpoint", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path / "cut", monkeypatch)
+    monkeypatch.setattr(ts, "save_checkpoint", real_save)
+    resumed = _run(tmp_path / "cut", monkeypatch, resume=True)
+    assert len(resumed) == N // 8  # only the second epoch ran again
+    for a, b in zip(full[N // 8:], resumed):
+        np.testing.assert_array_equal(a, b)  # the same rows in the same order as the uninterrupted run

@@ -179,7 +179,7 @@ def main() -> None:
         if not (args.reuse and (tdir / "teacher.json").is_file()):
             recipe = teacher_recipe(False, args.teacher_epochs)
             enc, extra = timed(f"teacher_finetune_{name}", build_effnet_teacher, ds, recipe, progress=False)
-            timed(f"teacher_features_{name}", write_teacher, tdir, ds, enc, progress=False, extra={"stage": extra},
+            timed(f"teacher_features_{name}", write_teacher, tdir, ds, enc, progress=False, stage=extra,
                   views=args.teacher_views)
         tt = load_teacher(tdir, ds)
         teachers[name] = tdir

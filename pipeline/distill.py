@@ -126,7 +126,7 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
                      "uncertain_threshold": threshold_value}
     save_checkpoint(work / BEST, model, epoch=results[winner].best_epoch, step=0,
                     extra={**base_meta, "variant": winner, "metrics": final_metrics,
-                           "teacher": None if teacher_info is None else teacher_info.get("teacher")})
+                           "teacher": None if teacher_info is None else teacher_info.teacher})
 
     report = _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold, teacher_info, model,
                            base_meta["run_id"])
@@ -182,7 +182,7 @@ def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold,
         "distillation_gain": gain,
         "test": chosen.get("test_summary"),
         "classes": ds.classes,
-        "teacher": None if teacher_info is None else teacher_info.get("teacher"),
+        "teacher": None if teacher_info is None else teacher_info.teacher,
         "config": cfg.to_dict(),
         "hardware": describe_hardware(device=results[winner].device),
         "dataset": {"root": str(ds.root), "counts": {s: len(ds[s]) for s in ds.splits},

@@ -119,13 +119,13 @@ def run(args: argparse.Namespace) -> int:
         shorter = getattr(enc, "shorter_side", None)
         write_teacher(args.out, ds, enc, batch=recipe.encode_batch_size, shorter_side=shorter,
                       from_arrays=args.from_arrays, dtype=dtype,
-                      extra={"stage": extra, "seconds": round(time.perf_counter() - t0, 1)}, progress=progress,
+                      stage=extra, seconds=round(time.perf_counter() - t0, 1), progress=progress,
                       views=recipe.views, view_scale=recipe.view_scale, view_seed=recipe.seed, config=cfg)
         tt = load_teacher(args.out, ds)
     except (DatasetError, TeacherStageError, FileNotFoundError, ValueError) as exc:
         print(f"leaflens teacher: {exc}", file=sys.stderr)
         return 2
-    summary = {"teacher": tt.info["teacher"], "feature_dim": tt.feature_dim, "seconds": round(time.perf_counter() - t0)}
+    summary = {"teacher": tt.info.teacher, "feature_dim": tt.feature_dim, "seconds": round(time.perf_counter() - t0)}
     if "test" in ds and ds["test"].labels is not None:
         summary["knn_test_acc"] = round(knn_accuracy(np.asarray(tt.features["train"], np.float32),
                                                      np.asarray(ds["train"].labels),

@@ -4,7 +4,9 @@ A teacher folder holds ``teacher.json`` and, per split of the dataset, ``feature
 (N x D, float16 or float32, memory-mapped) and, when the teacher has a classifier for the
 dataset's classes, ``logits_<split>.npy`` (N x C float32). ``teacher.json`` records the teacher's
 identity, the feature dimension, how images were preprocessed for it, and the SHA-256 of the
-dataset manifest the rows belong to: features of another dataset are refused.
+dataset manifest the rows belong to: features of another dataset are refused. It is read and
+written as a :class:`TeacherInfo` record; its ``format`` string carries the version. ``config.toml``
+beside it, when present, is the resolved recipe the teacher was made with.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from leaflens.data_prep.manifest import manifest_sha256
+from leaflens.records import Record, RecordError
 
 TEACHER_JSON = "teacher.json"
 FORMAT = "leaflens-teacher-1"
@@ -27,10 +30,45 @@ class TeacherError(ValueError):
     """A teacher folder that is missing, incomplete, or belongs to another dataset."""
 
 
+@dataclass(frozen=True)
+class ViewBankInfo(Record):
+    """teacher.json's ``views``: how the bank of augmented views was drawn (pipeline/teachers/views.py)."""
+
+    count: int                      # views per photo, view 0 the plain photo
+    splits: tuple[str, ...]         # the splits that have a bank
+    seed: int
+    scale: tuple[float, float]      # area fraction range of the crops
+    ratio: tuple[float, float]      # aspect ratio range of the crops
+    hflip: bool
+    vflip: bool
+    region: str                     # what part of the photo a view box is relative to
+
+
+@dataclass(frozen=True)
+class TeacherInfo(Record):
+    """teacher.json: what the teacher is and which dataset rows its features belong to."""
+
+    format: Literal["leaflens-teacher-1"]
+    teacher: dict[str, Any]         # the encoder's identity (kind, weights, preprocessing...)
+    feature_dim: int
+    num_classes: int | None         # None: features only, no logits
+    classes: tuple[str, ...] | None
+    input_size: int
+    shorter_side: int | None
+    from_arrays: bool
+    dtype: Literal["float16", "float32"]  # of the stored features
+    dataset_manifest_sha256: str
+    dataset_root: str
+    rows: dict[str, int]            # split -> rows
+    views: ViewBankInfo | None = None
+    stage: dict[str, Any] = field(default_factory=dict)  # what the teacher's maker recorded (fine-tune history...)
+    seconds: float | None = None    # wall time of the teacher stage
+
+
 @dataclass
 class TeacherTargets:
     root: Path
-    info: dict[str, Any]
+    info: TeacherInfo
     features: dict[str, np.ndarray]
     logits: dict[str, np.ndarray]
     # split -> (view boxes (N, K, 6), features (N, K, D), logits (N, K, C) or None); see teacher_views.py
@@ -38,7 +76,7 @@ class TeacherTargets:
 
     @property
     def feature_dim(self) -> int:
-        return int(self.info["feature_dim"])
+        return self.info.feature_dim
 
     @property
     def has_logits(self) -> bool:
@@ -49,22 +87,32 @@ def feature_paths(split: str) -> tuple[str, str]:
     return f"features_{split}.npy", f"logits_{split}.npy"
 
 
+def read_teacher_info(path: Path) -> TeacherInfo:
+    """Parse teacher.json, refusing another format or a key it does not know, by name."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise TeacherError(f"{path} is not valid JSON: {exc}") from None
+    found = data.get("format") if isinstance(data, dict) else None
+    if found != FORMAT:
+        raise TeacherError(f"{path} has format {found!r}, expected {FORMAT!r}")
+    try:
+        return TeacherInfo.from_dict(data, str(path))
+    except RecordError as exc:
+        raise TeacherError(str(exc)) from None
+
+
 def load_teacher(root: str | os.PathLike[str], dataset: Any) -> TeacherTargets:
     """Open a teacher folder for ``dataset`` (a data_prep Dataset), checking it belongs to it."""
     root = Path(root)
     meta_path = root / TEACHER_JSON
     if not meta_path.is_file():
         raise TeacherError(f"{meta_path} does not exist: run `leaflens teacher` first")
-    try:
-        info = json.loads(meta_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise TeacherError(f"{meta_path} is not valid JSON: {exc}") from None
-    if info.get("format") != FORMAT:
-        raise TeacherError(f"{meta_path} has format {info.get('format')!r}, expected {FORMAT!r}")
+    info = read_teacher_info(meta_path)
     expected = manifest_sha256(dataset.root)
-    if info.get("dataset_manifest_sha256") != expected:
+    if info.dataset_manifest_sha256 != expected:
         raise TeacherError(f"{root} holds features of another dataset (manifest checksum "
-                           f"{str(info.get('dataset_manifest_sha256'))[:12]}... != {expected[:12]}... of "
+                           f"{info.dataset_manifest_sha256[:12]}... != {expected[:12]}... of "
                            f"{dataset.root}): recompute them with `leaflens teacher`")
     features, logits = {}, {}
     for split in dataset.splits:
@@ -77,16 +125,16 @@ def load_teacher(root: str | os.PathLike[str], dataset: Any) -> TeacherTargets:
             f = np.load(fpath, mmap_mode="r", allow_pickle=False)
         except (ValueError, OSError) as exc:
             raise TeacherError(f"cannot read {fpath}: {exc}") from None
-        if f.ndim != 2 or f.shape[0] != n or f.shape[1] != int(info["feature_dim"]):
-            raise TeacherError(f"{fpath} has shape {f.shape}, expected ({n}, {info['feature_dim']})")
+        if f.ndim != 2 or f.shape[0] != n or f.shape[1] != info.feature_dim:
+            raise TeacherError(f"{fpath} has shape {f.shape}, expected ({n}, {info.feature_dim})")
         features[split] = f
         lpath = root / lname
-        if info.get("num_classes"):
+        if info.num_classes:
             if not lpath.is_file():
                 raise TeacherError(f"{lpath} is missing (teacher.json says the teacher has logits)")
             lg = np.load(lpath, mmap_mode="r", allow_pickle=False)
-            if lg.shape != (n, int(info["num_classes"])):
-                raise TeacherError(f"{lpath} has shape {lg.shape}, expected ({n}, {info['num_classes']})")
+            if lg.shape != (n, info.num_classes):
+                raise TeacherError(f"{lpath} has shape {lg.shape}, expected ({n}, {info.num_classes})")
             logits[split] = lg
     from leaflens.pipeline.teachers.views import load_view_bank  # noqa: PLC0415
 

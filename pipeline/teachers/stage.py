@@ -28,7 +28,7 @@ from leaflens.data_prep.decode import decode_image_at
 from leaflens.data_prep.manifest import manifest_sha256
 from leaflens.files import clean_stale_temps, new_temp_dir, swap_into_place, write_json_atomic
 from leaflens.pipeline.config import StageConfig, dump_toml
-from leaflens.pipeline.teachers.artefact import FORMAT, TEACHER_JSON, feature_paths
+from leaflens.pipeline.teachers.artefact import FORMAT, TEACHER_JSON, TeacherInfo, feature_paths
 
 
 class TeacherStageError(ValueError):
@@ -100,14 +100,16 @@ def iter_split_images(ds: Any, split: str, size: int, shorter_side: int | None, 
 
 def write_teacher(out: str | os.PathLike[str], ds: Any, encoder: Encoder, batch: int = 32,
                   shorter_side: int | None = None, from_arrays: bool = False, dtype: Any = np.float32,
-                  extra: dict[str, Any] | None = None, progress: bool = True, views: int = 1,
+                  stage: dict[str, Any] | None = None, seconds: float | None = None, progress: bool = True,
+                  views: int = 1,
                   view_scale: tuple[float, float] = (0.5, 1.0), view_seed: int = 0,
                   config: StageConfig | None = None) -> Path:
     """Run ``encoder`` over every split of ``ds`` and write the teacher folder atomically.
 
     With ``views`` > 1 the teacher also encodes that many augmented views of every training and
     unlabelled photo (pipeline/teachers/views.py) for students that learn on the same views.
-    ``config``, the resolved recipe the teacher was made with, is saved beside it as ``config.toml``.
+    ``config``, the resolved recipe the teacher was made with, is saved beside it as ``config.toml``;
+    ``stage`` (what the teacher's maker recorded) and ``seconds`` go into teacher.json.
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -146,23 +148,14 @@ def write_teacher(out: str | os.PathLike[str], ds: Any, encoder: Encoder, batch:
             view_encoder = encoder.view_encoder if isinstance(encoder, ArrayEncoder) else encoder
             view_info = write_view_bank(tmp, ds, view_encoder, views, view_augment(view_scale), view_seed, batch,
                                         from_arrays, dtype, progress)
-        info = {
-            "format": FORMAT,
-            "teacher": encoder.identity(),
-            "feature_dim": encoder.feature_dim,
-            "num_classes": encoder.num_classes,
-            "classes": ds.classes if encoder.num_classes else None,
-            "input_size": encoder.input_size,
-            "shorter_side": shorter_side,
-            "from_arrays": from_arrays,
-            "dtype": np.dtype(dtype).name,
-            "dataset_manifest_sha256": manifest_sha256(ds.root),
-            "dataset_root": str(ds.root),
-            "rows": {s: len(ds[s]) for s in ds.splits},
-            "views": view_info,
-            **(extra or {}),
-        }
-        write_json_atomic(tmp / TEACHER_JSON, info)
+        info = TeacherInfo(
+            format=FORMAT, teacher=encoder.identity(), feature_dim=int(encoder.feature_dim),
+            num_classes=None if not encoder.num_classes else int(encoder.num_classes),
+            classes=tuple(ds.classes) if encoder.num_classes else None, input_size=int(encoder.input_size),
+            shorter_side=shorter_side, from_arrays=from_arrays, dtype=np.dtype(dtype).name,
+            dataset_manifest_sha256=manifest_sha256(ds.root), dataset_root=str(ds.root),
+            rows={s: len(ds[s]) for s in ds.splits}, views=view_info, stage=stage or {}, seconds=seconds)
+        write_json_atomic(tmp / TEACHER_JSON, info.to_dict())
         if config is not None:
             (tmp / "config.toml").write_text(dump_toml(config), encoding="utf-8")
         swap_into_place(tmp, out)

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from leaflens.data_prep.arrays import NpyRowWriter
 from leaflens.engine.data import Augment, apply_view_boxes, sample_view_boxes
+from leaflens.pipeline.teachers.artefact import TeacherError, TeacherInfo, ViewBankInfo
 
 VIEW_SPLITS = ("train", "unlabeled")
 
@@ -40,7 +41,7 @@ def view_augment(scale: tuple[float, float] = (0.5, 1.0), hflip: bool = True, vf
 
 
 def write_view_bank(out: Path, ds: Any, encoder: Any, views: int, aug: Augment, seed: int, batch: int,
-                    from_arrays: bool, dtype: Any, progress: bool) -> dict[str, Any]:
+                    from_arrays: bool, dtype: Any, progress: bool) -> ViewBankInfo:
     """Encode ``views`` views of every row of the view splits into ``out``; returns teacher.json's entry.
 
     ``encoder`` must look at pixels (``encode(uint8 images)``): precomputed features cannot be
@@ -92,21 +93,19 @@ def write_view_bank(out: Path, ds: Any, encoder: Any, views: int, aug: Augment, 
         if lw is not None:
             lw.close()
     bar.close()
-    return {"count": views, "splits": splits, "seed": seed, "scale": list(aug.scale), "ratio": list(aug.ratio),
-            "hflip": aug.hflip, "vflip": aug.vflip, "region": "whole shorter side (as the student's arrays)"}
+    return ViewBankInfo(count=views, splits=tuple(splits), seed=seed, scale=aug.scale, ratio=aug.ratio,
+                        hflip=aug.hflip, vflip=aug.vflip, region="whole shorter side (as the student's arrays)")
 
 
-def load_view_bank(root: Path, ds: Any, info: dict[str, Any]) -> dict[str, tuple[np.ndarray, np.ndarray,
+def load_view_bank(root: Path, ds: Any, info: TeacherInfo) -> dict[str, tuple[np.ndarray, np.ndarray,
                                                                               np.ndarray | None]]:
     """``{split: (boxes, features, logits or None)}`` memory-mapped, shapes checked against the dataset."""
-    from leaflens.pipeline.teachers.artefact import TeacherError  # noqa: PLC0415
-
-    meta = info.get("views")
-    if not meta:
+    meta = info.views
+    if meta is None:
         return {}
-    k, dim, classes = int(meta["count"]), int(info["feature_dim"]), info.get("num_classes")
+    k, dim, classes = meta.count, info.feature_dim, info.num_classes
     bank = {}
-    for split in meta["splits"]:
+    for split in meta.splits:
         if split not in ds.splits:
             raise TeacherError(f"{root}: teacher.json lists views for split '{split}', which the dataset lacks")
         n = len(ds[split])

@@ -162,7 +162,7 @@ def test_teacher_cli_reads_its_recipe_from_the_config(tmp_path, capsys):
     assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(out), "--train-cnn", "--config", str(user),
                 "--set", "train.lr=0.01", "--epochs", "2", "--quiet"]) == 0, capsys.readouterr().err
     tt = load_teacher(out, load_dataset(ds_dir))
-    assert tt.info["teacher"]["widths"] == [4, 8]
+    assert tt.info.teacher["widths"] == [4, 8]
     saved = load_config(out / "config.toml")
     assert saved.teacher.cnn_widths == (4, 8) and saved.teacher.cnn_epochs == 2
     assert saved.train.batch_size == 8 and saved.train.lr == 0.01

@@ -33,9 +33,9 @@ def test_effnet_teacher_fine_tunes_and_writes_features_and_logits(tmp_path, caps
     ds = load_dataset(ds_dir)
     tt = load_teacher(tmp_path / "t", ds)
     assert tt.feature_dim == 1280 and tt.has_logits
-    assert tt.info["teacher"]["kind"] == "efficientnet-lite0" and tt.info["teacher"]["fine_tuned"]
-    assert tt.info["teacher"]["input_size"] == 32
-    stage = tt.info["stage"]
+    assert tt.info.teacher["kind"] == "efficientnet-lite0" and tt.info.teacher["fine_tuned"]
+    assert tt.info.teacher["input_size"] == 32
+    stage = tt.info.stage
     assert stage["front_backend"] in ("onnxruntime", "engine") and len(stage["fine_tune_history"]) == 2
     for split in ds.splits:
         assert np.isfinite(np.asarray(tt.features[split])).all()
@@ -54,7 +54,7 @@ def test_frozen_teacher_has_no_logits(tmp_path):
     assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--frozen", "--input-size", "32",
                 "--quiet"]) == 0
     tt = load_teacher(tmp_path / "t", load_dataset(ds_dir))
-    assert not tt.has_logits and not tt.info["teacher"]["fine_tuned"]
+    assert not tt.has_logits and not tt.info.teacher["fine_tuned"]
 
 
 def test_fine_tuned_teacher_does_not_depend_on_what_ran_before(tmp_path):

@@ -47,7 +47,7 @@ def test_features_file_is_imported_and_tied_to_the_dataset(ds_dir, tmp_path, cap
     ds = load_dataset(ds_dir)
     tt = load_teacher(tmp_path / "t", ds)
     np.testing.assert_allclose(tt.features["val"], np.load(feats / "features_val.npy"))
-    assert tt.has_logits and tt.info["teacher"]["kind"] == "features-file"
+    assert tt.has_logits and tt.info.teacher["kind"] == "features-file"
 
 
 def test_misaligned_features_are_refused(ds_dir, tmp_path, capsys):
@@ -65,7 +65,7 @@ def test_onnx_encoder_teacher(ds_dir, tmp_path, capsys):
     ds = load_dataset(ds_dir)
     tt = load_teacher(tmp_path / "t", ds)
     assert tt.feature_dim == 6 and not tt.has_logits
-    assert tt.info["teacher"]["kind"] == "onnx" and tt.info["input_size"] == 16
+    assert tt.info.teacher["kind"] == "onnx" and tt.info.input_size == 16
     assert np.isfinite(np.asarray(tt.features["train"])).all()
 
 
@@ -81,7 +81,7 @@ def test_train_cnn_teacher_learns_the_classes(ds_dir, tmp_path, capsys):
                 "--quiet"]) == 0
     ds = load_dataset(ds_dir)
     tt = load_teacher(tmp_path / "t", ds)
-    assert tt.has_logits and tt.info["teacher"]["kind"] == "train-cnn"
+    assert tt.has_logits and tt.info.teacher["kind"] == "train-cnn"
     acc = float((np.asarray(tt.logits["test"]).argmax(1) == np.asarray(ds["test"].labels)).mean())
     assert acc >= 0.6, acc
 

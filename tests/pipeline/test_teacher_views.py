@@ -66,7 +66,7 @@ def test_teacher_writes_a_view_bank_that_distill_learns_from(ds_dir, tmp_path, c
                 "--views", "4", "--quiet"]) == 0
     ds = load_dataset(ds_dir)
     tt = load_teacher(tmp_path / "t", ds)
-    assert tt.info["views"]["count"] == 4 and set(tt.views) == {"train", "unlabeled"}
+    assert tt.info.views.count == 4 and set(tt.views) == {"train", "unlabeled"}
     boxes, feats, logits = tt.views["train"]
     assert boxes.shape == (len(ds["train"]), 4, 6) and feats.shape == (len(ds["train"]), 4, 6) and logits is None
     # each stored view's features are the encoder's features of that view of the stored image

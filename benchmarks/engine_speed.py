@@ -39,12 +39,10 @@ def engine_runner(args):
     import numpy as np
 
     from leaflens.engine import Tensor, ops
-    from leaflens.engine import random as erandom
     from leaflens.engine.optim import SGD
     from leaflens.pipeline.models.student import StudentCNN
 
-    erandom.seed(0)
-    model = StudentCNN(args.classes)
+    model = StudentCNN(args.classes, rng=np.random.default_rng(0))
     opt = SGD(model.parameters(), lr=0.01, momentum=0.9)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.batch, args.size, args.size, 3)).astype(np.float32)

@@ -431,13 +431,11 @@ def engine_step(cp: Any, batch: int, size: int, use_amp: bool) -> Callable[[], N
     """One training step of the engine's student (benchmarks/engine_speed.py's network: StudentCNN with its
     default widths 32-64-128; cross-entropy; SGD with momentum) on the GPU, mixed precision or float32."""
     from leaflens.engine import Tensor, ops
-    from leaflens.engine import random as erandom
     from leaflens.engine.amp import GradScaler, autocast
     from leaflens.engine.optim import SGD
     from leaflens.pipeline.models.student import StudentCNN
 
-    erandom.seed(0)
-    model = StudentCNN(TRAIN_CLASSES)
+    model = StudentCNN(TRAIN_CLASSES, rng=np.random.default_rng(0))
     model.to("cuda")
     opt = SGD(model.parameters(), lr=0.01, momentum=0.9)
     scaler = GradScaler(enabled=use_amp)

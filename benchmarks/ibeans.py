@@ -31,7 +31,6 @@ import numpy as np
 from leaflens.data_prep.ingest import IngestOptions, ingest
 from leaflens.data_prep.manifest import load_dataset
 from leaflens.engine import Tensor, nn, ops
-from leaflens.engine import random as erandom
 from leaflens.engine.optim import AdamW
 from leaflens.engine.parallel import num_threads
 from leaflens.pipeline.cli.runtime import configure_process
@@ -69,12 +68,11 @@ def fraction_sources(src: Path, work: Path, fraction: float, seed: int = 0) -> t
 
 def linear_probe(ds, feats) -> float:
     """Logistic regression on frozen features (engine, AdamW, full batch), chosen on val, scored on test."""
-    erandom.seed(0)
     mu = np.asarray(feats["train"], np.float32).mean(0)
     sd = np.asarray(feats["train"], np.float32).std(0) + 1e-6
     x = {s: (np.asarray(feats[s], np.float32) - mu) / sd for s in ("train", "val", "test")}
     y = {s: np.asarray(ds[s].labels) for s in ("train", "val", "test")}
-    model = nn.Linear(x["train"].shape[1], ds.num_classes)
+    model = nn.Linear(x["train"].shape[1], ds.num_classes, rng=np.random.default_rng(0))
     opt = AdamW(model.parameters(), lr=1e-2, weight_decay=1e-2)
     best = (-1.0, 0.0)
     for _ in range(300):

@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 
 from leaflens.engine import Tensor, nn, no_grad, ops
-from leaflens.engine import random as erandom
 from leaflens.engine.optim import AdamW, WarmupCosine
 from leaflens.pipeline.cli.runtime import configure_process
 
@@ -56,11 +55,13 @@ def load_mnist(root: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def build_model() -> nn.Module:
+def build_model(rng: np.random.Generator) -> nn.Module:
+    """The network, its initial weights and dropout masks drawn from ``rng``."""
     return nn.Sequential(
-        nn.Conv2d(1, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(7 * 7 * 64, 128), nn.ReLU(), nn.Dropout(0.25), nn.Linear(128, 10))
+        nn.Conv2d(1, 32, 3, padding=1, bias=False, rng=rng), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1, bias=False, rng=rng), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(7 * 7 * 64, 128, rng=rng), nn.ReLU(), nn.Dropout(0.25, rng=rng),
+        nn.Linear(128, 10, rng=rng))
 
 
 def normalise(x: np.ndarray) -> np.ndarray:
@@ -96,8 +97,7 @@ def main() -> None:
         xtr, ytr = xtr[:args.limit], ytr[:args.limit]
     xte, yte = data["test_x"], data["test_y"].astype(np.int64)
 
-    erandom.seed(args.seed)
-    model = build_model()
+    model = build_model(np.random.default_rng(args.seed))
     steps_per_epoch = len(xtr) // args.batch
     opt = AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
     sched = WarmupCosine(opt, total_steps=args.epochs * steps_per_epoch, warmup_steps=min(200, steps_per_epoch))

@@ -1,4 +1,8 @@
-"""Checkpoints: one ``.npz`` with model, optimiser, scheduler, counters and RNG state.
+"""Checkpoints: one ``.npz`` with model, optimiser, scheduler, counters and the states of named generators.
+
+The caller names the random generators its run draws from (``generators={"model": rng}``: dropout
+masks, ...) and gets them back in the same state on load, so a resumed run draws exactly the numbers
+an uninterrupted one would (see :mod:`leaflens.engine.random`: there is no hidden global stream to save).
 
 Everything that is not an array goes into one JSON string stored as a unicode array, so loading
 never needs pickle (``allow_pickle=False``). Files are written to a temporary name in the same
@@ -10,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +50,10 @@ def model_signature(model: Module) -> dict[str, list[int]]:
 
 def save_checkpoint(path: str | os.PathLike[str], model: Module, optimizer: Optimizer | None = None,
                     scheduler: Scheduler | None = None, epoch: int = 0, step: int = 0,
-                    extra: dict[str, Any] | None = None) -> Path:
+                    extra: dict[str, Any] | None = None,
+                    generators: Mapping[str, np.random.Generator] | None = None) -> Path:
+    """Write ``model`` (and whatever else is passed: optimiser, scheduler, the states of ``generators``
+    by name, JSON-able ``extra``) to ``path`` atomically."""
     arrays: dict[str, np.ndarray] = {f"model/{k}": v for k, v in model.state_dict().items()}
     meta: dict[str, Any] = {
         "format": FORMAT,
@@ -53,7 +61,7 @@ def save_checkpoint(path: str | os.PathLike[str], model: Module, optimizer: Opti
         "model_signature": model_signature(model),
         "epoch": int(epoch),
         "step": int(step),
-        "rng": erandom.get_state(),
+        "generators": {name: erandom.state_of(rng) for name, rng in (generators or {}).items()},
         "extra": extra or {},
     }
     if optimizer is not None:
@@ -87,8 +95,10 @@ def read_checkpoint_arrays(path: str | os.PathLike[str]) -> tuple[dict[str, Any]
 
 
 def load_checkpoint(path: str | os.PathLike[str], model: Module | None = None, optimizer: Optimizer | None = None,
-                    scheduler: Scheduler | None = None, restore_rng: bool = True) -> Checkpoint:
-    """Restore whatever is passed in; refuse a checkpoint made for a different model, naming the file."""
+                    scheduler: Scheduler | None = None,
+                    generators: Mapping[str, np.random.Generator] | None = None) -> Checkpoint:
+    """Restore whatever is passed in (``generators`` are put back in their saved states, in place); refuse
+    a checkpoint made for a different model, or one lacking a state asked for, naming the file."""
     path = Path(path)
     meta, arrays = read_checkpoint_arrays(path)
     if model is not None:
@@ -112,6 +122,14 @@ def load_checkpoint(path: str | os.PathLike[str], model: Module | None = None, o
         if "scheduler" not in meta:
             raise CheckpointError(f"checkpoint {path} holds no scheduler state")
         scheduler.load_state_dict(meta["scheduler"])
-    if restore_rng:
-        erandom.set_state(meta["rng"])
+    saved_generators = meta.get("generators", {})
+    for name, rng in (generators or {}).items():
+        if name not in saved_generators:
+            raise CheckpointError(f"checkpoint {path} holds no state for the random generator {name!r} "
+                                  f"(it has: {sorted(saved_generators) or 'none'}), so it cannot be resumed exactly")
+        try:
+            erandom.restore_state(rng, saved_generators[name])
+        except (ValueError, TypeError, KeyError) as exc:
+            raise CheckpointError(f"checkpoint {path}: the state of random generator {name!r} is unusable: "
+                                  f"{exc}") from exc
     return Checkpoint(path=path, epoch=meta["epoch"], step=meta["step"], extra=meta.get("extra", {}), meta=meta)

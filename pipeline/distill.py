@@ -140,7 +140,8 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
 
 def _evaluate_variant(best_path: Path, cfg: StageConfig, ds: Any) -> dict[str, Any]:
     """Reload a variant's best weights and score them on val and (when present) test."""
-    model = StudentSpec.from_recipe(cfg.model, ds.num_classes).build()
+    # every initial value is replaced by the checkpoint's weights: any generator will do
+    model = StudentSpec.from_recipe(cfg.model, ds.num_classes).build(np.random.default_rng(0))
     ck_meta = load_student_weights(model, best_path)
     model.eval()
     bs = cfg.train.eval_batch_size

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from leaflens.engine.checkpoint import CheckpointError, read_checkpoint_arrays
 from leaflens.engine.nn import Module
 from leaflens.pipeline.models.student import StudentCNN
@@ -35,11 +37,13 @@ class RunInfo:
 
 
 def build_model(config: dict[str, Any]) -> Module:
-    """The engine model described by a run's ``model_config``."""
+    """The engine model described by a run's ``model_config``, to load the run's weights into (its initial
+    values, drawn from a fixed generator, are all replaced)."""
     kind = config.get("kind")
     if kind == "student_cnn":
         return StudentCNN(int(config["num_classes"]), widths=config["widths"],
-                          in_channels=int(config.get("in_channels", 3)), dropout=float(config.get("dropout", 0.0)))
+                          in_channels=int(config.get("in_channels", 3)), dropout=float(config.get("dropout", 0.0)),
+                          rng=np.random.default_rng(0))
     raise ValueError(f"unknown model kind {kind!r} in model_config")
 
 

@@ -33,7 +33,6 @@ import numpy as np
 from tqdm import tqdm
 
 from leaflens.engine import NonFiniteLossError, Tensor, no_grad, ops
-from leaflens.engine import random as erandom
 from leaflens.engine.amp import GradScaler, autocast
 from leaflens.engine.backend import array_module, to_device
 from leaflens.engine.checkpoint import load_checkpoint, save_checkpoint
@@ -232,9 +231,11 @@ def train_run(run_dir: str | os.PathLike[str], cfg: StageConfig, data: TrainData
     device = resolve_device(tcfg.device)
     use_amp = resolve_precision(tcfg.mixed_precision, device)
     seed = int(tcfg.seed)
-    erandom.seed(seed)
     teacher_dim = None if data.features is None else int(data.features.shape[1])
-    model = StudentSpec.from_recipe(cfg.model, num_classes).build(teacher_dim)
+    # The run's own generator, from the recipe's seed: the initial weights, then the dropout masks. Nothing
+    # that ran earlier in the process can change them; checkpoints carry its state for an exact resume.
+    model_rng = np.random.default_rng(seed)
+    model = StudentSpec.from_recipe(cfg.model, num_classes).build(model_rng, teacher_dim)
     if device != "cpu":
         model.to(device)  # before the optimiser and the checkpoint: their state follows the parameters
     dataset = ArrayDataset(data.images, data.labels)
@@ -259,7 +260,7 @@ def train_run(run_dir: str | os.PathLike[str], cfg: StageConfig, data: TrainData
     best_acc, best_loss, best_epoch, start_epoch, train_seconds, bad_streak = -1.0, math.inf, -1, 0, 0.0, 0
     last = run_dir / LAST
     if resume and last.exists():
-        ck = load_checkpoint(last, model, opt, sched)
+        ck = load_checkpoint(last, model, opt, sched, generators={"model": model_rng})
         # The configuration is the authority on resume (it is what config.toml records): a run stopped by
         # non-finite losses is meant to be resumed with a lower train.lr, which the saved groups would undo.
         for g in opt.param_groups:
@@ -317,6 +318,7 @@ def train_run(run_dir: str | os.PathLike[str], cfg: StageConfig, data: TrainData
                 if bad_streak >= int(tcfg.max_bad_steps):
                     if _finite_state(model):  # bad data, sound weights: resume from here after fixing the data
                         save_checkpoint(last, model, opt, sched, epoch=epoch - 1, step=sched.last_step,
+                                        generators={"model": model_rng},
                                         extra=_state_extra(extra_meta, history, (best_acc, best_loss), best_epoch,
                                                            train_seconds, loader, epoch, scaler))
                     raise TrainingStopped(
@@ -358,7 +360,7 @@ def train_run(run_dir: str | os.PathLike[str], cfg: StageConfig, data: TrainData
             best_acc, best_loss, best_epoch = val_acc, val_loss, epoch
             save_checkpoint(run_dir / BEST, model, epoch=epoch, step=sched.last_step,
                             extra={**extra_meta, "metrics": {"val_accuracy": val_acc}})
-        save_checkpoint(last, model, opt, sched, epoch=epoch, step=sched.last_step,
+        save_checkpoint(last, model, opt, sched, epoch=epoch, step=sched.last_step, generators={"model": model_rng},
                         extra=_state_extra(extra_meta, history, (best_acc, best_loss), best_epoch, train_seconds,
                                            loader, epoch + 1, scaler))
         if progress:

@@ -1,4 +1,8 @@
-"""Weight initialisers (He/Kaiming and Xavier/Glorot), drawing from the engine's seeded generator."""
+"""Weight initialisers (He/Kaiming and Xavier/Glorot), drawing from the generator the caller passes.
+
+``rng=None`` draws from ``leaflens.engine.random.default_generator()``, a fallback for interactive
+use; the pipeline always passes its own generator (see :mod:`leaflens.engine.random`).
+"""
 
 from __future__ import annotations
 
@@ -31,32 +35,35 @@ def _gain(nonlinearity: str, slope: float = 0.0) -> float:
 
 
 def kaiming_normal(shape: tuple[int, ...], nonlinearity: str = "relu", mode: str = "fan_in",
-                   dtype: Any = np.float32) -> np.ndarray:
+                   dtype: Any = np.float32, rng: np.random.Generator | None = None) -> np.ndarray:
     fan_in, fan_out = fans(shape)
     std = _gain(nonlinearity) / math.sqrt(fan_in if mode == "fan_in" else fan_out)
-    return (erandom.generator().standard_normal(shape) * std).astype(dtype)
+    return (erandom.generator(rng).standard_normal(shape) * std).astype(dtype)
 
 
 def kaiming_uniform(shape: tuple[int, ...], nonlinearity: str = "relu", mode: str = "fan_in",
-                    dtype: Any = np.float32) -> np.ndarray:
+                    dtype: Any = np.float32, rng: np.random.Generator | None = None) -> np.ndarray:
     fan_in, fan_out = fans(shape)
     bound = _gain(nonlinearity) * math.sqrt(3.0 / (fan_in if mode == "fan_in" else fan_out))
-    return erandom.generator().uniform(-bound, bound, shape).astype(dtype)
+    return erandom.generator(rng).uniform(-bound, bound, shape).astype(dtype)
 
 
-def xavier_uniform(shape: tuple[int, ...], gain: float = 1.0, dtype: Any = np.float32) -> np.ndarray:
+def xavier_uniform(shape: tuple[int, ...], gain: float = 1.0, dtype: Any = np.float32,
+                   rng: np.random.Generator | None = None) -> np.ndarray:
     fan_in, fan_out = fans(shape)
     bound = gain * math.sqrt(6.0 / (fan_in + fan_out))
-    return erandom.generator().uniform(-bound, bound, shape).astype(dtype)
+    return erandom.generator(rng).uniform(-bound, bound, shape).astype(dtype)
 
 
-def xavier_normal(shape: tuple[int, ...], gain: float = 1.0, dtype: Any = np.float32) -> np.ndarray:
+def xavier_normal(shape: tuple[int, ...], gain: float = 1.0, dtype: Any = np.float32,
+                  rng: np.random.Generator | None = None) -> np.ndarray:
     fan_in, fan_out = fans(shape)
     std = gain * math.sqrt(2.0 / (fan_in + fan_out))
-    return (erandom.generator().standard_normal(shape) * std).astype(dtype)
+    return (erandom.generator(rng).standard_normal(shape) * std).astype(dtype)
 
 
-def uniform_bias(fan_in: int, size: int, dtype: Any = np.float32) -> np.ndarray:
+def uniform_bias(fan_in: int, size: int, dtype: Any = np.float32,
+                 rng: np.random.Generator | None = None) -> np.ndarray:
     """Bias drawn from U(-1/sqrt(fan_in), 1/sqrt(fan_in)), the usual default for layers with a bias."""
     bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
-    return erandom.generator().uniform(-bound, bound, size).astype(dtype)
+    return erandom.generator(rng).uniform(-bound, bound, size).astype(dtype)

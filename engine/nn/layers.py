@@ -14,13 +14,14 @@ from leaflens.engine.ops.conv import Padding
 
 
 class Linear(Module):
-    """y = x W^T + b, W of shape (out_features, in_features)."""
+    """y = x W^T + b, W of shape (out_features, in_features); initial values drawn from ``rng``."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 rng: np.random.Generator | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = Parameter(init.kaiming_uniform((out_features, in_features), "linear"))
-        self.bias = Parameter(init.uniform_bias(in_features, out_features)) if bias else None
+        self.weight = Parameter(init.kaiming_uniform((out_features, in_features), "linear", rng=rng))
+        self.bias = Parameter(init.uniform_bias(in_features, out_features, rng=rng)) if bias else None
 
     def forward(self, x: Any) -> Any:
         return ops.linear(x, self.weight, self.bias)
@@ -30,10 +31,11 @@ class Linear(Module):
 
 
 class Conv2d(Module):
-    """2-D convolution of NHWC input with an OIHW weight (Kaiming-normal init for ReLU nets)."""
+    """2-D convolution of NHWC input with an OIHW weight (Kaiming-normal init for ReLU nets, from ``rng``)."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int],
-                 stride: int | tuple[int, int] = 1, padding: Padding = 0, groups: int = 1, bias: bool = True):
+                 stride: int | tuple[int, int] = 1, padding: Padding = 0, groups: int = 1, bias: bool = True, *,
+                 rng: np.random.Generator | None = None):
         super().__init__()
         kh, kw = (kernel_size, kernel_size) if isinstance(kernel_size, int) else kernel_size
         if in_channels % groups or out_channels % groups:
@@ -42,7 +44,7 @@ class Conv2d(Module):
         self.in_channels, self.out_channels = in_channels, out_channels
         self.kernel_size, self.stride, self.padding, self.groups = (kh, kw), stride, padding, groups
         shape = (out_channels, in_channels // groups, kh, kw)
-        self.weight = Parameter(init.kaiming_normal(shape, "relu", mode="fan_out"))
+        self.weight = Parameter(init.kaiming_normal(shape, "relu", mode="fan_out", rng=rng))
         self.bias = Parameter(np.zeros(out_channels, dtype=np.float32)) if bias else None
 
     def forward(self, x: Any) -> Any:
@@ -76,12 +78,16 @@ BatchNorm1d = BatchNorm2d
 
 
 class Dropout(Module):
-    def __init__(self, p: float = 0.5):
+    """Zero each value with probability ``p`` in training (scaling the rest by 1 / (1 - p)); the masks are
+    drawn from ``rng`` (see :func:`set_dropout_generator` to point a built model's dropout elsewhere)."""
+
+    def __init__(self, p: float = 0.5, *, rng: np.random.Generator | None = None):
         super().__init__()
         self.p = p
+        self.rng = rng
 
     def forward(self, x: Any) -> Any:
-        return ops.dropout(x, self.p, self.training)
+        return ops.dropout(x, self.p, self.training, rng=self.rng)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
@@ -184,3 +190,15 @@ class Sequential(Module):
         for layer in self._modules.values():
             x = layer(x)
         return x
+
+
+def set_dropout_generator(model: Module, rng: np.random.Generator) -> int:
+    """Make every :class:`Dropout` in ``model`` draw its masks from ``rng``; returns how many there are.
+
+    For a model whose layers were built (or loaded) with one generator and is trained with another, such
+    as a pretrained network fine-tuned from a recipe's seed.
+    """
+    layers = [m for m in model.modules() if isinstance(m, Dropout)]
+    for layer in layers:
+        layer.rng = rng
+    return len(layers)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from leaflens.engine import amp
 from leaflens.engine import random as erandom
 from leaflens.engine.backend import array_module
@@ -121,13 +123,14 @@ class LogSoftmax(Function):
 
 
 class Dropout(Function):
-    def __init__(self, p: float):
+    def __init__(self, p: float, rng: np.random.Generator | None):
         self.p = p
+        self.rng = rng
 
     def forward(self, x):
         xp = array_module(x)
         keep = 1.0 - self.p
-        draw = erandom.generator().random(x.shape, dtype=x.dtype if x.dtype.kind == "f" else None)
+        draw = erandom.generator(self.rng).random(x.shape, dtype=x.dtype if x.dtype.kind == "f" else None)
         self.mask = xp.asarray((draw < keep).astype(x.dtype) / x.dtype.type(keep))
         return x * self.mask
 
@@ -163,11 +166,15 @@ def log_softmax(x: Any, axis: int = -1) -> Tensor:
     return LogSoftmax(axis)(amp.float_input(x))
 
 
-def dropout(x: Any, p: float = 0.5, training: bool = True) -> Tensor:
-    """Zero each value with probability p and scale the rest by 1/(1-p); identity when not training."""
+def dropout(x: Any, p: float = 0.5, training: bool = True, rng: np.random.Generator | None = None) -> Tensor:
+    """Zero each value with probability p and scale the rest by 1/(1-p); identity when not training.
+
+    The mask is drawn (on the host) from ``rng``; ``None`` is the interactive fallback stream of
+    :mod:`leaflens.engine.random`.
+    """
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
     t = x if isinstance(x, Tensor) else Tensor(x)
     if not training or p == 0.0:
         return t
-    return Dropout(p)(t)
+    return Dropout(p, rng)(t)

@@ -213,7 +213,7 @@ def _training_step(spec: ModelSpec, input_size: int, batch: int, device: str) ->
     from leaflens.pipeline.models.student import StudentCNN  # noqa: PLC0415
 
     use_amp = _use_amp(spec, device)
-    model = StudentCNN(spec.num_classes, widths=spec.widths)
+    model = StudentCNN(spec.num_classes, widths=spec.widths, rng=np.random.default_rng(0))
     if device != "cpu":
         model.to(device)
     opt = AdamW(model.parameters(), lr=1e-3)

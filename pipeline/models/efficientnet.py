@@ -112,7 +112,8 @@ def _conv_padding(config: LiteConfig, kernel: int) -> Any:
 class MBConv(nn.Module):
     """Inverted residual block without squeeze-excitation (EfficientNet-Lite)."""
 
-    def __init__(self, spec: BlockSpec, config: LiteConfig, fold_bn: bool = False):
+    def __init__(self, spec: BlockSpec, config: LiteConfig, fold_bn: bool = False, *,
+                 rng: np.random.Generator | None = None):
         super().__init__()
         self.spec = spec
 
@@ -120,12 +121,13 @@ class MBConv(nn.Module):
             return nn.Identity() if fold_bn else nn.BatchNorm2d(c, eps=config.bn_eps, momentum=config.bn_momentum)
 
         if spec.expand:
-            self.expand_conv = nn.Conv2d(spec.cin, spec.hidden, 1, bias=fold_bn)
+            self.expand_conv = nn.Conv2d(spec.cin, spec.hidden, 1, bias=fold_bn, rng=rng)
             self.bn0 = bn(spec.hidden)
         self.depthwise_conv = nn.Conv2d(spec.hidden, spec.hidden, spec.kernel, stride=spec.stride,
-                                        padding=_conv_padding(config, spec.kernel), groups=spec.hidden, bias=fold_bn)
+                                        padding=_conv_padding(config, spec.kernel), groups=spec.hidden, bias=fold_bn,
+                                        rng=rng)
         self.bn1 = bn(spec.hidden)
-        self.project_conv = nn.Conv2d(spec.hidden, spec.cout, 1, bias=fold_bn)
+        self.project_conv = nn.Conv2d(spec.hidden, spec.cout, 1, bias=fold_bn, rng=rng)
         self.bn2 = bn(spec.cout)
 
     def forward(self, x: Any) -> Any:
@@ -142,11 +144,16 @@ class MBConv(nn.Module):
 
 
 class EfficientNetLite(nn.Module):
-    """EfficientNet-Lite on NHWC float32 input (normalised with :func:`normalize_images`)."""
+    """EfficientNet-Lite on NHWC float32 input (normalised with :func:`normalize_images`).
+
+    ``rng`` gives the initial weights and the dropout masks (see :mod:`leaflens.engine.random`); the
+    constructors that load weights (:meth:`from_torch_state_dict`, :meth:`fused`) replace every initial
+    value, and a fine-tune points the dropout at its own generator.
+    """
 
     def __init__(self, blocks: Sequence[BlockSpec], num_classes: int = 1000, stem_channels: int = 32,
                  head_channels: int = 1280, config: LiteConfig | None = None, in_channels: int = 3,
-                 fold_bn: bool = False):
+                 fold_bn: bool = False, *, rng: np.random.Generator | None = None):
         super().__init__()
         if not blocks:
             raise ValueError("EfficientNetLite needs at least one block")
@@ -163,14 +170,14 @@ class EfficientNetLite(nn.Module):
             return nn.Identity() if fold_bn else nn.BatchNorm2d(c, eps=cfg.bn_eps, momentum=cfg.bn_momentum)
 
         self.stem_conv = nn.Conv2d(in_channels, stem_channels, 3, stride=2, padding=_conv_padding(cfg, 3),
-                                   bias=fold_bn)
+                                   bias=fold_bn, rng=rng)
         self.stem_bn = bn(stem_channels)
-        self.blocks = nn.Sequential(*[MBConv(s, cfg, fold_bn) for s in self.specs])
-        self.head_conv = nn.Conv2d(self.specs[-1].cout, head_channels, 1, bias=fold_bn)
+        self.blocks = nn.Sequential(*[MBConv(s, cfg, fold_bn, rng=rng) for s in self.specs])
+        self.head_conv = nn.Conv2d(self.specs[-1].cout, head_channels, 1, bias=fold_bn, rng=rng)
         self.head_bn = bn(head_channels)
         self.pool = nn.GlobalAvgPool2d()
-        self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout else nn.Identity()
-        self.fc = nn.Linear(head_channels, num_classes)
+        self.dropout = nn.Dropout(cfg.dropout, rng=rng) if cfg.dropout else nn.Identity()
+        self.fc = nn.Linear(head_channels, num_classes, rng=rng)
 
     # ---- forward pieces ---------------------------------------------------------------------------
     @property
@@ -230,10 +237,10 @@ class EfficientNetLite(nn.Module):
         channels = self.specs[k - 1].cout if k else self.stem_channels
         return size, size, channels
 
-    def reset_classifier(self, num_classes: int) -> None:
-        """Replace the 1000-class ImageNet classifier by a freshly initialised one."""
+    def reset_classifier(self, num_classes: int, rng: np.random.Generator) -> None:
+        """Replace the 1000-class ImageNet classifier by one freshly initialised from ``rng``."""
         self.num_classes = num_classes
-        self.fc = nn.Linear(self.head_channels, num_classes)
+        self.fc = nn.Linear(self.head_channels, num_classes, rng=rng)
 
     # ---- building and loading ---------------------------------------------------------------------
     def architecture(self) -> dict[str, Any]:
@@ -244,11 +251,11 @@ class EfficientNetLite(nn.Module):
                 "config": self.config.to_dict(), "folded": self.folded}
 
     @classmethod
-    def from_architecture(cls, arch: Mapping[str, Any]) -> EfficientNetLite:
+    def from_architecture(cls, arch: Mapping[str, Any], rng: np.random.Generator | None = None) -> EfficientNetLite:
         return cls([BlockSpec(**b) for b in arch["blocks"]], num_classes=int(arch["num_classes"]),
                    stem_channels=int(arch["stem_channels"]), head_channels=int(arch["head_channels"]),
                    config=LiteConfig(**arch["config"]), in_channels=int(arch.get("in_channels", 3)),
-                   fold_bn=bool(arch.get("folded", False)))
+                   fold_bn=bool(arch.get("folded", False)), rng=rng)
 
     @classmethod
     def from_torch_state_dict(cls, state: Mapping[str, np.ndarray], config: LiteConfig | None = None,
@@ -256,7 +263,8 @@ class EfficientNetLite(nn.Module):
         """Build the network the state dict describes and load it (strict; see :func:`map_torch_state_dict`)."""
         specs, stem, head, classes = specs_from_state_dict(state, strides, source)
         model = cls(specs, num_classes=classes, stem_channels=stem, head_channels=head, config=config,
-                    in_channels=int(np.asarray(state["_conv_stem.weight"]).shape[1]))
+                    in_channels=int(np.asarray(state["_conv_stem.weight"]).shape[1]),
+                    rng=np.random.default_rng(0))  # every initial value is replaced by the state dict's
         model.load_state_dict(map_torch_state_dict(state, model, source))
         return model.eval()
 
@@ -266,7 +274,7 @@ class EfficientNetLite(nn.Module):
             raise ValueError("this network is already folded")
         out = type(self)(self.specs, num_classes=self.num_classes, stem_channels=self.stem_channels,
                          head_channels=self.head_channels, config=self.config, in_channels=self.in_channels,
-                         fold_bn=True)
+                         fold_bn=True, rng=np.random.default_rng(0))  # every initial value is replaced below
         state: dict[str, np.ndarray] = {}
         pairs = [("stem_conv", "stem_bn"), ("head_conv", "head_bn")]
         for i, spec in enumerate(self.specs):

@@ -52,7 +52,8 @@ def train_cnn_teacher(ds: Any, cfg: StageConfig, work_dir: Path,
     result = train_run(work_dir, tcfg, TrainData(train.images, np.asarray(train.labels)), ds["val"].images,
                        np.asarray(ds["val"].labels), ds.mean, ds.std, ds.num_classes, {"teacher": "train-cnn"},
                        label="teacher", progress=progress)
-    model = StudentSpec.from_recipe(tcfg.model, ds.num_classes).build()
+    # every initial value is replaced by the checkpoint's weights: any generator will do
+    model = StudentSpec.from_recipe(tcfg.model, ds.num_classes).build(np.random.default_rng(0))
     load_student_weights(model, Path(work_dir) / BEST)
     enc = EngineCnnEncoder(model, ds.mean, ds.std, ds.image_size, widths)
     return enc, {"val_accuracy": result.best_val_accuracy, "best_epoch": result.best_epoch}

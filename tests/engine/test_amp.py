@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from leaflens.engine import Tensor, amp, ops
-from leaflens.engine import random as erandom
 from leaflens.engine.amp import GradScaler, autocast
 from leaflens.engine.nn import BatchNorm2d, Conv2d, Linear, Parameter
 from leaflens.engine.optim import SGD, clip_grad_norm_
@@ -32,13 +31,12 @@ def _weight_grads(layer, x, g, use_amp: bool):
 
 
 @pytest.mark.parametrize("make", [
-    lambda: (Conv2d(3, 8, 3, padding=1), (4, 10, 10, 3), (4, 10, 10, 8)),
-    lambda: (Conv2d(6, 6, 3, stride=2, padding=1, groups=3), (2, 9, 9, 6), (2, 5, 5, 6)),
-    lambda: (Linear(20, 7), (16, 20), (16, 7)),
+    lambda rng: (Conv2d(3, 8, 3, padding=1, rng=rng), (4, 10, 10, 3), (4, 10, 10, 8)),
+    lambda rng: (Conv2d(6, 6, 3, stride=2, padding=1, groups=3, rng=rng), (2, 9, 9, 6), (2, 5, 5, 6)),
+    lambda rng: (Linear(20, 7, rng=rng), (16, 20), (16, 7)),
 ])
 def test_autocast_computes_in_float16_and_master_grads_stay_float32(make):
-    erandom.seed(0)
-    layer, xshape, gshape = make()
+    layer, xshape, gshape = make(np.random.default_rng(0))
     rng = np.random.default_rng(0)
     x = rng.standard_normal(xshape).astype(np.float32)
     g = rng.standard_normal(gshape).astype(np.float32)
@@ -272,8 +270,7 @@ def test_a_mixed_precision_training_step_on_cupy_matches_float32():
     y = rng.integers(0, 5, 16)
 
     def step(device, use_amp):
-        erandom.seed(0)
-        model = StudentCNN(5, widths=(16, 32))
+        model = StudentCNN(5, widths=(16, 32), rng=np.random.default_rng(0))
         model.to(device)
         opt = SGD(model.parameters(), lr=0.1, momentum=0.9)
         scaler = GradScaler(init_scale=2.0 ** 10, enabled=use_amp)  # low enough not to overflow on step one

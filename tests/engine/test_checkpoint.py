@@ -88,3 +88,18 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert load_checkpoint(path, _model()).epoch == 1
     assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_named_generators_are_saved_and_restored_in_place(tmp_path):
+    rng = np.random.default_rng(5)
+    rng.random(7)  # somewhere in the middle of its stream
+    path = save_checkpoint(tmp_path / "c.npz", _model(), generators={"model": rng})
+    expected = rng.random(4)  # what the saved state draws next
+    later = np.random.default_rng(99)
+    load_checkpoint(path, _model(), generators={"model": later})
+    np.testing.assert_array_equal(later.random(4), expected)
+    with pytest.raises(CheckpointError, match=r"c\.npz.*no state for the random generator 'dropout'"):
+        load_checkpoint(path, _model(), generators={"dropout": np.random.default_rng(0)})
+    other = np.random.Generator(np.random.MT19937(0))  # a state of another kind of bit generator is refused
+    with pytest.raises(CheckpointError, match="'model'.*PCG64"):
+        load_checkpoint(path, _model(), generators={"model": other})

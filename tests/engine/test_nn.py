@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from leaflens.engine import Tensor, nn, ops
-from leaflens.engine import random as erandom
 from leaflens.engine.optim import Adam
 
 
@@ -94,13 +93,13 @@ def test_initialisers_have_the_expected_scale():
 
 
 def test_a_small_cnn_overfits_32_examples():
-    erandom.seed(0)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((32, 8, 8, 3)).astype(np.float32)
     y = rng.integers(0, 4, 32)
-    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
-                          nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.GlobalAvgPool2d(),
-                          nn.Linear(32, 4))
+    init = np.random.default_rng(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, rng=init), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Conv2d(16, 32, 3, padding=1, rng=init), nn.BatchNorm2d(32), nn.ReLU(),
+                          nn.GlobalAvgPool2d(), nn.Linear(32, 4, rng=init))
     opt = Adam(model.parameters(), lr=0.01)
     for _ in range(150):
         opt.zero_grad()
@@ -110,3 +109,53 @@ def test_a_small_cnn_overfits_32_examples():
     model.eval()
     acc = (model(Tensor(x)).data.argmax(1) == y).mean()
     assert acc == 1.0, f"train accuracy {acc}, final loss {loss.item()}"
+
+
+class _Trap:
+    """Stands in for the engine's interactive fallback stream: any draw from it fails the test."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"drew from the engine's default generator ({name})")
+
+
+def test_layers_and_dropout_draw_only_from_the_generator_they_are_given(monkeypatch):
+    from leaflens.engine import random as erandom  # noqa: PLC0415
+
+    def build(seed):
+        rng = np.random.default_rng(seed)
+        return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, rng=rng), nn.GlobalAvgPool2d(), nn.Dropout(0.5, rng=rng),
+                             nn.Linear(4, 2, rng=rng))
+
+    monkeypatch.setattr(erandom, "_default", _Trap())
+    x = Tensor(np.ones((6, 5, 5, 3), np.float32))
+    a, b, c = build(1), build(1), build(2)
+    for k, v in a.state_dict().items():
+        np.testing.assert_array_equal(v, b.state_dict()[k])
+    assert not np.array_equal(a.state_dict()["0.weight"], c.state_dict()["0.weight"])
+    np.testing.assert_array_equal(a(x).numpy(), b(x).numpy())  # the same dropout masks too
+    inits = [nn.init.kaiming_uniform((3, 4), rng=np.random.default_rng(0)) for _ in range(2)]
+    np.testing.assert_array_equal(*inits)
+
+
+def test_rng_none_is_the_interactive_default_stream():
+    from leaflens.engine import random as erandom  # noqa: PLC0415
+
+    erandom.seed(4)
+    first = nn.Linear(3, 2).weight.data.copy()
+    erandom.seed(4)
+    np.testing.assert_array_equal(nn.Linear(3, 2).weight.data, first)
+    assert erandom.generator(None) is erandom.default_generator()
+    given = np.random.default_rng(1)
+    assert erandom.generator(given) is given
+    np.testing.assert_array_equal(erandom.generator(3).random(2), np.random.default_rng(3).random(2))
+
+
+def test_set_dropout_generator_points_every_dropout_at_one_generator():
+    model = nn.Sequential(nn.Dropout(0.5), nn.Linear(4, 4, rng=np.random.default_rng(0)), nn.Dropout(0.3))
+    assert nn.set_dropout_generator(model, np.random.default_rng(8)) == 2
+    x = Tensor(np.ones((5, 4), np.float32))
+    first = model(x).numpy()
+    nn.set_dropout_generator(model, np.random.default_rng(8))
+    np.testing.assert_array_equal(model(x).numpy(), first)
+    nn.set_dropout_generator(model, np.random.default_rng(9))
+    assert not np.array_equal(model(x).numpy(), first)

@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 
 from leaflens.engine import nn, ops
-from leaflens.engine import random as erandom
 from leaflens.engine.backend import to_device
 from leaflens.engine.nn.module import Parameter
 from leaflens.engine.ops import _kernels as gpu
@@ -288,9 +287,10 @@ def test_emulated_fused_optimisers_match_xp_path(emulated, name: str):
 
 
 def _tiny_cnn() -> nn.Module:
-    erandom.seed(3)
-    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 6, 3, padding=1),
-                         nn.ReLU6(), nn.GlobalAvgPool2d(), nn.Linear(6, 3))
+    rng = np.random.default_rng(3)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, rng=rng), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(4, 6, 3, padding=1, rng=rng), nn.ReLU6(), nn.GlobalAvgPool2d(),
+                         nn.Linear(6, 3, rng=rng))
 
 
 def _train(model: nn.Module, opt: Any, x: Any, y: Any, steps: int) -> list[float]:

@@ -194,7 +194,7 @@ def test_fused_batchnorm_gives_the_same_outputs():
 
 def test_split_front_and_back_compose_and_only_the_back_trains():
     model, _ = tiny_model()
-    model.reset_classifier(3)
+    model.reset_classifier(3, np.random.default_rng(0))
     x = _x(n=4, size=16)
     for k in range(model.num_blocks + 1):
         front, back = model.split(k)

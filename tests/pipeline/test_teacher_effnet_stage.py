@@ -57,19 +57,38 @@ def test_frozen_teacher_has_no_logits(tmp_path):
     assert not tt.has_logits and not tt.info.teacher["fine_tuned"]
 
 
-def test_fine_tuned_teacher_does_not_depend_on_what_ran_before(tmp_path):
-    """The new head is initialised from a fixed seed, whatever drew from the engine's generator earlier."""
+def test_fine_tuned_teacher_does_not_depend_on_what_ran_before(tmp_path, monkeypatch):
+    """The fine-tune's generators (new head, dropout, batch order) come from the recipe's seed: the same
+    teacher, bit for bit, whatever drew from NumPy's or the engine's streams or trained earlier."""
+    from leaflens.engine import nn  # noqa: PLC0415
     from leaflens.engine import random as erandom  # noqa: PLC0415
     from leaflens.pipeline.config import load_config  # noqa: PLC0415
     from leaflens.pipeline.teachers.effnet import build_effnet_teacher  # noqa: PLC0415
 
+    class Trap:  # stands in for the engine's interactive fallback stream
+        def __getattr__(self, name):
+            raise AssertionError(f"the teacher drew from the engine's default generator ({name})")
+
     _weights_or_skip()
     ds = load_dataset(tiny_dataset(tmp_path, per_class=6, size=16))
-    recipe = load_config(None, ["teacher.epochs=1", "teacher.input_size=32"]).teacher
-    logits = []
+    recipe = load_config(None, ["teacher.epochs=2", "teacher.input_size=32"]).teacher
+
+    def teacher() -> tuple[dict[str, np.ndarray], np.ndarray]:
+        enc, _ = build_effnet_teacher(ds, recipe, progress=False)
+        return enc.view_encoder.back.state_dict(), np.asarray(enc.logits["test"])
+
+    first = teacher()
     for seed in (3, 11):
         erandom.seed(seed)
-        erandom.generator().normal(size=1000)  # an earlier job drew from the generator
-        enc, _ = build_effnet_teacher(ds, recipe, progress=False)
-        logits.append(np.asarray(enc.logits["test"]))
-    np.testing.assert_array_equal(logits[0], logits[1])
+        erandom.default_generator().normal(size=1000)  # an earlier job drew from the engine's stream ...
+        np.random.seed(seed)
+        np.random.random(1000)  # ... and from NumPy's
+        other = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))  # ... and trained something else
+        other(np.ones((8, 4), np.float32)).sum().backward()
+        weights, logits = teacher()
+        np.testing.assert_array_equal(logits, first[1])
+        assert weights.keys() == first[0].keys()
+        for k, v in weights.items():
+            np.testing.assert_array_equal(v, first[0][k], err_msg=k)
+    monkeypatch.setattr(erandom, "_default", Trap())
+    np.testing.assert_array_equal(teacher()[1], first[1])

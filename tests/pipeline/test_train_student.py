@@ -1,5 +1,6 @@
 """The student training run: teacher targets follow the loader's rows (looked up by the batch's dataset
-indices, whatever the shuffle order), including after a resume."""
+indices, whatever the shuffle order), including after a resume; the same recipe gives the same student
+bit for bit whatever ran before in the process."""
 
 from __future__ import annotations
 
@@ -7,17 +8,18 @@ import numpy as np
 import pytest
 
 import leaflens.pipeline.train_student as ts
+from leaflens.engine import random as erandom
 from leaflens.pipeline.config import load_config
 
 N, SIZE, STEP = 40, 8, 4  # image i is flat grey at i * STEP: its pixels name its row
 REAL_LOSS = ts.distill_loss
 
 
-def _cfg(epochs: int = 2):
+def _cfg(epochs: int = 2, *extra: str):
     sets = [f"train.epochs={epochs}", "train.batch_size=8", "model.widths=[4]", "train.warmup_epochs=0",
             "train.lr=0.01", "train.device=cpu", "train.mixed_precision=off", "augment.brightness=0.0",
             "augment.contrast=0.0", "distill.kd_weight=1.0"]
-    return load_config(None, sets)
+    return load_config(None, sets + list(extra))
 
 
 def _data() -> tuple[ts.TrainData, np.ndarray, np.ndarray]:
@@ -75,3 +77,39 @@ def test_resumed_run_pairs_targets_with_images_too(tmp_path, monkeypatch):
     assert len(resumed) == N // 8  # only the second epoch ran again
     for a, b in zip(full[N // 8:], resumed):
         np.testing.assert_array_equal(a, b)  # the same rows in the same order as the uninterrupted run
+
+
+class _Trap:
+    """Stands in for the engine's interactive fallback stream: any draw from it fails the test."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the pipeline drew from the engine's default generator ({name})")
+
+
+def _train_student(run_dir, seed: int = 0) -> dict[str, np.ndarray]:
+    """A small distilled student with dropout (so the generator draws during training too): its last.npz."""
+    data, xv, yv = _data()
+    cfg = _cfg(2, "model.dropout=0.3", "model.widths=[4, 8]", f"train.seed={seed}")
+    ts.train_run(run_dir, cfg, data, xv, yv, np.full(3, 0.4, np.float32), np.full(3, 0.2, np.float32), 3, {},
+                 progress=False)
+    with np.load(run_dir / ts.LAST) as ck:
+        return {k: ck[k] for k in ck.files if k != "meta"}
+
+
+def test_the_same_recipe_gives_the_same_student_whatever_ran_before(tmp_path, monkeypatch):
+    first = _train_student(tmp_path / "first")
+    # What may run earlier in a process: draws from NumPy's global stream and from the engine's default one,
+    # and another training run with its own seed.
+    np.random.seed(123)
+    np.random.random(1000)
+    erandom.seed(5)
+    erandom.default_generator().random(1000)
+    other = _train_student(tmp_path / "other", seed=7)
+    assert not np.array_equal(other["model/classifier.weight"], first["model/classifier.weight"])
+    again = _train_student(tmp_path / "again")
+    monkeypatch.setattr(erandom, "_default", _Trap())  # and the pipeline never draws from the default stream
+    trapped = _train_student(tmp_path / "trapped")
+    for run in (again, trapped):
+        assert run.keys() == first.keys()
+        for k in first:
+            np.testing.assert_array_equal(run[k], first[k], err_msg=k)

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
+
 from leaflens.engine import nn
 from leaflens.records import Record
 
@@ -23,24 +25,27 @@ if TYPE_CHECKING:
     from leaflens.pipeline.config import ModelSection
 
 
-def conv_block(cin: int, cout: int) -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
+def conv_block(cin: int, cout: int, rng: np.random.Generator | None = None) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False, rng=rng), nn.BatchNorm2d(cout), nn.ReLU(),
                          nn.MaxPool2d(2))
 
 
 class StudentCNN(nn.Module):
+    """The student network; ``rng`` gives its initial weights and its dropout masks, in that order (the
+    trainer passes one made from the recipe's seed, see :mod:`leaflens.engine.random`)."""
+
     def __init__(self, num_classes: int, widths: Sequence[int] = (32, 64, 128), in_channels: int = 3,
-                 teacher_dim: int | None = None, dropout: float = 0.0):
+                 teacher_dim: int | None = None, dropout: float = 0.0, *, rng: np.random.Generator | None = None):
         super().__init__()
         if not widths:
             raise ValueError("StudentCNN needs at least one conv block width")
         self.widths = list(widths)
         chans = [in_channels, *widths]
-        self.features = nn.Sequential(*[conv_block(a, b) for a, b in zip(chans[:-1], chans[1:])])
+        self.features = nn.Sequential(*[conv_block(a, b, rng) for a, b in zip(chans[:-1], chans[1:])])
         self.pool = nn.GlobalAvgPool2d()
-        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
-        self.classifier = nn.Linear(widths[-1], num_classes)
-        self.projection = nn.Linear(widths[-1], teacher_dim) if teacher_dim else None
+        self.dropout = nn.Dropout(dropout, rng=rng) if dropout else nn.Identity()
+        self.classifier = nn.Linear(widths[-1], num_classes, rng=rng)
+        self.projection = nn.Linear(widths[-1], teacher_dim, rng=rng) if teacher_dim else None
 
     @property
     def embed_dim(self) -> int:
@@ -80,7 +85,8 @@ class StudentSpec(Record):
         """The student the recipe's ``[model]`` section describes, for ``num_classes`` classes."""
         return cls(num_classes=num_classes, widths=tuple(model.widths), dropout=model.dropout)
 
-    def build(self, teacher_dim: int | None = None) -> StudentCNN:
-        """The network (with a distillation projection to ``teacher_dim`` when given)."""
+    def build(self, rng: np.random.Generator, teacher_dim: int | None = None) -> StudentCNN:
+        """The network (with a distillation projection to ``teacher_dim`` when given), its initial weights
+        and dropout masks drawn from ``rng``."""
         return StudentCNN(self.num_classes, widths=self.widths, in_channels=self.in_channels,
-                          teacher_dim=teacher_dim, dropout=self.dropout)
+                          teacher_dim=teacher_dim, dropout=self.dropout, rng=rng)

@@ -21,7 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from leaflens.engine import NonFiniteLossError, Tensor, no_grad, ops
-from leaflens.engine import random as erandom
+from leaflens.engine.nn import set_dropout_generator
 from leaflens.engine.optim import AdamW, WarmupCosine, clip_grad_norm_
 from leaflens.pipeline.config import TeacherSection
 from leaflens.pipeline.models.efficientnet import EfficientNetLite, LiteConfig, normalize_images
@@ -115,10 +115,10 @@ def build_effnet_teacher(ds: Any, teacher: TeacherSection, weights_file: str | P
     frozen = teacher.frozen or "train" not in ds or ds["train"].labels is None
     k = teacher.finetune_from_block
     if not frozen:
-        # Seeded here, not by whatever ran before in this process: the new head's initial weights alone
-        # moved the fine-tuned teacher's iBeans test accuracy by several points.
-        erandom.seed(teacher.seed)
-        net.reset_classifier(ds.num_classes)
+        # A generator of its own from the recipe's seed, not a stream shared with whatever ran before in this
+        # process: the new head's initial weights alone moved the fine-tuned teacher's iBeans test accuracy
+        # by several points.
+        net.reset_classifier(ds.num_classes, np.random.default_rng(teacher.seed))
     front_module, back = net.split(k)
     size = teacher.input_size
     front = FrontRunner(front_module.eval(), size)
@@ -158,7 +158,7 @@ def _fine_tune(back: Any, fronts: dict[str, np.ndarray], mirrored: np.ndarray | 
                teacher: TeacherSection, progress: bool) -> dict:
     """Train the back on cached front outputs of the train split; keep the best epoch on val."""
     epochs, batch, seed = teacher.epochs, teacher.batch_size, teacher.seed
-    erandom.seed(seed)
+    set_dropout_generator(back, np.random.default_rng(seed))  # the head's dropout masks
     rng = np.random.default_rng(seed)
     y = np.asarray(ds["train"].labels)
     yv = np.asarray(ds["val"].labels)

@@ -100,12 +100,16 @@ def _pixel_text(fig: Figure, x: float, y: float, text: str, px: float, ha: str =
 
 
 def _save(fig: Figure, path: PathLike) -> Path:
-    """Write ``fig`` as PNG atomically (:func:`leaflens.files.write_path_atomic`: a temporary file in the
-    same folder, then ``os.replace``)."""
+    """Write ``fig`` as an RGB PNG atomically (:func:`leaflens.files.write_path_atomic`: a temporary file
+    in the same folder, then ``os.replace``)."""
 
     def render(tmp: Path) -> None:
+        from PIL import Image
+
         with _default_style():
-            fig.canvas.print_png(tmp)  # type: ignore[attr-defined]  # the FigureCanvasAgg of _new_figure
+            fig.canvas.draw()
+            rgba = np.asarray(fig.canvas.buffer_rgba())  # type: ignore[attr-defined]  # _new_figure's Agg canvas
+        Image.fromarray(rgba[..., :3]).save(tmp, format="PNG")  # opaque figures: RGB, no alpha channel
 
     return write_path_atomic(path, render)
 
@@ -152,6 +156,13 @@ def _resize_nearest(image: np.ndarray, height: int, width: int) -> np.ndarray:
 
 def _paste(canvas: np.ndarray, tile: np.ndarray, x: int, y: int) -> None:
     canvas[y:y + tile.shape[0], x:x + tile.shape[1]] = tile
+
+
+def _show_pixels(fig: Figure, sheet: np.ndarray) -> None:
+    """Put the uint8 RGB ``sheet`` (the figure's size) under the figure's texts, pixel for pixel. Opaque
+    RGBA is what Agg composites without converting: half the drawing time of a large sheet."""
+    alpha = np.full(sheet.shape[:2] + (1,), 255, np.uint8)
+    fig.figimage(np.concatenate([sheet, alpha], axis=-1), 0, 0, origin="upper")
 
 
 # ---- training curves -----------------------------------------------------------------------------------
@@ -473,7 +484,7 @@ def contact_sheet_figure(
             _paste(sheet, np.repeat(np.repeat(arr[k], scale, axis=0), scale, axis=1), x, y)
             places.append((x + w / 2, y + h))
         fig = _new_figure(width, height)
-        fig.figimage(sheet, 0, 0, origin="upper")
+        _show_pixels(fig, sheet)
         _pixel_text(fig, width / 2, 14, title, 16)
         for (cx, bottom), lines in zip(places, wrapped):
             _pixel_text(fig, cx, bottom + 4, "\n".join(lines), cap_px, linespacing=1.25)
@@ -555,7 +566,7 @@ def feature_map_figure(
                 rgb = colour_map(norm, bytes=True)[..., :3]
                 _paste(sheet, _resize_nearest(rgb, ch, cw), x0 + j * (cw + gap), y)
         fig = _new_figure(width, height)
-        fig.figimage(sheet, 0, 0, origin="upper")
+        _show_pixels(fig, sheet)
         _pixel_text(fig, width / 2, 12, title, 16)
         _pixel_text(fig, width / 2, 36, f"{len(chans)} of {fm.shape[-1]} channels, each scaled to its own "
                     "min..max (dark = min, yellow = max)", 11, colour=_MUTED)

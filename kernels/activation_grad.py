@@ -3,6 +3,10 @@
 The forward keeps only its output, so the masks are read from y: relu passes dy where y > 0, leaky
 ReLU passes dy there and ``slope * dy`` elsewhere (slope > 0, so y > 0 exactly when x > 0), ReLU6
 passes dy where 0 < y < 6. Masked positions are exactly 0 (also for inf/NaN dy), as in PyTorch.
+
+The maths is defined once, by the engine's CPU backward of ``ReLU``, ``LeakyReLU`` and ``ReLU6``
+(:mod:`leaflens.engine.ops.activation`); tests/kernels/test_kernel_launch.py holds this kernel to it.
+The one deliberate difference: the engine's ``gy * mask`` gives NaN where an inf/NaN dy is masked.
 """
 
 from __future__ import annotations
@@ -23,25 +27,9 @@ def _check_kind(kind: str, slope: float) -> None:
         raise ValueError(f"activation_grad: leaky_relu slope must be > 0 to be invertible from y, got {slope}")
 
 
-def activation_grad_reference(kind: str, y: np.ndarray, gy: np.ndarray, slope: float = 0.01) -> np.ndarray:
-    """Gradient with respect to the activation's input, given its output ``y`` and ``gy`` (same shape)."""
-    _check_kind(kind, slope)
-    if y.shape != gy.shape:
-        raise ValueError(f"activation_grad: y {y.shape} and gy {gy.shape} differ in shape")
-    ct = np.result_type(gy.dtype, np.float32)
-    yf = y.astype(ct, copy=False)
-    g = gy.astype(ct, copy=False)
-    if kind == "relu":
-        gx = np.where(yf > 0, g, ct.type(0))
-    elif kind == "leaky_relu":
-        gx = np.where(yf > 0, g, ct.type(slope) * g)
-    else:
-        gx = np.where((yf > 0) & (yf < 6), g, ct.type(0))
-    return gx.astype(gy.dtype, copy=False)
-
-
 def activation_grad_cuda(kind: str, y: Any, gy: Any, slope: float = 0.01, out: Any | None = None) -> Any:
-    """GPU twin of :func:`activation_grad_reference`; float32 or float16 CuPy arrays, any shape."""
+    """Gradient with respect to the activation's input, given its output ``y`` and ``gy`` (float32 or
+    float16 CuPy arrays of one shape); ``out`` receives it when given."""
     _check_kind(kind, slope)
     cp = _cuda.cupy_module()
     name = f"{kind}_grad"

@@ -4,6 +4,9 @@ PyTorch semantics. SGD: momentum with dampening 0, optional Nesterov, L2 weight 
 gradient. AdamW: decoupled weight decay ``p *= 1 - lr*wd`` then Adam with bias correction for step t.
 ``grad_scale`` multiplies the gradient first, so unscaling a mixed-precision loss scale (1/scale) and a
 gradient-clipping factor cost nothing extra. All updates are in place; nothing is returned.
+
+The maths is defined once, by the engine's ``SGD`` and ``Adam``/``AdamW`` updates
+(:mod:`leaflens.engine.optim`); tests/kernels/test_kernel_launch.py holds these kernels to them.
 """
 
 from __future__ import annotations
@@ -49,55 +52,6 @@ def _check_flat(xp: Any, name: str, **arrays: Any) -> int:
     return int(size or 0)
 
 
-def sgd_momentum_reference(
-    param: np.ndarray,
-    grad: np.ndarray,
-    momentum_buffer: np.ndarray,
-    *,
-    lr: float,
-    momentum: float = 0.9,
-    weight_decay: float = 0.0,
-    nesterov: bool = False,
-    grad_scale: float = 1.0,
-) -> None:
-    """One SGD step in place on flat float32 ``param`` and ``momentum_buffer`` (zeros before step 1)."""
-    _check_sgd(lr, momentum, weight_decay, nesterov)
-    _check_flat(np, "sgd_momentum", param=param, grad=grad, momentum_buffer=momentum_buffer)
-    f = np.float32
-    d = grad * f(grad_scale) + f(weight_decay) * param
-    momentum_buffer *= f(momentum)
-    momentum_buffer += d
-    step = d + f(momentum) * momentum_buffer if nesterov else momentum_buffer
-    param -= f(lr) * step
-
-
-def adamw_reference(
-    param: np.ndarray,
-    grad: np.ndarray,
-    exp_avg: np.ndarray,
-    exp_avg_sq: np.ndarray,
-    *,
-    step: int,
-    lr: float,
-    beta1: float = 0.9,
-    beta2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 0.01,
-    grad_scale: float = 1.0,
-) -> None:
-    """One AdamW step in place (``step`` counts from 1; moments are zeros before step 1)."""
-    step_size, bc2_sqrt = _adam_scalars(step, lr, beta1, beta2, eps, weight_decay)
-    _check_flat(np, "adamw", param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
-    f = np.float32
-    g = grad * f(grad_scale)
-    exp_avg *= f(beta1)
-    exp_avg += f(1 - beta1) * g
-    exp_avg_sq *= f(beta2)
-    exp_avg_sq += f(1 - beta2) * g * g
-    param *= f(1 - lr * weight_decay)
-    param -= f(step_size) * exp_avg / (np.sqrt(exp_avg_sq) / f(bc2_sqrt) + f(eps))
-
-
 def sgd_momentum_cuda(
     param: Any,
     grad: Any,
@@ -109,7 +63,8 @@ def sgd_momentum_cuda(
     nesterov: bool = False,
     grad_scale: float = 1.0,
 ) -> None:
-    """GPU twin of :func:`sgd_momentum_reference` (one launch for the whole buffer)."""
+    """One SGD step in place on flat float32 ``param`` and ``momentum_buffer`` (zeros before step 1),
+    one launch for the whole buffer."""
     cp = _cuda.cupy_module()
     _check_sgd(lr, momentum, weight_decay, nesterov)
     n = _check_flat(cp, "sgd_momentum", param=param, grad=grad, momentum_buffer=momentum_buffer)
@@ -148,7 +103,8 @@ def adamw_cuda(
     weight_decay: float = 0.01,
     grad_scale: float = 1.0,
 ) -> None:
-    """GPU twin of :func:`adamw_reference` (bias corrections computed here in float64)."""
+    """One AdamW step in place (``step`` counts from 1; moments are zeros before step 1); the bias
+    corrections are computed here in float64."""
     cp = _cuda.cupy_module()
     step_size, bc2_sqrt = _adam_scalars(step, lr, beta1, beta2, eps, weight_decay)
     n = _check_flat(cp, "adamw", param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)

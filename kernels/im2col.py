@@ -4,6 +4,9 @@ Column layout (the engine's contract): row ``m = (n*Ho + ho)*Wo + wo``, column `
 so ``cols @ W.transpose(2, 3, 1, 0).reshape(kh*kw*C, Cout)`` (W stored OIHW) is the NHWC output.
 Padding is (top, bottom, left, right), asymmetric allowed (TF "same"); stride (sh, sw); dilation 1.
 col2im is the adjoint: it sums every cols entry back onto the pixel it was copied from.
+
+The maths is defined once, by the engine's ``im2col``/``col2im`` (:mod:`leaflens.engine.ops.conv`,
+which pads first with ``pad_nhwc``); tests/kernels/test_kernel_launch.py holds these kernels to them.
 """
 
 from __future__ import annotations
@@ -40,34 +43,6 @@ def conv_geometry(shape: tuple[int, ...], kernel: Any, stride: Any, padding: Any
     return n, h, w, c, kh, kw, sh, sw, pt, pb, pl, pr, ho, wo
 
 
-def im2col_reference(x: np.ndarray, kernel: Any, stride: Any = 1, padding: Any = 0) -> np.ndarray:
-    """(N, H, W, C) -> (N*Ho*Wo, kh*kw*C) patch matrix, same dtype as x."""
-    n, h, w, c, kh, kw, sh, sw, pt, pb, pl, pr, ho, wo = conv_geometry(x.shape, kernel, stride, padding, "im2col")
-    xp = np.pad(x, ((0, 0), (pt, pb), (pl, pr), (0, 0)))
-    # windows[n, a, b, c, i, j] = xp[n, a + i, b + j, c]; keep every stride-th window start.
-    windows = np.lib.stride_tricks.sliding_window_view(xp, (kh, kw), axis=(1, 2))
-    windows = windows[:, : (ho - 1) * sh + 1 : sh, : (wo - 1) * sw + 1 : sw]
-    return np.ascontiguousarray(windows.transpose(0, 1, 2, 4, 5, 3)).reshape(n * ho * wo, kh * kw * c)
-
-
-def col2im_reference(
-    cols: np.ndarray, x_shape: tuple[int, int, int, int], kernel: Any, stride: Any = 1, padding: Any = 0
-) -> np.ndarray:
-    """Adjoint of :func:`im2col_reference`: (N*Ho*Wo, kh*kw*C) -> (N, H, W, C), overlaps summed."""
-    n, h, w, c, kh, kw, sh, sw, pt, pb, pl, pr, ho, wo = conv_geometry(
-        tuple(x_shape), kernel, stride, padding, "col2im"
-    )
-    if cols.shape != (n * ho * wo, kh * kw * c):
-        raise ValueError(f"col2im: cols has shape {cols.shape}, expected {(n * ho * wo, kh * kw * c)}")
-    ct = np.result_type(cols.dtype, np.float32)
-    blocks = cols.astype(ct, copy=False).reshape(n, ho, wo, kh, kw, c)
-    xp = np.zeros((n, h + pt + pb, w + pl + pr, c), dtype=ct)
-    for i in range(kh):  # one vectorised add per tap, not per pixel
-        for j in range(kw):
-            xp[:, i : i + (ho - 1) * sh + 1 : sh, j : j + (wo - 1) * sw + 1 : sw, :] += blocks[:, :, :, i, j, :]
-    return xp[:, pt : pt + h, pl : pl + w, :].astype(cols.dtype)
-
-
 def _launch(kernel_name: str, src: Any, dst: Any, geo: tuple[int, ...], total: int) -> None:
     n, h, w, c, kh, kw, sh, sw, pt, _pb, pl, _pr, ho, wo = geo
     kernel = _cuda.load_kernel("im2col.cu", kernel_name)
@@ -77,7 +52,7 @@ def _launch(kernel_name: str, src: Any, dst: Any, geo: tuple[int, ...], total: i
 
 
 def im2col_cuda(x: Any, kernel: Any, stride: Any = 1, padding: Any = 0) -> Any:
-    """GPU twin of :func:`im2col_reference` (float32 or float16 CuPy x)."""
+    """(N, H, W, C) -> (N*Ho*Wo, kh*kw*C) patch matrix of float32 or float16 CuPy x, same dtype."""
     cp = _cuda.cupy_module()
     name = "im2col_nhwc"
     _checks.require_array(cp, name, "x", x, [np.float32, np.float16], ndim=4)
@@ -91,7 +66,7 @@ def im2col_cuda(x: Any, kernel: Any, stride: Any = 1, padding: Any = 0) -> Any:
 
 
 def col2im_cuda(cols: Any, x_shape: tuple[int, int, int, int], kernel: Any, stride: Any = 1, padding: Any = 0) -> Any:
-    """GPU twin of :func:`col2im_reference` (float32 or float16 CuPy cols; sums in float32)."""
+    """Adjoint of :func:`im2col_cuda`: (N*Ho*Wo, kh*kw*C) -> (N, H, W, C), overlaps summed in float32."""
     cp = _cuda.cupy_module()
     name = "col2im_nhwc"
     geo = conv_geometry(tuple(x_shape), kernel, stride, padding, name)

@@ -3,6 +3,10 @@
 ``y = x / max(||x||, eps)``; the backward is ``(gy - y * <gy, y>) / ||x||``, or ``gy / eps`` for rows
 whose norm is below eps (the map is linear there). The forward returns the row norms (float32) that
 the backward needs. Any leading shape is allowed; it is treated as rows of the last axis.
+
+The maths is defined once, by the engine's ``L2Normalize`` (:mod:`leaflens.engine.ops.norm`), which
+keeps ``max(norm, eps)`` where these kernels keep the norm; tests/kernels/test_kernel_launch.py holds
+the kernels to it.
 """
 
 from __future__ import annotations
@@ -14,29 +18,6 @@ import numpy as np
 from leaflens.kernels import _checks, _cuda
 
 
-def l2norm_forward_reference(x: np.ndarray, eps: float = 1e-12) -> tuple[np.ndarray, np.ndarray]:
-    """Return ``(y, norm)``: y like x, norm of shape ``x.shape[:-1]`` in float32 (float64 for float64 x)."""
-    ct = np.result_type(x.dtype, np.float32)
-    xf = x.astype(ct, copy=False)
-    norm = np.sqrt(np.sum(xf * xf, axis=-1))
-    y = xf / np.maximum(norm, ct.type(eps))[..., None]
-    return y.astype(x.dtype, copy=False), norm
-
-
-def l2norm_backward_reference(y: np.ndarray, gy: np.ndarray, norm: np.ndarray, eps: float = 1e-12) -> np.ndarray:
-    """Gradient with respect to x from the forward's ``y`` and ``norm`` and the upstream ``gy``."""
-    if y.shape != gy.shape or norm.shape != y.shape[:-1]:
-        raise ValueError(f"l2norm backward: shapes y {y.shape}, gy {gy.shape}, norm {norm.shape} disagree")
-    ct = np.result_type(gy.dtype, np.float32)
-    yf = y.astype(ct, copy=False)
-    g = gy.astype(ct, copy=False)
-    nrm = norm.astype(ct, copy=False)[..., None]
-    tiny = nrm < eps
-    dot = np.where(tiny, ct.type(0), np.sum(g * yf, axis=-1, keepdims=True))
-    gx = (g - yf * dot) / np.where(tiny, ct.type(eps), nrm)
-    return gx.astype(gy.dtype, copy=False)
-
-
 def _rows(shape: tuple[int, ...]) -> tuple[int, int]:
     d = shape[-1]
     n = int(np.prod(shape[:-1], dtype=np.int64))
@@ -44,7 +25,7 @@ def _rows(shape: tuple[int, ...]) -> tuple[int, int]:
 
 
 def l2norm_forward_cuda(x: Any, eps: float = 1e-12) -> tuple[Any, Any]:
-    """GPU twin of :func:`l2norm_forward_reference` (float32/float16 x; norm is float32)."""
+    """Return ``(y, norm)``: y like x (float32/float16), norm of shape ``x.shape[:-1]`` in float32."""
     cp = _cuda.cupy_module()
     name = "l2norm_forward"
     _checks.require_array(cp, name, "x", x, [np.float32, np.float16])
@@ -65,7 +46,7 @@ def l2norm_forward_cuda(x: Any, eps: float = 1e-12) -> tuple[Any, Any]:
 
 
 def l2norm_backward_cuda(y: Any, gy: Any, norm: Any, eps: float = 1e-12) -> Any:
-    """GPU twin of :func:`l2norm_backward_reference`."""
+    """Gradient with respect to x from the forward's ``y`` and ``norm`` and the upstream ``gy``."""
     cp = _cuda.cupy_module()
     name = "l2norm_backward"
     _checks.require_array(cp, name, "y", y, [np.float32, np.float16])

@@ -4,6 +4,10 @@ Window (kh, kw), stride, padding (top, bottom, left, right) that behaves as -inf
 output element, the winning tap ``t = i*kw + j`` as uint8 (first maximum wins on ties; a NaN wins and
 propagates). The backward sends each upstream gradient to its recorded tap, summing where windows
 overlap; a gradient whose tap lies in the padding is dropped.
+
+The maths is defined once, by the engine's ``MaxPool2d`` (:mod:`leaflens.engine.ops.pool`), which works
+out the winning tap in backward instead of storing it; tests/kernels/test_kernel_launch.py holds these
+kernels to it. The one deliberate difference: a NaN wins here, where the engine's backward drops it.
 """
 
 from __future__ import annotations
@@ -21,53 +25,14 @@ def _check_taps(name: str, kh: int, kw: int) -> None:
         raise ValueError(f"{name}: a {kh}x{kw} window has more taps than a uint8 index can name (256)")
 
 
-def maxpool_forward_reference(
-    x: np.ndarray, kernel: Any, stride: Any = None, padding: Any = 0
-) -> tuple[np.ndarray, np.ndarray]:
-    """Return ``(y, idx)``: y (N, Ho, Wo, C) like x, idx uint8 tap indices. stride defaults to kernel."""
-    stride = kernel if stride is None else stride
-    n, h, w, c, kh, kw, sh, sw, pt, pb, pl, pr, ho, wo = conv_geometry(x.shape, kernel, stride, padding, "maxpool")
-    _check_taps("maxpool", kh, kw)
-    xp = np.pad(x, ((0, 0), (pt, pb), (pl, pr), (0, 0)), constant_values=-np.inf)
-    windows = np.lib.stride_tricks.sliding_window_view(xp, (kh, kw), axis=(1, 2))
-    windows = windows[:, : (ho - 1) * sh + 1 : sh, : (wo - 1) * sw + 1 : sw].reshape(n, ho, wo, c, kh * kw)
-    idx = np.argmax(windows, axis=-1)  # first maximum; the first NaN if any
-    y = np.take_along_axis(windows, idx[..., None], axis=-1)[..., 0]
-    return np.ascontiguousarray(y), idx.astype(np.uint8)
-
-
-def maxpool_backward_reference(
-    gy: np.ndarray,
-    idx: np.ndarray,
-    x_shape: tuple[int, int, int, int],
-    kernel: Any,
-    stride: Any = None,
-    padding: Any = 0,
-) -> np.ndarray:
-    """Gradient with respect to x (shape ``x_shape``, dtype of gy)."""
-    stride = kernel if stride is None else stride
-    n, h, w, c, kh, kw, sh, sw, pt, pb, pl, pr, ho, wo = conv_geometry(
-        tuple(x_shape), kernel, stride, padding, "maxpool"
-    )
-    if gy.shape != (n, ho, wo, c) or idx.shape != gy.shape:
-        raise ValueError(f"maxpool backward: gy {gy.shape} / idx {idx.shape}, expected {(n, ho, wo, c)}")
-    ct = np.result_type(gy.dtype, np.float32)
-    g = gy.astype(ct, copy=False)
-    gxp = np.zeros((n, h + pt + pb, w + pl + pr, c), dtype=ct)
-    for i in range(kh):  # one vectorised add per tap
-        for j in range(kw):
-            hit = np.where(idx == i * kw + j, g, ct.type(0))
-            gxp[:, i : i + (ho - 1) * sh + 1 : sh, j : j + (wo - 1) * sw + 1 : sw, :] += hit
-    return gxp[:, pt : pt + h, pl : pl + w, :].astype(gy.dtype)
-
-
 def _ints(geo: tuple[int, ...]) -> tuple[np.int32, ...]:
     n, h, w, c, kh, kw, sh, sw, pt, _pb, pl, _pr, ho, wo = geo
     return tuple(np.int32(v) for v in (n, h, w, c, kh, kw, sh, sw, pt, pl, ho, wo))
 
 
 def maxpool_forward_cuda(x: Any, kernel: Any, stride: Any = None, padding: Any = 0) -> tuple[Any, Any]:
-    """GPU twin of :func:`maxpool_forward_reference` (float32 or float16 CuPy x)."""
+    """Return ``(y, idx)``: y (N, Ho, Wo, C) like x (float32 or float16), idx the uint8 winning taps.
+    stride defaults to kernel."""
     cp = _cuda.cupy_module()
     name = "maxpool_forward"
     stride = kernel if stride is None else stride
@@ -88,7 +53,7 @@ def maxpool_forward_cuda(x: Any, kernel: Any, stride: Any = None, padding: Any =
 def maxpool_backward_cuda(
     gy: Any, idx: Any, x_shape: tuple[int, int, int, int], kernel: Any, stride: Any = None, padding: Any = 0
 ) -> Any:
-    """GPU twin of :func:`maxpool_backward_reference`."""
+    """Gradient with respect to x (shape ``x_shape``, dtype of gy) from the forward's ``idx``."""
     cp = _cuda.cupy_module()
     name = "maxpool_backward"
     stride = kernel if stride is None else stride

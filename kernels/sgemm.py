@@ -1,7 +1,8 @@
-"""Tiled shared-memory SGEMM ``C = A @ B`` (row-major float32) and its NumPy twin.
+"""Tiled shared-memory SGEMM ``C = A @ B`` (row-major float32).
 
 The kernel (``sgemm.cu``) is the educational one of the set: the engine may keep using cuBLAS
-(``cupy.matmul``) where it is faster, and ``benchmarks/gpu.py`` reports both side by side.
+(``cupy.matmul``) where it is faster, and ``benchmarks/gpu.py`` reports both side by side. Its maths
+is NumPy's matrix product, which tests/kernels/test_kernel_launch.py compares it with.
 """
 
 from __future__ import annotations
@@ -15,13 +16,6 @@ from leaflens.kernels import _checks, _cuda
 TILE_M = 64  # rows of C per block (must match SGEMM_BM in sgemm.cu)
 TILE_N = 64  # columns of C per block (SGEMM_BN)
 THREADS = 256  # threads per block (SGEMM_THREADS)
-
-
-def sgemm_reference(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``a @ b`` for 2-D float32 arrays, in float32 (what the kernel computes)."""
-    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
-        raise ValueError(f"sgemm: shapes {a.shape} and {b.shape} do not multiply")
-    return np.matmul(a.astype(np.float32, copy=False), b.astype(np.float32, copy=False))
 
 
 def sgemm_cuda(a: Any, b: Any, out: Any | None = None) -> Any:

@@ -6,6 +6,10 @@ of ``-sum(q * log_softmax(z))``. The forward returns the loss and ``stats`` (N, 
 (log-sum-exp, total target mass); the backward computes ``(softmax * mass - q) * g / N``, which is the
 exact gradient of that loss and equals the usual ``(softmax - q) * g / N`` when each row of q sums to 1.
 All arithmetic is float32 (float16 logits are widened as they are read).
+
+The maths is defined once, by the engine's ``cross_entropy`` (:mod:`leaflens.engine.ops.loss`), which
+also covers what these kernels do not (``ignore_index``, reduction 'none'); tests/kernels/
+test_kernel_launch.py holds the kernels to it, and ``stats`` to its formula.
 """
 
 from __future__ import annotations
@@ -36,64 +40,10 @@ def _check_smoothing(name: str, kind: str, label_smoothing: float) -> None:
         raise ValueError(f"{name}: label_smoothing applies to class-index targets only; smooth soft targets yourself")
 
 
-def _target_matrix(targets: np.ndarray, n: int, c: int, eps: float, ct: np.dtype) -> np.ndarray:
-    """Dense q (N, C) for either target kind."""
-    if targets.dtype == np.int64:
-        if n and (targets.min() < 0 or targets.max() >= c):
-            raise ValueError(f"softmax_xent: class index out of range [0, {c}): {targets.min()}..{targets.max()}")
-        q = np.full((n, c), eps / c, dtype=ct)
-        q[np.arange(n), targets] += ct.type(1.0 - eps)
-        return q
-    return targets.astype(ct, copy=False)
-
-
-def softmax_xent_forward_reference(
-    logits: np.ndarray, targets: np.ndarray, label_smoothing: float = 0.0
-) -> tuple[np.ndarray, np.ndarray]:
-    """Return ``(loss, stats)``: the mean loss (0-d) and per-row (log-sum-exp, target mass) (N, 2)."""
-    if logits.ndim != 2:
-        raise ValueError(f"softmax_xent: logits must be (N, C), got {logits.shape}")
-    n, c = logits.shape
-    kind = _targets_kind(targets, n, c, "softmax_xent")
-    _check_smoothing("softmax_xent", kind, label_smoothing)
-    if n == 0 or c == 0:
-        raise ValueError(f"softmax_xent: logits must have at least one row and one class, got {logits.shape}")
-    ct = np.result_type(logits.dtype, np.float32)
-    z = logits.astype(ct, copy=False)
-    m = np.max(z, axis=1, keepdims=True)
-    lse = (m + np.log(np.sum(np.exp(z - m), axis=1, keepdims=True)))[:, 0]
-    q = _target_matrix(targets, n, c, label_smoothing, ct)
-    mass = np.sum(q, axis=1)
-    row_loss = lse * mass - np.sum(q * z, axis=1)
-    stats = np.stack([lse, mass], axis=1).astype(ct, copy=False)
-    return np.asarray(row_loss.mean(dtype=ct)), stats
-
-
-def softmax_xent_backward_reference(
-    logits: np.ndarray,
-    targets: np.ndarray,
-    stats: np.ndarray,
-    grad: float | np.ndarray = 1.0,
-    label_smoothing: float = 0.0,
-) -> np.ndarray:
-    """Gradient of the mean loss with respect to the logits, scaled by the upstream ``grad``."""
-    n, c = logits.shape
-    kind = _targets_kind(targets, n, c, "softmax_xent backward")
-    _check_smoothing("softmax_xent backward", kind, label_smoothing)
-    ct = np.result_type(logits.dtype, np.float32)
-    z = logits.astype(ct, copy=False)
-    q = _target_matrix(targets, n, c, label_smoothing, ct)
-    st = stats.astype(ct, copy=False)
-    p = np.exp(z - st[:, :1])
-    g = ct.type(np.asarray(grad, dtype=ct).reshape(()))
-    d = (p * st[:, 1:2] - q) * (g / ct.type(n))
-    return d.astype(logits.dtype, copy=False)
-
-
 def softmax_xent_forward_cuda(
     logits: Any, targets: Any, label_smoothing: float = 0.0, validate: bool = True
 ) -> tuple[Any, Any]:
-    """GPU twin of :func:`softmax_xent_forward_reference`; returns ``(loss (0-d float32), stats)``.
+    """Return ``(loss, stats)``: the mean loss (0-d float32) and per-row (log-sum-exp, target mass) (N, 2).
 
     ``validate`` checks class indices on the device first (one host synchronisation); without it an
     out-of-range index gives a NaN row loss rather than a wrong number.
@@ -131,7 +81,8 @@ def softmax_xent_forward_cuda(
 def softmax_xent_backward_cuda(
     logits: Any, targets: Any, stats: Any, grad: Any = 1.0, label_smoothing: float = 0.0
 ) -> Any:
-    """GPU twin of :func:`softmax_xent_backward_reference`; ``grad`` may be a float or a device scalar."""
+    """Gradient of the mean loss with respect to the logits, scaled by the upstream ``grad`` (a float
+    or a device scalar)."""
     cp = _cuda.cupy_module()
     name = "softmax_xent_backward"
     _checks.require_array(cp, name, "logits", logits, [np.float32, np.float16], ndim=2)

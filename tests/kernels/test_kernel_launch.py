@@ -1,8 +1,12 @@
-"""Each ``*_cuda`` wrapper + ``.cu`` kernel against its NumPy reference.
+"""Each ``*_cuda`` wrapper + ``.cu`` kernel against the engine's CPU function that defines its maths.
 
 Runs twice per case: on the CPU emulator (the real kernel source built for the host; always) and on a
-real GPU (marked ``gpu``; skipped with the probe's reason where there is none). Tolerances: rtol 1e-4
-for float32, looser for float16 (storage rounding), as the kernels accumulate in float32.
+real GPU (marked ``gpu``; skipped with the probe's reason where there is none). The expected values come
+from the engine's NumPy path (the one definition of each kernel's maths), computed in float32 from the
+same inputs; what only the kernels have (cross-entropy ``stats``, max-pool tap indices, ``grad_scale``,
+masking a NaN/inf upstream gradient, a NaN winning a pool window) is checked against explicit maths.
+Tolerances: rtol 1e-4 for float32, looser for float16 (storage rounding), as the kernels accumulate in
+float32.
 """
 
 from __future__ import annotations
@@ -10,28 +14,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from leaflens.kernels.activation_grad import activation_grad_cuda, activation_grad_reference
-from leaflens.kernels.fused_optim import adamw_cuda, adamw_reference, sgd_momentum_cuda, sgd_momentum_reference
-from leaflens.kernels.im2col import col2im_cuda, col2im_reference, im2col_cuda, im2col_reference
-from leaflens.kernels.l2norm import (
-    l2norm_backward_cuda,
-    l2norm_backward_reference,
-    l2norm_forward_cuda,
-    l2norm_forward_reference,
-)
-from leaflens.kernels.maxpool import (
-    maxpool_backward_cuda,
-    maxpool_backward_reference,
-    maxpool_forward_cuda,
-    maxpool_forward_reference,
-)
-from leaflens.kernels.sgemm import sgemm_cuda, sgemm_reference
-from leaflens.kernels.softmax_xent import (
-    softmax_xent_backward_cuda,
-    softmax_xent_backward_reference,
-    softmax_xent_forward_cuda,
-    softmax_xent_forward_reference,
-)
+from leaflens.engine import ops
+from leaflens.engine.nn.module import Parameter
+from leaflens.engine.ops.conv import col2im, im2col, pad_nhwc
+from leaflens.engine.ops.norm import L2Normalize
+from leaflens.engine.optim import SGD, AdamW
+from leaflens.engine.tensor import Tensor
+from leaflens.kernels.activation_grad import activation_grad_cuda
+from leaflens.kernels.fused_optim import adamw_cuda, sgd_momentum_cuda
+from leaflens.kernels.im2col import col2im_cuda, conv_output_size, im2col_cuda
+from leaflens.kernels.l2norm import l2norm_backward_cuda, l2norm_forward_cuda
+from leaflens.kernels.maxpool import maxpool_backward_cuda, maxpool_forward_cuda
+from leaflens.kernels.sgemm import sgemm_cuda
+from leaflens.kernels.softmax_xent import softmax_xent_backward_cuda, softmax_xent_forward_cuda
 
 TOL = {np.float32: dict(rtol=1e-4, atol=1e-6), np.float16: dict(rtol=2e-3, atol=2e-3)}
 
@@ -42,14 +37,101 @@ def close(actual: np.ndarray, expected: np.ndarray, dtype=np.float32, **kw) -> N
     np.testing.assert_allclose(np.asarray(actual, np.float64), np.asarray(expected, np.float64), **tol)
 
 
+def f32(a: np.ndarray) -> np.ndarray:
+    return np.asarray(a).astype(np.float32)
+
+
+# ---- the engine's functions, on NumPy float32 copies of the kernel's inputs ----------------------------
+def engine_xent(logits: np.ndarray, targets: np.ndarray, smoothing: float, grad: float) -> tuple[float, np.ndarray]:
+    """(mean loss, gradient for upstream ``grad``) of the engine's cross_entropy."""
+    z = Tensor(f32(logits), requires_grad=True)
+    loss = ops.cross_entropy(z, targets, label_smoothing=smoothing)
+    loss.backward(np.float32(grad))
+    return float(loss.data), z.grad
+
+
+def log_sum_exp(z: np.ndarray) -> np.ndarray:
+    z = np.asarray(z, np.float64)
+    m = z.max(axis=1, keepdims=True)
+    return (m + np.log(np.exp(z - m).sum(axis=1, keepdims=True)))[:, 0]
+
+
+def engine_activation_grad(kind: str, y: np.ndarray, gy: np.ndarray, slope: float) -> np.ndarray:
+    """The engine's backward for an activation whose output is ``y`` (x is chosen to give exactly y's signs)."""
+    y32 = f32(y)
+    fn = {"relu": ops.relu, "leaky_relu": lambda v: ops.leaky_relu(v, slope), "relu6": ops.relu6}[kind]
+    x = Tensor(np.where(y32 > 0, y32, y32 / np.float32(slope)) if kind == "leaky_relu" else y32, requires_grad=True)
+    fn(x).backward(f32(gy))
+    return x.grad
+
+
+def engine_l2norm(x: np.ndarray, eps: float) -> np.ndarray:
+    """y of the engine's l2_normalize over the last axis."""
+    return ops.l2_normalize(Tensor(f32(x)), axis=-1, eps=eps).data
+
+
+def engine_l2norm_backward(y: np.ndarray, gy: np.ndarray, norm: np.ndarray, eps: float) -> np.ndarray:
+    """The engine's L2Normalize backward for the kernel's own inputs (its saved y and row norms), so a
+    float16 y's storage rounding enters both sides alike."""
+    fn = L2Normalize(-1, eps)
+    norm = f32(norm)[..., None]
+    fn.y, fn.denom, fn.clamped = f32(y), np.maximum(norm, np.float32(eps)), norm < eps
+    return fn.backward(f32(gy))
+
+
+def engine_im2col(x: np.ndarray, kernel, stride, padding) -> np.ndarray:
+    ho, wo = conv_output_size(x.shape[1], x.shape[2], kernel, stride, padding)
+    return im2col(pad_nhwc(x, padding), kernel, (ho, wo), stride)
+
+
+def engine_col2im(cols: np.ndarray, shape, kernel, stride, padding) -> np.ndarray:
+    (n, h, w, c), (pt, pb, pl, pr) = shape, padding
+    ho, wo = conv_output_size(h, w, kernel, stride, padding)
+    gx = col2im(f32(cols), (n, h + pt + pb, w + pl + pr, c), kernel, (ho, wo), stride)
+    return gx[:, pt:pt + h, pl:pl + w, :]
+
+
+def engine_maxpool(x: np.ndarray, gy: np.ndarray, kernel, stride, padding) -> tuple[np.ndarray, np.ndarray]:
+    """(y, gradient) of the engine's max_pool2d."""
+    xt = Tensor(f32(x), requires_grad=True)
+    y = ops.max_pool2d(xt, kernel, stride, padding)
+    y.backward(f32(gy))
+    return y.data, xt.grad
+
+
+def maxpool_by_loops(x: np.ndarray, kernel, stride, padding) -> tuple[np.ndarray, np.ndarray]:
+    """(y, tap index) by the definition: padding is -inf, the first maximum wins, the first NaN wins."""
+    (kh, kw), (sh, sw), (pt, _pb, pl, _pr) = kernel, stride, padding
+    n, h, w, c = x.shape
+    ho, wo = conv_output_size(h, w, kernel, stride, padding)
+    y = np.zeros((n, ho, wo, c), x.dtype)
+    idx = np.zeros((n, ho, wo, c), np.uint8)
+    for b in range(n):
+        for oh in range(ho):
+            for ow in range(wo):
+                for ch in range(c):
+                    best, arg = -np.inf, 0
+                    for t in range(kh * kw):
+                        hh, ww = oh * sh - pt + t // kw, ow * sw - pl + t % kw
+                        v = float(x[b, hh, ww, ch]) if 0 <= hh < h and 0 <= ww < w else -np.inf
+                        if np.isnan(v):
+                            best, arg = v, t
+                            break
+                        if v > best:  # strictly greater: the first maximum wins
+                            best, arg = v, t
+                    y[b, oh, ow, ch], idx[b, oh, ow, ch] = best, arg
+    return y, idx
+
+
 # ---- SGEMM ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("m,k,n", [(70, 33, 65), (1, 1, 1), (64, 16, 64), (5, 0, 3), (3, 40, 130)])
-def test_sgemm_matches_reference(backend, m, k, n):
+def test_sgemm_matches_the_matrix_product(backend, m, k, n):
     rng = np.random.default_rng(m * 1000 + k * 10 + n)
     a = rng.standard_normal((m, k)).astype(np.float32)
     b = rng.standard_normal((k, n)).astype(np.float32)
     c = backend.get(sgemm_cuda(backend.put(a), backend.put(b)))
-    close(c, sgemm_reference(a, b), atol=1e-5)
+    assert c.dtype == np.float32 and c.shape == (m, n)
+    close(c, a.astype(np.float64) @ b.astype(np.float64), atol=1e-5)
 
 
 def test_sgemm_rejects_bad_arguments(backend):
@@ -72,14 +154,13 @@ def test_softmax_xent_hard_targets(backend, dtype, n, c, smoothing):
     logits = (rng.standard_normal((n, c)) * 4 + 30).astype(dtype)  # offset: stability needs the max shift
     targets = rng.integers(0, c, size=n).astype(np.int64)
     loss, stats = softmax_xent_forward_cuda(backend.put(logits), backend.put(targets), label_smoothing=smoothing)
-    ref_loss, ref_stats = softmax_xent_forward_reference(logits, targets, label_smoothing=smoothing)
-    close(backend.get(stats), ref_stats)
-    close(float(backend.get(loss)), ref_loss, atol=1e-5)
+    want_loss, want_d = engine_xent(logits, targets, smoothing, 0.5)
+    close(backend.get(stats), np.stack([log_sum_exp(f32(logits)), np.ones(n)], axis=1))  # smoothed rows sum to 1
+    close(float(backend.get(loss)), want_loss, atol=1e-5)
     grad = backend.put(np.array(0.5, np.float32))
     d = softmax_xent_backward_cuda(backend.put(logits), backend.put(targets), stats, grad, smoothing)
     assert backend.get(d).dtype == dtype
-    ref_d = softmax_xent_backward_reference(logits, targets, ref_stats, 0.5, smoothing)
-    close(backend.get(d), ref_d, dtype)
+    close(backend.get(d), want_d.astype(dtype), dtype)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
@@ -89,11 +170,18 @@ def test_softmax_xent_soft_targets(backend, dtype):
     q = rng.random((6, 37)).astype(np.float32)
     q[:3] /= q[:3].sum(axis=1, keepdims=True)  # half the rows sum to one, half do not
     loss, stats = softmax_xent_forward_cuda(backend.put(logits), backend.put(q))
-    ref_loss, ref_stats = softmax_xent_forward_reference(logits, q)
-    close(float(backend.get(loss)), ref_loss)
-    close(backend.get(stats), ref_stats)
+    want_loss, want_d = engine_xent(logits, q, 0.0, 1.0)  # the engine's gradient is exact for any row mass too
+    close(float(backend.get(loss)), want_loss)
+    close(backend.get(stats), np.stack([log_sum_exp(f32(logits)), q.sum(axis=1)], axis=1))
     d = softmax_xent_backward_cuda(backend.put(logits), backend.put(q), stats, 1.0)
-    close(backend.get(d), softmax_xent_backward_reference(logits, q, ref_stats, 1.0), dtype)
+    close(backend.get(d), want_d.astype(dtype), dtype)
+
+
+def test_softmax_xent_is_stable_for_huge_logits(backend):
+    z = np.array([[1000.0, 0.0, -1000.0]], np.float32)
+    loss, stats = softmax_xent_forward_cuda(backend.put(z), backend.put(np.array([1], np.int64)))
+    assert float(backend.get(loss)) == pytest.approx(1000.0)
+    assert np.isfinite(backend.get(stats)).all()
 
 
 def test_softmax_xent_bad_targets(backend):
@@ -122,7 +210,19 @@ def test_activation_grad(backend, kind, dtype):
         y = np.minimum(y, 6).astype(dtype)
     gy = rng.standard_normal(y.shape).astype(dtype)
     gx = activation_grad_cuda(kind, backend.put(y), backend.put(gy), slope=0.2)
-    np.testing.assert_array_equal(backend.get(gx), activation_grad_reference(kind, y, gy, slope=0.2))
+    np.testing.assert_array_equal(backend.get(gx), engine_activation_grad(kind, y, gy, 0.2).astype(dtype))
+
+
+def test_activation_grad_masks_nonfinite_upstream(backend):
+    """Masked positions are exactly 0 even for an inf/NaN upstream gradient (the engine's gy * mask is NaN there)."""
+    y = np.array([0.0, 1.0, 0.0, 7.0], np.float32)
+    gy = np.array([np.inf, 2.0, np.nan, np.nan], np.float32)
+    np.testing.assert_array_equal(backend.get(activation_grad_cuda("relu", backend.put(y), backend.put(gy))),
+                                  [0.0, 2.0, 0.0, np.nan])
+    np.testing.assert_array_equal(backend.get(activation_grad_cuda("relu6", backend.put(y), backend.put(gy))),
+                                  [0.0, 2.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match="slope must be > 0"):
+        activation_grad_cuda("leaky_relu", backend.put(y), backend.put(gy), slope=0.0)
 
 
 def test_activation_grad_large_grid(backend):
@@ -144,12 +244,13 @@ def test_l2norm(backend, dtype, shape):
     x.reshape(-1, shape[-1])[1] *= 1e-4
     eps = 1e-3
     y, norm = l2norm_forward_cuda(backend.put(x), eps)
-    ref_y, ref_norm = l2norm_forward_reference(x, eps)
-    close(backend.get(norm), ref_norm, dtype)
-    close(backend.get(y), ref_y, dtype)
+    assert backend.get(norm).dtype == np.float32
+    close(backend.get(norm), np.sqrt(np.sum(np.square(x, dtype=np.float64), axis=-1)), dtype)
+    close(backend.get(y), engine_l2norm(x, eps).astype(dtype), dtype)
     gy = rng.standard_normal(shape).astype(dtype)
-    gx = l2norm_backward_cuda(backend.put(ref_y), backend.put(gy), backend.put(ref_norm), eps)
-    close(backend.get(gx), l2norm_backward_reference(ref_y, gy, ref_norm, eps), dtype, atol=5e-3)
+    gx = l2norm_backward_cuda(y, backend.put(gy), norm, eps)
+    want = engine_l2norm_backward(backend.get(y), gy, backend.get(norm), eps)
+    close(backend.get(gx), want.astype(dtype), dtype, atol=5e-3)
 
 
 # ---- im2col / col2im -----------------------------------------------------------------------------
@@ -168,11 +269,12 @@ def test_im2col_col2im(backend, dtype, shape, kernel, stride, padding):
     rng = np.random.default_rng(shape[1] * 10 + kernel[0])
     x = rng.standard_normal(shape).astype(dtype)
     cols = im2col_cuda(backend.put(x), kernel, stride, padding)
-    ref_cols = im2col_reference(x, kernel, stride, padding)
-    np.testing.assert_array_equal(backend.get(cols), ref_cols)  # a pure copy: exact
-    g = rng.standard_normal(ref_cols.shape).astype(dtype)
+    want_cols = engine_im2col(x, kernel, stride, padding)
+    assert want_cols.dtype == dtype
+    np.testing.assert_array_equal(backend.get(cols), want_cols)  # a pure copy: exact
+    g = rng.standard_normal(want_cols.shape).astype(dtype)
     gx = col2im_cuda(backend.put(g), shape, kernel, stride, padding)
-    close(backend.get(gx), col2im_reference(g, shape, kernel, stride, padding), dtype)
+    close(backend.get(gx), engine_col2im(g, shape, kernel, stride, padding).astype(dtype), dtype)
 
 
 # ---- max-pool ------------------------------------------------------------------------------------
@@ -190,22 +292,35 @@ def test_maxpool(backend, dtype, shape, kernel, stride, padding):
     x = rng.integers(-3, 4, size=shape).astype(dtype)  # small integers: many ties
     x[0, 0, 0, 0] = -np.inf
     y, idx = maxpool_forward_cuda(backend.put(x), kernel, stride, padding)
-    ref_y, ref_idx = maxpool_forward_reference(x, kernel, stride, padding)
-    np.testing.assert_array_equal(backend.get(y), ref_y)
-    np.testing.assert_array_equal(backend.get(idx), ref_idx)
-    gy = rng.standard_normal(ref_y.shape).astype(dtype)
+    loop_y, loop_idx = maxpool_by_loops(x, kernel, stride, padding)
+    gy = rng.standard_normal(loop_y.shape).astype(dtype)
+    want_y, want_gx = engine_maxpool(x, gy, kernel, stride, padding)
+    np.testing.assert_array_equal(backend.get(y), want_y.astype(dtype))
+    np.testing.assert_array_equal(backend.get(y), loop_y)
+    np.testing.assert_array_equal(backend.get(idx), loop_idx)  # the first maximum, as the engine's backward
     gx = maxpool_backward_cuda(backend.put(gy), idx, shape, kernel, stride, padding)
-    close(backend.get(gx), maxpool_backward_reference(gy, ref_idx, shape, kernel, stride, padding), dtype)
+    close(backend.get(gx), want_gx.astype(dtype), dtype)
 
 
 def test_maxpool_nan_and_all_padding(backend):
+    """A NaN wins its windows (the engine's backward drops it); a window half in the padding still works."""
     x = np.zeros((1, 3, 3, 2), np.float32)
     x[0, 1, 1, 0] = np.nan
     x[0, 0, 0, 1] = 5.0
     y, idx = maxpool_forward_cuda(backend.put(x), (2, 2), (1, 1), (1, 0, 1, 0))
-    ref_y, ref_idx = maxpool_forward_reference(x, (2, 2), (1, 1), (1, 0, 1, 0))
-    np.testing.assert_array_equal(backend.get(y), ref_y)
-    np.testing.assert_array_equal(backend.get(idx), ref_idx)
+    loop_y, loop_idx = maxpool_by_loops(x, (2, 2), (1, 1), (1, 0, 1, 0))
+    assert np.isnan(loop_y[0, 1:, 1:, 0]).all() and (loop_idx[0, 1:, 1:, 0] == [[3, 2], [1, 0]]).all()
+    np.testing.assert_array_equal(backend.get(y), loop_y)
+    np.testing.assert_array_equal(backend.get(idx), loop_idx)
+    gx = maxpool_backward_cuda(backend.put(np.ones_like(loop_y)), idx, x.shape, (2, 2), (1, 1), (1, 0, 1, 0))
+    assert backend.get(gx)[0, 1, 1, 0] == 4  # the NaN got the gradient of all four windows it won
+
+
+def test_maxpool_limits(backend):
+    with pytest.raises(ValueError, match="uint8"):
+        maxpool_forward_cuda(backend.put(np.zeros((1, 20, 20, 1), np.float32)), (17, 17))
+    with pytest.raises(ValueError, match="does not fit"):
+        maxpool_forward_cuda(backend.put(np.zeros((1, 2, 2, 1), np.float32)), (3, 3))
 
 
 # ---- fused optimisers ----------------------------------------------------------------------------
@@ -214,32 +329,50 @@ def test_sgd_momentum_steps(backend, nesterov):
     rng = np.random.default_rng(5)
     n = 1000
     p = rng.standard_normal(n).astype(np.float32)
-    buf = np.zeros(n, np.float32)
-    dp, dbuf = backend.put(p), backend.put(buf)
+    param = Parameter(p.copy())
+    opt = SGD([param], lr=0.1, momentum=0.9, weight_decay=1e-2, nesterov=nesterov)
+    dp, dbuf = backend.put(p), backend.put(np.zeros(n, np.float32))
     for _ in range(3):
         g = rng.standard_normal(n).astype(np.float32)
-        kw = dict(lr=0.1, momentum=0.9, weight_decay=1e-2, nesterov=nesterov, grad_scale=0.5)
-        sgd_momentum_cuda(dp, backend.put(g), dbuf, **kw)
-        sgd_momentum_reference(p, g, buf, **kw)
-    close(backend.get(dp), p)
-    close(backend.get(dbuf), buf)
+        sgd_momentum_cuda(dp, backend.put(g), dbuf, lr=0.1, momentum=0.9, weight_decay=1e-2, nesterov=nesterov,
+                          grad_scale=0.5)
+        param.grad = g * np.float32(0.5)  # grad_scale multiplies the gradient first (exact: a power of 2)
+        opt.step()
+    close(backend.get(dp), param.data)
+    close(backend.get(dbuf), opt.state[id(param)]["momentum_buffer"])
 
 
-def test_adamw_steps(backend):
+@pytest.mark.parametrize("betas,weight_decay", [((0.9, 0.999), 0.1), ((0.5, 0.9), 0.3), ((0.9, 0.999), 0.0)])
+def test_adamw_steps(backend, betas, weight_decay):
+    """Decoupled decay and both bias corrections, over enough steps for the corrections to fade."""
     rng = np.random.default_rng(6)
     n = 777
     p = rng.standard_normal(n).astype(np.float32)
-    m = np.zeros(n, np.float32)
-    v = np.zeros(n, np.float32)
-    dp, dm, dv = backend.put(p), backend.put(m), backend.put(v)
-    for step in range(1, 5):
-        g = rng.standard_normal(n).astype(np.float32)
-        kw = dict(step=step, lr=1e-2, weight_decay=0.1, grad_scale=1 / 128)
-        adamw_cuda(dp, backend.put(g * 128), dm, dv, **kw)
-        adamw_reference(p, g * 128, m, v, **kw)
-    close(backend.get(dm), m)
-    close(backend.get(dv), v, rtol=2e-4)
-    close(backend.get(dp), p)
+    param = Parameter(p.copy())
+    opt = AdamW([param], lr=1e-2, betas=betas, eps=1e-8, weight_decay=weight_decay)
+    dp, dm, dv = backend.put(p), backend.put(np.zeros(n, np.float32)), backend.put(np.zeros(n, np.float32))
+    for step in range(1, 31):
+        g = (rng.standard_normal(n) * (10.0 if step % 7 == 0 else 0.1)).astype(np.float32)
+        adamw_cuda(dp, backend.put(g * 128), dm, dv, step=step, lr=1e-2, beta1=betas[0], beta2=betas[1], eps=1e-8,
+                   weight_decay=weight_decay, grad_scale=1 / 128)
+        param.grad = g
+        opt.step()
+    state = opt.state[id(param)]
+    assert int(state["step"]) == 30
+    close(backend.get(dm), state["exp_avg"])
+    close(backend.get(dv), state["exp_avg_sq"], rtol=2e-4)
+    close(backend.get(dp), param.data)
+
+
+def test_grad_scale_equals_prescaled_gradient(backend):
+    g = np.random.default_rng(12).standard_normal(8).astype(np.float32)
+    p1, b1 = backend.put(np.ones(8, np.float32)), backend.put(np.zeros(8, np.float32))
+    p2, b2 = backend.put(np.ones(8, np.float32)), backend.put(np.zeros(8, np.float32))
+    sgd_momentum_cuda(p1, backend.put(g * 256), b1, lr=0.1, grad_scale=1 / 256)
+    sgd_momentum_cuda(p2, backend.put(g), b2, lr=0.1)
+    close(backend.get(p1), backend.get(p2), rtol=1e-6)
+    with pytest.raises(ValueError, match="Nesterov"):
+        sgd_momentum_cuda(p1, backend.put(g), b1, lr=0.1, momentum=0.0, nesterov=True)
 
 
 def test_optimiser_rejects_mismatched_buffers(backend):

@@ -1,6 +1,6 @@
-"""Each NumPy reference twin against maths written independently of it (explicit loops over tiny
-inputs, textbook formulas, finite differences). These always run; they pin down the contract that the
-CUDA kernels are then tested against."""
+"""The engine's CPU functions that define each CUDA kernel's maths, against maths written independently
+of them (explicit loops over tiny inputs, textbook formulas, finite differences). These always run;
+they pin down the contract that tests/kernels/test_kernel_launch.py then holds the kernels to."""
 
 from __future__ import annotations
 
@@ -9,28 +9,30 @@ import math
 import numpy as np
 import pytest
 
-from leaflens.kernels.activation_grad import activation_grad_reference
-from leaflens.kernels.fused_optim import adamw_reference, sgd_momentum_reference
-from leaflens.kernels.im2col import col2im_reference, conv_output_size, im2col_reference
-from leaflens.kernels.l2norm import l2norm_backward_reference, l2norm_forward_reference
-from leaflens.kernels.maxpool import maxpool_backward_reference, maxpool_forward_reference
-from leaflens.kernels.sgemm import sgemm_reference
-from leaflens.kernels.softmax_xent import softmax_xent_backward_reference, softmax_xent_forward_reference
+from leaflens.engine import ops
+from leaflens.engine.nn.module import Parameter
+from leaflens.engine.ops.conv import col2im, im2col, pad_nhwc
+from leaflens.engine.optim import SGD, AdamW
+from leaflens.engine.tensor import Tensor
+from leaflens.kernels.im2col import conv_output_size
 
 
-def test_sgemm_reference_against_triple_loop():
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((4, 3)).astype(np.float32)
-    b = rng.standard_normal((3, 5)).astype(np.float32)
-    want = np.zeros((4, 5))
-    for i in range(4):
-        for j in range(5):
-            want[i, j] = sum(float(a[i, k]) * float(b[k, j]) for k in range(3))
-    got = sgemm_reference(a, b)
-    assert got.dtype == np.float32
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="do not multiply"):
-        sgemm_reference(a, a)
+def _xent(z: np.ndarray, targets: np.ndarray, smoothing: float = 0.0, grad: float = 1.0) -> tuple[float, np.ndarray]:
+    """(loss, gradient for upstream ``grad``) of the engine's cross_entropy."""
+    zt = Tensor(z, requires_grad=True)
+    loss = ops.cross_entropy(zt, targets, label_smoothing=smoothing)
+    loss.backward(np.asarray(grad, z.dtype))
+    return float(loss.data), zt.grad
+
+
+def _im2col(x: np.ndarray, kernel, stride, pads) -> np.ndarray:
+    return im2col(pad_nhwc(x, pads), kernel, conv_output_size(x.shape[1], x.shape[2], kernel, stride, pads), stride)
+
+
+def _col2im(cols: np.ndarray, shape, kernel, stride, pads) -> np.ndarray:
+    (n, h, w, c), (pt, pb, pl, pr) = shape, pads
+    gx = col2im(cols, (n, h + pt + pb, w + pl + pr, c), kernel, conv_output_size(h, w, kernel, stride, pads), stride)
+    return gx[:, pt:pt + h, pl:pl + w, :]
 
 
 # ---- cross-entropy -------------------------------------------------------------------------------
@@ -43,18 +45,15 @@ def _loss_by_formula(z: np.ndarray, q: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.2])
-def test_xent_reference_hard_targets(smoothing):
+def test_xent_hard_targets(smoothing):
     rng = np.random.default_rng(1)
     z = rng.standard_normal((5, 4))
     t = np.array([0, 3, 1, 1, 2], np.int64)
     q = np.full((5, 4), smoothing / 4)
     q[np.arange(5), t] += 1 - smoothing
-    loss, stats = softmax_xent_forward_reference(z, t, label_smoothing=smoothing)
-    assert float(loss) == pytest.approx(_loss_by_formula(z, q), rel=1e-12)
-    np.testing.assert_allclose(stats[:, 0], np.log(np.exp(z).sum(axis=1)), rtol=1e-12)
-    np.testing.assert_allclose(stats[:, 1], 1.0, rtol=1e-12)
+    loss, grad = _xent(z, t, smoothing, grad=2.0)
+    assert loss == pytest.approx(_loss_by_formula(z, q), rel=1e-12)
     # gradient by central differences of the formula (float64 all the way)
-    grad = softmax_xent_backward_reference(z, t, stats, grad=2.0, label_smoothing=smoothing)
     h = 1e-6
     for i, j in [(0, 0), (1, 3), (4, 1)]:
         zp, zm = z.copy(), z.copy()
@@ -64,13 +63,12 @@ def test_xent_reference_hard_targets(smoothing):
         assert grad[i, j] == pytest.approx(fd, rel=1e-6, abs=1e-9)
 
 
-def test_xent_reference_soft_targets_not_summing_to_one():
+def test_xent_soft_targets_not_summing_to_one():
     rng = np.random.default_rng(2)
     z = rng.standard_normal((3, 6))
     q = rng.random((3, 6))  # rows do not sum to one: the gradient must still be exact
-    loss, stats = softmax_xent_forward_reference(z, q)
-    assert float(loss) == pytest.approx(_loss_by_formula(z, q), rel=1e-12)
-    grad = softmax_xent_backward_reference(z, q, stats)
+    loss, grad = _xent(z, q)
+    assert loss == pytest.approx(_loss_by_formula(z, q), rel=1e-12)
     h = 1e-6
     zp, zm = z.copy(), z.copy()
     zp[2, 4] += h
@@ -79,57 +77,53 @@ def test_xent_reference_soft_targets_not_summing_to_one():
     assert grad[2, 4] == pytest.approx(fd, rel=1e-6)
 
 
-def test_xent_reference_is_stable_for_huge_logits():
+def test_xent_is_stable_for_huge_logits():
     z = np.array([[1000.0, 0.0, -1000.0]], np.float32)
-    loss, stats = softmax_xent_forward_reference(z, np.array([1], np.int64))
-    assert float(loss) == pytest.approx(1000.0)
-    assert np.isfinite(stats).all()
-    with pytest.raises(ValueError, match="out of range"):
-        softmax_xent_forward_reference(z, np.array([3], np.int64))
+    loss, grad = _xent(z, np.array([1], np.int64))
+    assert loss == pytest.approx(1000.0)
+    assert np.isfinite(grad).all()
+    with pytest.raises(ValueError, match=r"target class 3 is outside \[0, 3\)"):
+        _xent(z, np.array([3], np.int64))
 
 
 # ---- activations ---------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "kind,forward",
+    "op,forward",
     [
-        ("relu", lambda x: np.maximum(x, 0)),
-        ("leaky_relu", lambda x: np.where(x > 0, x, 0.1 * x)),
-        ("relu6", lambda x: np.clip(x, 0, 6)),
+        (ops.relu, lambda x: np.maximum(x, 0)),
+        (lambda v: ops.leaky_relu(v, 0.1), lambda x: np.where(x > 0, x, 0.1 * x)),
+        (ops.relu6, lambda x: np.clip(x, 0, 6)),
     ],
 )
-def test_activation_grad_reference_is_the_derivative(kind, forward):
+def test_activation_grad_is_the_derivative(op, forward):
     x = np.array([-3.0, -0.5, 0.25, 2.0, 5.5, 6.5, 9.0])  # away from the kinks
     gy = np.linspace(1.0, 2.0, x.size)
     h = 1e-6
     derivative = (forward(x + h) - forward(x - h)) / (2 * h)
-    got = activation_grad_reference(kind, forward(x), gy, slope=0.1)
-    np.testing.assert_allclose(got, gy * derivative, rtol=1e-6)
-
-
-def test_activation_grad_reference_masks_nonfinite_upstream():
-    y = np.array([0.0, 1.0], np.float32)
-    gy = np.array([np.inf, 2.0], np.float32)
-    np.testing.assert_array_equal(activation_grad_reference("relu", y, gy), [0.0, 2.0])
-    with pytest.raises(ValueError, match="slope must be > 0"):
-        activation_grad_reference("leaky_relu", y, gy, slope=0.0)
+    xt = Tensor(x, requires_grad=True)
+    y = op(xt)
+    np.testing.assert_array_equal(y.data, forward(x))
+    y.backward(gy)
+    np.testing.assert_allclose(xt.grad, gy * derivative, rtol=1e-6)
 
 
 # ---- L2 normalisation ----------------------------------------------------------------------------
-def test_l2norm_reference_forward_and_gradient():
+def test_l2norm_forward_and_gradient():
     rng = np.random.default_rng(4)
     x = rng.standard_normal((3, 5))
     x[2] = 1e-9  # below eps: clamped
     eps = 1e-6
-    y, norm = l2norm_forward_reference(x, eps)
+    xt = Tensor(x, requires_grad=True)
+    y = ops.l2_normalize(xt, axis=-1, eps=eps)
     for r in range(3):
         n = math.sqrt(sum(v * v for v in x[r]))
-        assert norm[r] == pytest.approx(n)
-        np.testing.assert_allclose(y[r], x[r] / max(n, eps))
+        np.testing.assert_allclose(y.data[r], x[r] / max(n, eps))
     gy = rng.standard_normal((3, 5))
-    gx = l2norm_backward_reference(y, gy, norm, eps)
+    y.backward(gy)
+    gx = xt.grad
 
     def f(xx: np.ndarray) -> float:
-        return float(np.sum(l2norm_forward_reference(xx, eps)[0] * gy))
+        return float(np.sum(ops.l2_normalize(Tensor(xx), axis=-1, eps=eps).data * gy))
 
     h = 1e-7
     for r, c in [(0, 1), (1, 4), (2, 2)]:
@@ -166,26 +160,26 @@ def _conv_by_loops(x, w, stride, pads):
     "shape,kernel,stride,pads",
     [((2, 5, 4, 3), (3, 3), (1, 1), (1, 1, 1, 1)), ((1, 6, 7, 2), (2, 3), (2, 2), (0, 1, 1, 1))],
 )
-def test_im2col_reference_gives_convolution(shape, kernel, stride, pads):
+def test_im2col_gives_convolution(shape, kernel, stride, pads):
     rng = np.random.default_rng(7)
     x = rng.standard_normal(shape)
     w = rng.standard_normal((4, shape[3], *kernel))
-    cols = im2col_reference(x, kernel, stride, pads)
+    cols = _im2col(x, kernel, stride, pads)
     ho, wo = conv_output_size(shape[1], shape[2], kernel, stride, pads)
     y = (cols @ w.transpose(2, 3, 1, 0).reshape(-1, 4)).reshape(shape[0], ho, wo, 4)
     np.testing.assert_allclose(y, _conv_by_loops(x, w, stride, pads), rtol=1e-10, atol=1e-12)
 
 
-def test_col2im_reference_is_the_adjoint():
+def test_col2im_is_the_adjoint():
     rng = np.random.default_rng(8)
     shape, kernel, stride, pads = (2, 7, 6, 3), (3, 3), (2, 1), (1, 0, 2, 1)
     x = rng.standard_normal(shape)
-    cols = im2col_reference(x, kernel, stride, pads)
+    cols = _im2col(x, kernel, stride, pads)
     c = rng.standard_normal(cols.shape)
     # <im2col(x), c> == <x, col2im(c)> for every x and c
-    assert np.sum(cols * c) == pytest.approx(np.sum(x * col2im_reference(c, shape, kernel, stride, pads)), rel=1e-12)
+    assert np.sum(cols * c) == pytest.approx(np.sum(x * _col2im(c, shape, kernel, stride, pads)), rel=1e-12)
     # and explicitly: each input pixel receives the sum of the column entries copied from it
-    gx = col2im_reference(c, shape, kernel, stride, pads)
+    gx = _col2im(c, shape, kernel, stride, pads)
     ho, wo = conv_output_size(7, 6, kernel, stride, pads)
     want = np.zeros(shape)
     for m in range(cols.shape[0]):
@@ -201,11 +195,13 @@ def test_col2im_reference_is_the_adjoint():
 
 
 # ---- max-pool ------------------------------------------------------------------------------------
-def test_maxpool_reference_against_loops():
+def test_maxpool_against_loops():
     rng = np.random.default_rng(9)
     x = rng.integers(-2, 3, size=(2, 5, 6, 2)).astype(np.float32)  # many ties
     kernel, stride, pads = (3, 2), (2, 2), (1, 1, 0, 1)
-    y, idx = maxpool_forward_reference(x, kernel, stride, pads)
+    xt = Tensor(x, requires_grad=True)
+    yt = ops.max_pool2d(xt, kernel, stride, pads)
+    y = yt.data
     ho, wo = conv_output_size(5, 6, kernel, stride, pads)
     gy = rng.standard_normal(y.shape).astype(np.float32)
     gx_want = np.zeros(x.shape, np.float32)
@@ -221,30 +217,31 @@ def test_maxpool_reference_against_loops():
                         if v > best:  # strictly greater: the first maximum wins
                             best, arg = v, t
                     assert y[b, oh, ow, ch] == best
-                    assert idx[b, oh, ow, ch] == arg
                     i, j = divmod(arg, 2)
                     hh, ww = oh * 2 - 1 + i, ow * 2 + j
                     if 0 <= hh < 5 and 0 <= ww < 6:
                         gx_want[b, hh, ww, ch] += gy[b, oh, ow, ch]
-    np.testing.assert_allclose(maxpool_backward_reference(gy, idx, x.shape, kernel, stride, pads), gx_want, rtol=1e-6)
+    yt.backward(gy)  # the gradient goes to the first maximum of each window (the kernel's tap index)
+    np.testing.assert_allclose(xt.grad, gx_want, rtol=1e-6)
 
 
-def test_maxpool_reference_limits():
-    with pytest.raises(ValueError, match="uint8"):
-        maxpool_forward_reference(np.zeros((1, 20, 20, 1), np.float32), (17, 17))
+def test_maxpool_window_must_fit():
     with pytest.raises(ValueError, match="does not fit"):
-        maxpool_forward_reference(np.zeros((1, 2, 2, 1), np.float32), (3, 3))
+        ops.max_pool2d(Tensor(np.zeros((1, 2, 2, 1), np.float32)), (3, 3))
 
 
 # ---- optimisers ----------------------------------------------------------------------------------
-def test_sgd_reference_against_step_loop():
+def test_sgd_against_step_loop():
     rng = np.random.default_rng(10)
     p0 = rng.standard_normal(6).astype(np.float32)
     grads = [rng.standard_normal(6).astype(np.float32) for _ in range(3)]
     for nesterov in (False, True):
-        p, buf = p0.copy(), np.zeros(6, np.float32)
+        param = Parameter(p0.copy())
+        opt = SGD([param], lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=nesterov)
         for g in grads:
-            sgd_momentum_reference(p, g, buf, lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=nesterov)
+            param.grad = g.copy()
+            opt.step()
+        p = param.data
         # PyTorch's documented algorithm, element by element in float64; the buffer starts as d_1
         for e in range(6):
             pe, b = float(p0[e]), None
@@ -255,13 +252,16 @@ def test_sgd_reference_against_step_loop():
             assert p[e] == pytest.approx(pe, rel=1e-5, abs=1e-6)
 
 
-def test_adamw_reference_against_step_loop():
+def test_adamw_against_step_loop():
     rng = np.random.default_rng(11)
     p0 = rng.standard_normal(5).astype(np.float32)
     grads = [rng.standard_normal(5).astype(np.float32) for _ in range(4)]
-    p, m, v = p0.copy(), np.zeros(5, np.float32), np.zeros(5, np.float32)
-    for t, g in enumerate(grads, start=1):
-        adamw_reference(p, g, m, v, step=t, lr=0.01, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1)
+    param = Parameter(p0.copy())
+    opt = AdamW([param], lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
+    for g in grads:
+        param.grad = g.copy()
+        opt.step()
+    p = param.data
     for e in range(5):
         pe, me, ve = float(p0[e]), 0.0, 0.0
         for t, g in enumerate(grads, start=1):
@@ -272,15 +272,3 @@ def test_adamw_reference_against_step_loop():
             mhat, vhat = me / (1 - 0.8**t), ve / (1 - 0.99**t)
             pe -= 0.01 * mhat / (math.sqrt(vhat) + 1e-6)
         assert p[e] == pytest.approx(pe, rel=1e-5, abs=1e-6)
-
-
-def test_grad_scale_equals_prescaled_gradient():
-    rng = np.random.default_rng(12)
-    g = rng.standard_normal(8).astype(np.float32)
-    p1, b1 = np.ones(8, np.float32), np.zeros(8, np.float32)
-    p2, b2 = np.ones(8, np.float32), np.zeros(8, np.float32)
-    sgd_momentum_reference(p1, g * 256, b1, lr=0.1, grad_scale=1 / 256)
-    sgd_momentum_reference(p2, g, b2, lr=0.1)
-    np.testing.assert_allclose(p1, p2, rtol=1e-6)
-    with pytest.raises(ValueError, match="Nesterov"):
-        sgd_momentum_reference(p1, g, b1, lr=0.1, momentum=0.0, nesterov=True)

@@ -19,23 +19,25 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from leaflens.cpus import usable_cpus
 from leaflens.data_prep.arrays import NpyRowWriter, sha256_file
-from leaflens.data_prep.decode import DEFAULT_MAX_PIXELS, ImageDecodeError, decode_image, read_source
+from leaflens.data_prep.decode import ImageDecodeError, decode_image, read_source
 from leaflens.data_prep.manifest import (
-    FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_NAME,
     REJECTED_NAME,
-    SELF_DIGEST_KEY,
     DatasetError,
+    DuplicatesInfo,
+    IngestOptions,
+    Manifest,
+    RejectedInfo,
+    SplitInfo,
     load_dataset,
-    manifest_self_digest,
     split_paths,
 )
 from leaflens.data_prep.scan import SPLITS, UNLABELED, ScanResult, SourceFile, scan_source
@@ -49,22 +51,6 @@ _CHUNK_ROWS = 256
 
 class IngestError(RuntimeError):
     """The ingest cannot produce a dataset (bad source, nothing kept, unsafe output folder)."""
-
-
-@dataclass(frozen=True)
-class IngestOptions:
-    """Everything that changes the output; recorded in the manifest and in the fingerprint."""
-
-    size: int = 128  # twice the student's default 64 px input (see model.input_size)
-    resize: str = "crop"
-    ratios: tuple[float, float, float] = (0.7, 0.15, 0.15)
-    seed: int = 0
-    max_pixels: int = DEFAULT_MAX_PIXELS
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["ratios"] = list(self.ratios)
-        return d
 
 
 @dataclass
@@ -176,20 +162,20 @@ def _assign(scan: ScanResult, kept: list[int], hashes: list[bytes], opts: Ingest
     return out
 
 
-def _duplicate_stats(scan: ScanResult, kept: list[int], hashes: list[bytes]) -> dict[str, int]:
+def _duplicate_stats(scan: ScanResult, kept: list[int], hashes: list[bytes]) -> DuplicatesInfo:
     groups: dict[bytes, set[int]] = {}
     sizes: dict[bytes, int] = {}
     for i, h in zip(kept, hashes):
         groups.setdefault(h, set()).add(scan.files[i].label)
         sizes[h] = sizes.get(h, 0) + 1
     dup = [h for h, n in sizes.items() if n > 1]
-    return {"groups": len(dup), "files": sum(sizes[h] for h in dup),
-            "label_conflicts": sum(1 for h in dup if len(groups[h] - {-1}) > 1)}
+    return DuplicatesInfo(groups=len(dup), files=sum(sizes[h] for h in dup),
+                          label_conflicts=sum(1 for h in dup if len(groups[h] - {-1}) > 1))
 
 
 # ---------------------------------------------------------------------------- writing
 def _write_splits(tmp: Path, scan: ScanResult, kept: list[int], assigned: list[str | None],
-                  opts: IngestOptions) -> tuple[dict, np.ndarray]:
+                  opts: IngestOptions) -> tuple[dict[str, SplitInfo], np.ndarray]:
     """Stream staging rows into per-split files; returns split info and train channel histograms."""
     size = opts.size
     row_shape = (size, size, 3)
@@ -198,7 +184,7 @@ def _write_splits(tmp: Path, scan: ScanResult, kept: list[int], assigned: list[s
     rows_of = {s: [r for r, a in enumerate(assigned) if a == s] for s in split_names}
     writers: dict[str, tuple[NpyRowWriter, NpyRowWriter | None]] = {}
     hist = np.zeros((3, 256), np.int64)
-    info: dict[str, dict] = {}
+    info: dict[str, SplitInfo] = {}
     try:
         for s in split_names:
             names = split_paths(s)
@@ -214,9 +200,8 @@ def _write_splits(tmp: Path, scan: ScanResult, kept: list[int], assigned: list[s
                 label = scan.files[kept[r]].label
                 if label >= 0:
                     per_class[scan.classes[label]] += 1
-            info[s] = {"count": n, "labels": "absent" if s == UNLABELED else "present"}
-            if s != UNLABELED:
-                info[s]["per_class"] = per_class
+            info[s] = (SplitInfo(count=n, labels="absent") if s == UNLABELED
+                       else SplitInfo(count=n, labels="present", per_class=per_class))
         with open(tmp / _STAGING, "rb") as fh:
             for start in range(0, len(kept), _CHUNK_ROWS):
                 n = min(_CHUNK_ROWS, len(kept) - start)
@@ -257,7 +242,7 @@ def _mean_std(hist: np.ndarray) -> tuple[list[float], list[float]]:
 
 
 def _fingerprint(scan: ScanResult, opts: IngestOptions, unlabeled: str | None) -> str:
-    payload = json.dumps({"format_version": FORMAT_VERSION, "options": opts.as_dict(), "root": scan.root,
+    payload = json.dumps({"format_version": FORMAT_VERSION, "options": opts.to_dict(), "root": scan.root,
                           "unlabeled": unlabeled, "classes": scan.classes, "files": scan.stats_digest},
                          sort_keys=True)
     return "sha256:" + hashlib.sha256(payload.encode()).hexdigest()
@@ -309,7 +294,7 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike, options: IngestOption
         assigned = _assign(scan, kept, hashes, opts, rejects)
         info, hist = _write_splits(tmp, scan, kept, assigned, opts)
         (tmp / _STAGING).unlink()
-        if info["train"]["count"] == 0:
+        if info["train"].count == 0:
             raise IngestError(f"{src_p}: no training image could be decoded ({len(rejects)} rejected); "
                               f"see the reasons above")
         mean, std = _mean_std(hist)
@@ -328,34 +313,19 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike, options: IngestOption
             checksums[CLASS_INFO_NAME] = sha256_file(tmp / CLASS_INFO_NAME)
         for s in info:
             for kind, name in split_paths(s).items():
-                if kind == "labels" and info[s]["labels"] == "absent":
+                if kind == "labels" and info[s].labels == "absent":
                     continue
                 checksums[name] = sha256_file(tmp / name)
-        manifest = {
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            "classes": scan.classes,
-            "image_size": opts.size,
-            "layout": "NHWC",
-            "dtype": "uint8",
-            "mean": mean,
-            "std": std,
-            "mean_std_scale": "pixel / 255, per RGB channel, computed on train",
-            "splits": info,
-            "source_root": scan.root,
-            "source_layout": scan.layout,
-            "unlabeled_source": unl,
-            "class_info": class_info,
-            "options": opts.as_dict(),
-            "rejected": {"total": len(rejects), "per_class": report.rejected,
-                         "reasons": report.rejected_reasons, "list": REJECTED_NAME},
-            "ignored": scan.ignored,
-            "duplicates": _duplicate_stats(scan, kept, hashes),
-            "checksums": checksums,
-            "input_fingerprint": fingerprint,
-        }
-        manifest[SELF_DIGEST_KEY] = manifest_self_digest(manifest)
-        write_json_atomic(tmp / MANIFEST_NAME, manifest)
+        manifest = Manifest(
+            classes=tuple(scan.classes), image_size=opts.size, mean=mean, std=std,
+            mean_std_scale="pixel / 255, per RGB channel, computed on train", splits=info,
+            source_root=scan.root, source_layout=scan.layout, unlabeled_source=unl, class_info=class_info,
+            options=opts,
+            rejected=RejectedInfo(total=len(rejects), per_class=report.rejected, reasons=report.rejected_reasons,
+                                  list=REJECTED_NAME),
+            ignored=scan.ignored, duplicates=_duplicate_stats(scan, kept, hashes), checksums=checksums,
+            input_fingerprint=fingerprint)
+        write_json_atomic(tmp / MANIFEST_NAME, manifest.with_self_digest().to_dict())
         swap_into_place(tmp, out_p)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -365,10 +335,10 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike, options: IngestOption
     return report
 
 
-def _report(out: Path, scan: ScanResult, info: dict, rejects: list[dict]) -> IngestReport:
-    counts = {s: dict(v["per_class"]) for s, v in info.items() if "per_class" in v}
+def _report(out: Path, scan: ScanResult, info: dict[str, SplitInfo], rejects: list[dict]) -> IngestReport:
+    counts = {s: dict(v.per_class) for s, v in info.items() if v.per_class is not None}
     if UNLABELED in info:
-        counts[UNLABELED] = {UNLABELED: info[UNLABELED]["count"]}
+        counts[UNLABELED] = {UNLABELED: info[UNLABELED].count}
     rejected: dict[str, int] = {}
     reasons: dict[str, int] = {}
     for rec in rejects:

@@ -4,20 +4,27 @@ A dataset folder holds ``manifest.json`` and, per split, ``<split>_images.npy`` 
 ``<split>_labels.npy`` (int64; absent for the "unlabeled" split) and ``<split>_files.txt``.
 :func:`load_dataset` checks every file the manifest names (present, right shape/dtype/length, and
 with ``verify=True`` the recorded SHA-256) and memory-maps the arrays, so nothing is loaded whole.
+
+``manifest.json`` is read and written as a :class:`Manifest` record: unknown keys and wrong types are
+refused by name, ``format_version`` is its version. Only what every manifest has always held is
+required; the fields added over time are optional, so older datasets stay readable.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
 from leaflens.data_prep.arrays import npy_expected_size, sha256_file
+from leaflens.data_prep.decode import DEFAULT_MAX_PIXELS
+from leaflens.records import Record, RecordError
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "leaflens-dataset"
@@ -58,6 +65,84 @@ def manifest_self_digest(manifest: dict[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+@dataclass(frozen=True)
+class IngestOptions(Record):
+    """Everything that changes a dataset built from photos; recorded in its manifest and its fingerprint."""
+
+    size: int = 128  # twice the student's default 64 px input (see model.input_size)
+    resize: Literal["crop", "pad"] = "crop"
+    ratios: tuple[float, float, float] = (0.7, 0.15, 0.15)
+    seed: int = 0
+    max_pixels: int = DEFAULT_MAX_PIXELS
+
+
+@dataclass(frozen=True)
+class SplitInfo(Record):
+    """One split's entry: its row count, whether it has labels, and (labelled splits) rows per class."""
+
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"per_class"})
+    count: int
+    labels: Literal["present", "absent"] = "present"
+    per_class: dict[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class RejectedInfo(Record):
+    """The photos the ingest could not use: how many, per class, per reason, and the file listing them."""
+
+    total: int
+    per_class: dict[str, int]
+    reasons: dict[str, int]
+    list: str
+
+
+@dataclass(frozen=True)
+class DuplicatesInfo(Record):
+    """Byte-identical photos: groups, files in them, and groups whose copies carry different labels."""
+
+    groups: int
+    files: int
+    label_conflicts: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest(Record):
+    """manifest.json. ``manifest_sha256`` is the digest of the rest (see :func:`manifest_self_digest`)."""
+
+    SCHEMA_VERSION: ClassVar[int | None] = FORMAT_VERSION
+    VERSION_KEY: ClassVar[str] = "format_version"
+    format: Literal["leaflens-dataset"] = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+    classes: tuple[str, ...]
+    image_size: int
+    layout: Literal["NHWC"] = "NHWC"
+    dtype: Literal["uint8"] = "uint8"
+    mean: tuple[float, float, float]  # per RGB channel, pixel / 255, computed on train
+    std: tuple[float, float, float]
+    mean_std_scale: str | None = None
+    splits: dict[str, SplitInfo]
+    source_root: str | None = None
+    source_layout: Literal["class_folders", "split_folders"] | None = None
+    unlabeled_source: str | None = None
+    class_info: str | None = None  # the classes.toml copied beside the arrays
+    options: IngestOptions | None = None
+    rejected: RejectedInfo | None = None
+    ignored: dict[str, int] = field(default_factory=dict)
+    duplicates: DuplicatesInfo | None = None
+    checksums: dict[str, str]  # file name -> "sha256:<hex>"
+    input_fingerprint: str | None = None
+    manifest_sha256: str | None = None
+
+    @property
+    def resize(self) -> str:
+        """How photos were fitted to the square (``options.resize``; the ingest default when not recorded)."""
+        return (self.options or IngestOptions()).resize
+
+    def with_self_digest(self) -> Manifest:
+        """This manifest with ``manifest_sha256`` set to the digest of the rest, as it is written."""
+        return dataclasses.replace(self, manifest_sha256=manifest_self_digest(self.to_dict()))
+
+
 @dataclass
 class SplitArrays:
     """One split: memory-mapped images (N,H,W,3 uint8), labels (N int64) or None, and source paths."""
@@ -84,7 +169,7 @@ class Dataset:
     """A validated dataset folder."""
 
     root: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
     classes: list[str]
     image_size: int
     mean: np.ndarray  # per channel, [0,1] scale, computed on train
@@ -108,7 +193,7 @@ def _fail(root: Path, msg: str) -> DatasetError:
     return DatasetError(f"dataset {root}: {msg}")
 
 
-def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
+def read_manifest(root: str | os.PathLike) -> Manifest:
     """Parse and sanity-check ``manifest.json`` (no array checks)."""
     root = Path(root)
     path = root / MANIFEST_NAME
@@ -120,17 +205,16 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
         raise _fail(root, f"{path} is not valid JSON: {exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise _fail(root, f"{path}: 'format' is not {FORMAT_NAME!r}")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        version = manifest.get("format_version")
-        raise _fail(root, f"{path}: format_version {version!r} is not {FORMAT_VERSION}")
-    for key in ("classes", "image_size", "splits", "mean", "std", "checksums"):
-        if key not in manifest:
-            raise _fail(root, f"{path}: field {key!r} is missing")
+    if "format_version" not in manifest:
+        raise _fail(root, f"{path}: format_version is missing")
     recorded = manifest.get(SELF_DIGEST_KEY)  # absent in datasets written before it was introduced
     if recorded is not None and recorded != manifest_self_digest(manifest):
         raise _fail(root, f"{path} was edited after it was written (its content no longer matches its "
                           f"'{SELF_DIGEST_KEY}'); rebuild the dataset with `leaflens preprocess` or undo the edit")
-    return manifest
+    try:
+        return Manifest.from_dict(manifest, str(path))
+    except RecordError as exc:
+        raise _fail(root, str(exc)) from None
 
 
 def _check_array(root: Path, name: str, shape: tuple[int, ...], dtype: np.dtype,
@@ -168,17 +252,17 @@ def load_dataset(root: str | os.PathLike, verify: bool = True) -> Dataset:
     """
     root = Path(root)
     m = read_manifest(root)
-    classes = list(m["classes"])
-    size = int(m["image_size"])
-    checksums = dict(m["checksums"])
+    classes = list(m.classes)
+    size = m.image_size
+    checksums = m.checksums
     splits: dict[str, SplitArrays] = {}
-    for split, info in m["splits"].items():
-        n = int(info["count"])
+    for split, info in m.splits.items():
+        n = info.count
         names = split_paths(split)
         images = _check_array(root, names["images"], (n, size, size, 3), np.dtype(np.uint8),
                               checksums, verify)
         labels = None
-        if info.get("labels", "present") == "present":
+        if info.labels == "present":
             labels = _check_array(root, names["labels"], (n,), np.dtype(np.int64), checksums, verify)
             if n and (int(labels.min()) < 0 or int(labels.max()) >= len(classes)):
                 raise _fail(root, f"{names['labels']} has labels outside 0..{len(classes) - 1}")
@@ -189,15 +273,15 @@ def load_dataset(root: str | os.PathLike, verify: bool = True) -> Dataset:
             if names["files"] in checksums and sha256_file(files_path) != checksums[names["files"]]:
                 raise _fail(root, f"file list {files_path} was altered (checksum mismatch)")
         splits[split] = SplitArrays(split, images, labels, files_path)
-    info_name = m.get("class_info")
+    info_name = m.class_info
     if info_name:
         info_path = root / info_name
         if not info_path.is_file():
             raise _fail(root, f"class info file {info_path} is missing")
         if verify and info_name in checksums and sha256_file(info_path) != checksums[info_name]:
             raise _fail(root, f"class info file {info_path} was altered (checksum mismatch)")
-    mean = np.asarray(m["mean"], np.float32)
-    std = np.asarray(m["std"], np.float32)
-    if mean.shape != (3,) or std.shape != (3,) or not np.all(std > 0):
-        raise _fail(root, f"{MANIFEST_NAME}: mean/std must be 3 numbers each with std > 0")
+    mean = np.asarray(m.mean, np.float32)
+    std = np.asarray(m.std, np.float32)
+    if not np.all(std > 0):
+        raise _fail(root, f"{MANIFEST_NAME}: std must be > 0 for every channel, got {list(m.std)}")
     return Dataset(root, m, classes, size, mean, std, splits)

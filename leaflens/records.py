@@ -33,10 +33,14 @@ class Record:
 
     SCHEMA_VERSION: ClassVar[int | None] = None
     VERSION_KEY: ClassVar[str] = "schema_version"
+    # Optional fields that files leave out rather than write as null (as they did before records existed,
+    # so that a file read and written again is the same file, digests included).
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset()
 
     def to_dict(self) -> dict[str, Any]:
         """The record as JSON-ready values (records -> dicts, tuples -> lists)."""
-        return {f.name: _to_plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        return {f.name: _to_plain(getattr(self, f.name)) for f in dataclasses.fields(self)  # type: ignore[arg-type]
+                if not (f.name in self.OMIT_WHEN_NONE and getattr(self, f.name) is None)}
 
     @classmethod
     def from_dict(cls: type[R], data: Mapping[str, Any], where: str | None = None) -> R:

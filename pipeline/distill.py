@@ -75,7 +75,7 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
         "model_config": StudentSpec.from_recipe(cfg.model, ds.num_classes).to_dict(),
         "dataset": {"classes": ds.classes, "mean": [float(v) for v in mean], "std": [float(v) for v in std],
                     "image_size": ds.image_size, "input_size": input_size,
-                    "resize": ds.manifest.get("options", {}).get("resize", "crop"),
+                    "resize": ds.manifest.resize,
                     "manifest_sha256": manifest_sha256(ds.root), "root": str(ds.root)},
         "run_id": json.loads((work / "run_id.json").read_text(encoding="utf-8"))["run_id"]
         if (work / "run_id.json").exists()

@@ -96,3 +96,17 @@ def test_the_version_can_live_under_another_key():
         Formatted.from_dict({"size": 3, "format_version": "2"})
     with pytest.raises(RecordError, match="unknown key 'schema_version'"):
         Formatted.from_dict({"size": 3, "schema_version": 2})
+
+
+@dataclass(frozen=True)
+class Sparse(Record):
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"note"})
+    size: int
+    note: str | None = None
+    other: str | None = None
+
+
+def test_fields_can_be_left_out_when_none():
+    assert Sparse(1).to_dict() == {"size": 1, "other": None}
+    assert Sparse(1, "x").to_dict() == {"size": 1, "note": "x", "other": None}
+    assert Sparse.from_dict({"size": 1, "other": None}) == Sparse(1)

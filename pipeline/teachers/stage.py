@@ -50,7 +50,7 @@ class Encoder(Protocol):
 def split_source_dir(ds: Any, split: str) -> Path | None:
     """Where the original photos of a split live (None when the manifest does not say)."""
     key = "unlabeled_source" if split == "unlabeled" else "source_root"
-    root = ds.manifest.get(key)
+    root = getattr(ds.manifest, key)
     return Path(root) if root else None
 
 
@@ -65,7 +65,7 @@ def iter_split_images(ds: Any, split: str, size: int, shorter_side: int | None, 
     """
     images = ds[split].images
     n = len(images)
-    resize = ds.manifest.get("options", {}).get("resize", "crop")
+    resize = ds.manifest.resize
     if size == ds.image_size:
         for i in range(0, n, batch):
             yield np.asarray(images[i:i + batch])

@@ -53,8 +53,8 @@ def test_broken_files_rejected_with_reason_rest_kept(class_folders, tmp_path):
     ds = load_dataset(out)
     assert sum(len(ds[s]) for s in ("train", "val", "test")) == 60
     m = ds.manifest
-    assert m["ignored"] == {"hidden": 2, "not_image": 1}
-    assert m["rejected"]["reasons"] == {"empty": 1, "truncated": 1, "not_an_image": 1, "too_large": 1}
+    assert m.ignored == {"hidden": 2, "not_image": 1}
+    assert m.rejected.reasons == {"empty": 1, "truncated": 1, "not_an_image": 1, "too_large": 1}
     for s in ("train", "val", "test"):
         files = ds[s].files
         assert len(files) == len(ds[s]) and not any(Path(f).name.startswith(("empty", "bomb")) for f in files)
@@ -64,7 +64,7 @@ def test_stratified_split_and_labels_match_folders(class_folders, tmp_path):
     ds = load_dataset(ingest(class_folders, tmp_path / "ds", IngestOptions(size=16), workers=1, **QUIET).out)
     assert ds.classes == sorted(COLOURS)
     for s, expected in (("train", 14), ("val", 3), ("test", 3)):  # 20 per class at 70/15/15
-        assert ds.manifest["splits"][s]["per_class"] == {c: expected for c in COLOURS}
+        assert ds.manifest.splits[s].per_class == {c: expected for c in COLOURS}
         labels = np.asarray(ds[s].labels)
         for f, y in zip(ds[s].files, labels):
             assert f.split("/")[0] == ds.classes[y]
@@ -89,7 +89,7 @@ def test_duplicates_never_leak_across_splits(tmp_path):
                 where[f] = s
         for c in COLOURS:
             assert len({where[f"{c}/img_01.jpg"], where[f"{c}/copy_0.jpg"], where[f"{c}/copy_1.jpg"]}) == 1
-        assert ds.manifest["duplicates"]["groups"] == 3
+        assert ds.manifest.duplicates.groups == 3
 
 
 def test_given_split_preserved_and_cross_split_duplicate_dropped(tmp_path):
@@ -104,9 +104,9 @@ def test_given_split_preserved_and_cross_split_duplicate_dropped(tmp_path):
     out = tmp_path / "ds"
     ingest(root, out, IngestOptions(size=16), workers=1, **QUIET)
     ds = load_dataset(out)
-    assert ds.manifest["source_layout"] == "split_folders"
+    assert ds.manifest.source_layout == "split_folders"
     for s, n in (("train", 6), ("val", 2), ("test", 2)):
-        assert ds.manifest["splits"][s]["per_class"] == {c: n for c in COLOURS}
+        assert ds.manifest.splits[s].per_class == {c: n for c in COLOURS}
         assert all(f.startswith(f"{s}/") for f in ds[s].files)
     assert _read_rejected(out) == {"leak.jpg": "duplicate_across_splits"}
 
@@ -221,7 +221,7 @@ def test_unlabeled_split(class_folders, tmp_path):
     assert "unlabeled" not in ds.classes and len(ds.classes) == 3
     u = ds["unlabeled"]
     assert len(u) == 6 and u.labels is None and not (out / "unlabeled_labels.npy").exists()
-    assert ds.manifest["splits"]["unlabeled"]["labels"] == "absent"
+    assert ds.manifest.splits["unlabeled"].labels == "absent"
     assert report.rejected == {"unlabeled": 1}
     assert sum(f.startswith("unlabeled/") for f in u.files) == 3
 
@@ -270,6 +270,6 @@ def test_real_ibeans_sample(tmp_path):
     ds = load_dataset(tmp_path / "ds")
     assert ds.classes == ["angular_leaf_spot", "bean_rust", "healthy"]
     for s in ("train", "val", "test"):
-        assert ds.manifest["splits"][s]["per_class"] == {c: 3 for c in ds.classes}
+        assert ds.manifest.splits[s].per_class == {c: 3 for c in ds.classes}
         assert all(f.startswith(f"{s}/") for f in ds[s].files)
     assert 0.2 < float(ds.mean[1]) < 0.8 and np.asarray(ds["train"].images).std() > 20

@@ -92,7 +92,7 @@ def test_ingest_rejects_exactly_the_broken_files(small_synth, tmp_path):
     assert report.kept_total == 4 * len(CLASSES)
     ds = load_dataset(out)
     assert ds.classes == sorted(CLASSES)
-    assert ds.manifest["class_info"] == "classes.toml"
+    assert ds.manifest.class_info == "classes.toml"
     assert (out / "classes.toml").read_bytes() == (small_synth / "classes.toml").read_bytes()
 
 

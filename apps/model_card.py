@@ -1,15 +1,17 @@
 """The self-description an exported leaflens model carries in its ONNX ``metadata_props``.
 
 The exporter writes these keys and the Predictor reads them, so a ``.onnx`` file alone is enough to
-serve: class names, input size, normalisation and resize mode travel with the weights and cannot
-drift apart from them. All values are strings (ONNX metadata is string -> string):
+serve: class names and the whole preprocessing contract (leaflens.data_prep.contract: decode at the
+stored size with the resize rule, area-average to the input size, normalise) travel with the
+weights and cannot drift apart from them. All values are strings (ONNX metadata is string -> string):
 
 ==============================  =========  ===============================================
 key                             required   value
 ==============================  =========  ===============================================
-leaflens.format                 yes        "1"
+leaflens.format                 yes        "2" ("1": written before the stored size was recorded)
 leaflens.classes                yes        JSON list of class names
-leaflens.input_size             yes        S (input is [N, 3, S, S])
+leaflens.stored_size            format 2   photos are first decoded to a stored_size square
+leaflens.input_size             yes        S (input is [N, 3, S, S]), reached by area averaging
 leaflens.mean / leaflens.std    yes        JSON lists of 3 floats on the [0, 1] pixel scale
 leaflens.layout                 yes        "NCHW"
 leaflens.resize                 yes        "crop" or "pad" (as in leaflens.data_prep.decode)
@@ -18,18 +20,24 @@ leaflens.run_id                 no         training run id
 leaflens.accuracy               no         float, test accuracy of that run
 leaflens.params                 no         int, parameter count
 ==============================  =========  ===============================================
+
+Format 1 files (exported before the stored size was recorded) are read with the stored size equal to
+the input size: photos are decoded straight to the input size, as leaflens did when it wrote them.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from leaflens.data_prep.contract import ContractError, PreprocessContract
+from leaflens.records import Record
 
 __all__ = ["DEFAULT_UNCERTAIN_THRESHOLD", "FORMAT_VERSION", "ModelCard", "ModelError"]
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
 # Used when a model carries no calibrated threshold: with 3 to 40 classes, a top probability under
 # one half means the model itself rates another answer as likely as its first choice.
 DEFAULT_UNCERTAIN_THRESHOLD = 0.5
@@ -42,31 +50,65 @@ class ModelError(ValueError):
 
 
 @dataclass(frozen=True)
-class ModelCard:
+class ModelCard(Record):
     """What a leaflens ONNX model says about itself (see the module docstring for the keys)."""
 
+    SCHEMA_VERSION: ClassVar[int | None] = int(FORMAT_VERSION)
+
     classes: tuple[str, ...]
-    input_size: int
-    mean: tuple[float, float, float]
-    std: tuple[float, float, float]
-    resize: str = "crop"
-    layout: str = "NCHW"
+    contract: PreprocessContract
+    layout: Literal["NCHW"] = "NCHW"
     uncertain_threshold: float = DEFAULT_UNCERTAIN_THRESHOLD
     threshold_from_model: bool = False  # False: the default above was used
     run_id: str | None = None
     accuracy: float | None = None
     params: int | None = None
-    format: str = FORMAT_VERSION
+    schema_version: int = int(FORMAT_VERSION)
 
+    def __post_init__(self) -> None:
+        classes = self.classes
+        if not (isinstance(classes, (list, tuple)) and classes and all(isinstance(c, str) and c for c in classes)):
+            raise ContractError("classes", "must be a non-empty JSON list of non-empty strings")
+        if len(set(classes)) != len(classes):
+            raise ContractError("classes", "has duplicate class names")
+        object.__setattr__(self, "classes", tuple(classes))
+        if self.layout != "NCHW":
+            raise ContractError("layout", f"is {self.layout!r}; only 'NCHW' is supported")
+        if not 0.0 <= self.uncertain_threshold <= 1.0:
+            raise ContractError("uncertain_threshold", f"must be in [0, 1], got {self.uncertain_threshold}")
+
+    # -- the contract's figures, where callers look for them --------------------------------------
     @property
     def num_classes(self) -> int:
         return len(self.classes)
 
+    @property
+    def input_size(self) -> int:
+        return self.contract.input_size
+
+    @property
+    def stored_size(self) -> int:
+        return self.contract.stored_size
+
+    @property
+    def mean(self) -> tuple[float, float, float]:
+        return self.contract.mean
+
+    @property
+    def std(self) -> tuple[float, float, float]:
+        return self.contract.std
+
+    @property
+    def resize(self) -> str:
+        return self.contract.resize
+
+    # -- ONNX metadata ------------------------------------------------------------------------------
     def to_metadata(self) -> dict[str, str]:
         """The ``metadata_props`` entries (key -> string value) that describe this model."""
         meta = {
-            "format": self.format,
+            "format": str(self.schema_version),
             "classes": json.dumps(list(self.classes)),
+            "stored_size": str(self.stored_size),
             "input_size": str(self.input_size),
             "mean": json.dumps([float(v) for v in self.mean]),
             "std": json.dumps([float(v) for v in self.std]),
@@ -84,11 +126,23 @@ class ModelCard:
         return {PREFIX + k: v for k, v in meta.items()}
 
     @classmethod
+    def _upgrade(cls, data: dict[str, Any], version: int, where: str) -> dict[str, Any]:
+        """Format 1 recorded no stored size: its photos were decoded straight to the input size."""
+        if version == 1:
+            contract = dict(data["contract"])
+            contract.setdefault("stored_size", contract["input_size"])
+            return {**data, "contract": contract}
+        return super()._upgrade(data, version, where)
+
+    @classmethod
     def from_metadata(cls, meta: Mapping[str, str], source: str) -> ModelCard:
         """Parse and check ``metadata_props``; raise :class:`ModelError` naming ``source`` and the key."""
 
         def fail(key: str, why: str) -> ModelError:
             return ModelError(f"{source}: metadata key '{PREFIX}{key}' {why}")
+
+        def get(key: str) -> str:
+            return meta[PREFIX + key]
 
         missing = [k for k in _REQUIRED if PREFIX + k not in meta]
         if missing:
@@ -97,67 +151,41 @@ class ModelCard:
                 f"{source}: not a leaflens model, missing metadata key(s) {names} "
                 "(export it with `leaflens export`)"
             )
+        newest = cls.SCHEMA_VERSION or 1
+        if get("format") not in {str(v) for v in range(1, newest + 1)}:
+            raise fail("format", f"is {get('format')!r}; this version of leaflens reads formats 1 to {newest} "
+                                 "(a newer leaflens wrote it? upgrade leaflens)")
+        version = int(get("format"))
+        if version >= 2 and PREFIX + "stored_size" not in meta:
+            raise fail("stored_size", f"is missing (format {version} records it)")
 
-        def get(key: str) -> str:
-            return meta[PREFIX + key]
-
-        if get("format") != FORMAT_VERSION:
-            raise fail("format", f"is {get('format')!r}; this version reads format {FORMAT_VERSION!r}")
-        try:
-            classes = json.loads(get("classes"))
-        except json.JSONDecodeError as exc:
-            raise fail("classes", f"is not JSON: {exc}") from exc
-        if not (isinstance(classes, list) and classes and all(isinstance(c, str) and c for c in classes)):
-            raise fail("classes", "must be a non-empty JSON list of non-empty strings")
-        if len(set(classes)) != len(classes):
-            raise fail("classes", "has duplicate class names")
-        try:
-            input_size = int(get("input_size"))
-        except ValueError as exc:
-            raise fail("input_size", f"is not an integer: {get('input_size')!r}") from exc
-        if input_size < 1:
-            raise fail("input_size", f"must be >= 1, got {input_size}")
-
-        def triple(key: str, positive: bool) -> tuple[float, float, float]:
+        def json_value(key: str) -> Any:
             try:
-                values = json.loads(get(key))
+                return json.loads(get(key))
             except json.JSONDecodeError as exc:
                 raise fail(key, f"is not JSON: {exc}") from exc
-            if not (isinstance(values, list) and len(values) == 3
-                    and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)):
-                raise fail(key, f"must be a JSON list of 3 numbers, got {get(key)!r}")
-            if not all(math.isfinite(v) and (v > 0 or not positive) for v in values):
-                raise fail(key, f"must hold finite{' positive' if positive else ''} numbers, got {values}")
-            return (float(values[0]), float(values[1]), float(values[2]))
 
-        mean, std = triple("mean", False), triple("std", True)
-        if get("layout") != "NCHW":
-            raise fail("layout", f"is {get('layout')!r}; only 'NCHW' is supported")
-        if get("resize") not in ("crop", "pad"):
-            raise fail("resize", f"must be 'crop' or 'pad', got {get('resize')!r}")
+        def number(key: str, kind: type) -> Any:
+            try:
+                return kind(get(key))
+            except ValueError as exc:
+                what = "an integer" if kind is int else "a number"
+                raise fail(key, f"is not {what}: {get(key)!r}") from exc
 
-        threshold, from_model = DEFAULT_UNCERTAIN_THRESHOLD, False
+        contract = {"input_size": number("input_size", int), "mean": json_value("mean"),
+                    "std": json_value("std"), "resize": get("resize")}
+        if PREFIX + "stored_size" in meta:
+            contract["stored_size"] = number("stored_size", int)
+        data: dict[str, Any] = {"classes": json_value("classes"), "contract": contract, "layout": get("layout")}
         if PREFIX + "uncertain_threshold" in meta:
-            try:
-                threshold = float(get("uncertain_threshold"))
-            except ValueError as exc:
-                raise fail("uncertain_threshold", f"is not a number: {get('uncertain_threshold')!r}") from exc
-            if not 0.0 <= threshold <= 1.0:
-                raise fail("uncertain_threshold", f"must be in [0, 1], got {threshold}")
-            from_model = True
-        accuracy = params = None
-        if PREFIX + "accuracy" in meta:
-            try:
-                accuracy = float(get("accuracy"))
-            except ValueError as exc:
-                raise fail("accuracy", f"is not a number: {get('accuracy')!r}") from exc
-        if PREFIX + "params" in meta:
-            try:
-                params = int(get("params"))
-            except ValueError as exc:
-                raise fail("params", f"is not an integer: {get('params')!r}") from exc
-        return cls(
-            classes=tuple(classes), input_size=input_size, mean=mean, std=std, resize=get("resize"),
-            layout=get("layout"), uncertain_threshold=threshold, threshold_from_model=from_model,
-            run_id=meta.get(PREFIX + "run_id"), accuracy=accuracy, params=params, format=get("format"),
-        )
+            data["uncertain_threshold"] = number("uncertain_threshold", float)
+            data["threshold_from_model"] = True
+        data["run_id"] = meta.get(PREFIX + "run_id")
+        data["accuracy"] = number("accuracy", float) if PREFIX + "accuracy" in meta else None
+        data["params"] = number("params", int) if PREFIX + "params" in meta else None
+        if version < newest:
+            data = cls._upgrade(data, version, source)
+        try:
+            return cls(**{**data, "contract": PreprocessContract(**data["contract"])})
+        except ContractError as exc:
+            raise fail(exc.field, exc.why) from exc

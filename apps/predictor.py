@@ -1,9 +1,12 @@
 """Inference with an exported leaflens ONNX model: photo in, ranked classes out.
 
 The :class:`Predictor` loads the model once, reads its :class:`~leaflens.apps.model_card.ModelCard` (class
-names, input size, normalisation, resize mode, uncertainty threshold) from the file's metadata,
-and preprocesses every photo with :func:`leaflens.data_prep.decode.decode_image`, the very function the
-training data went through, so serving sees the pixels training saw. Softmax is applied here (the
+names, preprocessing contract, uncertainty threshold) from the file's metadata, and preprocesses
+every photo with that contract (leaflens.data_prep.contract): decoded to the stored size as
+`leaflens preprocess` decoded the training photos, area-averaged to the input size and normalised by
+the very functions the engine's evaluation used, so serving sees the pixels that were measured.
+:meth:`Predictor.decode` gives the stored-size uint8 pixels (what the dataset arrays hold, and what
+the batcher carries); :meth:`Predictor.preprocess` does the rest. Softmax is applied here (the
 graph ends at the logits). A prediction whose top probability is below the model's threshold is
 flagged ``uncertain``: a photo that is not a leaf should not get a confident disease name.
 
@@ -37,7 +40,7 @@ import numpy as np
 
 from leaflens.apps.model_card import ModelCard, ModelError
 from leaflens.cpus import usable_cpus
-from leaflens.data_prep.decode import ImageDecodeError, decode_image
+from leaflens.data_prep.decode import ImageDecodeError
 
 # What decode_image accepts: a path or the encoded bytes of a photo.
 Source = str | os.PathLike | bytes
@@ -150,10 +153,6 @@ class Predictor:
         meta = self.session.get_modelmeta().custom_metadata_map
         self.card = ModelCard.from_metadata(meta, name)
         self._check_signature(name)
-        std = np.asarray(self.card.std, dtype=np.float32)
-        # (x / 255 - mean) / std  ==  x * scale + bias, per channel
-        self._scale = (1.0 / (255.0 * std)).astype(np.float32)
-        self._bias = (-np.asarray(self.card.mean, dtype=np.float32) / std).astype(np.float32)
 
     def _check_signature(self, name: str) -> None:
         inputs, outputs = self.session.get_inputs(), self.session.get_outputs()
@@ -186,21 +185,18 @@ class Predictor:
     def classes(self) -> tuple[str, ...]:
         return self.card.classes
 
+    @property
+    def stored_size(self) -> int:
+        """The side of the uint8 squares :meth:`decode` returns and the ``*_arrays`` methods take."""
+        return self.card.stored_size
+
     def preprocess(self, batch: np.ndarray) -> np.ndarray:
-        """uint8 ``[N, S, S, 3]`` RGB -> float32 ``[N, 3, S, S]`` normalised as in training."""
-        batch = np.asarray(batch)
-        s = self.card.input_size
-        if batch.dtype != np.uint8 or batch.ndim != 4 or batch.shape[1:] != (s, s, 3):
-            raise ValueError(
-                f"expected a uint8 array of shape [N, {s}, {s}, 3], got {batch.dtype} {batch.shape}"
-            )
-        x = batch.astype(np.float32)
-        x *= self._scale
-        x += self._bias
-        return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+        """uint8 ``[N, T, T, 3]`` RGB at the stored size T (as :meth:`decode` returns, or rows of the
+        dataset arrays) -> float32 ``[N, 3, S, S]`` at the input size S, normalised as in training."""
+        return np.ascontiguousarray(self.card.contract.prepare(batch).transpose(0, 3, 1, 2))
 
     def logits_arrays(self, batch: np.ndarray) -> np.ndarray:
-        """The model's raw output ``[N, num_classes]`` for a uint8 ``[N, S, S, 3]`` batch."""
+        """The model's raw output ``[N, num_classes]`` for a uint8 ``[N, T, T, 3]`` stored-size batch."""
         x = self.preprocess(batch)
         if len(x) == 0:
             return np.zeros((0, self.card.num_classes), dtype=np.float32)
@@ -212,7 +208,7 @@ class Predictor:
         return logits
 
     def predict_arrays(self, batch: np.ndarray) -> np.ndarray:
-        """Class probabilities ``[N, num_classes]`` (float32, rows sum to 1) for uint8 ``[N, S, S, 3]``.
+        """Class probabilities ``[N, num_classes]`` (float32, rows sum to 1) for uint8 ``[N, T, T, 3]``.
 
         Thread-safe (onnxruntime sessions are); this is the ``run_batch`` of a DynamicBatcher.
         """
@@ -235,11 +231,12 @@ class Predictor:
 
     # ----------------------------------------------------------------------------- images
     def decode(self, src: Source) -> np.ndarray:
-        """One photo (path or encoded bytes) -> uint8 ``[S, S, 3]``, exactly as training decoded it.
+        """One photo (path or encoded bytes) -> uint8 ``[T, T, 3]`` at the stored size, exactly the
+        pixels `leaflens preprocess` stored for it (same call: JPEG draft scale and EXIF included).
 
         Raises :class:`leaflens.data_prep.decode.ImageDecodeError` for unreadable images.
         """
-        return decode_image(src, self.card.input_size, self.card.resize)
+        return self.card.contract.decode(src)
 
     def predict_image(self, src: Source, top_k: int = 3) -> Prediction:
         """Classify one photo; an unreadable image gives a Prediction with ``error`` set."""
@@ -295,4 +292,5 @@ class Predictor:
 
     def __repr__(self) -> str:
         return (f"Predictor({str(self.model_path)!r}, provider={self.provider!r}, "
-                f"classes={len(self.card.classes)}, input_size={self.card.input_size})")
+                f"classes={len(self.card.classes)}, stored_size={self.card.stored_size}, "
+                f"input_size={self.card.input_size})")

@@ -94,7 +94,7 @@ def phone_photo(path: Path, size: tuple[int, int] = (4000, 3000), seed: int = 0)
 
 def no_draft_predict(predictor: Predictor, path: Path) -> np.ndarray:
     """Full-size decode (no JPEG draft), same centre crop and area resize, same model."""
-    s = predictor.card.input_size
+    s = predictor.stored_size
     with Image.open(path) as im:
         im = im.convert("RGB")
         w, h = im.size

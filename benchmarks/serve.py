@@ -6,7 +6,8 @@ Measures, on an exported leaflens model (or a stand-in of the student's shape wh
     intra-op threads (1, all usable CPUs) and thread spinning is tried and the fastest is used as
     the baseline, so the batcher is compared with the best a single caller can do;
 (b) the DynamicBatcher under 1, 8, 32 and 128 concurrent client threads, each in a closed loop
-    (submit one 64x64 image, wait for its answer, repeat): throughput and p50/p95/p99 latency;
+    (submit one decoded photo at the stored size, wait for its answer, repeat): throughput and
+    p50/p95/p99 latency;
 (c) end to end: a 4000x3000 JPEG file (made here with Pillow: shapes, gradients and sensor-like
     noise, about the size of a phone photo) to a ranked answer with ``Predictor.predict_image``,
     next to the same without JPEG draft decoding (full-size decode, then resize) as a reference;
@@ -46,7 +47,8 @@ STANDIN_CLASSES = ["angular_leaf_spot", "bean_rust", "healthy"]
 
 def build_standin(path: Path, size: int = 64, widths: tuple[int, ...] = (32, 64, 128), seed: int = 0) -> Path:
     """An ONNX model of the student's shape (3x3 conv + ReLU + 2x2 max-pool blocks, GAP, Gemm) with
-    random He-initialised weights and leaflens metadata: the same work per image as the student."""
+    random He-initialised weights and leaflens metadata: the same work per image as the student, and
+    its preprocessing contract (photos decoded to twice the input size, then area-averaged)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -75,8 +77,8 @@ def build_standin(path: Path, size: int = 64, widths: tuple[int, ...] = (32, 64,
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", n_cls])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     helper.set_model_props(model, {
-        "leaflens.format": "1", "leaflens.classes": json.dumps(STANDIN_CLASSES),
-        "leaflens.input_size": str(size), "leaflens.mean": "[0.5, 0.5, 0.5]",
+        "leaflens.format": "2", "leaflens.classes": json.dumps(STANDIN_CLASSES),
+        "leaflens.stored_size": str(2 * size), "leaflens.input_size": str(size), "leaflens.mean": "[0.5, 0.5, 0.5]",
         "leaflens.std": "[0.25, 0.25, 0.25]",
         "leaflens.layout": "NCHW", "leaflens.resize": "crop", "leaflens.run_id": "standin",
     })
@@ -228,7 +230,7 @@ def bench_e2e(predictor: Predictor, photo: Path, runs: int) -> dict[str, float]:
 
 def bench_e2e_full_decode(predictor: Predictor, photo: Path, runs: int) -> dict[str, float]:
     """Reference: the same without JPEG draft mode (decode all 12 MP, then resize and crop)."""
-    size = predictor.card.input_size
+    size = predictor.stored_size
     lat = []
     for _ in range(runs):
         t = time.perf_counter()
@@ -272,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         workers = args.workers or cpus
         threads = args.threads or max(1, cpus // workers)
         predictor = Predictor(model, intra_op_threads=threads, allow_spinning=args.spin)
-        size = predictor.card.input_size
+        size = predictor.stored_size  # the arrays carry decoded photos; the Predictor goes to the input size
         images = np.random.default_rng(0).integers(0, 256, (256, size, size, 3), dtype=np.uint8)
 
         reference = predictor.predict_arrays(images)
@@ -302,7 +304,9 @@ def main(argv: list[str] | None = None) -> int:
         e2e = bench_e2e(predictor, photo, args.e2e_runs)
         full = bench_e2e_full_decode(predictor, photo, max(3, args.e2e_runs // 8))
 
-    name = f"stand-in student ({size}x{size}, conv 32-64-128, random weights)" if standin else str(model)
+    side = predictor.card.input_size
+    name = (f"stand-in student ({side}x{side} from {size}x{size} photos, conv 32-64-128, random weights)"
+            if standin else str(model))
     print(f"model: {name}; provider {predictor.provider}; {cpus} usable CPUs; 1-min load average "
           f"{load_before:.2f} before, {os.getloadavg()[0]:.2f} after (other processes share the CPUs)")
     print(f"batcher: max_batch_size={args.max_batch_size} max_wait_ms={args.max_wait_ms} "

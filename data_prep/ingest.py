@@ -1,12 +1,13 @@
 """Folder of photos -> dataset folder of memory-mapped arrays (what `leaflens preprocess` runs).
 
 Steps: scan the source (:mod:`leaflens.data_prep.scan`), decode every photo in a process pool with the
-shared decode path and stream the pixels into a staging file, assign splits (stratified, seeded,
-duplicate-aware: :mod:`leaflens.data_prep.split`), stream the staging rows into ``<split>_images.npy`` /
-``<split>_labels.npy`` / ``<split>_files.txt``, compute mean/std on train from exact per-channel
-histograms, write ``rejected.jsonl`` and ``manifest.json``, and rename the finished temporary
-folder into place. A broken file is rejected with its reason and never stops the run; an
-interrupted run leaves the previous output untouched; an unchanged input re-run does no work.
+preprocessing contract's decode step (:mod:`leaflens.data_prep.contract`) and stream the pixels into a
+staging file, assign splits (stratified, seeded, duplicate-aware: :mod:`leaflens.data_prep.split`), stream
+the staging rows into ``<split>_images.npy`` / ``<split>_labels.npy`` / ``<split>_files.txt``, compute
+mean/std on train from exact per-channel histograms, write ``rejected.jsonl`` and ``manifest.json``, and
+rename the finished temporary folder into place. A broken file is rejected with its reason and never
+stops the run; an interrupted run leaves the previous output untouched; an unchanged input re-run does
+no work.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import numpy as np
 
 from leaflens.cpus import usable_cpus
 from leaflens.data_prep.arrays import NpyRowWriter, sha256_file
-from leaflens.data_prep.decode import ImageDecodeError, decode_image, read_source
+from leaflens.data_prep.contract import decode_stored
+from leaflens.data_prep.decode import ImageDecodeError, read_source
 from leaflens.data_prep.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -84,7 +86,7 @@ def _decode_task(task: tuple[int, str, int, str, int]) -> tuple[int, bytes | Non
         data = read_source(path)
         digest = hashlib.sha256(data).digest()
         try:
-            pixels = decode_image(data, size, resize=resize, max_pixels=max_pixels)
+            pixels = decode_stored(data, size, resize, max_pixels)  # the contract's step 1, as the Predictor's
         except ImageDecodeError as exc:
             return index, digest, None, exc.reason, exc.detail
         return index, digest, pixels, None, None

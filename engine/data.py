@@ -13,8 +13,10 @@ Augmentation is vectorised over the whole batch: random horizontal (and optional
 random resized crop (bilinear) or pad-and-crop, then brightness/contrast jitter fused with the
 normalisation in one float pass. ``Augment.out_size`` lets the stored images be larger than the
 network's input: crops are then cut from the sharper stored image and brought down to the input
-size with an area filter (``downsample`` does the same for evaluation), instead of being cut from a
-thumbnail and blown back up.
+size with an area filter, instead of being cut from a thumbnail and blown back up. (Evaluation and
+serving bring whole stored images to the input size with the preprocessing contract's own area
+filter, which the pipeline applies; at a whole-number ratio such as 128 -> 64, the crop-free output
+here equals it exactly.)
 
 Reproducibility and resume: the shuffle order of epoch ``e`` comes from ``default_rng([seed, e])``
 and the augmentation of batch ``b`` of epoch ``e`` from ``default_rng([seed, e, b, 1])``. Batches are
@@ -37,8 +39,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["Augment", "ArrayDataset", "Batch", "DataLoader", "apply_view_boxes", "augment_batch", "downsample",
-           "normalize", "sample_view_boxes"]
+__all__ = ["Augment", "ArrayDataset", "Batch", "DataLoader", "apply_view_boxes", "augment_batch", "normalize",
+           "sample_view_boxes"]
 
 STATE_VERSION = 1
 
@@ -187,22 +189,6 @@ def _resample(x: np.ndarray, sy: np.ndarray, sx: np.ndarray, f: int) -> np.ndarr
     return _block_mean(sampled, f)
 
 
-def downsample(x: np.ndarray, size: int) -> np.ndarray:
-    """An (N, H, W, C) batch resized to ``size`` x ``size`` with an area filter, float32.
-
-    Exact block means when ``size`` divides the sides; otherwise bilinear samples, several per output
-    pixel, averaged. A batch already at ``size`` comes back unchanged (as float32).
-    """
-    n, h, w, _ = x.shape
-    if (h, w) == (size, size):
-        return np.asarray(x, np.float32)
-    if h % size == 0 and w % size == 0 and h // size == w // size:
-        return _block_mean(np.asarray(x, np.float32), h // size)
-    f = _supersampling(h, w, size)
-    zeros = np.zeros(n)
-    return _resample(x, *_box_grid(zeros, zeros, np.full(n, float(h)), np.full(n, float(w)), size, size, f), f)
-
-
 def augment_batch(x: np.ndarray, aug: Augment, rng: np.random.Generator) -> np.ndarray:
     """Geometric augmentation of a uint8 batch -> float32 batch in [0, 255] (``out_size`` or same H, W)."""
     n, h, w, _ = x.shape
@@ -231,7 +217,12 @@ def augment_batch(x: np.ndarray, aug: Augment, rng: np.random.Generator) -> np.n
         rows = np.clip(np.arange(h)[None, :] + dy[:, None] - aug.pad, 0, h - 1)  # edge padding
         cols = np.clip(np.arange(w)[None, :] + dx[:, None] - aug.pad, 0, w - 1)
         x = _gather_int(x, rows, cols)
-    return downsample(x, aug.out_size) if aug.out_size else x.astype(np.float32)
+    if (out_h, out_w) == (h, w):
+        return x.astype(np.float32)
+    # Nothing cropped: the whole image is the box, resampled like a crop (block means at 128 -> 64).
+    f = _supersampling(h, w, aug.out_size)
+    zeros = np.zeros(n)
+    return _resample(x, *_box_grid(zeros, zeros, np.full(n, float(h)), np.full(n, float(w)), out_h, out_w, f), f)
 
 
 VIEW_FIELDS = ("top", "left", "height", "width", "hflip", "vflip")

@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
+from leaflens.data_prep.contract import area_resize, normalize
 from leaflens.data_prep.manifest import load_dataset, manifest_sha256
 from leaflens.engine import Tensor, no_grad
 from leaflens.engine.checkpoint import save_checkpoint
-from leaflens.engine.data import downsample, normalize
 from leaflens.files import swap_into_place, write_json_atomic, write_text_atomic
 from leaflens.pipeline.config import StageConfig, dump_toml
 from leaflens.pipeline.hardware import describe_hardware
@@ -210,7 +210,7 @@ def _write_visuals(work: Path, ds, results, chosen, model, mean, std, input_size
     first_conv = model.features[0][0]
     captured: list[np.ndarray] = []
     remove = first_conv.register_forward_hook(lambda m, i, o: captured.append(o.numpy()))
-    imgs = downsample(np.asarray(ds["val"].images[: min(4, len(ds["val"]))]), input_size)
+    imgs = area_resize(np.asarray(ds["val"].images[: min(4, len(ds["val"]))]), input_size)
     with no_grad():
         model(Tensor(normalize(imgs, mean, std)))
     imgs = np.clip(np.rint(imgs), 0, 255).astype(np.uint8)

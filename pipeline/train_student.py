@@ -32,11 +32,12 @@ from typing import Any, NamedTuple
 import numpy as np
 from tqdm import tqdm
 
+from leaflens.data_prep.contract import area_resize, normalize
 from leaflens.engine import NonFiniteLossError, Tensor, no_grad, ops
 from leaflens.engine.amp import GradScaler, autocast
 from leaflens.engine.backend import array_module, to_device
 from leaflens.engine.checkpoint import load_checkpoint, save_checkpoint
-from leaflens.engine.data import ArrayDataset, Augment, Batch, DataLoader, apply_view_boxes, downsample, normalize
+from leaflens.engine.data import ArrayDataset, Augment, Batch, DataLoader, apply_view_boxes
 from leaflens.engine.device_loader import DeviceLoader, resolve_device
 from leaflens.engine.nn import Module
 from leaflens.engine.optim import SGD, AdamW, WarmupCosine, clip_grad_norm_
@@ -155,7 +156,8 @@ def pick_views(data: TrainData, idx: np.ndarray, x: np.ndarray, seed: int, epoch
 def predict_logits(model: Module, images: Any, mean: np.ndarray, std: np.ndarray, batch: int = 256,
                    size: int | None = None) -> np.ndarray:
     """Logits for every row of a uint8 NHWC array, in eval mode, without recording a graph; the images
-    are first area-downsampled to ``size`` px when they are stored larger."""
+    are first area-downsampled to ``size`` px when they are stored larger. Resizing and normalising are
+    the preprocessing contract's (leaflens.data_prep.contract), as the Predictor's are."""
     was_training = model.training
     model.eval()
     device = _model_device(model)
@@ -164,7 +166,7 @@ def predict_logits(model: Module, images: Any, mean: np.ndarray, std: np.ndarray
         for i in range(0, len(images), batch):
             x = np.asarray(images[i:i + batch])
             # never in place: at its own size, x may be a view of the caller's float array
-            x = normalize(x if size is None else downsample(x, size), mean, std)
+            x = normalize(x if size is None else area_resize(x, size), mean, std)
             out.append(model(Tensor(to_device(x, device))).numpy())
     model.train(was_training)
     return np.concatenate(out) if out else np.zeros((0, 0), np.float32)

@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "teacher": ("leaflens.pipeline.cli.teacher", "teacher features (and logits) for every image"),
     "distill": ("leaflens.pipeline.cli.distill", "train the student (distilled and from scratch), keep the better"),
     "export": ("leaflens.pipeline.cli.export", "student -> ONNX (FP32, FP16, INT8) + Triton repository"),
+    "evaluate": ("leaflens.pipeline.cli.evaluate", "accuracy of an exported model on photo files in class folders"),
     "predict": ("leaflens.apps.cmd_predict", "classify image files and folders with an exported model"),
     "serve": ("leaflens.apps.cmd_serve", "start the local web app"),
     "doctor": ("leaflens.pipeline.cli.doctor", "report Python, NumPy, CuPy, GPU and BLAS facts"),

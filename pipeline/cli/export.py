@@ -12,9 +12,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "export",
         help="student -> ONNX (FP32, FP16, INT8) + Triton repository",
         description="Export the run's best.npz to ONNX (student.onnx FP32, student_fp16.onnx, "
-                    "student_int8.onnx), check engine-vs-onnxruntime parity on the validation split "
-                    "(parity.json), and write a Triton model repository. Fails (exit 1, nothing replaced) "
-                    "when FP32/FP16 parity does not hold.",
+                    "student_int8.onnx), check engine-vs-onnxruntime parity on the validation split and "
+                    "the served model's accuracy on the test split's original photo files (parity.json), "
+                    "and write a Triton model repository. Fails (exit 1, nothing replaced) when FP32/FP16 "
+                    "parity does not hold or the served test accuracy is more than 0.5 points from the "
+                    "engine's.",
     )
     p.add_argument("--run", type=Path, default=Path("artifacts/student"),
                    help="trained run folder holding best.npz (default artifacts/student)")

@@ -1,7 +1,8 @@
 """Engine versus onnxruntime: logits on a split, agreement figures, accuracy, and CPU speed.
 
-The same float32 batch (normalised once, with leaflens.engine.data.normalize as in training) goes to the
-engine as NHWC and to onnxruntime as NCHW, so any difference comes from the exported graph alone.
+The same float32 batch (brought to the input size and normalised once, with the preprocessing contract's
+functions in leaflens.data_prep.contract, as in evaluation and serving) goes to the engine as NHWC and to
+onnxruntime as NCHW, so any difference comes from the exported graph alone.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from leaflens.data_prep.contract import area_resize, normalize
 from leaflens.engine import Tensor, no_grad
-from leaflens.engine.data import downsample, normalize
 from leaflens.engine.nn import Module
 
 
@@ -45,7 +46,7 @@ class AtSize:
         x = np.asarray(self.images[idx])
         if x.ndim != 4:
             raise IndexError("AtSize supports slices and index arrays only")
-        return downsample(x, self.size)
+        return area_resize(x, self.size)
 
 
 def at_size(images: Any, size: int) -> Any:

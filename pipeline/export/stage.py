@@ -7,11 +7,15 @@ Reads ``<run>/best.npz`` (leaflens.pipeline.runs) and the dataset it was trained
 - ``student_fp16.onnx``: float16 weights/compute for GPU providers, float32 input/output;
 - ``student_int8.onnx``: static INT8 (QDQ) for CPUs, calibrated on training images;
 - ``parity.json``: engine vs onnxruntime on the validation split (max |logit difference|, top-1
-  agreement), test accuracy of every variant, CPU speed of every variant;
+  agreement), test accuracy of every variant, CPU speed of every variant, and ``served``: the test
+  accuracy of ``student.onnx`` as users meet it (``served_test_accuracy``: through the Predictor on the
+  test split's original photo files, leaflens.pipeline.evaluate) next to the engine's on the stored
+  arrays (skipped with a warning when those photos are gone or changed);
 - ``triton/<name>/{config.pbtxt, labels.txt, 1/model.onnx}`` (or under ``--triton DIR``).
 
 Gates: FP32 max |difference| <= 1e-4 with top-1 agreement 100 % (flips between classes tied
-within that tolerance excepted, and counted), FP16 agreement >= 99.5 %. When a gate fails nothing
+within that tolerance excepted, and counted), FP16 agreement >= 99.5 %, served and engine test
+accuracy within 0.5 points. When a gate fails nothing
 is replaced, the report is written beside the output as ``<out>.parity-failed.json`` and
 :class:`ExportFailed` says which gate failed.
 """
@@ -31,12 +35,15 @@ import numpy as np
 import onnx
 
 from leaflens.apps.model_card import ModelCard
+from leaflens.apps.predictor import Predictor
 from leaflens.cpus import usable_cpus
 from leaflens.data_prep.arrays import sha256_file
+from leaflens.data_prep.contract import PreprocessContract
 from leaflens.data_prep.manifest import Dataset, load_dataset, manifest_sha256
 from leaflens.engine.nn import Module
 from leaflens.engine.onnx_export import IR_VERSION, OPSET, convert_float16, export_onnx, save_onnx
 from leaflens.files import clean_stale_temps, new_temp_dir, swap_into_place, write_json_atomic
+from leaflens.pipeline.evaluate import PhotosUnavailable, dataset_photo_files, evaluate_files
 from leaflens.pipeline.export import parity, triton
 from leaflens.pipeline.export.quantize import calibration_indices, quantize_int8
 from leaflens.pipeline.runs import RunInfo, load_model
@@ -65,6 +72,7 @@ class ExportOptions:
     int8_activations: str = "uint8"
     fp32_tolerance: float = 1e-4
     fp16_min_agreement: float = 0.995
+    served_max_points: float = 0.5  # served vs engine test accuracy, in percentage points
     speed_seconds: float = 1.0
     batch: int = 64
     threads: int | None = None
@@ -97,10 +105,13 @@ def _check_dataset(info: RunInfo, ds: Dataset, opts: ExportOptions) -> list[str]
 def model_card(info: RunInfo, model: Module) -> ModelCard:
     d, m = info.dataset, info.metrics
     threshold = m.get("uncertain_threshold")
-    return ModelCard(
-        classes=tuple(d["classes"]), input_size=int(d.get("input_size", d["image_size"])),
+    contract = PreprocessContract(
+        stored_size=int(d["image_size"]), input_size=int(d.get("input_size", d["image_size"])),
         mean=tuple(float(v) for v in d["mean"]), std=tuple(float(v) for v in d["std"]),  # type: ignore[arg-type]
-        resize=str(d.get("resize", "crop")),
+        resize=str(d.get("resize", "crop")),  # type: ignore[arg-type]
+    )
+    return ModelCard(
+        classes=tuple(d["classes"]), contract=contract,
         uncertain_threshold=float(threshold) if threshold is not None else 0.5,
         threshold_from_model=threshold is not None, run_id=info.run_id,
         accuracy=float(m["test_accuracy"]) if m.get("test_accuracy") is not None else None,
@@ -137,7 +148,43 @@ def _gates(report: dict[str, Any], opts: ExportOptions) -> list[str]:
     if not fp16["finite"] or fp16["top1_agreement"] < opts.fp16_min_agreement:
         failures.append(f"FP16 top-1 agreement {fp16['top1_agreement']:.2%} < {opts.fp16_min_agreement:.1%}"
                         + ("" if fp16["finite"] else " (non-finite outputs)"))
+    served = report.get("served", {})
+    if served.get("checked") and abs(served["difference_points"]) > opts.served_max_points:
+        failures.append(
+            f"served test accuracy {served['served_test_accuracy']:.2%} ({served['model']} through the Predictor "
+            f"on the {served['photos']} test photo files) differs from the engine's "
+            f"{served['engine_test_accuracy']:.2%} on the stored arrays by {abs(served['difference_points']):.2f} "
+            f"points > {opts.served_max_points:g}: serving does not preprocess photos as training did, or the "
+            f"photos in {served['source']} changed since `leaflens preprocess`")
     return failures
+
+
+def served_check(model_path: Path, ds: Dataset, engine_test_accuracy: float | None, threads: int,
+                 log: Callable[[str], None]) -> dict[str, Any]:
+    """Test accuracy of the exported model as users meet it: `leaflens evaluate` on the test split's
+    ORIGINAL photo files (through the Predictor and the contract in the model's metadata), beside the
+    engine's on the stored arrays. When the photos are gone or no longer decode, the check is skipped
+    (``checked`` False, with the reason): the export does not depend on the photos still being there."""
+    entry: dict[str, Any] = {"split": "test", "model": model_path.name, "served_test_accuracy": None,
+                             "engine_test_accuracy": engine_test_accuracy}
+    if engine_test_accuracy is None:
+        return {**entry, "checked": False, "reason": f"dataset {ds.root} has no labelled test split"}
+    try:
+        source, files = dataset_photo_files(ds, "test")
+    except PhotosUnavailable as exc:
+        return {**entry, "checked": False, "reason": str(exc)}
+    t0 = time.perf_counter()
+    log(f"served check: {model_path.name} on the {len(files)} test photo files")
+    evaluation = evaluate_files(Predictor(model_path, intra_op_threads=threads), files, ds["test"].labels,
+                                photos=f"the test split of {ds.root}")
+    if evaluation.unreadable:
+        first = evaluation.unreadable[0].error
+        return {**entry, "checked": False, "reason": f"{len(evaluation.unreadable)} test photo(s) no longer decode "
+                                                     f"(first: {first}); they changed since `leaflens preprocess`"}
+    served = evaluation.accuracy
+    return {**entry, "checked": True, "photos": len(files), "source": str(source), "served_test_accuracy": served,
+            "difference_points": 100.0 * (served - engine_test_accuracy),
+            "seconds": round(time.perf_counter() - t0, 2)}
 
 
 def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -235,6 +282,12 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
             report["int8"]["speedup_vs_fp32"] = sp["int8"]["img_s"] / sp["fp32"]["img_s"]
         del sessions
 
+        served = served_check(paths["fp32"], ds, acc.get("test", {}).get("engine"), threads, log)
+        report["served"] = {**served, "max_difference_points": opts.served_max_points}
+        if not served["checked"]:
+            warnings.append(f"served-accuracy check skipped: {served['reason']}")
+            log(f"warning: {warnings[-1]}")
+
         failures = _gates(report, opts)
         report["passed"] = not failures
         report["failures"] = failures
@@ -305,6 +358,12 @@ def summary(report: dict[str, Any]) -> str:
             s = speed[k]
             lines.append(f"{k:>5} CPU: {s['img_s']:.0f} img/s at batch {s['batch']}, batch-1 p50 "
                          f"{s['b1_p50_ms']:.2f} ms ({speed['threads']} threads)")
+    served = report.get("served")
+    if served and served["checked"]:
+        lines.append(f"served test accuracy {served['served_test_accuracy']:.2%} ({served['model']} on the "
+                     f"{served['photos']} test photo files) vs engine {served['engine_test_accuracy']:.2%}")
+    elif served:
+        lines.append(f"served-accuracy check skipped: {served['reason']}")
     if "int8" in report:
         i8 = report["int8"]
         lines.append(f"INT8: accuracy change {i8['accuracy_change']:+.2%} on {i8['split']}, "

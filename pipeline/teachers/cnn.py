@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from leaflens.data_prep.contract import normalize
 from leaflens.engine import Tensor, no_grad
-from leaflens.engine.data import normalize
 from leaflens.pipeline.config import StageConfig
 from leaflens.pipeline.models.student import StudentCNN, StudentSpec
 from leaflens.pipeline.runs import load_student_weights

@@ -71,12 +71,12 @@ def test_the_student_trains_and_is_judged_at_model_input_size(tiny):
     _, info = load_model(tmp / "at8")
     assert info.dataset["input_size"] == 8
     # the kept weights score on val exactly what the report says when fed 8 px area-downsampled images
-    from leaflens.engine.data import downsample  # noqa: PLC0415
+    from leaflens.data_prep.contract import area_resize  # noqa: PLC0415
     from leaflens.pipeline.train_student import predict_logits  # noqa: PLC0415
 
     model, _ = load_model(tmp / "at8")
     ds = load_dataset(ds_dir)
-    small = downsample(np.asarray(ds["val"].images), 8)
+    small = area_resize(np.asarray(ds["val"].images), 8)
     kept = small.copy()
     acc = float((predict_logits(model, small, ds.mean, ds.std, size=8).argmax(1)
                  == np.asarray(ds["val"].labels)).mean())

@@ -238,7 +238,7 @@ def test_wrong_dataset_and_foreign_output_are_refused(tiny_run, tmp_path, capsys
 def test_a_student_with_a_smaller_input_than_the_stored_images_exports_at_its_input_size(tiny_run, tmp_path):
     """Stored at 32 px, trained at 16 (model.input_size): the ONNX input, metadata and parity are at 16."""
     from leaflens.apps.predictor import Predictor  # noqa: PLC0415
-    from leaflens.engine.data import downsample  # noqa: PLC0415
+    from leaflens.data_prep.contract import area_resize  # noqa: PLC0415
 
     run16, _ = tiny_run
     dataset = tmp_path / "dataset32"
@@ -258,8 +258,12 @@ def test_a_student_with_a_smaller_input_than_the_stored_images_exports_at_its_in
     assert report["onnx"]["input_shape"] == ["batch", 3, 16, 16]
     assert report["parity"]["fp32"]["top1_agreement"] == 1.0
     pred = Predictor(out / "student.onnx", intra_op_threads=1)
-    assert pred.card.input_size == 16
-    small = np.clip(np.rint(downsample(np.asarray(ds["test"].images), 16)), 0, 255).astype(np.uint8)
+    assert pred.card.input_size == 16 and pred.card.stored_size == 32
+    # the Predictor takes the stored 32 px pixels and area-averages them to 16 as evaluation did
+    stored = np.asarray(ds["test"].images)
     model.eval()
-    want = model(Tensor(normalize(small, ds.mean, ds.std))).numpy()
-    np.testing.assert_allclose(pred.logits_arrays(small), want, atol=1e-4)
+    want = model(Tensor(normalize(area_resize(stored, 16), ds.mean, ds.std))).numpy()
+    np.testing.assert_allclose(pred.logits_arrays(stored), want, atol=1e-4)
+    served = report["served"]
+    assert served["checked"] and served["photos"] == len(ds["test"])
+    assert served["served_test_accuracy"] == report["accuracy"]["test"]["engine"]

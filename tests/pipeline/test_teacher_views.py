@@ -10,8 +10,9 @@ from PIL import Image
 from pipeline_helpers import tiny_dataset
 from test_teacher_stage import _tiny_encoder
 
+from leaflens.data_prep.contract import area_resize
 from leaflens.data_prep.manifest import load_dataset
-from leaflens.engine.data import Augment, apply_view_boxes, downsample, sample_view_boxes
+from leaflens.engine.data import Augment, apply_view_boxes, sample_view_boxes
 from leaflens.pipeline.cli import main as cli
 from leaflens.pipeline.config import load_config
 from leaflens.pipeline.distill import run_distill
@@ -57,7 +58,7 @@ def test_a_view_is_the_same_region_at_any_resolution():
     assert direct.shape == (24, 24, 3) and np.abs(from_big - direct).mean() < 3.0
     assert np.abs(apply_view_boxes(big.astype(np.float32), box, out_size=24)[0] - direct).max() < 1e-3
     plain = np.array([[0, 0, 1, 1, 0, 0]], np.float32)
-    np.testing.assert_allclose(apply_view_boxes(big, plain, out_size=24), downsample(big, 24), atol=1e-3)
+    np.testing.assert_allclose(apply_view_boxes(big, plain, out_size=24), area_resize(big, 24), atol=1e-3)
 
 
 def test_teacher_writes_a_view_bank_that_distill_learns_from(ds_dir, tmp_path, capsys):

@@ -1,0 +1,167 @@
+"""The one preprocessing contract: a photo file -> the float32 input a leaflens model sees.
+
+Three steps, each implemented once, here (or, for the decode, in :mod:`leaflens.data_prep.decode`):
+
+1. decode (:func:`decode_stored`): EXIF rotation, any mode -> RGB, JPEG DCT-scaled ("draft")
+   decoding for big photos, and the antialiased resize rule ("crop": shorter side to the stored
+   size, centre square; "pad": letterbox) -> a uint8 ``stored_size`` square. `leaflens preprocess`
+   writes exactly this into the dataset arrays.
+2. stored size -> input size (:func:`area_resize`): every input pixel is the mean of the stored
+   pixels it covers (an area filter), float32, not rounded back to uint8.
+3. normalise (:func:`normalize`): ``(x / 255 - mean) / std`` per RGB channel, float32.
+
+A model records its contract in its metadata (:class:`PreprocessContract`, inside
+``leaflens.apps.model_card.ModelCard``), and every consumer calls these functions: preprocess
+(step 1), the student's validation/test evaluation, export parity and INT8 calibration (steps 2-3
+on the stored arrays), and the Predictor (steps 1-3 on a photo file). So the Predictor's input for
+a photo equals, bit for bit, the input the engine was evaluated on for the same photo: both decode
+it with the same call at the stored size, JPEG draft scale included, and go down to the input size
+and normalise with the same code.
+
+Training batches are the one place that does not call step 2: the engine's loader cuts random crops
+(augmentation) from the stored image and resamples them to the input size itself (the engine may
+not import data_prep). Its un-augmented whole-image output equals :func:`area_resize` exactly when
+the stored size is a multiple of the input size (128 -> 64, the default; tested), and its
+normalisation, fused with the colour jitter, equals :func:`normalize` with the jitter off (tested).
+
+This module imports neither the engine nor onnxruntime: serving uses it without either.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from leaflens.data_prep.decode import DEFAULT_MAX_PIXELS, decode_image
+from leaflens.records import Record
+
+__all__ = ["ContractError", "PreprocessContract", "area_resize", "contract_for_dataset", "decode_stored",
+           "normalize"]
+
+Source = str | os.PathLike | bytes
+
+
+class ContractError(ValueError):
+    """An impossible contract; ``field`` names the value at fault (the message says why)."""
+
+    def __init__(self, field: str, why: str) -> None:
+        self.field = field
+        self.why = why
+        super().__init__(f"{field} {why}")
+
+
+@dataclass(frozen=True)
+class PreprocessContract(Record):
+    """How a photo becomes a model's input: decode to ``stored_size`` with the ``resize`` rule,
+    area-average down to ``input_size``, normalise with ``mean``/``std`` (pixel/255 scale, RGB)."""
+
+    stored_size: int
+    input_size: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    resize: Literal["crop", "pad"] = "crop"
+
+    def __post_init__(self) -> None:
+        for name in ("stored_size", "input_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ContractError(name, f"must be an integer >= 1, got {value!r}")
+        if self.input_size > self.stored_size:
+            raise ContractError("input_size", f"{self.input_size} is larger than stored_size {self.stored_size} "
+                                              "(images are never blown up)")
+        for name, positive in (("mean", False), ("std", True)):
+            values = getattr(self, name)
+            if not isinstance(values, (list, tuple)) or len(values) != 3 or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+                raise ContractError(name, f"must be a list of 3 numbers, got {values!r}")
+            if not all(math.isfinite(v) and (v > 0 or not positive) for v in values):
+                raise ContractError(name, f"must hold finite{' positive' if positive else ''} numbers, "
+                                          f"got {list(values)}")
+            object.__setattr__(self, name, tuple(float(v) for v in values))  # lists from callers -> tuple
+        if self.resize not in ("crop", "pad"):
+            raise ContractError("resize", f"must be 'crop' or 'pad', got {self.resize!r}")
+
+    def decode(self, src: Source, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
+        """Step 1: one photo (path or encoded bytes) -> uint8 ``(stored_size, stored_size, 3)``."""
+        return decode_stored(src, self.stored_size, self.resize, max_pixels)
+
+    def prepare(self, images: np.ndarray) -> np.ndarray:
+        """Steps 2-3: uint8 ``(N, stored_size, stored_size, 3)`` -> float32 NHWC model input."""
+        images = np.asarray(images)
+        s = self.stored_size
+        if images.dtype != np.uint8 or images.ndim != 4 or images.shape[1:] != (s, s, 3):
+            raise ValueError(f"expected a uint8 array of shape [N, {s}, {s}, 3] (photos decoded at the stored "
+                             f"size), got {images.dtype} {images.shape}")
+        return normalize(area_resize(images, self.input_size), self.mean, self.std)
+
+
+def decode_stored(src: Source, stored_size: int, resize: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
+    """Step 1 of the contract: the pixels `leaflens preprocess` stores for a photo (see module docstring)."""
+    return decode_image(src, stored_size, resize=resize, max_pixels=max_pixels)
+
+
+def _area_weights(n_in: int, n_out: int) -> np.ndarray:
+    """``(n_out, n_in)`` float64 matrix: row ``i`` averages the source pixels output pixel ``i`` covers,
+    each weighted by the length of its overlap (so every row sums to 1)."""
+    scale = n_in / n_out
+    edges = np.arange(n_out + 1) * scale
+    lo, hi = edges[:-1, None], edges[1:, None]
+    pixel = np.arange(n_in)[None, :]
+    overlap = np.clip(np.minimum(hi, pixel + 1) - np.maximum(lo, pixel), 0.0, None)
+    return overlap / scale
+
+
+def area_resize(images: Any, size: int) -> np.ndarray:
+    """Step 2 of the contract: ``(N, H, W, C)`` uint8 or float -> float32 ``(N, size, size, C)`` where every
+    output pixel is the mean of the source area it covers.
+
+    When ``size`` divides both sides by the same factor (128 -> 64) that is the mean of each block,
+    computed in float32; otherwise the exact area weights are applied in float64 and rounded once to
+    float32. Each image's result does not depend on the others in the batch. Images already at
+    ``size`` come back as float32 copies; a larger ``size`` is refused (images are never blown up).
+    """
+    x = np.asarray(images)
+    if x.ndim != 4:
+        raise ValueError(f"area_resize expects an (N, H, W, C) batch, got shape {x.shape}")
+    n, h, w, c = x.shape
+    if size < 1 or size > min(h, w):
+        raise ValueError(f"area_resize: size {size} must be in 1..{min(h, w)} for {h}x{w} images")
+    if (h, w) == (size, size):
+        return np.array(x, dtype=np.float32)
+    if h % size == 0 and w % size == 0 and h // size == w // size:
+        f = h // size
+        return np.ascontiguousarray(
+            np.asarray(x, np.float32).reshape(n, size, f, size, f, c).mean(axis=(2, 4), dtype=np.float32))
+    planes = np.moveaxis(np.asarray(x, np.float64), 3, 1)  # (N, C, H, W): one matrix product per plane
+    out = _area_weights(h, size) @ planes @ _area_weights(w, size).T
+    return np.ascontiguousarray(np.moveaxis(out, 1, 3), dtype=np.float32)
+
+
+def normalize(x: Any, mean: Any, std: Any) -> np.ndarray:
+    """Step 3 of the contract: a ``[0, 255]`` NHWC batch -> float32 ``(x / 255 - mean) / std`` per channel,
+    as ``x * (1 / (255 std)) - mean / std`` in float32. Never modifies ``x``."""
+    out = np.array(x, dtype=np.float32, order="C")
+    std32 = np.asarray(std, np.float32)
+    scale = (1.0 / (255.0 * std32)).astype(np.float32)
+    shift = (np.asarray(mean, np.float32) / std32).astype(np.float32)
+    # Per-channel constants tiled along a whole row, so the inner loop is W*C long rather than C.
+    c, w = out.shape[-1], out.shape[-2]
+    rows = out.reshape(-1, w * c)
+    rows *= np.tile(scale, w)
+    rows -= np.tile(shift, w)
+    return out
+
+
+def contract_for_dataset(ds: Any, input_size: int) -> PreprocessContract:
+    """The contract of a model that looks at ``input_size`` px and was trained on the dataset ``ds``
+    (a :class:`leaflens.data_prep.manifest.Dataset`): its stored size, resize rule and train mean/std."""
+    return PreprocessContract(
+        stored_size=int(ds.image_size), input_size=int(input_size),
+        mean=tuple(float(v) for v in ds.mean),  # type: ignore[arg-type]
+        std=tuple(float(v) for v in ds.std),  # type: ignore[arg-type]
+        resize=ds.manifest.resize,
+    )

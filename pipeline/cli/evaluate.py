@@ -1,0 +1,55 @@
+"""`leaflens evaluate`: accuracy, per-class table and confusion matrix of an exported model on photo files.
+
+Exit code: 0 every photo evaluated; 1 some photos could not be read (the figures are over the rest);
+2 usage or model error (missing folder, a class folder the model does not know, no photos, bad model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "evaluate",
+        help="accuracy of an exported model on photo files in class folders",
+        description="Evaluate the SERVED model: the exported ONNX file run by onnxruntime on raw photo files, "
+                    "preprocessed by the contract recorded in the model, as `leaflens predict` and the web app "
+                    "run it. PHOTOS holds one folder per class, named like the model's classes. Prints the "
+                    "accuracy, a per-class table and the confusion matrix. Exit code 0: all photos evaluated; "
+                    "1: some photos could not be read; 2: usage or model error.",
+    )
+    p.add_argument("--model", required=True, type=Path, help="exported model (.onnx with leaflens metadata)")
+    p.add_argument("--photos", required=True, type=Path, help="folder of class folders: PHOTOS/<class>/*.jpg")
+    p.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file (atomically)")
+    p.add_argument("--batch-size", type=int, default=32, help="photos per model call (default 32)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="onnxruntime intra-op threads (default: the CPUs this process may use)")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from leaflens.apps.model_card import ModelError  # noqa: PLC0415
+    from leaflens.files import write_json_atomic  # noqa: PLC0415
+    from leaflens.pipeline.evaluate import EvaluationError, evaluate_photos, format_evaluation  # noqa: PLC0415
+
+    prog = "leaflens evaluate"
+    try:
+        if args.batch_size < 1:
+            raise EvaluationError(f"--batch-size must be >= 1, got {args.batch_size}")
+        if args.threads is not None and args.threads < 1:
+            raise EvaluationError(f"--threads must be >= 1, got {args.threads}")
+        if args.json is not None and not args.json.resolve().parent.is_dir():
+            raise EvaluationError(f"{args.json}: the folder for the JSON file does not exist")
+        evaluation = evaluate_photos(args.model, args.photos, threads=args.threads, batch_size=args.batch_size)
+    except (EvaluationError, ModelError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_evaluation(evaluation))
+    if args.json is not None:
+        write_json_atomic(args.json, evaluation.to_dict())
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 1 if evaluation.unreadable else 0

@@ -1,0 +1,79 @@
+"""ModelCard: a typed record that embeds the preprocessing contract, in ONNX metadata (formats 1 and 2) and as JSON."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from apps_helpers import build_tiny_model, leaflens_metadata, tiny_weights, write_photo
+
+from leaflens.apps.model_card import ModelCard, ModelError
+from leaflens.apps.predictor import Predictor
+from leaflens.data_prep.contract import PreprocessContract, area_resize
+from leaflens.data_prep.decode import decode_image
+from leaflens.records import RecordError
+
+CLASSES = ["a", "b", "c"]
+
+
+def _card(**kw) -> ModelCard:
+    contract = PreprocessContract(stored_size=32, input_size=16, mean=(0.5, 0.4, 0.3), std=(0.25, 0.2, 0.3),
+                                  resize="pad")
+    return ModelCard(classes=tuple(CLASSES), contract=contract, **kw)
+
+
+def test_format_2_records_the_stored_size_and_reads_back():
+    card = _card(uncertain_threshold=0.7, threshold_from_model=True, run_id="r1", accuracy=0.9, params=12)
+    meta = card.to_metadata()
+    assert meta["leaflens.format"] == "2" and meta["leaflens.stored_size"] == "32"
+    assert meta["leaflens.input_size"] == "16" and meta["leaflens.resize"] == "pad"
+    assert ModelCard.from_metadata(meta, "m.onnx") == card
+    assert (card.stored_size, card.input_size, card.resize) == (32, 16, "pad")
+
+
+def test_typed_record_round_trip_and_format_1_upgrade():
+    card = _card()
+    data = card.to_dict()
+    assert data["schema_version"] == 2 and data["contract"]["stored_size"] == 32
+    assert ModelCard.from_dict(data) == card
+    old = {**data, "schema_version": 1, "contract": {k: v for k, v in data["contract"].items() if k != "stored_size"}}
+    assert ModelCard.from_dict(old).stored_size == 16  # format 1: decoded straight to the input size
+    with pytest.raises(RecordError, match="unknown key 'colour'"):
+        ModelCard.from_dict({**data, "colour": "green"})
+
+
+def test_format_1_metadata_is_read_with_the_stored_size_equal_to_the_input_size(tiny_model, tmp_path):
+    path, _ = tiny_model(size=16)  # written as older exports were: format 1, no stored size
+    predictor = Predictor(path)
+    assert predictor.card.stored_size == predictor.card.input_size == 16
+    photo = write_photo(tmp_path / "p.png", (40, 30))
+    np.testing.assert_array_equal(predictor.decode(photo), decode_image(photo, 16, "crop"))
+
+
+@pytest.mark.parametrize("extra,key,why", [
+    ({"leaflens.format": "2"}, "leaflens.stored_size", "is missing"),
+    ({"leaflens.format": "2", "leaflens.stored_size": "8"}, "leaflens.input_size", "larger than stored_size"),
+    ({"leaflens.format": "2", "leaflens.stored_size": "big"}, "leaflens.stored_size", "not an integer"),
+    ({"leaflens.format": "one"}, "leaflens.format", "reads formats 1 to 2"),
+])
+def test_bad_format_2_metadata_names_the_key(tmp_path, extra, key, why):
+    path = build_tiny_model(tmp_path / "bad.onnx", tiny_weights(3), 16, leaflens_metadata(CLASSES, 16, **extra))
+    with pytest.raises(ModelError) as info:
+        Predictor(path)
+    assert "bad.onnx" in str(info.value) and key in str(info.value) and why in str(info.value)
+
+
+def test_predictor_decodes_at_the_stored_size_and_area_averages_to_the_input(tmp_path):
+    weights = tiny_weights(3, seed=2)
+    path = build_tiny_model(tmp_path / "m.onnx", weights, 16, leaflens_metadata(
+        CLASSES, 16, **{"leaflens.format": "2", "leaflens.stored_size": "32"}))
+    predictor = Predictor(path)
+    photo = write_photo(tmp_path / "leaf.jpg", (90, 70), seed=4)
+    stored = predictor.decode(photo)
+    np.testing.assert_array_equal(stored, decode_image(photo, 32, "crop"))
+    x = predictor.preprocess(stored[None])
+    assert x.shape == (1, 3, 16, 16)
+    want = (area_resize(stored[None], 16) / 255.0 - np.array([0.5, 0.4, 0.3])) / np.array([0.25, 0.2, 0.3])
+    np.testing.assert_allclose(x.transpose(0, 2, 3, 1), want, atol=1e-5)
+    assert predictor.predict_image(photo).ok
+    with pytest.raises(ValueError, match=r"\[N, 32, 32, 3\]"):  # input-size arrays are not the contract
+        predictor.predict_arrays(np.zeros((1, 16, 16, 3), np.uint8))

@@ -1,0 +1,212 @@
+"""`leaflens evaluate` (the served model on photo files) and the export stage's served-accuracy check."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+pytest.importorskip("onnxruntime")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "apps"))
+
+from apps_helpers import build_tiny_model, leaflens_metadata, reference_probs, tiny_weights  # noqa: E402
+
+from leaflens.data_prep.contract import area_resize, normalize  # noqa: E402
+from leaflens.data_prep.decode import decode_image  # noqa: E402
+from leaflens.data_prep.ingest import IngestOptions, ingest  # noqa: E402
+from leaflens.data_prep.manifest import load_dataset, manifest_sha256  # noqa: E402
+from leaflens.engine import Tensor, ops  # noqa: E402
+from leaflens.engine.checkpoint import save_checkpoint  # noqa: E402
+from leaflens.engine.optim import Adam  # noqa: E402
+from leaflens.pipeline.cli import main  # noqa: E402
+from leaflens.pipeline.evaluate import PhotoEvaluation  # noqa: E402
+from leaflens.pipeline.export.stage import ExportFailed, ExportOptions, export_run  # noqa: E402
+from leaflens.pipeline.models.student import StudentCNN  # noqa: E402
+
+CLASSES = ["blight", "healthy", "rust"]
+COLOURS = {"blight": (150, 90, 40), "healthy": (40, 160, 50), "rust": (170, 60, 30)}
+STORED, INPUT = 32, 16
+
+
+def _jpeg(cls: str, seed: int) -> bytes:
+    """A 96x72 class-coloured textured photo; every third one EXIF-rotated as phones write them."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:72, 0:96]
+    ci = CLASSES.index(cls)
+    stripes = 40 * np.sin((xx if ci % 2 else yy) / (2 + ci) + rng.uniform(0, 6))[..., None]
+    img = np.clip(np.array(COLOURS[cls], np.float64) + stripes + rng.normal(0, 25, (72, 96, 3)), 0, 255)
+    kw = {}
+    if seed % 3 == 0:
+        exif = Image.Exif()
+        exif[0x0112] = 6
+        kw["exif"] = exif.tobytes()
+    buf = io.BytesIO()
+    Image.fromarray(img.astype(np.uint8)).save(buf, "JPEG", quality=92, **kw)
+    return buf.getvalue()
+
+
+def _photos(root: Path, per_class: int = 14) -> Path:
+    for ci, cls in enumerate(CLASSES):
+        (root / cls).mkdir(parents=True)
+        for i in range(per_class):
+            (root / cls / f"{cls}_{i:02d}.jpg").write_bytes(_jpeg(cls, 100 * ci + i))
+    return root
+
+
+def _trained_run(tmp: Path) -> tuple[Path, Path, Path]:
+    """(photos, dataset stored at 32 px, run of a StudentCNN trained at 16 px input)."""
+    photos = _photos(tmp / "photos")
+    dataset = tmp / "dataset"
+    ingest(photos, dataset, IngestOptions(size=STORED), workers=1, log=lambda s: None)
+    ds = load_dataset(dataset)
+    model = StudentCNN(len(CLASSES), widths=(8, 16))
+    x = normalize(area_resize(np.asarray(ds["train"].images), INPUT), ds.mean, ds.std)
+    y = np.asarray(ds["train"].labels)
+    opt = Adam(model.parameters(), lr=0.02)
+    model.train()
+    for _ in range(40):
+        loss = ops.cross_entropy(model(Tensor(x)), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    extra = {"model_config": {"kind": "student_cnn", "num_classes": 3, "widths": [8, 16], "in_channels": 3,
+                              "dropout": 0.0},
+             "dataset": {"classes": ds.classes, "mean": ds.mean.tolist(), "std": ds.std.tolist(),
+                         "image_size": STORED, "input_size": INPUT, "resize": "crop",
+                         "manifest_sha256": manifest_sha256(dataset)},
+             "metrics": {"val_accuracy": 0.9, "test_accuracy": 0.9, "uncertain_threshold": 0.5},
+             "run_id": "eval-run"}
+    run = tmp / "student"
+    save_checkpoint(run / "best.npz", model, epoch=1, step=40, extra=extra)
+    return photos, dataset, run
+
+
+def _opts(run: Path, dataset: Path, out: Path) -> ExportOptions:
+    return ExportOptions(run=run, out=out, dataset=dataset, int8=False, speed_seconds=0.02, threads=1)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, Path, Path]:
+    return _trained_run(tmp_path_factory.mktemp("served"))
+
+
+def test_export_records_the_served_test_accuracy_next_to_the_engines(trained, tmp_path):
+    photos, dataset, run = trained
+    out = tmp_path / "export"
+    report = export_run(_opts(run, dataset, out), log=lambda s: None)
+    served = report["served"]
+    ds = load_dataset(dataset)
+    assert served["checked"] and served["photos"] == len(ds["test"]) and served["source"] == str(photos)
+    engine = report["accuracy"]["test"]["engine"]
+    assert served["engine_test_accuracy"] == engine
+    # the photo files decode to the stored pixels and go down to 16 px exactly as in evaluation
+    assert served["served_test_accuracy"] == engine and served["difference_points"] == 0.0
+    assert served["max_difference_points"] == 0.5
+    assert json.loads((out / "parity.json").read_text())["served"] == served
+    # `leaflens evaluate` on the same photos says the same for the whole folder
+    code = main(["evaluate", "--model", str(out / "student.onnx"), "--photos", str(photos), "--json",
+                 str(tmp_path / "eval.json")])
+    assert code == 0
+    ev = PhotoEvaluation.from_dict(json.loads((tmp_path / "eval.json").read_text()))
+    assert ev.summary["n"] == sum(len(ds[s]) for s in ("train", "val", "test")) and not ev.unreadable
+
+
+def test_served_check_is_skipped_with_a_warning_when_the_photos_are_gone(tmp_path):
+    photos, dataset, run = _trained_run(tmp_path)
+    shutil.rmtree(photos)
+    logged: list[str] = []
+    report = export_run(_opts(run, dataset, tmp_path / "export"), log=logged.append)
+    served = report["served"]
+    assert not served["checked"] and served["served_test_accuracy"] is None
+    assert "no longer in" in served["reason"] and str(photos) in served["reason"]
+    assert any("served-accuracy check skipped" in w for w in report["warnings"])
+    assert any(line.startswith("warning: served-accuracy check skipped") for line in logged)
+    assert report["passed"] and (tmp_path / "export" / "student.onnx").is_file()
+
+
+def test_served_gate_fails_and_replaces_nothing_when_the_photos_no_longer_match(tmp_path):
+    photos, dataset, run = _trained_run(tmp_path)
+    out = tmp_path / "export"
+    export_run(_opts(run, dataset, out), log=lambda s: None)
+    previous = (out / "student.onnx").read_bytes()
+    ds = load_dataset(dataset)
+    for rel, label in zip(ds["test"].files, ds["test"].labels):  # every test photo now shows another class
+        other = CLASSES[(int(label) + 1) % 3]
+        (photos / rel).write_bytes((photos / other / f"{other}_00.jpg").read_bytes())
+    with pytest.raises(ExportFailed, match=r"served test accuracy .* differs from the engine's") as info:
+        export_run(_opts(run, dataset, out), log=lambda s: None)
+    assert "changed since `leaflens preprocess`" in str(info.value)
+    assert (out / "student.onnx").read_bytes() == previous
+    failed = json.loads((tmp_path / "export.parity-failed.json").read_text())
+    assert failed["served"]["checked"] and failed["served"]["difference_points"] < -0.5
+
+
+# ---------------------------------------------------------------------------- leaflens evaluate
+def _tiny_model(tmp: Path, weights: dict[str, np.ndarray]) -> Path:
+    meta = leaflens_metadata(CLASSES, 16, **{"leaflens.format": "2", "leaflens.stored_size": "32"})
+    return build_tiny_model(tmp / "tiny.onnx", weights, 16, meta)
+
+
+def test_evaluate_prints_accuracy_per_class_and_confusion_and_writes_json(tmp_path, capsys):
+    weights = tiny_weights(3, seed=1)
+    model = _tiny_model(tmp_path, weights)
+    photos = _photos(tmp_path / "photos", per_class=4)
+    (photos / "healthy" / "notes.txt").write_text("not a photo")  # ignored, like preprocess does
+    code = main(["evaluate", "--model", str(model), "--photos", str(photos), "--json", str(tmp_path / "e.json")])
+    out = capsys.readouterr().out
+    assert code == 0
+    # the figures of the NumPy re-computation of the model on the contract's input
+    files = sorted(photos.glob("*/*.jpg"))
+    labels = np.array([CLASSES.index(f.parent.name) for f in files])
+    stored = np.stack([decode_image(f, 32, "crop") for f in files])
+    small = np.clip(area_resize(stored, 16), 0, 255)
+    pred = reference_probs(small, weights).argmax(1)
+    want = float((pred == labels).mean())
+    ev = json.loads((tmp_path / "e.json").read_text())
+    assert ev["summary"]["accuracy"] == pytest.approx(want) and ev["summary"]["n"] == 12
+    cm = np.zeros((3, 3), int)
+    np.add.at(cm, (labels, pred), 1)
+    assert ev["summary"]["confusion_matrix"] == cm.tolist()
+    assert f"accuracy {want:.2%}" in out and "confusion matrix" in out
+    for i, cls in enumerate(CLASSES):
+        assert f"{i} {cls}" in out
+
+
+def test_evaluate_refuses_a_class_the_model_does_not_know(tmp_path, capsys):
+    model = _tiny_model(tmp_path, tiny_weights(3))
+    photos = _photos(tmp_path / "photos", per_class=2)
+    (photos / "mildew").mkdir()
+    (photos / "mildew" / "m.jpg").write_bytes(_jpeg("rust", 7))
+    code = main(["evaluate", "--model", str(model), "--photos", str(photos)])
+    err = capsys.readouterr().err
+    assert code == 2 and "'mildew'" in err and "name no class the model knows" in err and "'healthy'" in err
+
+
+def test_evaluate_counts_unreadable_photos_apart_and_exits_1(tmp_path, capsys):
+    model = _tiny_model(tmp_path, tiny_weights(3))
+    photos = _photos(tmp_path / "photos", per_class=2)
+    (photos / "rust" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    code = main(["evaluate", "--model", str(model), "--photos", str(photos), "--json", str(tmp_path / "e.json")])
+    captured = capsys.readouterr()
+    assert code == 1 and "broken.jpg" in captured.out and "could not be read" in captured.out
+    ev = json.loads((tmp_path / "e.json").read_text())
+    assert ev["summary"]["n"] == 6 and [Path(u["file"]).name for u in ev["unreadable"]] == ["broken.jpg"]
+
+
+def test_evaluate_usage_errors_exit_2(tmp_path, capsys):
+    model = _tiny_model(tmp_path, tiny_weights(3))
+    split = tmp_path / "split"
+    _photos(split / "test", per_class=1)
+    assert main(["evaluate", "--model", str(model), "--photos", str(split)]) == 2
+    assert "point --photos at one of them" in capsys.readouterr().err
+    assert main(["evaluate", "--model", str(model), "--photos", str(tmp_path / "nowhere")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["evaluate", "--model", str(tmp_path / "none.onnx"), "--photos", str(split / "test")]) == 2
+    assert "model file not found" in capsys.readouterr().err

@@ -11,6 +11,7 @@ continues a partial one):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -31,7 +32,7 @@ from leaflens.pipeline.hardware import describe_hardware
 from leaflens.pipeline.models.student import StudentSpec
 from leaflens.pipeline.report import metrics, plots
 from leaflens.pipeline.report.markdown import write_report
-from leaflens.pipeline.runs import load_student_weights
+from leaflens.pipeline.runs import RunDataset, RunMeta, RunMetrics, load_student_weights
 from leaflens.pipeline.teachers.artefact import load_teacher
 from leaflens.pipeline.train_student import (
     BEST,
@@ -71,17 +72,16 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
     train, val = ds["train"], ds["val"]
     mean, std = ds.mean, ds.std
     input_size = student_input_size(cfg, ds.image_size)
-    base_meta: dict[str, Any] = {
-        "model_config": StudentSpec.from_recipe(cfg.model, ds.num_classes).to_dict(),
-        "dataset": {"classes": ds.classes, "mean": [float(v) for v in mean], "std": [float(v) for v in std],
-                    "image_size": ds.image_size, "input_size": input_size,
-                    "resize": ds.manifest.resize,
-                    "manifest_sha256": manifest_sha256(ds.root), "root": str(ds.root)},
-        "run_id": json.loads((work / "run_id.json").read_text(encoding="utf-8"))["run_id"]
-        if (work / "run_id.json").exists()
-        else f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}",
-    }
-    write_json_atomic(work / "run_id.json", {"run_id": base_meta["run_id"]})  # a resume reads it back
+    run_id = (json.loads((work / "run_id.json").read_text(encoding="utf-8"))["run_id"]
+              if (work / "run_id.json").exists() else f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}")
+    run_meta = RunMeta(
+        model_config=StudentSpec.from_recipe(cfg.model, ds.num_classes),
+        dataset=RunDataset(classes=tuple(ds.classes), mean=tuple(float(v) for v in mean),  # type: ignore[arg-type]
+                           std=tuple(float(v) for v in std), image_size=ds.image_size,  # type: ignore[arg-type]
+                           input_size=input_size, resize=ds.manifest.resize,  # type: ignore[arg-type]
+                           manifest_sha256=manifest_sha256(ds.root), root=str(ds.root)),
+        run_id=run_id)
+    write_json_atomic(work / "run_id.json", {"run_id": run_id})  # a resume reads it back
 
     variants: dict[str, TrainData] = {}
     teacher_info = None
@@ -109,8 +109,8 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
     results = {}
     for name, data in variants.items():
         results[name] = train_run(work / name, cfg, data, val.images, np.asarray(val.labels), mean, std,
-                                  ds.num_classes, {**base_meta, "variant": name}, resume=resume, label=name,
-                                  progress=progress)
+                                  ds.num_classes, dataclasses.replace(run_meta, variant=name).to_dict(),
+                                  resume=resume, label=name, progress=progress)
     # Ties go to the simpler recipe: distillation has to earn its place.
     order = sorted(results, key=lambda k: (results[k].best_val_accuracy, k == "scratch"), reverse=True)
     winner = order[0]
@@ -125,11 +125,11 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
                      "test_accuracy": None if test_summary is None else test_summary["accuracy"],
                      "uncertain_threshold": threshold_value}
     save_checkpoint(work / BEST, model, epoch=results[winner].best_epoch, step=0,
-                    extra={**base_meta, "variant": winner, "metrics": final_metrics,
-                           "teacher": None if teacher_info is None else teacher_info.teacher})
+                    extra=dataclasses.replace(run_meta, variant=winner, metrics=RunMetrics(**final_metrics),
+                                              teacher=None if teacher_info is None else teacher_info.teacher).to_dict())
 
     report = _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold, teacher_info, model,
-                           base_meta["run_id"])
+                           run_id)
     _write_visuals(work, ds, results, chosen, model, mean, std, input_size)
     write_json_atomic(work / "report.json", report)
     write_report(work, report)

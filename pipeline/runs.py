@@ -1,50 +1,87 @@
 """A trained run directory: what `leaflens distill` writes and `leaflens export` reads.
 
 The weights chosen for use live in ``best.npz``, an engine checkpoint (see leaflens.engine.checkpoint)
-whose ``extra`` entry describes everything needed to rebuild and use the model:
+whose ``extra`` entry, a :class:`RunMeta` record, describes everything needed to rebuild and use the
+model:
 
-- ``model_config``: {"kind": "student_cnn", "num_classes", "widths", "in_channels", "dropout"}
-- ``dataset``: {"classes": [...], "mean": [r, g, b], "std": [r, g, b] (pixel/255 scale),
-  "image_size": S (as stored), "input_size": s (the model's input; absent in older runs: S),
-  "resize": "crop" | "pad", "manifest_sha256": "..."}
-- ``metrics``: {"val_accuracy", "test_accuracy", "uncertain_threshold"} (any may be absent)
-- ``run_id``: a string naming the run
+- ``model_config``: the architecture, a :class:`~leaflens.pipeline.models.student.StudentSpec`
+- ``dataset``: the data it learnt from and how images reach it (:class:`RunDataset`: classes, mean/std
+  on the pixel/255 scale, stored and input size, resize rule, the manifest's SHA-256)
+- ``metrics``: val/test accuracy and the uncertain threshold (:class:`RunMetrics`, any may be absent)
+- ``run_id``, ``variant`` (distilled or scratch) and ``teacher`` (teacher.json's identity entry)
+
+Each variant's own ``best.npz`` carries the same record with its variant and val accuracy; the
+``last.npz`` checkpoints add the loop's ``train_state`` for resuming.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
 from leaflens.engine.checkpoint import CheckpointError, read_checkpoint_arrays
 from leaflens.engine.nn import Module
-from leaflens.pipeline.models.student import StudentCNN
+from leaflens.pipeline.models.student import StudentSpec
+from leaflens.records import Record, RecordError
 
 BEST = "best.npz"
 
 
-@dataclass
+@dataclass(frozen=True)
+class RunDataset(Record):
+    """The data a run learnt from and how an image reaches its model (best.npz's ``dataset``)."""
+
+    classes: tuple[str, ...]
+    mean: tuple[float, float, float]  # per RGB channel, pixel / 255
+    std: tuple[float, float, float]
+    image_size: int                   # as stored in the dataset
+    input_size: int | None = None     # the model's input; absent in runs from before model.input_size
+    resize: Literal["crop", "pad"] = "crop"  # absent in the first runs, which all cropped
+    manifest_sha256: str | None = None
+    root: str | None = None
+
+    @property
+    def model_input_size(self) -> int:
+        """The side of the model's input (the stored size for runs that did not record it)."""
+        return self.image_size if self.input_size is None else self.input_size
+
+
+@dataclass(frozen=True)
+class RunMetrics(Record):
+    """best.npz's ``metrics``; each variant's own best.npz has its val accuracy only."""
+
+    val_accuracy: float | None = None
+    test_accuracy: float | None = None
+    uncertain_threshold: float | None = None
+
+
+@dataclass(frozen=True)
+class RunMeta(Record):
+    """What a run's checkpoints record beside the weights (their ``extra``)."""
+
+    SCHEMA_VERSION: ClassVar[int | None] = 1
+    model_config: StudentSpec
+    dataset: RunDataset
+    run_id: str | None = None         # None: the run folder's name
+    variant: Literal["distilled", "scratch"] | None = None
+    metrics: RunMetrics = field(default_factory=RunMetrics)
+    teacher: dict[str, Any] | None = None  # the teacher's identity (teacher.json's ``teacher``)
+    schema_version: int = 1
+
+
+@dataclass(frozen=True)
 class RunInfo:
+    """A run folder's chosen checkpoint: where it is and what its record says."""
+
     path: Path
-    model_config: dict[str, Any]
-    dataset: dict[str, Any]
-    metrics: dict[str, Any]
+    model_config: StudentSpec
+    dataset: RunDataset
+    metrics: RunMetrics
     run_id: str
-
-
-def build_model(config: dict[str, Any]) -> Module:
-    """The engine model described by a run's ``model_config``, to load the run's weights into (its initial
-    values, drawn from a fixed generator, are all replaced)."""
-    kind = config.get("kind")
-    if kind == "student_cnn":
-        return StudentCNN(int(config["num_classes"]), widths=config["widths"],
-                          in_channels=int(config.get("in_channels", 3)), dropout=float(config.get("dropout", 0.0)),
-                          rng=np.random.default_rng(0))
-    raise ValueError(f"unknown model kind {kind!r} in model_config")
 
 
 def _run_info(path: Path, meta: dict[str, Any], run_dir: Path) -> RunInfo:
@@ -52,8 +89,12 @@ def _run_info(path: Path, meta: dict[str, Any], run_dir: Path) -> RunInfo:
     for key in ("model_config", "dataset"):
         if key not in extra:
             raise CheckpointError(f"{path} lacks '{key}': it was not written by `leaflens distill`")
-    return RunInfo(path=path, model_config=extra["model_config"], dataset=extra["dataset"],
-                   metrics=extra.get("metrics", {}), run_id=str(extra.get("run_id", run_dir.name)))
+    try:
+        record = RunMeta.from_dict(extra, str(path))
+    except RecordError as exc:
+        raise CheckpointError(str(exc)) from None
+    return RunInfo(path=path, model_config=record.model_config, dataset=record.dataset, metrics=record.metrics,
+                   run_id=record.run_id or run_dir.name)
 
 
 def read_run(run_dir: str | os.PathLike[str]) -> RunInfo:
@@ -80,8 +121,9 @@ def load_model(run_dir: str | os.PathLike[str]) -> tuple[Module, RunInfo]:
     checkpoint = read_checkpoint_arrays(path)
     info = _run_info(path, checkpoint[0], Path(run_dir))
     try:
-        model = build_model(info.model_config)
-    except (ValueError, KeyError, TypeError) as exc:
+        # initial values from a fixed generator: the run's weights replace all of them
+        model = info.model_config.build(np.random.default_rng(0))
+    except ValueError as exc:
         raise CheckpointError(f"{info.path}: its model_config {info.model_config} cannot be built: {exc}") from exc
     try:
         load_student_weights(model, info.path, checkpoint)

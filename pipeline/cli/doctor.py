@@ -76,10 +76,10 @@ def spec_from_run(run_dir: str | os.PathLike[str]) -> tuple[ModelSpec, int]:
     mc = info.model_config
     cfg_path = Path(run_dir) / "config.toml"
     train = read_toml(cfg_path).get("train", {}) if cfg_path.exists() else {}
-    spec = ModelSpec(widths=tuple(int(w) for w in mc["widths"]), num_classes=int(mc["num_classes"]),
+    spec = ModelSpec(widths=mc.widths, num_classes=mc.num_classes,
                      mixed_precision=str(train.get("mixed_precision", "auto")), source=str(run_dir),
                      configured_batch=int(train["batch_size"]) if "batch_size" in train else None)
-    return spec, int(info.dataset.get("input_size", info.dataset["image_size"]))
+    return spec, info.dataset.model_input_size
 
 
 def _as_spec(model: ModelSpec | str) -> ModelSpec:

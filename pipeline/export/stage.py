@@ -82,7 +82,7 @@ class ExportOptions:
 def _check_dataset(info: RunInfo, ds: Dataset, opts: ExportOptions) -> list[str]:
     """Refuse a dataset other than the run's (unless allowed); returns warnings."""
     warnings = []
-    want = str(info.dataset.get("manifest_sha256", "")).removeprefix("sha256:")
+    want = (info.dataset.manifest_sha256 or "").removeprefix("sha256:")
     have = manifest_sha256(ds.root)
     if not want:
         warnings.append(f"{info.path} records no dataset manifest_sha256; cannot confirm {ds.root} is the "
@@ -93,28 +93,28 @@ def _check_dataset(info: RunInfo, ds: Dataset, opts: ExportOptions) -> list[str]
         if not opts.allow_dataset_mismatch:
             raise ExportFailed(msg + " or --allow-dataset-mismatch")
         warnings.append(msg)
-    classes = list(info.dataset.get("classes", []))
+    classes = list(info.dataset.classes)
     if classes != list(ds.classes):
         raise ExportFailed(f"run {info.run_id} has classes {classes} but dataset {ds.root} has {ds.classes}")
-    if int(info.dataset.get("image_size", -1)) != ds.image_size:
-        raise ExportFailed(f"run {info.run_id} was trained at {info.dataset.get('image_size')} px but "
+    if info.dataset.image_size != ds.image_size:
+        raise ExportFailed(f"run {info.run_id} was trained at {info.dataset.image_size} px but "
                            f"dataset {ds.root} holds {ds.image_size} px images")
     return warnings
 
 
 def model_card(info: RunInfo, model: Module) -> ModelCard:
     d, m = info.dataset, info.metrics
-    threshold = m.get("uncertain_threshold")
+    threshold = m.uncertain_threshold
     contract = PreprocessContract(
-        stored_size=int(d["image_size"]), input_size=int(d.get("input_size", d["image_size"])),
-        mean=tuple(float(v) for v in d["mean"]), std=tuple(float(v) for v in d["std"]),  # type: ignore[arg-type]
-        resize=str(d.get("resize", "crop")),  # type: ignore[arg-type]
+        stored_size=int(d["image_size"]), input_size=d.model_input_size,
+        mean=d.mean, std=d.std,
+        resize=d.resize,  # type: ignore[arg-type]
     )
     return ModelCard(
-        classes=tuple(d["classes"]), contract=contract,
-        uncertain_threshold=float(threshold) if threshold is not None else 0.5,
+        classes=d.classes, contract=contract,
+        uncertain_threshold=threshold if threshold is not None else 0.5,
         threshold_from_model=threshold is not None, run_id=info.run_id,
-        accuracy=float(m["test_accuracy"]) if m.get("test_accuracy") is not None else None,
+        accuracy=m.test_accuracy,
         params=int(model.num_parameters()),
     )
 
@@ -242,7 +242,7 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
         tie = 2 * opts.fp32_tolerance
         report: dict[str, Any] = {
             "format": REPORT_FORMAT,
-            "run": {"id": info.run_id, "path": str(info.path), "metrics": info.metrics},
+            "run": {"id": info.run_id, "path": str(info.path), "metrics": info.metrics.to_dict()},
             "dataset": {"root": str(ds.root), "manifest_sha256": manifest_sha256(ds.root),
                         "parity_split": split},
             "onnx": {"opset": OPSET, "ir_version": IR_VERSION, "input": proto.graph.input[0].name,

@@ -51,8 +51,8 @@ def test_distill_writes_run_with_both_variants(tiny):
     assert rows[-1]["train_feature"] < rows[0]["train_feature"]
     assert rows[-1]["train_ce"] < rows[0]["train_ce"]
     model, info = load_model(out)
-    assert info.dataset["classes"] == load_dataset(ds_dir).classes
-    assert info.metrics["uncertain_threshold"] is not None
+    assert list(info.dataset.classes) == load_dataset(ds_dir).classes
+    assert info.metrics.uncertain_threshold is not None
     assert model.projection is None  # the training-only head is not part of the kept model
 
 
@@ -69,7 +69,7 @@ def test_the_student_trains_and_is_judged_at_model_input_size(tiny):
                          progress=False)
     assert report["dataset"]["image_size"] == 16 and report["dataset"]["input_size"] == 8
     _, info = load_model(tmp / "at8")
-    assert info.dataset["input_size"] == 8
+    assert info.dataset.input_size == 8
     # the kept weights score on val exactly what the report says when fed 8 px area-downsampled images
     from leaflens.data_prep.contract import area_resize  # noqa: PLC0415
     from leaflens.pipeline.train_student import predict_logits  # noqa: PLC0415

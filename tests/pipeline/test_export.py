@@ -247,7 +247,7 @@ def test_a_student_with_a_smaller_input_than_the_stored_images_exports_at_its_in
     from leaflens.pipeline.runs import load_model  # noqa: PLC0415
 
     model, info = load_model(run16)
-    extra = {"model_config": info.model_config, "metrics": info.metrics, "run_id": "tiny-run-32",
+    extra = {"model_config": info.model_config.to_dict(), "metrics": info.metrics.to_dict(), "run_id": "tiny-run-32",
              "dataset": {"classes": ds.classes, "mean": ds.mean.tolist(), "std": ds.std.tolist(), "image_size": 32,
                          "input_size": 16, "resize": "crop", "manifest_sha256": manifest_sha256(dataset)}}
     run = tmp_path / "student32"

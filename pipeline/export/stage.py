@@ -106,7 +106,7 @@ def model_card(info: RunInfo, model: Module) -> ModelCard:
     d, m = info.dataset, info.metrics
     threshold = m.uncertain_threshold
     contract = PreprocessContract(
-        stored_size=int(d["image_size"]), input_size=d.model_input_size,
+        stored_size=d.image_size, input_size=d.model_input_size,
         mean=d.mean, std=d.std,
         resize=d.resize,  # type: ignore[arg-type]
     )

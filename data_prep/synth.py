@@ -28,14 +28,16 @@ import multiprocessing
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
 from leaflens.cpus import usable_cpus
 from leaflens.files import new_temp_dir, swap_into_place
+from leaflens.records import Record
 
 CLASS_INFO: dict[str, dict[str, str]] = {
     "healthy": {
@@ -119,12 +121,41 @@ _STORE_FOR_ORIENTATION = {3: Image.Transpose.ROTATE_180, 6: Image.Transpose.ROTA
 
 
 @dataclass(frozen=True)
-class SynthOptions:
+class SynthOptions(Record):
     per_class: int = 300
     size: int = 256
     seed: int = 0
     broken: int = 6  # deliberately broken files, spread over the classes
     exif_fraction: float = 0.03  # images stored rotated with an EXIF orientation tag
+
+
+@dataclass(frozen=True)
+class RotatedFile(Record):
+    """A photo stored turned, with the EXIF orientation tag that turns it upright again."""
+
+    path: str  # relative to the synthetic folder
+    orientation: int
+
+
+@dataclass(frozen=True)
+class BrokenFile(Record):
+    """A deliberately broken file and how it is broken (what ingest must reject it as)."""
+
+    path: str
+    kind: Literal["truncated", "empty", "not_an_image"]
+
+
+@dataclass(frozen=True)
+class SynthInfo(Record):
+    """synth.json: how the synthetic photos were made and which files are odd on purpose."""
+
+    generator: str
+    options: SynthOptions
+    classes: tuple[str, ...]
+    images_per_class: int
+    backgrounds: tuple[str, ...]
+    exif_rotated: tuple[RotatedFile, ...]
+    broken: tuple[BrokenFile, ...]
 
 
 # ---------------------------------------------------------------------------- drawing helpers
@@ -577,16 +608,18 @@ def classes_toml(classes: tuple[str, ...] = CLASSES) -> str:
     return "\n".join(lines)
 
 
-def _meta_matches(out: Path, opts: SynthOptions) -> bool:
+def _up_to_date(out: Path, opts: SynthOptions) -> SynthInfo | None:
+    """The folder's synth.json when it was made with ``opts`` and is complete (else None: make it again;
+    a synth.json this version cannot read, an unknown key included, counts as out of date)."""
     try:
-        meta = json.loads((out / SYNTH_META).read_text(encoding="utf-8"))
+        meta = SynthInfo.from_dict(json.loads((out / SYNTH_META).read_text(encoding="utf-8")), str(out / SYNTH_META))
     except (OSError, ValueError):
-        return False
-    return meta.get("options") == asdict(opts) and all((out / c).is_dir() for c in CLASSES)
+        return None
+    return meta if meta.options == opts and all((out / c).is_dir() for c in CLASSES) else None
 
 
 def generate(out: str | os.PathLike, options: SynthOptions | None = None, *, workers: int | None = None,
-             force: bool = False, progress: bool = False, log=print) -> dict:
+             force: bool = False, progress: bool = False, log=print) -> SynthInfo:
     """Write the synthetic dataset to ``out`` (atomically); returns the metadata written to synth.json.
 
     Layout: ``out/<class>/<class>_NNNN.jpg``, ``out/classes.toml``, ``out/synth.json`` (options, counts,
@@ -598,9 +631,10 @@ def generate(out: str | os.PathLike, options: SynthOptions | None = None, *, wor
     if opts.per_class < 1 or opts.size < 32:
         raise ValueError(f"need per_class >= 1 and size >= 32, got {opts.per_class}, {opts.size}")
     out_p = Path(out).resolve()
-    if not force and _meta_matches(out_p, opts):
+    existing = None if force else _up_to_date(out_p, opts)
+    if existing is not None:
         log(f"{out_p}: synthetic dataset up to date (same options); nothing to do")
-        return json.loads((out_p / SYNTH_META).read_text(encoding="utf-8"))
+        return existing
     if out_p.exists() and any(out_p.iterdir()) and not (out_p / SYNTH_META).exists():
         raise ValueError(f"output {out_p} exists and is not a synthetic dataset folder; "
                          "refusing to replace it")
@@ -625,13 +659,13 @@ def generate(out: str | os.PathLike, options: SynthOptions | None = None, *, wor
         bar.close()
         for path, orientation in results:
             if orientation != 1:
-                rotated.append({"path": Path(path).relative_to(tmp).as_posix(), "orientation": orientation})
+                rotated.append(RotatedFile(path=Path(path).relative_to(tmp).as_posix(), orientation=orientation))
         broken = _write_broken(tmp, opts)
         (tmp / CLASSES_TOML).write_text(classes_toml(), encoding="utf-8")
-        meta = {"generator": "leaflens data synth", "options": asdict(opts), "classes": list(CLASSES),
-                "images_per_class": opts.per_class, "backgrounds": list(BACKGROUNDS),
-                "exif_rotated": rotated, "broken": broken}
-        (tmp / SYNTH_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        meta = SynthInfo(generator="leaflens data synth", options=opts, classes=CLASSES,
+                         images_per_class=opts.per_class, backgrounds=BACKGROUNDS, exif_rotated=tuple(rotated),
+                         broken=tuple(broken))
+        (tmp / SYNTH_META).write_text(json.dumps(meta.to_dict(), indent=2) + "\n", encoding="utf-8")
         swap_into_place(tmp, out_p)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -641,7 +675,7 @@ def generate(out: str | os.PathLike, options: SynthOptions | None = None, *, wor
     return meta
 
 
-def _write_broken(root: Path, opts: SynthOptions) -> list[dict]:
+def _write_broken(root: Path, opts: SynthOptions) -> list[BrokenFile]:
     """Deliberately broken files, named like the others, so ingest's rejection paths are exercised."""
     rng = np.random.default_rng([opts.seed, 99991])
     broken = []
@@ -659,5 +693,5 @@ def _write_broken(root: Path, opts: SynthOptions) -> list[dict]:
             path.write_bytes(b"")
         else:
             path.write_bytes(b"This is not a photo: a text file saved with a .jpg name.\n")
-        broken.append({"path": path.relative_to(root).as_posix(), "kind": kind})
+        broken.append(BrokenFile(path=path.relative_to(root).as_posix(), kind=kind))
     return broken

@@ -178,7 +178,7 @@ def main() -> None:
             recipe = teacher_recipe(False, args.teacher_epochs)
             enc, extra = timed(f"teacher_finetune_{name}", build_effnet_teacher, ds, recipe, progress=False)
             timed(f"teacher_features_{name}", write_teacher, tdir, ds, enc, progress=False, stage=extra,
-                  views=args.teacher_views)
+                  views=args.teacher_views, view_scale=recipe.view_scale, view_seed=recipe.seed)
         tt = load_teacher(tdir, ds)
         teachers[name] = tdir
         teacher_acc[name] = float((np.asarray(tt.logits["test"]).argmax(1) == np.asarray(ds["test"].labels)).mean())

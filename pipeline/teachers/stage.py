@@ -102,12 +102,13 @@ def write_teacher(out: str | os.PathLike[str], ds: Any, encoder: Encoder, batch:
                   shorter_side: int | None = None, from_arrays: bool = False, dtype: Any = np.float32,
                   stage: dict[str, Any] | None = None, seconds: float | None = None, progress: bool = True,
                   views: int = 1,
-                  view_scale: tuple[float, float] = (0.5, 1.0), view_seed: int = 0,
+                  view_scale: tuple[float, float] | None = None, view_seed: int = 0,
                   config: StageConfig | None = None) -> Path:
     """Run ``encoder`` over every split of ``ds`` and write the teacher folder atomically.
 
     With ``views`` > 1 the teacher also encodes that many augmented views of every training and
-    unlabelled photo (pipeline/teachers/views.py) for students that learn on the same views.
+    unlabelled photo (pipeline/teachers/views.py) for students that learn on the same views, their
+    crops drawn with ``view_scale`` and ``view_seed`` (the recipe's ``teacher.view_scale`` and ``seed``).
     ``config``, the resolved recipe the teacher was made with, is saved beside it as ``config.toml``;
     ``stage`` (what the teacher's maker recorded) and ``seconds`` go into teacher.json.
     """
@@ -144,6 +145,9 @@ def write_teacher(out: str | os.PathLike[str], ds: Any, encoder: Encoder, batch:
         view_info = None
         if views > 1:
             from leaflens.pipeline.teachers.views import view_augment, write_view_bank  # noqa: PLC0415
+
+            if view_scale is None:
+                raise TeacherStageError(f"a bank of {views} views needs view_scale (the recipe's teacher.view_scale)")
 
             view_encoder = encoder.view_encoder if isinstance(encoder, ArrayEncoder) else encoder
             view_info = write_view_bank(tmp, ds, view_encoder, views, view_augment(view_scale), view_seed, batch,

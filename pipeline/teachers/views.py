@@ -35,8 +35,9 @@ def view_paths(split: str) -> tuple[str, str, str]:
     return f"views_{split}.npy", f"features_views_{split}.npy", f"logits_views_{split}.npy"
 
 
-def view_augment(scale: tuple[float, float] = (0.5, 1.0), hflip: bool = True, vflip: bool = True) -> Augment:
-    """The geometric part of the student's default augmentation (colour jitter stays with the student)."""
+def view_augment(scale: tuple[float, float], hflip: bool = True, vflip: bool = True) -> Augment:
+    """Random-resized crops of area fraction ``scale`` (the recipe's ``teacher.view_scale``) and flips: the
+    geometric part of the student's augmentation (colour jitter stays with the student)."""
     return Augment(hflip=hflip, vflip=vflip, crop="resized", scale=scale, brightness=0.0, contrast=0.0)
 
 

@@ -431,7 +431,7 @@ def engine_step(cp: Any, batch: int, size: int, use_amp: bool) -> Callable[[], N
     """One training step of the engine's student (benchmarks/engine_speed.py's network: StudentCNN with its
     default widths 32-64-128; cross-entropy; SGD with momentum) on the GPU, mixed precision or float32."""
     from leaflens.engine import Tensor, ops
-    from leaflens.engine.amp import GradScaler, autocast
+    from leaflens.engine.amp import GradScaler, train_step
     from leaflens.engine.optim import SGD
     from leaflens.pipeline.models.student import StudentCNN
 
@@ -443,15 +443,8 @@ def engine_step(cp: Any, batch: int, size: int, use_amp: bool) -> Callable[[], N
     x = cp.asarray(rng.standard_normal((batch, size, size, 3), dtype=np.float32))
     y = cp.asarray(rng.integers(0, TRAIN_CLASSES, batch))
 
-    def step() -> None:
-        opt.zero_grad()
-        with autocast(use_amp):
-            loss = ops.cross_entropy(model(Tensor(x)), y)
-        with np.errstate(over="ignore", invalid="ignore"):
-            scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        scaler.step(opt)
-        scaler.update()
+    def step() -> None:  # the training loop's own step (leaflens.engine.amp.train_step), without clipping
+        train_step(opt, scaler, lambda: ops.cross_entropy(model(Tensor(x)), y))
 
     return step
 

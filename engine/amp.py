@@ -21,13 +21,19 @@ Micikevicius et al. 2018 and ``torch.cuda.amp``).
 
 The switch is per thread, like ``leaflens.engine.config.no_grad``: autocast in a training thread never
 changes what a serving thread beside it computes.
+
+:func:`train_step` is the one optimiser step built from these pieces (autocast forward, scaled
+backward, unscale, clip, step, scale update): the pipeline's training loop, ``leaflens doctor``'s
+memory measurement and ``benchmarks/gpu.py`` all call it, so they time and size the same step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -37,7 +43,7 @@ from leaflens.engine.backend import array_module
 if TYPE_CHECKING:
     from leaflens.engine.tensor import Tensor
 
-__all__ = ["GradScaler", "autocast", "autocast_enabled", "float_input", "half_inputs"]
+__all__ = ["GradScaler", "StepResult", "autocast", "autocast_enabled", "float_input", "half_inputs", "train_step"]
 
 LOW = np.dtype(np.float16)
 HIGH = np.dtype(np.float32)
@@ -218,3 +224,58 @@ def _parameters(obj: Any) -> Iterable[Any]:
     if groups is not None:
         return [p for g in groups for p in g["params"]]
     return obj
+
+
+@dataclass
+class StepResult:
+    """What one :func:`train_step` did."""
+
+    loss: Tensor        # the (unscaled) loss of the batch
+    output: Any         # whatever ``compute_loss`` returned beside the loss (None if nothing)
+    stepped: bool       # the optimiser updated the parameters
+    overflow: bool      # skipped: float16 gradients overflowed at a loss scale above 1 (the scale was lowered)
+    grad_norm: float | None = None  # the gradients' global norm before clipping (None: not clipped)
+
+
+def train_step(optimizer: Any, scaler: GradScaler, compute_loss: Callable[[], Any],
+               clip_grad_norm: float | None = None) -> StepResult:
+    """One optimiser step, in float32 or mixed precision as ``scaler.enabled`` says.
+
+    Zeroes the gradients, runs ``compute_loss()`` under :func:`autocast` (it returns the loss tensor, or
+    a tuple whose first element is the loss and whose second is passed back as ``StepResult.output``),
+    backpropagates the scaled loss, unscales the gradients, clips their global norm to
+    ``clip_grad_norm`` when given, steps the optimiser and updates the scale.
+
+    A float16 overflow at a loss scale above 1 is routine dynamic loss scaling: the step is skipped and
+    reported as ``overflow``. Anything else non-finite (the loss itself, gradients that overflow even at
+    scale 1 or in float32, a non-finite gradient norm) raises ``NonFiniteLossError`` with the optimiser
+    untouched; the scaler is left ready for the next step either way, so the caller decides whether to
+    skip the batch or stop.
+    """
+    from leaflens.engine.optim.clip import clip_grad_norm_  # noqa: PLC0415  (optim imports the ops, which import amp)
+    from leaflens.engine.tensor import NonFiniteLossError  # noqa: PLC0415
+
+    optimizer.zero_grad()
+    try:
+        with autocast(scaler.enabled):
+            out = compute_loss()
+        loss, output = (out[0], out[1] if len(out) > 1 else None) if isinstance(out, tuple) else (out, None)
+        # float16 overflow is expected now and then under mixed precision: the scaler handles it
+        with np.errstate(over="ignore", invalid="ignore") if scaler.enabled else contextlib.nullcontext():
+            scaler.scale(loss).backward()
+        if scaler.unscale_(optimizer):  # true gradients before clipping; inf/NaN only with mixed precision
+            if scaler.get_scale() > 1.0:
+                scaler.update()
+                return StepResult(loss, output, stepped=False, overflow=True)
+            raise NonFiniteLossError("gradients are not finite even with the loss scale at 1")
+        grad_norm = None
+        if clip_grad_norm is not None:
+            grad_norm = clip_grad_norm_(_parameters(optimizer), float(clip_grad_norm))
+            if not math.isfinite(grad_norm):
+                raise NonFiniteLossError(f"gradient norm is {grad_norm}")
+    except NonFiniteLossError:
+        scaler.update()
+        raise
+    scaler.step(optimizer)
+    scaler.update()
+    return StepResult(loss, output, stepped=True, overflow=False, grad_norm=grad_norm)

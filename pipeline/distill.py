@@ -34,14 +34,8 @@ from leaflens.pipeline.report import metrics, plots
 from leaflens.pipeline.report.markdown import write_report
 from leaflens.pipeline.runs import RunDataset, RunMeta, RunMetrics, load_student_weights
 from leaflens.pipeline.teachers.artefact import load_teacher
-from leaflens.pipeline.train_student import (
-    BEST,
-    ConcatImages,
-    TrainData,
-    predict_logits,
-    student_input_size,
-    train_run,
-)
+from leaflens.pipeline.train_student import ConcatImages, TrainData, predict_logits, student_input_size, train_run
+from leaflens.pipeline.training import BEST
 
 
 def _softmax(z: np.ndarray) -> np.ndarray:

@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from leaflens.engine.checkpoint import CheckpointError  # noqa: PLC0415
     from leaflens.pipeline.distill import run_distill  # noqa: PLC0415
     from leaflens.pipeline.teachers.artefact import TeacherError  # noqa: PLC0415
-    from leaflens.pipeline.train_student import TrainingStopped  # noqa: PLC0415
+    from leaflens.pipeline.training import TrainingStopped  # noqa: PLC0415
 
     overrides = list(args.overrides)
     if args.seed is not None:

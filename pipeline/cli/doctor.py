@@ -206,9 +206,9 @@ def _use_amp(spec: ModelSpec, device: str) -> bool:
 
 def _training_step(spec: ModelSpec, input_size: int, batch: int, device: str) -> Callable[[], None]:
     """One real training step of the student (AdamW, cross-entropy, mixed precision as the spec says)
-    on random data that lives on ``device``."""
+    on random data that lives on ``device``: the training loop's own step (leaflens.engine.amp.train_step)."""
     from leaflens.engine import Tensor, ops  # noqa: PLC0415
-    from leaflens.engine.amp import GradScaler, autocast  # noqa: PLC0415
+    from leaflens.engine.amp import GradScaler, train_step  # noqa: PLC0415
     from leaflens.engine.optim import AdamW  # noqa: PLC0415
     from leaflens.pipeline.models.student import StudentCNN  # noqa: PLC0415
 
@@ -230,14 +230,7 @@ def _training_step(spec: ModelSpec, input_size: int, batch: int, device: str) ->
         y = cp.random.randint(0, spec.num_classes, batch)
 
     def step() -> None:
-        opt.zero_grad()
-        with autocast(use_amp):
-            loss = ops.cross_entropy(model(Tensor(x)), y)
-        with np.errstate(over="ignore", invalid="ignore"):
-            scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        scaler.step(opt)
-        scaler.update()
+        train_step(opt, scaler, lambda: ops.cross_entropy(model(Tensor(x)), y))
 
     return step
 

@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     from leaflens.data_prep.manifest import DatasetError, load_dataset  # noqa: PLC0415
     from leaflens.pipeline.teachers.artefact import load_teacher  # noqa: PLC0415
     from leaflens.pipeline.teachers.stage import TeacherStageError, knn_accuracy, write_teacher  # noqa: PLC0415
+    from leaflens.pipeline.training import TrainingStopped  # noqa: PLC0415
 
     try:
         cfg = load_config(args.config, [*args.overrides, *flag_overrides(args)])
@@ -115,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             from leaflens.pipeline.teachers.effnet import build_effnet_teacher  # noqa: PLC0415
 
-            enc, extra = build_effnet_teacher(ds, recipe, args.weights, args.from_arrays, progress)
+            enc, extra = build_effnet_teacher(ds, recipe, args.weights, args.from_arrays, progress,
+                                              max_bad_steps=cfg.train.max_bad_steps)
         shorter = getattr(enc, "shorter_side", None)
         write_teacher(args.out, ds, enc, batch=recipe.encode_batch_size, shorter_side=shorter,
                       from_arrays=args.from_arrays, dtype=dtype,
@@ -125,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
     except (DatasetError, TeacherStageError, FileNotFoundError, ValueError) as exc:
         print(f"leaflens teacher: {exc}", file=sys.stderr)
         return 2
+    except TrainingStopped as exc:  # the fine-tune or the CNN teacher's training hit repeated numerical faults
+        print(f"leaflens teacher: stopped: {exc}", file=sys.stderr)
+        return 3
     summary = {"teacher": tt.info.teacher, "feature_dim": tt.feature_dim, "seconds": round(time.perf_counter() - t0)}
     if "test" in ds and ds["test"].labels is not None:
         summary["knn_test_acc"] = round(knn_accuracy(np.asarray(tt.features["train"], np.float32),

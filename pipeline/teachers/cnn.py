@@ -17,7 +17,8 @@ from leaflens.engine import Tensor, no_grad
 from leaflens.pipeline.config import StageConfig
 from leaflens.pipeline.models.student import StudentCNN, StudentSpec
 from leaflens.pipeline.runs import load_student_weights
-from leaflens.pipeline.train_student import BEST, TrainData, train_run
+from leaflens.pipeline.train_student import TrainData, train_run
+from leaflens.pipeline.training import BEST
 
 
 class EngineCnnEncoder:
@@ -51,7 +52,7 @@ def train_cnn_teacher(ds: Any, cfg: StageConfig, work_dir: Path,
     train = ds["train"]
     result = train_run(work_dir, tcfg, TrainData(train.images, np.asarray(train.labels)), ds["val"].images,
                        np.asarray(ds["val"].labels), ds.mean, ds.std, ds.num_classes, {"teacher": "train-cnn"},
-                       label="teacher", progress=progress)
+                       label="teacher", progress=progress, resumable=False)
     # every initial value is replaced by the checkpoint's weights: any generator will do
     model = StudentSpec.from_recipe(tcfg.model, ds.num_classes).build(np.random.default_rng(0))
     load_student_weights(model, Path(work_dir) / BEST)

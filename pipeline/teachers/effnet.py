@@ -6,27 +6,34 @@ So by default the teacher first learns the task. To fit a CPU budget the network
 block ``k``: the front (stem + early blocks) runs once per image with its ImageNet weights and its
 output is cached (plain and mirrored views of the training photos); only the back (the last blocks,
 the head conv and a new classifier) is trained on that cache, with a low learning rate for the
-pretrained layers and a higher one for the new classifier, selecting the epoch on the validation
-split. The cached fronts then give every split's features (1280-d) and logits. The recipe (cut
-point, input size, epochs, learning rates...) is the ``[teacher]`` section of the stage config.
+pretrained layers and a higher one for the new classifier, by the pipeline's one training loop
+(:mod:`leaflens.pipeline.training`, as the student: the epoch kept is the best on the validation split
+by accuracy, then loss; non-finite steps are counted, logged and stop the run after a limit). The
+cached fronts then give every split's features (1280-d) and logits. The recipe (cut point, input
+size, epochs, learning rates...) is the ``[teacher]`` section of the stage config.
 """
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from tqdm import tqdm
 
-from leaflens.engine import NonFiniteLossError, Tensor, no_grad, ops
+from leaflens.engine import Tensor, no_grad, ops
+from leaflens.engine.checkpoint import load_checkpoint
 from leaflens.engine.nn import set_dropout_generator
-from leaflens.engine.optim import AdamW, WarmupCosine, clip_grad_norm_
+from leaflens.engine.optim import AdamW, WarmupCosine
 from leaflens.pipeline.config import TeacherSection
 from leaflens.pipeline.models.efficientnet import EfficientNetLite, LiteConfig, normalize_images
 from leaflens.pipeline.models.pretrained import find_lite0_weights, load_efficientnet_lite0
 from leaflens.pipeline.teachers.stage import ArrayEncoder, iter_split_images
+from leaflens.pipeline.training import BEST, BatchLoss, LoopSettings, run_training, validation_scores
 
 
 def shorter_side(size: int) -> int:
@@ -106,9 +113,14 @@ class EffnetImageEncoder:
 
 
 def build_effnet_teacher(ds: Any, teacher: TeacherSection, weights_file: str | Path | None = None,
-                         from_arrays: bool = False, progress: bool = True) -> tuple[ArrayEncoder, dict]:
+                         from_arrays: bool = False, progress: bool = True, max_bad_steps: int = 10,
+                         work_dir: str | Path | None = None) -> tuple[ArrayEncoder, dict]:
     """The EfficientNet-Lite0 teacher for ``ds``, fine-tuned by the ``[teacher]`` recipe unless it says
-    ``frozen`` (or the dataset has no labelled train split); ``weights_file`` None: the installed weights."""
+    ``frozen`` (or the dataset has no labelled train split); ``weights_file`` None: the installed weights.
+
+    The fine-tune stops after ``max_bad_steps`` consecutive non-finite steps (the recipe's
+    ``train.max_bad_steps``); its checkpoints and metrics go to ``work_dir`` (None: a temporary folder).
+    """
     cfg = LiteConfig(padding="same", bn_eps=1e-3, normalization="tf")
     weights = find_lite0_weights(weights_file)
     net: EfficientNetLite = load_efficientnet_lite0(weights, cfg)
@@ -146,7 +158,10 @@ def build_effnet_teacher(ds: Any, teacher: TeacherSection, weights_file: str | P
         feats = {s: _back_outputs(back, h)[0] for s, h in fronts.items()}
         enc = ArrayEncoder(feats, None, weights, ds.image_size, identity)
     else:
-        extra.update(_fine_tune(back, fronts, mirrored, ds, teacher, progress=progress))
+        with contextlib.ExitStack() as stack:
+            where = Path(work_dir) if work_dir is not None else Path(stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="leaflens-finetune-")))
+            extra.update(_fine_tune(back, fronts, mirrored, ds, teacher, progress, max_bad_steps, where))
         outs = {s: _back_outputs(back, h) for s, h in fronts.items()}
         enc = ArrayEncoder({s: o[0] for s, o in outs.items()}, {s: o[1] for s, o in outs.items()}, weights,
                            ds.image_size, identity)
@@ -154,57 +169,78 @@ def build_effnet_teacher(ds: Any, teacher: TeacherSection, weights_file: str | P
     return enc, extra
 
 
+class FineTuneBatch(NamedTuple):
+    """Cached front outputs of some train photos (each plain or mirrored), with their labels and rows."""
+
+    inputs: np.ndarray   # (B, h, w, c) float32
+    labels: np.ndarray   # (B,) int64
+    indices: np.ndarray  # (B,) rows of the train split
+    number: int          # the batch's position in its epoch
+
+
+class FineTuneTask:
+    """The EfficientNet back's half of a run (:class:`leaflens.pipeline.training.TrainingTask`): batches of
+    cached front outputs of the train split, each photo shown plain or mirrored at random; cross-entropy
+    with label smoothing; the pretrained layers at ``teacher.lr``, the new classifier at ``teacher.head_lr``;
+    validation on the cached val fronts. Its generators (batch order and views, dropout) come from
+    ``teacher.seed``."""
+
+    def __init__(self, back: Any, fronts: dict[str, np.ndarray], mirrored: np.ndarray | None, labels: np.ndarray,
+                 val_labels: np.ndarray, teacher: TeacherSection) -> None:
+        self.model, self.teacher = back, teacher
+        self.views = [fronts["train"]] + ([mirrored] if mirrored is not None else [])
+        self.val_fronts, self.labels, self.val_labels = fronts["val"], labels, val_labels
+        head = {id(p) for p in back.fc.parameters()}
+        groups = [{"params": [p for p in back.parameters() if id(p) not in head], "lr": teacher.lr},
+                  {"params": back.fc.parameters(), "lr": teacher.head_lr}]
+        self.optimizer = AdamW(groups, lr=teacher.lr, weight_decay=teacher.weight_decay)
+        self.steps_per_epoch = max(len(labels) // teacher.batch_size, 1)
+        total = teacher.epochs * self.steps_per_epoch
+        self.scheduler = WarmupCosine(self.optimizer, total_steps=max(total, 1),
+                                      warmup_steps=min(teacher.warmup_epochs * self.steps_per_epoch, total))
+        self.order_rng = np.random.default_rng(teacher.seed)
+        dropout_rng = np.random.default_rng(teacher.seed)
+        set_dropout_generator(back, dropout_rng)  # the head's dropout masks
+        self.generators = {"batches": self.order_rng, "dropout": dropout_rng}
+
+    def batches(self, epoch: int) -> Iterator[FineTuneBatch]:
+        n, size = len(self.labels), self.teacher.batch_size
+        order = self.order_rng.permutation(n)
+        view = self.order_rng.integers(0, len(self.views), n)
+        for s in range(self.steps_per_epoch):
+            idx = order[s * size:(s + 1) * size]
+            h = np.stack([self.views[v][i] for v, i in zip(view[idx], idx)]).astype(np.float32)
+            yield FineTuneBatch(h, self.labels[idx], idx, s)
+
+    def batch_loss(self, batch: FineTuneBatch) -> BatchLoss:
+        logits = self.model(Tensor(batch.inputs))
+        loss = ops.cross_entropy(logits, batch.labels, label_smoothing=self.teacher.label_smoothing)
+        return BatchLoss(loss, logits.data)
+
+    def validate(self) -> tuple[float, float]:
+        _, val_logits = _back_outputs(self.model, self.val_fronts)
+        return validation_scores(val_logits, self.val_labels)
+
+    def position(self, epoch: int) -> dict[str, Any]:
+        # The batch order lives in the "batches" generator, which the checkpoint saves.
+        return {"num_samples": len(self.labels), "batch_size": self.teacher.batch_size}
+
+    def restore_position(self, state: dict[str, Any]) -> None:
+        mine = self.position(0)
+        if state != mine:
+            raise ValueError(f"fine-tune state is for {state}, this run has {mine}")
+
+
 def _fine_tune(back: Any, fronts: dict[str, np.ndarray], mirrored: np.ndarray | None, ds: Any,
-               teacher: TeacherSection, progress: bool) -> dict:
-    """Train the back on cached front outputs of the train split; keep the best epoch on val."""
-    epochs, batch, seed = teacher.epochs, teacher.batch_size, teacher.seed
-    set_dropout_generator(back, np.random.default_rng(seed))  # the head's dropout masks
-    rng = np.random.default_rng(seed)
-    y = np.asarray(ds["train"].labels)
-    yv = np.asarray(ds["val"].labels)
-    views = [fronts["train"]] + ([mirrored] if mirrored is not None else [])
-    head = {id(p) for p in back.fc.parameters()}
-    groups = [{"params": [p for p in back.parameters() if id(p) not in head], "lr": teacher.lr},
-              {"params": back.fc.parameters(), "lr": teacher.head_lr}]
-    opt = AdamW(groups, lr=teacher.lr, weight_decay=teacher.weight_decay)
-    steps = max(len(y) // batch, 1)
-    sched = WarmupCosine(opt, total_steps=epochs * steps,
-                         warmup_steps=min(teacher.warmup_epochs * steps, epochs * steps))
-    best = (-1.0, -1, None)
-    history = []
-    t_start = time.perf_counter()
-    for epoch in range(epochs):
-        back.train()
-        order = rng.permutation(len(y))
-        view = rng.integers(0, len(views), len(y))
-        t0 = time.perf_counter()
-        losses = []
-        bar = tqdm(range(steps), desc=f"teacher fine-tune epoch {epoch + 1}/{epochs}", leave=False,
-                   disable=not progress)
-        for s in bar:
-            idx = order[s * batch:(s + 1) * batch]
-            h = np.stack([views[v][i] for v, i in zip(view[idx], idx)]).astype(np.float32)
-            opt.zero_grad()
-            try:
-                loss = ops.cross_entropy(back(Tensor(h)), y[idx], label_smoothing=teacher.label_smoothing)
-                loss.backward()
-            except NonFiniteLossError:
-                continue
-            clip_grad_norm_(back.parameters(), teacher.clip_grad_norm)
-            opt.step()
-            sched.step()
-            losses.append(loss.item())
-            if epoch == 0 and s == 1 and progress:
-                per_step = (time.perf_counter() - t0) / 2
-                tqdm.write(f"teacher fine-tuning: about {per_step * steps * epochs / 60:.1f} min for {epochs} epochs")
-        _, val_logits = _back_outputs(back, fronts["val"])
-        val_acc = float((val_logits.argmax(1) == yv).mean())
-        history.append({"epoch": epoch + 1, "loss": float(np.mean(losses)) if losses else None, "val_acc": val_acc,
-                        "seconds": round(time.perf_counter() - t0, 1)})
-        if progress:
-            tqdm.write(f"teacher epoch {epoch + 1}/{epochs}: loss {history[-1]['loss']:.4f} val acc {val_acc:.4f}")
-        if val_acc > best[0]:
-            best = (val_acc, epoch + 1, {k: v.copy() for k, v in back.state_dict().items()})
-    back.load_state_dict(best[2])
-    return {"fine_tune_history": history, "fine_tune_best_epoch": best[1], "fine_tune_val_acc": best[0],
-            "fine_tune_seconds": round(time.perf_counter() - t_start, 1)}
+               teacher: TeacherSection, progress: bool, max_bad_steps: int, work_dir: Path) -> dict:
+    """Train the back on cached front outputs of the train split with the pipeline's training loop, then
+    load the best epoch's weights (best on val: accuracy, then loss)."""
+    task = FineTuneTask(back, fronts, mirrored, np.asarray(ds["train"].labels), np.asarray(ds["val"].labels),
+                        teacher)
+    settings = LoopSettings(epochs=teacher.epochs, clip_grad_norm=teacher.clip_grad_norm, max_bad_steps=max_bad_steps,
+                            label="teacher fine-tune", lr_setting="teacher.lr", resumable=False, progress=progress)
+    t0 = time.perf_counter()
+    result = run_training(work_dir, task, settings, {"teacher": "efficientnet-lite0 fine-tune"})
+    load_checkpoint(work_dir / BEST, back)
+    return {"fine_tune_history": result.history, "fine_tune_best_epoch": result.best_epoch,
+            "fine_tune_val_acc": result.best_val_accuracy, "fine_tune_seconds": round(time.perf_counter() - t0, 1)}

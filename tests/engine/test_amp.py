@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from leaflens.engine import Tensor, amp, ops
+from leaflens.engine import NonFiniteLossError, Tensor, amp, ops
 from leaflens.engine.amp import GradScaler, autocast
 from leaflens.engine.nn import BatchNorm2d, Conv2d, Linear, Parameter
 from leaflens.engine.optim import SGD, clip_grad_norm_
@@ -168,6 +168,46 @@ def test_scaler_state_round_trips_through_json_and_disabled_is_a_passthrough():
     off.update()
 
 
+# ---- train_step: the one optimiser step of the training loop, doctor and benchmarks/gpu.py ------------------------
+def test_train_step_is_the_plain_float32_step_when_the_scaler_is_off():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((8, 5)).astype(np.float32)
+    y = np.arange(8) % 3
+    layers = [Linear(5, 3, rng=np.random.default_rng(1)) for _ in range(2)]
+    opts = [SGD(layer.parameters(), lr=0.5, momentum=0.9) for layer in layers]
+    for _ in range(3):
+        opts[0].zero_grad()
+        ops.cross_entropy(layers[0](Tensor(x)), y).backward()
+        ref_norm = clip_grad_norm_(layers[0].parameters(), 0.2)
+        opts[0].step()
+        result = amp.train_step(opts[1], GradScaler(enabled=False),
+                                lambda: (ops.cross_entropy(layers[1](Tensor(x)), y), "extra"), clip_grad_norm=0.2)
+        assert result.stepped and not result.overflow and result.output == "extra"
+        assert result.grad_norm == ref_norm
+    for a, b in zip(layers[0].parameters(), layers[1].parameters()):
+        np.testing.assert_array_equal(a.data, b.data)
+
+
+def test_train_step_skips_an_overflow_but_raises_on_what_scaling_cannot_explain():
+    start = np.array([1.0, -1.0, 0.0], np.float32)  # the losses below are 0: finite, however scaled
+    p = Parameter(start.copy())
+    opt = SGD([p], lr=0.1)
+    scaler = GradScaler(init_scale=2.0 ** 40)
+    with np.errstate(over="ignore"):
+        result = amp.train_step(opt, scaler, lambda: (p * 1e30).sum())  # gradient 1e30 * 2**40 overflows float32
+    assert result.overflow and not result.stepped and scaler.get_scale() == 2.0 ** 39
+    np.testing.assert_array_equal(p.data, start)
+    at_one = GradScaler(init_scale=1.0)
+    with pytest.raises(NonFiniteLossError, match="loss scale at 1"), np.errstate(over="ignore"):
+        amp.train_step(opt, at_one, lambda: (p * 1e38).sum() * 1e3)
+    assert at_one.found_inf is None  # ready for the next step
+    with pytest.raises(NonFiniteLossError):
+        amp.train_step(opt, GradScaler(enabled=False), lambda: (p * np.float32(np.nan)).sum())
+    with pytest.raises(NonFiniteLossError, match="gradient norm"), np.errstate(over="ignore", invalid="ignore"):
+        amp.train_step(opt, GradScaler(enabled=False), lambda: (p * 3e38).sum() * 0.5, clip_grad_norm=1.0)
+    np.testing.assert_array_equal(p.data, start)  # no failed step touched the parameters
+
+
 # ---- the training loop -----------------------------------------------------------------------------------------
 def _tiny_data(n_train: int = 48, n_val: int = 12, size: int = 12):
     rng = np.random.default_rng(0)
@@ -200,9 +240,9 @@ def _run(tmp, cfg, resume=False):
 def small_scaler(monkeypatch):
     """A scaler that starts too high (the first steps overflow in float16 and are skipped) and grows
     every 4 good steps, so a short run exercises back-off, growth and their state across a resume."""
-    import leaflens.pipeline.train_student as ts
+    import leaflens.pipeline.training as training
 
-    monkeypatch.setattr(ts, "GradScaler", functools.partial(GradScaler, init_scale=2.0 ** 19, growth_interval=4))
+    monkeypatch.setattr(training, "GradScaler", functools.partial(GradScaler, init_scale=2.0 ** 19, growth_interval=4))
 
 
 def test_mixed_precision_training_on_cpu_learns_and_skips_overflow_steps_without_faults(tmp_path, small_scaler):
@@ -216,11 +256,11 @@ def test_mixed_precision_training_on_cpu_learns_and_skips_overflow_steps_without
 
 
 def test_mixed_precision_resume_is_exact_including_the_loss_scale(tmp_path, monkeypatch, small_scaler):
-    import leaflens.pipeline.train_student as ts
+    import leaflens.pipeline.training as training
 
     cfg = _amp_cfg(3)
     full = _run(tmp_path / "full", cfg)
-    real = ts.save_checkpoint
+    real = training.save_checkpoint
     calls = {"n": 0}
 
     def dying_save(path, *a, **k):
@@ -230,10 +270,10 @@ def test_mixed_precision_resume_is_exact_including_the_loss_scale(tmp_path, monk
             if calls["n"] == 2:
                 raise KeyboardInterrupt("simulated crash after epoch 2")
 
-    monkeypatch.setattr(ts, "save_checkpoint", dying_save)
+    monkeypatch.setattr(training, "save_checkpoint", dying_save)
     with pytest.raises(KeyboardInterrupt):
         _run(tmp_path / "cut", cfg)
-    monkeypatch.setattr(ts, "save_checkpoint", real)
+    monkeypatch.setattr(training, "save_checkpoint", real)
     resumed = _run(tmp_path / "cut", cfg, resume=True)
     timing = {"images_per_s", "peak_rss_mb", "epoch_seconds"}
     strip = [{k: v for k, v in r.items() if k not in timing} for r in full.history]

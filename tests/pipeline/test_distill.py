@@ -92,10 +92,10 @@ def test_resume_gives_the_same_result_as_an_uninterrupted_run(tiny, monkeypatch)
     cfg = _cfg(epochs=3, **{"distill.compare_scratch": "false"})
     full = run_distill(ds_dir, tmp / "teacher", tmp / "full", cfg, progress=False)
 
-    import leaflens.pipeline.train_student as ts
+    import leaflens.pipeline.training as training
 
     calls = {"n": 0}
-    real = ts.save_checkpoint
+    real = training.save_checkpoint
 
     def dying_save(path, *a, **k):
         real(path, *a, **k)
@@ -104,10 +104,10 @@ def test_resume_gives_the_same_result_as_an_uninterrupted_run(tiny, monkeypatch)
             if calls["n"] == 2:
                 raise KeyboardInterrupt("simulated crash after epoch 2")
 
-    monkeypatch.setattr(ts, "save_checkpoint", dying_save)
+    monkeypatch.setattr(training, "save_checkpoint", dying_save)
     with pytest.raises(KeyboardInterrupt):
         run_distill(ds_dir, tmp / "teacher", tmp / "cut", cfg, progress=False)
-    monkeypatch.setattr(ts, "save_checkpoint", real)
+    monkeypatch.setattr(training, "save_checkpoint", real)
     assert (tmp / "cut.partial" / "distilled" / "last.npz").exists()
     resumed = run_distill(ds_dir, tmp / "teacher", tmp / "cut", cfg, resume=True, progress=False)
     assert resumed["variants"]["distilled"]["val_accuracy"] == full["variants"]["distilled"]["val_accuracy"]
@@ -138,7 +138,7 @@ def test_cli_distill_reports_and_refuses_unknown_settings(tiny, capsys):
 
 
 def test_equal_val_accuracy_is_broken_by_the_lower_val_loss():
-    from leaflens.pipeline.train_student import is_better_epoch  # noqa: PLC0415
+    from leaflens.pipeline.training import is_better_epoch  # noqa: PLC0415
 
     assert is_better_epoch(0.9, 0.5, 0.8, 0.1)        # higher accuracy wins whatever the loss
     assert not is_better_epoch(0.8, 0.1, 0.9, 0.5)

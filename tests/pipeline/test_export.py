@@ -66,7 +66,7 @@ def tiny_run(tmp_path_factory) -> tuple[Path, Path]:
     dataset = tmp / "dataset"
     ingest(_photos(tmp / "photos"), dataset, IngestOptions(size=SIZE), workers=1, log=lambda s: None)
     ds = load_dataset(dataset)
-    model = StudentCNN(len(CLASSES), widths=(8, 16), teacher_dim=5)
+    model = StudentCNN(len(CLASSES), widths=(8, 16), teacher_dim=5, rng=np.random.default_rng(0))
     _train(model, ds)
     run = tmp / "student"
     extra = {

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import leaflens.pipeline.train_student as ts
+import leaflens.pipeline.training as training
 from leaflens.engine import random as erandom
 from leaflens.pipeline.config import load_config
 
@@ -62,17 +63,17 @@ def test_teacher_targets_belong_to_the_images_they_are_paired_with(tmp_path, mon
 
 def test_resumed_run_pairs_targets_with_images_too(tmp_path, monkeypatch):
     full = _run(tmp_path / "full", monkeypatch)
-    real_save = ts.save_checkpoint
+    real_save = training.save_checkpoint
 
     def dying_save(path, *a, **k):
         real_save(path, *a, **k)
         if path.name == "last.npz":
             raise KeyboardInterrupt("simulated crash after epoch 1")
 
-    monkeypatch.setattr(ts, "save_checkpoint", dying_save)
+    monkeypatch.setattr(training, "save_checkpoint", dying_save)
     with pytest.raises(KeyboardInterrupt):
         _run(tmp_path / "cut", monkeypatch)
-    monkeypatch.setattr(ts, "save_checkpoint", real_save)
+    monkeypatch.setattr(training, "save_checkpoint", real_save)
     resumed = _run(tmp_path / "cut", monkeypatch, resume=True)
     assert len(resumed) == N // 8  # only the second epoch ran again
     for a, b in zip(full[N // 8:], resumed):
@@ -92,7 +93,7 @@ def _train_student(run_dir, seed: int = 0) -> dict[str, np.ndarray]:
     cfg = _cfg(2, "model.dropout=0.3", "model.widths=[4, 8]", f"train.seed={seed}")
     ts.train_run(run_dir, cfg, data, xv, yv, np.full(3, 0.4, np.float32), np.full(3, 0.2, np.float32), 3, {},
                  progress=False)
-    with np.load(run_dir / ts.LAST) as ck:
+    with np.load(run_dir / training.LAST) as ck:
         return {k: ck[k] for k in ck.files if k != "meta"}
 
 

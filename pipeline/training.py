@@ -1,0 +1,331 @@
+"""One training loop for everything the pipeline trains: the student (distilled or from scratch), the
+CNN teacher (the student's architecture made wider) and the EfficientNet teacher's fine-tune.
+
+The caller brings a :class:`TrainingTask`: the model, its optimiser and per-step scheduler, the random
+generators it draws from, its batches for an epoch, its loss for a batch and its validation. The loop
+owns the rules that must be the same for all of them:
+
+- one optimiser step per batch through :func:`leaflens.engine.amp.train_step` (float32 or mixed
+  precision, gradient clipping);
+- a non-finite loss or gradient is never skipped silently: the step is left out (the BatchNorm
+  statistics its forward pass updated are put back: a non-finite input would otherwise poison them
+  for good), counted in the epoch's ``skipped_steps``, written with the batch's dataset rows to
+  ``faults.jsonl``, and
+  ``max_bad_steps`` of them in a row stop the run with :class:`TrainingStopped` (``last.npz`` keeps the
+  state to resume from when the weights are still finite). A step skipped because its float16
+  gradients overflowed at a loss scale above 1 is ordinary dynamic loss scaling, counted apart
+  (``amp_skipped_steps``), not a fault. Weights that turn non-finite during an epoch stop the run at once;
+- after every epoch: validation, a line in ``metrics.jsonl``, ``last.npz`` (model, optimiser,
+  scheduler, generator states, the task's position, history: everything to resume exactly), and
+  ``best.npz`` when :func:`is_better_epoch` says the epoch beats the best so far (higher validation
+  accuracy; at equal accuracy, lower validation loss: with ~100 validation photos ties are common and
+  the earliest epoch would otherwise always win);
+- early stopping after ``early_stopping_patience`` epochs without a better epoch (0: never).
+
+Checkpoints are written at epoch ends (a run stopped by faults restarts its epoch from the start), and
+batches carry their dataset rows (``indices``), so whatever a task looks up per row never depends on
+recomputing a shuffle order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+from tqdm import tqdm
+
+from leaflens.engine import NonFiniteLossError, Tensor, ops
+from leaflens.engine.amp import GradScaler, train_step
+from leaflens.engine.checkpoint import load_checkpoint, save_checkpoint
+from leaflens.engine.nn import Module
+from leaflens.engine.optim.optimizer import Optimizer
+from leaflens.engine.optim.schedulers import Scheduler
+from leaflens.files import write_text_atomic
+
+LAST, BEST, METRICS, FAULTS = "last.npz", "best.npz", "metrics.jsonl", "faults.jsonl"
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on repeated numerical faults or non-finite weights (the message says what to do)."""
+
+
+class TrainBatch(Protocol):
+    """What the loop reads from a task's batch (the task reads the rest)."""
+
+    labels: Any          # (B,) integer labels, -1 = unlabelled: the training accuracy counts labelled rows
+    indices: np.ndarray  # (B,) dataset rows, named in fault reports
+    number: int          # the batch's position in its epoch
+
+
+@dataclass
+class BatchLoss:
+    """A batch's loss, its logits (for the training accuracy) and named loss terms (logged as ``train_<name>``)."""
+
+    loss: Tensor
+    logits: Any
+    parts: dict[str, float] = field(default_factory=dict)
+
+
+class TrainingTask(Protocol):
+    """The model-specific half of a run; :func:`run_training` is the other half."""
+
+    model: Module
+    optimizer: Optimizer
+    scheduler: Scheduler  # stepped once per optimiser step
+    generators: Mapping[str, np.random.Generator]  # saved in and restored from the run's checkpoints
+    steps_per_epoch: int
+
+    def batches(self, epoch: int) -> Iterable[Any]:
+        """The batches of ``epoch`` (each a :class:`TrainBatch`), continuing from a restored position."""
+        ...
+
+    def batch_loss(self, batch: Any) -> BatchLoss:
+        """The loss of one batch (called under autocast when the run uses mixed precision)."""
+        ...
+
+    def validate(self) -> tuple[float, float]:
+        """(accuracy, mean cross-entropy) on the validation split, in eval mode."""
+        ...
+
+    def position(self, epoch: int) -> dict[str, Any]:
+        """JSON-able state that makes :meth:`batches` start at the beginning of ``epoch`` after a resume."""
+        ...
+
+    def restore_position(self, state: dict[str, Any]) -> None:
+        """Undo :meth:`position` (refusing a state from other data)."""
+        ...
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """The loop's own hyperparameters (the task holds the model's)."""
+
+    epochs: int
+    clip_grad_norm: float
+    max_bad_steps: int                # consecutive non-finite steps that stop the run
+    early_stopping_patience: int = 0  # epochs without a better one before stopping (0: never)
+    mixed_precision: bool = False     # float16 compute, float32 master weights, dynamic loss scaling
+    label: str = "model"              # names the run in progress bars and messages
+    lr_setting: str = "train.lr"      # the setting a user lowers after a divergence (named in messages)
+    resumable: bool = True            # whether the stage offers --resume (named in messages)
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.epochs < 0 or self.max_bad_steps < 1 or self.early_stopping_patience < 0:
+            raise ValueError(f"LoopSettings: need epochs >= 0, max_bad_steps >= 1 and early_stopping_patience "
+                             f">= 0, got {self.epochs}, {self.max_bad_steps}, {self.early_stopping_patience}")
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    best_val_accuracy: float
+    best_epoch: int                 # 1-based; 0 when no epoch ran
+    epochs_run: int
+    train_seconds: float
+    history: list[dict[str, Any]] = field(default_factory=list)
+    stopped_early: bool = False
+    device: str = "cpu"             # where it trained
+    mixed_precision: bool = False   # float16 compute with float32 master weights
+
+
+def is_better_epoch(val_acc: float, val_loss: float, best_acc: float, best_loss: float) -> bool:
+    """Whether an epoch beats the best so far: higher val accuracy, or the same with a lower val loss.
+
+    A validation split of a hundred photos moves in steps of about 1 %, so equal accuracies are common;
+    the loss breaks the tie instead of the earliest epoch always winning, and early stopping counts
+    from the last epoch that really improved.
+    """
+    return val_acc > best_acc or (val_acc == best_acc and val_loss < best_loss)
+
+
+def validation_scores(logits: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) of ``logits`` against ``labels``; (0, 0) for an empty split."""
+    labels = np.asarray(labels)
+    if not len(labels):
+        return 0.0, 0.0
+    accuracy = float((np.asarray(logits).argmax(1) == labels).mean())
+    return accuracy, float(ops.cross_entropy(Tensor(np.asarray(logits, np.float32)), labels).item())
+
+
+@dataclass
+class _State:
+    """What a checkpoint's ``train_state`` holds besides the task's position."""
+
+    history: list[dict[str, Any]] = field(default_factory=list)
+    best_acc: float = -1.0
+    best_loss: float = math.inf
+    best_epoch: int = -1  # 0-based
+    train_seconds: float = 0.0
+
+
+def run_training(run_dir: str | Path, task: TrainingTask, settings: LoopSettings, extra_meta: dict[str, Any],
+                 resume: bool = False, device: str = "cpu") -> RunResult:
+    """Train ``task`` for ``settings.epochs`` epochs in ``run_dir``; resumes from ``last.npz`` when ``resume``
+    and it exists (otherwise the run's earlier files are removed). ``extra_meta`` goes into both checkpoints."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    last = run_dir / LAST
+    scaler = GradScaler(enabled=settings.mixed_precision)
+    state = _State()
+    start_epoch = 0
+    if resume and last.exists():
+        start_epoch = _resume(last, task, scaler, state, run_dir)
+    elif not resume:
+        for name in (LAST, BEST, METRICS, FAULTS):
+            (run_dir / name).unlink(missing_ok=True)
+
+    def checkpoint_last(epoch_done: int) -> None:
+        save_checkpoint(last, task.model, task.optimizer, task.scheduler, epoch=epoch_done,
+                        step=task.scheduler.last_step, generators=task.generators,
+                        extra={**extra_meta, "train_state": {
+                            "history": state.history, "best_acc": state.best_acc, "best_loss": state.best_loss,
+                            "best_epoch": state.best_epoch, "train_seconds": state.train_seconds,
+                            "loader": task.position(epoch_done + 1),
+                            "grad_scaler": scaler.state_dict() if scaler.enabled else None}})
+
+    bad_streak = 0
+    stopped_early = False
+    for epoch in range(start_epoch, settings.epochs):
+        patience = settings.early_stopping_patience
+        if patience and state.best_epoch >= 0 and epoch - state.best_epoch > patience:
+            stopped_early = True
+            break
+        task.model.train()
+        t0 = time.perf_counter()
+        sums: dict[str, float] = {}
+        seen = correct = labelled_seen = steps = skipped = amp_skipped = 0
+        bar = tqdm(task.batches(epoch), total=task.steps_per_epoch, leave=False, disable=not settings.progress,
+                   desc=f"{settings.label} epoch {epoch + 1}/{settings.epochs}", unit="batch")
+        for batch in bar:
+            buffers = [b for _, b in task.model.named_buffers()]
+            saved = [b.copy() for b in buffers]  # BatchNorm statistics: the forward pass updates them in place
+            try:
+                result = train_step(task.optimizer, scaler, lambda b=batch: _loss_and_parts(task, b),
+                                    settings.clip_grad_norm)
+            except NonFiniteLossError as exc:
+                for buf, before in zip(buffers, saved):  # a batch left out leaves no trace in the model
+                    buf[...] = before
+                skipped += 1
+                bad_streak += 1
+                _append_jsonl(run_dir / FAULTS, {"epoch": epoch, "batch": int(batch.number),
+                                                  "rows": np.asarray(batch.indices).tolist(), "error": str(exc)})
+                if bad_streak >= settings.max_bad_steps:
+                    if _finite_state(task.model):  # bad data, sound weights: keep them, rerun this epoch
+                        checkpoint_last(epoch - 1)
+                    raise TrainingStopped(
+                        f"{settings.label}: {bad_streak} consecutive non-finite losses/gradients (last at epoch "
+                        f"{epoch + 1}, batch {batch.number}; rows in {run_dir / FAULTS}). "
+                        f"{_resume_hint(task.model, last, settings)}") from exc
+                continue
+            if result.overflow:
+                amp_skipped += 1
+                continue
+            bad_streak = 0
+            task.scheduler.step()
+            steps += 1
+            if settings.progress and epoch == start_epoch and steps == 2:
+                per_step = (time.perf_counter() - t0) / 2
+                remaining = per_step * task.steps_per_epoch * (settings.epochs - epoch)
+                tqdm.write(f"{settings.label}: about {remaining / 60:.1f} min for {settings.epochs - epoch} epochs")
+            batch_loss: BatchLoss = result.output
+            for k, v in batch_loss.parts.items():
+                sums[k] = sums.get(k, 0.0) + v
+            sums["loss"] = sums.get("loss", 0.0) + result.loss.item()
+            labels = batch.labels
+            labelled = labels >= 0
+            labelled_seen += int(labelled.sum())
+            correct += int((batch_loss.logits.argmax(1)[labelled] == labels[labelled]).sum())
+            seen += len(labels)
+        elapsed = time.perf_counter() - t0
+        state.train_seconds += elapsed
+        if not _finite_state(task.model):  # a step with a finite loss blew the weights up: keep the last good state
+            raise TrainingStopped(f"{settings.label}: the weights became non-finite during epoch {epoch + 1} "
+                                  f"({settings.lr_setting} too high?). {_resume_hint(task.model, last, settings)}")
+        val_acc, val_loss = task.validate()
+        row: dict[str, Any] = {
+            "epoch": epoch + 1, "lr": task.scheduler.get_lr()[0], "val_acc": val_acc, "val_loss": val_loss,
+            "images_per_s": seen / elapsed if elapsed else 0.0, "skipped_steps": skipped,
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
+            "epoch_seconds": round(elapsed, 2), "amp_skipped_steps": amp_skipped}
+        if scaler.enabled:
+            row["loss_scale"] = scaler.get_scale()
+        row.update({f"train_{k}": v / max(steps, 1) for k, v in sums.items()})
+        row["train_acc"] = correct / labelled_seen if labelled_seen else None
+        state.history.append(row)
+        _append_jsonl(run_dir / METRICS, row)
+        if is_better_epoch(val_acc, val_loss, state.best_acc, state.best_loss):
+            state.best_acc, state.best_loss, state.best_epoch = val_acc, val_loss, epoch
+            save_checkpoint(run_dir / BEST, task.model, epoch=epoch, step=task.scheduler.last_step,
+                            extra={**extra_meta, "metrics": {"val_accuracy": val_acc}})
+        checkpoint_last(epoch)
+        if settings.progress:
+            tqdm.write(f"{settings.label} epoch {epoch + 1}/{settings.epochs}: loss "
+                       f"{row.get('train_loss', float('nan')):.4f} val acc {val_acc:.4f} (best {state.best_acc:.4f}) "
+                       f"{row['images_per_s']:.0f} img/s")
+    return RunResult(run_dir, state.best_acc, state.best_epoch + 1, len(state.history), state.train_seconds,
+                     state.history, stopped_early, device=device, mixed_precision=settings.mixed_precision)
+
+
+def _loss_and_parts(task: TrainingTask, batch: Any) -> tuple[Tensor, BatchLoss]:
+    out = task.batch_loss(batch)
+    return out.loss, out
+
+
+def _resume(last: Path, task: TrainingTask, scaler: GradScaler, state: _State, run_dir: Path) -> int:
+    """Restore a run from ``last``; returns the first epoch still to run."""
+    # The configuration is the authority on resume (it is what the run's config records): a run stopped by
+    # non-finite losses is meant to be resumed with a lower learning rate, which the saved groups would undo.
+    configured = [(g["initial_lr"], g["weight_decay"]) for g in task.optimizer.param_groups]
+    ck = load_checkpoint(last, task.model, task.optimizer, task.scheduler, generators=task.generators)
+    for g, (lr, wd) in zip(task.optimizer.param_groups, configured):
+        g["initial_lr"], g["weight_decay"] = lr, wd
+    task.scheduler.load_state_dict(task.scheduler.state_dict())  # re-applies the schedule to the configured lr
+    st = ck.extra["train_state"]
+    state.history, state.best_acc, state.best_epoch = st["history"], st["best_acc"], st["best_epoch"]
+    state.best_loss = st["best_loss"]
+    state.train_seconds = st["train_seconds"]
+    task.restore_position(st["loader"])
+    if scaler.enabled and st.get("grad_scaler"):
+        scaler.load_state_dict(st["grad_scaler"])
+    _truncate_jsonl(run_dir / METRICS, len(state.history))
+    return ck.epoch + 1
+
+
+def _finite_state(model: Module) -> bool:
+    """True when every parameter and buffer (BatchNorm statistics included) is finite."""
+    return all(bool(np.isfinite(v).all()) for v in model.state_dict().values())
+
+
+def _resume_hint(model: Module, last: Path, settings: LoopSettings) -> str:
+    """What the user can do after a stop on numerical faults, given which checkpoint is usable."""
+    again = "then rerun with --resume" if settings.resumable else "then run the stage again"
+    if _finite_state(model):
+        state = f" (state saved in {last})" if settings.resumable else ""
+        return f"Check the data (or lower {settings.lr_setting}), {again}{state}."
+    if last.exists() and settings.resumable:
+        return (f"{last} still holds the last finite state (end of the previous epoch): lower "
+                f"{settings.lr_setting}, {again}.")
+    return (f"No epoch finished with finite weights, so there is nothing to resume: lower {settings.lr_setting} "
+            "and rerun." if settings.resumable else f"Lower {settings.lr_setting}, {again}.")
+
+
+def _append_jsonl(path: Path, row: dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+
+
+def _truncate_jsonl(path: Path, keep: int) -> None:
+    """After a resume, drop metric lines written after the checkpoint the run resumed from."""
+    if not path.exists():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines()[:keep]
+    write_text_atomic(path, "".join(line + "\n" for line in lines))

@@ -1,0 +1,211 @@
+"""The one training loop (leaflens.pipeline.training) and its rules, on a toy task and on the EfficientNet
+teacher's fine-tune: the epoch kept (accuracy, then loss), early stopping, non-finite steps counted,
+logged and fatal after a limit (never skipped silently), resume."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, NamedTuple
+
+import numpy as np
+import pytest
+from test_efficientnet import tiny_model
+
+import leaflens.pipeline.training as training
+from leaflens.engine import Tensor, nn, ops
+from leaflens.engine.checkpoint import read_checkpoint_arrays
+from leaflens.engine.optim import SGD, WarmupCosine
+from leaflens.pipeline.config import load_config
+from leaflens.pipeline.teachers.effnet import _fine_tune
+from leaflens.pipeline.training import BatchLoss, LoopSettings, TrainingStopped, is_better_epoch, run_training
+
+# the faults are induced on purpose: NumPy's overflow/invalid-value warnings are the expected symptoms
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+class ToyBatch(NamedTuple):
+    inputs: np.ndarray
+    labels: np.ndarray
+    indices: np.ndarray
+    number: int
+
+
+class ToyTask:
+    """Two Gaussian blobs, a linear classifier; rows in ``poison`` have NaN inputs (a non-finite loss);
+    ``val_scores`` (if given) replaces validation by a script of (accuracy, loss) per epoch."""
+
+    def __init__(self, poison: tuple[int, ...] = (), val_scores: list[tuple[float, float]] | None = None,
+                 n: int = 32, batch: int = 8, epochs: int = 4) -> None:
+        rng = np.random.default_rng(0)
+        self.y = (np.arange(n) % 2).astype(np.int64)
+        self.x = (rng.standard_normal((n, 4)) + 2.0 * self.y[:, None]).astype(np.float32)
+        self.x[list(poison)] = np.nan
+        self.batch, self.val_scores, self.validated = batch, val_scores, 0
+        self.model = nn.Linear(4, 2, rng=np.random.default_rng(1))
+        self.optimizer = SGD(self.model.parameters(), lr=0.1, momentum=0.9)
+        self.steps_per_epoch = n // batch
+        self.scheduler = WarmupCosine(self.optimizer, total_steps=epochs * self.steps_per_epoch)
+        self.order = np.random.default_rng(2)
+        self.generators = {"order": self.order}
+
+    def batches(self, epoch: int):
+        order = self.order.permutation(len(self.y))
+        for b in range(self.steps_per_epoch):
+            idx = order[b * self.batch:(b + 1) * self.batch]
+            yield ToyBatch(self.x[idx], self.y[idx], idx, b)
+
+    def batch_loss(self, batch: ToyBatch) -> BatchLoss:
+        logits = self.model(Tensor(batch.inputs))
+        return BatchLoss(ops.cross_entropy(logits, batch.labels), logits.data, {"ce": 0.0})
+
+    def validate(self) -> tuple[float, float]:
+        self.validated += 1
+        if self.val_scores is not None:
+            return self.val_scores[self.validated - 1]
+        clean = np.isfinite(self.x).all(1)
+        logits = self.model(Tensor(self.x[clean])).numpy()
+        return training.validation_scores(logits, self.y[clean])
+
+    def position(self, epoch: int) -> dict[str, Any]:
+        return {"n": len(self.y)}
+
+    def restore_position(self, state: dict[str, Any]) -> None:
+        assert state == {"n": len(self.y)}
+
+
+def _settings(**kw: Any) -> LoopSettings:
+    return LoopSettings(**{"epochs": 4, "clip_grad_norm": 5.0, "max_bad_steps": 3, "progress": False, **kw})
+
+
+def _rows(path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_kept_epoch_is_the_best_by_accuracy_then_loss_and_patience_counts_from_it(tmp_path):
+    scores = [(0.5, 0.9), (0.75, 0.8), (0.75, 0.6), (0.75, 0.7), (0.5, 0.5), (0.7, 0.1), (0.9, 0.1)]
+    task = ToyTask(val_scores=scores, epochs=7)
+    result = run_training(tmp_path, task, _settings(epochs=7, early_stopping_patience=2), {"who": "toy"})
+    # epoch 3 ties epoch 2 on accuracy with a lower loss: it is kept, and patience counts from it
+    assert result.best_epoch == 3 and result.best_val_accuracy == 0.75
+    assert result.stopped_early and result.epochs_run == 5
+    meta, _ = read_checkpoint_arrays(tmp_path / training.BEST)
+    assert meta["epoch"] == 2 and meta["extra"]["who"] == "toy"
+    rows = _rows(tmp_path / training.METRICS)
+    assert [r["val_acc"] for r in rows] == [s[0] for s in scores[:5]]
+    expected = {"lr", "val_loss", "train_loss", "train_ce", "train_acc", "skipped_steps", "amp_skipped_steps"}
+    assert expected <= set(rows[0])
+    assert is_better_epoch(0.75, 0.6, 0.75, 0.8) and not is_better_epoch(0.75, 0.8, 0.75, 0.8)
+
+
+def test_non_finite_steps_are_counted_logged_and_left_out(tmp_path):
+    task = ToyTask(poison=(5,))
+    result = run_training(tmp_path, task, _settings(), {})
+    faults = _rows(tmp_path / training.FAULTS)
+    assert len(faults) == 4  # row 5 is in one batch of each of the 4 epochs
+    assert all(5 in f["rows"] and ("non-finite" in f["error"] or "nan" in f["error"].lower()) for f in faults)
+    assert [r["skipped_steps"] for r in result.history] == [1, 1, 1, 1]
+    assert task.scheduler.last_step == 4 * (task.steps_per_epoch - 1)  # no optimiser step for a skipped batch
+    assert all(np.isfinite(p.data).all() for p in task.model.parameters())
+    assert result.history[-1]["train_loss"] < result.history[0]["train_loss"]  # and training went on
+
+
+@pytest.mark.parametrize("resumable", [True, False])
+def test_repeated_non_finite_steps_stop_the_run_with_advice(tmp_path, resumable):
+    task = ToyTask(poison=tuple(range(32)))
+    with pytest.raises(TrainingStopped) as stop:
+        run_training(tmp_path, task, _settings(label="toy", lr_setting="toy.lr", resumable=resumable), {})
+    msg = str(stop.value)
+    assert msg.startswith("toy: 3 consecutive non-finite") and "faults.jsonl" in msg and "toy.lr" in msg
+    assert ("--resume" in msg) == resumable
+    assert len(_rows(tmp_path / training.FAULTS)) == 3
+    meta, arrays = read_checkpoint_arrays(tmp_path / training.LAST)  # sound weights are kept to resume from
+    assert meta["epoch"] == -1 and all(np.isfinite(v).all() for v in arrays.values())
+
+
+def test_resume_continues_exactly(tmp_path, monkeypatch):
+    full = run_training(tmp_path / "full", ToyTask(), _settings(), {})
+    real = training.save_checkpoint
+    calls = {"n": 0}
+
+    def dying_save(path, *a, **k):
+        real(path, *a, **k)
+        if path.name == training.LAST:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise KeyboardInterrupt("simulated crash after epoch 2")
+
+    monkeypatch.setattr(training, "save_checkpoint", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(tmp_path / "cut", ToyTask(), _settings(), {})
+    monkeypatch.setattr(training, "save_checkpoint", real)
+    task = ToyTask()
+    resumed = run_training(tmp_path / "cut", task, _settings(), {}, resume=True)
+    timing = {"images_per_s", "peak_rss_mb", "epoch_seconds"}
+    assert [{k: v for k, v in r.items() if k not in timing} for r in resumed.history] == \
+        [{k: v for k, v in r.items() if k not in timing} for r in full.history]
+    assert task.validated == 2  # only epochs 3 and 4 ran again
+    a, b = read_checkpoint_arrays(tmp_path / "full" / training.LAST)[1], read_checkpoint_arrays(
+        tmp_path / "cut" / training.LAST)[1]
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+# ---- the EfficientNet teacher's fine-tune runs on the same loop ----------------------------------------------
+class _Split:
+    def __init__(self, labels):
+        self.labels = labels
+
+
+def _fine_tune_setup(poison_rows: tuple[int, ...] | str = ()):
+    """A tiny EfficientNet back on random 'front outputs' of 24 train / 9 val photos of 3 classes."""
+    net, _ = tiny_model()
+    net.reset_classifier(3, np.random.default_rng(0))
+    k = net.num_blocks - 1
+    _, back = net.split(k)
+    shape = net.split_shape(k, 16)
+    rng = np.random.default_rng(3)
+    y, yv = np.arange(24) % 3, np.arange(9) % 3
+    fronts = {"train": rng.standard_normal((24, *shape)).astype(np.float16),
+              "val": rng.standard_normal((9, *shape)).astype(np.float16)}
+    rows = list(range(24)) if poison_rows == "all" else list(poison_rows)
+    fronts["train"][rows] = np.inf
+    ds = {"train": _Split(y), "val": _Split(yv)}
+    recipe = load_config(None, ["teacher.epochs=3", "teacher.batch_size=8", "teacher.warmup_epochs=0"]).teacher
+    return back, fronts, ds, recipe
+
+
+def test_fine_tune_counts_and_logs_non_finite_batches_and_keeps_the_best_epoch(tmp_path):
+    back, fronts, ds, recipe = _fine_tune_setup(poison_rows=(4,))
+    extra = _fine_tune(back, fronts, None, ds, recipe, False, 5, tmp_path)
+    history = extra["fine_tune_history"]
+    assert [r["skipped_steps"] for r in history] == [1, 1, 1]  # never skipped silently
+    assert all(4 in f["rows"] for f in _rows(tmp_path / training.FAULTS))
+    best = min(history, key=lambda r: (-r["val_acc"], r["val_loss"], r["epoch"]))
+    assert extra["fine_tune_best_epoch"] == best["epoch"] and extra["fine_tune_val_acc"] == best["val_acc"]
+    kept = read_checkpoint_arrays(tmp_path / training.BEST)[1]
+    for name, value in back.state_dict().items():  # the back holds the kept epoch's weights
+        np.testing.assert_array_equal(value, kept[f"model/{name}"], err_msg=name)
+
+
+def test_fine_tune_stops_on_repeated_non_finite_batches(tmp_path):
+    back, fronts, ds, recipe = _fine_tune_setup(poison_rows="all")
+    with pytest.raises(TrainingStopped, match=r"teacher fine-tune: 2 consecutive non-finite.*teacher\.lr"):
+        _fine_tune(back, fronts, None, ds, recipe, False, 2, tmp_path)
+
+
+def test_teacher_stage_reports_a_stopped_training_with_exit_3(tmp_path, capsys):
+    """The --train-cnn teacher trains on the same loop; a divergence ends the stage with exit 3 and advice
+    that fits it (no --resume: the teacher stage has none), never a traceback."""
+    from pipeline_helpers import tiny_dataset  # noqa: PLC0415
+
+    from leaflens.pipeline.cli import main as cli  # noqa: PLC0415
+
+    ds_dir = tiny_dataset(tmp_path, per_class=8, size=16)
+    code = cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--train-cnn", "--quiet",
+                "--set", "train.lr=1e8", "--set", "train.batch_size=4", "--set", "teacher.cnn_epochs=3",
+                "--set", "teacher.cnn_widths=[8, 16]"])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert "leaflens teacher: stopped: teacher: the weights became non-finite" in err and "train.lr" in err
+    assert "--resume" not in err and "Traceback" not in err
+    assert not (tmp_path / "t").exists()

@@ -234,13 +234,15 @@ def _write_splits(tmp: Path, scan: ScanResult, kept: list[int], assigned: list[s
     return info, hist
 
 
-def _mean_std(hist: np.ndarray) -> tuple[list[float], list[float]]:
+def _mean_std(hist: np.ndarray) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
     """Exact per-channel mean/std on the [0, 1] scale from 256-bin histograms."""
     values = np.arange(256, dtype=np.float64) / 255.0
     total = hist.sum(axis=1).astype(np.float64)
     mean = (hist * values).sum(axis=1) / total
     var = (hist * (values[None, :] - mean[:, None]) ** 2).sum(axis=1) / total
-    return [round(float(v), 6) for v in mean], [round(float(max(np.sqrt(v), 1e-6)), 6) for v in var]
+    m = [round(float(v), 6) for v in mean]
+    s = [round(float(max(np.sqrt(v), 1e-6)), 6) for v in var]
+    return (m[0], m[1], m[2]), (s[0], s[1], s[2])
 
 
 def _fingerprint(scan: ScanResult, opts: IngestOptions, unlabeled: str | None) -> str:

@@ -18,7 +18,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Final, Literal
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from leaflens.data_prep.decode import DEFAULT_MAX_PIXELS
 from leaflens.records import Record, RecordError
 
 MANIFEST_NAME = "manifest.json"
-FORMAT_NAME = "leaflens-dataset"
+FORMAT_NAME: Final = "leaflens-dataset"
 FORMAT_VERSION = 1
 REJECTED_NAME = "rejected.jsonl"
 # The manifest's digest of its own content: an edited manifest (a renamed or reordered class, a changed
@@ -122,7 +122,7 @@ class Manifest(Record):
     mean_std_scale: str | None = None
     splits: dict[str, SplitInfo]
     source_root: str | None = None
-    source_layout: Literal["class_folders", "split_folders"] | None = None
+    source_layout: str | None = None  # "class_folders" or "split_folders" (leaflens.data_prep.scan)
     unlabeled_source: str | None = None
     class_info: str | None = None  # the classes.toml copied beside the arrays
     options: IngestOptions | None = None
@@ -134,7 +134,7 @@ class Manifest(Record):
     manifest_sha256: str | None = None
 
     @property
-    def resize(self) -> str:
+    def resize(self) -> Literal["crop", "pad"]:
         """How photos were fitted to the square (``options.resize``; the ingest default when not recorded)."""
         return (self.options or IngestOptions()).resize
 

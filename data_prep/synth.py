@@ -114,7 +114,8 @@ SYNTH_META = "synth.json"
 CLASSES_TOML = "classes.toml"
 RENDER_SIZE = 256
 _ELLIPSE_ANGLES = np.linspace(0, 2 * math.pi, 10)
-_BROKEN_KINDS = ("truncated", "empty", "not_an_image")
+BrokenKind = Literal["truncated", "empty", "not_an_image"]
+_BROKEN_KINDS: tuple[BrokenKind, ...] = ("truncated", "empty", "not_an_image")
 # EXIF orientation -> transpose that stores the upright picture so a viewer shows it upright again.
 _STORE_FOR_ORIENTATION = {3: Image.Transpose.ROTATE_180, 6: Image.Transpose.ROTATE_90,
                           8: Image.Transpose.ROTATE_270}
@@ -142,7 +143,7 @@ class BrokenFile(Record):
     """A deliberately broken file and how it is broken (what ingest must reject it as)."""
 
     path: str
-    kind: Literal["truncated", "empty", "not_an_image"]
+    kind: BrokenKind
 
 
 @dataclass(frozen=True)

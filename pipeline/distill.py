@@ -32,7 +32,7 @@ from leaflens.pipeline.hardware import describe_hardware
 from leaflens.pipeline.models.student import StudentSpec
 from leaflens.pipeline.report import metrics, plots
 from leaflens.pipeline.report.markdown import write_report
-from leaflens.pipeline.runs import RunDataset, RunMeta, RunMetrics, load_student_weights
+from leaflens.pipeline.runs import RunDataset, RunMeta, RunMetrics, Variant, load_student_weights
 from leaflens.pipeline.teachers.artefact import load_teacher
 from leaflens.pipeline.train_student import ConcatImages, TrainData, predict_logits, student_input_size, train_run
 from leaflens.pipeline.training import BEST
@@ -72,12 +72,12 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
         model_config=StudentSpec.from_recipe(cfg.model, ds.num_classes),
         dataset=RunDataset(classes=tuple(ds.classes), mean=tuple(float(v) for v in mean),  # type: ignore[arg-type]
                            std=tuple(float(v) for v in std), image_size=ds.image_size,  # type: ignore[arg-type]
-                           input_size=input_size, resize=ds.manifest.resize,  # type: ignore[arg-type]
+                           input_size=input_size, resize=ds.manifest.resize,
                            manifest_sha256=manifest_sha256(ds.root), root=str(ds.root)),
         run_id=run_id)
     write_json_atomic(work / "run_id.json", {"run_id": run_id})  # a resume reads it back
 
-    variants: dict[str, TrainData] = {}
+    variants: dict[Variant, TrainData] = {}
     teacher_info = None
     if tt is not None:
         teacher_info = tt.info

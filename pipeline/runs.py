@@ -31,6 +31,9 @@ from leaflens.records import Record, RecordError
 BEST = "best.npz"
 
 
+Variant = Literal["distilled", "scratch"]  # learnt from the teacher, or from the labels alone
+
+
 @dataclass(frozen=True)
 class RunDataset(Record):
     """The data a run learnt from and how an image reaches its model (best.npz's ``dataset``)."""
@@ -67,7 +70,7 @@ class RunMeta(Record):
     model_config: StudentSpec
     dataset: RunDataset
     run_id: str | None = None         # None: the run folder's name
-    variant: Literal["distilled", "scratch"] | None = None
+    variant: Variant | None = None
     metrics: RunMetrics = field(default_factory=RunMetrics)
     teacher: dict[str, Any] | None = None  # the teacher's identity (teacher.json's ``teacher``)
     schema_version: int = 1

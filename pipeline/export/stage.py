@@ -108,7 +108,7 @@ def model_card(info: RunInfo, model: Module) -> ModelCard:
     contract = PreprocessContract(
         stored_size=d.image_size, input_size=d.model_input_size,
         mean=d.mean, std=d.std,
-        resize=d.resize,  # type: ignore[arg-type]
+        resize=d.resize,
     )
     return ModelCard(
         classes=d.classes, contract=contract,

@@ -15,7 +15,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import numpy as np
 
@@ -23,7 +23,7 @@ from leaflens.data_prep.manifest import manifest_sha256
 from leaflens.records import Record, RecordError
 
 TEACHER_JSON = "teacher.json"
-FORMAT = "leaflens-teacher-1"
+FORMAT: Final = "leaflens-teacher-1"
 
 
 class TeacherError(ValueError):

@@ -110,7 +110,7 @@ def load_view_bank(root: Path, ds: Any, info: TeacherInfo) -> dict[str, tuple[np
         if split not in ds.splits:
             raise TeacherError(f"{root}: teacher.json lists views for split '{split}', which the dataset lacks")
         n = len(ds[split])
-        arrays = []
+        arrays: list[Any] = []  # boxes, features, logits (None without logits)
         for name, shape in zip(view_paths(split), ((n, k, 6), (n, k, dim), (n, k, classes or 0))):
             if name.startswith("logits") and not classes:
                 arrays.append(None)

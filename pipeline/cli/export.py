@@ -8,15 +8,18 @@ from pathlib import Path
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
+    from leaflens.pipeline.export.quantize import Int8Recipe  # noqa: PLC0415
+
+    default = Int8Recipe()
     p = subparsers.add_parser(
         "export",
         help="student -> ONNX (FP32, FP16, INT8) + Triton repository",
-        description="Export the run's best.npz to ONNX (student.onnx FP32, student_fp16.onnx, "
-                    "student_int8.onnx), check engine-vs-onnxruntime parity on the validation split and "
-                    "the served model's accuracy on the test split's original photo files (parity.json), "
-                    "and write a Triton model repository. Fails (exit 1, nothing replaced) when FP32/FP16 "
-                    "parity does not hold or the served test accuracy is more than 0.5 points from the "
-                    "engine's.",
+        description="Export the run's best.npz to ONNX (student.onnx FP32, student_fp16.onnx, and "
+                    "student_int8.onnx when its validation accuracy is within --int8-max-drop of FP32's), "
+                    "check engine-vs-onnxruntime parity on the validation split and the served model's "
+                    "accuracy on the test split's original photo files (parity.json), and write a Triton "
+                    "model repository. Fails (exit 1, nothing replaced) when FP32/FP16 parity does not hold "
+                    "or the served test accuracy is more than 0.5 points from the engine's.",
     )
     p.add_argument("--run", type=Path, default=Path("artifacts/student"),
                    help="trained run folder holding best.npz (default artifacts/student)")
@@ -34,10 +37,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--queue-delay-us", type=int, default=2000,
                    help="Triton dynamic_batching max_queue_delay_microseconds (default 2000)")
     p.add_argument("--no-int8", action="store_true", help="skip the INT8 variant")
-    p.add_argument("--calib-images", type=int, default=256,
-                   help="training images used to calibrate INT8 (default 256)")
-    p.add_argument("--int8-activations", choices=("uint8", "int8"), default="uint8",
-                   help="INT8 activation type (default uint8; weights are always per-channel int8)")
+    p.add_argument("--int8-max-drop", type=float, default=0.01,
+                   help="write INT8 only when its validation accuracy is at most this far below FP32's "
+                        "(a fraction; default 0.01 = 1 point)")
+    p.add_argument("--int8-calibration", choices=("minmax", "percentile", "entropy"), default=default.calibration,
+                   help=f"how INT8 activation ranges are set from the calibration images (default "
+                        f"{default.calibration})")
+    p.add_argument("--int8-percentile", type=float, default=default.percentile,
+                   help=f"share of values the percentile ranges hold (default {default.percentile:g})")
+    p.add_argument("--calib-images", type=int, default=default.calib_images,
+                   help=f"training images used to calibrate INT8 (default {default.calib_images})")
+    p.add_argument("--int8-per-channel", action=argparse.BooleanOptionalAction, default=default.per_channel,
+                   help="one weight scale per output channel (default) or one per tensor")
+    p.add_argument("--int8-float-first-conv", action=argparse.BooleanOptionalAction,
+                   default=default.float_first_conv, help="keep the first convolution in float (default: yes)")
+    p.add_argument("--int8-float-classifier", action=argparse.BooleanOptionalAction,
+                   default=default.float_classifier, help="keep the classifier in float (default: yes)")
+    p.add_argument("--int8-activations", choices=("uint8", "int8"), default=default.activations,
+                   help="INT8 activation type (default uint8; weights are always int8)")
     p.add_argument("--speed-seconds", type=float, default=1.0,
                    help="time spent timing each variant on the CPU (default 1.0)")
     p.add_argument("--threads", type=int, default=None, help="onnxruntime CPU threads (default: usable CPUs)")
@@ -51,13 +68,19 @@ def run(args: argparse.Namespace) -> int:
     from leaflens.data_prep.manifest import DatasetError  # noqa: PLC0415
     from leaflens.engine.checkpoint import CheckpointError  # noqa: PLC0415
     from leaflens.engine.onnx_export import ExportError  # noqa: PLC0415
+    from leaflens.pipeline.export.quantize import Int8Recipe  # noqa: PLC0415
     from leaflens.pipeline.export.stage import ExportFailed, ExportOptions, export_run, summary  # noqa: PLC0415
     from leaflens.pipeline.export.triton import TritonConfigError  # noqa: PLC0415
 
     opts = ExportOptions(run=args.run, out=args.out, dataset=args.dataset, triton=args.triton, name=args.name,
                          int8=not args.no_int8, triton_variant=args.triton_variant,
                          max_batch_size=args.max_batch_size, queue_delay_us=args.queue_delay_us,
-                         calib_images=args.calib_images, int8_activations=args.int8_activations,
+                         int8_max_drop=args.int8_max_drop,
+                         int8_recipe=Int8Recipe(calibration=args.int8_calibration, percentile=args.int8_percentile,
+                                                calib_images=args.calib_images, per_channel=args.int8_per_channel,
+                                                float_first_conv=args.int8_float_first_conv,
+                                                float_classifier=args.int8_float_classifier,
+                                                activations=args.int8_activations),
                          speed_seconds=args.speed_seconds, threads=args.threads,
                          allow_dataset_mismatch=args.allow_dataset_mismatch)
 

@@ -1,22 +1,89 @@
 """INT8 variant of an exported model: onnxruntime static quantisation calibrated on training images.
 
 QDQ format (QuantizeLinear/DequantizeLinear pairs around each quantised op, which onnxruntime fuses
-into integer kernels and which other runtimes such as TensorRT read too), per-channel symmetric
-int8 weights, activation ranges from min/max over the calibration images. The model card
-(metadata_props) of the FP32 model is carried over, so the INT8 file is self-describing too.
+into integer kernels and which other runtimes such as TensorRT read too), int8 weights, uint8
+activations. :class:`Int8Recipe` says how: the calibration method that sets each activation's range
+(``minmax``: the extremes seen, so one outlier pixel stretches the range of every value;
+``percentile``: the range holding 99.999 % of the values; ``entropy``: the range whose quantised
+histogram loses the least information), how many training images calibrate it, per-channel or
+per-tensor weights, and whether the first convolution (it sees the raw normalised pixels) and the
+classifier (its outputs are the logits, whose small differences decide the answer) stay in float.
+The defaults are the recipe that measured best on the validation splits of the demo and iBeans
+(``benchmarks/int8.py``; figures in the README).
+
+The model card (metadata_props) of the FP32 model is carried over, so the INT8 file is
+self-describing too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import onnx
 
-from leaflens.engine.onnx_export import save_onnx
 from leaflens.pipeline.export.parity import batches
+from leaflens.records import Record
+
+if TYPE_CHECKING:  # onnx is imported where it is used: the recipe and the rule need neither onnx nor onnxruntime
+    import onnx
+
+CLASSIFIER_OPS = ("Gemm", "MatMul")
+
+
+@dataclass(frozen=True)
+class Int8Recipe(Record):
+    """How the INT8 model is calibrated, and which layers stay in float (recorded in parity.json)."""
+
+    calibration: Literal["minmax", "percentile", "entropy"] = "percentile"
+    percentile: float = 99.999  # used by "percentile" only
+    calib_images: int = 512
+    per_channel: bool = True
+    float_first_conv: bool = True
+    float_classifier: bool = True
+    activations: Literal["uint8", "int8"] = "uint8"
+
+    def __post_init__(self) -> None:
+        if self.calibration not in ("minmax", "percentile", "entropy"):
+            raise ValueError(f"calibration must be minmax, percentile or entropy, got {self.calibration!r}")
+        if self.activations not in ("uint8", "int8"):
+            raise ValueError(f"activations must be 'uint8' or 'int8', got {self.activations!r}")
+        if not 0.0 < self.percentile <= 100.0:
+            raise ValueError(f"percentile must be in (0, 100], got {self.percentile}")
+        if self.calib_images < 1:
+            raise ValueError(f"calib_images must be at least 1, got {self.calib_images}")
+
+    def describe(self) -> str:
+        """One line for logs: ranges, weights and the layers left in float."""
+        kept = [name for name, on in (("first conv", self.float_first_conv), ("classifier", self.float_classifier))
+                if on]
+        ranges = f"percentile {self.percentile:g}" if self.calibration == "percentile" else self.calibration
+        return (f"{ranges} ranges, {'per-channel' if self.per_channel else 'per-tensor'} weights, "
+                f"{self.activations} activations" + (f", {' and '.join(kept)} in float" if kept else ""))
+
+
+def int8_shortfall(val_fp32: float, val_int8: float, max_drop: float) -> str | None:
+    """Why the INT8 model is not worth shipping, or None when its validation accuracy is at most
+    ``max_drop`` (a fraction: 0.01 is one point) below FP32's."""
+    if not val_int8 >= val_fp32 - max_drop - 1e-9:  # the tolerance absorbs float rounding of the difference
+        return (f"its validation accuracy {val_int8:.2%} is {100 * (val_fp32 - val_int8):.1f} points below "
+                f"FP32's {val_fp32:.2%} (at most {100 * max_drop:g} allowed)")
+    return None
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """What :func:`quantize_int8` wrote: the file, the nodes left in float, the images and time it took."""
+
+    path: Path
+    float_nodes: tuple[str, ...]
+    calibration_images: int
+    seconds: float
 
 
 def calibration_indices(n_available: int, n_wanted: int, seed: int = 0) -> np.ndarray:
@@ -27,15 +94,48 @@ def calibration_indices(n_available: int, n_wanted: int, seed: int = 0) -> np.nd
     return np.sort(np.random.default_rng(seed).choice(n_available, size=n, replace=False))
 
 
-def quantize_int8(fp32_path: str | os.PathLike[str], out_path: str | os.PathLike[str], images: Any,
-                  mean: np.ndarray, std: np.ndarray, batch: int = 32, activations: str = "uint8",
-                  preprocess: bool = True) -> Path:
-    """Write the INT8 (QDQ) version of ``fp32_path`` to ``out_path``, calibrated on uint8 NHWC ``images``.
+def float_nodes(model: onnx.ModelProto, first_conv: bool, classifier: bool) -> list[str]:
+    """Names of the nodes to keep in float: the first Conv of the graph, and the classifier (the last
+    Gemm/MatMul and the nodes between it and the graph output, e.g. a bias Add).
 
-    ``activations``: "uint8" (asymmetric, the usual choice for post-ReLU activations) or "int8".
+    Nodes without a name cannot be excluded by onnxruntime, so a graph whose chosen nodes are unnamed
+    is refused with a message rather than quantised whole without saying so.
+    """
+    nodes = list(model.graph.node)  # ONNX keeps nodes in topological order
+    chosen: list[onnx.NodeProto] = []
+    if first_conv:
+        convs = [n for n in nodes if n.op_type == "Conv"]
+        if not convs:
+            raise ValueError("the graph has no Conv node to keep in float (float_first_conv)")
+        chosen.append(convs[0])
+    if classifier:
+        heads = [i for i, n in enumerate(nodes) if n.op_type in CLASSIFIER_OPS]
+        if not heads:
+            raise ValueError(f"the graph has no {'/'.join(CLASSIFIER_OPS)} node to keep in float "
+                             "(float_classifier)")
+        downstream = set(nodes[heads[-1]].output)
+        chosen.append(nodes[heads[-1]])
+        for n in nodes[heads[-1] + 1:]:
+            if downstream.intersection(n.input):
+                chosen.append(n)
+                downstream.update(n.output)
+    unnamed = [n.op_type for n in chosen if not n.name]
+    if unnamed:
+        raise ValueError(f"cannot keep unnamed {', '.join(unnamed)} node(s) in float: onnxruntime excludes "
+                         "nodes by name")
+    return [n.name for n in chosen]
+
+
+def quantize_int8(fp32_path: str | os.PathLike[str], out_path: str | os.PathLike[str], images: Any,
+                  mean: np.ndarray, std: np.ndarray, recipe: Int8Recipe = Int8Recipe(), batch: int = 32,
+                  preprocess: bool = True) -> Quantized:
+    """Write the INT8 (QDQ) version of ``fp32_path`` to ``out_path``, calibrated on uint8 NHWC ``images``
+    (all of them: pick ``recipe.calib_images`` of them with :func:`calibration_indices`).
+
     ``preprocess`` runs onnxruntime's recommended quant_pre_process first (shape inference and
     graph optimisation, so e.g. Conv+Relu pairs are quantised as one).
     """
+    import onnx  # noqa: PLC0415
     from onnxruntime.quantization import (  # noqa: PLC0415
         CalibrationDataReader,
         CalibrationMethod,
@@ -45,14 +145,22 @@ def quantize_int8(fp32_path: str | os.PathLike[str], out_path: str | os.PathLike
     )
     from onnxruntime.quantization.shape_inference import quant_pre_process  # noqa: PLC0415
 
-    if activations not in ("uint8", "int8"):
-        raise ValueError(f"activations must be 'uint8' or 'int8', got {activations!r}")
+    from leaflens.engine.onnx_export import save_onnx  # noqa: PLC0415
+
+    t0 = time.perf_counter()
     fp32 = onnx.load(str(fp32_path))
     input_name = fp32.graph.input[0].name
+    methods = {"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
+               "entropy": CalibrationMethod.Entropy}
+    # percentile: the range of |x| holding that share of the values, clipped to the values' own min/max
+    extra = {"CalibPercentile": recipe.percentile} if recipe.calibration == "percentile" else {}
+
+    # equal batches: the histogram calibrators stack the outputs of all batches into one array
+    step = max(d for d in range(1, batch + 1) if len(images) % d == 0)
 
     class Reader(CalibrationDataReader):
         def __init__(self) -> None:
-            self._it = batches(images, mean, std, batch)
+            self._it = batches(images, mean, std, step)
 
         def get_next(self) -> dict[str, np.ndarray] | None:
             x = next(self._it, None)
@@ -62,15 +170,20 @@ def quantize_int8(fp32_path: str | os.PathLike[str], out_path: str | os.PathLike
     tmp = out_path.with_name(f".{out_path.name}.quant-{os.getpid()}")
     pre = out_path.with_name(f".{out_path.name}.pre-{os.getpid()}")
     try:
-        source = fp32_path
+        source = Path(fp32_path)
         if preprocess:
             # our graphs have static shapes but for the batch, so ONNX's own shape inference is enough
             # (the symbolic one needs sympy, which leaflens does not depend on)
             quant_pre_process(str(fp32_path), str(pre), skip_symbolic_shape=True)
             source = pre
-        quantize_static(str(source), str(tmp), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
-                        activation_type=QuantType.QUInt8 if activations == "uint8" else QuantType.QInt8,
-                        weight_type=QuantType.QInt8, calibrate_method=CalibrationMethod.MinMax)
+        keep_float = float_nodes(onnx.load(str(source)), recipe.float_first_conv, recipe.float_classifier)
+        # the histogram calibrators print their settings to stdout, which is the CLI's summary stream
+        with contextlib.redirect_stdout(io.StringIO()):
+            quantize_static(str(source), str(tmp), Reader(), quant_format=QuantFormat.QDQ,
+                            per_channel=recipe.per_channel, nodes_to_exclude=keep_float,
+                            activation_type=QuantType.QUInt8 if recipe.activations == "uint8" else QuantType.QInt8,
+                            weight_type=QuantType.QInt8, calibrate_method=methods[recipe.calibration],
+                            extra_options=extra)
         q = onnx.load(str(tmp))
     finally:
         for p in (tmp, pre):
@@ -78,6 +191,8 @@ def quantize_int8(fp32_path: str | os.PathLike[str], out_path: str | os.PathLike
                 p.unlink()
     del q.metadata_props[:]
     q.metadata_props.extend(fp32.metadata_props)
-    q.doc_string = (fp32.doc_string + " (INT8 QDQ, static quantisation)").strip()
+    q.doc_string = (fp32.doc_string + f" (INT8 QDQ, static quantisation, {recipe.calibration} ranges)").strip()
     onnx.checker.check_model(q, full_check=True)
-    return save_onnx(q, out_path)
+    path = save_onnx(q, out_path)
+    return Quantized(path=path, float_nodes=tuple(keep_float), calibration_images=len(images),
+                     seconds=time.perf_counter() - t0)

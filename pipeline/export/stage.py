@@ -5,7 +5,10 @@ Reads ``<run>/best.npz`` (leaflens.pipeline.runs) and the dataset it was trained
 
 - ``student.onnx``: FP32, BatchNorm folded, the model card in its metadata (leaflens.apps.model_card);
 - ``student_fp16.onnx``: float16 weights/compute for GPU providers, float32 input/output;
-- ``student_int8.onnx``: static INT8 (QDQ) for CPUs, calibrated on training images;
+- ``student_int8.onnx``: static INT8 (QDQ) for CPUs, calibrated on training images
+  (leaflens.pipeline.export.quantize), written only when its validation accuracy is within
+  ``int8_max_drop`` (1 point) of FP32's; otherwise it is left out and ``parity.json``'s ``int8``
+  entry says why, with both accuracies;
 - ``parity.json``: engine vs onnxruntime on the validation split (max |logit difference|, top-1
   agreement), test accuracy of every variant, CPU speed of every variant, and ``served``: the test
   accuracy of ``student.onnx`` as users meet it (``served_test_accuracy``: through the Predictor on the
@@ -45,7 +48,7 @@ from leaflens.engine.onnx_export import IR_VERSION, OPSET, convert_float16, expo
 from leaflens.files import clean_stale_temps, new_temp_dir, swap_into_place, write_json_atomic
 from leaflens.pipeline.evaluate import PhotosUnavailable, dataset_photo_files, evaluate_files
 from leaflens.pipeline.export import parity, triton
-from leaflens.pipeline.export.quantize import calibration_indices, quantize_int8
+from leaflens.pipeline.export.quantize import Int8Recipe, calibration_indices, int8_shortfall, quantize_int8
 from leaflens.pipeline.runs import RunInfo, load_model
 
 FP32_FILE, FP16_FILE, INT8_FILE = "student.onnx", "student_fp16.onnx", "student_int8.onnx"
@@ -68,8 +71,8 @@ class ExportOptions:
     triton_variant: str = "fp32"  # which file goes into the Triton repository: fp32 | fp16 | int8
     max_batch_size: int = 64
     queue_delay_us: int = 2000
-    calib_images: int = 256
-    int8_activations: str = "uint8"
+    int8_recipe: Int8Recipe = Int8Recipe()
+    int8_max_drop: float = 0.01  # INT8 is written only when val accuracy >= FP32's - this
     fp32_tolerance: float = 1e-4
     fp16_min_agreement: float = 0.995
     served_max_points: float = 0.5  # served vs engine test accuracy, in percentage points
@@ -223,22 +226,42 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
     triton_tmp: Path | None = None
     try:
         paths = {"fp32": save_onnx(proto, tmp / FP32_FILE), "fp16": save_onnx(proto16, tmp / FP16_FILE)}
+        int8: dict[str, Any] | None = None  # parity.json's "int8" entry: recipe, verdict, accuracies
         if opts.int8:
             if "train" not in ds or len(ds["train"]) == 0:
                 raise ExportFailed(f"dataset {ds.root} has no training images to calibrate INT8 with; "
                                    "pass --no-int8")
-            train = ds["train"]
-            idx = calibration_indices(len(train), opts.calib_images)
-            log(f"calibrating INT8 on {len(idx)} training images")
-            paths["int8"] = quantize_int8(paths["fp32"], tmp / INT8_FILE, parity.at_size(train.images, size)[idx],
-                                          mean, std,
-                                          activations=opts.int8_activations)
+            recipe = opts.int8_recipe
+            int8 = {"recipe": recipe.to_dict(), "max_drop": opts.int8_max_drop}
+            if not ("val" in ds and len(ds["val"]) and ds["val"].labels is not None):
+                _skip_int8(int8, f"dataset {ds.root} has no labelled validation split to check INT8 on", opts, log)
+            else:
+                train = ds["train"]
+                idx = calibration_indices(len(train), recipe.calib_images)
+                log(f"calibrating INT8 on {len(idx)} training images ({recipe.describe()})")
+                q = quantize_int8(paths["fp32"], tmp / INT8_FILE, parity.at_size(train.images, size)[idx], mean,
+                                  std, recipe)
+                paths["int8"] = q.path
+                int8.update(calibration_images=q.calibration_images, float_nodes=list(q.float_nodes),
+                            quantize_seconds=round(q.seconds, 2))
 
         sessions = {k: parity.cpu_session(p, threads) for k, p in paths.items()}
         split = _pick_split(ds, "val")
         log(f"parity on the '{split}' split ({len(ds[split])} images)")
         val = parity.engine_and_onnx_logits(model, sessions, parity.at_size(ds[split].images, size), mean, std,
                                             opts.batch)
+        if int8 is not None and "int8" in paths:  # the rule: judged on the validation split, never on test
+            fp32_acc, int8_acc = (parity.accuracy(val[k], ds[split].labels) for k in ("fp32", "int8"))
+            int8["validation"] = {"split": split, "accuracy_fp32": fp32_acc, "accuracy_int8": int8_acc,
+                                  "top1_agreement_with_fp32": float(np.mean(val["fp32"].argmax(1)
+                                                                            == val["int8"].argmax(1)))}
+            reason = int8_shortfall(fp32_acc, int8_acc, opts.int8_max_drop)
+            if reason is None:
+                int8.update(written=True, reason=None)
+            else:
+                paths.pop("int8").unlink()
+                del sessions["int8"], val["int8"]
+                _skip_int8(int8, reason, opts, log)
         tie = 2 * opts.fp32_tolerance
         report: dict[str, Any] = {
             "format": REPORT_FORMAT,
@@ -263,13 +286,13 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
             acc["test"] = {k: parity.accuracy(v, ds["test"].labels) for k, v in test.items()}
         report["accuracy"] = acc
         acc_split = "test" if "test" in acc else split
-        if opts.int8:
+        if int8 is not None:
+            report["int8"] = int8
+        if int8 is not None and int8["written"]:
             a = acc[acc_split]
-            report["int8"] = {"split": acc_split, "accuracy_fp32": a["fp32"], "accuracy_int8": a["int8"],
-                              "accuracy_change": a["int8"] - a["fp32"],
-                              "top1_agreement_with_engine": report["parity"]["int8"]["top1_agreement"],
-                              "calibration_images": int(min(opts.calib_images, len(ds["train"]))),
-                              "activations": opts.int8_activations}
+            int8.update(split=acc_split, accuracy_fp32=a["fp32"], accuracy_int8=a["int8"],
+                        accuracy_change=a["int8"] - a["fp32"],
+                        top1_agreement_with_engine=report["parity"]["int8"]["top1_agreement"])
 
         bench_images = parity.at_size(ds[acc_split].images, size)[: min(32, len(ds[acc_split]))]
         x32 = next(parity.batches(bench_images, mean, std, 32)).transpose(0, 3, 1, 2)
@@ -277,7 +300,7 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
         log(f"timing on {threads} CPU thread(s)")
         report["speed_cpu"] = {"threads": threads, **{k: parity.speed(s, x32, opts.speed_seconds)
                                                       for k, s in sessions.items()}}
-        if opts.int8:
+        if int8 is not None and int8["written"]:
             sp = report["speed_cpu"]
             report["int8"]["speedup_vs_fp32"] = sp["int8"]["img_s"] / sp["fp32"]["img_s"]
         del sessions
@@ -338,6 +361,15 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
     return report
 
 
+def _skip_int8(int8: dict[str, Any], reason: str, opts: ExportOptions, log: Callable[[str], None]) -> None:
+    """Record (and say) why no INT8 file is written; refuse when Triton was asked to serve it."""
+    int8.update(written=False, reason=reason)
+    log(f"INT8 not written: {reason}")
+    if opts.triton_variant == "int8":
+        raise ExportFailed(f"--triton-variant int8 asks Triton to serve the INT8 model, which is not written: "
+                           f"{reason}; choose another --triton-variant")
+
+
 def _check_renamed(model_dir: Path, name: str) -> None:
     """Check a model folder still under its temporary name (Triton requires name == folder name)."""
     config = triton.parse_pbtxt((model_dir / "config.pbtxt").read_text(encoding="utf-8"))
@@ -364,10 +396,12 @@ def summary(report: dict[str, Any]) -> str:
                      f"{served['photos']} test photo files) vs engine {served['engine_test_accuracy']:.2%}")
     elif served:
         lines.append(f"served-accuracy check skipped: {served['reason']}")
-    if "int8" in report:
-        i8 = report["int8"]
+    i8 = report.get("int8")
+    if i8 and i8.get("written"):
         lines.append(f"INT8: accuracy change {i8['accuracy_change']:+.2%} on {i8['split']}, "
                      f"{i8['speedup_vs_fp32']:.2f}x FP32 throughput")
+    elif i8:
+        lines.append(f"INT8: not written ({i8['reason']})")
     if "triton" in report:
         t = report["triton"]
         lines.append(f"Triton: {t['repository']}/{t['model']} ({t['variant']}, "

@@ -19,7 +19,8 @@ from leaflens.engine.checkpoint import save_checkpoint  # noqa: E402
 from leaflens.engine.data import normalize  # noqa: E402
 from leaflens.engine.optim import Adam  # noqa: E402
 from leaflens.pipeline.cli import main  # noqa: E402
-from leaflens.pipeline.export import triton  # noqa: E402
+from leaflens.pipeline.export import stage, triton  # noqa: E402
+from leaflens.pipeline.export.quantize import Int8Recipe  # noqa: E402
 from leaflens.pipeline.export.stage import ExportFailed, ExportOptions, export_run  # noqa: E402
 from leaflens.pipeline.models.student import StudentCNN  # noqa: E402
 
@@ -82,16 +83,17 @@ def tiny_run(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def _opts(run: Path, dataset: Path, out: Path, **kw) -> ExportOptions:
-    return ExportOptions(run=run, out=out, dataset=dataset, speed_seconds=0.05, calib_images=32, threads=1,
-                         **kw)
+    kw.setdefault("int8_recipe", Int8Recipe(calib_images=32))
+    return ExportOptions(run=run, out=out, dataset=dataset, speed_seconds=0.05, threads=1, **kw)
 
 
 def test_export_end_to_end_via_cli(tiny_run, tmp_path, capsys):
     run, dataset = tiny_run
     out = tmp_path / "export"
+    # --int8-max-drop 1: INT8 is written whatever it loses here (the rule has its own tests below)
     code = main(["export", "--run", str(run), "--out", str(out), "--dataset", str(dataset), "--speed-seconds",
                  "0.05", "--calib-images", "32", "--threads", "1", "--max-batch-size", "16",
-                 "--queue-delay-us", "500"])
+                 "--queue-delay-us", "500", "--int8-max-drop", "1", "--int8-calibration", "entropy"])
     assert code == 0, capsys.readouterr().err
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     assert files == ["parity.json", "student.onnx", "student_fp16.onnx", "student_int8.onnx",
@@ -106,7 +108,13 @@ def test_export_end_to_end_via_cli(tiny_run, tmp_path, capsys):
     assert set(report["accuracy"]["test"]) == {"engine", "fp32", "fp16", "int8"}
     assert report["accuracy"]["test"]["fp32"] == report["accuracy"]["test"]["engine"]
     i8 = report["int8"]
+    assert i8["written"] is True and i8["reason"] is None and i8["max_drop"] == 1.0
     assert i8["accuracy_change"] == pytest.approx(i8["accuracy_int8"] - i8["accuracy_fp32"])
+    assert i8["recipe"] == {**Int8Recipe().to_dict(), "calib_images": 32, "calibration": "entropy"}
+    assert i8["calibration_images"] == 32 and i8["float_nodes"] == ["/features/0/0/Conv", "/classifier/Gemm"]
+    v = i8["validation"]
+    assert v["split"] == "val" and v["accuracy_fp32"] == report["accuracy"]["val"]["fp32"]
+    assert v["accuracy_int8"] == report["accuracy"]["val"]["int8"]
     assert i8["speedup_vs_fp32"] > 0 and report["speed_cpu"]["fp32"]["img_s"] > 0
     for variant in ("fp32", "fp16", "int8"):
         onnx.checker.check_model(onnx.load(str(out / report["files"][variant]["file"])), full_check=True)
@@ -114,6 +122,83 @@ def test_export_end_to_end_via_cli(tiny_run, tmp_path, capsys):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".export")]  # no temp dirs left
     stdout = capsys.readouterr().out
     assert "top-1 agreement" in stdout and "INT8: accuracy change" in stdout
+
+
+def test_int8_rule_with_the_default_drop_matches_the_file_and_the_report(tiny_run, tmp_path):
+    """The default rule (1 point on val): the file is there exactly when parity.json says it was written,
+    and that verdict follows from the two validation accuracies it records."""
+    run, dataset = tiny_run
+    out = tmp_path / "export"
+    report = export_run(_opts(run, dataset, out), log=lambda s: None)
+    i8 = report["int8"]
+    v = i8["validation"]
+    assert i8["max_drop"] == 0.01 and v["split"] == "val"
+    assert i8["written"] == (v["accuracy_int8"] >= v["accuracy_fp32"] - 0.01)
+    assert (out / "student_int8.onnx").exists() == i8["written"] == ("int8" in report["files"])
+    assert json.loads((out / "parity.json").read_text())["int8"] == i8
+
+
+def test_int8_that_loses_accuracy_is_not_written(tiny_run, tmp_path, monkeypatch):
+    """A real INT8 model calibrated on black images only (every real pixel falls outside its input
+    range) loses far more than 1 point: no INT8 file, the reason with both accuracies in parity.json
+    and on the console, Triton serves FP32, and asking Triton for INT8 fails without replacing anything."""
+    from dataclasses import replace  # noqa: PLC0415
+
+    real = stage.quantize_int8
+
+    def black_calibration(fp32, out, images, mean, std, recipe):
+        return real(fp32, out, np.zeros_like(np.asarray(images[:])), mean, std,
+                    replace(recipe, calibration="minmax", float_first_conv=False))
+
+    monkeypatch.setattr(stage, "quantize_int8", black_calibration)
+    run, dataset = tiny_run
+    out = tmp_path / "export"
+    said: list[str] = []
+    report = export_run(_opts(run, dataset, out), log=said.append)
+    i8 = report["int8"]
+    v = i8["validation"]
+    assert v["accuracy_int8"] < v["accuracy_fp32"] - 0.01  # the premise: this INT8 model is worse
+    assert i8["written"] is False
+    assert f"{v['accuracy_int8']:.2%}" in i8["reason"] and f"{v['accuracy_fp32']:.2%}" in i8["reason"]
+    assert any(line == f"INT8 not written: {i8['reason']}" for line in said)
+    assert "INT8: not written" in stage.summary(report)
+    assert not (out / "student_int8.onnx").exists()
+    for section in ("files", "parity", "speed_cpu"):
+        assert "int8" not in report[section]
+    assert all("int8" not in acc for acc in report["accuracy"].values())
+    assert json.loads((out / "parity.json").read_text())["int8"] == i8
+    model_dir = out / "triton" / "leaflens_student"
+    triton.check_model_dir(model_dir)
+    assert (model_dir / "1" / "model.onnx").read_bytes() == (out / "student.onnx").read_bytes()
+
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(ExportFailed, match="--triton-variant int8 .* not written: its validation accuracy"):
+        export_run(_opts(run, dataset, out, triton_variant="int8"), log=lambda s: None)
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".export")]
+
+
+def test_without_a_validation_split_int8_is_not_written(tiny_run, tmp_path):
+    """The rule is judged on validation only, never on test: no val split, no INT8 (and no quantising)."""
+    from leaflens.pipeline.runs import load_model  # noqa: PLC0415
+
+    dataset = tmp_path / "no_val"
+    ingest(_photos(tmp_path / "photos"), dataset, IngestOptions(size=SIZE, ratios=(0.8, 0.0, 0.2)), workers=1,
+           log=lambda s: None)
+    ds = load_dataset(dataset)
+    assert "val" not in ds or len(ds["val"]) == 0
+    model, info = load_model(tiny_run[0])
+    extra = {"model_config": info.model_config.to_dict(), "metrics": info.metrics.to_dict(), "run_id": "tiny-no-val",
+             "dataset": {"classes": ds.classes, "mean": ds.mean.tolist(), "std": ds.std.tolist(),
+                         "image_size": SIZE, "resize": "crop", "manifest_sha256": manifest_sha256(dataset)}}
+    run = tmp_path / "student"
+    save_checkpoint(run / "best.npz", model, epoch=3, step=30, extra=extra)
+    out = tmp_path / "export"
+    report = export_run(_opts(run, dataset, out), log=lambda s: None)
+    i8 = report["int8"]
+    assert i8["written"] is False and "no labelled validation split" in i8["reason"]
+    assert "float_nodes" not in i8 and "validation" not in i8
+    assert not (out / "student_int8.onnx").exists() and report["parity"]["fp32"]["split"] == "test"
 
 
 def test_exported_model_is_what_the_predictor_serves(tiny_run, tmp_path):
@@ -124,7 +209,7 @@ def test_exported_model_is_what_the_predictor_serves(tiny_run, tmp_path):
 
     run, dataset = tiny_run
     out = tmp_path / "export"
-    export_run(_opts(run, dataset, out), log=lambda s: None)
+    export_run(_opts(run, dataset, out, int8_max_drop=1.0), log=lambda s: None)
     ds = load_dataset(dataset)
     model, _ = load_model(run)
     want = engine_and_onnx_logits(model, {}, ds["test"].images, ds.mean, ds.std)["engine"]

@@ -1,14 +1,17 @@
 """``leaflens doctor``: the CPU-only report, the JSON form, run folders, and the batch-size arithmetic
-and measurements (CPU heap peaks here; the GPU memory pool where there is a GPU)."""
+and measurements (CPU heap peaks here; the GPU memory pool where there is a GPU) of leaflens.pipeline.doctor."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from leaflens.engine.checkpoint import save_checkpoint
 from leaflens.kernels import _cuda
+from leaflens.pipeline import doctor, hardware
 from leaflens.pipeline.cli import doctor as cmd_doctor
 from leaflens.pipeline.cli import main
 from leaflens.pipeline.models.student import StudentCNN
@@ -51,9 +54,9 @@ def test_doctor_sizes_a_given_student_on_the_cpu(no_gpu, capsys):
     assert facts["request"]["widths"] == [8, 16] and facts["request"]["input_size"] == 24
     assert facts["request"]["source"] == "options"
     est = facts["cpu_batch_estimate"]
-    assert est["batch"] > 0 and est["per_image_bytes"] > 0 and est["safety"] == cmd_doctor.SAFETY
+    assert est["batch"] > 0 and est["per_image_bytes"] > 0 and est["safety"] == doctor.SAFETY
     (b0, p0), (b1, p1) = est["samples"]
-    assert (b0, b1) == cmd_doctor.CPU_BATCHES and p1 > p0 > 0
+    assert (b0, b1) == doctor.CPU_BATCHES and p1 > p0 > 0
     assert "limited by speed" in est["note"]
     assert main(["doctor", "--widths", "8,x"]) == 2
     assert "--widths must be" in capsys.readouterr().err
@@ -74,12 +77,12 @@ def test_doctor_reads_a_run_folder(no_gpu, tmp_path, capsys):
 
 
 def test_cpu_step_peak_is_measured_and_grows_with_the_batch():
-    spec = cmd_doctor.ModelSpec(widths=(4, 8), num_classes=3)
-    small = cmd_doctor.measure_cpu_step_peak_bytes(spec, 16, 2)
-    big = cmd_doctor.measure_cpu_step_peak_bytes(spec, 16, 8)
+    spec = doctor.ModelSpec(widths=(4, 8), num_classes=3)
+    small = doctor.measure_cpu_step_peak_bytes(spec, 16, 2)
+    big = doctor.measure_cpu_step_peak_bytes(spec, 16, 8)
     # at least the input batch and the first conv's float32 output per image, more for the larger batch
     assert big - small >= 6 * 16 * 16 * (3 + 4) * 4
-    est = cmd_doctor.cpu_batch_estimate(spec, 16, measure=lambda m, s, b: 1000 + 100 * b)
+    est = doctor.cpu_batch_estimate(spec, 16, measure=lambda m, s, b: 1000 + 100 * b)
     assert est["batch"] > 0 and "limited by speed" in est["note"]
 
 
@@ -93,18 +96,18 @@ def test_largest_safe_batch_fits_a_line_through_measured_peaks():
     gib = 2**30
     # 800 MiB fixed + 200 MiB per sample; 10 GiB free: 80 % usable -> (8192 - 800) / 200 = 36.96
     samples = [(2, 1200 * mib), (8, 2400 * mib)]
-    assert cmd_doctor.largest_safe_batch(samples, 10 * gib) == 36
-    assert cmd_doctor.largest_safe_batch(samples, 10 * gib, safety=1.0) == 47  # (10240 - 800) / 200 = 47.2
-    assert cmd_doctor.largest_safe_batch(samples + [(4, 1600 * mib)], 10 * gib) == 36
-    assert cmd_doctor.largest_safe_batch(samples, gib // 2) == 0
+    assert doctor.largest_safe_batch(samples, 10 * gib) == 36
+    assert doctor.largest_safe_batch(samples, 10 * gib, safety=1.0) == 47  # (10240 - 800) / 200 = 47.2
+    assert doctor.largest_safe_batch(samples + [(4, 1600 * mib)], 10 * gib) == 36
+    assert doctor.largest_safe_batch(samples, gib // 2) == 0
     with pytest.raises(ValueError, match="two or more"):
-        cmd_doctor.largest_safe_batch([(2, gib)], 10 * gib)
+        doctor.largest_safe_batch([(2, gib)], 10 * gib)
     with pytest.raises(ValueError, match="does not grow"):
-        cmd_doctor.largest_safe_batch([(2, gib), (4, gib)], 10 * gib)
+        doctor.largest_safe_batch([(2, gib), (4, gib)], 10 * gib)
 
 
 def test_batch_estimate_is_measured_or_says_unavailable(no_gpu):
-    est = cmd_doctor.batch_estimate("student", 64, 8 * 2**30)
+    est = doctor.batch_estimate("student", 64, 8 * 2**30)
     assert est == {"unavailable": f"no usable GPU: disabled by {_cuda.DISABLE_ENV}=1"}
     calls = []
 
@@ -112,18 +115,18 @@ def test_batch_estimate_is_measured_or_says_unavailable(no_gpu):
         calls.append((model, size, batch))
         return 100 + 10 * batch
 
-    est = cmd_doctor.batch_estimate("student", 64, 1000, measure=fake_measure, batches=(2, 8))
+    est = doctor.batch_estimate("student", 64, 1000, measure=fake_measure, batches=(2, 8))
     assert calls == [("student", 64, 2), ("student", 64, 8)]
     assert est == {"batch": 70, "samples": [(2, 120), (8, 180)], "free_bytes": 1000,  # (800 - 100) / 10
                    "safety": 0.8, "per_image_bytes": 10.0}
-    flat = cmd_doctor.batch_estimate("student", 64, 1000, measure=lambda m, s, b: 500)
+    flat = doctor.batch_estimate("student", 64, 1000, measure=lambda m, s, b: 500)
     assert "does not grow" in flat["unavailable"]
 
 
 def _gpu_facts(estimate):
     return {
-        "software": cmd_doctor.software_facts(),
-        "cpu": cmd_doctor.cpu_facts(),
+        "software": hardware.software_facts(),
+        "cpu": hardware.cpu_facts(),
         "request": {"model": "student", "input_size": 64, "widths": [32, 64], "mixed_precision": True,
                     "configured_batch": 64},
         "gpu": {
@@ -157,6 +160,46 @@ def test_render_with_a_gpu():
     assert "batch-size estimate unavailable: out of GPU memory at batch 64" in text
 
 
+def test_render_shows_the_cpu_quota_and_the_thread_override():
+    facts = _gpu_facts({"unavailable": "not measured (--no-measure)"})
+    facts["cpu"].update(logical_cores=64, usable_cores=2, cpu_quota=2.5, threads=3, threads_override=3)
+    text = cmd_doctor.render(facts)
+    assert "64 logical, 2 usable by this process (cgroup CPU quota 2.5)" in text
+    assert "threads                3 (LEAFLENS_THREADS is set)" in text
+    facts["cpu"].update(cpu_quota=None, threads=2, threads_override=None)
+    text = cmd_doctor.render(facts)
+    assert "quota" not in text and "LEAFLENS_THREADS" not in text
+
+
+def test_collect_sizes_the_batch_against_the_gpu_memory(monkeypatch):
+    """The GPU branch without a GPU: probe facts and measurements are faked, the logic is real."""
+    free = 6 * 2**30
+    monkeypatch.setattr(doctor, "gpu_facts", lambda measure_bandwidth: {"available": True, "free_bytes": free})
+    calls = []
+
+    def fake_estimate(model, input_size, free_bytes, batches=doctor.GPU_BATCHES, **kw):
+        calls.append((input_size, free_bytes, batches))
+        if batches == doctor.GPU_BATCHES:  # a small GPU: the usual probe batches do not fit
+            return {"unavailable": "out of GPU memory at batch 64"}
+        return {"batch": 99}
+
+    monkeypatch.setattr(doctor, "batch_estimate", fake_estimate)
+    facts = doctor.collect(doctor.ModelSpec(widths=(8, 16)), 32, measure_bandwidth=False)
+    assert facts["gpu"]["batch_estimate"] == {"batch": 99}
+    assert calls == [(32, free, doctor.GPU_BATCHES), (32, free, doctor.CPU_BATCHES)]
+    assert "cpu_batch_estimate" not in facts and facts["request"]["widths"] == [8, 16]
+    facts = doctor.collect(doctor.ModelSpec(widths=(8, 16)), 32, measure_bandwidth=False, measure_batch=False)
+    assert facts["gpu"]["batch_estimate"] == {"unavailable": "not measured (--no-measure)"}
+
+
+def test_machine_facts_do_not_need_the_command_line():
+    """hardware and the doctor's measurements are library modules: importing them loads no CLI module."""
+    code = ("import sys, leaflens.pipeline.hardware, leaflens.pipeline.doctor; "
+            "print(sorted(m for m in sys.modules if m.startswith('leaflens.pipeline.cli')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 @pytest.mark.gpu
 def test_doctor_on_a_gpu(capsys):
     assert main(["doctor"]) == 0
@@ -169,9 +212,9 @@ def test_doctor_on_a_gpu(capsys):
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["on", "off"])
 def test_gpu_batch_estimate_is_positive_and_a_step_at_that_batch_fits(precision):
-    spec = cmd_doctor.ModelSpec(widths=(16, 32), num_classes=5, mixed_precision=precision)
+    spec = doctor.ModelSpec(widths=(16, 32), num_classes=5, mixed_precision=precision)
     free = 2 * 2**30  # size for a 2 GiB budget, whatever the GPU has, so that the check stays quick
-    est = cmd_doctor.batch_estimate(spec, 32, free)
+    est = doctor.batch_estimate(spec, 32, free)
     assert est["batch"] > 0, est
-    peak = cmd_doctor.measure_train_step_peak_bytes(spec, 32, est["batch"])
+    peak = doctor.measure_train_step_peak_bytes(spec, 32, est["batch"])
     assert peak <= free, (peak, est)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -80,11 +79,9 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import numpy as np  # noqa: PLC0415
-
-    from leaflens.data_prep.manifest import DatasetError, load_dataset  # noqa: PLC0415
-    from leaflens.pipeline.teachers.artefact import load_teacher  # noqa: PLC0415
-    from leaflens.pipeline.teachers.stage import TeacherStageError, knn_accuracy, write_teacher  # noqa: PLC0415
+    from leaflens.data_prep.manifest import DatasetError  # noqa: PLC0415
+    from leaflens.pipeline.teachers.artefact import TeacherError  # noqa: PLC0415
+    from leaflens.pipeline.teachers.stage import TeacherChoice, TeacherStageError, run_teacher_stage  # noqa: PLC0415
     from leaflens.pipeline.training import TrainingStopped  # noqa: PLC0415
 
     try:
@@ -92,52 +89,17 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"leaflens teacher: {exc}", file=sys.stderr)
         return 2
-    recipe = cfg.teacher
-    t0 = time.perf_counter()
-    progress = not args.quiet
-    dtype = np.float16 if args.fp16 else np.float32
+    choice = TeacherChoice(features=args.features, onnx=args.onnx, onnx_input_size=args.input_size,
+                           onnx_layout=args.layout, onnx_mean=args.mean, onnx_std=args.std, onnx_output=args.output,
+                           train_cnn=args.train_cnn, weights=args.weights)
     try:
-        ds = load_dataset(args.dataset)
-        extra: dict = {}
-        if args.features is not None:
-            from leaflens.pipeline.teachers.stage import ArrayEncoder, read_features_source  # noqa: PLC0415
-
-            feats, logits = read_features_source(args.features, ds)
-            enc = ArrayEncoder(feats, logits, args.features, ds.image_size)
-        elif args.onnx is not None:
-            from leaflens.pipeline.teachers.onnx_encoder import OnnxEncoder  # noqa: PLC0415
-
-            enc = OnnxEncoder(args.onnx, args.input_size, args.layout, args.mean, args.std, args.output)
-        elif args.train_cnn:
-            from leaflens.pipeline.teachers.cnn import train_cnn_teacher  # noqa: PLC0415
-
-            work = args.out.with_name(f".{args.out.name}.cnn-work")
-            enc, extra = train_cnn_teacher(ds, cfg, work, progress)
-        else:
-            from leaflens.pipeline.teachers.effnet import build_effnet_teacher  # noqa: PLC0415
-
-            enc, extra = build_effnet_teacher(ds, recipe, args.weights, args.from_arrays, progress,
-                                              max_bad_steps=cfg.train.max_bad_steps)
-        shorter = getattr(enc, "shorter_side", None)
-        write_teacher(args.out, ds, enc, batch=recipe.encode_batch_size, shorter_side=shorter,
-                      from_arrays=args.from_arrays, dtype=dtype,
-                      stage=extra, seconds=round(time.perf_counter() - t0, 1), progress=progress,
-                      views=recipe.views, view_scale=recipe.view_scale, view_seed=recipe.seed, config=cfg)
-        tt = load_teacher(args.out, ds)
-    except (DatasetError, TeacherStageError, FileNotFoundError, ValueError) as exc:
+        summary = run_teacher_stage(args.dataset, args.out, cfg, choice, from_arrays=args.from_arrays, fp16=args.fp16,
+                                    progress=not args.quiet)
+    except (DatasetError, TeacherError, TeacherStageError, FileNotFoundError, ValueError) as exc:
         print(f"leaflens teacher: {exc}", file=sys.stderr)
         return 2
     except TrainingStopped as exc:  # the fine-tune or the CNN teacher's training hit repeated numerical faults
         print(f"leaflens teacher: stopped: {exc}", file=sys.stderr)
         return 3
-    summary = {"teacher": tt.info.teacher, "feature_dim": tt.feature_dim, "seconds": round(time.perf_counter() - t0)}
-    if "test" in ds and ds["test"].labels is not None:
-        summary["knn_test_acc"] = round(knn_accuracy(np.asarray(tt.features["train"], np.float32),
-                                                     np.asarray(ds["train"].labels),
-                                                     np.asarray(tt.features["test"], np.float32),
-                                                     np.asarray(ds["test"].labels)), 4)
-        if tt.has_logits:
-            summary["test_acc"] = round(float((np.asarray(tt.logits["test"]).argmax(1)
-                                               == np.asarray(ds["test"].labels)).mean()), 4)
     print(json.dumps(summary))
     return 0

@@ -5,18 +5,21 @@ Teachers:
   fine-tuned on the dataset unless frozen (pipeline/teachers/effnet.py);
 - ``OnnxEncoder``: any ONNX image encoder run by onnxruntime;
 - a CNN the engine trains on the dataset itself (``train_cnn_teacher``);
-- a features file the user computed elsewhere (``import_features``).
+- a features file the user computed elsewhere (``read_features_source`` + ``ArrayEncoder``).
 
 All of them end in the same artefact (pipeline/teachers/artefact.py): ``features_<split>.npy`` memmaps
 and ``teacher.json`` tied to the dataset manifest's checksum, written into a temporary folder
-that replaces the old one only when complete.
+that replaces the old one only when complete. :func:`run_teacher_stage` is the whole stage as
+``leaflens teacher`` runs it: pick the teacher (:class:`TeacherChoice`), write its folder, summarise.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,10 +28,10 @@ from tqdm import tqdm
 
 from leaflens.data_prep.arrays import NpyRowWriter
 from leaflens.data_prep.decode import decode_image_at
-from leaflens.data_prep.manifest import manifest_sha256
+from leaflens.data_prep.manifest import load_dataset, manifest_sha256
 from leaflens.files import clean_stale_temps, new_temp_dir, swap_into_place, write_json_atomic
 from leaflens.pipeline.config import StageConfig, dump_toml
-from leaflens.pipeline.teachers.artefact import FORMAT, TEACHER_JSON, TeacherInfo, feature_paths
+from leaflens.pipeline.teachers.artefact import FORMAT, TEACHER_JSON, TeacherInfo, feature_paths, load_teacher
 
 
 class TeacherStageError(ValueError):
@@ -248,3 +251,77 @@ def read_features_source(path: Path, ds: Any) -> tuple[dict[str, np.ndarray], di
     if logits and set(logits) != set(feats):
         raise TeacherStageError(f"{path}: logits are given for some splits only ({sorted(logits)})")
     return feats, (logits or None)
+
+
+# ---- the whole stage ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TeacherChoice:
+    """Which teacher computes the features: precomputed ``features`` (a folder of ``features_<split>.npy``
+    or an ``.npz``), an ``onnx`` image encoder with its input options (``None``: from the model), a wide
+    CNN trained on the dataset itself (``train_cnn``), or by default the ImageNet EfficientNet-Lite0
+    (``weights``: its ``.pth`` file; ``None``: the installed package's), fine-tuned as the recipe says."""
+
+    features: Path | None = None
+    onnx: Path | None = None
+    onnx_input_size: int | None = None
+    onnx_layout: str | None = None
+    onnx_mean: Sequence[float] | None = None
+    onnx_std: Sequence[float] | None = None
+    onnx_output: str | None = None
+    train_cnn: bool = False
+    weights: Path | None = None
+
+
+def make_encoder(ds: Any, cfg: StageConfig, choice: TeacherChoice, out: Path, from_arrays: bool,
+                 progress: bool) -> tuple[Encoder, dict[str, Any]]:
+    """The chosen teacher as an encoder, and what making it recorded (its training, for teacher.json)."""
+    if choice.features is not None:
+        feats, logits = read_features_source(choice.features, ds)
+        return ArrayEncoder(feats, logits, choice.features, ds.image_size), {}
+    if choice.onnx is not None:
+        from leaflens.pipeline.teachers.onnx_encoder import OnnxEncoder  # noqa: PLC0415
+
+        return OnnxEncoder(choice.onnx, choice.onnx_input_size, choice.onnx_layout,
+                           None if choice.onnx_mean is None else list(choice.onnx_mean),
+                           None if choice.onnx_std is None else list(choice.onnx_std), choice.onnx_output), {}
+    if choice.train_cnn:
+        from leaflens.pipeline.teachers.cnn import train_cnn_teacher  # noqa: PLC0415
+
+        return train_cnn_teacher(ds, cfg, out.with_name(f".{out.name}.cnn-work"), progress)
+    from leaflens.pipeline.teachers.effnet import build_effnet_teacher  # noqa: PLC0415
+
+    return build_effnet_teacher(ds, cfg.teacher, choice.weights, from_arrays, progress,
+                                max_bad_steps=cfg.train.max_bad_steps)
+
+
+def run_teacher_stage(dataset_dir: str | os.PathLike[str], out: str | os.PathLike[str], cfg: StageConfig,
+                      choice: TeacherChoice = TeacherChoice(), *, from_arrays: bool = False, fp16: bool = False,
+                      progress: bool = True) -> dict[str, Any]:
+    """``leaflens teacher``: make the chosen teacher, write its folder for every split of the dataset
+    (float16 features with ``fp16``), read it back as distill will, and return a summary: the teacher's
+    identity, its feature width, the seconds taken and, with a labelled test split, the 1-nearest-neighbour
+    test accuracy of its features (``knn_test_acc``) and, with logits, its own test accuracy (``test_acc``).
+
+    Raises DatasetError, TeacherStageError/TeacherError, FileNotFoundError or ValueError for inputs it
+    cannot use, and TrainingStopped when a teacher's training hits repeated numerical faults.
+    """
+    t0 = time.perf_counter()
+    out = Path(out)
+    ds = load_dataset(dataset_dir)
+    encoder, made = make_encoder(ds, cfg, choice, out, from_arrays, progress)
+    recipe = cfg.teacher
+    write_teacher(out, ds, encoder, batch=recipe.encode_batch_size, shorter_side=getattr(encoder, "shorter_side", None),
+                  from_arrays=from_arrays, dtype=np.float16 if fp16 else np.float32, stage=made,
+                  seconds=round(time.perf_counter() - t0, 1), progress=progress, views=recipe.views,
+                  view_scale=recipe.view_scale, view_seed=recipe.seed, config=cfg)
+    tt = load_teacher(out, ds)
+    summary: dict[str, Any] = {"teacher": tt.info.teacher, "feature_dim": tt.feature_dim,
+                               "seconds": round(time.perf_counter() - t0)}
+    if "test" in ds and ds["test"].labels is not None:
+        test_y = np.asarray(ds["test"].labels)
+        summary["knn_test_acc"] = round(knn_accuracy(np.asarray(tt.features["train"], np.float32),
+                                                     np.asarray(ds["train"].labels),
+                                                     np.asarray(tt.features["test"], np.float32), test_y), 4)
+        if tt.has_logits:
+            summary["test_acc"] = round(float((np.asarray(tt.logits["test"]).argmax(1) == test_y).mean()), 4)
+    return summary

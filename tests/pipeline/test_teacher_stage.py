@@ -12,8 +12,9 @@ from pipeline_helpers import class_features, tiny_dataset
 
 from leaflens.data_prep.manifest import load_dataset
 from leaflens.pipeline.cli import main as cli
+from leaflens.pipeline.config import load_config
 from leaflens.pipeline.teachers.artefact import load_teacher
-from leaflens.pipeline.teachers.stage import knn_accuracy
+from leaflens.pipeline.teachers.stage import TeacherChoice, knn_accuracy, run_teacher_stage
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,17 @@ def test_features_file_is_imported_and_tied_to_the_dataset(ds_dir, tmp_path, cap
     tt = load_teacher(tmp_path / "t", ds)
     np.testing.assert_allclose(tt.features["val"], np.load(feats / "features_val.npy"))
     assert tt.has_logits and tt.info.teacher["kind"] == "features-file"
+
+
+def test_the_stage_runs_as_a_library_call(ds_dir, tmp_path):
+    """run_teacher_stage is the whole stage; `leaflens teacher` only maps its options onto it."""
+    feats = class_features(ds_dir, tmp_path / "feats", dim=8)
+    summary = run_teacher_stage(ds_dir, tmp_path / "t", load_config(), TeacherChoice(features=feats), fp16=True,
+                                progress=False)
+    assert summary["teacher"]["kind"] == "features-file" and summary["feature_dim"] == 8
+    assert summary["knn_test_acc"] > 0.9 and 0.0 <= summary["test_acc"] <= 1.0
+    tt = load_teacher(tmp_path / "t", load_dataset(ds_dir))
+    assert tt.features["train"].dtype == np.float16 and tt.info.stage == {}
 
 
 def test_misaligned_features_are_refused(ds_dir, tmp_path, capsys):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import platform
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -66,7 +66,7 @@ def blas_facts() -> dict[str, Any]:
     """The BLAS/LAPACK NumPy was built with, and what threadpoolctl sees loaded (when installed)."""
     out: dict[str, Any] = {}
     try:
-        config = np.show_config(mode="dicts")  # NumPy >= 1.26
+        config = cast(dict[str, Any], np.show_config(mode="dicts"))  # NumPy >= 1.26
         deps = config.get("Build Dependencies", {})
         for key in ("blas", "lapack"):
             dep = deps.get(key) or {}

@@ -39,9 +39,17 @@ class TeacherStageError(ValueError):
 
 
 class Encoder(Protocol):
-    input_size: int
-    feature_dim: int
-    num_classes: int | None
+    """What the stage needs of a teacher (read-only, so an encoder that always has logits, with an ``int``
+    ``num_classes``, is one too)."""
+
+    @property
+    def input_size(self) -> int: ...
+
+    @property
+    def feature_dim(self) -> int: ...
+
+    @property
+    def num_classes(self) -> int | None: ...
 
     def encode(self, images: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """uint8 (N, S, S, 3) RGB -> (features (N, D) float32, logits (N, C) or None)."""

@@ -123,6 +123,10 @@ def load_checkpoint(path: str | os.PathLike[str], model: Module | None = None, o
             raise CheckpointError(f"checkpoint {path} holds no scheduler state")
         scheduler.load_state_dict(meta["scheduler"])
     saved_generators = meta.get("generators", {})
+    if "generators" not in meta and "rng" in meta and generators is not None and len(generators) == 1:
+        # Written before generators were named: the run drew from the engine's one stream, whose state
+        # is "rng". A run that now draws from one generator of its own continues that stream exactly.
+        saved_generators = {next(iter(generators)): meta["rng"]}
     for name, rng in (generators or {}).items():
         if name not in saved_generators:
             raise CheckpointError(f"checkpoint {path} holds no state for the random generator {name!r} "

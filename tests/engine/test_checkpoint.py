@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -103,3 +104,25 @@ def test_named_generators_are_saved_and_restored_in_place(tmp_path):
     other = np.random.Generator(np.random.MT19937(0))  # a state of another kind of bit generator is refused
     with pytest.raises(CheckpointError, match="'model'.*PCG64"):
         load_checkpoint(path, _model(), generators={"model": other})
+
+
+def test_a_checkpoint_from_before_named_generators_resumes_a_one_generator_run(tmp_path):
+    """Older checkpoints kept the engine's single stream as "rng": a run drawing from one generator of
+    its own (the student's) continues from it; a run with several cannot tell which is which."""
+    rng = np.random.default_rng(5)
+    rng.random(3)
+    path = save_checkpoint(tmp_path / "new.npz", _model(), generators={"model": rng})
+    expected = rng.random(4)
+    with np.load(path, allow_pickle=False) as data:
+        arrays = {k: data[k] for k in data.files}
+    meta = json.loads(str(arrays["meta"]))
+    meta["rng"] = json.dumps(meta.pop("generators")["model"])  # the old layout: one JSON string
+    arrays["meta"] = np.array(json.dumps(meta))
+    old = tmp_path / "old.npz"
+    np.savez(old, **arrays)
+    later = np.random.default_rng(99)
+    load_checkpoint(old, _model(), generators={"model": later})
+    np.testing.assert_array_equal(later.random(4), expected)
+    with pytest.raises(CheckpointError, match=r"old\.npz.*no state for the random generator"):
+        load_checkpoint(old, _model(), generators={"batches": np.random.default_rng(0),
+                                                   "dropout": np.random.default_rng(0)})

@@ -71,7 +71,8 @@ def save_checkpoint(path: str | os.PathLike[str], model: Module, optimizer: Opti
     if scheduler is not None:
         meta["scheduler"] = scheduler.state_dict()
     arrays["meta"] = np.array(json.dumps(meta))
-    return write_atomic(path, lambda f: np.savez(f, **arrays), fsync=True)
+    # numpy's stub lets a key bind to savez's allow_pickle: bool; ours are model/..., optim/... and meta
+    return write_atomic(path, lambda f: np.savez(f, **arrays), fsync=True)  # type: ignore[arg-type]
 
 
 def read_checkpoint_arrays(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:

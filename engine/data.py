@@ -69,7 +69,7 @@ class ArrayDataset:
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
-        return tuple(self.images.shape[1:])  # type: ignore[return-value]
+        return tuple(self.images.shape[1:])
 
     def get_batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """uint8 images and int64 labels for ``indices``, in that order.
@@ -191,7 +191,7 @@ def _resample(x: np.ndarray, sy: np.ndarray, sx: np.ndarray, f: int) -> np.ndarr
 
 def augment_batch(x: np.ndarray, aug: Augment, rng: np.random.Generator) -> np.ndarray:
     """Geometric augmentation of a uint8 batch -> float32 batch in [0, 255] (``out_size`` or same H, W)."""
-    n, h, w, _ = x.shape
+    n, h, w, _ = (int(d) for d in x.shape)
     out_h, out_w = (aug.out_size, aug.out_size) if aug.out_size else (h, w)
     if aug.hflip:
         m = rng.random(n) < 0.5
@@ -217,7 +217,7 @@ def augment_batch(x: np.ndarray, aug: Augment, rng: np.random.Generator) -> np.n
         rows = np.clip(np.arange(h)[None, :] + dy[:, None] - aug.pad, 0, h - 1)  # edge padding
         cols = np.clip(np.arange(w)[None, :] + dx[:, None] - aug.pad, 0, w - 1)
         x = _gather_int(x, rows, cols)
-    if (out_h, out_w) == (h, w):
+    if not aug.out_size or (out_h, out_w) == (h, w):
         return x.astype(np.float32)
     # Nothing cropped: the whole image is the box, resampled like a crop (block means at 128 -> 64).
     f = _supersampling(h, w, aug.out_size)
@@ -303,7 +303,7 @@ def normalize(x: np.ndarray, mean: np.ndarray, std: np.ndarray, aug: Augment | N
     """
     reuse = inplace and x.dtype == np.float32 and x.flags.c_contiguous and x.flags.writeable
     x = x if reuse else np.array(x, dtype=np.float32, order="C")
-    n = x.shape[0]
+    n = int(x.shape[0])
     if aug is not None and rng is not None and (aug.brightness > 0 or aug.contrast > 0):
         c = rng.uniform(1 - aug.contrast, 1 + aug.contrast, n).astype(np.float32)
         b = rng.uniform(1 - aug.brightness, 1 + aug.brightness, n).astype(np.float32)

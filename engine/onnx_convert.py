@@ -71,6 +71,7 @@ def _unary(op_type: str, **attrs: Any) -> Converter:
     return convert
 
 
+_fn: type[Function]
 for _fn, _op in ((activation.ReLU, "Relu"), (activation.Sigmoid, "Sigmoid"), (activation.Tanh, "Tanh"),
                  (arith.Neg, "Neg"), (arith.Exp, "Exp"), (arith.Log, "Log"), (arith.Sqrt, "Sqrt"),
                  (arith.Abs, "Abs")):
@@ -202,7 +203,7 @@ def _global_avg_pool(b, fn, inputs, outputs):
     b.bind(outputs[0], out, identity(2))
 
 
-def _bn_affine(fn: Function, gamma: np.ndarray, beta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _bn_affine(fn: norm.BatchNorm, gamma: np.ndarray, beta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Eval-mode BatchNorm as y = x * scale + shift (float64 for an exact fold)."""
     mean = _np(fn.running_mean).astype(np.float64)
     var = _np(fn.running_var).astype(np.float64)
@@ -239,7 +240,7 @@ def _batch_norm(b, fn, inputs, outputs):
     b.bind(outputs[0], out, perm)
 
 
-def _fold(b: GraphBuilder, target: FoldTarget, fn: Function, gamma: np.ndarray, beta: np.ndarray,
+def _fold(b: GraphBuilder, target: FoldTarget, fn: norm.BatchNorm, gamma: np.ndarray, beta: np.ndarray,
           dtype: Any) -> None:
     """Fold y = bn(layer(x)) into the layer: W' = W * scale per output channel, b' = b * scale + shift."""
     node = target.node

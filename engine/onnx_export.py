@@ -240,8 +240,8 @@ def convert_float16(model: onnx.ModelProto, check: bool = True) -> onnx.ModelPro
     g = m.graph
     for init in g.initializer:
         if init.data_type == TensorProto.FLOAT:
-            half = _to_fp16(numpy_helper.to_array(init), init.name)
-            init.CopyFrom(numpy_helper.from_array(half, init.name))
+            half_values = _to_fp16(numpy_helper.to_array(init), init.name)
+            init.CopyFrom(numpy_helper.from_array(half_values, init.name))
     for node in g.node:
         if node.op_type == "Cast":
             for attr in node.attribute:
@@ -250,8 +250,8 @@ def convert_float16(model: onnx.ModelProto, check: bool = True) -> onnx.ModelPro
         elif node.op_type == "Constant":
             for attr in node.attribute:
                 if attr.name == "value" and attr.t.data_type == TensorProto.FLOAT:
-                    half = _to_fp16(numpy_helper.to_array(attr.t), node.name)
-                    attr.t.CopyFrom(numpy_helper.from_array(half, attr.t.name))
+                    half_values = _to_fp16(numpy_helper.to_array(attr.t), node.name)
+                    attr.t.CopyFrom(numpy_helper.from_array(half_values, attr.t.name))
     taken = {n for node in g.node for n in (*node.input, *node.output)} | {i.name for i in g.initializer}
 
     def fresh(base: str) -> str:

@@ -84,7 +84,8 @@ class GraphBuilder:
         self.foldable: dict[str, FoldTarget] = {}  # ONNX value name -> the node that produced it
         self.scope = ""  # dotted module path of the op being converted (for node names, errors)
         self._names: set[str] = set()
-        self._const_cache: dict[tuple[int, tuple[int, ...]], str] = {}
+        # (id(tensor), layout) for a plain constant, (id(tensor), ("bcast", rank, *layout)) for a broadcast one
+        self._const_cache: dict[tuple[int, tuple[int | str, ...]], str] = {}
         self._transpose_cache: dict[tuple[str, tuple[int, ...]], str] = {}
         self._keep: list[Any] = []  # keeps tensors whose id() is a cache key alive
 
@@ -160,7 +161,7 @@ class GraphBuilder:
         if data.ndim == rank and rank > 0 and data.shape[0] != 1:
             raise ExportError(f"{self.where()}: a constant of shape {data.shape} has a batch axis of "
                               f"{data.shape[0]}; the exported graph has a symbolic batch size")
-        key = (id(t), ("bcast", rank, *perm))
+        key: tuple[int, tuple[int | str, ...]] = (id(t), ("bcast", rank, *perm))
         if key not in self._const_cache:
             full = data.reshape((1,) * (rank - data.ndim) + data.shape).transpose(perm)
             lead = 0

@@ -46,6 +46,7 @@ class Tensor:
 
     __slots__ = ("data", "grad", "requires_grad", "creator", "name", "__weakref__")
     __array_priority__ = 200  # so ndarray + Tensor calls Tensor.__radd__
+    data: Any  # the NumPy or CuPy array
 
     def __init__(self, data: Any, requires_grad: bool = False, name: str | None = None, dtype: Any = None):
         if isinstance(data, Tensor):

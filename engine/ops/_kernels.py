@@ -231,10 +231,11 @@ def maxpool_backward(
     pads: tuple[int, int, int, int],
 ) -> Any:
     """Gradient with respect to the pooled input from the forward's tap indices."""
+    n, h, w, c = (int(v) for v in x_shape)  # the forward ran only on NHWC inputs
     return maxpool_backward_cuda(
         _contig(xp, gy),
         idx,
-        tuple(int(v) for v in x_shape),
+        (n, h, w, c),
         tuple(int(k) for k in kernel),
         tuple(int(s) for s in stride),
         tuple(int(p) for p in pads),
@@ -268,7 +269,8 @@ def col2im(
     if cols.shape[1] != kh * kw * c or not _fits_int32(*padded_shape, kh * kw * c):
         return None
     _hit("col2im")
-    return col2im_cuda(_contig(xp, cols), tuple(int(v) for v in padded_shape), (kh, kw),
+    n, h, w = (int(v) for v in padded_shape[:3])
+    return col2im_cuda(_contig(xp, cols), (n, h, w, c), (kh, kw),
                        tuple(int(s) for s in stride), 0)
 
 

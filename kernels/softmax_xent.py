@@ -97,6 +97,7 @@ def softmax_xent_backward_cuda(
         return dlogits
     suffix = _checks.float_suffix(name, logits.dtype)
     grid, block = _cuda.grid_1d(n * c)
+    args: tuple[Any, ...]  # the hard-label kernel also takes the label smoothing
     if kind == "hard":
         _checks.require_array(cp, name, "targets", targets, [np.int64], shape=(n,))
         kernel = _cuda.load_kernel("softmax_xent.cu", f"xent_hard_backward_{suffix}")

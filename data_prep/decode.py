@@ -106,7 +106,7 @@ def _is_heif(data: bytes) -> bool:
 def _register_heif() -> bool:
     """Register the optional pillow-heif opener; False when it is not installed."""
     try:
-        import pillow_heif  # type: ignore[import-not-found]
+        import pillow_heif
     except ImportError:
         return False
     pillow_heif.register_heif_opener()

@@ -97,8 +97,8 @@ def _decode_task(task: tuple[int, str, int, str, int]) -> tuple[int, bytes | Non
 
 
 def _decode_all(files: list[SourceFile], opts: IngestOptions, staging: Path, workers: int,
-                progress: bool) -> tuple[list[int], list[str], list[dict]]:
-    """Decode every file, streaming kept pixels into ``staging``; returns kept idx, hashes, rejects."""
+                progress: bool) -> tuple[list[int], list[bytes], list[dict]]:
+    """Decode every file, streaming kept pixels into ``staging``; returns kept idx, sha256 digests, rejects."""
     from tqdm import tqdm
 
     total = len(files)
@@ -118,7 +118,7 @@ def _decode_all(files: list[SourceFile], opts: IngestOptions, staging: Path, wor
                          for i in range(start, min(total, start + window))]
                 results = pool.imap(_decode_task, block, chunksize) if pool else map(_decode_task, block)
                 for index, digest, pixels, reason, detail in results:
-                    if pixels is None:
+                    if pixels is None or digest is None:  # pixels only ever come with the file's digest
                         f = files[index]
                         rejects.append({"path": f.rel, "label": f.label, "split": f.split,
                                         "reason": reason, "detail": detail})
@@ -147,7 +147,7 @@ def _assign(scan: ScanResult, kept: list[int], hashes: list[bytes], opts: Ingest
             out[r] = UNLABELED
     lab_hashes = [hashes[r] for r in lab_rows]
     if scan.layout == "split_folders":
-        given = [files[kept[r]].split for r in lab_rows]
+        given = [_given_split(files[kept[r]]) for r in lab_rows]
         drop = set(resolve_given(given, lab_hashes))
         for k, r in enumerate(lab_rows):
             if k in drop:
@@ -162,6 +162,13 @@ def _assign(scan: ScanResult, kept: list[int], hashes: list[bytes], opts: Ingest
         for r, s in zip(lab_rows, assign_auto(labels, lab_hashes, opts.ratios, opts.seed)):
             out[r] = s
     return out
+
+
+def _given_split(f: SourceFile) -> str:
+    """The split folder ``f`` was found in (every file has one in the split-folder layout)."""
+    if f.split is None:
+        raise IngestError(f"internal error: {f.rel} has no split folder in the split-folder layout")
+    return f.split
 
 
 def _duplicate_stats(scan: ScanResult, kept: list[int], hashes: list[bytes]) -> DuplicatesInfo:

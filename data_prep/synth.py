@@ -249,8 +249,8 @@ def _background_at(rng: np.random.Generator, s: int, kind: str) -> np.ndarray:
     elif kind == "sky":
         top = np.array([rng.uniform(0.15, 0.45), rng.uniform(0.35, 0.6), rng.uniform(0.7, 0.95)], np.float32)
         bottom = np.array([0.75, 0.85, 0.95], np.float32)
-        t = (yy / s)[..., None]
-        img = top * (1 - t) + bottom * t
+        height = (yy / s)[..., None]  # 0 at the top row, 1 at the bottom
+        img = top * (1 - height) + bottom * height
         cloud = np.clip((_noise(rng, s, 6) - rng.uniform(0.45, 0.7)) * 3.5, 0, 1)
         img = _mix(img, (0.96, 0.96, 0.97), cloud)
     elif kind == "bench":

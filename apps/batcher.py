@@ -352,7 +352,10 @@ class DynamicBatcher:
                 if not batch:
                     continue
                 try:
-                    stacked = np.stack([r.item for r in batch])
+                    items = [r.item for r in batch if r.item is not None]
+                    if len(items) != len(batch):  # an item is let go only once its batch has stacked it
+                        raise RuntimeError("internal error: a batch holds a request that has already run")
+                    stacked = np.stack(items)
                     for request in batch:
                         request.item = None  # the batch holds the data now; a late timeout holds none
                     out = self._run_batch(stacked)

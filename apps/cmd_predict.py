@@ -95,12 +95,13 @@ def write_csv(path: str | os.PathLike, predictions: Iterable[Prediction], top_k:
             writer = csv.writer(fh)
             writer.writerow(header)
             for p in predictions:
+                row: list[str | None]  # csv writes None as an empty cell
                 if p.ok:
                     row = [p.source, p.label, f"{p.confidence:.6f}", str(p.uncertain).lower()]
                     ranked = [v for cls, prob in p.top for v in (cls, f"{prob:.6f}")]
                     row += ranked + [""] * (2 * top_k - len(ranked)) + [""]
                 else:
-                    row = [p.source, "", "", ""] + [""] * (2 * top_k) + [p.error]
+                    row = [p.source, "", "", "", *[""] * (2 * top_k), p.error]
                 writer.writerow(row)
 
     write_path_atomic(target, write)

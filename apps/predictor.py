@@ -275,14 +275,13 @@ class Predictor:
                 decoded = [f.result() for f in upcoming]
                 if i + 1 < len(chunks):
                     upcoming = [pool.submit(self._try_decode, p) for p in chunks[i + 1]]
-                good = [j for j, d in enumerate(decoded) if not isinstance(d, str)]
-                probs = self.predict_arrays(np.stack([decoded[j] for j in good])) if good else None
-                row = {j: k for k, j in enumerate(good)}
-                for j, (path, d) in enumerate(zip(chunk, decoded)):
+                images = [d for d in decoded if not isinstance(d, str)]
+                probs = iter(self.predict_arrays(np.stack(images)) if images else ())  # one row per image, in order
+                for path, d in zip(chunk, decoded):
                     if isinstance(d, str):
                         yield Prediction(source=path, error=d)
                     else:
-                        yield self.rank(probs[row[j]], top_k, path)
+                        yield self.rank(next(probs), top_k, path)
 
     def predict_files(
         self, paths: Iterable[str | os.PathLike], top_k: int = 3, batch_size: int = 32

@@ -340,8 +340,8 @@ class DataLoader:
     """
 
     def __init__(self, dataset: ArrayDataset, batch_size: int, *, shuffle: bool = True,
-                 drop_last: bool = False, seed: int = 0, mean: Sequence[float] = (0.0, 0.0, 0.0),
-                 std: Sequence[float] = (1.0, 1.0, 1.0), augment: Augment | None = None,
+                 drop_last: bool = False, seed: int = 0, mean: Sequence[float] | np.ndarray = (0.0, 0.0, 0.0),
+                 std: Sequence[float] | np.ndarray = (1.0, 1.0, 1.0), augment: Augment | None = None,
                  prefetch: int = 4, num_threads: int = 1) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")

@@ -29,13 +29,15 @@ and every other attribute pass through to the wrapped loader, so exact resume wo
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
 from leaflens.engine.backend import cupy_module
 
 __all__ = ["DeviceLoader", "gpu_usable", "resolve_device"]
+
+_Batch = TypeVar("_Batch", bound=tuple[Any, ...])  # a plain or named tuple: upload hands back the same type
 
 
 def gpu_usable() -> tuple[bool, str]:
@@ -108,7 +110,7 @@ class DeviceLoader:
     def __iter__(self) -> Iterator[tuple[Any, ...]]:
         return self.upload(iter(self.loader))
 
-    def upload(self, batches: Iterable[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
+    def upload(self, batches: Iterable[_Batch]) -> Iterator[_Batch]:
         """Move each tuple of host arrays in ``batches`` to the device (elements that are not NumPy
         arrays, such as None, pass through, and so does a named tuple's ``indices`` field). Use it for
         batches a caller has prepared on the host from the wrapped loader's output (teacher targets
@@ -126,7 +128,7 @@ class DeviceLoader:
             self._cp = cp
         return self._cp
 
-    def _upload_cuda(self, it: Iterator[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
+    def _upload_cuda(self, it: Iterator[_Batch]) -> Iterator[_Batch]:
         cp = self._cupy()
         if self._copy_stream is None:
             self._copy_stream = cp.cuda.Stream(non_blocking=True)
@@ -144,7 +146,7 @@ class DeviceLoader:
                 slot = self._slots[k % 2]
                 compute = cp.cuda.get_current_stream()
                 compute.wait_event(slot.ready)
-                yield slot.batch
+                yield cast(_Batch, slot.batch)  # _Slot.fill rebuilds a named tuple with its own _make
                 # The consumer came back for more: everything it enqueued with batch k is on the compute
                 # stream now, so this buffer may be overwritten once the GPU has got past this point.
                 slot.free.record(compute)

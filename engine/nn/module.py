@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -22,6 +22,7 @@ class Parameter(Tensor):
 
 
 ForwardHook = Callable[["Module", tuple[Any, ...], Any], None]
+_M = TypeVar("_M", bound="Module")  # train/eval/to return the module itself, with its own type
 
 
 class Module:
@@ -123,19 +124,19 @@ class Module:
         return sum(p.size for p in self.parameters())
 
     # ---- modes ---------------------------------------------------------------------------------
-    def train(self, mode: bool = True) -> Module:
+    def train(self: _M, mode: bool = True) -> _M:
         for m in self.modules():
             object.__setattr__(m, "training", mode)
         return self
 
-    def eval(self) -> Module:
+    def eval(self: _M) -> _M:
         return self.train(False)
 
     def zero_grad(self) -> None:
         for p in self.parameters():
             p.grad = None
 
-    def to(self, device: str) -> Module:
+    def to(self: _M, device: str) -> _M:
         """Move parameters and buffers to "cpu" or "cuda" in place."""
         for mod in self.modules():
             for p in mod._parameters.values():

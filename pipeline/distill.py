@@ -96,7 +96,11 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
             d = variants["distilled"]
             d.views = ConcatImages([tt.views[p][0] for p in parts])
             d.view_features = ConcatImages([tt.views[p][1] for p in parts])
-            d.view_logits = ConcatImages([tt.views[p][2] for p in parts]) if tt.has_logits else None
+            if tt.has_logits:
+                view_logits = [lg for p in parts if (lg := tt.views[p][2]) is not None]
+                if len(view_logits) != len(parts):
+                    raise ValueError(f"teacher {tt.root} has logits but its view bank lacks them for one of {parts}")
+                d.view_logits = ConcatImages(view_logits)
     if not variants or cfg.distill.compare_scratch:
         variants["scratch"] = TrainData(images=train.images, labels=np.asarray(train.labels))
 

@@ -36,7 +36,7 @@ from leaflens.engine.backend import array_module, to_device
 from leaflens.engine.data import ArrayDataset, Augment, Batch, DataLoader, apply_view_boxes
 from leaflens.engine.device_loader import DeviceLoader, resolve_device
 from leaflens.engine.nn import Module
-from leaflens.engine.optim import SGD, AdamW, WarmupCosine
+from leaflens.engine.optim import SGD, AdamW, Optimizer, WarmupCosine
 from leaflens.pipeline.config import DistillSection, StageConfig
 from leaflens.pipeline.models.student import StudentCNN, StudentSpec
 from leaflens.pipeline.training import BatchLoss, LoopSettings, RunResult, run_training, validation_scores
@@ -73,8 +73,8 @@ class TrainData:
 
     images: Any
     labels: np.ndarray
-    features: np.ndarray | None = None   # (N, D) teacher features, or None
-    logits: np.ndarray | None = None     # (N, C) teacher logits, or None
+    features: np.ndarray | ConcatImages | None = None   # (N, D) teacher features, or None
+    logits: np.ndarray | ConcatImages | None = None     # (N, C) teacher logits, or None
     # Teacher view bank (pipeline/teachers/views.py): the student is shown view v of a photo and learns
     # the teacher's targets for that view. (N, K, 6) boxes, (N, K, D) features, (N, K, C) logits.
     views: Any = None
@@ -219,6 +219,7 @@ def train_run(run_dir: str | os.PathLike[str], cfg: StageConfig, data: TrainData
     loader = DataLoader(dataset, int(tcfg.batch_size), shuffle=True, drop_last=len(dataset) > tcfg.batch_size,
                         seed=seed, mean=mean, std=std, augment=augment, prefetch=3, num_threads=1)
     epochs, steps_per_epoch = int(tcfg.epochs), len(loader)
+    opt: Optimizer
     if tcfg.optimizer == "adamw":
         opt = AdamW(model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay)
     elif tcfg.optimizer == "sgd":

@@ -29,8 +29,10 @@ recomputing a shuffle order.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import os
 import resource
 import time
 from collections.abc import Iterable, Mapping
@@ -74,13 +76,30 @@ class BatchLoss:
 
 
 class TrainingTask(Protocol):
-    """The model-specific half of a run; :func:`run_training` is the other half."""
+    """The model-specific half of a run; :func:`run_training` is the other half.
 
-    model: Module
-    optimizer: Optimizer
-    scheduler: Scheduler  # stepped once per optimiser step
-    generators: Mapping[str, np.random.Generator]  # saved in and restored from the run's checkpoints
-    steps_per_epoch: int
+    The loop only reads the attributes (read-only properties here), so a task may hold a subclass: a
+    ``StudentCNN`` model, an ``AdamW`` optimiser, a dict of generators.
+    """
+
+    @property
+    def model(self) -> Module: ...
+
+    @property
+    def optimizer(self) -> Optimizer: ...
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """Stepped once per optimiser step."""
+        ...
+
+    @property
+    def generators(self) -> Mapping[str, np.random.Generator]:
+        """Saved in and restored from the run's checkpoints."""
+        ...
+
+    @property
+    def steps_per_epoch(self) -> int: ...
 
     def batches(self, epoch: int) -> Iterable[Any]:
         """The batches of ``epoch`` (each a :class:`TrainBatch`), continuing from a restored position."""
@@ -166,8 +185,8 @@ class _State:
     train_seconds: float = 0.0
 
 
-def run_training(run_dir: str | Path, task: TrainingTask, settings: LoopSettings, extra_meta: dict[str, Any],
-                 resume: bool = False, device: str = "cpu") -> RunResult:
+def run_training(run_dir: str | os.PathLike[str], task: TrainingTask, settings: LoopSettings,
+                 extra_meta: dict[str, Any], resume: bool = False, device: str = "cpu") -> RunResult:
     """Train ``task`` for ``settings.epochs`` epochs in ``run_dir``; resumes from ``last.npz`` when ``resume``
     and it exists (otherwise the run's earlier files are removed). ``extra_meta`` goes into both checkpoints."""
     run_dir = Path(run_dir)
@@ -208,7 +227,7 @@ def run_training(run_dir: str | Path, task: TrainingTask, settings: LoopSettings
             buffers = [b for _, b in task.model.named_buffers()]
             saved = [b.copy() for b in buffers]  # BatchNorm statistics: the forward pass updates them in place
             try:
-                result = train_step(task.optimizer, scaler, lambda b=batch: _loss_and_parts(task, b),
+                result = train_step(task.optimizer, scaler, functools.partial(_loss_and_parts, task, batch),
                                     settings.clip_grad_norm)
             except NonFiniteLossError as exc:
                 for buf, before in zip(buffers, saved):  # a batch left out leaves no trace in the model

@@ -22,7 +22,7 @@ from typing import Any
 import onnx
 from onnx import TensorProto
 
-ONNX_TO_TRITON = {
+ONNX_TO_TRITON: dict[int, str] = {  # ONNX element type (TensorProto.DataType) -> Triton type
     TensorProto.FLOAT: "TYPE_FP32", TensorProto.FLOAT16: "TYPE_FP16", TensorProto.DOUBLE: "TYPE_FP64",
     TensorProto.INT64: "TYPE_INT64", TensorProto.INT32: "TYPE_INT32", TensorProto.INT8: "TYPE_INT8",
     TensorProto.UINT8: "TYPE_UINT8", TensorProto.BOOL: "TYPE_BOOL",

@@ -35,6 +35,7 @@ import struct
 import tarfile
 import zipfile
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -128,8 +129,9 @@ class _Callable:
     """
 
     __slots__ = ("_fn",)
+    _fn: Callable[..., Any]
 
-    def __init__(self, fn: Any):
+    def __init__(self, fn: Callable[..., Any]):
         object.__setattr__(self, "_fn", fn)
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -148,7 +148,7 @@ def _accuracy_section(report: Mapping[str, Any]) -> list[str]:
     if "threshold" in unc:
         how = {"target": f"chosen on validation to keep {_pct(unc.get('target'), 0)} accuracy",
                "best_effort": f"the {_pct(unc.get('target'), 0)} target was not reachable on validation",
-               "default": "default: too few validation images to choose one"}.get(unc.get("method"), "")
+               "default": "default: too few validation images to choose one"}.get(str(unc.get("method")), "")
         lines.append(f"- \"Uncertain\" below a top probability of {float(unc['threshold']):.3f} ({how}; on "
                      f"validation it keeps {_pct(unc.get('coverage'))} of the images at "
                      f"{_pct(unc.get('accuracy'))} accuracy)")

@@ -142,6 +142,9 @@ def write_teacher(out: str | os.PathLike[str], ds: Any, encoder: Encoder, batch:
                     f, lg = encoder.encode(chunk)
                     fw.write(f)
                     if lw is not None:
+                        if lg is None:
+                            raise TeacherStageError(f"the {type(encoder).__name__} teacher has {encoder.num_classes} "
+                                                    "classes but returned no logits")
                         lw.write(lg)
                     bar.update(len(chunk))
             except BaseException:

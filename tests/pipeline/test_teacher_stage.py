@@ -14,7 +14,13 @@ from leaflens.data_prep.manifest import load_dataset
 from leaflens.pipeline.cli import main as cli
 from leaflens.pipeline.config import load_config
 from leaflens.pipeline.teachers.artefact import load_teacher
-from leaflens.pipeline.teachers.stage import TeacherChoice, knn_accuracy, run_teacher_stage
+from leaflens.pipeline.teachers.stage import (
+    TeacherChoice,
+    TeacherStageError,
+    knn_accuracy,
+    run_teacher_stage,
+    write_teacher,
+)
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +107,20 @@ def test_train_cnn_teacher_learns_the_classes(ds_dir, tmp_path, capsys):
 def test_knn_accuracy():
     a = np.array([[1.0, 0], [0, 1.0]])
     assert knn_accuracy(a, np.array([0, 1]), np.array([[0.9, 0.1], [0.2, 0.8]]), np.array([0, 1])) == 1.0
+
+
+def test_an_encoder_with_classes_but_no_logits_is_refused(ds_dir, tmp_path):
+    """An encoder that declares classes must return logits: write_teacher names it instead of writing None."""
+
+    class NoLogits:
+        input_size, feature_dim, num_classes = 16, 4, 3
+
+        def encode(self, images):
+            return np.zeros((len(images), 4), np.float32), None
+
+        def identity(self):
+            return {"kind": "test"}
+
+    with pytest.raises(TeacherStageError, match="NoLogits teacher has 3 classes but returned no logits"):
+        write_teacher(tmp_path / "t", load_dataset(ds_dir), NoLogits(), from_arrays=True, progress=False)
+    assert not (tmp_path / "t").exists()

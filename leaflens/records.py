@@ -31,6 +31,8 @@ class RecordError(ValueError):
 class Record:
     """Base of the typed records (use with ``@dataclass``)."""
 
+    # Set by @dataclass on every record; declared so that type checkers take a Record for a dataclass.
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
     SCHEMA_VERSION: ClassVar[int | None] = None
     VERSION_KEY: ClassVar[str] = "schema_version"
     # Optional fields that files leave out rather than write as null (as they did before records existed,
@@ -39,7 +41,7 @@ class Record:
 
     def to_dict(self) -> dict[str, Any]:
         """The record as JSON-ready values (records -> dicts, tuples -> lists)."""
-        return {f.name: _to_plain(getattr(self, f.name)) for f in dataclasses.fields(self)  # type: ignore[arg-type]
+        return {f.name: _to_plain(getattr(self, f.name)) for f in dataclasses.fields(self)
                 if not (f.name in self.OMIT_WHEN_NONE and getattr(self, f.name) is None)}
 
     @classmethod
@@ -80,7 +82,7 @@ def _to_plain(value: Any) -> Any:
 
 def _build(cls: type[R], data: dict[str, Any], where: str) -> R:
     hints = typing.get_type_hints(cls)
-    known = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    known = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(known))
     if unknown:
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""

@@ -173,7 +173,7 @@ def overlay(base: dict[str, Any], top: dict[str, Any], where: str, record: type[
 
 def names_of(record: type[Record]) -> list[str]:
     """The keys a record knows, in declaration order."""
-    return [f.name for f in dataclasses.fields(record)]  # type: ignore[arg-type]
+    return [f.name for f in dataclasses.fields(record)]
 
 
 def _build(data: dict[str, Any], where: str) -> StageConfig:

@@ -40,7 +40,7 @@ from leaflens.data_prep.decode import DEFAULT_MAX_PIXELS, decode_image
 from leaflens.records import Record
 
 __all__ = ["ContractError", "PreprocessContract", "area_resize", "contract_for_dataset", "decode_stored",
-           "normalize"]
+           "normalize", "rgb_floats"]
 
 Source = str | os.PathLike | bytes
 
@@ -156,12 +156,21 @@ def normalize(x: Any, mean: Any, std: Any) -> np.ndarray:
     return out
 
 
+def rgb_floats(values: Any, what: str) -> tuple[float, float, float]:
+    """One number per RGB channel (a sequence or an array, e.g. a dataset's float32 mean) as three Python
+    floats, for the records that store them; ``what`` names the values in the error for another count."""
+    floats = [float(v) for v in values]
+    if len(floats) != 3:
+        raise ContractError(what, f"must have one value per RGB channel (3), got {len(floats)}")
+    return floats[0], floats[1], floats[2]
+
+
 def contract_for_dataset(ds: Any, input_size: int) -> PreprocessContract:
     """The contract of a model that looks at ``input_size`` px and was trained on the dataset ``ds``
     (a :class:`leaflens.data_prep.manifest.Dataset`): its stored size, resize rule and train mean/std."""
     return PreprocessContract(
         stored_size=int(ds.image_size), input_size=int(input_size),
-        mean=tuple(float(v) for v in ds.mean),  # type: ignore[arg-type]
-        std=tuple(float(v) for v in ds.std),  # type: ignore[arg-type]
+        mean=rgb_floats(ds.mean, f"{ds.root}: the dataset's mean"),
+        std=rgb_floats(ds.std, f"{ds.root}: the dataset's std"),
         resize=ds.manifest.resize,
     )

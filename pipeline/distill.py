@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from leaflens.data_prep.contract import area_resize, normalize
+from leaflens.data_prep.contract import area_resize, normalize, rgb_floats
 from leaflens.data_prep.manifest import load_dataset, manifest_sha256
 from leaflens.engine import Tensor, no_grad
 from leaflens.engine.checkpoint import save_checkpoint
@@ -70,8 +70,8 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
               if (work / "run_id.json").exists() else f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}")
     run_meta = RunMeta(
         model_config=StudentSpec.from_recipe(cfg.model, ds.num_classes),
-        dataset=RunDataset(classes=tuple(ds.classes), mean=tuple(float(v) for v in mean),  # type: ignore[arg-type]
-                           std=tuple(float(v) for v in std), image_size=ds.image_size,  # type: ignore[arg-type]
+        dataset=RunDataset(classes=tuple(ds.classes), mean=rgb_floats(mean, f"{ds.root}: the dataset's mean"),
+                           std=rgb_floats(std, f"{ds.root}: the dataset's std"), image_size=ds.image_size,
                            input_size=input_size, resize=ds.manifest.resize,
                            manifest_sha256=manifest_sha256(ds.root), root=str(ds.root)),
         run_id=run_id)

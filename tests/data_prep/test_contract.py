@@ -11,6 +11,7 @@ from leaflens.data_prep.contract import (
     area_resize,
     contract_for_dataset,
     normalize,
+    rgb_floats,
 )
 from leaflens.records import RecordError
 
@@ -125,3 +126,12 @@ def test_contract_for_dataset_reads_stored_size_resize_and_statistics(tmp_path):
     # step 1 is what preprocess stored
     first = ds["train"].files[0]
     np.testing.assert_array_equal(c.decode(tmp_path / "photos" / first), ds["train"].images[0])
+
+
+def test_rgb_floats_keeps_each_channel_and_refuses_another_count():
+    mean = np.array([0.1234567, 0.5, 0.75], np.float32)
+    triple = rgb_floats(mean, "mean")
+    assert triple == (float(mean[0]), float(mean[1]), float(mean[2]))
+    assert all(type(v) is float for v in triple)
+    with pytest.raises(ContractError, match=r"^stats: the mean must have one value per RGB channel \(3\), got 2$"):
+        rgb_floats([0.5, 0.5], "stats: the mean")

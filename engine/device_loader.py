@@ -85,6 +85,8 @@ class DeviceLoader:
         self._slots: list[_Slot] = []
 
     # -- passthrough ---------------------------------------------------------------------------------
+    # The wrapped loader is typed as any iterable; these reach an engine DataLoader's own methods (hence
+    # the ignores), and a loader without them raises as it would if called directly.
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 

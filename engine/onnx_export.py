@@ -96,7 +96,7 @@ def trace(model: Module) -> Iterator[list[TracedCall]]:
         finally:
             scopes.pop()
 
-    with _TRACE_LOCK:
+    with _TRACE_LOCK:  # the trace patches the two classes' __call__ (hence the ignores) and restores them
         Function.__call__ = traced_fn_call  # type: ignore[method-assign]
         Module.__call__ = traced_mod_call  # type: ignore[method-assign]
         try:

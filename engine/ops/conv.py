@@ -57,7 +57,8 @@ def resolve_padding(padding: Padding, in_hw: tuple[int, int], kernel: tuple[int,
     if len(padding) == 2:
         return padding[0], padding[0], padding[1], padding[1]
     if len(padding) == 4:
-        return tuple(int(p) for p in padding)  # type: ignore[return-value]
+        top, bottom, left, right = (int(p) for p in padding)
+        return top, bottom, left, right
     raise ValueError(f"padding must be an int, a pair or (top, bottom, left, right), got {padding!r}")
 
 

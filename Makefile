@@ -44,7 +44,7 @@ help:
 	@echo "make bench-engine   engine training-step speed (vs PyTorch when installed)"
 	@echo "make bench-mnist    MNIST with the engine (MNIST=dir with the IDX files)"
 	@echo "make bench-preprocess | bench-loader | bench-serve | bench-ibeans | bench-gpu"
-	@echo "make lint           ruff"
+	@echo "make lint           ruff, then mypy on the leaflens package (.ci/typecheck)"
 
 # The virtual environment is rebuilt when pyproject.toml changes.
 $(VENV)/.installed: pyproject.toml
@@ -58,8 +58,10 @@ venv: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
+# mypy sees the package as it installs (leaflens.engine = engine/, ...) through .ci/typecheck's symlink tree.
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
+	PY=$(PY) .ci/typecheck
 
 # ---- the pipeline ----------------------------------------------------------------------------
 $(SYNTH)/classes.toml: | $(VENV)/.installed

@@ -247,11 +247,14 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
 
         sessions = {k: parity.cpu_session(p, threads) for k, p in paths.items()}
         split = _pick_split(ds, "val")
+        split_labels = ds[split].labels
+        if split_labels is None:  # _pick_split picks a labelled split
+            raise ExportFailed(f"internal error: the parity split '{split}' of {ds.root} has no labels")
         log(f"parity on the '{split}' split ({len(ds[split])} images)")
         val = parity.engine_and_onnx_logits(model, sessions, parity.at_size(ds[split].images, size), mean, std,
                                             opts.batch)
         if int8 is not None and "int8" in paths:  # the rule: judged on the validation split, never on test
-            fp32_acc, int8_acc = (parity.accuracy(val[k], ds[split].labels) for k in ("fp32", "int8"))
+            fp32_acc, int8_acc = (parity.accuracy(val[k], split_labels) for k in ("fp32", "int8"))
             int8["validation"] = {"split": split, "accuracy_fp32": fp32_acc, "accuracy_int8": int8_acc,
                                   "top1_agreement_with_fp32": float(np.mean(val["fp32"].argmax(1)
                                                                             == val["int8"].argmax(1)))}
@@ -279,7 +282,7 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
             "warnings": warnings,
             "options": options_dict(opts),
         }
-        acc = {split: {k: parity.accuracy(v, ds[split].labels) for k, v in val.items()}}
+        acc = {split: {k: parity.accuracy(v, split_labels) for k, v in val.items()}}
         if split != "test" and "test" in ds and len(ds["test"]) and ds["test"].labels is not None:
             test = parity.engine_and_onnx_logits(model, sessions, parity.at_size(ds["test"].images, size), mean,
                                                  std, opts.batch)

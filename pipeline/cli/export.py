@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from leaflens.pipeline.export.quantize import Int8Recipe
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -49,8 +53,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"training images used to calibrate INT8 (default {default.calib_images})")
     p.add_argument("--int8-per-channel", action=argparse.BooleanOptionalAction, default=default.per_channel,
                    help="one weight scale per output channel (default) or one per tensor")
-    p.add_argument("--int8-float-first-conv", action=argparse.BooleanOptionalAction,
-                   default=default.float_first_conv, help="keep the first convolution in float (default: yes)")
+    p.add_argument("--int8-float-first-conv", choices=("auto", "yes", "no"), default="auto",
+                   help="keep the first convolution in float: slower, more accurate (default auto: try without, "
+                        "then with it when INT8 loses too much)")
     p.add_argument("--int8-float-classifier", action=argparse.BooleanOptionalAction,
                    default=default.float_classifier, help="keep the classifier in float (default: yes)")
     p.add_argument("--int8-activations", choices=("uint8", "int8"), default=default.activations,
@@ -64,23 +69,33 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def int8_recipes(args: argparse.Namespace) -> tuple[Int8Recipe, ...]:
+    """The INT8 recipes to try, in order, from the --int8-* options."""
+    from leaflens.pipeline.export.quantize import Int8Recipe, int8_ladder  # noqa: PLC0415
+
+    base = Int8Recipe(calibration=args.int8_calibration, percentile=args.int8_percentile,
+                      calib_images=args.calib_images, per_channel=args.int8_per_channel,
+                      float_first_conv=args.int8_float_first_conv == "yes",
+                      float_classifier=args.int8_float_classifier, activations=args.int8_activations)
+    return int8_ladder(base) if args.int8_float_first_conv == "auto" else (base,)
+
+
 def run(args: argparse.Namespace) -> int:
     from leaflens.data_prep.manifest import DatasetError  # noqa: PLC0415
     from leaflens.engine.checkpoint import CheckpointError  # noqa: PLC0415
     from leaflens.engine.onnx_export import ExportError  # noqa: PLC0415
-    from leaflens.pipeline.export.quantize import Int8Recipe  # noqa: PLC0415
     from leaflens.pipeline.export.stage import ExportFailed, ExportOptions, export_run, summary  # noqa: PLC0415
     from leaflens.pipeline.export.triton import TritonConfigError  # noqa: PLC0415
 
+    try:
+        recipes = int8_recipes(args)
+    except ValueError as exc:
+        print(f"leaflens export: error: {exc}", file=sys.stderr)
+        return 2
     opts = ExportOptions(run=args.run, out=args.out, dataset=args.dataset, triton=args.triton, name=args.name,
                          int8=not args.no_int8, triton_variant=args.triton_variant,
                          max_batch_size=args.max_batch_size, queue_delay_us=args.queue_delay_us,
-                         int8_max_drop=args.int8_max_drop,
-                         int8_recipe=Int8Recipe(calibration=args.int8_calibration, percentile=args.int8_percentile,
-                                                calib_images=args.calib_images, per_channel=args.int8_per_channel,
-                                                float_first_conv=args.int8_float_first_conv,
-                                                float_classifier=args.int8_float_classifier,
-                                                activations=args.int8_activations),
+                         int8_max_drop=args.int8_max_drop, int8_recipes=recipes,
                          speed_seconds=args.speed_seconds, threads=args.threads,
                          allow_dataset_mismatch=args.allow_dataset_mismatch)
 

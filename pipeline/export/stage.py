@@ -7,8 +7,10 @@ Reads ``<run>/best.npz`` (leaflens.pipeline.runs) and the dataset it was trained
 - ``student_fp16.onnx``: float16 weights/compute for GPU providers, float32 input/output;
 - ``student_int8.onnx``: static INT8 (QDQ) for CPUs, calibrated on training images
   (leaflens.pipeline.export.quantize), written only when its validation accuracy is within
-  ``int8_max_drop`` (1 point) of FP32's; otherwise it is left out and ``parity.json``'s ``int8``
-  entry says why, with both accuracies;
+  ``int8_max_drop`` (1 point) of FP32's. The recipes of ``int8_recipes`` are tried in order (by
+  default the fast one, then one with the first convolution in float too) and the first within the
+  drop is kept; when none is, no INT8 file is written and ``parity.json``'s ``int8`` entry says why,
+  with the accuracies of every attempt;
 - ``parity.json``: engine vs onnxruntime on the validation split (max |logit difference|, top-1
   agreement), test accuracy of every variant, CPU speed of every variant, and ``served``: the test
   accuracy of ``student.onnx`` as users meet it (``served_test_accuracy``: through the Predictor on the
@@ -48,7 +50,13 @@ from leaflens.engine.onnx_export import IR_VERSION, OPSET, convert_float16, expo
 from leaflens.files import clean_stale_temps, new_temp_dir, swap_into_place, write_json_atomic
 from leaflens.pipeline.evaluate import PhotosUnavailable, dataset_photo_files, evaluate_files
 from leaflens.pipeline.export import parity, triton
-from leaflens.pipeline.export.quantize import Int8Recipe, calibration_indices, int8_shortfall, quantize_int8
+from leaflens.pipeline.export.quantize import (
+    Int8Recipe,
+    calibration_indices,
+    int8_ladder,
+    int8_shortfall,
+    quantize_int8,
+)
 from leaflens.pipeline.runs import RunInfo, load_model
 
 FP32_FILE, FP16_FILE, INT8_FILE = "student.onnx", "student_fp16.onnx", "student_int8.onnx"
@@ -71,7 +79,7 @@ class ExportOptions:
     triton_variant: str = "fp32"  # which file goes into the Triton repository: fp32 | fp16 | int8
     max_batch_size: int = 64
     queue_delay_us: int = 2000
-    int8_recipe: Int8Recipe = Int8Recipe()
+    int8_recipes: tuple[Int8Recipe, ...] = int8_ladder()  # tried in order; the first within the drop is kept
     int8_max_drop: float = 0.01  # INT8 is written only when val accuracy >= FP32's - this
     fp32_tolerance: float = 1e-4
     fp16_min_agreement: float = 0.995
@@ -198,6 +206,10 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
         raise ExportFailed(f"triton variant must be fp32, fp16 or int8, got {opts.triton_variant!r}")
     if opts.triton_variant == "int8" and not opts.int8:
         raise ExportFailed("--triton-variant int8 needs the INT8 model (drop --no-int8)")
+    if not 0.0 <= opts.int8_max_drop <= 1.0:
+        raise ExportFailed(f"int8_max_drop is a share of the images (0.01 = 1 point), got {opts.int8_max_drop}")
+    if opts.int8 and not opts.int8_recipes:
+        raise ExportFailed("no INT8 recipe to try; pass --no-int8 to export without INT8")
     triton.check_model_name(opts.name)  # before any work: the name becomes a folder
     triton_root = Path(opts.triton).resolve() if opts.triton is not None else out / "triton"
     triton_inside = triton_root == out or out in triton_root.parents
@@ -226,45 +238,27 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
     triton_tmp: Path | None = None
     try:
         paths = {"fp32": save_onnx(proto, tmp / FP32_FILE), "fp16": save_onnx(proto16, tmp / FP16_FILE)}
-        int8: dict[str, Any] | None = None  # parity.json's "int8" entry: recipe, verdict, accuracies
-        if opts.int8:
-            if "train" not in ds or len(ds["train"]) == 0:
-                raise ExportFailed(f"dataset {ds.root} has no training images to calibrate INT8 with; "
-                                   "pass --no-int8")
-            recipe = opts.int8_recipe
-            int8 = {"recipe": recipe.to_dict(), "max_drop": opts.int8_max_drop}
-            if not ("val" in ds and len(ds["val"]) and ds["val"].labels is not None):
-                _skip_int8(int8, f"dataset {ds.root} has no labelled validation split to check INT8 on", opts, log)
-            else:
-                train = ds["train"]
-                idx = calibration_indices(len(train), recipe.calib_images)
-                log(f"calibrating INT8 on {len(idx)} training images ({recipe.describe()})")
-                q = quantize_int8(paths["fp32"], tmp / INT8_FILE, parity.at_size(train.images, size)[idx], mean,
-                                  std, recipe)
-                paths["int8"] = q.path
-                int8.update(calibration_images=q.calibration_images, float_nodes=list(q.float_nodes),
-                            quantize_seconds=round(q.seconds, 2))
-
+        if opts.int8 and ("train" not in ds or len(ds["train"]) == 0):
+            raise ExportFailed(f"dataset {ds.root} has no training images to calibrate INT8 with; pass --no-int8")
         sessions = {k: parity.cpu_session(p, threads) for k, p in paths.items()}
         split = _pick_split(ds, "val")
         split_labels = ds[split].labels
         if split_labels is None:  # _pick_split picks a labelled split
             raise ExportFailed(f"internal error: the parity split '{split}' of {ds.root} has no labels")
         log(f"parity on the '{split}' split ({len(ds[split])} images)")
-        val = parity.engine_and_onnx_logits(model, sessions, parity.at_size(ds[split].images, size), mean, std,
-                                            opts.batch)
-        if int8 is not None and "int8" in paths:  # the rule: judged on the validation split, never on test
-            fp32_acc, int8_acc = (parity.accuracy(val[k], split_labels) for k in ("fp32", "int8"))
-            int8["validation"] = {"split": split, "accuracy_fp32": fp32_acc, "accuracy_int8": int8_acc,
-                                  "top1_agreement_with_fp32": float(np.mean(val["fp32"].argmax(1)
-                                                                            == val["int8"].argmax(1)))}
-            reason = int8_shortfall(fp32_acc, int8_acc, opts.int8_max_drop)
-            if reason is None:
-                int8.update(written=True, reason=None)
+        split_images = parity.at_size(ds[split].images, size)
+        val = parity.engine_and_onnx_logits(model, sessions, split_images, mean, std, opts.batch)
+        int8: dict[str, Any] | None = None  # parity.json's "int8" entry: the recipes tried and the verdict
+        if opts.int8:
+            int8 = {"max_drop": opts.int8_max_drop, "attempts": []}
+            if split != "val":  # the rule is judged on the validation split, never on test
+                _skip_int8(int8, f"dataset {ds.root} has no labelled validation split to check INT8 on", opts, log)
             else:
-                paths.pop("int8").unlink()
-                del sessions["int8"], val["int8"]
-                _skip_int8(int8, reason, opts, log)
+                kept = _first_good_int8(int8, opts, _Int8Inputs(paths["fp32"], tmp / INT8_FILE,
+                                                                parity.at_size(ds["train"].images, size), split_images,
+                                                                split_labels, val["fp32"], mean, std, threads), log)
+                if kept is not None:
+                    paths["int8"], sessions["int8"], val["int8"] = kept
         tie = 2 * opts.fp32_tolerance
         report: dict[str, Any] = {
             "format": REPORT_FORMAT,
@@ -362,6 +356,54 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
             shutil.rmtree(triton_tmp, ignore_errors=True)
         raise
     return report
+
+
+@dataclass
+class _Int8Inputs:
+    """What choosing the INT8 model needs: the FP32 file, where INT8 goes, the (input-size) training images
+    to calibrate on, the validation images, labels and FP32 logits, the normalisation, CPU threads."""
+
+    fp32: Path
+    out: Path
+    train_images: Any
+    val_images: Any
+    val_labels: np.ndarray
+    val_fp32: np.ndarray
+    mean: np.ndarray
+    std: np.ndarray
+    threads: int
+
+
+def _first_good_int8(int8: dict[str, Any], opts: ExportOptions, src: _Int8Inputs,
+                     log: Callable[[str], None]) -> tuple[Path, Any, np.ndarray] | None:
+    """Quantise with each of ``opts.int8_recipes`` in turn; keep the first whose validation accuracy is
+    within ``opts.int8_max_drop`` of FP32's and return (file, session, validation logits), or None (and
+    the reasons) when none is. Every attempt is recorded in ``int8["attempts"]``."""
+    fp32_acc = parity.accuracy(src.val_fp32, src.val_labels)
+    reasons = []
+    for recipe in opts.int8_recipes:
+        idx = calibration_indices(len(src.train_images), recipe.calib_images)
+        log(f"calibrating INT8 on {len(idx)} training images ({recipe.describe()})")
+        q = quantize_int8(src.fp32, src.out, src.train_images[idx], src.mean, src.std, recipe)
+        sess = parity.cpu_session(q.path, src.threads)
+        logits = parity.onnx_logits(sess, src.val_images, src.mean, src.std, opts.batch)
+        acc = parity.accuracy(logits, src.val_labels)
+        attempt = {"recipe": recipe.to_dict(), "calibration_images": q.calibration_images,
+                   "float_nodes": list(q.float_nodes), "quantize_seconds": round(q.seconds, 2),
+                   "validation": {"split": "val", "accuracy_fp32": fp32_acc, "accuracy_int8": acc,
+                                  "top1_agreement_with_fp32": float(np.mean(logits.argmax(1)
+                                                                            == src.val_fp32.argmax(1)))}}
+        int8["attempts"].append(attempt)
+        reason = int8_shortfall(fp32_acc, acc, opts.int8_max_drop)
+        if reason is None:
+            int8.update(attempt, written=True, reason=None)
+            return q.path, sess, logits
+        log(f"INT8 with {recipe.describe()}: {reason}")
+        reasons.append(f"with {recipe.describe()}, {reason}" if len(opts.int8_recipes) > 1 else reason)
+        del sess
+        q.path.unlink()
+    _skip_int8(int8, "; ".join(reasons), opts, log)
+    return None
 
 
 def _skip_int8(int8: dict[str, Any], reason: str, opts: ExportOptions, log: Callable[[str], None]) -> None:

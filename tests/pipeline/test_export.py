@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from leaflens.engine.data import normalize  # noqa: E402
 from leaflens.engine.optim import Adam  # noqa: E402
 from leaflens.pipeline.cli import main  # noqa: E402
 from leaflens.pipeline.export import stage, triton  # noqa: E402
-from leaflens.pipeline.export.quantize import Int8Recipe  # noqa: E402
+from leaflens.pipeline.export.quantize import Int8Recipe, int8_ladder  # noqa: E402
 from leaflens.pipeline.export.stage import ExportFailed, ExportOptions, export_run  # noqa: E402
 from leaflens.pipeline.models.student import StudentCNN  # noqa: E402
 
@@ -83,7 +84,7 @@ def tiny_run(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def _opts(run: Path, dataset: Path, out: Path, **kw) -> ExportOptions:
-    kw.setdefault("int8_recipe", Int8Recipe(calib_images=32))
+    kw.setdefault("int8_recipes", int8_ladder(Int8Recipe(calib_images=32)))
     return ExportOptions(run=run, out=out, dataset=dataset, speed_seconds=0.05, threads=1, **kw)
 
 
@@ -111,7 +112,8 @@ def test_export_end_to_end_via_cli(tiny_run, tmp_path, capsys):
     assert i8["written"] is True and i8["reason"] is None and i8["max_drop"] == 1.0
     assert i8["accuracy_change"] == pytest.approx(i8["accuracy_int8"] - i8["accuracy_fp32"])
     assert i8["recipe"] == {**Int8Recipe().to_dict(), "calib_images": 32, "calibration": "entropy"}
-    assert i8["calibration_images"] == 32 and i8["float_nodes"] == ["/features/0/0/Conv", "/classifier/Gemm"]
+    assert len(i8["attempts"]) == 1  # the fast recipe was kept: the next one is tried only when it loses too much
+    assert i8["calibration_images"] == 32 and i8["float_nodes"] == ["/classifier/Gemm"]
     v = i8["validation"]
     assert v["split"] == "val" and v["accuracy_fp32"] == report["accuracy"]["val"]["fp32"]
     assert v["accuracy_int8"] == report["accuracy"]["val"]["int8"]
@@ -124,43 +126,60 @@ def test_export_end_to_end_via_cli(tiny_run, tmp_path, capsys):
     assert "top-1 agreement" in stdout and "INT8: accuracy change" in stdout
 
 
+def _verdicts_follow_the_accuracies(i8: dict, max_drop: float) -> None:
+    """Each attempt's verdict follows from its two validation accuracies: every attempt but a kept last
+    one lost more than ``max_drop``, and the entry is written exactly when the last attempt did not."""
+    lost = [a["validation"]["accuracy_int8"] < a["validation"]["accuracy_fp32"] - max_drop for a in i8["attempts"]]
+    assert all(lost[:-1]) and i8["written"] == (not lost[-1])
+    assert all(a["validation"]["split"] == "val" for a in i8["attempts"])
+
+
 def test_int8_rule_with_the_default_drop_matches_the_file_and_the_report(tiny_run, tmp_path):
-    """The default rule (1 point on val): the file is there exactly when parity.json says it was written,
-    and that verdict follows from the two validation accuracies it records."""
+    """The default rule (1 point on val) and ladder (fast recipe, then the first conv in float): the file
+    is there exactly when parity.json says it was written, and each verdict follows from its accuracies."""
     run, dataset = tiny_run
     out = tmp_path / "export"
     report = export_run(_opts(run, dataset, out), log=lambda s: None)
     i8 = report["int8"]
-    v = i8["validation"]
-    assert i8["max_drop"] == 0.01 and v["split"] == "val"
-    assert i8["written"] == (v["accuracy_int8"] >= v["accuracy_fp32"] - 0.01)
+    assert i8["max_drop"] == 0.01 and 1 <= len(i8["attempts"]) <= 2
+    assert [a["recipe"] for a in i8["attempts"]] == [r.to_dict() for r in int8_ladder(Int8Recipe(calib_images=32))][
+        : len(i8["attempts"])]
+    _verdicts_follow_the_accuracies(i8, 0.01)
     assert (out / "student_int8.onnx").exists() == i8["written"] == ("int8" in report["files"])
     assert json.loads((out / "parity.json").read_text())["int8"] == i8
 
 
-def test_int8_that_loses_accuracy_is_not_written(tiny_run, tmp_path, monkeypatch):
-    """A real INT8 model calibrated on black images only (every real pixel falls outside its input
-    range) loses far more than 1 point: no INT8 file, the reason with both accuracies in parity.json
-    and on the console, Triton serves FP32, and asking Triton for INT8 fails without replacing anything."""
-    from dataclasses import replace  # noqa: PLC0415
-
+def _black_calibration(only_fast: bool):
+    """quantize_int8 calibrated on black images only (every real pixel falls outside the input range it
+    learns), for every recipe or only for those that quantise the first convolution."""
     real = stage.quantize_int8
 
-    def black_calibration(fp32, out, images, mean, std, recipe):
+    def quantize(fp32, out, images, mean, std, recipe):
+        if only_fast and recipe.float_first_conv:
+            return real(fp32, out, images, mean, std, recipe)
         return real(fp32, out, np.zeros_like(np.asarray(images[:])), mean, std,
-                    replace(recipe, calibration="minmax", float_first_conv=False))
+                    replace(recipe, float_first_conv=False))
 
-    monkeypatch.setattr(stage, "quantize_int8", black_calibration)
+    return quantize
+
+
+def test_int8_that_loses_accuracy_is_not_written(tiny_run, tmp_path, monkeypatch):
+    """Real INT8 models calibrated on black images lose far more than 1 point: no INT8 file, the reason
+    with the accuracies of both attempts in parity.json and on the console, Triton serves FP32, and
+    asking Triton for INT8 fails without replacing anything."""
+    monkeypatch.setattr(stage, "quantize_int8", _black_calibration(only_fast=False))
     run, dataset = tiny_run
     out = tmp_path / "export"
     said: list[str] = []
     report = export_run(_opts(run, dataset, out), log=said.append)
     i8 = report["int8"]
-    v = i8["validation"]
-    assert v["accuracy_int8"] < v["accuracy_fp32"] - 0.01  # the premise: this INT8 model is worse
-    assert i8["written"] is False
-    assert f"{v['accuracy_int8']:.2%}" in i8["reason"] and f"{v['accuracy_fp32']:.2%}" in i8["reason"]
-    assert any(line == f"INT8 not written: {i8['reason']}" for line in said)
+    assert len(i8["attempts"]) == 2 and i8["written"] is False
+    _verdicts_follow_the_accuracies(i8, 0.01)
+    for attempt in i8["attempts"]:
+        v = attempt["validation"]
+        assert v["accuracy_int8"] < v["accuracy_fp32"] - 0.01  # the premise: these INT8 models are worse
+        assert f"{v['accuracy_int8']:.2%}" in i8["reason"] and f"{v['accuracy_fp32']:.2%}" in i8["reason"]
+    assert said.count(f"INT8 not written: {i8['reason']}") == 1
     assert "INT8: not written" in stage.summary(report)
     assert not (out / "student_int8.onnx").exists()
     for section in ("files", "parity", "speed_cpu"):
@@ -172,10 +191,26 @@ def test_int8_that_loses_accuracy_is_not_written(tiny_run, tmp_path, monkeypatch
     assert (model_dir / "1" / "model.onnx").read_bytes() == (out / "student.onnx").read_bytes()
 
     before = sorted(p.name for p in out.iterdir())
-    with pytest.raises(ExportFailed, match="--triton-variant int8 .* not written: its validation accuracy"):
+    with pytest.raises(ExportFailed, match="--triton-variant int8 .* not written: with .* validation accuracy"):
         export_run(_opts(run, dataset, out, triton_variant="int8"), log=lambda s: None)
     assert sorted(p.name for p in out.iterdir()) == before
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".export")]
+
+
+def test_when_the_fast_int8_loses_too_much_the_next_recipe_is_kept(tiny_run, tmp_path, monkeypatch):
+    monkeypatch.setattr(stage, "quantize_int8", _black_calibration(only_fast=True))
+    run, dataset = tiny_run
+    out = tmp_path / "export"
+    report = export_run(_opts(run, dataset, out), log=lambda s: None)
+    i8 = report["int8"]
+    fast, kept = i8["attempts"]
+    assert fast["validation"]["accuracy_int8"] < fast["validation"]["accuracy_fp32"] - 0.01  # the premise
+    assert i8["written"] is True and kept["recipe"]["float_first_conv"] is True
+    assert i8["recipe"] == kept["recipe"] and i8["float_nodes"] == ["/features/0/0/Conv", "/classifier/Gemm"]
+    assert i8["validation"] == kept["validation"] == {**kept["validation"],
+                                                       "accuracy_int8": report["accuracy"]["val"]["int8"]}
+    graph = onnx.load(str(out / "student_int8.onnx")).graph
+    assert [n.input[0] for n in graph.node if n.name == "/features/0/0/Conv"] == ["input"]  # float first conv
 
 
 def test_without_a_validation_split_int8_is_not_written(tiny_run, tmp_path):
@@ -196,8 +231,7 @@ def test_without_a_validation_split_int8_is_not_written(tiny_run, tmp_path):
     out = tmp_path / "export"
     report = export_run(_opts(run, dataset, out), log=lambda s: None)
     i8 = report["int8"]
-    assert i8["written"] is False and "no labelled validation split" in i8["reason"]
-    assert "float_nodes" not in i8 and "validation" not in i8
+    assert i8["written"] is False and "no labelled validation split" in i8["reason"] and i8["attempts"] == []
     assert not (out / "student_int8.onnx").exists() and report["parity"]["fp32"]["split"] == "test"
 
 

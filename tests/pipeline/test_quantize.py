@@ -18,6 +18,7 @@ from leaflens.pipeline.export.parity import cpu_session, onnx_logits  # noqa: E4
 from leaflens.pipeline.export.quantize import (  # noqa: E402
     Int8Recipe,
     float_nodes,
+    int8_ladder,
     int8_shortfall,
     quantize_int8,
 )
@@ -79,7 +80,7 @@ def test_the_first_conv_and_the_classifier_are_found_by_name(fp32):
 
 
 def test_kept_layers_stay_float_and_the_rest_is_quantised(fp32, images, tmp_path):
-    q = quantize_int8(fp32, tmp_path / "q.onnx", images, MEAN, STD, Int8Recipe(calib_images=48))
+    q = quantize_int8(fp32, tmp_path / "q.onnx", images, MEAN, STD, Int8Recipe(calib_images=48, float_first_conv=True))
     assert q.float_nodes == ("/features/0/0/Conv", "/classifier/Gemm") and q.calibration_images == 48
     graph = _graph(q.path)
     inputs = _quantised_inputs(graph)
@@ -153,6 +154,16 @@ def test_the_rule_allows_at_most_the_given_drop():
     assert int8_shortfall(0.95, float("nan"), 0.01) is not None
 
 
+def test_the_ladder_tries_the_fast_recipe_first():
+    fast, accurate = int8_ladder()
+    assert fast == Int8Recipe() and not fast.float_first_conv and fast.float_classifier
+    assert accurate == replace(fast, float_first_conv=True)
+    base = Int8Recipe(calibration="entropy", calib_images=64)
+    assert int8_ladder(base) == (base, replace(base, float_first_conv=True))
+    already = replace(base, float_first_conv=True)
+    assert int8_ladder(already) == (already,)
+
+
 def test_recipes_are_checked_and_round_trip():
     r = Int8Recipe(calibration="entropy", calib_images=64, per_channel=False)
     assert Int8Recipe.from_dict(r.to_dict()) == r
@@ -164,3 +175,20 @@ def test_recipes_are_checked_and_round_trip():
     for bad in ({"calib_images": 0}, {"percentile": 0.0}, {"percentile": 101.0}, {"activations": "int4"}):
         with pytest.raises(ValueError):
             Int8Recipe(**bad)  # type: ignore[arg-type]
+
+
+def test_export_options_make_the_recipes_tried():
+    import argparse  # noqa: PLC0415
+
+    from leaflens.pipeline.cli import export as export_cli  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser()
+    export_cli.add_parser(parser.add_subparsers())
+    assert export_cli.int8_recipes(parser.parse_args(["export"])) == int8_ladder()
+    assert export_cli.int8_recipes(parser.parse_args(["export", "--int8-float-first-conv", "no"])) == (Int8Recipe(),)
+    args = parser.parse_args(["export", "--int8-float-first-conv", "yes", "--int8-calibration", "percentile",
+                              "--int8-percentile", "99.9", "--calib-images", "64", "--no-int8-per-channel",
+                              "--no-int8-float-classifier", "--int8-activations", "int8"])
+    assert export_cli.int8_recipes(args) == (Int8Recipe(calibration="percentile", percentile=99.9, calib_images=64,
+                                                        per_channel=False, float_first_conv=True,
+                                                        float_classifier=False, activations="int8"),)

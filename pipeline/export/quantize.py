@@ -10,12 +10,12 @@ the normalised pixels, quantised to 256 levels shared by three differently norma
 the classifier (its outputs are the logits, whose small differences decide the answer) stay in float.
 
 What measured best on the validation splits of the demo and iBeans (``benchmarks/int8.py``, figures
-in the README): keeping the classifier in float costs no speed (quantised logits only add work) and
-removes most of the loss; keeping the first convolution in float removes the rest but gives back most
-of INT8's speed (that layer works at full resolution); the calibration method, more images and
-per-tensor weights changed little, and min/max is the fastest. Hence :func:`int8_ladder`: the export
-tries the fast recipe first and the one with the first convolution in float only when the fast one
-loses too much.
+in the README): keeping the classifier in float costs no measurable speed and removed the whole loss
+on iBeans (a little of the disagreement on the demo); keeping the first convolution in float too
+removes the rest but gives back most of INT8's speed (that layer works at full resolution); the
+calibration method, more images and per-tensor weights changed little, and min/max is the fastest.
+Hence :func:`int8_ladder`: the export tries the fast recipe first and the one with the first
+convolution in float only when the fast one loses too much.
 
 The model card (metadata_props) of the FP32 model is carried over, so the INT8 file is
 self-describing too.

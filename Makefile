@@ -39,7 +39,7 @@ help:
 	@echo "make preprocess     DATA=<photo folder> SIZE=<pixels> -> $(DATASET)"
 	@echo "make teacher        teacher features -> $(TEACHER) (TEACHER_ARGS=--frozen|--onnx M|--train-cnn)"
 	@echo "make distill        student, distilled and from scratch -> $(STUDENT) (DISTILL_ARGS=...)"
-	@echo "make export         ONNX FP32/FP16/INT8 + Triton repository -> $(EXPORT)"
+	@echo "make export         ONNX FP32/FP16 (+INT8 when within 1 point) + Triton repository -> $(EXPORT)"
 	@echo "make serve          the local web app on 127.0.0.1"
 	@echo "make bench-engine   engine training-step speed (vs PyTorch when installed)"
 	@echo "make bench-mnist    MNIST with the engine (MNIST=dir with the IDX files)"

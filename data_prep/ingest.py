@@ -43,7 +43,7 @@ from leaflens.data_prep.manifest import (
     split_paths,
 )
 from leaflens.data_prep.scan import SPLITS, UNLABELED, ScanResult, SourceFile, scan_source
-from leaflens.data_prep.split import assign_auto, resolve_given
+from leaflens.data_prep.split import MIN_PER_CLASS, assign_auto, resolve_given
 from leaflens.files import clean_stale_temps, new_temp_dir, swap_into_place, write_json_atomic
 
 _STAGING = "staging.bin"
@@ -164,6 +164,24 @@ def _assign(scan: ScanResult, kept: list[int], hashes: list[bytes], opts: Ingest
     return out
 
 
+def _check_class_sizes(scan: ScanResult, kept: list[int], assigned: list[str | None], strict: bool,
+                       log: Callable[[str], None]) -> None:
+    """Warn about (or with ``strict`` refuse) classes too small to have a photo in every split."""
+    counts = dict.fromkeys(scan.classes, 0)
+    for i, split in zip(kept, assigned):
+        if split is not None and split != UNLABELED:
+            counts[scan.classes[scan.files[i].label]] += 1
+    small = {c: n for c, n in counts.items() if n < MIN_PER_CLASS}
+    if not small:
+        return
+    listed = ", ".join(f"{c!r} ({n} photo{'' if n == 1 else 's'})" for c, n in sorted(small.items()))
+    advice = (f"with fewer than {MIN_PER_CLASS} usable photos a class cannot have one in train, val and test, "
+              "so the report cannot say how the model does on it; add photos or leave the class out")
+    if strict:
+        raise IngestError(f"{scan.root}: too few photos in {listed}: {advice} (refused because of --strict)")
+    log(f"warning: too few photos in {listed}: {advice}")
+
+
 def _given_split(f: SourceFile) -> str:
     """The split folder ``f`` was found in (every file has one in the split-folder layout)."""
     if f.split is None:
@@ -281,14 +299,24 @@ def _up_to_date(out: Path, fingerprint: str) -> bool:
 # ---------------------------------------------------------------------------- main entry
 def ingest(src: str | os.PathLike, out: str | os.PathLike, options: IngestOptions | None = None, *,
            unlabeled: str | os.PathLike | None = None, workers: int | None = None, progress: bool = False,
-           force: bool = False, log: Callable[[str], None] = print) -> IngestReport:
-    """Turn the photo folder ``src`` into the dataset folder ``out`` (see module docstring)."""
+           force: bool = False, strict: bool = False, log: Callable[[str], None] = print) -> IngestReport:
+    """Turn the photo folder ``src`` into the dataset folder ``out`` (see module docstring).
+
+    Data a model cannot be trained and judged on is refused with what to do: fewer than 2 classes, or
+    a validation or test split left empty. Classes with fewer than ``MIN_PER_CLASS`` usable photos
+    are listed as a warning (they cannot appear in every split), or refused with ``strict``.
+    """
     t0 = time.perf_counter()
     opts = options or IngestOptions()
     if opts.size < 8:
         raise IngestError(f"image size {opts.size} is too small (need >= 8)")
     src_p, out_p = Path(src).resolve(), Path(out).resolve()
     scan = scan_source(src_p, unlabeled)
+    if len(scan.classes) < 2:
+        found = ", ".join(repr(c) for c in scan.classes) or "none"
+        raise IngestError(f"{src_p}: {len(scan.classes)} class folder found ({found}); a classifier needs at least "
+                          f"2 classes: put each class's photos in a folder of its own, e.g. {src_p / 'healthy'} and "
+                          f"{src_p / 'rust'}")
     _check_out(src_p, out_p)
     unl = str(Path(unlabeled).resolve()) if unlabeled is not None else None
     fingerprint = _fingerprint(scan, opts, unl)
@@ -303,11 +331,24 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike, options: IngestOption
         workers = max(1, workers or usable_cpus())
         kept, hashes, rejects = _decode_all(scan.files, opts, tmp / _STAGING, workers, progress)
         assigned = _assign(scan, kept, hashes, opts, rejects)
+        _check_class_sizes(scan, kept, assigned, strict, log)
         info, hist = _write_splits(tmp, scan, kept, assigned, opts)
         (tmp / _STAGING).unlink()
         if info["train"].count == 0:
             raise IngestError(f"{src_p}: no training image could be decoded ({len(rejects)} rejected); "
                               f"see the reasons above")
+        empty = [s for s in ("val", "test") if info[s].count == 0]
+        counts = ", ".join(f"{s} {info[s].count}" for s in SPLITS)
+        asked_none = [s for s in empty if scan.layout != "split_folders" and opts.ratios[SPLITS.index(s)] == 0]
+        if asked_none:  # the user's own --split: allowed, but distill will not train on it
+            log(f"warning: no {' and '.join(asked_none)} photos, as --split asked ({counts}); "
+                "`leaflens distill` needs both to choose and report a model")
+            empty = [s for s in empty if s not in asked_none]
+        if empty:
+            raise IngestError(f"{src_p}: the {' and '.join(empty)} split would be empty ({counts} photos): a model "
+                              "is chosen on val and reported on test. Add photos (at least "
+                              f"{MIN_PER_CLASS} per class) or, for train/val/test folders, put some in "
+                              f"{' and '.join(empty)}/; with class folders, --split must give val and test a share")
         mean, std = _mean_std(hist)
         report = _report(out_p, scan, info, rejects)
         with open(tmp / REJECTED_NAME, "w", encoding="utf-8") as fh:

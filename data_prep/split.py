@@ -13,6 +13,8 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 
 SPLIT_ORDER = ("train", "val", "test")
+# A class with this many photos gets at least one in each split the ratios give a share.
+MIN_PER_CLASS = 3
 
 
 def parse_ratios(text: str) -> tuple[float, float, float]:
@@ -29,7 +31,11 @@ def parse_ratios(text: str) -> tuple[float, float, float]:
 
 def assign_auto(labels: Sequence[int], hashes: Sequence[Hashable], ratios: tuple[float, float, float],
                 seed: int) -> list[str]:
-    """Split per class with a seeded shuffle of duplicate groups; returns one split name per item."""
+    """Split per class with a seeded shuffle of duplicate groups; returns one split name per item.
+
+    A class of ``MIN_PER_CLASS`` photos or more gets at least one validation and one test photo (when
+    their ratios are not 0) and always keeps one for training; a smaller class stays in train.
+    """
     groups: dict[Hashable, list[int]] = defaultdict(list)
     for i, h in enumerate(hashes):
         groups[h].append(i)
@@ -42,6 +48,9 @@ def assign_auto(labels: Sequence[int], hashes: Sequence[Hashable], ratios: tuple
         n = sum(len(u) for u in units)
         n_test = int(round(n * ratios[2]))
         n_val = int(round(n * ratios[1]))
+        if n >= MIN_PER_CLASS:  # every class can then be chosen on and reported, however small
+            n_test = max(n_test, 1 if ratios[2] > 0 else 0)
+            n_val = max(n_val, 1 if ratios[1] > 0 else 0)
         while n_test + n_val >= n and (n_test or n_val):  # keep at least one training image
             if n_test >= n_val and n_test:
                 n_test -= 1

@@ -54,9 +54,16 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
     work = _partial_dir(out)
     # Inputs are checked before anything is written (or a resumable partial run is removed).
     ds = load_dataset(dataset_dir)
-    for split in ("train", "val"):
+    for split in ("train", "val", "test"):
         if split not in ds or ds[split].labels is None:
             raise ValueError(f"dataset {ds.root} has no labelled '{split}' split")
+    counts = {split: len(ds[split]) for split in ("train", "val", "test")}
+    empty = [split for split, n in counts.items() if n == 0]
+    if empty:
+        raise ValueError(f"dataset {ds.root}: the {' and '.join(empty)} split{'s are' if len(empty) > 1 else ' is'} "
+                         f"empty (train {counts['train']}, val {counts['val']}, test {counts['test']} photos): "
+                         "a student is chosen on val and reported on test; preprocess again with at least 3 "
+                         "photos per class (or a --split that gives val and test a share)")
     tt = load_teacher(teacher_dir, ds) if teacher_dir is not None and not no_teacher else None
     if not resume and work.exists():
         shutil.rmtree(work)

@@ -34,6 +34,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS,
                    help=f"refuse images declaring more pixels than this (default {DEFAULT_MAX_PIXELS})")
     p.add_argument("--force", action="store_true", help="rebuild even if the output is up to date")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse classes with fewer than 3 usable photos instead of warning about them")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
     return p
@@ -44,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
         opts = IngestOptions(size=args.size, resize=args.resize, ratios=parse_ratios(args.split),
                              seed=args.seed, max_pixels=args.max_pixels)
         ingest(args.src, args.out, opts, unlabeled=args.unlabeled, workers=args.workers,
-               progress=not args.no_progress and sys.stderr.isatty(), force=args.force)
+               progress=not args.no_progress and sys.stderr.isatty(), force=args.force,
+               strict=args.strict)
     except (IngestError, ScanError, ValueError) as exc:
         print(f"leaflens preprocess: error: {exc}", file=sys.stderr)
         return 1

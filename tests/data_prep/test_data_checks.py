@@ -1,0 +1,99 @@
+"""Data that would spoil a model is refused or warned about, with what to do (issue #21, items 1-2)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from dp_helpers import make_class_folders
+
+from leaflens.data_prep.ingest import IngestError, IngestOptions, ingest
+from leaflens.data_prep.manifest import load_dataset
+from leaflens.data_prep.split import MIN_PER_CLASS, assign_auto
+
+
+def _ingest(src: Path, out: Path, ratios=(0.7, 0.15, 0.15), **kw):
+    messages: list[str] = []
+    report = ingest(src, out, IngestOptions(size=16, ratios=ratios), workers=1, log=messages.append, **kw)
+    return report, messages
+
+
+@pytest.mark.parametrize("n", range(MIN_PER_CLASS, 12))
+def test_every_class_of_three_or_more_gets_a_val_and_a_test_photo(n):
+    labels = [0] * n + [1] * (n + 5)
+    splits = assign_auto(labels, list(range(len(labels))), (0.7, 0.15, 0.15), seed=n)
+    for cls in (0, 1):
+        got = Counter(s for s, y in zip(splits, labels) if y == cls)
+        assert got["val"] >= 1 and got["test"] >= 1 and got["train"] >= 1, (n, cls, got)
+
+
+def test_a_class_of_two_stays_in_train_and_explicit_zero_ratios_are_kept():
+    assert assign_auto([0, 0], [0, 1], (0.7, 0.15, 0.15), seed=0) == ["train", "train"]
+    splits = assign_auto([0] * 5, list(range(5)), (1.0, 0.0, 0.0), seed=0)
+    assert splits == ["train"] * 5
+
+
+def test_one_class_is_refused_with_what_to_do(tmp_path):
+    src = make_class_folders(tmp_path / "photos", per_class=5)
+    for extra in ("healthy", "rust"):
+        shutil.rmtree(src / extra)
+    with pytest.raises(IngestError, match=r"1 class folder found \('blight'\).*at least 2 classes"):
+        _ingest(src, tmp_path / "ds")
+    assert not (tmp_path / "ds").exists()
+    res = subprocess.run([sys.executable, "-m", "leaflens", "preprocess", "--src", str(src), "--out",
+                          str(tmp_path / "ds"), "--no-progress", "--workers", "1"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 1
+    assert "at least 2 classes" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_two_classes_of_three_photos_get_one_photo_in_each_split(tmp_path):
+    src = make_class_folders(tmp_path / "photos", per_class=3)
+    shutil.rmtree(src / "rust")
+    report, messages = _ingest(src, tmp_path / "ds")
+    ds = load_dataset(report.out)
+    for split in ("train", "val", "test"):
+        assert sorted(np.asarray(ds[split].labels).tolist()) == [0, 1], split
+    assert not any(m.startswith("warning") for m in messages)
+
+
+def test_a_class_too_small_for_every_split_is_named_and_refused_when_strict(tmp_path):
+    src = make_class_folders(tmp_path / "photos", per_class=8)
+    for p in sorted((src / "rust").iterdir())[2:]:
+        p.unlink()
+    report, messages = _ingest(src, tmp_path / "ds")
+    warnings = [m for m in messages if m.startswith("warning")]
+    assert len(warnings) == 1 and "'rust' (2 photos)" in warnings[0] and "blight" not in warnings[0]
+    with pytest.raises(IngestError, match=r"'rust' \(2 photos\).*--strict"):
+        _ingest(src, tmp_path / "ds2", strict=True)
+    assert not (tmp_path / "ds2").exists()
+
+
+def test_given_folders_without_a_test_split_are_refused_naming_the_counts(tmp_path):
+    classes = make_class_folders(tmp_path / "flat", per_class=4)
+    src = tmp_path / "given"
+    for split, keep in (("train", slice(0, 3)), ("val", slice(3, 4))):
+        for cls in sorted(p.name for p in classes.iterdir()):
+            dest = src / split / cls
+            dest.mkdir(parents=True)
+            for f in sorted((classes / cls).iterdir())[keep]:
+                shutil.copy(f, dest / f.name)
+    with pytest.raises(IngestError, match=r"the test split would be empty \(train 9, val 3, test 0 photos\).*test/"):
+        _ingest(src, tmp_path / "ds")
+
+
+def test_a_split_asked_to_be_empty_is_a_warning_and_distill_names_it(tmp_path):
+    src = make_class_folders(tmp_path / "photos", per_class=6)
+    report, messages = _ingest(src, tmp_path / "ds", ratios=(0.8, 0.0, 0.2))
+    assert any(m.startswith("warning: no val photos, as --split asked") for m in messages)
+    from leaflens.pipeline.config import load_config
+    from leaflens.pipeline.distill import run_distill
+
+    with pytest.raises(ValueError, match=r"the val split is empty \(train 1[0-9], val 0, test [0-9] photos\)"):
+        run_distill(report.out, None, tmp_path / "run", load_config(), no_teacher=True, progress=False)
+    assert not (tmp_path / "run").exists()

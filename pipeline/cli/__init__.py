@@ -20,7 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "preprocess": ("leaflens.pipeline.cli.preprocess", "photos in class folders -> memory-mapped arrays + manifest"),
     "teacher": ("leaflens.pipeline.cli.teacher", "teacher features (and logits) for every image"),
     "distill": ("leaflens.pipeline.cli.distill", "train the student (distilled and from scratch), keep the better"),
-    "export": ("leaflens.pipeline.cli.export", "student -> ONNX (FP32, FP16, INT8) + Triton repository"),
+    "export": ("leaflens.pipeline.cli.export", "student -> ONNX (FP32, FP16, INT8 within 1 point) + Triton repository"),
     "evaluate": ("leaflens.pipeline.cli.evaluate", "accuracy of an exported model on photo files in class folders"),
     "predict": ("leaflens.apps.cmd_predict", "classify image files and folders with an exported model"),
     "serve": ("leaflens.apps.cmd_serve", "start the local web app"),

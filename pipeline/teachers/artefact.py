@@ -102,6 +102,20 @@ def read_teacher_info(path: Path) -> TeacherInfo:
         raise TeacherError(str(exc)) from None
 
 
+def open_teacher_array(path: Path, shape: tuple[int, ...], why: str | None = None) -> np.ndarray:
+    """Memory-map one of a teacher folder's arrays, refusing a missing, unreadable or misshapen file by
+    name (``why``: what says the file should be there)."""
+    if not path.is_file():
+        raise TeacherError(f"{path} is missing" + (f" ({why})" if why else ""))
+    try:
+        a = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError) as exc:
+        raise TeacherError(f"cannot read {path}: {exc}") from None
+    if a.shape != shape:
+        raise TeacherError(f"{path} has shape {a.shape}, expected {shape}")
+    return a
+
+
 def load_teacher(root: str | os.PathLike[str], dataset: Any) -> TeacherTargets:
     """Open a teacher folder for ``dataset`` (a data_prep Dataset), checking it belongs to it."""
     root = Path(root)
@@ -118,24 +132,10 @@ def load_teacher(root: str | os.PathLike[str], dataset: Any) -> TeacherTargets:
     for split in dataset.splits:
         fname, lname = feature_paths(split)
         n = len(dataset[split])
-        fpath = root / fname
-        if not fpath.is_file():
-            raise TeacherError(f"{fpath} is missing")
-        try:
-            f = np.load(fpath, mmap_mode="r", allow_pickle=False)
-        except (ValueError, OSError) as exc:
-            raise TeacherError(f"cannot read {fpath}: {exc}") from None
-        if f.ndim != 2 or f.shape[0] != n or f.shape[1] != info.feature_dim:
-            raise TeacherError(f"{fpath} has shape {f.shape}, expected ({n}, {info.feature_dim})")
-        features[split] = f
-        lpath = root / lname
+        features[split] = open_teacher_array(root / fname, (n, info.feature_dim))
         if info.num_classes:
-            if not lpath.is_file():
-                raise TeacherError(f"{lpath} is missing (teacher.json says the teacher has logits)")
-            lg = np.load(lpath, mmap_mode="r", allow_pickle=False)
-            if lg.shape != (n, info.num_classes):
-                raise TeacherError(f"{lpath} has shape {lg.shape}, expected ({n}, {info.num_classes})")
-            logits[split] = lg
+            logits[split] = open_teacher_array(root / lname, (n, info.num_classes),
+                                               "teacher.json says the teacher has logits")
     from leaflens.pipeline.teachers.views import load_view_bank  # noqa: PLC0415
 
     return TeacherTargets(root, info, features, logits, load_view_bank(root, dataset, info))

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from leaflens.data_prep.arrays import NpyRowWriter
 from leaflens.engine.data import Augment, apply_view_boxes, sample_view_boxes
-from leaflens.pipeline.teachers.artefact import TeacherError, TeacherInfo, ViewBankInfo
+from leaflens.pipeline.teachers.artefact import TeacherError, TeacherInfo, ViewBankInfo, open_teacher_array
 
 VIEW_SPLITS = ("train", "unlabeled")
 
@@ -115,15 +115,6 @@ def load_view_bank(root: Path, ds: Any, info: TeacherInfo) -> dict[str, tuple[np
             if name.startswith("logits") and not classes:
                 arrays.append(None)
                 continue
-            path = root / name
-            if not path.is_file():
-                raise TeacherError(f"{path} is missing (teacher.json says the teacher has {k} views)")
-            try:
-                a = np.load(path, mmap_mode="r", allow_pickle=False)
-            except (ValueError, OSError) as exc:
-                raise TeacherError(f"cannot read {path}: {exc}") from None
-            if a.shape != shape:
-                raise TeacherError(f"{path} has shape {a.shape}, expected {shape}")
-            arrays.append(a)
+            arrays.append(open_teacher_array(root / name, shape, f"teacher.json says the teacher has {k} views"))
         bank[split] = (arrays[0], arrays[1], arrays[2])
     return bank

@@ -124,3 +124,27 @@ def test_an_encoder_with_classes_but_no_logits_is_refused(ds_dir, tmp_path):
     with pytest.raises(TeacherStageError, match="NoLogits teacher has 3 classes but returned no logits"):
         write_teacher(tmp_path / "t", load_dataset(ds_dir), NoLogits(), from_arrays=True, progress=False)
     assert not (tmp_path / "t").exists()
+
+
+def test_a_broken_teacher_array_is_refused_by_name(ds_dir, tmp_path):
+    """Missing, unreadable or misshapen feature and logit files: a TeacherError naming the file."""
+    from leaflens.pipeline.teachers.artefact import TeacherError
+
+    feats = class_features(ds_dir, tmp_path / "feats", dim=8)
+    run_teacher_stage(ds_dir, tmp_path / "t", load_config(), TeacherChoice(features=feats), progress=False)
+    ds = load_dataset(ds_dir)
+    logits = tmp_path / "t" / "logits_val.npy"
+    good = logits.read_bytes()
+    logits.write_bytes(b"not an npy file")
+    with pytest.raises(TeacherError, match=r"cannot read .*logits_val\.npy"):
+        load_teacher(tmp_path / "t", ds)
+    np.save(logits, np.zeros((1, 3), np.float32))
+    with pytest.raises(TeacherError, match=r"logits_val\.npy has shape \(1, 3\), expected"):
+        load_teacher(tmp_path / "t", ds)
+    logits.unlink()
+    with pytest.raises(TeacherError, match=r"logits_val\.npy is missing \(teacher.json says the teacher has logits\)"):
+        load_teacher(tmp_path / "t", ds)
+    logits.write_bytes(good)
+    (tmp_path / "t" / "features_test.npy").unlink()
+    with pytest.raises(TeacherError, match=r"features_test\.npy is missing"):
+        load_teacher(tmp_path / "t", ds)

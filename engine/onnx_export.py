@@ -11,8 +11,8 @@ is specialised to the traced spatial size (the batch stays symbolic), and Python
 is frozen as it ran, which is what an inference graph of these models wants anyway.
 
 The result follows one contract: one input (default "input", float32, NCHW, batch dimension
-"batch"), one output (default "logits"; rank-4 outputs are NCHW, others as the engine gives
-them), parameters as initialisers, BatchNorm folded into the preceding Conv/Gemm, opset
+"batch"), one output per element the forward returns (default one, "logits"; rank-4 outputs are
+NCHW, others as the engine gives them), parameters as initialisers, BatchNorm folded into the preceding Conv/Gemm, opset
 :data:`OPSET` with IR version :data:`IR_VERSION`, checked with ``onnx.checker`` (full check).
 
 :func:`convert_float16` makes the FP16 variant (weights and compute in float16, float32 input and
@@ -133,7 +133,7 @@ def _prune(nodes: list[onnx.NodeProto], outputs: Sequence[str]) -> list[onnx.Nod
 
 
 def export_onnx(model: Module, input_shape: Sequence[int], *, input_name: str = "input",
-                output_name: str = "logits", metadata: Mapping[str, str] | None = None,
+                output_name: str | Sequence[str] = "logits", metadata: Mapping[str, str] | None = None,
                 graph_name: str = "leaflens", doc_string: str = "", opset: int = OPSET,
                 ir_version: int = IR_VERSION, trace_batch: int = 2, check: bool = True) -> onnx.ModelProto:
     """The ONNX graph of ``model`` for inputs of ONNX shape ``[batch, *input_shape]``.
@@ -141,6 +141,8 @@ def export_onnx(model: Module, input_shape: Sequence[int], *, input_name: str = 
     ``input_shape`` is given in ONNX layout without the batch: (C, H, W) for images, which the
     engine sees as NHWC (N, H, W, C); a 1-D shape (F,) is a plain feature vector. The model runs
     once in eval mode on seeded random data (its train/eval flags are restored afterwards).
+    A forward that returns a tuple of Tensors gives one graph output per element, named by the
+    sequence ``output_name`` (e.g. ``("logits", "ood_score")``).
     Raises :class:`UnsupportedOpError` naming any op without a converter, :class:`ExportError`
     for ops the contract cannot express (e.g. ones mixing the batch axis).
     """
@@ -148,8 +150,10 @@ def export_onnx(model: Module, input_shape: Sequence[int], *, input_name: str = 
     if not input_shape or any(d < 1 for d in input_shape):
         raise ExportError(f"input_shape must be positive sizes without the batch, e.g. (3, 64, 64); "
                           f"got {input_shape}")
-    if input_name == output_name:
-        raise ExportError(f"input and output need different names, both are {input_name!r}")
+    output_names = [output_name] if isinstance(output_name, str) else [str(n) for n in output_name]
+    if not output_names or len(set(output_names)) != len(output_names) or input_name in output_names:
+        raise ExportError(f"input and outputs need distinct names, got input {input_name!r} and outputs "
+                          f"{output_names}")
     rank = len(input_shape) + 1
     in_perm = channels_first(rank)
     onnx_shape = (trace_batch, *input_shape)
@@ -165,15 +169,21 @@ def export_onnx(model: Module, input_shape: Sequence[int], *, input_name: str = 
     finally:
         for m, mode in modes:
             object.__setattr__(m, "training", mode)
-    if not isinstance(y, Tensor):
+    ys = list(y) if isinstance(y, tuple) else [y]
+    if not all(isinstance(t, Tensor) for t in ys):
         raise ExportError(f"{type(model).__name__}.forward returned {type(y).__name__}; export needs a model "
-                          "with one Tensor output")
+                          "returning a Tensor or a tuple of Tensors")
+    if len(ys) != len(output_names):
+        raise ExportError(f"{type(model).__name__}.forward returned {len(ys)} output(s) but {len(output_names)} "
+                          f"output name(s) were given: {output_names}")
 
     uses: Counter[int] = Counter(id(t) for c in calls for t in c.inputs)
-    uses[id(y)] += 1
+    for t in ys:
+        uses[id(t)] += 1
     b = GraphBuilder(dict(uses), {id(p): n for n, p in model.named_parameters()})
     b.reserve(input_name)
-    b.reserve(output_name)
+    for name in output_names:
+        b.reserve(name)
     b.bind(x_t, input_name, in_perm)
     for call in calls:
         if not any(b.is_activation(t) for t in call.inputs):
@@ -184,23 +194,25 @@ def export_onnx(model: Module, input_shape: Sequence[int], *, input_name: str = 
         b.scope = call.scope
         converter(b, call.fn, call.inputs, call.outputs)
     b.scope = ""
-    if not b.is_activation(y):
-        raise ExportError(f"the output of {type(model).__name__} does not depend on its input")
+    outputs = []
+    for t, name in zip(ys, output_names):
+        if not b.is_activation(t):
+            raise ExportError(f"output {name!r} of {type(model).__name__} does not depend on its input")
+        out_perm = channels_first(4) if t.ndim == 4 else identity(t.ndim)
+        final = b.operand(t, out_perm)
+        if final == input_name or final in output_names:
+            b.nodes.append(helper.make_node("Identity", [final], [name], name=f"/Identity_{name}"))
+        else:
+            b.rename(final, name)
+        out_shape = [t.shape[i] for i in out_perm]
+        elem = helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype))
+        outputs.append(helper.make_tensor_value_info(name, elem, ["batch", *out_shape[1:]]))
+    b.nodes[:] = _prune(b.nodes, output_names)
 
-    out_perm = channels_first(4) if y.ndim == 4 else identity(y.ndim)
-    final = b.operand(y, out_perm)
-    if final == input_name:
-        b.nodes.append(helper.make_node("Identity", [input_name], [output_name], name="/Identity"))
-    else:
-        b.rename(final, output_name)
-    b.nodes[:] = _prune(b.nodes, [output_name])
-
-    out_shape = [y.shape[i] for i in out_perm]
-    elem = helper.np_dtype_to_tensor_dtype(np.dtype(y.dtype))
     graph = helper.make_graph(
         b.nodes, graph_name,
         [helper.make_tensor_value_info(input_name, TensorProto.FLOAT, ["batch", *input_shape])],
-        [helper.make_tensor_value_info(output_name, elem, ["batch", *out_shape[1:]])],
+        outputs,
         b.used_initializers(),
     )
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=ir_version,

@@ -58,6 +58,15 @@ class StudentCNN(nn.Module):
     def forward(self, x: Any) -> Any:
         return self.classifier(self.dropout(self.embed(x)))
 
+    def forward_blocks(self, x: Any) -> tuple[Any, list[Any]]:
+        """(logits, the output of every conv block): what the out-of-domain score reads
+        (leaflens.pipeline.ood), from the same pass that gives the answer."""
+        blocks = []
+        for block in self.features:
+            x = block(x)
+            blocks.append(x)
+        return self.classifier(self.dropout(self.pool(x))), blocks
+
     def forward_with_projection(self, x: Any) -> tuple[Any, Any]:
         """(logits, projected embedding) for distillation; needs ``teacher_dim``."""
         if self.projection is None:

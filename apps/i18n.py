@@ -67,6 +67,14 @@ STRINGS: dict[str, dict[str, str]] = {
         "err_file_too_big": "the file is {size} MB; the largest accepted is {limit} MB.",
         "err_internal": "the server failed while reading this photo.",
         "err_busy": "the server is busy right now; please try this photo again in a moment.",
+        # photos that decode but are not analysed (min_side in decode, leaflens.data_prep.quality)
+        "err_too_small": ("the picture is too small to show a leaf (a few dozen pixels across). Send the "
+                          "original photo from the camera, not a thumbnail or a small preview."),
+        "err_uniform": ("this picture is almost one flat colour, so there is no leaf to examine. Take a photo "
+                        "of the leaf filling most of the frame."),
+        "err_low_texture": ("this picture is too blurred or too smooth to show any detail of a leaf. Hold the "
+                            "phone steady, tap the leaf to focus, and take the photo close up in good light, "
+                            "with the leaf filling most of the frame."),
         # model tab
         "model_heading": "### The model",
         "m_file": "File",
@@ -137,6 +145,11 @@ STRINGS: dict[str, dict[str, str]] = {
         "err_file_too_big": "文件大小为 {size} MB；最大允许 {limit} MB。",
         "err_internal": "服务器读取这张照片时出错。",
         "err_busy": "服务器正忙，请稍后再试这张照片。",
+        "err_too_small": ("图片太小（只有几十个像素宽），看不清叶片。请发送相机拍摄的原始照片，"
+                          "不要发送缩略图或小预览图。"),
+        "err_uniform": "这张图片几乎只有一种颜色，没有可以检查的叶片。请重新拍摄，让叶片占满画面的大部分。",
+        "err_low_texture": ("这张图片太模糊或太平滑，看不到叶片的任何细节。请拿稳手机，点按叶片对焦，"
+                            "在光线充足处靠近拍摄，让叶片占满画面的大部分。"),
         "model_heading": "### 模型",
         "m_file": "文件",
         "m_run": "训练记录",

@@ -85,9 +85,10 @@ class PreprocessContract(Record):
         if self.resize not in ("crop", "pad"):
             raise ContractError("resize", f"must be 'crop' or 'pad', got {self.resize!r}")
 
-    def decode(self, src: Source, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
-        """Step 1: one photo (path or encoded bytes) -> uint8 ``(stored_size, stored_size, 3)``."""
-        return decode_stored(src, self.stored_size, self.resize, max_pixels)
+    def decode(self, src: Source, max_pixels: int = DEFAULT_MAX_PIXELS, min_side: int = 0) -> np.ndarray:
+        """Step 1: one photo (path or encoded bytes) -> uint8 ``(stored_size, stored_size, 3)``;
+        ``min_side`` > 0 refuses a photo under that many pixels on a side ("too_small")."""
+        return decode_stored(src, self.stored_size, self.resize, max_pixels, min_side=min_side)
 
     def prepare(self, images: np.ndarray) -> np.ndarray:
         """Steps 2-3: uint8 ``(N, stored_size, stored_size, 3)`` -> float32 NHWC model input."""
@@ -99,9 +100,11 @@ class PreprocessContract(Record):
         return normalize(area_resize(images, self.input_size), self.mean, self.std)
 
 
-def decode_stored(src: Source, stored_size: int, resize: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
-    """Step 1 of the contract: the pixels `leaflens preprocess` stores for a photo (see module docstring)."""
-    return decode_image(src, stored_size, resize=resize, max_pixels=max_pixels)
+def decode_stored(src: Source, stored_size: int, resize: str, max_pixels: int = DEFAULT_MAX_PIXELS,
+                  min_side: int = 0) -> np.ndarray:
+    """Step 1 of the contract: the pixels `leaflens preprocess` stores for a photo (see module docstring);
+    ``min_side`` > 0 refuses a photo under that many pixels on a side (preprocess keeps the default 0)."""
+    return decode_image(src, stored_size, resize=resize, max_pixels=max_pixels, min_side=min_side)
 
 
 def _area_weights(n_in: int, n_out: int) -> np.ndarray:

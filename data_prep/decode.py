@@ -4,7 +4,8 @@ Preprocessing, the teacher stage and the inference app all call :func:`decode_im
 turned into pixels the same way at training and at serving time. The function accepts what phones
 and scanners produce (EXIF-rotated JPEGs, PNGs with alpha, grayscale, 16-bit, palette and CMYK
 files) and refuses, with :class:`ImageDecodeError` and a short machine-readable ``reason``, what
-cannot be read (empty, truncated, not an image, too many pixels).
+cannot be read (empty, truncated, not an image, too many pixels) and, when the caller asks for a
+``min_side``, a photo too small to show a leaf ("too_small", measured after EXIF rotation).
 
 Speed: for JPEGs the decoder's DCT scaling (``Image.draft``) decodes a 4000x3000 photo directly
 at 1/2, 1/4 or 1/8 scale, keeping at least twice the wanted output size so the final antialiased
@@ -65,7 +66,7 @@ class ImageDecodeError(ValueError):
     """An image that cannot be turned into pixels.
 
     ``reason`` is a short machine-readable code ("empty", "truncated", "corrupt", "not_an_image",
-    "too_large", "unsupported_mode", "heic_unsupported", "unreadable"); ``source`` names the file
+    "too_large", "unsupported_mode", "heic_unsupported", "unreadable", "too_small"); ``source`` names the file
     (or "<bytes>"); the message is for people and names the file too.
     """
 
@@ -228,15 +229,30 @@ def _crop_box(w: int, h: int, size: int, shorter_side: int) -> tuple[float, floa
     return (left, top, left + side, top + side)
 
 
-def _decode(src: Source, size: int, resize: str, max_pixels: int, shorter_side: int) -> np.ndarray:
+def _check_min_side(im: Image.Image, orientation: int, min_side: int, name: str) -> None:
+    """Refuse ("too_small") an image whose displayed size (after EXIF rotation) is under ``min_side``
+    on either side; checked on the header, before any pixel is decoded or the JPEG draft shrinks it."""
+    w, h = im.size
+    if orientation in (5, 6, 7, 8):  # these EXIF orientations swap width and height
+        w, h = h, w
+    if min(w, h) < min_side:
+        raise ImageDecodeError("too_small", name, f"{w}x{h} px, smaller than {min_side} px on a side")
+
+
+def _decode(src: Source, size: int, resize: str, max_pixels: int, shorter_side: int,
+            min_side: int = 0) -> np.ndarray:
     if resize not in _RESIZE_MODES:
         raise ValueError(f"resize must be one of {_RESIZE_MODES}, got {resize!r}")
     if size < 1 or shorter_side < size:
         raise ValueError(f"need 1 <= size <= shorter_side, got size={size}, shorter_side={shorter_side}")
+    if isinstance(min_side, bool) or not isinstance(min_side, (int, np.integer)) or min_side < 0:
+        raise ValueError(f"min_side must be an integer >= 0, got {min_side!r}")
     name = _source_name(src)
     data = read_source(src)
     im = _open(data, name, max_pixels)
     orientation = _orientation(im)
+    if min_side:
+        _check_min_side(im, orientation, min_side, name)
     if im.format == "JPEG":
         # DCT scaling: both sides stay >= DRAFT_MARGIN * target, so the shorter side does too.
         target = DRAFT_MARGIN * (shorter_side if resize == "crop" else size)
@@ -264,7 +280,7 @@ def _decode(src: Source, size: int, resize: str, max_pixels: int, shorter_side: 
 
 
 def decode_image(
-    src: Source, size: int, resize: str = "crop", max_pixels: int = DEFAULT_MAX_PIXELS
+    src: Source, size: int, resize: str = "crop", max_pixels: int = DEFAULT_MAX_PIXELS, *, min_side: int = 0
 ) -> np.ndarray:
     """Decode ``src`` (path or encoded bytes) to a ``(size, size, 3)`` uint8 RGB array.
 
@@ -272,17 +288,19 @@ def decode_image(
     decoded at reduced DCT scale when a small output is wanted, and the image is resized with
     antialiasing: ``resize="crop"`` scales the shorter side to ``size`` and crops the centre;
     ``resize="pad"`` scales the longer side to ``size`` and letterboxes with ``PAD_VALUE``.
+    ``min_side`` > 0 refuses (reason "too_small") an image whose width or height after EXIF rotation
+    is under ``min_side`` pixels; the default 0 accepts any size.
     Raises :class:`ImageDecodeError` (with ``reason``) for files that cannot be decoded and
     ``ValueError`` for bad arguments.
     """
-    return _decode(src, size, resize, max_pixels, shorter_side=size)
+    return _decode(src, size, resize, max_pixels, shorter_side=size, min_side=min_side)
 
 
 def decode_image_at(
     src: Source, size: int, resize: str = "crop", shorter_side: int | None = None,
-    max_pixels: int = DEFAULT_MAX_PIXELS,
+    max_pixels: int = DEFAULT_MAX_PIXELS, *, min_side: int = 0,
 ) -> np.ndarray:
-    """Like :func:`decode_image`, but with ``resize="crop"`` the shorter side is first scaled to
+    """Like :func:`decode_image` (``min_side`` included), but with ``resize="crop"`` the shorter side is first scaled to
     ``shorter_side`` (>= size) and the centre ``size`` square kept: the classic "resize 256, centre
     crop 224" of ImageNet-trained teachers. ``shorter_side`` is ignored for ``resize="pad"``."""
-    return _decode(src, size, resize, max_pixels, shorter_side=shorter_side or size)
+    return _decode(src, size, resize, max_pixels, shorter_side=shorter_side or size, min_side=min_side)

@@ -8,14 +8,18 @@ weights and cannot drift apart from them. All values are strings (ONNX metadata 
 ==============================  =========  ===============================================
 key                             required   value
 ==============================  =========  ===============================================
-leaflens.format                 yes        "2" ("1": written before the stored size was recorded)
+leaflens.format                 yes        "3" ("2": before the out-of-domain check; "1": before the
+                                           stored size was recorded)
 leaflens.classes                yes        JSON list of class names
 leaflens.stored_size            format 2   photos are first decoded to a stored_size square
 leaflens.input_size             yes        S (input is [N, 3, S, S]), reached by area averaging
 leaflens.mean / leaflens.std    yes        JSON lists of 3 floats on the [0, 1] pixel scale
 leaflens.layout                 yes        "NCHW"
 leaflens.resize                 yes        "crop" or "pad" (as in leaflens.data_prep.decode)
-leaflens.uncertain_threshold    no         float; top probability below it => "uncertain"
+leaflens.uncertain_threshold    no         float; top probability below it => "ambiguous"
+leaflens.ood                    no         JSON :class:`OODCheck`: how ``ood_score`` is judged; present
+                                           exactly when the graph has the ``ood_score`` output
+leaflens.val_ambiguous          no         float, share of validation photos below the threshold above
 leaflens.run_id                 no         training run id
 leaflens.accuracy               no         float, test accuracy of that run
 leaflens.params                 no         int, parameter count
@@ -23,6 +27,7 @@ leaflens.params                 no         int, parameter count
 
 Format 1 files (exported before the stored size was recorded) are read with the stored size equal to
 the input size: photos are decoded straight to the input size, as leaflens did when it wrote them.
+Format 2 files have no out-of-domain score: they are served with the "ambiguous" rule alone.
 """
 
 from __future__ import annotations
@@ -32,12 +37,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+import numpy as np
 from leaflens.data_prep.contract import ContractError, PreprocessContract
 from leaflens.records import Record
 
-__all__ = ["DEFAULT_UNCERTAIN_THRESHOLD", "FORMAT_VERSION", "ModelCard", "ModelError"]
+__all__ = ["DEFAULT_UNCERTAIN_THRESHOLD", "FORMAT_VERSION", "ModelCard", "ModelError", "OODCheck"]
 
-FORMAT_VERSION = "2"
+FORMAT_VERSION = "3"
 # Used when a model carries no calibrated threshold: with 3 to 40 classes, a top probability under
 # one half means the model itself rates another answer as likely as its first choice.
 DEFAULT_UNCERTAIN_THRESHOLD = 0.5
@@ -47,6 +53,27 @@ _REQUIRED = ("format", "classes", "input_size", "mean", "std", "layout", "resize
 
 class ModelError(ValueError):
     """An ONNX file that is not a usable leaflens model; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class OODCheck(Record):
+    """How a model's ``ood_score`` output is judged (leaflens.pipeline.ood): above ``threshold`` the photo
+    is out of domain. The threshold was chosen so that at most ``budget`` of the ``val_photos`` validation
+    photos were flagged (``val_flagged`` were); the score was fitted on ``train_photos`` training photos."""
+
+    method: str
+    threshold: float
+    budget: float
+    val_photos: int
+    val_flagged: float
+    train_photos: int
+    blocks: int
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.threshold, (int, float)) and np.isfinite(self.threshold)):
+            raise ContractError("ood", f"threshold must be a finite number, got {self.threshold!r}")
+        if not 0.0 < self.budget < 0.5:
+            raise ContractError("ood", f"budget must be in (0, 0.5), got {self.budget!r}")
 
 
 @dataclass(frozen=True)
@@ -63,6 +90,8 @@ class ModelCard(Record):
     run_id: str | None = None
     accuracy: float | None = None
     params: int | None = None
+    ood: OODCheck | None = None  # None: the model has no out-of-domain output (format <= 2, or not fitted)
+    val_ambiguous: float | None = None
     schema_version: int = int(FORMAT_VERSION)
 
     def __post_init__(self) -> None:
@@ -123,15 +152,22 @@ class ModelCard(Record):
             meta["accuracy"] = repr(float(self.accuracy))
         if self.params is not None:
             meta["params"] = str(int(self.params))
+        if self.ood is not None:
+            meta["ood"] = json.dumps(self.ood.to_dict())
+        if self.val_ambiguous is not None:
+            meta["val_ambiguous"] = repr(float(self.val_ambiguous))
         return {PREFIX + k: v for k, v in meta.items()}
 
     @classmethod
     def _upgrade(cls, data: dict[str, Any], version: int, where: str) -> dict[str, Any]:
-        """Format 1 recorded no stored size: its photos were decoded straight to the input size."""
+        """Format 1 recorded no stored size: its photos were decoded straight to the input size.
+        Format 2 had no out-of-domain output: nothing to add (``ood`` stays None)."""
         if version == 1:
             contract = dict(data["contract"])
             contract.setdefault("stored_size", contract["input_size"])
             return {**data, "contract": contract}
+        if version == 2:
+            return data
         return super()._upgrade(data, version, where)
 
     @classmethod
@@ -183,6 +219,12 @@ class ModelCard(Record):
         data["run_id"] = meta.get(PREFIX + "run_id")
         data["accuracy"] = number("accuracy", float) if PREFIX + "accuracy" in meta else None
         data["params"] = number("params", int) if PREFIX + "params" in meta else None
+        data["val_ambiguous"] = number("val_ambiguous", float) if PREFIX + "val_ambiguous" in meta else None
+        if PREFIX + "ood" in meta:
+            try:
+                data["ood"] = OODCheck.from_dict(json_value("ood"), f"{source} metadata '{PREFIX}ood'")
+            except (ValueError, TypeError) as exc:
+                raise fail("ood", f"is not a valid out-of-domain check: {exc}") from exc
         if version < newest:
             data = cls._upgrade(data, version, source)
         try:

@@ -7,8 +7,18 @@ every photo with that contract (leaflens.data_prep.contract): decoded to the sto
 the very functions the engine's evaluation used, so serving sees the pixels that were measured.
 :meth:`Predictor.decode` gives the stored-size uint8 pixels (what the dataset arrays hold, and what
 the batcher carries); :meth:`Predictor.preprocess` does the rest. Softmax is applied here (the
-graph ends at the logits). A prediction whose top probability is below the model's threshold is
-flagged ``uncertain``: a photo that is not a leaf should not get a confident disease name.
+graph ends at the logits). Every answer carries one verdict:
+
+- ``refused``: the photo was not shown to the model: smaller than :data:`MIN_SIDE` px on a side,
+  near-uniform, or too flat to judge (leaflens.data_prep.quality);
+- ``out_of_domain``: the model's ``ood_score`` output (leaflens.pipeline.ood) is above the threshold in
+  its metadata: this does not look like the photos it was trained on, so no class is named;
+- ``ambiguous``: a known kind of photo, but the top probability is below the model's threshold: the
+  top two classes are named, neither is claimed;
+- ``diagnosis``: the top class.
+
+A model exported before the out-of-domain output existed (format <= 2) gets no ``out_of_domain``
+verdict; :attr:`Predictor.has_ood` says which kind is loaded.
 
 For a server, pair it with the dynamic batcher::
 
@@ -41,11 +51,18 @@ import numpy as np
 from leaflens.apps.model_card import ModelCard, ModelError
 from leaflens.cpus import usable_cpus
 from leaflens.data_prep.decode import ImageDecodeError
+from leaflens.data_prep.quality import PhotoRefused, check_photo
 
 # What decode_image accepts: a path or the encoded bytes of a photo.
 Source = str | os.PathLike | bytes
 
-__all__ = ["PREFERRED_PROVIDERS", "Prediction", "Predictor", "choose_providers"]
+__all__ = ["MIN_SIDE", "OOD_OUTPUT", "PREFERRED_PROVIDERS", "VERDICTS", "Prediction", "Predictor",
+           "choose_providers"]
+
+# The verdicts, in the order the checks run; "error": the file could not be read at all.
+VERDICTS = ("refused", "out_of_domain", "ambiguous", "diagnosis", "error")
+MIN_SIDE = 32  # a photo smaller than this on a side holds no leaf worth judging
+OOD_OUTPUT = "ood_score"  # the graph output leaflens.pipeline.ood adds
 
 # Fastest first. TensorRT and CUDA come with the onnxruntime-gpu wheel; the list is filtered by
 # what this onnxruntime build offers, and onnxruntime itself drops a provider whose libraries fail
@@ -55,20 +72,34 @@ PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CP
 
 @dataclass(frozen=True)
 class Prediction:
-    """The answer for one image: ranked ``(class, probability)`` pairs, or the reason there is none.
+    """The answer for one image: its ``verdict`` (one of :data:`VERDICTS`), the ranked ``(class,
+    probability)`` pairs and the out-of-domain score, or the reason there is none.
 
-    ``uncertain`` is True when the top probability is below the model's threshold. When the image
-    could not be decoded, ``top`` is empty and ``error`` says why (the message names the file).
+    For ``refused`` and ``error`` ``top`` is empty, ``reason`` is the short code ("uniform",
+    "too_small", "truncated", ...) and ``error`` the message naming the file. ``ood_score`` is None
+    for a model without the out-of-domain output.
     """
 
     source: str
     top: tuple[tuple[str, float], ...] = ()
-    uncertain: bool = False
+    verdict: str = "diagnosis"
+    ood_score: float | None = None
     error: str | None = None
+    reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"verdict must be one of {VERDICTS}, got {self.verdict!r}")
 
     @property
     def ok(self) -> bool:
+        """The model looked at the photo (any verdict but ``refused`` and ``error``)."""
         return self.error is None
+
+    @property
+    def uncertain(self) -> bool:
+        """No diagnosis is claimed although the model ran (``ambiguous`` or ``out_of_domain``)."""
+        return self.verdict in ("ambiguous", "out_of_domain")
 
     @property
     def label(self) -> str | None:
@@ -81,8 +112,9 @@ class Prediction:
         return self.top[0][1] if self.top else None
 
     def as_dict(self) -> dict[str, object]:
-        return {"source": self.source, "label": self.label, "confidence": self.confidence,
-                "uncertain": self.uncertain, "top": [list(t) for t in self.top], "error": self.error}
+        return {"source": self.source, "verdict": self.verdict, "label": self.label,
+                "confidence": self.confidence, "ood_score": self.ood_score, "uncertain": self.uncertain,
+                "top": [list(t) for t in self.top], "reason": self.reason, "error": self.error}
 
 
 def choose_providers(available: Sequence[str], requested: Sequence[str] | None = None) -> list[str]:
@@ -156,11 +188,25 @@ class Predictor:
 
     def _check_signature(self, name: str) -> None:
         inputs, outputs = self.session.get_inputs(), self.session.get_outputs()
-        if len(inputs) != 1 or len(outputs) != 1:
+        if len(inputs) != 1 or len(outputs) not in (1, 2):
             raise ModelError(
-                f"{name}: expected one input and one output, found {len(inputs)} and {len(outputs)}"
+                f"{name}: expected one input and one or two outputs (logits, {OOD_OUTPUT}), found "
+                f"{len(inputs)} and {len(outputs)}"
             )
         inp, out = inputs[0], outputs[0]
+        self.ood_name: str | None = None
+        if len(outputs) == 2:
+            extra = outputs[1]
+            if extra.name != OOD_OUTPUT or extra.type != "tensor(float)" or len(extra.shape) != 1:
+                raise ModelError(f"{name}: second output is '{extra.name}' {extra.type} {list(extra.shape)}, "
+                                 f"expected '{OOD_OUTPUT}' tensor(float) [N]")
+            if self.card.ood is None:
+                raise ModelError(f"{name}: has the '{OOD_OUTPUT}' output but no metadata 'leaflens.ood' "
+                                 "saying how to judge it (export it with `leaflens export`)")
+            self.ood_name = extra.name
+        elif self.card.ood is not None:
+            raise ModelError(f"{name}: metadata 'leaflens.ood' describes an out-of-domain score but the graph "
+                             f"has no '{OOD_OUTPUT}' output")
         size, n_cls = self.card.input_size, self.card.num_classes
         for arg, what in ((inp, "input"), (out, "output")):
             if arg.type != "tensor(float)":
@@ -195,72 +241,131 @@ class Predictor:
         dataset arrays) -> float32 ``[N, 3, S, S]`` at the input size S, normalised as in training."""
         return np.ascontiguousarray(self.card.contract.prepare(batch).transpose(0, 3, 1, 2))
 
-    def logits_arrays(self, batch: np.ndarray) -> np.ndarray:
-        """The model's raw output ``[N, num_classes]`` for a uint8 ``[N, T, T, 3]`` stored-size batch."""
+    @property
+    def has_ood(self) -> bool:
+        """Whether this model carries the out-of-domain score (format 3 exports do)."""
+        return self.ood_name is not None
+
+    @property
+    def scores_dtype(self) -> np.dtype:
+        """Rows of :meth:`score_arrays`: the class probabilities and the out-of-domain score."""
+        return np.dtype([("probs", np.float32, (self.card.num_classes,)), ("ood_score", np.float32)])
+
+    def _run(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         x = self.preprocess(batch)
-        if len(x) == 0:
-            return np.zeros((0, self.card.num_classes), dtype=np.float32)
-        (logits,) = self.session.run([self.output_name], {self.input_name: x})
-        if logits.shape != (len(x), self.card.num_classes):
-            raise RuntimeError(
-                f"{self.model_path}: output shape {logits.shape}, expected {(len(x), self.card.num_classes)}"
-            )
-        return logits
+        n, k = len(x), self.card.num_classes
+        if n == 0:
+            return np.zeros((0, k), np.float32), (np.zeros(0, np.float32) if self.has_ood else None)
+        names = [self.output_name] + ([self.ood_name] if self.ood_name else [])
+        outs = self.session.run(names, {self.input_name: x})
+        if outs[0].shape != (n, k) or (len(outs) == 2 and outs[1].shape != (n,)):
+            raise RuntimeError(f"{self.model_path}: output shapes {[o.shape for o in outs]}, expected "
+                               f"{[(n, k), (n,)][:len(outs)]}")
+        return outs[0], (outs[1] if len(outs) == 2 else None)
 
-    def predict_arrays(self, batch: np.ndarray) -> np.ndarray:
-        """Class probabilities ``[N, num_classes]`` (float32, rows sum to 1) for uint8 ``[N, T, T, 3]``.
+    def logits_arrays(self, batch: np.ndarray) -> np.ndarray:
+        """The model's raw logits ``[N, num_classes]`` for a uint8 ``[N, T, T, 3]`` stored-size batch."""
+        return self._run(batch)[0]
 
-        Thread-safe (onnxruntime sessions are); this is the ``run_batch`` of a DynamicBatcher.
-        """
-        logits = self.logits_arrays(batch).astype(np.float32, copy=False)
-        z = logits - logits.max(axis=1, keepdims=True)
+    @staticmethod
+    def _softmax(logits: np.ndarray) -> np.ndarray:
+        z = logits.astype(np.float32, copy=True)
+        z -= z.max(axis=1, keepdims=True)
         np.exp(z, out=z)
         z /= z.sum(axis=1, keepdims=True)
         return z
 
-    def rank(self, probs: np.ndarray, top_k: int = 3, source: str = "<array>") -> Prediction:
-        """Turn one row of probabilities into a :class:`Prediction` with the top ``top_k`` classes."""
+    def predict_arrays(self, batch: np.ndarray) -> np.ndarray:
+        """Class probabilities ``[N, num_classes]`` (float32, rows sum to 1) for uint8 ``[N, T, T, 3]``.
+
+        Thread-safe (onnxruntime sessions are). For answers with verdicts use :meth:`score_arrays`.
+        """
+        return self._softmax(self._run(batch)[0])
+
+    def score_arrays(self, batch: np.ndarray) -> np.ndarray:
+        """One row of :attr:`scores_dtype` per image (probabilities and out-of-domain score, NaN when the
+        model has none) for uint8 ``[N, T, T, 3]``: the ``run_batch`` of a DynamicBatcher, thread-safe."""
+        logits, ood = self._run(batch)
+        rows = np.empty(len(logits), self.scores_dtype)
+        rows["probs"] = self._softmax(logits)
+        rows["ood_score"] = np.nan if ood is None else ood
+        return rows
+
+    def judge(self, scores: np.ndarray, top_k: int = 3, source: str = "<array>") -> Prediction:
+        """The :class:`Prediction` for one row of :meth:`score_arrays` (or a plain row of probabilities):
+        ``out_of_domain`` above the model's threshold, else ``ambiguous`` below the top-probability
+        threshold, else ``diagnosis``."""
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
+        scores = np.asarray(scores)
+        if scores.dtype.names:
+            probs, ood = scores["probs"], float(scores["ood_score"])
+        else:
+            probs, ood = scores, float("nan")
         probs = np.asarray(probs, dtype=np.float64).reshape(-1)
         if probs.shape != (self.card.num_classes,):
             raise ValueError(f"expected {self.card.num_classes} probabilities, got shape {probs.shape}")
         order = np.argsort(-probs, kind="stable")[: min(top_k, len(probs))]
         top = tuple((self.card.classes[i], float(probs[i])) for i in order)
-        return Prediction(source=source, top=top, uncertain=top[0][1] < self.card.uncertain_threshold)
+        ood_score = None if np.isnan(ood) else ood
+        if self.card.ood is not None and (ood_score is None or ood_score > self.card.ood.threshold):
+            verdict = "out_of_domain"  # (a NaN score from a broken graph is out of domain too)
+        elif top[0][1] < self.card.uncertain_threshold:
+            verdict = "ambiguous"
+        else:
+            verdict = "diagnosis"
+        return Prediction(source=source, top=top, verdict=verdict, ood_score=ood_score)
+
+    def rank(self, probs: np.ndarray, top_k: int = 3, source: str = "<array>") -> Prediction:
+        """:meth:`judge` for a row of probabilities alone, for a model without the out-of-domain output."""
+        if self.has_ood:
+            raise ValueError(f"{self.model_path} has an out-of-domain score: judge rows of score_arrays()")
+        return self.judge(np.asarray(probs), top_k, source)
 
     # ----------------------------------------------------------------------------- images
-    def decode(self, src: Source) -> np.ndarray:
+    def decode(self, src: Source, refuse: bool = True) -> np.ndarray:
         """One photo (path or encoded bytes) -> uint8 ``[T, T, 3]`` at the stored size, exactly the
         pixels `leaflens preprocess` stored for it (same call: JPEG draft scale and EXIF included).
 
-        Raises :class:`leaflens.data_prep.decode.ImageDecodeError` for unreadable images.
+        Raises :class:`leaflens.data_prep.decode.ImageDecodeError` for unreadable images and, unless
+        ``refuse`` is False, its subclass :class:`leaflens.data_prep.quality.PhotoRefused` for a photo
+        smaller than :data:`MIN_SIDE` px on a side, near-uniform or too flat to judge.
         """
-        return self.card.contract.decode(src)
+        pixels = self.card.contract.decode(src, min_side=MIN_SIDE if refuse else 0)
+        if refuse:
+            check_photo(pixels, "<bytes>" if isinstance(src, (bytes, bytearray, memoryview)) else os.fspath(src))
+        return pixels
+
+    @staticmethod
+    def failed(source: str, exc: ImageDecodeError) -> Prediction:
+        """The Prediction of a photo the model never saw: ``refused`` or ``error``, with the reason."""
+        return Prediction(source=source, verdict="refused" if isinstance(exc, PhotoRefused) else "error",
+                          error=str(exc), reason=exc.reason)
 
     def predict_image(self, src: Source, top_k: int = 3) -> Prediction:
-        """Classify one photo; an unreadable image gives a Prediction with ``error`` set."""
+        """Classify one photo; an unreadable or refused image gives a Prediction with ``error`` set."""
         source = "<bytes>" if isinstance(src, (bytes, bytearray, memoryview)) else os.fspath(src)
         try:
             pixels = self.decode(src)
         except ImageDecodeError as exc:
-            return Prediction(source=source, error=str(exc))
-        return self.rank(self.predict_arrays(pixels[None])[0], top_k, source)
+            return self.failed(source, exc)
+        return self.judge(self.score_arrays(pixels[None])[0], top_k, source)
 
-    def _try_decode(self, path: str) -> np.ndarray | str:
+    def _try_decode(self, path: str, refuse: bool = True) -> np.ndarray | ImageDecodeError:
         try:
-            return self.decode(path)
+            return self.decode(path, refuse)
         except ImageDecodeError as exc:
-            return str(exc)
+            return exc
 
     def iter_predict_files(
         self, paths: Iterable[str | os.PathLike], top_k: int = 3, batch_size: int = 32,
-        decode_workers: int | None = None,
+        decode_workers: int | None = None, refuse: bool = True,
     ) -> Iterator[Prediction]:
         """Classify files in batches, yielding one Prediction per path, in order.
 
         Decoding runs on a thread pool (Pillow releases the GIL) and the next batch is decoded
         while the current one runs through the model; at most two batches are in memory.
+        ``refuse=False`` shows every readable photo to the model (evaluation of the model alone).
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -270,24 +375,24 @@ class Predictor:
             return
         workers = decode_workers or usable_cpus()
         with ThreadPoolExecutor(workers, thread_name_prefix="leaflens-decode") as pool:
-            upcoming = [pool.submit(self._try_decode, p) for p in chunks[0]]
+            upcoming = [pool.submit(self._try_decode, p, refuse) for p in chunks[0]]
             for i, chunk in enumerate(chunks):
                 decoded = [f.result() for f in upcoming]
                 if i + 1 < len(chunks):
-                    upcoming = [pool.submit(self._try_decode, p) for p in chunks[i + 1]]
-                images = [d for d in decoded if not isinstance(d, str)]
-                probs = iter(self.predict_arrays(np.stack(images)) if images else ())  # one row per image, in order
+                    upcoming = [pool.submit(self._try_decode, p, refuse) for p in chunks[i + 1]]
+                images = [d for d in decoded if isinstance(d, np.ndarray)]
+                rows = iter(self.score_arrays(np.stack(images)) if images else ())  # one row per image, in order
                 for path, d in zip(chunk, decoded):
-                    if isinstance(d, str):
-                        yield Prediction(source=path, error=d)
+                    if isinstance(d, ImageDecodeError):
+                        yield self.failed(path, d)
                     else:
-                        yield self.rank(next(probs), top_k, path)
+                        yield self.judge(next(rows), top_k, path)
 
     def predict_files(
-        self, paths: Iterable[str | os.PathLike], top_k: int = 3, batch_size: int = 32
+        self, paths: Iterable[str | os.PathLike], top_k: int = 3, batch_size: int = 32, refuse: bool = True,
     ) -> list[Prediction]:
         """All of :meth:`iter_predict_files` as a list (same order as ``paths``)."""
-        return list(self.iter_predict_files(paths, top_k, batch_size))
+        return list(self.iter_predict_files(paths, top_k, batch_size, refuse=refuse))
 
     def __repr__(self) -> str:
         return (f"Predictor({str(self.model_path)!r}, provider={self.provider!r}, "

@@ -22,12 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from leaflens.data_prep.contract import area_resize, normalize, rgb_floats
+from leaflens.data_prep.contract import area_resize, contract_for_dataset, normalize, rgb_floats
 from leaflens.data_prep.manifest import load_dataset, manifest_sha256
 from leaflens.engine import Tensor, no_grad
 from leaflens.engine.checkpoint import save_checkpoint
 from leaflens.files import swap_into_place, write_json_atomic, write_text_atomic
 from leaflens.pipeline.config import StageConfig, dump_toml
+from leaflens.pipeline import ood
 from leaflens.pipeline.hardware import describe_hardware
 from leaflens.pipeline.models.student import StudentSpec
 from leaflens.pipeline.report import metrics, plots
@@ -135,6 +136,7 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
 
     report = _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold, teacher_info, model,
                            run_id)
+    report["out_of_domain"] = out_of_domain_summary(model, ds, contract_for_dataset(ds, input_size), threshold)
     _write_visuals(work, ds, results, chosen, model, mean, std, input_size)
     write_json_atomic(work / "report.json", report)
     write_report(work, report)
@@ -158,6 +160,21 @@ def _evaluate_variant(best_path: Path, cfg: StageConfig, ds: Any) -> dict[str, A
         out["test_probs"] = probs
         out["test_summary"] = metrics.evaluation_summary(probs, np.asarray(ds["test"].labels), ds.classes)
     return out
+
+
+def out_of_domain_summary(model, ds, contract, threshold) -> dict[str, Any]:
+    """What the out-of-domain check of this model will cost, as `leaflens export` will fit it (same model,
+    same photos, same numbers): the threshold, the share of validation photos it flags, and the share the
+    "ambiguous" rule leaves unanswered. Skipped (with the reason) for a model without block outputs."""
+    if not ood.supports_ood(model):
+        return {"fitted": False, "reason": f"{type(model).__name__} does not expose its block outputs"}
+    try:
+        _, check, _, _ = ood.fit_for_dataset(model, ds, contract, ds.num_classes)
+    except ValueError as exc:
+        return {"fitted": False, "reason": str(exc)}
+    coverage = threshold.get("coverage") if isinstance(threshold, dict) else None
+    return {"fitted": True, **check.to_dict(),
+            "val_ambiguous": None if coverage is None else 1.0 - float(coverage)}
 
 
 def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold, teacher_info, model,

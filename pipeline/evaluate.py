@@ -6,28 +6,35 @@ the raw photo files, decoded, resized and normalised by the preprocessing contra
 preprocessed arrays. Photos come either from class folders (``DIR/<class>/*.jpg``, the folder names
 must be classes the model knows) or from a dataset split's original files (the export's check).
 
-An unreadable photo gets no answer: it is listed with its reason and left out of the figures. This
-module does not import the training engine.
+An unreadable photo gets no answer: it is listed with its reason and left out of the figures. A photo the
+app would refuse before the model (too small, one flat colour, too blurred: leaflens.data_prep.quality) is
+still shown to the model here, so the figures measure the model on every readable photo (and the export's
+served check compares like with like); it is listed apart, with its reason, as the share of such photos
+the app would turn away. The verdicts of the model's answers (diagnosis, ambiguous, out of domain:
+leaflens.apps.predictor) are counted, with the accuracy of the diagnoses alone. This module does not
+import the training engine.
 """
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 
-from leaflens.apps.predictor import Predictor
+from leaflens.apps.diagnosis import REFUSAL_REASONS
+from leaflens.apps.predictor import Prediction, Predictor
 from leaflens.data_prep.scan import UNLABELED, ScanError, scan_source
 from leaflens.pipeline.report import metrics
 from leaflens.pipeline.teachers.stage import split_source_dir
 from leaflens.records import Record
 
-__all__ = ["EvaluationError", "PhotoEvaluation", "PhotosUnavailable", "UnreadablePhoto", "class_folder_photos",
-           "dataset_photo_files", "evaluate_files", "evaluate_photos", "format_evaluation"]
+__all__ = ["EvaluationError", "PhotoEvaluation", "PhotosUnavailable", "RefusedPhoto", "UnreadablePhoto",
+           "class_folder_photos", "dataset_photo_files", "evaluate_files", "evaluate_photos", "format_evaluation"]
 
 
 class EvaluationError(ValueError):
@@ -47,21 +54,47 @@ class UnreadablePhoto(Record):
 
 
 @dataclass(frozen=True)
+class RefusedPhoto(Record):
+    """A photo the app would refuse before the model, and why (``reason``: "too_small", "uniform" or
+    "low_texture"; ``error``: the message naming the file). It is still evaluated."""
+
+    file: str
+    reason: str
+    error: str
+
+
+@dataclass(frozen=True)
 class PhotoEvaluation(Record):
     """What one evaluation found. ``summary`` is :func:`leaflens.pipeline.report.metrics.evaluation_summary`
     over the readable photos: n, correct, accuracy and its Wilson interval, per-class precision/recall/F1,
-    the confusion matrix (rows = true class), calibration."""
+    the confusion matrix (rows = true class), calibration.
 
-    SCHEMA_VERSION: ClassVar[int | None] = 1
+    Verdicts of the model's answers on those photos: ``diagnosed`` (of which ``diagnosed_correct`` have the
+    true class), ``ambiguous``, ``out_of_domain``; ``uncertain`` = ambiguous + out of domain. ``refused``:
+    the photos the app would turn away before the model (counted in the figures all the same)."""
+
+    SCHEMA_VERSION: ClassVar[int | None] = 2
 
     model: str
     photos: str
     provider: str
     classes: list[str]
     unreadable: list[UnreadablePhoto]
-    uncertain: int  # readable photos whose top probability is below the model's threshold
+    uncertain: int  # readable photos answered without a diagnosis (ambiguous or out of domain)
     summary: dict[str, Any]
-    schema_version: int = 1
+    diagnosed: int = 0
+    diagnosed_correct: int = 0
+    ambiguous: int = 0
+    out_of_domain: int = 0
+    refused: list[RefusedPhoto] = field(default_factory=list)
+    schema_version: int = 2
+
+    @classmethod
+    def _upgrade(cls, data: dict[str, Any], version: int, where: str) -> dict[str, Any]:
+        """Version 1 did not count verdicts: the new counts keep their defaults (0, none refused)."""
+        if version == 1:
+            return data
+        return super()._upgrade(data, version, where)
 
     @property
     def accuracy(self) -> float:
@@ -114,8 +147,17 @@ def evaluate_files(predictor: Predictor, files: Sequence[str], labels: Any, phot
         raise EvaluationError(f"{photos}: no photos to evaluate")
     classes = list(predictor.classes)
     column = {c: i for i, c in enumerate(classes)}
-    rows, kept, unreadable, uncertain = [], [], [], 0
-    answers = predictor.iter_predict_files(files, top_k=len(classes), batch_size=batch_size)
+    answers = list(predictor.iter_predict_files(files, top_k=len(classes), batch_size=batch_size))
+    refused = [RefusedPhoto(a.source, str(a.reason), str(a.error)) for a in answers if _refusal(a)]
+    if refused:  # the few photos the app would turn away are measured all the same
+        at = [i for i, a in enumerate(answers) if _refusal(a)]
+        again = predictor.iter_predict_files([files[i] for i in at], top_k=len(classes), batch_size=batch_size,
+                                             refuse=False)
+        for i, answer in zip(at, again):
+            answers[i] = answer
+    rows, kept, unreadable = [], [], []
+    verdicts = {"diagnosis": 0, "ambiguous": 0, "out_of_domain": 0}
+    diagnosed_correct = 0
     for i, answer in enumerate(answers):
         if not answer.ok:
             unreadable.append(UnreadablePhoto(answer.source, str(answer.error)))
@@ -125,13 +167,22 @@ def evaluate_files(predictor: Predictor, files: Sequence[str], labels: Any, phot
             row[column[name]] = prob
         rows.append(row)
         kept.append(i)
-        uncertain += answer.uncertain
+        verdicts[answer.verdict] += 1
+        diagnosed_correct += answer.verdict == "diagnosis" and column[str(answer.label)] == labels[i]
     if not rows:
         raise EvaluationError(f"{photos}: none of the {len(files)} photos could be read "
                               f"(first: {unreadable[0].error})")
     summary = metrics.evaluation_summary(np.stack(rows), labels[kept], classes)
     return PhotoEvaluation(model=str(predictor.model_path), photos=photos, provider=predictor.provider,
-                           classes=classes, unreadable=unreadable, uncertain=int(uncertain), summary=summary)
+                           classes=classes, unreadable=unreadable,
+                           uncertain=verdicts["ambiguous"] + verdicts["out_of_domain"], summary=summary,
+                           diagnosed=verdicts["diagnosis"], diagnosed_correct=int(diagnosed_correct),
+                           ambiguous=verdicts["ambiguous"], out_of_domain=verdicts["out_of_domain"], refused=refused)
+
+
+def _refusal(answer: Prediction) -> bool:
+    """Whether the app turns this photo away before the model (``too_small`` comes from the decoder)."""
+    return answer.verdict == "refused" or (not answer.ok and answer.reason in REFUSAL_REASONS)
 
 
 def evaluate_photos(model: str | os.PathLike[str], photos: str | os.PathLike[str], threads: int | None = None,
@@ -145,13 +196,21 @@ def evaluate_photos(model: str | os.PathLike[str], photos: str | os.PathLike[str
 
 
 def format_evaluation(ev: PhotoEvaluation) -> str:
-    """A readable report: accuracy, per-class table, confusion matrix (rows = true), unreadable files."""
+    """A readable report: accuracy, verdict counts, photos the app would refuse, per-class table, confusion
+    matrix (rows = true), unreadable files."""
     s = ev.summary
     low, high = s["accuracy_ci"]
     width = max(len(c) for c in ev.classes) + 4
+    right = f" ({ev.diagnosed_correct / ev.diagnosed:.1%} of them right)" if ev.diagnosed else ""
     lines = [f"{Path(ev.model).name} on {s['n']} photos in {ev.photos} ({ev.provider})",
              f"accuracy {s['accuracy']:.2%} ({s['correct']}/{s['n']}; {s['ci_level']:.0%} interval "
-             f"{low:.1%}..{high:.1%}), {ev.uncertain} answered 'uncertain'", "",
+             f"{low:.1%}..{high:.1%}) of the top class on every readable photo",
+             f"verdicts: {ev.diagnosed} diagnosis{right}, {ev.ambiguous} ambiguous, {ev.out_of_domain} out of domain"]
+    if ev.refused:
+        reasons = ", ".join(f"{n} {r}" for r, n in sorted(Counter(r.reason for r in ev.refused).items()))
+        lines.append(f"{len(ev.refused)} photo(s) would be refused by the app's photo checks ({reasons}); "
+                     "they are counted above as the model answered them")
+    lines += ["",
              f"{'class':<{width}} {'photos':>7} {'precision':>9} {'recall':>7} {'F1':>6}"]
     for i, row in enumerate(s["per_class"]):
         lines.append(f"{f'{i} ' + row['class']:<{width}} {row['support']:>7} {row['precision']:>9.1%} "
@@ -168,3 +227,4 @@ def format_evaluation(ev: PhotoEvaluation) -> str:
         if len(ev.unreadable) > 20:
             lines.append(f"  ... and {len(ev.unreadable) - 20} more (see --json)")
     return "\n".join(lines)
+

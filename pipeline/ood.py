@@ -33,11 +33,12 @@ from typing import Any
 
 import numpy as np
 
+from leaflens.apps.model_card import OODCheck
+from leaflens.apps.predictor import OOD_OUTPUT
 from leaflens.engine import Tensor, no_grad
 from leaflens.engine.nn import Module
-from leaflens.records import Record
 
-__all__ = ["DEFAULT_BUDGET", "METHOD", "OODCalibration", "OODHead", "ServedModel", "block_stats",
+__all__ = ["DEFAULT_BUDGET", "METHOD", "OOD_OUTPUT", "OODHead", "ServedModel", "block_stats",
            "fit_ood_head"]
 
 METHOD = "block-mahalanobis-1"  # recorded in the model card; bump when the score's definition changes
@@ -145,21 +146,8 @@ def _fit_block(train: np.ndarray, labels: np.ndarray, k: int) -> tuple[np.ndarra
     return means, chol / scale[:, None]
 
 
-@dataclass(frozen=True)
-class OODCalibration(Record):
-    """How the out-of-domain threshold was chosen, as the model card and report.md tell it."""
-
-    method: str
-    threshold: float
-    budget: float  # share of validation photos allowed above the threshold
-    val_photos: int
-    val_flagged: float  # share of validation photos above the threshold (<= budget)
-    train_photos: int
-    blocks: int
-
-
 def fit_ood_head(train_stats: Sequence[np.ndarray], train_labels: np.ndarray, val_stats: Sequence[np.ndarray],
-                 num_classes: int, budget: float = DEFAULT_BUDGET) -> tuple[OODHead, OODCalibration, np.ndarray]:
+                 num_classes: int, budget: float = DEFAULT_BUDGET) -> tuple[OODHead, OODCheck, np.ndarray]:
     """Fit the score on the training photos' block statistics, standardise and set the threshold on the
     validation photos'. Returns the head, the calibration record and the validation scores."""
     if not 0.0 < budget < 0.5:
@@ -178,7 +166,7 @@ def fit_ood_head(train_stats: Sequence[np.ndarray], train_labels: np.ndarray, va
     head = OODHead(blocks)
     val_scores = head.score_numpy(val_stats)
     threshold = threshold_for(val_scores, budget)
-    calib = OODCalibration(method=METHOD, threshold=threshold, budget=float(budget), val_photos=n_val,
+    calib = OODCheck(method=METHOD, threshold=threshold, budget=float(budget), val_photos=n_val,
                            val_flagged=float(np.mean(val_scores > threshold)), train_photos=len(labels),
                            blocks=len(blocks))
     return head, calib, val_scores
@@ -190,3 +178,30 @@ def threshold_for(val_scores: np.ndarray, budget: float) -> float:
     s = np.sort(np.asarray(val_scores, np.float64))
     allowed = int(np.floor(budget * len(s)))
     return float(s[len(s) - 1 - allowed])
+
+
+def split_stats(model: Module, images: Any, contract: Any, batch: int = 64) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(logits, per-block statistics) of ``model`` on uint8 stored-size ``images`` (memmaps welcome), each
+    batch brought to the input size and normalised by the preprocessing ``contract`` as in serving."""
+    logits, stats = [], []
+    for i in range(0, len(images), batch):
+        lg, st = model_outputs(model, contract.prepare(np.asarray(images[i:i + batch])), batch)
+        logits.append(lg)
+        stats.append(st)
+    if not logits:
+        raise ValueError("no images")
+    return np.concatenate(logits), [np.concatenate(s) for s in zip(*stats)]
+
+
+def fit_for_dataset(model: Module, ds: Any, contract: Any, num_classes: int, budget: float = DEFAULT_BUDGET,
+                    batch: int = 64) -> tuple[OODHead, OODCheck, np.ndarray, np.ndarray]:
+    """:func:`fit_ood_head` on a dataset's labelled training photos and its validation photos (the same
+    numbers every time for the same model and data: distill reports them, export ships them). Returns the
+    head, the check, and the validation photos' scores and logits."""
+    for split in ("train", "val"):
+        if split not in ds or len(ds[split]) == 0 or (split == "train" and ds[split].labels is None):
+            raise ValueError(f"dataset {ds.root} has no labelled '{split}' photos to fit the out-of-domain check on")
+    _, train = split_stats(model, ds["train"].images, contract, batch)
+    val_logits, val = split_stats(model, ds["val"].images, contract, batch)
+    head, check, scores = fit_ood_head(train, np.asarray(ds["train"].labels), val, num_classes, budget)
+    return head, check, scores, val_logits

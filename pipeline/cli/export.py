@@ -41,6 +41,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--queue-delay-us", type=int, default=2000,
                    help="Triton dynamic_batching max_queue_delay_microseconds (default 2000)")
     p.add_argument("--no-int8", action="store_true", help="skip the INT8 variant")
+    p.add_argument("--no-ood", action="store_true",
+                   help="export without the out-of-domain score output (photos unlike the training photos "
+                        "then get a class name like any other)")
+    p.add_argument("--ood-budget", type=float, default=0.03,
+                   help="share of validation photos the out-of-domain check may flag; its threshold is chosen "
+                        "on them (default 0.03)")
     p.add_argument("--int8-max-drop", type=float, default=0.01,
                    help="write INT8 only when its validation accuracy is at most this far below FP32's "
                         "(a fraction; default 0.01 = 1 point)")
@@ -97,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
                          max_batch_size=args.max_batch_size, queue_delay_us=args.queue_delay_us,
                          int8_max_drop=args.int8_max_drop, int8_recipes=recipes,
                          speed_seconds=args.speed_seconds, threads=args.threads,
-                         allow_dataset_mismatch=args.allow_dataset_mismatch)
+                         allow_dataset_mismatch=args.allow_dataset_mismatch, ood=not args.no_ood,
+                         ood_budget=args.ood_budget)
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

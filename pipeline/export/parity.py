@@ -60,19 +60,42 @@ def batches(images: Any, mean: np.ndarray, std: np.ndarray, batch: int):
         yield normalize(np.asarray(images[i:i + batch]), mean, std)
 
 
+def engine_and_onnx_outputs(model: Module, sessions: dict[str, Any], images: Any, mean: np.ndarray,
+                            std: np.ndarray, batch: int = 64) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Logits of the engine (key "engine") and of each named session on the very same inputs, and their
+    out-of-domain scores (empty when the model returns logits alone)."""
+    model.eval()
+    keys = ["engine", *sessions]
+    logits: dict[str, list[np.ndarray]] = {k: [] for k in keys}
+    scores: dict[str, list[np.ndarray]] = {k: [] for k in keys}
+    for x in batches(images, mean, std, batch):
+        with no_grad():
+            y = model(Tensor(x))
+        outs = [t.numpy().astype(np.float32) for t in (y if isinstance(y, tuple) else (y,))]
+        logits["engine"].append(outs[0])
+        if len(outs) > 1:
+            scores["engine"].append(outs[1])
+        x_nchw = np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+        for k, sess in sessions.items():
+            o = sess.run(None, {sess.get_inputs()[0].name: x_nchw})
+            logits[k].append(o[0].astype(np.float32, copy=False))
+            if len(o) > 1:
+                scores[k].append(o[1].astype(np.float32, copy=False))
+    return ({k: np.concatenate(v) if v else np.zeros((0, 0), np.float32) for k, v in logits.items()},
+            {k: np.concatenate(v) for k, v in scores.items() if v})
+
+
 def engine_and_onnx_logits(model: Module, sessions: dict[str, Any], images: Any, mean: np.ndarray,
                            std: np.ndarray, batch: int = 64) -> dict[str, np.ndarray]:
     """Logits of the engine (key "engine") and of each named session, on the very same inputs."""
-    model.eval()
-    out: dict[str, list[np.ndarray]] = {"engine": [], **{k: [] for k in sessions}}
-    for x in batches(images, mean, std, batch):
-        with no_grad():
-            out["engine"].append(model(Tensor(x)).numpy().astype(np.float32))
-        x_nchw = np.ascontiguousarray(x.transpose(0, 3, 1, 2))
-        for k, sess in sessions.items():
-            (logits,) = sess.run(None, {sess.get_inputs()[0].name: x_nchw})
-            out[k].append(logits.astype(np.float32, copy=False))
-    return {k: np.concatenate(v) if v else np.zeros((0, 0), np.float32) for k, v in out.items()}
+    return engine_and_onnx_outputs(model, sessions, images, mean, std, batch)[0]
+
+
+def onnx_scores(sess: Any, images: Any, mean: np.ndarray, std: np.ndarray, batch: int = 64) -> np.ndarray:
+    """The session's out-of-domain scores (its second output)."""
+    parts = [sess.run(None, {sess.get_inputs()[0].name: np.ascontiguousarray(x.transpose(0, 3, 1, 2))})[1]
+             for x in batches(images, mean, std, batch)]
+    return np.concatenate(parts).astype(np.float32, copy=False)
 
 
 def onnx_logits(sess: Any, images: Any, mean: np.ndarray, std: np.ndarray, batch: int = 64) -> np.ndarray:

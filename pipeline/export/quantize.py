@@ -121,21 +121,44 @@ def float_nodes(model: onnx.ModelProto, first_conv: bool, classifier: bool) -> l
             raise ValueError("the graph has no Conv node to keep in float (float_first_conv)")
         chosen.append(convs[0])
     if classifier:
-        heads = [i for i, n in enumerate(nodes) if n.op_type in CLASSIFIER_OPS]
+        logits_side = _ancestors(nodes, [model.graph.output[0].name])
+        heads = [i for i, n in enumerate(nodes) if n.op_type in CLASSIFIER_OPS and id(n) in logits_side]
         if not heads:
             raise ValueError(f"the graph has no {'/'.join(CLASSIFIER_OPS)} node to keep in float "
                              "(float_classifier)")
         downstream = set(nodes[heads[-1]].output)
         chosen.append(nodes[heads[-1]])
         for n in nodes[heads[-1] + 1:]:
-            if downstream.intersection(n.input):
+            if downstream.intersection(n.input) and id(n) in logits_side:
                 chosen.append(n)
                 downstream.update(n.output)
+    chosen += _only_feeding(nodes, model.graph.output[0].name, [o.name for o in model.graph.output[1:]])
     unnamed = [n.op_type for n in chosen if not n.name]
     if unnamed:
         raise ValueError(f"cannot keep unnamed {', '.join(unnamed)} node(s) in float: onnxruntime excludes "
                          "nodes by name")
     return [n.name for n in chosen]
+
+
+def _ancestors(nodes: list[onnx.NodeProto], outputs: list[str]) -> set[int]:
+    """ids of the nodes whose results reach any of ``outputs``."""
+    needed, found = set(outputs), set()
+    for n in reversed(nodes):
+        if needed.intersection(n.output):
+            found.add(id(n))
+            needed.update(i for i in n.input if i)
+    return found
+
+
+def _only_feeding(nodes: list[onnx.NodeProto], logits: str, others: list[str]) -> list[onnx.NodeProto]:
+    """The nodes that feed the extra outputs (the out-of-domain score) but not the logits: kept in float,
+    because its distances are sums of many squared terms that 8-bit ranges would flatten, and it costs
+    a few small matrix products."""
+    if not others:
+        return []
+    main = _ancestors(nodes, [logits])
+    extra = _ancestors(nodes, others)
+    return [n for n in nodes if id(n) in extra and id(n) not in main]
 
 
 def quantize_int8(fp32_path: str | os.PathLike[str], out_path: str | os.PathLike[str], images: Any,

@@ -32,7 +32,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ from leaflens.engine.nn import Module
 from leaflens.engine.onnx_export import IR_VERSION, OPSET, convert_float16, export_onnx, save_onnx
 from leaflens.files import clean_stale_temps, new_temp_dir, swap_into_place, write_json_atomic
 from leaflens.pipeline.evaluate import PhotosUnavailable, dataset_photo_files, evaluate_files
+from leaflens.pipeline import ood as ood_check
 from leaflens.pipeline.export import parity, triton
 from leaflens.pipeline.export.quantize import (
     Int8Recipe,
@@ -88,6 +89,9 @@ class ExportOptions:
     batch: int = 64
     threads: int | None = None
     allow_dataset_mismatch: bool = False
+    ood: bool = True  # add the out-of-domain score output (leaflens.pipeline.ood)
+    ood_budget: float = ood_check.DEFAULT_BUDGET  # share of validation photos it may flag
+    ood_tolerance: float = 1e-3  # FP32 ONNX vs engine score, relative to max(1, |score|)
 
 
 def _check_dataset(info: RunInfo, ds: Dataset, opts: ExportOptions) -> list[str]:
@@ -152,6 +156,10 @@ def _gates(report: dict[str, Any], opts: ExportOptions) -> list[str]:
     fp32 = report["parity"]["fp32"]
     if not fp32["finite"] or fp32["max_abs_diff"] > opts.fp32_tolerance:
         failures.append(f"FP32 max |logit difference| {fp32['max_abs_diff']:.3g} > {opts.fp32_tolerance:g}")
+    score = report.get("ood", {}).get("variants", {}).get("fp32")
+    if score is not None and score["max_rel_diff"] > opts.ood_tolerance:
+        failures.append(f"FP32 out-of-domain score differs from the engine's by {score['max_rel_diff']:.3g} "
+                        f"(relative) > {opts.ood_tolerance:g}")
     if fp32["disagreements"] - fp32["ties"] > 0:
         failures.append(f"FP32 top-1 agreement {fp32['top1_agreement']:.2%} ({fp32['disagreements']} images "
                         f"differ, {fp32['ties']} of them ties)")
@@ -224,10 +232,32 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
     size = card.input_size
     threads = opts.threads or usable_cpus()
 
+    exported: Module = model
+    outputs: tuple[str, ...] = ("logits",)
+    no_val = "val" not in ds or len(ds["val"]) == 0
+    if opts.ood and ood_check.supports_ood(model) and no_val:
+        msg = (f"dataset {ds.root} has no validation photos to set the out-of-domain threshold on: exported "
+               "without an out-of-domain check")
+        warnings.append(msg)
+        log(f"warning: {msg}")
+    elif opts.ood and ood_check.supports_ood(model):
+        log("fitting the out-of-domain check on the training photos, thresholding it on the validation photos")
+        try:
+            head, check, _, val_logits = ood_check.fit_for_dataset(model, ds, card.contract, card.num_classes,
+                                                             opts.ood_budget)
+        except ValueError as exc:
+            raise ExportFailed(f"cannot fit the out-of-domain check: {exc} (or pass --no-ood)") from exc
+        top = _softmax(val_logits).max(1)
+        card = replace(card, ood=check, val_ambiguous=float(np.mean(top < card.uncertain_threshold)))
+        exported, outputs = ood_check.ServedModel(model, head), ("logits", ood_check.OOD_OUTPUT)
+    elif opts.ood:
+        msg = f"{type(model).__name__} does not expose its block outputs: exported without an out-of-domain check"
+        warnings.append(msg)
+        log(f"warning: {msg}")
     log(f"exporting run {info.run_id} ({type(model).__name__}, {card.params} parameters, "
-        f"{size}x{size} input)")
-    proto = export_onnx(model, (3, size, size), metadata=card.to_metadata(), graph_name=opts.name,
-                        doc_string=f"leaflens student, run {info.run_id}")
+        f"{size}x{size} input, outputs {', '.join(outputs)})")
+    proto = export_onnx(exported, (3, size, size), output_name=outputs, metadata=card.to_metadata(),
+                        graph_name=opts.name, doc_string=f"leaflens student, run {info.run_id}")
     proto16 = convert_float16(proto)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -247,7 +277,7 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
             raise ExportFailed(f"internal error: the parity split '{split}' of {ds.root} has no labels")
         log(f"parity on the '{split}' split ({len(ds[split])} images)")
         split_images = parity.at_size(ds[split].images, size)
-        val = parity.engine_and_onnx_logits(model, sessions, split_images, mean, std, opts.batch)
+        val, val_ood = parity.engine_and_onnx_outputs(exported, sessions, split_images, mean, std, opts.batch)
         int8: dict[str, Any] | None = None  # parity.json's "int8" entry: the recipes tried and the verdict
         if opts.int8:
             int8 = {"max_drop": opts.int8_max_drop, "attempts": []}
@@ -259,6 +289,11 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
                                                                 split_labels, val["fp32"], mean, std, threads), log)
                 if kept is not None:
                     paths["int8"], sessions["int8"], val["int8"] = kept
+        ood_report = None
+        if card.ood is not None:
+            if "int8" in paths:
+                val_ood["int8"] = parity.onnx_scores(sessions["int8"], split_images, mean, std, opts.batch)
+            ood_report = _ood_variants(card, paths, val_ood)
         tie = 2 * opts.fp32_tolerance
         report: dict[str, Any] = {
             "format": REPORT_FORMAT,
@@ -271,6 +306,7 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
             "files": {k: _file_facts(p) for k, p in paths.items()},
             "parity": {k: {**parity.compare(val["engine"], val[k], tie if k == "fp32" else 0.0),
                            "split": split} for k in paths},
+            **({"ood": ood_report} if ood_report is not None else {}),
             "gates": {"fp32_max_abs_diff": opts.fp32_tolerance, "fp32_top1_agreement": 1.0,
                       "fp32_tie_margin": tie, "fp16_min_top1_agreement": opts.fp16_min_agreement},
             "warnings": warnings,
@@ -356,6 +392,40 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
             shutil.rmtree(triton_tmp, ignore_errors=True)
         raise
     return report
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    z = np.exp(logits - logits.max(1, keepdims=True))
+    return z / z.sum(1, keepdims=True)
+
+
+def _ood_variants(card: ModelCard, paths: dict[str, Path], val_ood: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Each file's own out-of-domain threshold: FP16 and INT8 compute the score with their own rounding, so
+    their thresholds are chosen again on their own validation scores (same budget) and written into their
+    metadata. Returns parity.json's "ood" entry: the check, and per file the threshold, the share of
+    validation photos flagged, the score's difference from the engine's and the flags' agreement."""
+    check = card.ood
+    assert check is not None
+    engine = val_ood["engine"].astype(np.float64)
+    variants: dict[str, Any] = {}
+    for k, path in paths.items():
+        scores = val_ood[k].astype(np.float64)
+        threshold = check.threshold if k == "fp32" else ood_check.threshold_for(scores, check.budget)
+        if k != "fp32":
+            own = replace(check, threshold=threshold, val_flagged=float(np.mean(scores > threshold)))
+            model = onnx.load(str(path))
+            meta = replace(card, ood=own).to_metadata()
+            for prop in model.metadata_props:
+                if prop.key in meta:
+                    prop.value = meta[prop.key]
+            save_onnx(model, path)
+        diff = np.abs(scores - engine)
+        variants[k] = {"threshold": threshold, "val_flagged": float(np.mean(scores > threshold)),
+                       "max_abs_diff": float(diff.max()),
+                       "max_rel_diff": float((diff / np.maximum(1.0, np.abs(engine))).max()),
+                       "flag_agreement_with_engine": float(np.mean((scores > threshold) == (engine > check.threshold))),
+                       "finite": bool(np.isfinite(scores).all())}
+    return {**check.to_dict(), "val_ambiguous": card.val_ambiguous, "variants": variants}
 
 
 @dataclass

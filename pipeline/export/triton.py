@@ -58,18 +58,20 @@ def check_model_name(name: str) -> None:
 
 def config_text(model: onnx.ModelProto, name: str, max_batch_size: int = 64, queue_delay_us: int = 2000,
                 labels: bool = True, comment: str = "") -> str:
-    """config.pbtxt for serving ``model`` (one input, one output, symbolic batch) under ``name``."""
+    """config.pbtxt for serving ``model`` (one input, its outputs, symbolic batch) under ``name``; the class
+    labels go with the first output (the logits)."""
     check_model_name(name)
     if max_batch_size < 1:
         raise TritonConfigError(f"max_batch_size must be >= 1, got {max_batch_size}")
     if queue_delay_us < 0:
         raise TritonConfigError(f"max_queue_delay_microseconds must be >= 0, got {queue_delay_us}")
     g = model.graph
-    if len(g.input) != 1 or len(g.output) != 1:
-        raise TritonConfigError(f"expected one input and one output, got {len(g.input)} and {len(g.output)}")
+    if len(g.input) != 1 or not g.output:
+        raise TritonConfigError(f"expected one input and at least one output, got {len(g.input)} and "
+                                f"{len(g.output)}")
     in_name, in_type, in_dims, in_batch = _io(g.input[0], "input")
-    out_name, out_type, out_dims, out_batch = _io(g.output[0], "output")
-    if not (in_batch and out_batch):
+    outs = [_io(o, "output") for o in g.output]
+    if not (in_batch and all(o[3] for o in outs)):
         raise TritonConfigError("the model's batch dimension is fixed; Triton batching needs it symbolic")
 
     def dims(d: Sequence[int]) -> str:
@@ -88,15 +90,17 @@ def config_text(model: onnx.ModelProto, name: str, max_batch_size: int = 64, que
         "  }",
         "]",
         "output [",
-        "  {",
-        f'    name: "{out_name}"',
-        f"    data_type: {out_type}",
-        f"    dims: {dims(out_dims)}",
     ]
-    if labels:
-        lines.append(f'    label_filename: "{LABELS}"')
+    for i, (out_name, out_type, out_dims, _) in enumerate(outs):
+        lines += ["  {", f'    name: "{out_name}"', f"    data_type: {out_type}"]
+        if out_dims:
+            lines.append(f"    dims: {dims(out_dims)}")
+        else:  # one value per image (the out-of-domain score): Triton wants dims [1], reshaped away
+            lines += ["    dims: [ 1 ]", "    reshape: { shape: [ ] }"]
+        if labels and i == 0:
+            lines.append(f'    label_filename: "{LABELS}"')
+        lines.append("  }," if i + 1 < len(outs) else "  }")
     lines += [
-        "  }",
         "]",
         "dynamic_batching {",
         f"  max_queue_delay_microseconds: {int(queue_delay_us)}",
@@ -241,6 +245,8 @@ def check_config(config: dict[str, list[Any]], model: onnx.ModelProto, name: str
             if c_type != g_type:
                 problems.append(f"{key} {c_name!r} data_type {c_type} != graph {g_type}")
             c_dims = entry.get("dims", [])
+            if not g_dims and c_dims == [1] and entry.get("reshape"):
+                c_dims = [d for r in entry["reshape"] for d in r.get("shape", [])]  # [1] reshaped to []
             if c_dims != g_dims:
                 problems.append(f"{key} {c_name!r} dims {c_dims} != graph dims without batch {g_dims}")
             if not batch:

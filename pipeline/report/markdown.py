@@ -152,7 +152,25 @@ def _accuracy_section(report: Mapping[str, Any]) -> list[str]:
         lines.append(f"- \"Uncertain\" below a top probability of {float(unc['threshold']):.3f} ({how}; on "
                      f"validation it keeps {_pct(unc.get('coverage'))} of the images at "
                      f"{_pct(unc.get('accuracy'))} accuracy)")
+    lines += _out_of_domain_lines(report.get("out_of_domain") or {})
     return lines + [""]
+
+
+def _out_of_domain_lines(ood: Mapping[str, Any]) -> list[str]:
+    """How the "not a photo this model knows" threshold was chosen and what it costs on validation."""
+    if not ood:
+        return []
+    if not ood.get("fitted"):
+        return [f"- Out-of-domain check: not fitted ({ood.get('reason', 'no reason recorded')})"]
+    line = (f"- Out-of-domain check ({ood.get('method')}): a photo whose score is above "
+            f"{float(ood['threshold']):.3f} is answered \"not a photo this model knows\". The score is the "
+            f"distance of the model's feature-map statistics from the {ood.get('train_photos')} training photos; "
+            f"the threshold was chosen on the {ood.get('val_photos')} validation photos to flag at most "
+            f"{_pct(ood.get('budget'), 0)} of them, and flags {_pct(ood.get('val_flagged'))}")
+    if _float(ood.get("val_ambiguous")) is not None:
+        line += (f"; the \"ambiguous\" rule leaves another {_pct(ood.get('val_ambiguous'))} of validation photos "
+                 "unanswered")
+    return [line]
 
 
 def _per_class_section(test: Mapping[str, Any]) -> list[str]:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from apps_helpers import build_tiny_model, leaflens_metadata, tiny_weights, write_photo
 
-from leaflens.apps.model_card import ModelCard, ModelError
+from leaflens.apps.model_card import ModelCard, ModelError, OODCheck
 from leaflens.apps.predictor import Predictor
 from leaflens.data_prep.contract import PreprocessContract, area_resize
 from leaflens.data_prep.decode import decode_image
@@ -21,10 +21,11 @@ def _card(**kw) -> ModelCard:
     return ModelCard(classes=tuple(CLASSES), contract=contract, **kw)
 
 
-def test_format_2_records_the_stored_size_and_reads_back():
+def test_format_3_records_the_stored_size_and_reads_back():
     card = _card(uncertain_threshold=0.7, threshold_from_model=True, run_id="r1", accuracy=0.9, params=12)
     meta = card.to_metadata()
-    assert meta["leaflens.format"] == "2" and meta["leaflens.stored_size"] == "32"
+    assert meta["leaflens.format"] == "3" and meta["leaflens.stored_size"] == "32"
+    assert "leaflens.ood" not in meta
     assert meta["leaflens.input_size"] == "16" and meta["leaflens.resize"] == "pad"
     assert ModelCard.from_metadata(meta, "m.onnx") == card
     assert (card.stored_size, card.input_size, card.resize) == (32, 16, "pad")
@@ -33,7 +34,7 @@ def test_format_2_records_the_stored_size_and_reads_back():
 def test_typed_record_round_trip_and_format_1_upgrade():
     card = _card()
     data = card.to_dict()
-    assert data["schema_version"] == 2 and data["contract"]["stored_size"] == 32
+    assert data["schema_version"] == 3 and data["contract"]["stored_size"] == 32
     assert ModelCard.from_dict(data) == card
     old = {**data, "schema_version": 1, "contract": {k: v for k, v in data["contract"].items() if k != "stored_size"}}
     assert ModelCard.from_dict(old).stored_size == 16  # format 1: decoded straight to the input size
@@ -53,7 +54,7 @@ def test_format_1_metadata_is_read_with_the_stored_size_equal_to_the_input_size(
     ({"leaflens.format": "2"}, "leaflens.stored_size", "is missing"),
     ({"leaflens.format": "2", "leaflens.stored_size": "8"}, "leaflens.input_size", "larger than stored_size"),
     ({"leaflens.format": "2", "leaflens.stored_size": "big"}, "leaflens.stored_size", "not an integer"),
-    ({"leaflens.format": "one"}, "leaflens.format", "reads formats 1 to 2"),
+    ({"leaflens.format": "one"}, "leaflens.format", "reads formats 1 to 3"),
 ])
 def test_bad_format_2_metadata_names_the_key(tmp_path, extra, key, why):
     path = build_tiny_model(tmp_path / "bad.onnx", tiny_weights(3), 16, leaflens_metadata(CLASSES, 16, **extra))
@@ -77,3 +78,24 @@ def test_predictor_decodes_at_the_stored_size_and_area_averages_to_the_input(tmp
     assert predictor.predict_image(photo).ok
     with pytest.raises(ValueError, match=r"\[N, 32, 32, 3\]"):  # input-size arrays are not the contract
         predictor.predict_arrays(np.zeros((1, 16, 16, 3), np.uint8))
+
+
+def test_out_of_domain_check_round_trips_and_format_2_has_none():
+    ood = OODCheck(method="block-mahalanobis-1", threshold=9.5, budget=0.03, val_photos=133, val_flagged=0.0226,
+                   train_photos=1034, blocks=4)
+    card = _card(ood=ood, val_ambiguous=0.01)
+    meta = card.to_metadata()
+    back = ModelCard.from_metadata(meta, "m.onnx")
+    assert back.ood == ood and back.val_ambiguous == 0.01
+    old = {k: v for k, v in meta.items() if k not in ("leaflens.ood", "leaflens.val_ambiguous")}
+    old["leaflens.format"] = "2"
+    assert ModelCard.from_metadata(old, "m.onnx").ood is None
+
+
+@pytest.mark.parametrize("value, why", [("{", "not JSON"), ('{"method": "x"}', "out-of-domain"),
+                                        ('{"method": "x", "threshold": 1, "budget": 0.9, "val_photos": 1, '
+                                         '"val_flagged": 0, "train_photos": 1, "blocks": 1}', "budget")])
+def test_broken_out_of_domain_metadata_names_the_key(value, why):
+    meta = {**_card().to_metadata(), "leaflens.ood": value}
+    with pytest.raises(ModelError, match=f"leaflens.ood.*{why}"):
+        ModelCard.from_metadata(meta, "m.onnx")

@@ -284,8 +284,12 @@ def test_batch_mixing_ops_are_refused():
 
 
 def test_export_needs_a_tensor_output_depending_on_the_input():
-    with pytest.raises(ExportError, match="one Tensor output"):
+    with pytest.raises(ExportError, match=r"2 output\(s\) but 1 output name"):
         export_onnx(Fn(lambda s, x: (x, x)), (4,))
+    with pytest.raises(ExportError, match="a Tensor or a tuple of Tensors"):
+        export_onnx(Fn(lambda s, x: [x]), (4,))
+    with pytest.raises(ExportError, match="distinct names"):
+        export_onnx(Fn(lambda s, x: (x, x * 2.0)), (4,), output_name=("a", "a"))
     with pytest.raises(ExportError, match="does not depend on its input"):
         export_onnx(Fn(lambda s, x: s.l.weight * 2.0, l=nn.Linear(2, 2)), (4,))
 
@@ -302,3 +306,13 @@ def test_constant_subgraphs_are_folded():
                l=nn.Linear(4, 3))
     proto, _ = roundtrip(model, (4,))
     assert _ops_of(proto) == ["Gemm"]
+
+
+def test_a_tuple_forward_gives_one_named_output_each():
+    proto = export_onnx(Fn(lambda s, x: (s.l(x), (x * x).sum(axis=1)), l=nn.Linear(4, 3)), (4,),
+                        output_name=("logits", "score"))
+    assert [o.name for o in proto.graph.output] == ["logits", "score"]
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    logits, score = _session(proto).run(None, {"input": x})
+    assert logits.shape == (2, 3)
+    np.testing.assert_allclose(score, (x * x).sum(1), rtol=1e-6)

@@ -113,7 +113,14 @@ def test_export_end_to_end_via_cli(tiny_run, tmp_path, capsys):
     assert i8["accuracy_change"] == pytest.approx(i8["accuracy_int8"] - i8["accuracy_fp32"])
     assert i8["recipe"] == {**Int8Recipe().to_dict(), "calib_images": 32, "calibration": "entropy"}
     assert len(i8["attempts"]) == 1  # the fast recipe was kept: the next one is tried only when it loses too much
-    assert i8["calibration_images"] == 32 and i8["float_nodes"] == ["/classifier/Gemm"]
+    # the classifier and the out-of-domain branch (nodes feeding only ood_score) stay in float
+    head = [n for n in i8["float_nodes"] if not n.startswith("/model/")]
+    assert i8["calibration_images"] == 32 and "/model/classifier/Gemm" in i8["float_nodes"]
+    assert head and all(not n.startswith("/model/features") for n in head)
+    ood = report["ood"]
+    assert ood["method"] == "block-mahalanobis-1" and ood["val_flagged"] <= ood["budget"]
+    assert set(ood["variants"]) == {"fp32", "fp16", "int8"}
+    assert ood["variants"]["fp32"]["max_rel_diff"] <= 1e-3
     v = i8["validation"]
     assert v["split"] == "val" and v["accuracy_fp32"] == report["accuracy"]["val"]["fp32"]
     assert v["accuracy_int8"] == report["accuracy"]["val"]["int8"]
@@ -206,11 +213,12 @@ def test_when_the_fast_int8_loses_too_much_the_next_recipe_is_kept(tiny_run, tmp
     fast, kept = i8["attempts"]
     assert fast["validation"]["accuracy_int8"] < fast["validation"]["accuracy_fp32"] - 0.01  # the premise
     assert i8["written"] is True and kept["recipe"]["float_first_conv"] is True
-    assert i8["recipe"] == kept["recipe"] and i8["float_nodes"] == ["/features/0/0/Conv", "/classifier/Gemm"]
+    assert i8["recipe"] == kept["recipe"] and i8["float_nodes"][:2] == ["/model/features/0/0/Conv",
+                                                                        "/model/classifier/Gemm"]
     assert i8["validation"] == kept["validation"] == {**kept["validation"],
                                                        "accuracy_int8": report["accuracy"]["val"]["int8"]}
     graph = onnx.load(str(out / "student_int8.onnx")).graph
-    assert [n.input[0] for n in graph.node if n.name == "/features/0/0/Conv"] == ["input"]  # float first conv
+    assert [n.input[0] for n in graph.node if n.name == "/model/features/0/0/Conv"] == ["input"]  # float first conv
 
 
 def test_without_a_validation_split_int8_is_not_written(tiny_run, tmp_path):
@@ -276,7 +284,8 @@ def test_triton_config_matches_the_graph(tiny_run, tmp_path):
     assert config["name"] == ["leaf_fp16"] and config["platform"] == ["onnxruntime_onnx"]
     assert config["max_batch_size"] == [8]
     assert config["dynamic_batching"][0]["max_queue_delay_microseconds"] == [750]
-    (inp,), (outp,) = config["input"], config["output"]
+    (inp,), (outp, score) = config["input"], config["output"]
+    assert score["name"] == ["ood_score"] and score["dims"] == [1] and score["reshape"] == [{"shape": []}]
     assert inp["name"] == [graph.graph.input[0].name] == ["input"]
     assert inp["data_type"] == ["TYPE_FP32"] and inp["dims"] == [3, SIZE, SIZE]
     assert outp["name"] == [graph.graph.output[0].name] == ["logits"]

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import numpy as np
+
 from leaflens.data_prep.contract import ContractError, PreprocessContract
 from leaflens.records import Record
 

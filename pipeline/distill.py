@@ -27,8 +27,8 @@ from leaflens.data_prep.manifest import load_dataset, manifest_sha256
 from leaflens.engine import Tensor, no_grad
 from leaflens.engine.checkpoint import save_checkpoint
 from leaflens.files import swap_into_place, write_json_atomic, write_text_atomic
-from leaflens.pipeline.config import StageConfig, dump_toml
 from leaflens.pipeline import ood
+from leaflens.pipeline.config import StageConfig, dump_toml
 from leaflens.pipeline.hardware import describe_hardware
 from leaflens.pipeline.models.student import StudentSpec
 from leaflens.pipeline.report import metrics, plots

@@ -48,8 +48,8 @@ from leaflens.data_prep.manifest import Dataset, load_dataset, manifest_sha256
 from leaflens.engine.nn import Module
 from leaflens.engine.onnx_export import IR_VERSION, OPSET, convert_float16, export_onnx, save_onnx
 from leaflens.files import clean_stale_temps, new_temp_dir, swap_into_place, write_json_atomic
-from leaflens.pipeline.evaluate import PhotosUnavailable, dataset_photo_files, evaluate_files
 from leaflens.pipeline import ood as ood_check
+from leaflens.pipeline.evaluate import PhotosUnavailable, dataset_photo_files, evaluate_files
 from leaflens.pipeline.export import parity, triton
 from leaflens.pipeline.export.quantize import (
     Int8Recipe,

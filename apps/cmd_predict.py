@@ -2,9 +2,11 @@
 
 Files named on the command line are classified whatever their extension; folders are searched
 recursively for image files (leaflens.data_prep.scan.IMAGE_EXTENSIONS, hidden entries skipped). Images go
-through the model in batches with a progress bar; an unreadable image does not stop the run, it
-gets a row with an error instead. Exit code: 0 all images classified, 1 some could not be read,
-2 usage or model errors (nothing classified).
+through the model in batches with a progress bar; each gets the Predictor's verdict (leaflens.apps.predictor:
+``diagnosis``, ``ambiguous``, ``out_of_domain``; ``refused``: too small, one flat colour or too blurred to
+judge; ``error``: unreadable), and neither a refused nor an unreadable image stops the run. Exit code: 0 every
+image was shown to the model, 1 some were refused or could not be read, 2 usage or model errors (nothing
+classified).
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ import argparse
 import csv
 import os
 import sys
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from leaflens.apps.diagnosis import REFUSAL_REASONS
 from leaflens.apps.model_card import ModelError
 from leaflens.apps.predictor import Prediction, Predictor
 from leaflens.data_prep.scan import IMAGE_EXTENSIONS
@@ -33,9 +37,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "predict",
         help="classify image files and folders with an exported model",
         description="Classify photos (files, or folders searched recursively) with an exported leaflens "
-                    "ONNX model. Prints one line per image, or writes --csv with the top-k classes, the "
-                    "uncertain flag and an error column for unreadable files. Exit code 0: all classified; "
-                    "1: some files could not be read; 2: usage or model error.",
+                    "ONNX model. Each image gets a verdict: diagnosis, ambiguous (between the top two "
+                    "classes), out_of_domain (unlike the model's training photos; models exported with the "
+                    "check), refused (too small, one flat colour or too blurred) or error (unreadable). Prints "
+                    "one line per image, or writes --csv with the verdict, the top-k classes, the "
+                    "out-of-domain score and an error column. Exit code 0: every image was judged by the "
+                    "model; 1: some were refused or could not be read; 2: usage or model error.",
     )
     p.add_argument("images", nargs="+", metavar="IMAGES", help="image files and/or folders")
     p.add_argument("--model", required=True, help="exported model (.onnx with leaflens metadata)")
@@ -78,14 +85,23 @@ def collect_images(args: Sequence[str | os.PathLike]) -> list[str]:
     return unique
 
 
-def write_csv(path: str | os.PathLike, predictions: Iterable[Prediction], top_k: int) -> None:
-    """Write one row per image: path, label, probability, uncertain, class_i/prob_i, error.
+def verdict_of(p: Prediction) -> str:
+    """The verdict shown for ``p``: a photo the decoder turned away as too small is ``refused`` like the
+    ones the quality checks turn away (the decoder raises a plain ImageDecodeError for it)."""
+    return "refused" if not p.ok and p.reason in REFUSAL_REASONS else p.verdict
 
+
+def write_csv(path: str | os.PathLike, predictions: Iterable[Prediction], top_k: int) -> None:
+    """Write one row per image: path, verdict, label, probability, uncertain, ood_score, class_i/prob_i, error.
+
+    ``label`` .. ``prob_i`` are the model's ranking for every photo it saw, also when the verdict claims no
+    class (ambiguous, out_of_domain); ``uncertain`` is "true" for those. ``ood_score`` is empty for a model
+    without the out-of-domain output. Refused and unreadable photos have only path, verdict and error.
     Written to a temporary file beside ``path`` and renamed into place, so a reader never sees a
     half-written file.
     """
     target = Path(path)
-    header = ["path", "label", "probability", "uncertain"]
+    header = ["path", "verdict", "label", "probability", "uncertain", "ood_score"]
     for i in range(1, top_k + 1):
         header += [f"class_{i}", f"prob_{i}"]
     header.append("error")
@@ -97,21 +113,33 @@ def write_csv(path: str | os.PathLike, predictions: Iterable[Prediction], top_k:
             for p in predictions:
                 row: list[str | None]  # csv writes None as an empty cell
                 if p.ok:
-                    row = [p.source, p.label, f"{p.confidence:.6f}", str(p.uncertain).lower()]
-                    ranked = [v for cls, prob in p.top for v in (cls, f"{prob:.6f}")]
+                    row = [p.source, p.verdict, p.label, f"{p.confidence:.6f}", str(p.uncertain).lower(),
+                           "" if p.ood_score is None else f"{p.ood_score:.6g}"]
+                    ranked = [v for cls, prob in p.top[:top_k] for v in (cls, f"{prob:.6f}")]
                     row += ranked + [""] * (2 * top_k - len(ranked)) + [""]
                 else:
-                    row = [p.source, "", "", "", *[""] * (2 * top_k), p.error]
+                    row = [p.source, verdict_of(p), "", "", "", "", *[""] * (2 * top_k), p.error]
                 writer.writerow(row)
 
     write_path_atomic(target, write)
 
 
-def _line(p: Prediction) -> str:
+def _line(p: Prediction, top_k: int) -> str:
+    """``path <tab> verdict <tab> answer <tab> ranking``: the answer is the class for a diagnosis, "X or Y"
+    for an ambiguous photo, "-" out of domain (with its score), the reason for a refused or unreadable one."""
+    verdict = verdict_of(p)
     if not p.ok:
-        return f"{p.source}\tERROR\t{p.error}"
-    ranked = ", ".join(f"{cls} {prob:.3f}" for cls, prob in p.top)
-    return f"{p.source}\t{p.label}{' (uncertain)' if p.uncertain else ''}\t{ranked}"
+        return f"{p.source}\t{verdict}\t{p.reason}\t{p.error}"
+    if verdict == "ambiguous":
+        answer = " or ".join(cls for cls, _ in p.top[:2])
+    elif verdict == "out_of_domain":
+        answer = "-"
+    else:
+        answer = str(p.label)
+    ranked = ", ".join(f"{cls} {prob:.3f}" for cls, prob in p.top[:top_k])
+    if p.ood_score is not None:
+        ranked += f"; ood_score {p.ood_score:.3g}"
+    return f"{p.source}\t{verdict}\t{answer}\t{ranked}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -136,21 +164,25 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     top_k = min(args.top_k, len(predictor.classes))
+    ranked_k = min(max(top_k, 2), len(predictor.classes))  # an ambiguous answer names two classes
     results: list[Prediction] = []
     with tqdm(total=len(files), unit="img", desc="predict", file=sys.stderr,
               disable=True if args.no_progress else None) as bar:
-        for prediction in predictor.iter_predict_files(files, top_k=top_k, batch_size=args.batch_size):
+        for prediction in predictor.iter_predict_files(files, top_k=ranked_k, batch_size=args.batch_size):
             results.append(prediction)
             if not args.csv:
-                bar.write(_line(prediction), file=sys.stdout)
+                bar.write(_line(prediction, top_k), file=sys.stdout)
             bar.update(1)
     if args.csv:
         write_csv(args.csv, results, top_k)
 
-    failed = sum(not p.ok for p in results)
-    uncertain = sum(p.ok and p.uncertain for p in results)
+    counts = Counter(verdict_of(p) for p in results)
+    failed = counts["refused"] + counts["error"]
     summary = (f"{len(results)} images with {predictor.model_path.name} on {predictor.provider}: "
-               f"{len(results) - failed} classified ({uncertain} uncertain), {failed} unreadable")
+               + ", ".join(f"{counts[v]} {v.replace('_', ' ') if v != 'error' else 'unreadable'}" for v in
+                           ("diagnosis", "ambiguous", "out_of_domain", "refused", "error")))
+    if not predictor.has_ood:
+        summary += " (this model has no out-of-domain check)"
     if args.csv:
         summary += f"; results in {args.csv}"
     print(summary, file=sys.stderr)

@@ -1,15 +1,25 @@
-"""What the web app says about a set of photos: per-photo answers, the combined vote, the verdict.
+"""What the web app says about a set of photos: per-photo verdicts, the combined answer, the words.
 
-Pure logic without Gradio, so it is unit-tested directly and shared by the page and the API:
+Pure logic without Gradio, so it is unit-tested directly and shared by the page and the API.
 
-- :func:`summarise` turns per-photo class probabilities (or per-photo errors) into the JSON-able
-  answer the ``diagnose`` API returns. With several photos of one plant the answer is the vote of
-  all readable photos: their probabilities are averaged (a soft vote), which is steadier than any
-  single leaf; the answer is "uncertain" when the averaged top probability is below the model's
-  threshold, exactly as for a single photo.
-- :func:`render` turns that answer into what a person reads, in English or Chinese: the ranked
-  labels for ``gr.Label``, a plain-language verdict, the class notes (description, what to do) and
-  a per-photo table. Error messages are the friendly ones of :mod:`leaflens.apps.i18n`, never tracebacks.
+Every photo has one verdict (leaflens.apps.predictor.VERDICTS): ``diagnosis``; ``ambiguous`` (a known
+kind of photo, but the model is torn between two classes: both are named, neither is claimed);
+``out_of_domain`` (it does not look like the photos the model was trained on: no class is named);
+``refused`` (decoded, but too small, one flat colour or too blurred to judge: the model never saw it);
+``error`` (not readable, too big, server busy, ...). The per-photo verdict is the Predictor's own
+(:meth:`leaflens.apps.predictor.Predictor.judge`, applied by the service); :func:`summarise` only falls
+back to the top-probability rule for outcomes that carry probabilities alone.
+
+- :func:`summarise` turns the per-photo outcomes into the JSON-able answer the ``diagnose`` API returns.
+  Several photos of one plant: out-of-domain, refused and unreadable photos are named and left out; when
+  the others (diagnosis or ambiguous) all have the same first class, their probabilities are averaged
+  (a soft vote, steadier than any single leaf) and the average is judged with the model's threshold as a
+  single photo would be; when their first classes differ the answer is ``disagree`` and no class is
+  claimed. When every photo the model saw is out of domain, the answer is ``out_of_domain``.
+- :func:`render` turns that answer into what a person reads, in English or Chinese: the ranked labels
+  for ``gr.Label`` (for a diagnosis only), a plain-language verdict, the class notes (description, what to
+  do; for a diagnosis only) and a per-photo table. Messages are the friendly ones of
+  :mod:`leaflens.apps.i18n`, never tracebacks.
 """
 
 from __future__ import annotations
@@ -24,16 +34,28 @@ import numpy as np
 from leaflens.apps.i18n import t
 from leaflens.apps.notes import ClassNotes
 
-__all__ = ["PhotoOutcome", "error_message", "format_percent", "is_healthy", "md_escape", "render", "summarise"]
+__all__ = ["ANSWER_VERDICTS", "REFUSAL_REASONS", "PhotoOutcome", "error_message", "format_percent", "is_healthy",
+           "md_escape", "photo_caption", "render", "summarise"]
+
+# Why a readable photo is not shown to the model (leaflens.data_prep.decode min_side, leaflens.data_prep.quality).
+REFUSAL_REASONS = frozenset({"too_small", "uniform", "low_texture"})
+# The verdict of a whole request: a photo's verdicts, plus "disagree" (the photos' first classes differ).
+ANSWER_VERDICTS = ("diagnosis", "ambiguous", "out_of_domain", "disagree", "refused", "error")
+# The model's ranking is only shown when it answered: these verdicts name classes.
+_VOTING = ("diagnosis", "ambiguous")
+_MAX_KNOWN = 8  # classes listed by name in the out-of-domain message
 
 
 @dataclass
 class PhotoOutcome:
-    """One uploaded file: its probabilities over the model's classes, or why it has none.
+    """One uploaded file: its probabilities over the model's classes and verdict, or why it has none.
 
-    ``name`` is what the person called the file (never a server path); ``reason`` is an
-    :class:`leaflens.data_prep.decode.ImageDecodeError` reason or one of the app's own ("file_too_big",
-    "internal"); ``detail`` is the technical message (logged, and returned by the API).
+    ``name`` is what the person called the file (never a server path). ``verdict`` is the Predictor's
+    (``diagnosis`` / ``ambiguous`` / ``out_of_domain`` when ``probs`` is set; None there means "judge by
+    the top-probability threshold alone"); a failed file has ``refused`` or ``error``, derived from
+    ``reason`` when not given. ``reason`` is an :class:`leaflens.data_prep.decode.ImageDecodeError` reason
+    or one of the app's own ("file_too_big", "internal", "busy"); ``detail`` is the technical message
+    (logged, and returned by the API); ``ood_score`` is the model's out-of-domain score, when it has one.
     """
 
     name: str
@@ -41,9 +63,12 @@ class PhotoOutcome:
     reason: str | None = None
     detail: str | None = None
     values: dict[str, object] | None = None  # placeholders of the friendly message (e.g. sizes)
+    verdict: str | None = None
+    ood_score: float | None = None
 
     @property
     def ok(self) -> bool:
+        """The model looked at the photo (whatever its verdict)."""
         return self.probs is not None
 
 
@@ -70,7 +95,7 @@ def md_escape(text: str) -> str:
 
 
 def error_message(reason: str | None, lang: str = "en", values: dict[str, object] | None = None) -> str:
-    """The friendly message for a decode/upload failure ``reason`` in ``lang``."""
+    """The friendly message for a decode/upload failure or refusal ``reason`` in ``lang``."""
     key = f"err_{reason}"
     try:
         return t(key, lang, **(values or {}))
@@ -83,46 +108,109 @@ def _ranked(probs: np.ndarray, classes: Sequence[str], top_k: int) -> list[dict[
     return [{"label": classes[i], "probability": float(probs[i])} for i in order]
 
 
+def _judged(verdict: str | None, top_probability: float, threshold: float) -> str:
+    """A photo's verdict: the Predictor's when given, else the top-probability rule."""
+    if verdict is None:
+        return "ambiguous" if top_probability < threshold else "diagnosis"
+    if verdict not in ("diagnosis", "ambiguous", "out_of_domain"):
+        raise ValueError(f"a photo with probabilities has verdict {verdict!r}, expected diagnosis, ambiguous "
+                         "or out_of_domain")
+    return verdict
+
+
+def _photo_entry(o: PhotoOutcome, classes: list[str], threshold: float, top_k: int) -> tuple[dict[str, Any],
+                                                                                              np.ndarray | None]:
+    """The JSON entry of one photo, and its probabilities when it takes part in the vote."""
+    if not o.ok:
+        verdict = o.verdict or ("refused" if o.reason in REFUSAL_REASONS else "error")
+        if verdict not in ("refused", "error"):
+            raise ValueError(f"{o.name}: verdict {verdict!r} without probabilities")
+        return {"name": o.name, "ok": False, "verdict": verdict, "label": None, "confidence": None,
+                "uncertain": None, "top": [], "candidates": [], "ood_score": o.ood_score,
+                "error": {"reason": o.reason or "corrupt", "message": error_message(o.reason, "en", o.values),
+                          "detail": o.detail, "values": dict(o.values or {})}}, None
+    probs = np.asarray(o.probs, dtype=np.float64).reshape(-1)
+    if probs.shape != (len(classes),):
+        raise ValueError(f"{o.name}: {probs.shape[0]} probabilities for {len(classes)} classes")
+    top = _ranked(probs, classes, max(top_k, 2))
+    verdict = _judged(o.verdict, top[0]["probability"], threshold)
+    entry = {"name": o.name, "ok": True, "verdict": verdict, "label": top[0]["label"],
+             "confidence": top[0]["probability"], "uncertain": verdict != "diagnosis", "top": top[:top_k],
+             "candidates": [e["label"] for e in top[:2]] if verdict == "ambiguous" else [],
+             "ood_score": o.ood_score, "error": None}
+    if verdict == "out_of_domain":  # no class is named for a photo unlike the training photos
+        entry.update(label=None, confidence=None, top=[])
+        return entry, None
+    return entry, probs
+
+
+def _combined(voters: list[tuple[dict[str, Any], np.ndarray]], classes: list[str], threshold: float,
+              top_k: int) -> dict[str, Any]:
+    """The answer of the photos that take part in the vote (diagnosis or ambiguous, at least one)."""
+    labels = [p["label"] for p, _ in voters]
+    if len(set(labels)) > 1:
+        return {"verdict": "disagree", "label": None, "confidence": None, "uncertain": True, "top": [],
+                "candidates": [], "photos_used": len(voters), "agree": None}
+    if len(voters) == 1:  # one photo: its own verdict, exactly the Predictor's
+        photo, probs = voters[0]
+        verdict = photo["verdict"]
+    else:
+        probs = np.mean(np.stack([p for _, p in voters]), axis=0)
+        verdict = None
+    top = _ranked(probs, classes, max(top_k, 2))
+    verdict = verdict or ("ambiguous" if top[0]["probability"] < threshold else "diagnosis")
+    return {"verdict": verdict, "label": top[0]["label"], "confidence": top[0]["probability"],
+            "uncertain": verdict != "diagnosis", "top": top[:top_k],
+            "candidates": [e["label"] for e in top[:2]] if verdict == "ambiguous" else [],
+            "photos_used": len(voters), "agree": len(voters)}
+
+
 def summarise(outcomes: Sequence[PhotoOutcome], classes: Sequence[str], threshold: float,
-              top_k: int = 3, given: int | None = None, notes: ClassNotes | None = None) -> dict[str, Any]:
+              top_k: int = 3, given: int | None = None, notes: ClassNotes | None = None,
+              ood_threshold: float | None = None) -> dict[str, Any]:
     """The answer for one request, as plain JSON types.
 
-    Keys: ``photos`` (one entry per file, in upload order: ``name``, ``ok``, ``label``,
-    ``confidence``, ``uncertain``, ``top``, ``error``), ``answer`` (None when no file was readable;
-    else ``label``, ``confidence``, ``uncertain``, ``top``, ``photos_used``, ``agree``: how many
-    readable photos have that label first), ``threshold``, ``given`` (files received; more than
-    ``len(photos)`` when some were cut off) and ``note`` (the notes entry of the answer's label).
+    Keys:
+
+    - ``verdict``: the request's verdict, one of :data:`ANSWER_VERDICTS` (None when no file was given);
+    - ``photos``: one entry per file, in upload order: ``name``, ``ok`` (the model saw it), ``verdict``,
+      ``label``, ``confidence``, ``uncertain`` (verdict is not ``diagnosis``), ``top``, ``candidates``
+      (the two classes an ``ambiguous`` photo is torn between), ``ood_score`` and ``error`` (``reason``,
+      ``message``, ``detail``, ``values``). An ``out_of_domain`` photo names no class (label None, top []);
+    - ``answer``: None when the model saw no photo; else ``verdict``, ``label``, ``confidence``,
+      ``uncertain``, ``top``, ``candidates``, ``photos_used`` (photos in the vote), ``agree`` (how many of
+      them have ``label`` first; None for ``disagree``, where each photo's own answer is the answer) and
+      ``left_out`` (the out-of-domain photos' names);
+    - ``threshold`` / ``ood_threshold``: the model's thresholds; ``given``: files received (more than
+      ``len(photos)`` when some were cut off); ``note``: the notes entry of a diagnosed class.
     """
     classes = list(classes)
     photos: list[dict[str, Any]] = []
-    good: list[np.ndarray] = []
+    voters: list[tuple[dict[str, Any], np.ndarray]] = []
     for o in outcomes:
-        if o.ok:
-            probs = np.asarray(o.probs, dtype=np.float64).reshape(-1)
-            if probs.shape != (len(classes),):
-                raise ValueError(f"{o.name}: {probs.shape[0]} probabilities for {len(classes)} classes")
-            good.append(probs)
-            top = _ranked(probs, classes, top_k)
-            photos.append({"name": o.name, "ok": True, "label": top[0]["label"],
-                           "confidence": top[0]["probability"],
-                           "uncertain": bool(top[0]["probability"] < threshold), "top": top, "error": None})
-        else:
-            photos.append({"name": o.name, "ok": False, "label": None, "confidence": None, "uncertain": None,
-                           "top": [], "error": {"reason": o.reason or "corrupt",
-                                                "message": error_message(o.reason, "en", o.values),
-                                                "detail": o.detail, "values": dict(o.values or {})}})
-    answer = None
-    if good:
-        mean = np.mean(np.stack(good), axis=0)
-        top = _ranked(mean, classes, top_k)
-        label = top[0]["label"]
-        answer = {"label": label, "confidence": top[0]["probability"],
-                  "uncertain": bool(top[0]["probability"] < threshold), "top": top,
-                  "photos_used": len(good), "agree": sum(p["label"] == label for p in photos if p["ok"])}
+        entry, probs = _photo_entry(o, classes, threshold, top_k)
+        photos.append(entry)
+        if probs is not None:
+            voters.append((entry, probs))
+    outside = [p["name"] for p in photos if p["verdict"] == "out_of_domain"]
+    answer: dict[str, Any] | None = None
+    if voters:
+        answer = _combined(voters, classes, threshold, top_k)
+    elif outside:
+        answer = {"verdict": "out_of_domain", "label": None, "confidence": None, "uncertain": True, "top": [],
+                  "candidates": [], "photos_used": 0, "agree": None}
+    if answer is not None:
+        answer["left_out"] = outside
+        verdict: str | None = answer["verdict"]
+    elif photos:
+        verdict = "refused" if all(p["verdict"] == "refused" for p in photos) else "error"
+    else:
+        verdict = None
     note = None
-    if answer is not None and notes is not None and answer["label"] in notes:
+    if answer is not None and answer["verdict"] == "diagnosis" and notes is not None and answer["label"] in notes:
         note = dict(notes.entries[answer["label"]])
-    return {"photos": photos, "answer": answer, "threshold": float(threshold),
+    return {"verdict": verdict, "photos": photos, "answer": answer, "threshold": float(threshold),
+            "ood_threshold": None if ood_threshold is None else float(ood_threshold),
             "given": int(given if given is not None else len(outcomes)), "note": note}
 
 
@@ -136,19 +224,65 @@ def _label_dict(top: list[dict[str, Any]], notes: ClassNotes, lang: str) -> dict
     return out
 
 
-def _verdict(answer: dict[str, Any], notes: ClassNotes, lang: str) -> str:
+def _known(classes: Sequence[str], notes: ClassNotes, lang: str) -> str:
+    """What the model knows, for the out-of-domain message: its classes' display names."""
+    names = [notes.name(c, lang) for c in classes]
+    shown = t("list_sep", lang).join(names[:_MAX_KNOWN])
+    if len(names) > _MAX_KNOWN:
+        shown += t("and_more", lang, n=len(names) - _MAX_KNOWN)
+    return shown
+
+
+def _between(candidates: list[str], notes: ClassNotes, lang: str) -> tuple[str, str]:
+    first = notes.name(candidates[0], lang)
+    return first, notes.name(candidates[1], lang) if len(candidates) > 1 else first
+
+
+def _diagnosis_text(answer: dict[str, Any], notes: ClassNotes, lang: str) -> str:
     top = answer["top"]
     name, conf = notes.name(top[0]["label"], lang), format_percent(top[0]["probability"])
-    if answer["uncertain"]:
-        text = t("verdict_uncertain", lang, name=name, conf=conf)
-    elif is_healthy(top[0]["label"]):
-        text = t("verdict_healthy", lang, conf=conf)
-    else:
-        text = t("verdict_sick", lang, name=name, conf=conf)
-    if len(top) > 1 and (answer["uncertain"] or top[1]["probability"] >= 0.2):
+    text = t("verdict_healthy", lang, conf=conf) if is_healthy(top[0]["label"]) else \
+        t("verdict_sick", lang, name=name, conf=conf)
+    if len(top) > 1 and top[1]["probability"] >= 0.2:
         text += " " + t("runner_up", lang, name=notes.name(top[1]["label"], lang),
                         conf=format_percent(top[1]["probability"]))
     return text
+
+
+def photo_caption(photo: dict[str, Any], notes: ClassNotes, lang: str) -> str:
+    """One photo's answer in a few words (the per-photo table, the thumbnails' captions): no class for an
+    out-of-domain photo, the two candidates and no percentage for an ambiguous one."""
+    verdict = photo["verdict"]
+    if verdict == "diagnosis":
+        return f"{notes.name(photo['label'], lang)} {format_percent(photo['confidence'])}"
+    if verdict == "ambiguous":
+        a, b = _between(photo["candidates"], notes, lang)
+        return t("photo_ambiguous", lang, a=a, b=b)
+    if verdict == "out_of_domain":
+        return t("photo_ood", lang)
+    return t("photo_refused" if verdict == "refused" else "error_tag", lang)
+
+
+def _verdict(answer: dict[str, Any], photos: list[dict[str, Any]], classes: Sequence[str], notes: ClassNotes,
+             lang: str) -> str:
+    """The headline of an answer the model gave (``summarise(...)["answer"]``)."""
+    verdict, used = answer["verdict"], answer["photos_used"]
+    if verdict == "out_of_domain":
+        seen = len(answer["left_out"])
+        key = "verdict_ood" if seen == 1 else "verdict_ood_all"
+        return t(key, lang, n=seen, known=_known(classes, notes, lang))
+    if verdict == "disagree":
+        answers = "; ".join(f"{md_escape(p['name'])}: {md_escape(photo_caption(p, notes, lang))}"
+                            for p in photos if p["verdict"] in _VOTING)
+        return t("verdict_disagree", lang, n=used, answers=answers)
+    if verdict == "ambiguous":
+        a, b = _between(answer["candidates"], notes, lang)
+        text = t("verdict_ambiguous", lang, a=a, b=b)
+    else:
+        text = _diagnosis_text(answer, notes, lang)
+        if used > 1:
+            text += " " + t("agreement", lang, k=answer["agree"], n=used)
+    return t("combined", lang, n=used) + text if used > 1 else text
 
 
 def _notes_md(label: str, notes: ClassNotes, lang: str) -> str:
@@ -169,15 +303,17 @@ def _table_md(photos: list[dict[str, Any]], notes: ClassNotes, lang: str) -> str
             "|---|---|---|---|"]
     for i, p in enumerate(photos, 1):
         name = md_escape(p["name"])
-        if p["ok"]:
-            result = md_escape(notes.name(p["label"], lang))
-            if p["uncertain"]:
-                result += f" ({t('uncertain_tag', lang)})"
-            rows.append(f"| {i} | {name} | {result} | {format_percent(p['confidence'])} |")
+        verdict = p["verdict"]
+        if verdict == "diagnosis":
+            rows.append(f"| {i} | {name} | {md_escape(notes.name(p['label'], lang))} | "
+                        f"{format_percent(p['confidence'])} |")
+        elif p["ok"]:  # ambiguous or out of domain: no class claimed, no percentage
+            rows.append(f"| {i} | {name} | {md_escape(photo_caption(p, notes, lang))} | |")
         else:
             err = p["error"]
             message = error_message(err["reason"], lang, _values_from(err))
-            rows.append(f"| {i} | {name} | **{t('error_tag', lang)}:** {message} | |")
+            tag = t("refused_tag" if verdict == "refused" else "error_tag", lang)
+            rows.append(f"| {i} | {name} | **{tag}:** {message} | |")
     return "\n".join(rows)
 
 
@@ -186,13 +322,17 @@ def _values_from(err: dict[str, Any]) -> dict[str, object]:
 
 
 def render(result: dict[str, Any] | None, lang: str, notes: ClassNotes | None = None,
-           max_photos: int | None = None) -> tuple[dict[str, float] | None, str, str, str]:
+           max_photos: int | None = None, classes: Sequence[str] | None = None,
+           ) -> tuple[dict[str, float] | None, str, str, str]:
     """``(label value, verdict Markdown, notes Markdown, per-photo Markdown)`` for one answer in ``lang``.
 
-    ``result`` is what :func:`summarise` returned (None: nothing asked yet). The per-photo table is
-    shown when there is more than one file or any file failed.
+    ``result`` is what :func:`summarise` returned (None: nothing asked yet); ``classes`` (the model's)
+    are named in the out-of-domain message. The ranking (label value) and the class notes are given for
+    a ``diagnosis`` only: an ambiguous, out-of-domain or disagreeing answer shows no class as the answer
+    and no percentage. The per-photo table is shown when there is more than one file or a file failed.
     """
     notes = notes or ClassNotes()
+    classes = list(classes or [])
     if not result:
         return None, t("waiting", lang), "", ""
     photos, answer = result.get("photos", []), result.get("answer")
@@ -207,21 +347,23 @@ def render(result: dict[str, Any] | None, lang: str, notes: ClassNotes | None = 
     notes_md = ""
     if answer is None and len(photos) == 1:
         err = photos[0]["error"]
-        lines.insert(0, t("one_failed", lang, name=md_escape(photos[0]["name"]),
+        key = "one_refused" if photos[0]["verdict"] == "refused" else "one_failed"
+        lines.insert(0, t(key, lang, name=md_escape(photos[0]["name"]),
                           message=error_message(err["reason"], lang, _values_from(err))))
         return None, "\n\n".join(lines), "", ""
     if answer is None:
-        lines.insert(0, t("all_failed", lang))
+        lines.insert(0, t("all_refused" if all(p["verdict"] == "refused" for p in photos) else "all_failed", lang))
     else:
-        verdict = _verdict(answer, notes, lang)
-        if answer["photos_used"] > 1:
-            verdict = t("combined", lang, n=answer["photos_used"]) + verdict + " " + t(
-                "agreement", lang, k=answer["agree"], n=answer["photos_used"])
-        lines.insert(0, verdict)
+        lines.insert(0, _verdict(answer, photos, classes, notes, lang))
+        left_out = answer["left_out"]
+        if left_out and answer["verdict"] != "out_of_domain":
+            lines.append(t("left_out_ood", lang, k=len(left_out), n=len(photos),
+                           names=", ".join(md_escape(n) for n in left_out)))
         if failed:
             lines.append(t("skipped_some", lang, k=failed, n=len(photos)))
-        label_value = _label_dict(answer["top"], notes, lang)
-        if not answer["uncertain"]:
+        if answer["verdict"] == "diagnosis":
+            label_value = _label_dict(answer["top"], notes, lang)
             notes_md = _notes_md(answer["label"], notes, lang)
     table = _table_md(photos, notes, lang) if (len(photos) > 1 or failed) else ""
     return label_value, "\n\n".join(lines), notes_md, table
+

@@ -35,15 +35,29 @@ STRINGS: dict[str, dict[str, str]] = {
         # verdicts
         "verdict_healthy": "This leaf looks **healthy** ({conf} confident).",
         "verdict_sick": "Most likely **{name}** ({conf} confident).",
-        "verdict_uncertain": ("**Uncertain:** this may not be a leaf of a known crop, or the photo is unclear. "
-                              "Best guess: {name} ({conf}). Try another photo: one leaf, close up, in daylight."),
+        "verdict_ambiguous": "**Unsure between {a} and {b}:** take another photo of one leaf, closer, in daylight.",
+        "verdict_ood": ("**This does not look like the leaves or pests this model knows**, so it names no disease. "
+                        "The model was trained on photos of: {known}. Take a photo of one leaf (or pest) filling "
+                        "the frame, close up and in daylight."),
+        "verdict_ood_all": ("**None of the {n} photos looks like the leaves or pests this model knows**, so no "
+                            "disease is named. The model was trained on photos of: {known}. Take photos of one leaf "
+                            "(or pest) each, filling the frame, close up and in daylight."),
+        "verdict_disagree": ("**The {n} photos disagree**, so no single answer is given. Each photo's answer: "
+                             "{answers}. Check that the photos show the same plant, and add photos of one leaf "
+                             "each, close up and in daylight."),
+        "and_more": " and {n} more",
+        "list_sep": ", ",
+        "left_out_ood": ("{k} of {n} photos were left out: they do not look like the leaves or pests this model "
+                         "knows ({names})."),
         "runner_up": "Next most likely: {name} ({conf}).",
         "combined": "**Combined vote of {n} photos** (probabilities averaged): ",
         "agreement": "{k} of {n} photos have this as their first answer.",
         "skipped_some": "{k} of {n} files could not be used (see below).",
         "no_photos": "No photo was given: drop one or more leaf photos and press **Diagnose**.",
         "all_failed": "None of the files could be read as a photo. See the message for each file below.",
+        "all_refused": "None of the photos could be analysed. See the message for each photo below.",
         "one_failed": "**{name}** could not be read: {message}",
+        "one_refused": "**{name}** was not analysed: {message}",
         "too_many": "Only the first {max} photos were used ({n} were given).",
         # notes
         "what_it_is": "What it is",
@@ -52,7 +66,9 @@ STRINGS: dict[str, dict[str, str]] = {
         "col_photo": "Photo",
         "col_result": "Result",
         "col_conf": "Confidence",
-        "uncertain_tag": "uncertain",
+        "photo_ambiguous": "unsure: {a} or {b}",
+        "photo_ood": "not a leaf or pest this model knows",
+        "refused_tag": "not analysed",
         "error_tag": "not read",
         # decode errors, by ImageDecodeError.reason (plus our own size/ext checks)
         "err_empty": "the file is empty (0 bytes).",
@@ -86,8 +102,21 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_resize_pad": "whole photo, letterboxed",
         "m_provider": "Runs on",
         "m_params": "Parameters",
-        "m_threshold": "Uncertain below",
+        "m_threshold": "Unsure between two classes",
+        "m_threshold_below": "when the top probability is below {threshold}",
+        "m_threshold_how": ("chosen on the validation photos by `leaflens distill`, aiming for 95 % correct answers "
+                            "above it"),
+        "m_sep": "; ",
+        "m_threshold_cost": "{share} of the validation photos fall below it",
         "m_threshold_default": "(default, not calibrated)",
+        "m_ood": "Out-of-domain check",
+        "m_ood_value": ("a photo scoring above {threshold} ({method}: how far the model's own feature statistics "
+                        "are from those of its {train} training photos) gets \"does not look like the leaves or "
+                        "pests this model knows\". The threshold was set on {val} validation photos to flag at "
+                        "most {budget} of them; it flags {flagged}, the share of genuine photos this check costs"),
+        "m_ood_none": ("none: this model has no out-of-domain check (it was exported before the check existed, or "
+                       "without it), so a photo of something else still gets a class or \"unsure\". Re-export it "
+                       "with `leaflens export` to add the check."),
         "m_accuracy": "Test accuracy",
         "m_accuracy_ci": "{acc} ({level} confidence interval {lo} to {hi}, {n} test photos)",
         "m_accuracy_unknown": "not recorded",
@@ -116,22 +145,34 @@ STRINGS: dict[str, dict[str, str]] = {
         "waiting": "请在上方放入一张或多张叶片照片，然后点击 **诊断**。",
         "verdict_healthy": "这片叶子看起来 **健康**（置信度 {conf}）。",
         "verdict_sick": "最可能是 **{name}**（置信度 {conf}）。",
-        "verdict_uncertain": ("**不确定：** 这可能不是已知作物的叶片，或者照片不清楚。"
-                              "最可能的猜测：{name}（{conf}）。请重新拍摄：一片叶子、近距离、自然光。"),
+        "verdict_ambiguous": "**无法确定是{a}还是{b}：** 请在自然光下靠近一些，再拍一张单片叶子的照片。",
+        "verdict_ood": ("**这看起来不像本模型认识的叶片或害虫**，因此不给出病害诊断。本模型训练时的照片类别：{known}。"
+                        "请在自然光下近距离拍摄一片叶子（或一只害虫），让它占满画面。"),
+        "verdict_ood_all": ("**这 {n} 张照片都不像本模型认识的叶片或害虫**，因此不给出病害诊断。"
+                            "本模型训练时的照片类别：{known}。请每张照片拍一片叶子（或一只害虫），在自然光下近距离拍摄，让它占满画面。"),
+        "verdict_disagree": ("**这 {n} 张照片的结果不一致**，因此不给出单一结论。各张照片的结果：{answers}。"
+                             "请确认这些照片拍的是同一株植物，并补拍几张单片叶子的近距离、自然光照片。"),
+        "and_more": " 等另外 {n} 类",
+        "list_sep": "、",
+        "left_out_ood": "{n} 张照片中有 {k} 张不像本模型认识的叶片或害虫，未参与判断（{names}）。",
         "runner_up": "其次可能：{name}（{conf}）。",
         "combined": "**{n} 张照片的综合判断**（概率取平均）：",
         "agreement": "{n} 张照片中有 {k} 张的首选结果与此相同。",
         "skipped_some": "{n} 个文件中有 {k} 个无法使用（见下文）。",
         "no_photos": "没有收到照片：请放入一张或多张叶片照片，然后点击 **诊断**。",
         "all_failed": "所有文件都无法作为照片读取。请查看下面每个文件的说明。",
+        "all_refused": "所有照片都无法分析。请查看下面每张照片的说明。",
         "one_failed": "无法读取 **{name}**：{message}",
+        "one_refused": "未分析 **{name}**：{message}",
         "too_many": "只使用了前 {max} 张照片（共收到 {n} 张）。",
         "what_it_is": "这是什么",
         "what_to_do": "怎么处理",
         "col_photo": "照片",
         "col_result": "结果",
         "col_conf": "置信度",
-        "uncertain_tag": "不确定",
+        "photo_ambiguous": "不确定：{a} 或 {b}",
+        "photo_ood": "不像本模型认识的叶片或害虫",
+        "refused_tag": "未分析",
         "error_tag": "无法读取",
         "err_empty": "文件是空的（0 字节）。",
         "err_truncated": "文件不完整：上传或复制可能被中断了。",
@@ -160,8 +201,19 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_resize_pad": "整张照片，补边",
         "m_provider": "运行于",
         "m_params": "参数量",
-        "m_threshold": "低于此置信度视为不确定",
+        "m_threshold": "无法在两类之间确定",
+        "m_threshold_below": "最高概率低于 {threshold} 时",
+        "m_threshold_how": "由 `leaflens distill` 在验证集照片上选定，目标是高于该值的回答有 95 % 正确",
+        "m_sep": "；",
+        "m_threshold_cost": "验证集照片中有 {share} 低于该值",
         "m_threshold_default": "（默认值，未校准）",
+        "m_ood": "域外检查",
+        "m_ood_value": ("得分高于 {threshold} 的照片（{method}：模型自身特征统计量与其 {train} 张训练照片的差距）"
+                        "会得到“不像本模型认识的叶片或害虫”的回答。该阈值在 {val} 张验证集照片上设定，最多标记其中的 "
+                        "{budget}；实际标记 {flagged}，即这项检查对正常照片的代价"),
+        "m_ood_none": ("无：本模型没有域外检查（导出时还没有这项检查，或导出时关闭了它），"
+                       "因此其他东西的照片仍会得到某个类别或“不确定”的回答。"
+                       "用 `leaflens export` 重新导出即可加上这项检查。"),
         "m_accuracy": "测试准确率",
         "m_accuracy_ci": "{acc}（{level} 置信区间 {lo} 至 {hi}，{n} 张测试照片）",
         "m_accuracy_unknown": "未记录",

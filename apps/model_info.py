@@ -7,7 +7,10 @@ accuracy with its confidence interval, and ``curves.png`` / ``confusion.png`` si
 dataset folder carries ``classes.toml``. Explicit ``--run`` / ``--dataset`` / ``--classes-notes``
 win. Anything missing is reported as a warning and simply not shown.
 
-:func:`model_markdown` writes the "Model" tab. This module reads JSON only (no engine import).
+:func:`model_markdown` writes the "Model" tab, including how the two thresholds behind the verdicts were
+chosen and what they cost on the validation photos (from the model card: ``uncertain_threshold`` and
+``val_ambiguous``; ``ood``), or that the model has no out-of-domain check. This module reads JSON only (no
+engine import).
 """
 
 from __future__ import annotations
@@ -127,17 +130,36 @@ def _accuracy_line(card: Any, report: dict[str, Any] | None, lang: str) -> str:
     return _pct(acc) if acc is not None else t("m_accuracy_unknown", lang)
 
 
+def _threshold_line(card: Any, lang: str) -> str:
+    """When the answer is "unsure between two classes", how that was chosen and what it costs."""
+    below = t("m_threshold_below", lang, threshold=f"{card.uncertain_threshold:.2f}")
+    if not card.threshold_from_model:
+        return f"{below} {t('m_threshold_default', lang)}"
+    parts = [below, t("m_threshold_how", lang)]
+    if card.val_ambiguous is not None:
+        parts.append(t("m_threshold_cost", lang, share=_pct(card.val_ambiguous)))
+    return t("m_sep", lang).join(parts)
+
+
+def _ood_line(card: Any, lang: str) -> str:
+    """How the out-of-domain check judges a photo and what it costs on validation, or that there is none."""
+    ood = card.ood
+    if ood is None:
+        return t("m_ood_none", lang)
+    return t("m_ood_value", lang, threshold=f"{ood.threshold:.3g}", method=f"`{ood.method}`",
+             train=f"{ood.train_photos:,}", val=f"{ood.val_photos:,}", budget=_pct(ood.budget),
+             flagged=_pct(ood.val_flagged))
+
+
 def model_markdown(predictor: Any, ctx: ServeContext, lang: str, notes: Any = None,
                    batching: tuple[int, float] | None = None) -> str:
-    """The Model tab: file, run, classes (display names), accuracy with CI, input, provider, params."""
+    """The Model tab: file, run, classes (display names), accuracy with CI, input, the "unsure" threshold and
+    the out-of-domain check (how chosen, cost on validation), provider, params."""
     card = predictor.card
     report = ctx.run_report
     params = card.params if card.params is not None else _get(report, "params")
     names = [notes.name(c, lang) if notes is not None else c for c in card.classes]
     classes = ", ".join(n if n == c else f"{n} (`{c}`)" for n, c in zip(names, card.classes))
-    threshold = f"{card.uncertain_threshold:.2f}"
-    if not card.threshold_from_model:
-        threshold += " " + t("m_threshold_default", lang)
     rows = [
         (t("m_file", lang), f"`{predictor.model_path.name}`"),
         (t("m_run", lang), f"`{card.run_id}`" if card.run_id else "-"),
@@ -145,7 +167,8 @@ def model_markdown(predictor: Any, ctx: ServeContext, lang: str, notes: Any = No
         (t("m_accuracy", lang), _accuracy_line(card, report, lang)),
         (t("m_input", lang), f"{card.input_size} x {card.input_size} RGB"),
         (t("m_resize", lang), t("m_resize_crop" if card.resize == "crop" else "m_resize_pad", lang)),
-        (t("m_threshold", lang), threshold),
+        (t("m_threshold", lang), _threshold_line(card, lang)),
+        (t("m_ood", lang), _ood_line(card, lang)),
         (t("m_provider", lang), f"`{predictor.provider}`"),
         (t("m_params", lang), f"{int(params):,}" if params is not None else "-"),
     ]

@@ -1,16 +1,19 @@
 """The web app's engine room: uploaded files in, the JSON answer of :func:`leaflens.apps.diagnosis.summarise` out.
 
 :class:`DiagnosisService` owns one :class:`~leaflens.apps.predictor.Predictor` and one
-:class:`~leaflens.apps.batcher.DynamicBatcher`. Gradio runs each request in its own thread (up to the
+:class:`~leaflens.apps.batcher.DynamicBatcher` whose ``run_batch`` is :meth:`Predictor.score_arrays`
+(probabilities and out-of-domain score per photo). Gradio runs each request in its own thread (up to the
 event's concurrency limit); every request decodes its photos (in parallel when there are several,
 Pillow releases the GIL) and submits each decoded photo to the shared batcher, so photos from
-concurrent requests meet in one model call. Nothing here imports Gradio, so the same object serves
-the page, the API, tests and the latency benchmark.
+concurrent requests meet in one model call. Each photo's verdict is the Predictor's own
+(:meth:`Predictor.judge` on its row): the page, the API and `leaflens predict` cannot disagree about it.
+Nothing here imports Gradio, so the same object serves the page, the API, tests and the latency benchmark.
 
-Every file either gets probabilities or a reason it has none (too big, not an image, truncated,
-HEIC without pillow-heif, server busy, ...); an unexpected exception is logged with its traceback
-and becomes the reason "internal" for that file only. One log line per request records the
-server-side latency (``leaflens.serve`` logger).
+Every file either gets the model's answer or a reason it has none: refused before the model (too small,
+one flat colour, too blurred: leaflens.data_prep.quality) or not usable at all (too big, not an image,
+truncated, HEIC without pillow-heif, server busy, ...); an unexpected exception is logged with its
+traceback and becomes the reason "internal" for that file only. One log line per request records the
+verdicts and the server-side latency (``leaflens.serve`` logger).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,11 +31,12 @@ from typing import Any
 import numpy as np
 
 from leaflens.apps.batcher import BatcherBusy, BatcherClosed, DynamicBatcher
-from leaflens.apps.diagnosis import PhotoOutcome, summarise
+from leaflens.apps.diagnosis import REFUSAL_REASONS, PhotoOutcome, summarise
 from leaflens.apps.notes import ClassNotes
 from leaflens.apps.predictor import Predictor
 from leaflens.cpus import usable_cpus
 from leaflens.data_prep.decode import ImageDecodeError
+from leaflens.data_prep.quality import PhotoRefused
 
 __all__ = ["MB", "DiagnosisService", "ServiceOptions"]
 
@@ -65,7 +70,7 @@ class DiagnosisService:
         if opts.max_upload_mb <= 0 or opts.max_photos < 1 or opts.top_k < 1:
             raise ValueError(f"need max_upload_mb > 0, max_photos >= 1 and top_k >= 1, got {opts}")
         self.max_upload_bytes = int(opts.max_upload_mb * MB)
-        self.batcher = DynamicBatcher(predictor.predict_arrays, max_batch_size=opts.max_batch_size,
+        self.batcher = DynamicBatcher(predictor.score_arrays, max_batch_size=opts.max_batch_size,
                                       max_wait_ms=opts.max_wait_ms, max_queue=opts.max_queue,
                                       timeout_s=opts.request_timeout_s, num_workers=opts.batch_workers,
                                       name="leaflens-serve")
@@ -73,7 +78,8 @@ class DiagnosisService:
 
     # ----------------------------------------------------------------------------- one file
     def _start(self, path: str, name: str) -> PhotoOutcome | Future:
-        """Check and decode one file, then hand it to the batcher: a future, or a failed outcome."""
+        """Check and decode one file, then hand it to the batcher: a future, or a failed outcome
+        (``refused`` for a photo the quality checks turned away, else ``error``)."""
         try:
             size = os.path.getsize(path)
             if size > self.max_upload_bytes:
@@ -82,7 +88,8 @@ class DiagnosisService:
             pixels = self.predictor.decode(path)
             return self.batcher.submit(pixels)
         except ImageDecodeError as exc:
-            return PhotoOutcome(name, reason=exc.reason, detail=exc.detail)
+            refused = isinstance(exc, PhotoRefused) or exc.reason in REFUSAL_REASONS
+            return PhotoOutcome(name, reason=exc.reason, detail=exc.detail, verdict="refused" if refused else "error")
         except OSError as exc:
             return PhotoOutcome(name, reason="unreadable", detail=exc.strerror or str(exc))
         except (BatcherBusy, BatcherClosed) as exc:
@@ -91,12 +98,14 @@ class DiagnosisService:
             log.exception("unexpected failure reading %s", name)
             return PhotoOutcome(name, reason="internal", detail=f"{type(exc).__name__}: {exc}")
 
-    @staticmethod
-    def _finish(name: str, started: PhotoOutcome | Future) -> PhotoOutcome:
+    def _finish(self, name: str, started: PhotoOutcome | Future) -> PhotoOutcome:
+        """Wait for the photo's row of :meth:`Predictor.score_arrays` and judge it as the Predictor does."""
         if isinstance(started, PhotoOutcome):
             return started
         try:
-            return PhotoOutcome(name, probs=np.asarray(started.result()))
+            row = np.asarray(started.result())
+            judged = self.predictor.judge(row, top_k=1, source=name)
+            return PhotoOutcome(name, probs=row["probs"], verdict=judged.verdict, ood_score=judged.ood_score)
         except (TimeoutError, BatcherBusy, BatcherClosed) as exc:
             return PhotoOutcome(name, reason="busy", detail=str(exc))
         except Exception as exc:
@@ -119,16 +128,19 @@ class DiagnosisService:
         else:
             started = list(self._pool.map(self._start, used, names))
         outcomes = [self._finish(n, s) for n, s in zip(names, started)]
-        result = summarise(outcomes, self.predictor.classes, self.predictor.card.uncertain_threshold,
-                           top_k=self.options.top_k, given=len(paths), notes=self.notes)
+        card = self.predictor.card
+        result = summarise(outcomes, self.predictor.classes, card.uncertain_threshold, top_k=self.options.top_k,
+                           given=len(paths), notes=self.notes,
+                           ood_threshold=card.ood.threshold if card.ood is not None else None)
         elapsed_ms = (time.perf_counter() - t0) * 1000.0
         result["server_ms"] = round(elapsed_ms, 2)
         result["model"] = self.predictor.model_path.name
         ok = sum(o.ok for o in outcomes)
         answer = result["answer"]
-        log.info("diagnose photos=%d ok=%d failed=%d answer=%s%s server_ms=%.1f per_photo_ms=%.1f",
-                 len(used), ok, len(used) - ok, answer["label"] if answer else "-",
-                 " (uncertain)" if answer and answer["uncertain"] else "", elapsed_ms,
+        counts = Counter(p["verdict"] for p in result["photos"])
+        log.info("diagnose photos=%d ok=%d failed=%d verdicts=%s answer=%s%s server_ms=%.1f per_photo_ms=%.1f",
+                 len(used), ok, len(used) - ok, ",".join(f"{k}:{v}" for k, v in sorted(counts.items())) or "-",
+                 result["verdict"] or "-", f" {answer['label']}" if answer and answer["label"] else "", elapsed_ms,
                  elapsed_ms / max(1, len(used)))
         return result
 

@@ -3,11 +3,14 @@
 Layout: a language switch (English / 中文), then two tabs.
 
 - "Diagnose": a file drop zone (one or several photos), a Diagnose button, the ranked labels
-  (``gr.Label``), the verdict in plain words, the class notes (what it is, what to do), a per-photo
-  table when there are several files or a file could not be read, the answer as JSON (closed), and
+  (``gr.Label``, for a diagnosis only), the verdict in plain words (a diagnosis; "unsure between" two
+  classes; "does not look like the leaves or pests this model knows"; the photos disagree; or why a
+  photo was not analysed), the class notes (what it is, what to do; for a diagnosis only), a per-photo
+  table when there are several files or a file could not be used, the answer as JSON (closed), and
   example photos from the training data (clicking one diagnoses it).
 - "Model": the model card (classes, test accuracy with its confidence interval, input size,
-  provider, parameters) and the run's confusion matrix and training curves.
+  provider, parameters, how the "unsure" and out-of-domain thresholds were chosen and what they cost
+  on validation) and the run's confusion matrix and training curves.
 
 The Diagnose button's event is the public API endpoint ``/diagnose`` (files in, the JSON of
 :func:`leaflens.apps.diagnosis.summarise` out); the page then renders that JSON in the chosen language in a
@@ -26,7 +29,7 @@ from typing import Any
 
 import gradio as gr
 
-from leaflens.apps.diagnosis import format_percent, render
+from leaflens.apps.diagnosis import PhotoOutcome, photo_caption, render, summarise
 from leaflens.apps.i18n import LANG_CHOICES, lang_from_choice, t
 from leaflens.apps.model_info import model_markdown, run_images
 from leaflens.apps.service import DiagnosisService
@@ -107,29 +110,22 @@ def build_app(service: DiagnosisService, config: AppConfig | None = None) -> gr.
             except Exception:  # never a traceback in the page: log it, answer with a clear message
                 log.exception("diagnose failed")
                 names = [Path(p).name for p in (photos or [])]
-                return {"photos": [{"name": n, "ok": False, "label": None, "confidence": None, "uncertain": None,
-                                    "top": [], "error": {"reason": "internal", "message": t("err_internal", "en"),
-                                                         "detail": None, "values": {}}} for n in names],
-                        "answer": None, "threshold": predictor.card.uncertain_threshold, "given": len(names),
-                        "note": None}
+                return summarise([PhotoOutcome(n, reason="internal") for n in names], predictor.classes,
+                                 predictor.card.uncertain_threshold, given=len(names))
 
         def show(result: dict[str, Any] | None, lang: str, paths: list[str] | None):
             lang = lang_from_choice(lang)
-            value, verdict_text, notes_text, table_text = render(result, lang, notes, opts.max_photos)
+            value, verdict_text, notes_text, table_text = render(result, lang, notes, opts.max_photos,
+                                                                 predictor.classes)
             items = photo_items(result, paths, lang)
             return (gr.update(value=value, visible=value is not None), verdict_text, notes_text, table_text,
                     gr.update(value=items, visible=bool(items)))
 
         def photo_items(result: dict[str, Any] | None, paths: list[str] | None, lang: str) -> list[tuple[str, str]]:
-            """The uploaded photos a browser can show, captioned with their own answer."""
-            items = []
-            for photo, path in zip((result or {}).get("photos", []), paths or []):
-                if photo["ok"] and Path(path).suffix.lower() in BROWSER_FORMATS:
-                    caption = f"{notes.name(photo['label'], lang)} {format_percent(photo['confidence'])}"
-                    if photo["uncertain"]:
-                        caption += f" ({t('uncertain_tag', lang)})"
-                    items.append((path, caption))
-            return items
+            """The uploaded photos the model saw that a browser can show, captioned with their own answer."""
+            return [(path, photo_caption(photo, notes, lang))
+                    for photo, path in zip((result or {}).get("photos", []), paths or [])
+                    if photo["ok"] and Path(path).suffix.lower() in BROWSER_FORMATS]
 
         def relabel(lang_choice: str, result: dict[str, Any] | None, paths: list[str] | None):
             lang = lang_from_choice(lang_choice)

@@ -240,7 +240,7 @@ def bench_e2e_full_decode(predictor: Predictor, photo: Path, runs: int) -> dict[
             side = min(w, h)
             box = ((w - side) / 2, (h - side) / 2, (w + side) / 2, (h + side) / 2)
             pixels = np.asarray(im.resize((size, size), Image.Resampling.BOX, box=box), dtype=np.uint8)
-        predictor.rank(predictor.predict_arrays(pixels[None])[0], 3, str(photo))
+        predictor.judge(predictor.score_arrays(pixels[None])[0], 3, str(photo))
         lat.append(time.perf_counter() - t)
     return pct(lat)
 

@@ -46,9 +46,25 @@ def leaflens_metadata(classes: list[str], size: int, **extra: str) -> dict[str, 
     return meta
 
 
+def ood_metadata(threshold: float, stored_size: int, **check: object) -> dict[str, str]:
+    """Metadata of a format 3 model with the out-of-domain output: ``leaflens.ood`` as the exporter writes it
+    (ModelCard.to_metadata of an OODCheck; figures other than the threshold are made up, or given)."""
+    from leaflens.apps.model_card import OODCheck
+
+    values: dict[str, object] = {"method": "grey-score-test", "threshold": float(threshold), "budget": 0.03,
+                                 "val_photos": 120, "val_flagged": 0.025, "train_photos": 480, "blocks": 1}
+    values.update(check)
+    return {"leaflens.format": "3", "leaflens.stored_size": str(stored_size),
+            "leaflens.ood": json.dumps(OODCheck(**values).to_dict())}
+
+
 def build_tiny_model(path: Path, weights: dict[str, np.ndarray], size: int,
-                     metadata: dict[str, str]) -> Path:
-    """Write the model contract's shape: input [batch,3,S,S] -> logits [batch,C], opset 17, IR 8."""
+                     metadata: dict[str, str], ood: bool = False) -> Path:
+    """Write the model contract's shape: input [batch,3,S,S] -> logits [batch,C], opset 17, IR 8.
+
+    ``ood=True`` adds the second output ``ood_score`` [batch]: :func:`reference_ood`, the (negated) mean
+    colourfulness of the photo, so a grey photo (R = G = B: a scan, a digit, grey noise) scores 0 and a
+    colourful one about -0.33 (random RGB noise) (the metadata must then carry ``leaflens.ood``)."""
     num_classes, channels = weights["fc_w"].shape
     inits = [numpy_helper.from_array(v, name) for name, v in weights.items()]
     nodes = [
@@ -59,10 +75,28 @@ def build_tiny_model(path: Path, weights: dict[str, np.ndarray], size: int,
         helper.make_node("Flatten", ["g"], ["f"], axis=1),
         helper.make_node("Gemm", ["f", "fc_w", "fc_b"], ["logits"], transB=1),
     ]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", num_classes])]
+    if ood:
+        # 1x1 conv from the normalised input back to pixel differences R-G and G-B on the [0, 1] scale:
+        # p_c = x_c * std_c + mean_c, so (p_a - p_b) = std_a x_a - std_b x_b + (mean_a - mean_b).
+        w = np.zeros((2, 3, 1, 1), np.float32)
+        b = np.zeros(2, np.float32)
+        for o, (a, c) in enumerate(((0, 1), (1, 2))):
+            w[o, a, 0, 0], w[o, c, 0, 0] = STD[a], -STD[c]
+            b[o] = MEAN[a] - MEAN[c]
+        inits += [numpy_helper.from_array(w, "ood_w"), numpy_helper.from_array(b, "ood_b"),
+                  numpy_helper.from_array(np.array(-1.0, np.float32), "ood_scale")]
+        nodes += [
+            helper.make_node("Conv", ["input", "ood_w", "ood_b"], ["d"], kernel_shape=[1, 1]),
+            helper.make_node("Abs", ["d"], ["ad"]),
+            helper.make_node("ReduceMean", ["ad"], ["m"], axes=[1, 2, 3], keepdims=0),
+            helper.make_node("Mul", ["m", "ood_scale"], ["ood_score"]),
+        ]
+        outputs.append(helper.make_tensor_value_info("ood_score", TensorProto.FLOAT, ["batch"]))
     graph = helper.make_graph(
         nodes, "tiny_leaflens",
         [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 3, size, size])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", num_classes])],
+        outputs,
         inits,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
@@ -89,10 +123,51 @@ def reference_probs(batch_u8: np.ndarray, weights: dict[str, np.ndarray]) -> np.
     return e / e.sum(axis=1, keepdims=True)
 
 
+def reference_ood(batch_u8: np.ndarray) -> np.ndarray:
+    """What the ``ood_score`` output of ``build_tiny_model(..., ood=True)`` gives for uint8 [N, S, S, 3] at the
+    input size: minus the mean over pixels of (|R - G| + |G - B|) / 2 on the [0, 1] scale."""
+    p = batch_u8.astype(np.float64) / 255.0
+    return -0.5 * (np.abs(p[..., 0] - p[..., 1]) + np.abs(p[..., 1] - p[..., 2])).mean(axis=(1, 2))
+
+
 def write_photo(path: Path, size: tuple[int, int] = (48, 40), seed: int = 0, fmt: str | None = None) -> Path:
+    """Random RGB noise: colourful (in domain for the tiny out-of-domain score), detailed (never refused)."""
     rng = np.random.default_rng(seed)
     arr = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
     Image.fromarray(arr).save(path, format=fmt)
+    return path
+
+
+def write_leaf(path: Path, size: tuple[int, int] = (300, 200), seed: int = 0, fmt: str | None = None) -> Path:
+    """A colourful photo at any size: a random strong colour cast, veins (stripes of about a fifth of the width)
+    and noise, so it stays colourful (in domain for the tiny out-of-domain score, about -0.2 to -0.5) and
+    detailed (never refused) when decoded to a few dozen pixels."""
+    rng = np.random.default_rng(seed)
+    base = rng.permutation([rng.uniform(20, 70), rng.uniform(110, 150), rng.uniform(190, 235)])
+    yy, xx = np.mgrid[0:size[1], 0:size[0]]
+    angle = rng.uniform(0, np.pi)
+    veins = 35 * np.sin((xx * np.cos(angle) + yy * np.sin(angle)) * 2 * np.pi / (size[0] / 5))[..., None]
+    arr = base + veins + rng.normal(0, 20, (size[1], size[0], 3))
+    Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8)).save(path, format=fmt)
+    return path
+
+
+def write_grey_noise(path: Path, size: tuple[int, int] = (64, 48), seed: int = 0) -> Path:
+    """Random grey noise (R = G = B): detailed enough to pass the photo checks, out of domain for the tiny score."""
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 256, (size[1], size[0]), dtype=np.uint8)).convert("RGB").save(path)
+    return path
+
+
+def write_digit(path: Path, size: int = 96, seed: int = 0) -> Path:
+    """A handwritten-looking "7": white strokes on black with some sensor noise, grey like a scanned digit."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:size, 0:size] / size
+    top = (np.abs(yy - 0.2) < 0.06) & (xx > 0.2) & (xx < 0.8)
+    stem = np.abs((xx - 0.8) + 0.45 * (yy - 0.2)) < 0.06
+    stroke = top | (stem & (yy > 0.2) & (yy < 0.85))
+    img = np.where(stroke, 230.0, 20.0) + rng.normal(0, 6, (size, size))
+    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).convert("RGB").save(path)
     return path
 
 

@@ -1,11 +1,14 @@
-"""`leaflens predict` on a folder: CSV rows, the error column, exit codes."""
+"""`leaflens predict` on a folder: CSV rows, verdicts, the error column, exit codes."""
 
 from __future__ import annotations
 
 import csv
+from pathlib import Path
 
 import numpy as np
-from apps_helpers import reference_probs, write_photo
+import pytest
+from apps_helpers import reference_ood, reference_probs, write_digit, write_grey_noise, write_leaf, write_photo
+from PIL import Image
 
 from leaflens.apps.cmd_predict import collect_images
 from leaflens.data_prep.decode import decode_image
@@ -35,10 +38,11 @@ def test_folder_with_one_broken_file(tiny_model, tmp_path, capsys):
     rows = list(csv.DictReader(out.open(encoding="utf-8")))
     by_name = {r["path"].split("/")[-1]: r for r in rows}
     assert sorted(by_name) == ["a.jpg", "b.png", "broken.jpg", "c.JPEG"]
-    assert list(rows[0]) == ["path", "label", "probability", "uncertain", "class_1", "prob_1",
-                             "class_2", "prob_2", "error"]
+    assert list(rows[0]) == ["path", "verdict", "label", "probability", "uncertain", "ood_score", "class_1",
+                             "prob_1", "class_2", "prob_2", "error"]
     broken = by_name["broken.jpg"]
     assert broken["label"] == "" and "broken.jpg" in broken["error"] and "cannot decode" in broken["error"]
+    assert broken["verdict"] == "error"
     for name in ("a.jpg", "b.png", "c.JPEG"):
         row = by_name[name]
         expected = reference_probs(decode_image(row["path"], 16, "crop")[None], weights)[0]
@@ -46,7 +50,10 @@ def test_folder_with_one_broken_file(tiny_model, tmp_path, capsys):
         assert abs(float(row["probability"]) - expected.max()) < 1e-5
         assert row["class_1"] == row["label"] and float(row["prob_2"]) <= float(row["prob_1"])
         assert row["uncertain"] == str(bool(expected.max() < 0.5)).lower()
-    assert "1 unreadable" in capsys.readouterr().err
+        assert row["verdict"] == ("ambiguous" if expected.max() < 0.5 else "diagnosis")
+        assert row["ood_score"] == ""  # this model has no out-of-domain output
+    err = capsys.readouterr().err
+    assert "1 unreadable" in err and "no out-of-domain check" in err
 
 
 def test_all_good_files_exit_zero_and_print_lines(tiny_model, tmp_path, capsys):
@@ -57,7 +64,57 @@ def test_all_good_files_exit_zero_and_print_lines(tiny_model, tmp_path, capsys):
     assert code == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2  # a given twice is classified once
-    assert lines[0].startswith(str(a) + "\t") and lines[0].split("\t")[1].split(" ")[0] in CLASSES
+    fields = lines[0].split("\t")
+    assert fields[0] == str(a) and fields[1] in ("diagnosis", "ambiguous") and fields[2].split(" ")[0] in CLASSES
+
+
+def test_verdicts_in_csv_lines_and_summary(tiny_model, tmp_path, capsys):
+    """A model with the out-of-domain output: every verdict, as the reference network and the thresholds say."""
+    threshold, ood_threshold = 0.8, -0.1
+    model, weights = tiny_model(size=16, seed=2, ood_threshold=ood_threshold,
+                                **{"leaflens.uncertain_threshold": str(threshold)})
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for i in range(8):
+        write_leaf(folder / f"leaf{i}.png", (64, 48), seed=i)
+    write_grey_noise(folder / "grey.png")
+    write_digit(folder / "digit.png")
+    Image.new("RGB", (1, 1), (90, 140, 60)).save(folder / "dot.png")
+    Image.new("RGB", (80, 60), (90, 140, 60)).save(folder / "flat.png")
+    out = tmp_path / "out.csv"
+    code = main(["predict", str(folder), "--model", str(model), "--csv", str(out), "--top-k", "1", "--no-progress"])
+    assert code == 1  # two photos refused
+    rows = {Path(r["path"]).name: r for r in csv.DictReader(out.open(encoding="utf-8"))}
+    assert (rows["dot.png"]["verdict"], rows["flat.png"]["verdict"]) == ("refused", "refused")
+    assert "1x1 px" in rows["dot.png"]["error"] and "uniform" in rows["flat.png"]["error"]
+    seen = set()
+    for name, row in rows.items():
+        if name in ("dot.png", "flat.png"):
+            continue
+        pixels = decode_image(folder / name, 16)[None]
+        probs, ood = reference_probs(pixels, weights)[0], float(reference_ood(pixels)[0])
+        want = "out_of_domain" if ood > ood_threshold else "ambiguous" if probs.max() < threshold else "diagnosis"
+        assert row["verdict"] == want, (name, row)
+        assert float(row["ood_score"]) == pytest.approx(ood, abs=1e-5)
+        assert row["uncertain"] == str(want != "diagnosis").lower() and "class_2" not in row  # --top-k 1
+        seen.add(want)
+    assert seen == {"diagnosis", "ambiguous", "out_of_domain"}, seen  # the photos cover every verdict
+    assert rows["grey.png"]["verdict"] == rows["digit.png"]["verdict"] == "out_of_domain"
+    counts = {v: sum(r["verdict"] == v for r in rows.values()) for v in ("diagnosis", "ambiguous", "out_of_domain")}
+    err = capsys.readouterr().err
+    assert (f"{counts['diagnosis']} diagnosis, {counts['ambiguous']} ambiguous, {counts['out_of_domain']} out of "
+            "domain, 2 refused, 0 unreadable") in err
+
+    code = main(["predict", str(folder), "--model", str(model), "--top-k", "1", "--no-progress"])
+    lines = {Path(line.split("\t")[0]).name: line.split("\t") for line in capsys.readouterr().out.splitlines()}
+    assert code == 1 and lines["dot.png"][1:3] == ["refused", "too_small"]
+    assert lines["grey.png"][1:3] == ["out_of_domain", "-"] and "ood_score" in lines["grey.png"][3]
+    for name, row in rows.items():
+        assert lines[name][1] == row["verdict"]
+        if row["verdict"] == "ambiguous":  # names the top two even with --top-k 1
+            assert " or " in lines[name][2] and lines[name][2].startswith(row["label"] + " or ")
+        elif row["verdict"] == "diagnosis":
+            assert lines[name][2] == row["label"]
 
 
 def test_usage_and_model_errors_exit_two(tiny_model, tmp_path, capsys):

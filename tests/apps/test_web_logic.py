@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from apps_helpers import reference_probs, write_photo
+from apps_helpers import reference_ood, reference_probs, write_digit, write_grey_noise, write_leaf, write_photo
 from PIL import Image
 
 from leaflens.apps.diagnosis import PhotoOutcome, format_percent, is_healthy, md_escape, render, summarise
@@ -30,36 +30,80 @@ def outcome(name: str, probs: list[float]) -> PhotoOutcome:
     return PhotoOutcome(name, probs=np.array(probs))
 
 
+def outcome_v(name: str, probs: list[float], verdict: str, ood_score: float | None = None) -> PhotoOutcome:
+    """An outcome with the Predictor's verdict, as the service builds it."""
+    return PhotoOutcome(name, probs=np.array(probs), verdict=verdict, ood_score=ood_score)
+
+
 # ----------------------------------------------------------------------------- the vote and the verdict
-def test_vote_is_the_mean_of_the_readable_photos():
-    a, b, c = [0.2, 0.7, 0.1], [0.1, 0.3, 0.6], [0.05, 0.8, 0.15]
-    res = summarise([outcome("a.jpg", a), PhotoOutcome("x.jpg", reason="not_an_image"), outcome("b.jpg", b),
-                     outcome("c.jpg", c)], CLASSES, threshold=0.5)
-    mean = np.mean([a, b, c], axis=0)
+def test_vote_is_the_mean_of_the_photos_that_agree():
+    a, c = [0.1, 0.7, 0.2], [0.05, 0.8, 0.15]
+    res = summarise([outcome("a.jpg", a), PhotoOutcome("x.jpg", reason="not_an_image"), outcome("c.jpg", c)],
+                    CLASSES, threshold=0.5)
+    mean = np.mean([a, c], axis=0)
     ans = res["answer"]
+    assert res["verdict"] == ans["verdict"] == "diagnosis"
     assert ans["label"] == "rust" and ans["confidence"] == pytest.approx(mean[1])
     assert [e["label"] for e in ans["top"]] == ["rust", "early_blight", "healthy"]
-    assert ans["photos_used"] == 3 and ans["agree"] == 2  # b's first answer is early_blight
-    assert ans["uncertain"] is False  # 0.6 >= 0.5
-    assert [p["name"] for p in res["photos"]] == ["a.jpg", "x.jpg", "b.jpg", "c.jpg"]
-    assert res["photos"][1]["error"]["reason"] == "not_an_image" and not res["photos"][1]["ok"]
-    assert res["photos"][2]["label"] == "early_blight"
+    assert ans["photos_used"] == 2 and ans["agree"] == 2 and ans["left_out"] == []
+    assert ans["uncertain"] is False  # 0.75 >= 0.5
+    assert [p["name"] for p in res["photos"]] == ["a.jpg", "x.jpg", "c.jpg"]
+    bad = res["photos"][1]
+    assert bad["error"]["reason"] == "not_an_image" and not bad["ok"] and bad["verdict"] == "error"
     json.dumps(res)  # the API answer is plain JSON
 
 
-def test_vote_can_overrule_the_first_photo_and_be_uncertain():
-    # one confident photo against two weak ones: the average, not the loudest photo, decides
+def test_photos_with_different_first_classes_disagree_instead_of_being_averaged():
+    # one confident photo against two weak ones: averaged, they would say "early_blight" at 47 %
     res = summarise([outcome("a", [0.0, 0.9, 0.1]), outcome("b", [0.1, 0.0, 0.9]), outcome("c", [0.6, 0.0, 0.4])],
                     CLASSES, threshold=0.5)
-    mean = np.mean([[0.0, 0.9, 0.1], [0.1, 0.0, 0.9], [0.6, 0.0, 0.4]], axis=0)
-    assert res["answer"]["label"] == CLASSES[int(mean.argmax())] == "early_blight"
-    assert res["answer"]["uncertain"] is True  # 0.467 < 0.5
+    ans = res["answer"]
+    assert res["verdict"] == ans["verdict"] == "disagree" and ans["uncertain"] is True
+    assert ans["label"] is None and ans["top"] == [] and ans["photos_used"] == 3 and res["note"] is None
+    assert [(p["label"], p["verdict"]) for p in res["photos"]] == [
+        ("rust", "diagnosis"), ("early_blight", "diagnosis"), ("healthy", "diagnosis")]
+    value, verdict, notes_md, table = render(res, "en", NOTES)
+    assert value is None and notes_md == ""  # no class is the answer
+    assert verdict.startswith("**The 3 photos disagree**")
+    assert "a: Rust 90%" in verdict and "b: early\\_blight 90%" in verdict and "c: Healthy 60%" in verdict
+    assert table.count("\n") == 4 and "| Rust | 90% |" in table
+    assert "不一致" in render(res, "zh", NOTES)[1]
 
 
-def test_threshold_is_the_uncertainty_boundary():
+def test_an_ambiguous_photo_takes_part_in_the_vote_by_its_first_class():
+    sure, unsure = [0.1, 0.5, 0.4], [0.3, 0.4, 0.3]
+    res = summarise([outcome("a", sure), outcome("b", unsure)], CLASSES, threshold=0.5)
+    assert [p["verdict"] for p in res["photos"]] == ["diagnosis", "ambiguous"]
+    assert res["photos"][1]["candidates"] == ["rust", "healthy"]  # ties keep the class order
+    ans = res["answer"]
+    assert ans["verdict"] == "ambiguous" and ans["confidence"] == pytest.approx(0.45)  # the mean is below 0.5
+    assert ans["candidates"] == ["rust", "early_blight"]
+    value, verdict, notes_md, table = render(res, "en", NOTES)
+    assert value is None and notes_md == "" and "%" not in verdict
+    assert "**Unsure between Rust and early_blight:** take another photo" in verdict
+    assert "Combined vote of 2 photos" in verdict
+    assert "| unsure: Rust or Healthy | |" in table  # the ambiguous photo has no percentage either
+
+
+def test_threshold_is_the_ambiguity_boundary():
     probs = [0.1, 0.55, 0.35]
-    assert summarise([outcome("a", probs)], CLASSES, threshold=0.55)["answer"]["uncertain"] is False
-    assert summarise([outcome("a", probs)], CLASSES, threshold=0.56)["answer"]["uncertain"] is True
+    answer = summarise([outcome("a", probs)], CLASSES, threshold=0.55)["answer"]
+    assert answer["verdict"] == "diagnosis" and answer["uncertain"] is False
+    answer = summarise([outcome("a", probs)], CLASSES, threshold=0.56)["answer"]
+    assert answer["verdict"] == "ambiguous" and answer["uncertain"] is True
+
+
+def test_the_predictors_verdict_wins_over_the_threshold_rule():
+    # the service passes Predictor.judge's verdict: a confident photo can still be out of domain
+    res = summarise([outcome_v("a.jpg", [0.02, 0.96, 0.02], "out_of_domain", 3.5)], CLASSES, threshold=0.5,
+                    ood_threshold=2.0)
+    photo = res["photos"][0]
+    assert photo["verdict"] == "out_of_domain" and photo["ok"] and photo["ood_score"] == 3.5
+    assert photo["label"] is None and photo["confidence"] is None and photo["top"] == []  # no class named
+    assert res["verdict"] == "out_of_domain" and res["answer"]["left_out"] == ["a.jpg"]
+    assert res["ood_threshold"] == 2.0 and res["note"] is None
+    with pytest.raises(ValueError, match="verdict 'refused'"):
+        summarise([outcome_v("a.jpg", [0.02, 0.96, 0.02], "refused")], CLASSES, threshold=0.5)
 
 
 def test_wrong_number_of_probabilities_is_refused():
@@ -73,23 +117,77 @@ def test_render_single_confident_photo_with_notes_in_both_languages():
     value, verdict, notes_md, table = render(res, "en", NOTES)
     assert value == {"Rust": pytest.approx(0.9), "early_blight": pytest.approx(0.05),
                      "Healthy": pytest.approx(0.05)}
-    assert "**Rust**" in verdict and "90%" in verdict and "Uncertain" not in verdict
+    assert "**Rust**" in verdict and "90%" in verdict and "Unsure" not in verdict
     assert "Orange pustules." in notes_md and "Remove infected leaves." in notes_md
     assert table == ""  # one readable photo: no per-photo table
     value, verdict, notes_md, _ = render(res, "zh", NOTES)
     assert "锈病" in value and "锈病" in verdict and "摘除病叶。" in notes_md and "橙色孢子堆。" in notes_md
 
 
-def test_render_healthy_and_uncertain_wording():
+def test_render_healthy_and_ambiguous_wording():
     healthy = render(summarise([outcome("a", [0.97, 0.02, 0.01])], CLASSES, 0.5), "en", NOTES)[1]
     assert "healthy" in healthy and "97%" in healthy
-    res = summarise([outcome("a", [0.3, 0.4, 0.3])], CLASSES, 0.5, notes=NOTES)
-    value, verdict, notes_md, _ = render(res, "en", NOTES)
-    assert verdict.startswith("**Uncertain:**") and "may not be a leaf of a known crop" in verdict
-    assert "Best guess: Rust (40%)" in verdict and "Next most likely" in verdict
-    assert notes_md == ""  # no advice for a guess
-    assert value is not None  # the ranking is still shown
-    assert "不确定" in render(res, "zh", NOTES)[1]
+    res = summarise([outcome("a", [0.25, 0.4, 0.35])], CLASSES, 0.5, notes=NOTES)
+    assert res["verdict"] == "ambiguous" and res["note"] is None  # no treatment notes for a guess
+    value, verdict, notes_md, table = render(res, "en", NOTES)
+    assert verdict == "**Unsure between Rust and early_blight:** take another photo of one leaf, closer, in daylight."
+    assert value is None and notes_md == "" and table == ""  # no ranking, no percentage, no advice
+    assert "无法确定是锈病还是early_blight" in render(res, "zh", NOTES)[1]
+
+
+def test_render_out_of_domain_names_what_the_model_knows_and_no_disease():
+    res = summarise([outcome_v("cat.jpg", [0.01, 0.98, 0.01], "out_of_domain", 9.0)], CLASSES, 0.5, notes=NOTES)
+    value, verdict, notes_md, table = render(res, "en", NOTES, classes=CLASSES)
+    assert value is None and notes_md == "" and table == ""
+    assert verdict.startswith("**This does not look like the leaves or pests this model knows**")
+    assert "trained on photos of: Healthy, Rust, early_blight." in verdict and "filling the frame" in verdict
+    assert "%" not in verdict and "Most likely" not in verdict
+    zh = render(res, "zh", NOTES, classes=CLASSES)[1]
+    assert "不像本模型认识的叶片或害虫" in zh and "健康、锈病、early_blight" in zh
+    many = [f"class_{i}" for i in range(11)]
+    assert "class_7 and 3 more." in render(res, "en", classes=many)[1]
+
+
+def test_out_of_domain_photos_are_named_and_left_out_of_the_vote():
+    res = summarise([outcome("a.jpg", [0.1, 0.8, 0.1]), outcome_v("wall.jpg", [0.9, 0.05, 0.05], "out_of_domain", 5.0),
+                     outcome("b.jpg", [0.2, 0.6, 0.2]), PhotoOutcome("tiny.png", reason="too_small", detail="1x1 px")],
+                    CLASSES, 0.5, notes=NOTES)
+    ans = res["answer"]
+    assert res["verdict"] == "diagnosis" and ans["label"] == "rust" and ans["photos_used"] == 2
+    assert ans["confidence"] == pytest.approx(0.7)  # the mean of a and b only: the wall's 0.9 "healthy" is not in it
+    assert ans["left_out"] == ["wall.jpg"] and res["note"]["name"] == "Rust"
+    assert [p["verdict"] for p in res["photos"]] == ["diagnosis", "out_of_domain", "diagnosis", "refused"]
+    value, verdict, notes_md, table = render(res, "en", NOTES, classes=CLASSES)
+    assert list(value) == ["Rust", "Healthy", "early_blight"] and "Remove infected leaves." in notes_md
+    assert "1 of 4 photos were left out: they do not look like the leaves or pests this model knows " \
+           "(wall\\.jpg)" in verdict
+    assert "1 of 4 files could not be used" in verdict
+    assert "| 2 | wall\\.jpg | not a leaf or pest this model knows | |" in table
+    assert "| 4 | tiny\\.png | **not analysed:** the picture is too small" in table
+
+    every = summarise([outcome_v("x.jpg", [0.1, 0.8, 0.1], "out_of_domain", 5.0),
+                       outcome_v("y.jpg", [0.1, 0.8, 0.1], "out_of_domain", 6.0)], CLASSES, 0.5, notes=NOTES)
+    assert every["verdict"] == "out_of_domain" and every["answer"]["left_out"] == ["x.jpg", "y.jpg"]
+    value, verdict, notes_md, table = render(every, "en", NOTES, classes=CLASSES)
+    assert value is None and notes_md == "" and verdict.startswith("**None of the 2 photos looks like")
+    assert "Rust" not in table and "%" not in table
+
+
+@pytest.mark.parametrize("reason,words", [("too_small", "too small to show a leaf"),
+                                          ("uniform", "almost one flat colour"),
+                                          ("low_texture", "too blurred or too smooth")])
+def test_refused_photos_show_their_reason_like_unreadable_files(reason, words):
+    res = summarise([PhotoOutcome("p.jpg", reason=reason, detail="measured", verdict="refused")], CLASSES, 0.5)
+    assert res["verdict"] == "refused" and res["answer"] is None
+    assert res["photos"][0]["verdict"] == "refused" and words in res["photos"][0]["error"]["message"]
+    value, verdict, notes_md, table = render(res, "en")
+    assert value is None and notes_md == "" and table == ""
+    assert verdict.startswith("**p\\.jpg** was not analysed: ") and words in verdict
+    assert "未分析" in render(res, "zh")[1]
+    both = summarise([PhotoOutcome("p.jpg", reason=reason), PhotoOutcome("q.jpg", reason="uniform")], CLASSES, 0.5)
+    assert both["verdict"] == "refused" and "None of the photos could be analysed" in render(both, "en")[1]
+    mixed = summarise([PhotoOutcome("p.jpg", reason=reason), PhotoOutcome("q.jpg", reason="truncated")], CLASSES, 0.5)
+    assert mixed["verdict"] == "error" and [p["verdict"] for p in mixed["photos"]] == ["refused", "error"]
 
 
 def test_render_several_photos_and_failures():
@@ -199,7 +297,7 @@ def encoded(im: Image.Image, fmt: str, **kw) -> bytes:
 
 
 def test_service_matches_the_reference_network_and_votes(service, tmp_path):
-    paths = [write_photo(tmp_path / f"p{i}.png", (40, 30), seed=i) for i in range(3)]
+    paths = [write_photo(tmp_path / f"p{i}.png", (40, 32), seed=i) for i in range(3)]
     res = service.diagnose(paths)
     pixels = np.stack([decode_image(p, 16) for p in paths])
     ref = reference_probs(pixels, service.weights)
@@ -298,3 +396,39 @@ def test_service_unexpected_failure_costs_one_photo(service, tmp_path, monkeypat
     res = service.diagnose([write_photo(tmp_path / "bad.png"), write_photo(tmp_path / "ok.png", seed=2)])
     assert res["photos"][0]["error"]["reason"] == "internal" and res["photos"][1]["ok"]
     assert "boom" not in render(res, "en")[3]  # the page gets a plain message, the log the details
+
+
+def test_service_verdicts_are_the_predictors_own(tiny_model, tmp_path):
+    """With a model that has the out-of-domain output, each photo's verdict and score are Predictor.judge's."""
+    from leaflens.apps.predictor import Predictor
+    from leaflens.apps.service import DiagnosisService, ServiceOptions
+
+    path, weights = tiny_model(classes=CLASSES, size=16, seed=2, ood_threshold=-0.1,
+                               **{"leaflens.uncertain_threshold": "0.8"})
+    predictor = Predictor(path, intra_op_threads=1)
+    files = [write_leaf(tmp_path / f"leaf{i}.png", (64, 48), seed=i) for i in range(8)]
+    files += [write_grey_noise(tmp_path / "grey.png"), write_digit(tmp_path / "digit.png")]
+    Image.new("RGB", (1, 1), (90, 140, 60)).save(tmp_path / "dot.png")
+    Image.new("RGB", (80, 60), (90, 140, 60)).save(tmp_path / "flat.png")
+    (tmp_path / "cut.png").write_bytes(files[0].read_bytes()[:200])
+    files += [tmp_path / "dot.png", tmp_path / "flat.png", tmp_path / "cut.png"]
+    with DiagnosisService(predictor, NOTES, ServiceOptions(max_photos=16, max_wait_ms=1)) as svc:
+        res = svc.diagnose(files)
+    expected = predictor.predict_files(files)
+    for photo, want in zip(res["photos"], expected):
+        if want.ok:
+            assert (photo["verdict"], photo["ood_score"]) == (want.verdict, pytest.approx(want.ood_score, abs=1e-6))
+            pixels = decode_image(tmp_path / photo["name"], 16)[None]  # and the reference network agrees
+            assert photo["ood_score"] == pytest.approx(float(reference_ood(pixels)[0]), abs=1e-5)
+            if want.verdict != "out_of_domain":
+                assert photo["label"] == want.label and photo["confidence"] == pytest.approx(want.confidence)
+        else:
+            assert photo["error"]["reason"] == want.reason and not photo["ok"]
+    verdicts = {p["name"]: p["verdict"] for p in res["photos"]}
+    assert {verdicts[n] for n in ("grey.png", "digit.png")} == {"out_of_domain"}
+    assert (verdicts["dot.png"], verdicts["flat.png"], verdicts["cut.png"]) == ("refused", "refused", "error")
+    assert {"diagnosis", "ambiguous"} <= set(verdicts.values())  # the leaves cover both (precondition)
+    answer = res["answer"]
+    assert answer["left_out"] == ["grey.png", "digit.png"] and res["ood_threshold"] == -0.1
+    first = {p["label"] for p in res["photos"] if p["verdict"] in ("diagnosis", "ambiguous")}
+    assert res["verdict"] == ("disagree" if len(first) > 1 else answer["verdict"])

@@ -21,20 +21,29 @@ from apps_helpers import (
     fake_run,
     leaflens_metadata,
     make_dataset,
+    ood_metadata,
+    reference_ood,
     reference_probs,
     serve_args,
     tiny_weights,
+    write_digit,
+    write_grey_noise,
+    write_leaf,
     write_photo,
 )
+from PIL import Image
 
 from leaflens.apps.notes import load_notes
 from leaflens.data_prep.decode import decode_image
+from leaflens.data_prep.quality import refusal_reason
 
 pytestmark = pytest.mark.slow
 gr = pytest.importorskip("gradio", reason="gradio is not installed (pip install 'leaflens[serve-cpu]')")
 
 CLASSES = ["early_blight", "healthy", "rust"]
-SIZE = 16
+SIZE = 32  # stored and input size; the example photos are stored-size PNGs, and smaller ones are refused
+OOD_THRESHOLD = -0.1  # the tiny model's out-of-domain score: grey photos 0, colourful ones -0.2 to -0.5
+OOD_MESSAGE = "does not look like the leaves or pests this model knows"
 
 
 class Server:
@@ -48,8 +57,9 @@ class Server:
         self.run = fake_run(root, self.dataset)
         self.weights = tiny_weights(len(CLASSES), seed=4)
         self.weights["fc_w"] *= 6.0  # peaky outputs: the answers below are confident, not "uncertain"
-        self.model = build_tiny_model(root / "student.onnx", self.weights, SIZE,
-                                      leaflens_metadata(CLASSES, SIZE, **{"leaflens.run_id": "test-run"}))
+        meta = leaflens_metadata(CLASSES, SIZE, **{"leaflens.run_id": "test-run"},
+                                 **ood_metadata(OOD_THRESHOLD, SIZE))
+        self.model = build_tiny_model(root / "student.onnx", self.weights, SIZE, meta, ood=True)
         self.notes = load_notes(self.dataset / "classes.toml")
         self.port = free_port()
         args = serve_args(model=self.model, run=self.run, port=self.port, max_upload_mb=1,
@@ -61,6 +71,9 @@ class Server:
     def expected(self, path: Path) -> tuple[str, float]:
         probs = reference_probs(decode_image(path, SIZE)[None], self.weights)[0]
         return CLASSES[int(probs.argmax())], float(probs.max())
+
+    def in_domain(self, path: Path) -> bool:
+        return float(reference_ood(decode_image(path, SIZE)[None])[0]) <= OOD_THRESHOLD
 
     def close(self) -> None:
         self.demo.close()
@@ -75,14 +88,32 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def leaf(server) -> Path:
-    """A photo whose reference answer is confident (precondition of the page checks)."""
-    for seed in range(50):
-        path = write_photo(server.root / f"leaf_{seed}.jpg", (300, 200), seed=seed)
+def leaves(server) -> dict[str, Path]:
+    """In-domain photos whose reference answers are confident, one per class found (at least two classes:
+    precondition of the page checks)."""
+    found: dict[str, Path] = {}
+    for seed in range(60):
+        path = write_leaf(server.root / f"leaf_{seed}.jpg", (300, 200), seed=seed, fmt="JPEG")
         label, conf = server.expected(path)
-        if conf > 0.8:
-            return path
-    pytest.fail("no confident test photo found; the tiny model's weights changed")
+        if conf > 0.8 and server.in_domain(path) and refusal_reason(decode_image(path, SIZE)) is None:
+            found.setdefault(label, path)
+    if len(found) < 2:
+        pytest.fail(f"confident in-domain test photos found for {sorted(found)} only; the tiny model changed")
+    return found
+
+
+@pytest.fixture(scope="module")
+def leaf(leaves) -> Path:
+    return next(iter(leaves.values()))
+
+
+@pytest.fixture(scope="module")
+def strangers(server) -> dict[str, Path]:
+    """Photos of something else: grey noise and a handwritten-looking digit (out of domain by the reference)."""
+    found = {"noise": write_grey_noise(server.root / "noise.png", (300, 200)),
+             "digit": write_digit(server.root / "digit.png", 120)}
+    assert not any(server.in_domain(p) for p in found.values())
+    return found
 
 
 # ----------------------------------------------------------------------------- the API
@@ -93,7 +124,7 @@ def test_app_is_wired_from_the_cli_build(server):
     assert public == {"diagnose"}
 
 
-def test_gradio_client_api(server, leaf):
+def test_gradio_client_api(server, leaves, strangers):
     from gradio_client import Client, handle_file
 
     client = Client(server.url, verbose=False)
@@ -101,19 +132,30 @@ def test_gradio_client_api(server, leaf):
     assert list(info["named_endpoints"]) == ["/diagnose"]
     broken = server.root / "broken.jpg"
     broken.write_bytes(b"\xff\xd8\xff\xe0 this is not really a JPEG")
-    other = write_photo(server.root / "other.png", (64, 48), seed=99)
-    res = client.predict([handle_file(str(leaf)), handle_file(str(broken)), handle_file(str(other))],
-                         api_name="/diagnose")
+    leaf = next(iter(leaves.values()))
+    other = write_photo(server.root / "other.png", (64, 48), seed=99)  # colourful noise: in domain
+    assert server.in_domain(other)
+    noise = strangers["noise"]
+    res = client.predict([handle_file(str(p)) for p in (leaf, broken, noise, other)], api_name="/diagnose")
     label, conf = server.expected(leaf)
-    first, bad, second = res["photos"]
-    assert first["name"] == leaf.name and first["label"] == label
+    first, bad, stranger, second = res["photos"]
+    assert first["name"] == leaf.name and first["label"] == label and first["verdict"] == "diagnosis"
     assert first["confidence"] == pytest.approx(conf, abs=1e-5)
+    assert first["ood_score"] == pytest.approx(float(reference_ood(decode_image(leaf, SIZE)[None])[0]), abs=1e-5)
     assert bad["ok"] is False and bad["error"]["reason"] == "corrupt" and "damaged" in bad["error"]["message"]
-    ref = reference_probs(np.stack([decode_image(p, SIZE) for p in (leaf, other)]), server.weights).mean(axis=0)
-    assert res["answer"]["label"] == CLASSES[int(ref.argmax())]
-    assert res["answer"]["confidence"] == pytest.approx(float(ref.max()), abs=1e-5)
-    assert res["answer"]["photos_used"] == 2 and res["server_ms"] > 0
-    if res["answer"]["label"] == "rust" and not res["answer"]["uncertain"]:
+    assert bad["verdict"] == "error"
+    assert stranger["verdict"] == "out_of_domain" and stranger["label"] is None
+    assert stranger["ood_score"] > OOD_THRESHOLD
+    answer = res["answer"]
+    assert answer["left_out"] == [noise.name] and res["ood_threshold"] == OOD_THRESHOLD
+    if second["label"] != label:
+        assert res["verdict"] == answer["verdict"] == "disagree" and answer["label"] is None
+    else:
+        ref = reference_probs(np.stack([decode_image(p, SIZE) for p in (leaf, other)]), server.weights).mean(axis=0)
+        assert answer["label"] == CLASSES[int(ref.argmax())]
+        assert answer["confidence"] == pytest.approx(float(ref.max()), abs=1e-5)
+    assert answer["photos_used"] == 2 and res["server_ms"] > 0
+    if answer["label"] == "rust" and answer["verdict"] == "diagnosis":
         assert res["note"]["name_zh"] == "锈病"
 
 
@@ -199,3 +241,31 @@ def test_clicking_an_example_diagnoses_it(server):
             page.locator("#photos").get_by_text(example.stem).first.wait_for()  # the example became the input
         finally:
             browser.close()
+
+
+@pytest.mark.browser
+def test_page_says_out_of_domain_refused_and_disagreeing(server, leaves, strangers, tmp_path):
+    _browser_or_skip()
+    from leaflens.apps.screenshot import drive
+
+    shots = Path(os.environ.get("LEAFLENS_SCREENSHOT_DIR") or tmp_path)
+    names = [server.notes.name(c, "en") for c in CLASSES]
+    for kind, photo in strangers.items():  # no disease, no ranking, no percentage, no advice
+        page = drive(server.url, [photo], screenshot=shots / f"app_ood_{kind}.png")
+        assert OOD_MESSAGE in page.verdict and "trained on photos of: " + ", ".join(names) in page.verdict, page
+        assert page.ranking == "" and page.notes == "" and "%" not in page.verdict and "Most likely" not in page.verdict
+
+    dot = server.root / "dot.png"
+    Image.new("RGB", (1, 1), (80, 150, 60)).save(dot)
+    page = drive(server.url, [dot])
+    assert "dot.png was not analysed" in page.verdict and "too small to show a leaf" in page.verdict, page
+    assert page.ranking == "" and page.notes == ""
+
+    (a_label, a), (b_label, b) = list(leaves.items())[:2]
+    page = drive(server.url, [a, b, strangers["digit"]], screenshot=shots / "app_disagree.png")
+    assert "The 2 photos disagree" in page.verdict, page
+    for label, photo in ((a_label, a), (b_label, b)):  # each photo's own answer is shown
+        answer = f"{photo.name}: {server.notes.name(label, 'en')}"
+        assert answer in page.verdict and server.notes.name(label, "en") in page.per_photo
+    assert "digit.png" in page.verdict and "left out" in page.verdict and "digit.png" in page.per_photo
+    assert page.ranking == "" and page.notes == ""

@@ -55,6 +55,7 @@ def test_discover_follows_the_export_records(dataset, tmp_path, tiny_model):
     assert "90.0% (95% confidence interval 80.0% to 95.0%, 60 test photos)" in md
     assert "16 x 16" in md and "CPUExecutionProvider" in md and "`r1`" in md and "1,234" in md
     assert "(default, not calibrated)" in md
+    assert "no out-of-domain check" in md and "leaflens export" in md  # a model without one says so
     assert "置信区间" in model_markdown(Predictor(model), ctx, "zh")
 
     # explicit arguments win; a missing explicit path is an error naming it; no records -> warnings only
@@ -67,6 +68,29 @@ def test_discover_follows_the_export_records(dataset, tmp_path, tiny_model):
     ctx = discover(bare)
     assert ctx.run_dir is None and ctx.run_report is None and ctx.dataset_root is None
     assert "No training report" in model_markdown(Predictor(bare), ctx, "en")
+
+
+def test_model_tab_says_how_the_thresholds_were_chosen_and_what_they_cost(tiny_model):
+    from leaflens.apps.model_info import ServeContext
+    from leaflens.apps.predictor import Predictor
+
+    model, _ = tiny_model(classes=CLASSES, ood_threshold=-0.125,
+                          **{"leaflens.uncertain_threshold": "0.62", "leaflens.val_ambiguous": "0.085",
+                             "leaflens.ood": json.dumps({"method": "block-mahalanobis-1", "threshold": 7.25,
+                                                         "budget": 0.03, "val_photos": 1200, "val_flagged": 0.0275,
+                                                         "train_photos": 4800, "blocks": 4})})
+    predictor = Predictor(model)
+    assert predictor.card.ood.threshold == 7.25  # the metadata above, not the helper's default
+    md = model_markdown(predictor, ServeContext(), "en")
+    line = next(row for row in md.splitlines() if row.startswith("- **Out-of-domain check:**"))
+    for figure in ("7.25", "`block-mahalanobis-1`", "4,800 training photos", "1,200 validation photos",
+                   "at most 3.0%", "it flags 2.8%"):
+        assert figure in line, (figure, line)
+    line = next(row for row in md.splitlines() if row.startswith("- **Unsure between two classes:**"))
+    assert "below 0.62" in line and "validation photos by `leaflens distill`" in line
+    assert "8.5% of the validation photos fall below it" in line and "default" not in line
+    zh = model_markdown(predictor, ServeContext(), "zh")
+    assert "域外检查" in zh and "1,200 张验证集照片" in zh and "8.5%" in zh
 
 
 def test_cli_defaults_are_local_and_private():

@@ -210,3 +210,47 @@ def test_evaluate_usage_errors_exit_2(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["evaluate", "--model", str(tmp_path / "none.onnx"), "--photos", str(split / "test")]) == 2
     assert "model file not found" in capsys.readouterr().err
+
+
+def test_evaluate_counts_verdicts_and_the_photos_the_app_would_refuse(tmp_path, capsys):
+    """A model with the out-of-domain output: verdicts counted as the reference says; a 1x1 and a flat photo are
+    listed as refused by the app but still measured (the figures are the model's on every readable photo)."""
+    from apps_helpers import ood_metadata, reference_ood, write_grey_noise
+
+    weights = tiny_weights(3, seed=1)
+    meta = leaflens_metadata(CLASSES, 16, **ood_metadata(-0.05, 32), **{"leaflens.uncertain_threshold": "0.6"})
+    model = build_tiny_model(tmp_path / "ood.onnx", weights, 16, meta, ood=True)
+    photos = _photos(tmp_path / "photos", per_class=4)
+    write_grey_noise(photos / "rust" / "grey.png")
+    Image.new("RGB", (1, 1), COLOURS["rust"]).save(photos / "blight" / "dot.png")
+    Image.new("RGB", (90, 70), COLOURS["healthy"]).save(photos / "healthy" / "flat.png")
+    code = main(["evaluate", "--model", str(model), "--photos", str(photos), "--json", str(tmp_path / "e.json")])
+    out = capsys.readouterr().out
+    assert code == 0  # refused photos are no failure here: they are measured
+    files = sorted(f for f in photos.glob("*/*") if f.suffix in (".jpg", ".png"))
+    labels = np.array([CLASSES.index(f.parent.name) for f in files])
+    small = np.clip(area_resize(np.stack([decode_image(f, 32, "crop") for f in files]), 16), 0, 255)
+    probs, ood = reference_probs(small, weights), reference_ood(small)
+    outside = ood > -0.05
+    ambiguous = ~outside & (probs.max(1) < 0.6)
+    diagnosed = ~outside & ~ambiguous
+    ev = PhotoEvaluation.from_dict(json.loads((tmp_path / "e.json").read_text()))
+    assert ev.summary["n"] == len(files) == 15 and not ev.unreadable
+    assert ev.summary["accuracy"] == pytest.approx(float((probs.argmax(1) == labels).mean()))
+    assert (ev.out_of_domain, ev.ambiguous, ev.diagnosed) == (outside.sum(), ambiguous.sum(), diagnosed.sum())
+    assert outside[[f.name for f in files].index("grey.png")]  # precondition: the grey photo is out of domain
+    assert ev.diagnosed_correct == int((probs.argmax(1) == labels)[diagnosed].sum()) and ev.diagnosed > 0
+    assert ev.uncertain == ev.out_of_domain + ev.ambiguous
+    assert ev.ambiguous > 0  # precondition: the photos cover every verdict
+    assert sorted((Path(r.file).name, r.reason) for r in ev.refused) == [("dot.png", "too_small"),
+                                                                         ("flat.png", "uniform")]
+    assert f"verdicts: {ev.diagnosed} diagnosis ({ev.diagnosed_correct / ev.diagnosed:.1%} of them right), " \
+           f"{ev.ambiguous} ambiguous, {ev.out_of_domain} out of domain" in out
+    assert "2 photo(s) would be refused by the app's photo checks (1 too_small, 1 uniform)" in out
+
+
+def test_a_version_1_evaluation_file_is_still_read():
+    old = {"model": "m.onnx", "photos": "p", "provider": "CPU", "classes": CLASSES, "unreadable": [],
+           "uncertain": 2, "summary": {"accuracy": 0.5}, "schema_version": 1}
+    ev = PhotoEvaluation.from_dict(old)
+    assert ev.uncertain == 2 and ev.refused == [] and ev.diagnosed == 0 and ev.schema_version == 2

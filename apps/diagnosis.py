@@ -33,12 +33,12 @@ import numpy as np
 
 from leaflens.apps.i18n import t
 from leaflens.apps.notes import ClassNotes
+from leaflens.data_prep.quality import REFUSAL_REASONS
 
 __all__ = ["ANSWER_VERDICTS", "REFUSAL_REASONS", "PhotoOutcome", "error_message", "format_percent", "is_healthy",
            "md_escape", "photo_caption", "render", "summarise"]
 
 # Why a readable photo is not shown to the model (leaflens.data_prep.decode min_side, leaflens.data_prep.quality).
-REFUSAL_REASONS = frozenset({"too_small", "uniform", "low_texture"})
 # The verdict of a whole request: a photo's verdicts, plus "disagree" (the photos' first classes differ).
 ANSWER_VERDICTS = ("diagnosis", "ambiguous", "out_of_domain", "disagree", "refused", "error")
 # The model's ranking is only shown when it answered: these verdicts name classes.

@@ -331,7 +331,12 @@ class Predictor:
         ``refuse`` is False, its subclass :class:`leaflens.data_prep.quality.PhotoRefused` for a photo
         smaller than :data:`MIN_SIDE` px on a side, near-uniform or too flat to judge.
         """
-        pixels = self.card.contract.decode(src, min_side=MIN_SIDE if refuse else 0)
+        try:
+            pixels = self.card.contract.decode(src, min_side=MIN_SIDE if refuse else 0)
+        except ImageDecodeError as exc:
+            if exc.reason == "too_small":  # readable, but too small to judge: a refusal, not a broken file
+                raise PhotoRefused(exc.reason, exc.source, exc.detail) from exc
+            raise
         if refuse:
             check_photo(pixels, "<bytes>" if isinstance(src, (bytes, bytearray, memoryview)) else os.fspath(src))
         return pixels

@@ -77,6 +77,8 @@ __all__ = [
 ]
 
 # Largest per-channel standard deviation (grey levels) of a "uniform" photo.
+# The reasons a photo is refused before the model (PhotoRefused.reason); "too_small" comes from the decoder.
+REFUSAL_REASONS = frozenset({"too_small", "uniform", "low_texture"})
 UNIFORM_STD = 5.0
 # Grey levels a pixel must differ from the mean of its 8 neighbours, in some channel, to count as detail.
 DETAIL_LEVEL = 2.0

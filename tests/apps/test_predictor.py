@@ -51,7 +51,7 @@ def test_choose_providers_prefers_gpu_and_checks_requests():
 def test_predict_files_matches_decode_and_reference(tiny_model, tmp_path):
     path, weights = tiny_model(size=16, seed=5)
     predictor = Predictor(path)
-    files = [write_photo(tmp_path / f"leaf{i}.png", size=(40 + i, 30), seed=i) for i in range(7)]
+    files = [write_photo(tmp_path / f"leaf{i}.png", size=(48 + i, 36), seed=i) for i in range(7)]
     results = predictor.predict_files(files, top_k=2, batch_size=3)
     assert [r.source for r in results] == [str(f) for f in files]
     for f, r in zip(files, results):

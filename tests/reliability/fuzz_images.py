@@ -55,6 +55,8 @@ if str(HERE) not in sys.path:
 
 from rel_helpers import encode, photo, tiny_model  # noqa: E402
 
+from leaflens.data_prep.quality import REFUSAL_REASONS  # noqa: E402
+
 SIZE = 32  # decode size and model input
 KNOWN_REASONS = frozenset({"empty", "truncated", "corrupt", "not_an_image", "too_large", "unsupported_mode",
                            "heic_unsupported", "unreadable"})
@@ -320,7 +322,9 @@ def run_case(case: Case, workdir: Path, predictor) -> dict:
         except Exception as exc:  # noqa: BLE001
             return "crash", f"{type(exc).__name__}: {exc}"
         if p.error is not None:
-            reason = next((r for r in KNOWN_REASONS if f"({r})" in p.error), None)
+            reason = next((r for r in KNOWN_REASONS | REFUSAL_REASONS if f"({r})" in p.error), None)
+            if (p.verdict == "refused") != (reason in REFUSAL_REASONS):
+                return "crash", f"verdict {p.verdict!r} does not match the reason in {p.error}"
             if reason is None or str(path) not in p.error:
                 return "crash", f"error without a known reason or the file name: {p.error}"
             return reason, None

@@ -44,9 +44,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-ood", action="store_true",
                    help="export without the out-of-domain score output (photos unlike the training photos "
                         "then get a class name like any other)")
-    p.add_argument("--ood-budget", type=float, default=0.03,
+    p.add_argument("--ood-budget", type=float, default=0.025,
                    help="share of validation photos the out-of-domain check may flag; its threshold is chosen "
-                        "on them (default 0.03)")
+                        "on them (default 0.025)")
     p.add_argument("--int8-max-drop", type=float, default=0.01,
                    help="write INT8 only when its validation accuracy is at most this far below FP32's "
                         "(a fraction; default 0.01 = 1 point)")

@@ -146,10 +146,12 @@ def _accuracy_section(report: Mapping[str, Any]) -> list[str]:
     if "threshold" not in unc and _float(report.get("uncertain_threshold")) is not None:
         lines.append(f"- \"Uncertain\" below a top probability of {float(report['uncertain_threshold']):.3f}")
     if "threshold" in unc:
-        how = {"target": f"chosen on validation to keep {_pct(unc.get('target'), 0)} accuracy",
-               "best_effort": f"the {_pct(unc.get('target'), 0)} target was not reachable on validation",
+        cap = _float(unc.get("max_flagged"))
+        capped = "" if cap is None else f" while leaving at most {_pct(cap)} of them unanswered"
+        how = {"target": f"chosen on validation to keep {_pct(unc.get('target'), 0)} accuracy{capped}",
+               "best_effort": f"the {_pct(unc.get('target'), 0)} target was not reachable on validation{capped}",
                "default": "default: too few validation images to choose one"}.get(str(unc.get("method")), "")
-        lines.append(f"- \"Uncertain\" below a top probability of {float(unc['threshold']):.3f} ({how}; on "
+        lines.append(f"- \"Ambiguous\" below a top probability of {float(unc['threshold']):.3f} ({how}; on "
                      f"validation it keeps {_pct(unc.get('coverage'))} of the images at "
                      f"{_pct(unc.get('accuracy'))} accuracy)")
     lines += _out_of_domain_lines(report.get("out_of_domain") or {})

@@ -162,6 +162,12 @@ def expected_calibration_error(probs: Any, y_true: Any, bins: int = 15) -> float
     return float(sum(b["count"] * abs(b["accuracy"] - b["confidence"]) for b in table) / total)
 
 
+# Share of validation photos the "ambiguous" rule may leave unanswered. With the out-of-domain check's
+# 2.5 % (leaflens.pipeline.ood.DEFAULT_BUDGET) that is 4 % of genuine photos without an answer on
+# validation, leaving a point of margin under the 5 % a field tool can afford on new photos.
+AMBIGUOUS_BUDGET = 0.015
+
+
 # ---- the "uncertain" threshold -------------------------------------------------------------------
 def choose_uncertain_threshold(
     probs_val: Any,
@@ -170,13 +176,16 @@ def choose_uncertain_threshold(
     min_samples: int = 20,
     min_kept: int = 10,
     default: float = DEFAULT_UNCERTAIN_THRESHOLD,
+    max_flagged: float | None = AMBIGUOUS_BUDGET,
 ) -> dict[str, Any]:
-    """Choose the top-probability threshold below which a prediction is shown as "uncertain".
+    """Choose the top-probability threshold below which a prediction is shown as "ambiguous" ("uncertain").
 
     Rule (on the validation split): sort predictions by confidence (top probability). For every cut,
-    "kept" are the predictions at or above it. Among the cuts that keep at least ``min_kept``
-    predictions and whose kept predictions are at least ``target_precision`` accurate, take the one
-    that keeps the most (highest coverage). The threshold is then placed midway between the least
+    "kept" are the predictions at or above it; only cuts that flag at most ``max_flagged`` of the
+    predictions count (None: any share), so that a weak model does not leave most photos unanswered:
+    "ambiguous" is for the photos it really cannot decide, not a way to raise its accuracy. Among the
+    cuts that keep at least ``min_kept`` predictions and whose kept predictions are at least
+    ``target_precision`` accurate, take the one that keeps the most (highest coverage). The threshold is then placed midway between the least
     confident kept prediction and the most confident flagged one (or ``1/C``, the lowest possible top
     probability, when none is flagged): any value in that gap gives the same validation figures, and
     the midpoint leaves a margin on both sides for unseen photos.
@@ -185,8 +194,8 @@ def choose_uncertain_threshold(
 
     - ``"default"``: fewer than ``min_samples`` validation predictions, too few to choose anything;
       the threshold is ``default`` (0.5, the apps' default).
-    - ``"best_effort"``: no cut reaches the target; the cut with the highest kept accuracy (ties:
-      more kept) among those keeping at least ``min_kept`` is used and ``reached`` is False.
+    - ``"best_effort"``: no allowed cut reaches the target; the allowed cut with the highest kept accuracy
+      (ties: more kept) is used and ``reached`` is False.
 
     Returns ``{"threshold", "coverage", "accuracy", "kept", "n_val", "target", "reached", "method"}``
     where coverage and accuracy are those of the kept validation predictions at the threshold
@@ -207,7 +216,7 @@ def choose_uncertain_threshold(
         acc = float((p[keep].argmax(axis=1) == y[keep]).mean()) if kept else 0.0
         return {"threshold": float(threshold), "coverage": kept / n if n else 0.0, "accuracy": acc,
                 "kept": kept, "n_val": n, "target": float(target_precision), "reached": bool(reached),
-                "method": method}
+                "method": method, "max_flagged": max_flagged}
 
     if n < max(1, int(min_samples)):
         return result(default, False, "default")
@@ -221,6 +230,11 @@ def choose_uncertain_threshold(
     # A cut can only fall after the last of a run of equal confidences (ties are kept or flagged together).
     is_cut = np.append(conf_sorted[1:] < conf_sorted[:-1], True)
     valid = is_cut & (kept_count >= min(int(min_kept), n))
+    if max_flagged is not None:
+        if not 0 <= max_flagged < 1:
+            raise ValueError(f"max_flagged must be in [0, 1), got {max_flagged}")
+        allowed = valid & (n - kept_count <= np.floor(max_flagged * n + 1e-9))
+        valid = allowed if allowed.any() else valid & (kept_count == kept_count[valid].max())
     meets = valid & (kept_acc >= target_precision - 1e-12)
     if meets.any():
         k = int(np.flatnonzero(meets)[-1])  # the most predictions kept

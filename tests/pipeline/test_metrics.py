@@ -135,7 +135,7 @@ def _val_set() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def test_threshold_keeps_the_largest_set_reaching_the_target() -> None:
     probs, y, conf = _val_set()
-    out = metrics.choose_uncertain_threshold(probs, y, target_precision=0.95)
+    out = metrics.choose_uncertain_threshold(probs, y, target_precision=0.95, max_flagged=None)
     # by hand: keeping 31 gives 30/31, 32 gives 31/32 = 0.969, 33 gives 31/33 = 0.939 < 0.95
     assert out["method"] == "target" and out["reached"]
     assert out["kept"] == 32 and out["coverage"] == pytest.approx(32 / 40)
@@ -155,7 +155,7 @@ def test_threshold_matches_brute_force_over_all_cuts(seed: int, target: float) -
     correct = rng.random(n) < conf  # roughly calibrated
     y = rng.integers(0, 3, n)
     probs = probs_from(list(conf), list(correct), list(y))
-    out = metrics.choose_uncertain_threshold(probs, y, target_precision=target, min_kept=10)
+    out = metrics.choose_uncertain_threshold(probs, y, target_precision=target, min_kept=10, max_flagged=None)
     # brute force: every distinct confidence as a cut, kept = conf >= cut
     top = probs.max(axis=1)
     ok = probs.argmax(axis=1) == y
@@ -176,13 +176,29 @@ def test_threshold_matches_brute_force_over_all_cuts(seed: int, target: float) -
 
 def test_higher_target_never_lowers_the_threshold() -> None:
     probs, y, _ = _val_set()
-    results = [metrics.choose_uncertain_threshold(probs, y, target_precision=t)
+    results = [metrics.choose_uncertain_threshold(probs, y, target_precision=t, max_flagged=None)
                for t in (0.8, 0.9, 0.95, 1.0)]
     thresholds = [r["threshold"] for r in results]
     coverages = [r["coverage"] for r in results]
     assert thresholds == sorted(thresholds)
     assert coverages == sorted(coverages, reverse=True)
     assert results[-1]["kept"] == 30 and results[-1]["accuracy"] == 1.0
+
+
+def test_the_ambiguous_share_is_capped_by_max_flagged() -> None:
+    probs, y, conf = _val_set()  # the 95 % target needs 8 of 40 flagged (20 %)
+    out = metrics.choose_uncertain_threshold(probs, y, target_precision=0.95, max_flagged=0.05)
+    assert out["kept"] == 38 and not out["reached"] and out["method"] == "best_effort"  # 2 of 40 flagged
+    assert conf[38] < out["threshold"] <= conf[37] and out["max_flagged"] == 0.05
+    # within the cap, the target rule is unchanged: it flags no more than it needs
+    loose = metrics.choose_uncertain_threshold(probs, y, target_precision=0.8, max_flagged=0.5)
+    assert loose["reached"] and loose == {**metrics.choose_uncertain_threshold(probs, y, target_precision=0.8,
+                                                                              max_flagged=None), "max_flagged": 0.5}
+    # the default cap is the module's AMBIGUOUS_BUDGET
+    default = metrics.choose_uncertain_threshold(probs, y)
+    assert default["n_val"] - default["kept"] <= np.floor(metrics.AMBIGUOUS_BUDGET * 40)
+    with pytest.raises(ValueError, match="max_flagged"):
+        metrics.choose_uncertain_threshold(probs, y, max_flagged=1.0)
 
 
 def test_threshold_when_everything_is_right_keeps_all_and_when_nothing_is_unreachable() -> None:

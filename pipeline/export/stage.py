@@ -58,6 +58,7 @@ from leaflens.pipeline.export.quantize import (
     int8_shortfall,
     quantize_int8,
 )
+from leaflens.pipeline.report import metrics
 from leaflens.pipeline.runs import RunInfo, load_model
 
 FP32_FILE, FP16_FILE, INT8_FILE = "student.onnx", "student_fp16.onnx", "student_int8.onnx"
@@ -247,7 +248,15 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
                                                              opts.ood_budget)
         except ValueError as exc:
             raise ExportFailed(f"cannot fit the out-of-domain check: {exc} (or pass --no-ood)") from exc
-        top = _softmax(val_logits).max(1)
+        probs = _softmax(val_logits)
+        labels = ds["val"].labels
+        if labels is not None:  # the "ambiguous" rule of today (a run may record an older rule's threshold)
+            chosen = float(metrics.choose_uncertain_threshold(probs, np.asarray(labels))["threshold"])
+            if abs(chosen - card.uncertain_threshold) > 1e-6:
+                log(f"ambiguous threshold {chosen:.4f} (the run recorded {card.uncertain_threshold:.4f}, chosen by an "
+                    "older rule)")
+            card = replace(card, uncertain_threshold=chosen, threshold_from_model=True)
+        top = probs.max(1)
         card = replace(card, ood=check, val_ambiguous=float(np.mean(top < card.uncertain_threshold)))
         exported, outputs = ood_check.ServedModel(model, head), ("logits", ood_check.OOD_OUTPUT)
     elif opts.ood:

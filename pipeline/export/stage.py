@@ -250,8 +250,11 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
             raise ExportFailed(f"cannot fit the out-of-domain check: {exc} (or pass --no-ood)") from exc
         probs = _softmax(val_logits)
         labels = ds["val"].labels
-        if labels is not None:  # the "ambiguous" rule of today (a run may record an older rule's threshold)
-            chosen = float(metrics.choose_uncertain_threshold(probs, np.asarray(labels))["threshold"])
+        choice = None if labels is None else metrics.choose_uncertain_threshold(probs, np.asarray(labels))
+        if choice is not None and choice["method"] != "default":
+            # the "ambiguous" rule of today (a run may record an older rule's threshold); too few validation
+            # photos to choose ("default"): the run's own threshold stays
+            chosen = float(choice["threshold"])
             if abs(chosen - card.uncertain_threshold) > 1e-6:
                 log(f"ambiguous threshold {chosen:.4f} (the run recorded {card.uncertain_threshold:.4f}, chosen by an "
                     "older rule)")

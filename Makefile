@@ -30,7 +30,7 @@ SERVE_ARGS ?=
 EXTRAS ?= dev,serve-cpu,teacher
 
 .PHONY: help venv test lint data preprocess teacher distill export serve demo clean FORCE \
-	bench-engine bench-mnist bench-preprocess bench-loader bench-serve bench-ibeans bench-gpu
+	bench-engine bench-mnist bench-preprocess bench-loader bench-serve bench-ibeans bench-ood bench-gpu
 
 help:
 	@echo "make demo           the whole pipeline on the built-in synthetic leaves, then the web app"
@@ -43,7 +43,7 @@ help:
 	@echo "make serve          the local web app on 127.0.0.1"
 	@echo "make bench-engine   engine training-step speed (vs PyTorch when installed)"
 	@echo "make bench-mnist    MNIST with the engine (MNIST=dir with the IDX files)"
-	@echo "make bench-preprocess | bench-loader | bench-serve | bench-ibeans | bench-gpu"
+	@echo "make bench-preprocess | bench-loader | bench-serve | bench-ibeans | bench-ood | bench-gpu"
 	@echo "make lint           ruff, then mypy on the leaflens package (.ci/typecheck)"
 
 # The virtual environment is rebuilt when pyproject.toml changes.
@@ -118,6 +118,9 @@ bench-serve: $(VENV)/.installed
 IBEANS ?= ../shared/data/ibeans
 bench-ibeans: $(VENV)/.installed
 	$(PY) benchmarks/ibeans.py --data $(IBEANS)
+
+bench-ood: $(VENV)/.installed
+	$(PY) benchmarks/ood.py --data $(IBEANS)
 
 bench-gpu: $(VENV)/.installed
 	$(PY) benchmarks/gpu.py

@@ -180,12 +180,18 @@ def choose_uncertain_threshold(
 ) -> dict[str, Any]:
     """Choose the top-probability threshold below which a prediction is shown as "ambiguous" ("uncertain").
 
-    Rule (on the validation split): sort predictions by confidence (top probability). For every cut,
-    "kept" are the predictions at or above it; only cuts that flag at most ``max_flagged`` of the
-    predictions count (None: any share), so that a weak model does not leave most photos unanswered:
-    "ambiguous" is for the photos it really cannot decide, not a way to raise its accuracy. Among the
-    cuts that keep at least ``min_kept`` predictions and whose kept predictions are at least
-    ``target_precision`` accurate, take the one that keeps the most (highest coverage). The threshold is then placed midway between the least
+    Rule (on the validation split): sort predictions by confidence (top probability); "kept" are the
+    predictions at or above a cut.
+
+    - ``max_flagged`` given (the default, ``"budget"``): flag the least confident ``max_flagged`` share
+      of the validation predictions (fewer when ties straddle the cut): the photos the model is least
+      able to decide between its classes, whatever its accuracy. A weak model then does not leave a
+      third of the photos unanswered to reach a target, and a strong one still names its coin flips;
+      the least confident photos are where its mistakes gather, so the answered ones are at least as
+      accurate as all of them. ``reached`` says whether the kept ones reach ``target_precision``.
+    - ``max_flagged=None`` (``"target"``): among the cuts that keep at least ``min_kept`` predictions and
+      whose kept predictions are at least ``target_precision`` accurate, take the one that keeps the
+      most (highest coverage). The threshold is then placed midway between the least
     confident kept prediction and the most confident flagged one (or ``1/C``, the lowest possible top
     probability, when none is flagged): any value in that gap gives the same validation figures, and
     the midpoint leaves a margin on both sides for unseen photos.
@@ -194,7 +200,7 @@ def choose_uncertain_threshold(
 
     - ``"default"``: fewer than ``min_samples`` validation predictions, too few to choose anything;
       the threshold is ``default`` (0.5, the apps' default).
-    - ``"best_effort"``: no allowed cut reaches the target; the allowed cut with the highest kept accuracy
+    - ``"best_effort"`` (target rule): no cut reaches the target; the cut with the highest kept accuracy
       (ties: more kept) is used and ``reached`` is False.
 
     Returns ``{"threshold", "coverage", "accuracy", "kept", "n_val", "target", "reached", "method"}``
@@ -234,7 +240,10 @@ def choose_uncertain_threshold(
         if not 0 <= max_flagged < 1:
             raise ValueError(f"max_flagged must be in [0, 1), got {max_flagged}")
         allowed = valid & (n - kept_count <= np.floor(max_flagged * n + 1e-9))
-        valid = allowed if allowed.any() else valid & (kept_count == kept_count[valid].max())
+        k = int(np.flatnonzero(allowed)[0]) if allowed.any() else n - 1  # the most flagged within the budget
+        below = conf_sorted[k + 1] if k + 1 < n else 1.0 / num_classes
+        threshold = (conf_sorted[k] + min(below, conf_sorted[k])) / 2
+        return result(threshold, bool(kept_acc[k] >= target_precision - 1e-12), "budget")
     meets = valid & (kept_acc >= target_precision - 1e-12)
     if meets.any():
         k = int(np.flatnonzero(meets)[-1])  # the most predictions kept

@@ -185,18 +185,21 @@ def test_higher_target_never_lowers_the_threshold() -> None:
     assert results[-1]["kept"] == 30 and results[-1]["accuracy"] == 1.0
 
 
-def test_the_ambiguous_share_is_capped_by_max_flagged() -> None:
-    probs, y, conf = _val_set()  # the 95 % target needs 8 of 40 flagged (20 %)
+def test_the_budget_rule_flags_the_least_confident_share() -> None:
+    probs, y, conf = _val_set()  # sorted by confidence, most confident first
     out = metrics.choose_uncertain_threshold(probs, y, target_precision=0.95, max_flagged=0.05)
-    assert out["kept"] == 38 and not out["reached"] and out["method"] == "best_effort"  # 2 of 40 flagged
-    assert conf[38] < out["threshold"] <= conf[37] and out["max_flagged"] == 0.05
-    # within the cap, the target rule is unchanged: it flags no more than it needs
-    loose = metrics.choose_uncertain_threshold(probs, y, target_precision=0.8, max_flagged=0.5)
-    assert loose["reached"] and loose == {**metrics.choose_uncertain_threshold(probs, y, target_precision=0.8,
-                                                                              max_flagged=None), "max_flagged": 0.5}
-    # the default cap is the module's AMBIGUOUS_BUDGET
+    assert out["method"] == "budget" and out["kept"] == 38 and out["max_flagged"] == 0.05  # 2 of 40 flagged
+    assert out["threshold"] == pytest.approx((conf[37] + conf[38]) / 2)
+    assert out["accuracy"] == pytest.approx(34 / 38) and not out["reached"]
+    # a budget below one photo flags none: the threshold sits under the least confident prediction
+    none = metrics.choose_uncertain_threshold(probs, y, max_flagged=0.01)
+    assert none["kept"] == 40 and 1 / 3 < none["threshold"] <= conf[-1]
+    # ties are flagged or kept together, never beyond the budget
+    tied = probs_from([0.9] * 20 + [0.6] * 20, [True] * 40, [i % 3 for i in range(40)])
+    assert metrics.choose_uncertain_threshold(tied, [i % 3 for i in range(40)], max_flagged=0.1)["kept"] == 40
+    # the default budget is the module's AMBIGUOUS_BUDGET
     default = metrics.choose_uncertain_threshold(probs, y)
-    assert default["n_val"] - default["kept"] <= np.floor(metrics.AMBIGUOUS_BUDGET * 40)
+    assert default["n_val"] - default["kept"] == np.floor(metrics.AMBIGUOUS_BUDGET * 40)
     with pytest.raises(ValueError, match="max_flagged"):
         metrics.choose_uncertain_threshold(probs, y, max_flagged=1.0)
 
@@ -204,11 +207,11 @@ def test_the_ambiguous_share_is_capped_by_max_flagged() -> None:
 def test_threshold_when_everything_is_right_keeps_all_and_when_nothing_is_unreachable() -> None:
     conf = list(np.linspace(0.95, 0.6, 25))
     y = [i % 3 for i in range(25)]
-    all_right = metrics.choose_uncertain_threshold(probs_from(conf, [True] * 25, y), y)
+    all_right = metrics.choose_uncertain_threshold(probs_from(conf, [True] * 25, y), y, max_flagged=None)
     assert all_right["coverage"] == 1.0 and all_right["reached"]
     # between the lowest possible top probability (1/3) and the least confident prediction
     assert 1 / 3 < all_right["threshold"] <= 0.6
-    all_wrong = metrics.choose_uncertain_threshold(probs_from(conf, [False] * 25, y), y)
+    all_wrong = metrics.choose_uncertain_threshold(probs_from(conf, [False] * 25, y), y, max_flagged=None)
     assert all_wrong["method"] == "best_effort" and not all_wrong["reached"] and all_wrong["accuracy"] == 0.0
 
 

@@ -104,8 +104,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_params": "Parameters",
         "m_threshold": "Unsure between two classes",
         "m_threshold_below": "when the top probability is below {threshold}",
-        "m_threshold_how": ("chosen on the validation photos: the model's least confident 1.5 % of them fall below it, "
-                            "the photos it can least decide between its classes"),
+        "m_threshold_how": ("chosen on the validation photos by `leaflens distill` or `leaflens export`, to set apart "
+                            "the photos the model can least decide between its classes"),
         "m_sep": "; ",
         "m_threshold_cost": "{share} of the validation photos fall below it",
         "m_threshold_default": "(default, not calibrated)",
@@ -203,7 +203,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_params": "参数量",
         "m_threshold": "无法在两类之间确定",
         "m_threshold_below": "最高概率低于 {threshold} 时",
-        "m_threshold_how": "在验证集照片上选定：模型最没有把握的 1.5 % 照片低于该值，即它最难在各类之间做出判断的照片",
+        "m_threshold_how": "由 `leaflens distill` 或 `leaflens export` 在验证集照片上选定，用来区分出模型最难在各类之间做出判断的照片",
         "m_sep": "；",
         "m_threshold_cost": "验证集照片中有 {share} 低于该值",
         "m_threshold_default": "（默认值，未校准）",

@@ -5,12 +5,18 @@ one process, plain ``Image.open().convert("RGB").resize((64, 64))`` against ``de
 (EXIF, draft mode, antialiased crop), interleaved round by round so machine noise hits both alike.
 (c) the resize filter: BOX against LANCZOS after draft decoding, speed and error against a
 full-resolution LANCZOS reference. (d) peak RSS of `leaflens preprocess` on 2,000 and 20,000
-small JPEGs (main process and decode workers, measured in a child process).
+small JPEGs (main process and decode workers, measured in a child process). (e) with ``--checks-src``:
+what the data checks (duplicates, shortcut check: leaflens.data_prep.data_report) cost of a
+`leaflens preprocess` of that folder, measured in the same run (checks_seconds: the main process's
+wall time on them plus the workers' time on hashes and metadata divided by the number of workers;
+checks_share = checks_seconds / the preprocess's seconds), and the time of `preprocess --check`.
 
     python benchmarks/preprocess.py [--photos 6] [--rounds 3] [--rss-images 20000] [--quick]
+    python benchmarks/preprocess.py --checks-only --checks-src /work/shared/data/ibeans
 
 The last line of output is a JSON object with photo_speedup, photo_img_s, plain_photo_img_s,
-small_img_s, peak_rss_mb (and a few more).
+small_img_s, peak_rss_mb (and a few more); checks_seconds, checks_share, check_mode_seconds with
+``--checks-src``.
 """
 
 from __future__ import annotations
@@ -151,6 +157,26 @@ def rss_run(n_images: int, tmp: Path) -> dict:
     return info
 
 
+CHECKS_CHILD = r"""
+import json, sys, time
+from leaflens.data_prep.ingest import IngestOptions, ingest
+r = ingest(sys.argv[1], sys.argv[2], IngestOptions(), force=True, log=lambda m: None)
+t0 = time.perf_counter()
+c = ingest(sys.argv[1], None, IngestOptions(), check=True, log=lambda m: None)
+hwm = [int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")][0]
+print(json.dumps({"seconds": r.seconds, "checks_seconds": r.checks_seconds, "checks_share": r.checks_share,
+                  "check_mode_seconds": time.perf_counter() - t0, "photos": r.kept_total,
+                  "warnings": len(r.data.warnings), "self_mb": hwm / 1024}))
+"""
+
+
+def checks_run(src: Path, tmp: Path) -> dict:
+    """A fresh `leaflens preprocess` of ``src`` (stored size 128, all cores) and a `--check`, in a child process."""
+    res = subprocess.run([sys.executable, "-c", CHECKS_CHILD, str(src), str(tmp / "checks_ds")],
+                         capture_output=True, text=True, check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--photos", type=int, default=6, help="distinct 4000x3000 photos")
@@ -158,7 +184,25 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (best counts)")
     p.add_argument("--rss-images", type=int, default=20000, help="images for the peak-RSS ingest")
     p.add_argument("--quick", action="store_true", help="fewer images everywhere (a smoke run)")
+    p.add_argument("--checks-src", type=Path, default=None,
+                   help="folder of photos to time the data checks on (e.g. /work/shared/data/ibeans)")
+    p.add_argument("--checks-only", action="store_true", help="only (e): the data checks on --checks-src")
     args = p.parse_args()
+    checks = None
+    if args.checks_src is not None:
+        with tempfile.TemporaryDirectory() as td:
+            checks = checks_run(args.checks_src, Path(td))
+        print(f"data checks on {args.checks_src} ({checks['photos']} photos): {checks['checks_seconds']:.2f} s of a "
+              f"{checks['seconds']:.2f} s preprocess ({100 * checks['checks_share']:.1f} %); preprocess --check "
+              f"{checks['check_mode_seconds']:.2f} s; main-process peak RSS {checks['self_mb']:.0f} MB")
+    if args.checks_only:
+        if checks is None:
+            p.error("--checks-only needs --checks-src")
+        print(json.dumps({"checks_seconds": round(checks["checks_seconds"], 3),
+                          "checks_share": round(checks["checks_share"], 4),
+                          "check_mode_seconds": round(checks["check_mode_seconds"], 2),
+                          "preprocess_seconds": round(checks["seconds"], 2)}))
+        return 0
     if args.quick:
         args.photos, args.smalls, args.rounds, args.rss_images = 2, 20, 1, 2000
 
@@ -199,6 +243,9 @@ def main() -> int:
         "rss_images": rss_big["images"],
         "ingest_img_s": round(rss_big["img_s"], 1),
     }
+    if checks is not None:
+        result.update(checks_seconds=round(checks["checks_seconds"], 3), checks_share=round(checks["checks_share"], 4),
+                      check_mode_seconds=round(checks["check_mode_seconds"], 2))
     print(json.dumps(result))
     return 0
 

@@ -101,10 +101,11 @@ class PreprocessContract(Record):
 
 
 def decode_stored(src: Source, stored_size: int, resize: str, max_pixels: int = DEFAULT_MAX_PIXELS,
-                  min_side: int = 0) -> np.ndarray:
+                  min_side: int = 0, header: dict | None = None) -> np.ndarray:
     """Step 1 of the contract: the pixels `leaflens preprocess` stores for a photo (see module docstring);
-    ``min_side`` > 0 refuses a photo under that many pixels on a side (preprocess keeps the default 0)."""
-    return decode_image(src, stored_size, resize=resize, max_pixels=max_pixels, min_side=min_side)
+    ``min_side`` > 0 refuses a photo under that many pixels on a side (preprocess keeps the default 0);
+    ``header`` receives the file's format, size and EXIF presence (see :func:`decode_image`)."""
+    return decode_image(src, stored_size, resize=resize, max_pixels=max_pixels, min_side=min_side, header=header)
 
 
 def _area_weights(n_in: int, n_out: int) -> np.ndarray:

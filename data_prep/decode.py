@@ -240,7 +240,7 @@ def _check_min_side(im: Image.Image, orientation: int, min_side: int, name: str)
 
 
 def _decode(src: Source, size: int, resize: str, max_pixels: int, shorter_side: int,
-            min_side: int = 0) -> np.ndarray:
+            min_side: int = 0, header: dict | None = None) -> np.ndarray:
     if resize not in _RESIZE_MODES:
         raise ValueError(f"resize must be one of {_RESIZE_MODES}, got {resize!r}")
     if size < 1 or shorter_side < size:
@@ -250,6 +250,9 @@ def _decode(src: Source, size: int, resize: str, max_pixels: int, shorter_side: 
     name = _source_name(src)
     data = read_source(src)
     im = _open(data, name, max_pixels)
+    if header is not None:  # what the file says about itself, read from the header already parsed
+        header.update(format=im.format or "unknown", width=im.size[0], height=im.size[1],
+                      exif=bool(im.info.get("exif")))
     orientation = _orientation(im)
     if min_side:
         _check_min_side(im, orientation, min_side, name)
@@ -280,7 +283,8 @@ def _decode(src: Source, size: int, resize: str, max_pixels: int, shorter_side: 
 
 
 def decode_image(
-    src: Source, size: int, resize: str = "crop", max_pixels: int = DEFAULT_MAX_PIXELS, *, min_side: int = 0
+    src: Source, size: int, resize: str = "crop", max_pixels: int = DEFAULT_MAX_PIXELS, *, min_side: int = 0,
+    header: dict | None = None,
 ) -> np.ndarray:
     """Decode ``src`` (path or encoded bytes) to a ``(size, size, 3)`` uint8 RGB array.
 
@@ -289,11 +293,13 @@ def decode_image(
     antialiasing: ``resize="crop"`` scales the shorter side to ``size`` and crops the centre;
     ``resize="pad"`` scales the longer side to ``size`` and letterboxes with ``PAD_VALUE``.
     ``min_side`` > 0 refuses (reason "too_small") an image whose width or height after EXIF rotation
-    is under ``min_side`` pixels; the default 0 accepts any size.
+    is under ``min_side`` pixels; the default 0 accepts any size. A ``header`` dict receives the file's
+    real ``format``, declared ``width`` and ``height`` (before EXIF rotation) and whether it carries ``exif``
+    (preprocess's data checks; no second parse of the file).
     Raises :class:`ImageDecodeError` (with ``reason``) for files that cannot be decoded and
     ``ValueError`` for bad arguments.
     """
-    return _decode(src, size, resize, max_pixels, shorter_side=size, min_side=min_side)
+    return _decode(src, size, resize, max_pixels, shorter_side=size, min_side=min_side, header=header)
 
 
 def decode_image_at(

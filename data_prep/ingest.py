@@ -2,16 +2,21 @@
 
 Steps: scan the source (:mod:`leaflens.data_prep.scan`), decode every photo in a process pool with the
 preprocessing contract's decode step (:mod:`leaflens.data_prep.contract`) and stream the pixels into a
-staging file, assign splits (stratified, seeded, duplicate-aware: :mod:`leaflens.data_prep.split`), stream
+staging file (the workers also hash each photo's pixels and note its format, size and EXIF for the data
+checks), group exact and near copies (:mod:`leaflens.data_prep.near_dup`), assign splits (stratified,
+seeded, keeping each group of copies in one split: :mod:`leaflens.data_prep.split`), run the data checks
+and log their report (:mod:`leaflens.data_prep.data_report`; ``--dedupe`` removes copies there), stream
 the staging rows into ``<split>_images.npy`` / ``<split>_labels.npy`` / ``<split>_files.txt``, compute
-mean/std on train from exact per-channel histograms, write ``rejected.jsonl`` and ``manifest.json``, and
-rename the finished temporary folder into place. A broken file is rejected with its reason and never
-stops the run; an interrupted run leaves the previous output untouched; an unchanged input re-run does
-no work.
+mean/std on train from exact per-channel histograms, write ``rejected.jsonl``, ``data_report.json`` and
+``manifest.json``, and rename the finished temporary folder into place. A broken file is rejected with its
+reason and never stops the run; an interrupted run leaves the previous output untouched; an unchanged
+input re-run does no work.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import json
 import multiprocessing
@@ -19,15 +24,17 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
 from leaflens.cpus import usable_cpus
 from leaflens.data_prep.arrays import NpyRowWriter, sha256_file
 from leaflens.data_prep.contract import decode_stored
+from leaflens.data_prep.data_report import DATA_REPORT_NAME, CheckedPhotos, DataReport, format_data_report, run_checks
 from leaflens.data_prep.decode import ImageDecodeError, read_source
 from leaflens.data_prep.manifest import (
     FORMAT_VERSION,
@@ -42,13 +49,16 @@ from leaflens.data_prep.manifest import (
     load_dataset,
     split_paths,
 )
+from leaflens.data_prep.near_dup import HASH_CROPS, NearGroup, near_duplicate_groups, photo_hashes
 from leaflens.data_prep.scan import SPLITS, UNLABELED, ScanResult, SourceFile, scan_source
+from leaflens.data_prep.shortcut import PhotoMeta, photo_meta
 from leaflens.data_prep.split import MIN_PER_CLASS, assign_auto, resolve_given
 from leaflens.files import clean_stale_temps, new_temp_dir, swap_into_place, write_json_atomic
 
 _STAGING = "staging.bin"
 CLASS_INFO_NAME = "classes.toml"  # optional per-class display names/advice next to the photos
 _CHUNK_ROWS = 256
+CHECK_SIZE = 64  # --check decodes at most at this size (see check_size)
 
 
 class IngestError(RuntimeError):
@@ -59,7 +69,7 @@ class IngestError(RuntimeError):
 class IngestReport:
     """What a run did, for the CLI summary and for tests."""
 
-    out: Path
+    out: Path  # the dataset folder (with --check, the source folder: nothing is written)
     up_to_date: bool
     classes: list[str]
     counts: dict[str, dict[str, int]] = field(default_factory=dict)  # split -> class -> kept
@@ -67,6 +77,13 @@ class IngestReport:
     rejected_reasons: dict[str, int] = field(default_factory=dict)
     ignored: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    data: DataReport | None = None  # the data checks' report
+    checks_seconds: float = 0.0  # what the checks cost of ``seconds`` (see DataReport.seconds)
+
+    @property
+    def checks_share(self) -> float:
+        """The checks' share of the run's time."""
+        return self.checks_seconds / self.seconds if self.seconds > 0 else 0.0
 
     @property
     def kept_total(self) -> int:
@@ -78,77 +95,133 @@ class IngestReport:
 
 
 # ---------------------------------------------------------------------------- decoding workers
+def _read_and_decode(path: str, size: int, resize: str, max_pixels: int, header: dict | None = None
+                     ) -> tuple[bytes | None, np.ndarray | None, str | None, str | None]:
+    """(sha256, pixels, reason, detail) of one file; a failure gives a reason, never raises. ``header``
+    receives the decoder's reading of the file's header (see decode_image)."""
+    try:
+        data = read_source(path)
+        digest = hashlib.sha256(data).digest()
+        try:  # the contract's step 1, as the Predictor's
+            pixels = decode_stored(data, size, resize, max_pixels, header=header)
+        except ImageDecodeError as exc:
+            return digest, None, exc.reason, exc.detail
+        return digest, pixels, None, None
+    except ImageDecodeError as exc:
+        return None, None, exc.reason, exc.detail
+    except Exception as exc:  # one odd file must never stop the run
+        return None, None, "error", f"{type(exc).__name__}: {exc}"
+
+
 def _decode_task(task: tuple[int, str, int, str, int]) -> tuple[int, bytes | None, np.ndarray | None,
                                                                 str | None, str | None]:
     """Worker: (index, path, size, resize, max_pixels) -> (index, sha256, pixels, reason, detail)."""
     index, path, size, resize, max_pixels = task
-    try:
-        data = read_source(path)
-        digest = hashlib.sha256(data).digest()
-        try:
-            pixels = decode_stored(data, size, resize, max_pixels)  # the contract's step 1, as the Predictor's
-        except ImageDecodeError as exc:
-            return index, digest, None, exc.reason, exc.detail
-        return index, digest, pixels, None, None
-    except ImageDecodeError as exc:
-        return index, None, None, exc.reason, exc.detail
-    except Exception as exc:  # one odd file must never stop the run
-        return index, None, None, "error", f"{type(exc).__name__}: {exc}"
+    return (index, *_read_and_decode(path, size, resize, max_pixels))
 
 
-def _decode_all(files: list[SourceFile], opts: IngestOptions, staging: Path, workers: int,
-                progress: bool) -> tuple[list[int], list[bytes], list[dict]]:
-    """Decode every file, streaming kept pixels into ``staging``; returns kept idx, sha256 digests, rejects."""
+def _checked_task(task: tuple[int, str, int, str, int, bool]) -> tuple[
+        int, bytes | None, np.ndarray | None, str | None, str | None, np.ndarray | None, PhotoMeta | None, float]:
+    """Worker of preprocess and --check: :func:`_decode_task` plus the data checks' share of the work on a
+    kept photo: its perceptual hashes (from the decoded pixels) and metadata (from the header the decoder read).
+
+    Returns (index, sha256, pixels or None when ``keep_pixels`` is false, reason, detail, hashes, metadata,
+    seconds spent on the checks: everything with --check, the hashes and metadata otherwise)."""
+    index, path, size, resize, max_pixels, keep_pixels = task
+    t0 = time.perf_counter()
+    header: dict = {}
+    digest, pixels, reason, detail = _read_and_decode(path, size, resize, max_pixels, header)
+    t1 = time.perf_counter()
+    hashes = meta = None
+    if pixels is not None:
+        hashes = photo_hashes(pixels)
+        meta = photo_meta(header, path)
+    seconds = time.perf_counter() - (t0 if not keep_pixels else t1)
+    return index, digest, pixels if keep_pixels else None, reason, detail, hashes, meta, seconds
+
+
+@dataclass
+class _Decoded:
+    """What the decode pass gives: kept source indices, their sha256, hashes and metadata, the rejects."""
+
+    kept: list[int]
+    digests: list[bytes]
+    hashes: np.ndarray  # (len(kept), len(HASH_CROPS)) uint64
+    metas: list[PhotoMeta]
+    rejects: list[dict]
+    worker_check_seconds: float
+
+
+def _decode_all(files: list[SourceFile], opts: IngestOptions, staging: Path | None, workers: int,
+                progress: bool, decode_size: int | None = None) -> _Decoded:
+    """Decode every file, streaming kept pixels into ``staging`` (None: --check, nothing is kept but the
+    hashes and metadata; ``decode_size`` then replaces the stored size)."""
     from tqdm import tqdm
 
     total = len(files)
     kept: list[int] = []
-    hashes: list[bytes] = []
+    digests: list[bytes] = []
+    hashes: list[np.ndarray] = []
+    metas: list[PhotoMeta] = []
     rejects: list[dict] = []
-    bar = tqdm(total=total, desc="decode", unit="img", disable=not progress, file=sys.stderr)
+    check_seconds = 0.0
+    size = decode_size or opts.size
+    keep_pixels = staging is not None
+    bar = tqdm(total=total, desc="decode" if keep_pixels else "check", unit="img", disable=not progress,
+               file=sys.stderr)
     pool = None
     try:
         if workers > 1 and total > 1:
             pool = multiprocessing.get_context().Pool(workers)
         window = max(64, workers * 128)  # bounded in-flight results: memory stays flat
         chunksize = max(1, min(32, total // (workers * 8) or 1))
-        with open(staging, "wb") as out:
+        with open(staging, "wb") if staging is not None else contextlib.nullcontext() as out:
             for start in range(0, total, window):
-                block = [(i, files[i].path, opts.size, opts.resize, opts.max_pixels)
+                block = [(i, files[i].path, size, opts.resize, opts.max_pixels, keep_pixels)
                          for i in range(start, min(total, start + window))]
-                results = pool.imap(_decode_task, block, chunksize) if pool else map(_decode_task, block)
-                for index, digest, pixels, reason, detail in results:
-                    if pixels is None or digest is None:  # pixels only ever come with the file's digest
+                results = pool.imap(_checked_task, block, chunksize) if pool else map(_checked_task, block)
+                for index, digest, pixels, reason, detail, hash_row, meta, seconds in results:
+                    check_seconds += seconds
+                    if hash_row is None or meta is None or digest is None:  # kept photos come with all three
                         f = files[index]
                         rejects.append({"path": f.rel, "label": f.label, "split": f.split,
                                         "reason": reason, "detail": detail})
                     else:
-                        out.write(pixels.tobytes())
+                        if out is not None and pixels is not None:
+                            out.write(pixels.tobytes())
                         kept.append(index)
-                        hashes.append(digest)
+                        digests.append(digest)
+                        hashes.append(hash_row)
+                        metas.append(meta)
                     bar.update(1)
     finally:
         bar.close()
         if pool is not None:
             pool.terminate()
             pool.join()
-    return kept, hashes, rejects
+    hash_array = np.stack(hashes) if hashes else np.zeros((0, len(HASH_CROPS)), np.uint64)
+    return _Decoded(kept, digests, hash_array, metas, rejects, check_seconds)
 
 
 # ---------------------------------------------------------------------------- splitting
-def _assign(scan: ScanResult, kept: list[int], hashes: list[bytes], opts: IngestOptions,
+def _assign(scan: ScanResult, kept: list[int], digests: list[bytes], units: list[Hashable], opts: IngestOptions,
             rejects: list[dict]) -> list[str | None]:
-    """Split name per kept row (None: dropped as a cross-split duplicate, added to ``rejects``)."""
+    """Split name per kept row (None: dropped as a cross-split duplicate, added to ``rejects``).
+
+    ``units``: per kept row, the key of the duplicate group it belongs to (exact or near copies); the
+    automatic split places each group as one unit, so no copy lands in another split. With given splits,
+    byte-identical copies of the same class in a later split are dropped; copies under another class are
+    kept for the data report to show as label conflicts (dropping one would silently pick the label).
+    """
     files = scan.files
     out: list[str | None] = [None] * len(kept)
     lab_rows = [r for r, i in enumerate(kept) if files[i].label >= 0]
     for r, i in enumerate(kept):
         if files[i].label < 0:
             out[r] = UNLABELED
-    lab_hashes = [hashes[r] for r in lab_rows]
     if scan.layout == "split_folders":
         given = [_given_split(files[kept[r]]) for r in lab_rows]
-        drop = set(resolve_given(given, lab_hashes))
+        drop = set(resolve_given(given, [(digests[r], files[kept[r]].label) for r in lab_rows]))
         for k, r in enumerate(lab_rows):
             if k in drop:
                 f = files[kept[r]]
@@ -159,7 +232,7 @@ def _assign(scan: ScanResult, kept: list[int], hashes: list[bytes], opts: Ingest
                 out[r] = given[k]
     else:
         labels = [files[kept[r]].label for r in lab_rows]
-        for r, s in zip(lab_rows, assign_auto(labels, lab_hashes, opts.ratios, opts.seed)):
+        for r, s in zip(lab_rows, assign_auto(labels, [units[r] for r in lab_rows], opts.ratios, opts.seed)):
             out[r] = s
     return out
 
@@ -297,26 +370,39 @@ def _up_to_date(out: Path, fingerprint: str) -> bool:
 
 
 # ---------------------------------------------------------------------------- main entry
-def ingest(src: str | os.PathLike, out: str | os.PathLike, options: IngestOptions | None = None, *,
+def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: IngestOptions | None = None, *,
            unlabeled: str | os.PathLike | None = None, workers: int | None = None, progress: bool = False,
-           force: bool = False, strict: bool = False, log: Callable[[str], None] = print) -> IngestReport:
+           force: bool = False, strict: bool = False, check: bool = False,
+           report_path: str | os.PathLike | None = None, log: Callable[[str], None] = print) -> IngestReport:
     """Turn the photo folder ``src`` into the dataset folder ``out`` (see module docstring).
 
     Data a model cannot be trained and judged on is refused with what to do: fewer than 2 classes, or
     a validation or test split left empty. Classes with fewer than ``MIN_PER_CLASS`` usable photos
     are listed as a warning (they cannot appear in every split), or refused with ``strict``.
+
+    The data checks (:mod:`leaflens.data_prep.data_report`) run on every build; their report is logged
+    and written as ``data_report.json`` with the dataset. ``options.dedupe`` removes the duplicates they
+    find. ``check`` runs them alone, decoding each photo at :func:`check_size` and writing nothing but
+    the report at ``report_path`` (when given); ``out`` may then be None. A refusal raises
+    :class:`IngestError` in both modes, after the report is logged.
     """
     t0 = time.perf_counter()
     opts = options or IngestOptions()
     if opts.size < 8:
         raise IngestError(f"image size {opts.size} is too small (need >= 8)")
-    src_p, out_p = Path(src).resolve(), Path(out).resolve()
+    src_p = Path(src).resolve()
     scan = scan_source(src_p, unlabeled)
     if len(scan.classes) < 2:
         found = ", ".join(repr(c) for c in scan.classes) or "none"
         raise IngestError(f"{src_p}: {len(scan.classes)} class folder found ({found}); a classifier needs at least "
                           f"2 classes: put each class's photos in a folder of its own, e.g. {src_p / 'healthy'} and "
                           f"{src_p / 'rust'}")
+    workers = max(1, workers or usable_cpus())
+    if check:
+        return _check_only(src_p, scan, opts, workers, progress, strict, report_path, log, t0)
+    if out is None:
+        raise IngestError("no output folder given (--out); only --check runs without one")
+    out_p = Path(out).resolve()
     _check_out(src_p, out_p)
     unl = str(Path(unlabeled).resolve()) if unlabeled is not None else None
     fingerprint = _fingerprint(scan, opts, unl)
@@ -328,27 +414,13 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike, options: IngestOption
     clean_stale_temps(out_p)
     tmp = new_temp_dir(out_p)
     try:
-        workers = max(1, workers or usable_cpus())
-        kept, hashes, rejects = _decode_all(scan.files, opts, tmp / _STAGING, workers, progress)
-        assigned = _assign(scan, kept, hashes, opts, rejects)
+        decoded = _decode_all(scan.files, opts, tmp / _STAGING, workers, progress)
+        kept, digests, rejects = decoded.kept, decoded.digests, decoded.rejects
+        assigned, data = _split_and_check(scan, decoded, opts, workers, "preprocess", opts.size, log)
         _check_class_sizes(scan, kept, assigned, strict, log)
+        _refuse_unusable(src_p, scan, opts, _split_counts(scan, kept, assigned), len(rejects), log)
         info, hist = _write_splits(tmp, scan, kept, assigned, opts)
         (tmp / _STAGING).unlink()
-        if info["train"].count == 0:
-            raise IngestError(f"{src_p}: no training image could be decoded ({len(rejects)} rejected); "
-                              f"see the reasons above")
-        empty = [s for s in ("val", "test") if info[s].count == 0]
-        counts = ", ".join(f"{s} {info[s].count}" for s in SPLITS)
-        asked_none = [s for s in empty if scan.layout != "split_folders" and opts.ratios[SPLITS.index(s)] == 0]
-        if asked_none:  # the user's own --split: allowed, but distill will not train on it
-            log(f"warning: no {' and '.join(asked_none)} photos, as --split asked ({counts}); "
-                "`leaflens distill` needs both to choose and report a model")
-            empty = [s for s in empty if s not in asked_none]
-        if empty:
-            raise IngestError(f"{src_p}: the {' and '.join(empty)} split would be empty ({counts} photos): a model "
-                              "is chosen on val and reported on test. Add photos (at least "
-                              f"{MIN_PER_CLASS} per class) or, for train/val/test folders, put some in "
-                              f"{' and '.join(empty)}/; with class folders, --split must give val and test a share")
         mean, std = _mean_std(hist)
         report = _report(out_p, scan, info, rejects)
         with open(tmp / REJECTED_NAME, "w", encoding="utf-8") as fh:
@@ -375,16 +447,133 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike, options: IngestOption
             options=opts,
             rejected=RejectedInfo(total=len(rejects), per_class=report.rejected, reasons=report.rejected_reasons,
                                   list=REJECTED_NAME),
-            ignored=scan.ignored, duplicates=_duplicate_stats(scan, kept, hashes), checksums=checksums,
+            ignored=scan.ignored, duplicates=_duplicate_stats(scan, kept, digests), checksums=checksums,
             input_fingerprint=fingerprint)
+        # The report travels with the arrays but outside the manifest's checksums: it describes the data,
+        # nothing is trained on it, and datasets built before it existed keep their identity.
+        write_json_atomic(tmp / DATA_REPORT_NAME, data.to_dict())
         write_json_atomic(tmp / MANIFEST_NAME, manifest.with_self_digest().to_dict())
+        if report_path is not None:
+            write_json_atomic(report_path, data.to_dict())
         swap_into_place(tmp, out_p)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    report.data = data
+    report.checks_seconds = data.seconds
     report.seconds = time.perf_counter() - t0
     log(format_summary(report))
     return report
+
+
+def check_size(size: int) -> int:
+    """The size --check decodes photos at: the stored size up to ``CHECK_SIZE`` (JPEG draft decoding
+    makes it cheap; the hashes then match those of a full build to within a few bits)."""
+    return min(size, CHECK_SIZE)
+
+
+def _check_only(src_p: Path, scan: ScanResult, opts: IngestOptions, workers: int, progress: bool, strict: bool,
+                report_path: str | os.PathLike | None, log: Callable[[str], None], t0: float) -> IngestReport:
+    """`leaflens preprocess --check`: decode small, run the checks and the refusals, write only ``report_path``."""
+    decoded = _decode_all(scan.files, opts, None, workers, progress, decode_size=check_size(opts.size))
+    assigned, data = _split_and_check(scan, decoded, opts, workers, "check", check_size(opts.size), log)
+    counts = _split_counts(scan, decoded.kept, assigned)
+    report = IngestReport(Path(src_p), False, scan.classes, counts, ignored=dict(scan.ignored), data=data,
+                          checks_seconds=data.seconds)
+    for rec in decoded.rejects:
+        key = scan.classes[rec["label"]] if rec["label"] >= 0 else UNLABELED
+        report.rejected[key] = report.rejected.get(key, 0) + 1
+        report.rejected_reasons[rec["reason"]] = report.rejected_reasons.get(rec["reason"], 0) + 1
+    if report_path is not None:
+        write_json_atomic(report_path, data.to_dict())
+    _check_class_sizes(scan, decoded.kept, assigned, strict, log)
+    _refuse_unusable(src_p, scan, opts, counts, len(decoded.rejects), log)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _split_and_check(scan: ScanResult, decoded: _Decoded, opts: IngestOptions, workers: int,
+                     mode: Literal["preprocess", "check"], decode_size: int,
+                     log: Callable[[str], None]) -> tuple[list[str | None], DataReport]:
+    """Link the duplicates, assign the splits, run the data checks (removing with ``opts.dedupe``) and
+    log the report. Returns the split per kept row (None: left out) and the report, whose ``seconds``
+    is the main process's time on the checks plus the workers' check time shared among them."""
+    t_start = time.perf_counter()
+    files, kept = scan.files, decoded.kept
+    lab_rows = [r for r, i in enumerate(kept) if files[i].label >= 0]
+    linked = near_duplicate_groups(decoded.hashes[lab_rows])
+    units: list[Hashable] = [decoded.digests[r] for r in range(len(kept))]
+    for g, group in enumerate(linked):
+        for k in group.members:
+            units[lab_rows[k]] = ("group", g)
+    t_split = time.perf_counter()
+    rejects_before = len(decoded.rejects)
+    assigned = _assign(scan, kept, decoded.digests, units, opts, decoded.rejects)
+    exact_dropped = len(decoded.rejects) - rejects_before
+    t_checks = time.perf_counter()
+    rows = [r for r in lab_rows if assigned[r] is not None]
+    # The groups among the photos kept: an exact copy left out of a later split had its twin's hashes,
+    # so leaving it out breaks no link between the others.
+    position = {r: k for k, r in enumerate(rows)}
+    kept_groups = []
+    for group in linked:
+        members = tuple(position[lab_rows[k]] for k in group.members if lab_rows[k] in position)
+        if len(members) > 1:
+            kept_groups.append(NearGroup(members, group.distance))
+    photos = CheckedPhotos(files=[files[kept[r]].rel for r in rows],
+                           labels=np.array([files[kept[r]].label for r in rows], np.int64),
+                           splits=[str(assigned[r]) for r in rows], digests=[decoded.digests[r] for r in rows],
+                           metas=[decoded.metas[r] for r in rows])
+    data, removed = run_checks(photos, kept_groups, scan.classes, dedupe=bool(opts.dedupe),
+                               seed=opts.seed, source=scan.root, layout=scan.layout, mode=mode,
+                               decode_size=decode_size, exact_dropped=exact_dropped)
+    for k in removed:
+        r = rows[k]
+        f = files[kept[r]]
+        rem = next(x for x in data.removed if x.file == f.rel)
+        detail = (f"removed by --dedupe: a copy of {rem.kept}" if rem.kept is not None else
+                  "removed by --dedupe: the same photo is filed under another class")
+        decoded.rejects.append({"path": f.rel, "label": f.label, "split": f.split, "reason": rem.reason,
+                                "detail": detail})
+        assigned[r] = None
+    main_seconds = (t_split - t_start) + (time.perf_counter() - t_checks)
+    worker_share = decoded.worker_check_seconds / (workers if len(files) > 1 else 1)
+    data = dataclasses.replace(data, seconds=round(main_seconds + worker_share, 3))
+    log(format_data_report(data))
+    return assigned, data
+
+
+def _split_counts(scan: ScanResult, kept: list[int], assigned: list[str | None]) -> dict[str, dict[str, int]]:
+    """Split -> class -> photos (the unlabelled split counts under its own name)."""
+    counts: dict[str, dict[str, int]] = {s: dict.fromkeys(scan.classes, 0) for s in SPLITS}
+    for i, split in zip(kept, assigned):
+        if split == UNLABELED:
+            counts.setdefault(UNLABELED, {UNLABELED: 0})[UNLABELED] += 1
+        elif split is not None:
+            counts[split][scan.classes[scan.files[i].label]] += 1
+    return counts
+
+
+def _refuse_unusable(src_p: Path, scan: ScanResult, opts: IngestOptions, counts: dict[str, dict[str, int]],
+                     n_rejected: int, log: Callable[[str], None]) -> None:
+    """Refuse (IngestError) a dataset with no training photo or an empty val or test split; a split the
+    user's --split asked to be empty is a warning."""
+    totals = {s: sum(counts[s].values()) for s in SPLITS}
+    if totals["train"] == 0:
+        raise IngestError(f"{src_p}: no training image could be decoded ({n_rejected} rejected); "
+                          f"see the reasons above")
+    empty = [s for s in ("val", "test") if totals[s] == 0]
+    listed = ", ".join(f"{s} {totals[s]}" for s in SPLITS)
+    asked_none = [s for s in empty if scan.layout != "split_folders" and opts.ratios[SPLITS.index(s)] == 0]
+    if asked_none:  # the user's own --split: allowed, but distill will not train on it
+        log(f"warning: no {' and '.join(asked_none)} photos, as --split asked ({listed}); "
+            "`leaflens distill` needs both to choose and report a model")
+        empty = [s for s in empty if s not in asked_none]
+    if empty:
+        raise IngestError(f"{src_p}: the {' and '.join(empty)} split would be empty ({listed} photos): a model "
+                          "is chosen on val and reported on test. Add photos (at least "
+                          f"{MIN_PER_CLASS} per class) or, for train/val/test folders, put some in "
+                          f"{' and '.join(empty)}/; with class folders, --split must give val and test a share")
 
 
 def _report(out: Path, scan: ScanResult, info: dict[str, SplitInfo], rejects: list[dict]) -> IngestReport:

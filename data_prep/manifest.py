@@ -69,11 +69,19 @@ def manifest_self_digest(manifest: dict[str, Any]) -> str:
 class IngestOptions(Record):
     """Everything that changes a dataset built from photos; recorded in its manifest and its fingerprint."""
 
+    # ``dedupe`` is left out when off, so the manifests and fingerprints of datasets built before it existed
+    # do not change (a rebuilt manifest would orphan every teacher tied to it).
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"dedupe"})
     size: int = 128  # twice the student's default 64 px input (see model.input_size)
     resize: Literal["crop", "pad"] = "crop"
     ratios: tuple[float, float, float] = (0.7, 0.15, 0.15)
     seed: int = 0
     max_pixels: int = DEFAULT_MAX_PIXELS
+    dedupe: bool | None = None  # remove duplicates (leaflens.data_prep.data_report); None or False: keep them
+
+    def __post_init__(self) -> None:
+        if self.dedupe is False:  # one way to say "off", so that it is always left out of the files
+            object.__setattr__(self, "dedupe", None)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,10 @@
 """Train/val/test assignment: stratified, seeded, and duplicate-aware.
 
-Exact duplicate files (same SHA-256 of their bytes) never end up in two different splits: with
-automatic splitting a group of duplicates is placed as one unit; with a given split the copies in
-a later split (train < val < test) are dropped and reported, so the official split is otherwise kept.
+Items with the same key never end up in two different splits: with automatic splitting a group is
+placed as one unit; with a given split the copies in a later split (train < val < test) are dropped
+and reported, so the official split is otherwise kept. The ingest's keys: for the automatic split, its
+group of exact or near copies (:mod:`leaflens.data_prep.near_dup`); for a given split, the file's
+SHA-256 and class (a copy under another class is a label conflict, reported rather than dropped).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from leaflens.data_prep.contract import area_resize, contract_for_dataset, normalize, rgb_floats
+from leaflens.data_prep.data_report import read_data_report
 from leaflens.data_prep.manifest import load_dataset, manifest_sha256
 from leaflens.engine import Tensor, no_grad
 from leaflens.engine.checkpoint import save_checkpoint
@@ -137,6 +138,7 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
     report = _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold, teacher_info, model,
                            run_id)
     report["out_of_domain"] = out_of_domain_summary(model, ds, contract_for_dataset(ds, input_size), threshold)
+    report["data"] = read_data_report(ds.root)  # preprocess's data checks, for report.md (None: not recorded)
     _write_visuals(work, ds, results, chosen, model, mean, std, input_size)
     write_json_atomic(work / "report.json", report)
     write_report(work, report)

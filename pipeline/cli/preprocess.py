@@ -16,11 +16,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "preprocess",
         help="photos in class folders -> memory-mapped arrays + manifest",
         description="Decode every photo under --src (ROOT/<class>/* or ROOT/{train,val,test}/<class>/*, "
-                    "plus ROOT/unlabeled/) into uint8 arrays in --out, with manifest.json and "
-                    "rejected.jsonl. Re-running with unchanged input and options does nothing.",
+                    "plus ROOT/unlabeled/) into uint8 arrays in --out, with manifest.json, rejected.jsonl and "
+                    "data_report.json (exact and near duplicates within and across classes and splits, photos "
+                    "per class, and whether image size, format or EXIF alone predict the class; printed too). "
+                    "Re-running with unchanged input and options does nothing. --check runs the checks alone.",
     )
     p.add_argument("--src", required=True, help="folder of photos")
-    p.add_argument("--out", required=True, help="dataset folder to write (replaced atomically)")
+    p.add_argument("--out", default=None, help="dataset folder to write (replaced atomically); not with --check")
+    p.add_argument("--check", action="store_true",
+                   help="run the data checks and the refusals only, decoding small: prints the report, writes no "
+                        "dataset; exit code 1 when preprocess would refuse the data")
+    p.add_argument("--report", default=None, metavar="PATH",
+                   help="also write the data report (JSON) to PATH")
+    p.add_argument("--dedupe", action="store_true",
+                   help="remove duplicates (exact or near) within a split and across splits, keeping the copy in the "
+                        "earliest split (train, val, test); a photo filed under two classes loses every copy. "
+                        "data_report.json lists what was removed")
     p.add_argument("--size", type=int, default=IngestOptions.size,
                    help="square output size in pixels (default 128: twice the student's 64 px input, so its "
                         "training crops are cut from a sharper image; see model.input_size)")
@@ -43,11 +54,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.out is None and not args.check:
+            raise ValueError("--out is required (or --check to run the data checks alone)")
         opts = IngestOptions(size=args.size, resize=args.resize, ratios=parse_ratios(args.split),
-                             seed=args.seed, max_pixels=args.max_pixels)
-        ingest(args.src, args.out, opts, unlabeled=args.unlabeled, workers=args.workers,
+                             seed=args.seed, max_pixels=args.max_pixels, dedupe=args.dedupe or None)
+        ingest(args.src, None if args.check else args.out, opts, unlabeled=args.unlabeled, workers=args.workers,
                progress=not args.no_progress and sys.stderr.isatty(), force=args.force,
-               strict=args.strict)
+               strict=args.strict, check=args.check, report_path=args.report)
     except (IngestError, ScanError, ValueError) as exc:
         print(f"leaflens preprocess: error: {exc}", file=sys.stderr)
         return 1

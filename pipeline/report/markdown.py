@@ -16,6 +16,8 @@ noted, and a missing one is written as "not recorded" rather than failing the re
 - ``hardware``: :func:`leaflens.pipeline.hardware.describe_hardware`'s result
 - ``teacher``: the teacher's identity (teacher.json's ``teacher`` entry)
 - ``epochs``, ``best_epoch``: ints (else taken from the kept variant's ``epochs_run``/``best_epoch``)
+- ``data``: the dataset's ``data_report.json`` (:class:`leaflens.data_prep.data_report.DataReport`: duplicates,
+  leakage, photos per class, the metadata shortcut check, warnings); the section is left out when absent
 
 The figures (curves.png, confusion.png, hardest.png, feature_maps.png) are linked when they exist in the
 run directory, so write them before the report.
@@ -235,6 +237,45 @@ def _facts_section(report: Mapping[str, Any]) -> list[str]:
     return lines + [""]
 
 
+def _data_section(report: Mapping[str, Any]) -> list[str]:
+    """What `leaflens preprocess` found in the photos (duplicates, leakage, imbalance, shortcuts) and its warnings."""
+    data = report.get("data")
+    if not isinstance(data, Mapping) or not data:
+        return []
+    lines = ["## Data checks (preprocess)", ""]
+    if "error" in data:
+        return lines + [f"The dataset's data report could not be read: {data['error']}", ""]
+    balance = data.get("balance") or {}
+    per_class = balance.get("per_class") or {}
+    if per_class:
+        ratio = balance.get("ratio")
+        lines.append("- Photos per class: " + ", ".join(f"{_cell(c)} {n}" for c, n in per_class.items())
+                     + (f" (largest/smallest {float(ratio):g})" if ratio is not None else " (a class has none)"))
+    dup = data.get("duplicates") or {}
+    if dup:
+        leak = ", ".join(f"{k} {v}" for k, v in (dup.get("leakage") or {}).items()) or "none"
+        lines.append(f"- Duplicates (exact, or within {dup.get('threshold', '?')} bits of a perceptual hash): "
+                     f"{dup.get('within_split', 0)} groups within a split, {dup.get('across_splits', 0)} across "
+                     f"splits, {dup.get('label_conflicts', 0)} label conflicts; photos with a copy in an earlier "
+                     f"split: {leak}")
+    shortcut = data.get("shortcut") or {}
+    if shortcut.get("skipped"):
+        lines.append(f"- Shortcut check: skipped ({shortcut['skipped']})")
+    elif _float(shortcut.get("balanced_accuracy")) is not None:
+        lines.append(f"- Shortcut check: image size, aspect, format and EXIF alone predict the class with a balanced "
+                     f"accuracy of {float(shortcut['balanced_accuracy']):.2f} (chance {float(shortcut['chance']):.2f}; "
+                     f"a warning from {float(shortcut['warn_at']):.2f})")
+    removed = data.get("removed") or []
+    if data.get("dedupe"):
+        lines.append(f"- `--dedupe` left out {len(removed)} photos (listed in the dataset's data_report.json)")
+    warnings = data.get("warnings") or []
+    if warnings:
+        lines += ["", "Warnings:", ""] + [f"- {_cell(w)}" for w in warnings]
+    else:
+        lines += ["", "No warning."]
+    return lines + [""]
+
+
 def _figures_section(run_dir: Path) -> list[str]:
     present = [(name, caption) for name, caption in FIGURES if (run_dir / name).is_file()]
     missing = [name for name, _ in FIGURES if not (run_dir / name).is_file()]
@@ -261,7 +302,7 @@ def render_report(run_dir: str | os.PathLike[str], report: Mapping[str, Any]) ->
                  f"validation accuracy {_pct(report.get('val_accuracy'))}.", ""]
     test = report.get("test") or {}
     parts = (head + _winner_section(report) + _accuracy_section(report) + _per_class_section(test)
-             + _confusion_section(test) + _facts_section(report) + _figures_section(run_dir))
+             + _confusion_section(test) + _facts_section(report) + _data_section(report) + _figures_section(run_dir))
     return "\n".join(parts).rstrip() + "\n"
 
 

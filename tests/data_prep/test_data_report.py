@@ -1,0 +1,313 @@
+"""The data report of `leaflens preprocess` (issue #21, items 3-4): duplicates, leakage, label conflicts,
+class balance, the metadata shortcut check, --dedupe and --check, on tiny photo folders made here."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from dp_helpers import make_class_folders
+from PIL import Image
+
+from leaflens.data_prep import near_dup
+from leaflens.data_prep.data_report import DATA_REPORT_NAME, DataReport, read_data_report
+from leaflens.data_prep.ingest import IngestError, IngestOptions, ingest
+from leaflens.data_prep.manifest import load_dataset
+from leaflens.data_prep.near_dup import hamming, near_duplicate_groups, near_pairs, photo_hashes
+from leaflens.data_prep.shortcut import PhotoMeta, check_shortcuts
+
+SIZE = 32  # stored size; --check decodes at the same size, so its hashes equal a build's
+
+
+def scene(seed: int, w: int = 96, h: int = 72) -> Image.Image:
+    """A photo-like image: smooth random shapes (low frequencies a perceptual hash sees) and a little noise."""
+    rng = np.random.default_rng(seed)
+    base = Image.fromarray(rng.integers(0, 256, (5, 6, 3), dtype=np.uint8)).resize((w, h), Image.Resampling.BICUBIC)
+    arr = np.asarray(base, np.float32) + rng.normal(0, 6, (h, w, 3))
+    return Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8))
+
+
+def save(im: Image.Image, path: Path, fmt: str = "JPEG", **kw) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    im.save(buf, fmt, **({"quality": 90} if fmt == "JPEG" else {}) | kw)
+    path.write_bytes(buf.getvalue())
+    return path
+
+
+def given_splits(root: Path, counts=(("train", 8), ("val", 3), ("test", 3)), classes=("blight", "rust")) -> Path:
+    """ROOT/{train,val,test}/<class>/ of distinct scenes."""
+    for k, (split, n) in enumerate(counts):
+        for c, cls in enumerate(classes):
+            for i in range(n):
+                save(scene(10_000 * k + 100 * c + i), root / split / cls / f"{split}_{i}.jpg")
+    return root
+
+
+def run(src: Path, out: Path | None, **kw):
+    messages: list[str] = []
+    opts = kw.pop("opts", IngestOptions(size=SIZE))
+    report = ingest(src, out, opts, workers=1, log=messages.append, **kw)
+    return report, messages
+
+
+def warnings_of(messages: list[str]) -> list[str]:
+    return [m for m in "\n".join(messages).splitlines() if m.startswith("warning:")]
+
+
+# ---------------------------------------------------------------------------- near duplicates
+def test_altered_copies_are_near_and_different_photos_are_not():
+    original = scene(1, 160, 120)
+    stored = [np.asarray(original.resize((SIZE, SIZE)))]
+    for copy in (original.resize((80, 60)), original.crop((5, 4, 155, 116))):  # resized; cropped ~3 %
+        stored.append(np.asarray(copy.resize((SIZE, SIZE))))
+    hashes = np.stack([photo_hashes(p) for p in stored]
+                      + [photo_hashes(np.asarray(scene(s, 160, 120).resize((SIZE, SIZE)))) for s in range(2, 40)])
+    i, j, d = near_pairs(hashes)
+    assert {(int(a), int(b)) for a, b in zip(i, j)} == {(0, 1), (0, 2), (1, 2)}
+    (group,) = near_duplicate_groups(hashes)
+    assert group.members == (0, 1, 2) and group.distance == max(int(x) for x in d)
+
+
+def test_pair_search_in_blocks_finds_what_a_full_comparison_finds(monkeypatch):
+    rng = np.random.default_rng(0)
+    hashes = rng.integers(0, np.iinfo(np.int64).max, (300, 3), dtype=np.int64).astype(np.uint64)
+    for a, b in ((3, 250), (10, 11), (120, 299)):  # plant near copies: a few flipped bits
+        hashes[b] = hashes[a] ^ np.uint64(0b1011)
+    hashes[77, 2] = hashes[5, 0] ^ np.uint64(1)  # 77's crop hash is near 5's plain one
+    full = hamming(hashes[:, None, 0], hashes[None, :, 0])
+    for k in (1, 2):
+        cross = hamming(hashes[:, None, 0], hashes[None, :, k])
+        full = np.minimum(full, np.minimum(cross, cross.T))
+    want = {(a, b) for a, b in zip(*np.nonzero(np.triu(full <= 8, 1)))}
+    monkeypatch.setattr(near_dup, "_BLOCK_ELEMENTS", 1000)  # 3 rows per block: many block boundaries
+    i, j, _ = near_pairs(hashes)
+    assert {(int(a), int(b)) for a, b in zip(i, j)} == want
+    assert {(3, 250), (10, 11), (120, 299), (5, 77)} <= want
+    hashes = np.concatenate([hashes, hashes[[10] * 50]])  # 50 more identical copies: merged before the search
+    groups = near_duplicate_groups(hashes)
+    assert [g.members for g in groups] == [(3, 250), (5, 77), (10, 11, *range(300, 350)), (120, 299)]
+    assert [g.distance for g in groups] == [3, 1, 3, 3]
+
+
+def test_near_copies_across_given_splits_are_counted_per_split_pair(tmp_path):
+    src = given_splits(tmp_path / "photos")
+    save(Image.open(src / "train/blight/train_0.jpg").resize((48, 36)), src / "val/blight/small_copy.jpg", quality=70)
+    save(Image.open(src / "train/blight/train_1.jpg"), src / "test/blight/resaved.png", "PNG")
+    save(Image.open(src / "val/rust/val_0.jpg").resize((120, 90)), src / "test/rust/bigger.jpg", quality=80)
+    report, messages = run(src, tmp_path / "ds")
+    data = DataReport.from_dict(json.loads((report.out / DATA_REPORT_NAME).read_text()))
+    assert data.duplicates.leakage == {"train-val": 1, "train-test": 1, "val-test": 1}
+    assert (data.duplicates.across_splits, data.duplicates.within_split, data.duplicates.label_conflicts) == (3, 0, 0)
+    assert {g.kind for g in data.duplicates.groups} == {"near"}
+    grouped = {frozenset(p.file for p in g.photos) for g in data.duplicates.groups}
+    assert frozenset({"train/blight/train_0.jpg", "val/blight/small_copy.jpg"}) in grouped
+    warned = warnings_of(messages)
+    assert len(warned) == 1 and "leakage: 3 photos" in warned[0] and "--dedupe" in warned[0]
+    assert "(train-val 1, train-test 1, val-test 1)" in warned[0]
+    assert data.balance.per_class == {"blight": 16, "rust": 15}
+    assert load_dataset(report.out)["test"].files.count("test/rust/bigger.jpg") == 1  # reported, not removed
+
+
+def test_the_same_photo_in_two_classes_is_a_named_label_conflict(tmp_path):
+    src = make_class_folders(tmp_path / "photos", per_class=8)
+    (src / "rust" / "which_one.jpg").write_bytes((src / "healthy" / "img_05.jpg").read_bytes())
+    report, messages = run(src, tmp_path / "ds")
+    d = report.data.duplicates
+    assert d.label_conflicts == 1 and d.within_split == 0
+    (group,) = d.groups
+    assert group.scope == "across_classes" and group.kind == "exact"
+    assert {(p.file, p.class_name) for p in group.photos} == {("healthy/img_05.jpg", "healthy"),
+                                                             ("rust/which_one.jpg", "rust")}
+    (warned,) = warnings_of(messages)
+    assert warned.startswith("warning: label conflict: 1 photo filed under different classes")
+    assert "healthy/img_05.jpg" in warned and "rust/which_one.jpg" in warned
+
+
+def test_a_label_conflict_across_given_splits_is_kept_and_reported_not_dropped_silently(tmp_path):
+    src = given_splits(tmp_path / "photos")
+    (src / "test/rust/same.jpg").write_bytes((src / "train/blight/train_2.jpg").read_bytes())
+    report, messages = run(src, tmp_path / "ds")
+    assert report.data.duplicates.label_conflicts == 1 and report.data.duplicates.leakage == {"train-test": 1}
+    assert "test/rust/same.jpg" in load_dataset(report.out)["test"].files
+    assert any("label conflict" in w and "test/rust/same.jpg" in w for w in warnings_of(messages))
+
+
+def test_the_automatic_split_keeps_near_copies_together_and_dedupe_keeps_one(tmp_path):
+    src = tmp_path / "photos"
+    for c, cls in enumerate(("blight", "healthy", "rust")):
+        for i in range(10):
+            save(scene(100 * c + i), src / cls / f"p{i}.jpg")
+    original = Image.open(src / "healthy/p1.jpg")
+    for k, size in enumerate(((48, 36), (72, 54), (120, 90))):
+        save(original.resize(size), src / "healthy" / f"p1_copy{k}.jpg", quality=75)
+    for seed in range(4):
+        report, messages = run(src, tmp_path / f"ds{seed}", opts=IngestOptions(size=SIZE, seed=seed))
+        ds = load_dataset(report.out)
+        where = {f: s for s in ("train", "val", "test") for f in ds[s].files}
+        assert len({where["healthy/p1.jpg"]} | {where[f"healthy/p1_copy{k}.jpg"] for k in range(3)}) == 1
+        d = report.data.duplicates
+        assert (d.within_split, d.extra_copies, d.leakage) == (1, 3, {})
+        assert any(w.startswith("warning: duplicates: 1 group of copies within a split (3 extra photos") for w in
+                   warnings_of(messages))
+    report, messages = run(src, tmp_path / "dedupe", opts=IngestOptions(size=SIZE, dedupe=True))
+    files = {f for s in ("train", "val", "test") for f in load_dataset(report.out)[s].files}
+    assert "healthy/p1.jpg" in files and not any("copy" in f for f in files)
+    assert {r.kept for r in report.data.removed} == {"healthy/p1.jpg"} and warnings_of(messages) == []
+
+
+# ---------------------------------------------------------------------------- shortcut check
+def _shortcut_folders(root: Path, per_class: int, kind: str) -> Path:
+    """Two classes of distinct scenes that differ only by ``kind``: "size" or "format"."""
+    for c, cls in enumerate(("blight", "rust")):
+        for i in range(per_class):
+            im = scene(1000 * c + i)
+            if kind == "size":
+                save(im.resize((64, 48) if c == 0 else (96, 72)), root / cls / f"p{i}.jpg")
+            elif c == 0:
+                save(im, root / cls / f"p{i}.jpg")
+            else:
+                save(im, root / cls / f"p{i}.png", "PNG")
+    return root
+
+
+@pytest.mark.parametrize("kind, feature", [("size", "image size"), ("format", "file format")])
+def test_classes_that_differ_only_by_size_or_format_warn_naming_the_feature(tmp_path, kind, feature):
+    report, messages = run(_shortcut_folders(tmp_path / "photos", 30, kind), tmp_path / "ds")
+    s = report.data.shortcut
+    assert s.flagged == (feature,), s
+    assert s.balanced_accuracy >= s.warn_at > s.chance
+    (warned,) = warnings_of(messages)
+    assert warned.startswith(f"warning: shortcut: {feature} alone predict the class")
+    if kind == "format":
+        assert "100 % of the 'rust' photos are PNG against 0 % of the others" in warned
+        assert "re-save every photo in one format" in warned
+    else:
+        assert "'blight' 64x48, 'rust' 96x72" in warned
+
+
+def test_shuffled_labels_never_warn():
+    rng = np.random.default_rng(7)
+    for trial in range(60):
+        n, k = int(rng.integers(20, 200)), int(rng.integers(2, 6))
+        metas = [PhotoMeta(int(rng.integers(100, 4000)), int(rng.integers(100, 3000)),
+                           ["JPEG", "PNG", "WEBP"][int(rng.integers(0, 3))], bool(rng.random() < 0.9),
+                           bool(rng.random() < 0.5)) for _ in range(n)]
+        result = check_shortcuts(metas, rng.integers(0, k, n), [f"c{i}" for i in range(k)], seed=trial)
+        assert not isinstance(result, str) and not result.warns, (trial, result)
+    # a real shortcut, its labels shuffled: no warning either
+    metas = [PhotoMeta(64 if i % 2 else 96, 48, "JPEG", True, False) for i in range(80)]
+    assert check_shortcuts(metas, [i % 2 for i in range(80)], ["a", "b"]).warns
+    assert not check_shortcuts(metas, rng.permutation([i % 2 for i in range(80)]), ["a", "b"]).warns
+
+
+def test_a_normal_dataset_gives_no_warning(tmp_path):
+    report, messages = run(make_class_folders(tmp_path / "photos", per_class=20), tmp_path / "ds")
+    assert warnings_of(messages) == []
+    data = report.data
+    assert data.warnings == () and data.duplicates.groups == () and data.shortcut.flagged == ()
+    assert data.balance.per_class == {"blight": 20, "healthy": 20, "rust": 20} and data.balance.ratio == 1.0
+    assert "data checks on 60 labelled photos" in messages[0]
+
+
+def test_a_class_much_smaller_than_another_is_an_imbalance_warning(tmp_path):
+    src = make_class_folders(tmp_path / "photos", per_class=36)
+    for p in sorted((src / "rust").iterdir())[6:]:
+        p.unlink()
+    _, messages = run(src, tmp_path / "ds")
+    (warned,) = warnings_of(messages)
+    assert warned.startswith("warning: class imbalance: 'blight' has 6 times the photos of 'rust' (36 against 6")
+
+
+# ---------------------------------------------------------------------------- --dedupe
+def test_dedupe_keeps_the_earliest_split_and_records_what_it_removed(tmp_path):
+    src = given_splits(tmp_path / "photos")
+    save(Image.open(src / "train/blight/train_0.jpg").resize((48, 36)), src / "test/blight/copy.jpg", quality=70)
+    save(Image.open(src / "val/rust/val_1.jpg").resize((48, 36)), src / "test/rust/copy.jpg", quality=70)
+    (src / "train/rust/train_3_copy.jpg").write_bytes((src / "train/rust/train_3.jpg").read_bytes())  # in train
+    (src / "val/rust/conflict.jpg").write_bytes((src / "val/blight/val_2.jpg").read_bytes())  # two classes
+    report, messages = run(src, tmp_path / "ds", opts=IngestOptions(size=SIZE, dedupe=True))
+    removed = {(r.file, r.reason, r.kept) for r in report.data.removed}
+    assert removed == {("test/blight/copy.jpg", "duplicate", "train/blight/train_0.jpg"),
+                       ("test/rust/copy.jpg", "duplicate", "val/rust/val_1.jpg"),
+                       ("train/rust/train_3_copy.jpg", "duplicate", "train/rust/train_3.jpg"),
+                       ("val/blight/val_2.jpg", "label_conflict", None),
+                       ("val/rust/conflict.jpg", "label_conflict", None)}
+    ds = load_dataset(report.out)
+    kept = {f for s in ("train", "val", "test") for f in ds[s].files}
+    assert not kept & {r[0] for r in removed}
+    assert {"train/blight/train_0.jpg", "val/rust/val_1.jpg", "train/rust/train_3.jpg"} <= kept
+    on_disk = json.loads((report.out / DATA_REPORT_NAME).read_text())
+    assert on_disk["dedupe"] is True and len(on_disk["removed"]) == 5
+    rejected = [json.loads(x) for x in (report.out / "rejected.jsonl").read_text().splitlines()]
+    assert {(r["path"], r["reason"]) for r in rejected} == {(f, why) for f, why, _ in removed}
+    assert ds.manifest.options.dedupe is True
+    (warned,) = warnings_of(messages)  # the conflict; the removed duplicates need no warning
+    assert "all 2 copies were left out" in warned and "val/rust/conflict.jpg" in warned
+
+
+def test_dedupe_off_is_left_out_of_the_manifest_so_older_datasets_keep_their_identity():
+    assert "dedupe" not in IngestOptions().to_dict() and "dedupe" not in IngestOptions(dedupe=False).to_dict()
+    assert IngestOptions(dedupe=True).to_dict()["dedupe"] is True
+
+
+# ---------------------------------------------------------------------------- --check
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_check_writes_nothing_and_reports_what_preprocess_finds(tmp_path):
+    src = given_splits(tmp_path / "photos")
+    save(Image.open(src / "train/blight/train_0.jpg").resize((48, 36)), src / "val/blight/copy.jpg", quality=70)
+    (src / "test/rust/same.jpg").write_bytes((src / "train/blight/train_2.jpg").read_bytes())
+    before = _tree(tmp_path)
+    cmd = [sys.executable, "-m", "leaflens", "preprocess", "--src", str(src), "--check", "--size", str(SIZE),
+           "--workers", "1", "--no-progress"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert _tree(tmp_path) == before  # not a file written, not even a temporary folder
+    checked = [line for line in res.stdout.splitlines() if line.startswith(("warning:", "  "))]
+    report, messages = run(src, tmp_path / "ds")
+    assert checked == [line for line in "\n".join(messages).splitlines() if line.startswith(("warning:", "  "))]
+    res = subprocess.run(cmd + ["--report", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0
+    got = json.loads((tmp_path / "r.json").read_text())
+    built = json.loads((report.out / DATA_REPORT_NAME).read_text())
+    assert got["mode"] == "check" and built["mode"] == "preprocess"
+    for key in ("duplicates", "balance", "warnings", "removed", "photos"):
+        assert got[key] == built[key], key
+    assert got["shortcut"]["flagged"] == built["shortcut"]["flagged"] == []
+
+
+def test_check_exits_1_when_preprocess_would_refuse_the_data(tmp_path):
+    src = given_splits(tmp_path / "photos", counts=(("train", 6), ("val", 2)))
+    res = subprocess.run([sys.executable, "-m", "leaflens", "preprocess", "--src", str(src), "--check",
+                          "--workers", "1", "--no-progress"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1
+    assert "the test split would be empty" in res.stderr and "Traceback" not in res.stderr
+    assert "data checks on 16 labelled photos" in res.stdout  # the report comes first
+    with pytest.raises(IngestError, match="no output folder"):
+        run(src, None)
+
+
+# ---------------------------------------------------------------------------- the run report
+def test_the_run_report_shows_the_data_section(tmp_path):
+    from leaflens.pipeline.report.markdown import render_report
+
+    src = make_class_folders(tmp_path / "photos", per_class=8)
+    (src / "rust" / "which_one.jpg").write_bytes((src / "healthy" / "img_05.jpg").read_bytes())
+    report, _ = run(src, tmp_path / "ds")
+    data = read_data_report(report.out)
+    text = render_report(tmp_path, {"data": data})
+    assert "## Data checks (preprocess)" in text
+    assert "- Photos per class: blight 8, healthy 8, rust 9 (largest/smallest 1.12)" in text
+    assert "0 groups within a split, 0 across splits, 1 label conflicts" in text
+    assert "- label conflict: 1 photo filed under different classes" in text
+    assert "## Data checks" not in render_report(tmp_path, {"data": None})
+    (report.out / DATA_REPORT_NAME).write_text("{")
+    assert "could not be read" in render_report(tmp_path, {"data": read_data_report(report.out)})

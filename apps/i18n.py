@@ -203,7 +203,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_params": "参数量",
         "m_threshold": "无法在两类之间确定",
         "m_threshold_below": "最高概率低于 {threshold} 时",
-        "m_threshold_how": "由 `leaflens distill` 或 `leaflens export` 在验证集照片上选定，用来区分出模型最难在各类之间做出判断的照片",
+        "m_threshold_how": ("由 `leaflens distill` 或 `leaflens export` 在验证集照片上选定，"
+                            "用来区分出模型最难在各类之间做出判断的照片"),
         "m_sep": "；",
         "m_threshold_cost": "验证集照片中有 {share} 低于该值",
         "m_threshold_default": "（默认值，未校准）",

@@ -68,6 +68,7 @@ class TrainSection(Record):
     eval_batch_size: int
     device: Literal["auto", "cpu", "cuda"]
     mixed_precision: Literal["auto", "on", "off"]
+    outlier_exposure: float = 0.0  # weight of the generated-negatives loss (leaflens.pipeline.negatives); 0: off
 
 
 @dataclass(frozen=True)

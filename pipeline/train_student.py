@@ -39,6 +39,7 @@ from leaflens.engine.nn import Module
 from leaflens.engine.optim import SGD, AdamW, Optimizer, WarmupCosine
 from leaflens.pipeline.config import DistillSection, StageConfig
 from leaflens.pipeline.models.student import StudentCNN, StudentSpec
+from leaflens.pipeline.negatives import make_negatives
 from leaflens.pipeline.training import BatchLoss, LoopSettings, RunResult, run_training, validation_scores
 
 
@@ -163,18 +164,38 @@ def _softmax(z: Any) -> Any:
     return e / e.sum(axis=1, keepdims=True)
 
 
+def _outlier_exposure(logits_neg: Any) -> Any:
+    """Cross-entropy of the negatives' logits against the uniform distribution (logsumexp - mean)."""
+    m = logits_neg.max(axis=1, keepdims=True).data
+    lse = ops.log(ops.exp(logits_neg - m).sum(axis=1)) + m[:, 0]
+    return (lse - logits_neg.mean(axis=1)).mean()
+
+
 def distill_loss(model: StudentCNN, x: np.ndarray, y: np.ndarray, feats: np.ndarray | None,
                  tlogits: np.ndarray | None, dcfg: DistillSection,
-                 label_smoothing: float) -> tuple[Tensor, dict[str, float], np.ndarray]:
-    """The batch loss, its parts (feature = 2 - 2 cos, cross-entropy on labelled rows, KD) and the logits."""
+                 label_smoothing: float, negatives: Any = None,
+                 oe_weight: float = 0.0) -> tuple[Tensor, dict[str, float], np.ndarray]:
+    """The batch loss, its parts (feature = 2 - 2 cos, cross-entropy on labelled rows, KD, outlier exposure
+    on generated ``negatives``) and the logits of the batch."""
     parts: dict[str, float] = {}
     labelled = bool((y >= 0).any())
+    n = len(x)
+    inputs = Tensor(x) if negatives is None else Tensor(array_module(x).concatenate([x, negatives]))
     if feats is None:
-        logits = model(Tensor(x))
+        logits = model(inputs)
+        neg = logits[n:] if negatives is not None else None
+        logits = logits[:n] if negatives is not None else logits
         loss = ops.cross_entropy(logits, y, label_smoothing=label_smoothing, ignore_index=-1)
         parts["ce"] = loss.item()
+        if neg is not None:
+            oe = _outlier_exposure(neg)
+            loss = loss + oe * float(oe_weight)
+            parts["oe"] = oe.item()
         return loss, parts, logits.data
-    logits, proj = model.forward_with_projection(Tensor(x))
+    logits, proj = model.forward_with_projection(inputs)
+    neg = None
+    if negatives is not None:
+        logits, neg, proj = logits[:n], logits[n:], proj[:n]
     diff = ops.l2_normalize(proj, axis=1) - _l2n(feats)
     feat = (diff * diff).sum(axis=1).mean()
     loss = feat * float(dcfg.feature_weight)
@@ -192,6 +213,10 @@ def distill_loss(model: StudentCNN, x: np.ndarray, y: np.ndarray, feats: np.ndar
         xp = array_module(soft)
         entropy = float(-(soft * xp.log(xp.maximum(soft, 1e-12))).sum(axis=1).mean())
         parts["kd"] = kd.item() - t * t * entropy
+    if neg is not None:
+        oe = _outlier_exposure(neg)
+        loss = loss + oe * float(oe_weight)
+        parts["oe"] = oe.item()
     return loss, parts, logits.data
 
 
@@ -255,12 +280,14 @@ class StudentTask:
             self.loader.set_epoch(epoch)
         seed = self.loader.seed
         # Host side (teacher targets looked up by the batch's dataset rows, views), then on to the device.
-        host = (_host_batch(self.data, batch, seed, epoch, self.size) for batch in self.loader)
+        oe = float(self.cfg.train.outlier_exposure)
+        host = (_host_batch(self.data, batch, seed, epoch, self.size, oe > 0) for batch in self.loader)
         return self.device_loader.upload(host)
 
     def batch_loss(self, batch: StudentBatch) -> BatchLoss:
         loss, parts, logits = distill_loss(self.model, batch.images, batch.labels, batch.features, batch.logits,
-                                           self.cfg.distill, self.cfg.train.label_smoothing)
+                                           self.cfg.distill, self.cfg.train.label_smoothing, batch.negatives,
+                                           self.cfg.train.outlier_exposure)
         return BatchLoss(loss, logits, parts)
 
     def validate(self) -> tuple[float, float]:
@@ -285,9 +312,11 @@ class StudentBatch(NamedTuple):
     logits: Any
     indices: np.ndarray  # dataset rows: stay on the host (DeviceLoader leaves ``indices`` alone)
     number: int          # the batch's position in its epoch
+    negatives: Any = None  # generated negatives for outlier exposure (leaflens.pipeline.negatives)
 
 
-def _host_batch(data: TrainData, batch: Batch, seed: int, epoch: int, size: int) -> StudentBatch:
+def _host_batch(data: TrainData, batch: Batch, seed: int, epoch: int, size: int,
+                negatives: bool = False) -> StudentBatch:
     """A loader batch with its teacher targets looked up on the host by the batch's dataset rows
     (cut to the teacher's views when there is a bank)."""
     x, idx = batch.images, batch.indices
@@ -295,4 +324,8 @@ def _host_batch(data: TrainData, batch: Batch, seed: int, epoch: int, size: int)
     tl = None if data.logits is None else np.asarray(data.logits[idx])
     if data.views is not None:
         x, feats, tl = pick_views(data, idx, x, seed, epoch, batch.number, size)
-    return StudentBatch(x, batch.labels, feats, tl, idx, batch.number)
+    neg = None
+    if negatives:  # a generator per (seed, epoch, batch): a resumed run draws the same negatives
+        rng = np.random.default_rng([seed, epoch, batch.number, 0x0E])
+        neg = make_negatives(np.asarray(x), max(1, len(x) // 2), rng)
+    return StudentBatch(x, batch.labels, feats, tl, idx, batch.number, neg)

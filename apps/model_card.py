@@ -16,6 +16,8 @@ leaflens.input_size             yes        S (input is [N, 3, S, S]), reached by
 leaflens.mean / leaflens.std    yes        JSON lists of 3 floats on the [0, 1] pixel scale
 leaflens.layout                 yes        "NCHW"
 leaflens.resize                 yes        "crop" or "pad" (as in leaflens.data_prep.decode)
+leaflens.shorter_side           no         int; "crop" with the shorter side at this size, then the centre
+                                           stored_size square (a served teacher); absent: straight to stored_size
 leaflens.uncertain_threshold    no         float; top probability below it => "ambiguous"
 leaflens.ood                    no         JSON :class:`OODCheck`: how ``ood_score`` is judged; present
                                            exactly when the graph has the ``ood_score`` output
@@ -145,6 +147,8 @@ class ModelCard(Record):
             "layout": self.layout,
             "resize": self.resize,
         }
+        if self.contract.shorter_side is not None:
+            meta["shorter_side"] = str(int(self.contract.shorter_side))
         if self.threshold_from_model:
             meta["uncertain_threshold"] = repr(float(self.uncertain_threshold))
         if self.run_id is not None:
@@ -213,6 +217,8 @@ class ModelCard(Record):
                     "std": json_value("std"), "resize": get("resize")}
         if PREFIX + "stored_size" in meta:
             contract["stored_size"] = number("stored_size", int)
+        if PREFIX + "shorter_side" in meta:  # absent (every student, older files): decoded straight to stored_size
+            contract["shorter_side"] = number("shorter_side", int)
         data: dict[str, Any] = {"classes": json_value("classes"), "contract": contract, "layout": get("layout")}
         if PREFIX + "uncertain_threshold" in meta:
             data["uncertain_threshold"] = number("uncertain_threshold", float)

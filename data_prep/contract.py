@@ -5,7 +5,8 @@ Three steps, each implemented once, here (or, for the decode, in :mod:`leaflens.
 1. decode (:func:`decode_stored`): EXIF rotation, any mode -> RGB, JPEG DCT-scaled ("draft")
    decoding for big photos, and the antialiased resize rule ("crop": shorter side to the stored
    size, centre square; "pad": letterbox) -> a uint8 ``stored_size`` square. `leaflens preprocess`
-   writes exactly this into the dataset arrays.
+   writes exactly this into the dataset arrays. A served teacher's contract sets ``shorter_side``
+   (shorter side to it, then the centre square, as the teacher stage decoded its photos).
 2. stored size -> input size (:func:`area_resize`): every input pixel is the mean of the stored
    pixels it covers (an area filter), float32, not rounded back to uint8.
 3. normalise (:func:`normalize`): ``(x / 255 - mean) / std`` per RGB channel, float32.
@@ -32,11 +33,11 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from leaflens.data_prep.decode import DEFAULT_MAX_PIXELS, decode_image
+from leaflens.data_prep.decode import DEFAULT_MAX_PIXELS, decode_image, decode_image_at
 from leaflens.records import Record
 
 __all__ = ["ContractError", "PreprocessContract", "area_resize", "contract_for_dataset", "decode_stored",
@@ -57,13 +58,24 @@ class ContractError(ValueError):
 @dataclass(frozen=True)
 class PreprocessContract(Record):
     """How a photo becomes a model's input: decode to ``stored_size`` with the ``resize`` rule,
-    area-average down to ``input_size``, normalise with ``mean``/``std`` (pixel/255 scale, RGB)."""
+    area-average down to ``input_size``, normalise with ``mean``/``std`` (pixel/255 scale, RGB).
+
+    ``shorter_side`` (``resize="crop"`` only; None for every student): decode with the shorter side scaled
+    to it and the centre ``stored_size`` square kept, the "resize 256, centre crop 224" the ImageNet
+    teacher saw in the teacher stage (:func:`leaflens.data_prep.decode.decode_image_at`), so a served
+    teacher gets the very pixels it was fine-tuned and evaluated on. None: the shorter side goes straight
+    to ``stored_size``, as `leaflens preprocess` stores photos.
+    """
+
+    # A student's contract is written as it was before teachers were served (older readers refuse unknown keys).
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"shorter_side"})
 
     stored_size: int
     input_size: int
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     resize: Literal["crop", "pad"] = "crop"
+    shorter_side: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("stored_size", "input_size"):
@@ -84,10 +96,20 @@ class PreprocessContract(Record):
             object.__setattr__(self, name, tuple(float(v) for v in values))  # lists from callers -> tuple
         if self.resize not in ("crop", "pad"):
             raise ContractError("resize", f"must be 'crop' or 'pad', got {self.resize!r}")
+        side = self.shorter_side
+        if side is not None:
+            if isinstance(side, bool) or not isinstance(side, int) or side < self.stored_size:
+                raise ContractError("shorter_side", f"must be an integer >= stored_size {self.stored_size}, "
+                                                    f"got {side!r}")
+            if self.resize != "crop":
+                raise ContractError("shorter_side", f"applies to resize 'crop' only, not {self.resize!r}")
 
     def decode(self, src: Source, max_pixels: int = DEFAULT_MAX_PIXELS, min_side: int = 0) -> np.ndarray:
         """Step 1: one photo (path or encoded bytes) -> uint8 ``(stored_size, stored_size, 3)``;
         ``min_side`` > 0 refuses a photo under that many pixels on a side ("too_small")."""
+        if self.shorter_side is not None:
+            return decode_image_at(src, self.stored_size, self.resize, shorter_side=self.shorter_side,
+                                   max_pixels=max_pixels, min_side=min_side)
         return decode_stored(src, self.stored_size, self.resize, max_pixels, min_side=min_side)
 
     def prepare(self, images: np.ndarray) -> np.ndarray:

@@ -44,6 +44,7 @@ __all__ = ["DEFAULT_BUDGET", "METHOD", "OOD_OUTPUT", "OODHead", "ServedModel", "
 METHOD = "block-mahalanobis-1"  # recorded in the model card; bump when the score's definition changes
 DEFAULT_BUDGET = 0.025  # share of validation photos the out-of-domain check may flag (see AMBIGUOUS_BUDGET)
 SHRINKAGE = 0.01  # covariance (of standardised statistics) + SHRINKAGE * identity
+DEAD_SPREAD = 1e-3  # a statistic whose spread is under this share of its block's median one is left out
 _EPS = 1e-6
 
 
@@ -139,7 +140,13 @@ def _fit_block(train: np.ndarray, labels: np.ndarray, k: int) -> tuple[np.ndarra
     present = [c for c in range(k) if np.any(labels == c)]
     means = np.stack([f[labels == c].mean(0) if np.any(labels == c) else f.mean(0) for c in range(k)])
     centred = f - means[labels]
-    scale = centred.std(0) + _EPS
+    spread = centred.std(0)
+    # A statistic constant on every training photo up to float noise (a dead filter's: EfficientNet-Lite0's stem
+    # has a few, whose output is their BatchNorm bias whatever the photo) carries nothing to measure a photo by,
+    # and dividing by its spread would amplify float noise a millionfold (beyond float16; the engine and
+    # onnxruntime far apart). It is left out: its whitening row is zero.
+    live = spread > DEAD_SPREAD * np.median(spread)
+    scale = np.where(live, spread + _EPS, np.inf)
     z = centred / scale
     cov = z.T @ z / max(1, len(z) - len(present)) + SHRINKAGE * np.eye(f.shape[1])
     chol = np.linalg.cholesky(np.linalg.inv(cov))  # precision = L L^T, distance = ||z @ L||^2

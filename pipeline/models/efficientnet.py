@@ -215,6 +215,31 @@ class EfficientNetLite(nn.Module):
         f = self.features(x)
         return self.classify(f), f
 
+    def stage_ends(self) -> list[int]:
+        """Indices of the last block of each stage (a run of blocks ending in the same width)."""
+        return [i for i, s in enumerate(self.specs) if i + 1 == len(self.specs) or self.specs[i + 1].cout != s.cout]
+
+    def forward_blocks(self, x: Any) -> tuple[Any, list[Any]]:
+        """(logits, feature maps the out-of-domain score reads: the stem's (before its ReLU6) and the last
+        block's output of every stage), from the same pass that gives the answer (leaflens.pipeline.ood).
+
+        The stem and the stage ends span colour and texture (early) to object parts (late), as the student's
+        conv blocks do. Every map is taken before a clipping activation (a stage ends in a linear projection):
+        a channel ReLU6 holds at 0 or 6 on every training photo has no spread, and the score's whitening
+        would divide by it (1e7 on a small dataset, beyond float16). The head conv is left out: its 1280
+        channels would give 2560 statistics, whose whitening matrix (26 MB) would double an exported Lite0 and
+        be estimated from a few hundred photos.
+        """
+        pre = self.stem_bn(self.stem_conv(x))
+        h = ops.relu6(pre)
+        maps = [pre]
+        ends = set(self.stage_ends())
+        for i, block in enumerate(self.blocks):
+            h = block(h)
+            if i in ends:
+                maps.append(h)
+        return self.classify(self.head(h)), maps
+
     # ---- partial fine-tuning ----------------------------------------------------------------------
     def split(self, k: int) -> tuple[EfficientNetFront, EfficientNetBack]:
         """Cut before block ``k`` (0 <= k <= num_blocks): front = stem + blocks[:k], back = the rest.

@@ -6,7 +6,9 @@ dataset's classes, ``logits_<split>.npy`` (N x C float32). ``teacher.json`` reco
 identity, the feature dimension, how images were preprocessed for it, and the SHA-256 of the
 dataset manifest the rows belong to: features of another dataset are refused. It is read and
 written as a :class:`TeacherInfo` record; its ``format`` string carries the version. ``config.toml``
-beside it, when present, is the resolved recipe the teacher was made with.
+beside it, when present, is the resolved recipe the teacher was made with. A fine-tuned EfficientNet
+teacher also leaves ``model.npz`` (the whole network) and, when it can be served, ``teacher.onnx``
+(pipeline/teachers/served.py; ``stage.served`` in teacher.json says which).
 """
 
 from __future__ import annotations

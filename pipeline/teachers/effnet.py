@@ -166,6 +166,8 @@ def build_effnet_teacher(ds: Any, teacher: TeacherSection, weights_file: str | P
         enc = ArrayEncoder({s: o[0] for s, o in outs.items()}, {s: o[1] for s, o in outs.items()}, weights,
                            ds.image_size, identity)
     enc.view_encoder = EffnetImageEncoder(front, back, cfg.normalization, enc.feature_dim, enc.num_classes)
+    if not frozen:  # the whole fine-tuned network, which the stage saves and serves (pipeline/teachers/served.py)
+        enc.network = net
     return enc, extra
 
 

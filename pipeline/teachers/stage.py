@@ -9,15 +9,17 @@ Teachers:
 
 All of them end in the same artefact (pipeline/teachers/artefact.py): ``features_<split>.npy`` memmaps
 and ``teacher.json`` tied to the dataset manifest's checksum, written into a temporary folder
-that replaces the old one only when complete. :func:`run_teacher_stage` is the whole stage as
+that replaces the old one only when complete; a fine-tuned EfficientNet adds its network (``model.npz``)
+and ``teacher.onnx`` to serve it (pipeline/teachers/served.py). :func:`run_teacher_stage` is the whole stage as
 ``leaflens teacher`` runs it: pick the teacher (:class:`TeacherChoice`), write its folder, summarise.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,14 +116,17 @@ def write_teacher(out: str | os.PathLike[str], ds: Any, encoder: Encoder, batch:
                   stage: dict[str, Any] | None = None, seconds: float | None = None, progress: bool = True,
                   views: int = 1,
                   view_scale: tuple[float, float] | None = None, view_seed: int = 0,
-                  config: StageConfig | None = None) -> Path:
+                  config: StageConfig | None = None,
+                  finish: Callable[[Path], dict[str, Any]] | None = None) -> Path:
     """Run ``encoder`` over every split of ``ds`` and write the teacher folder atomically.
 
     With ``views`` > 1 the teacher also encodes that many augmented views of every training and
     unlabelled photo (pipeline/teachers/views.py) for students that learn on the same views, their
     crops drawn with ``view_scale`` and ``view_seed`` (the recipe's ``teacher.view_scale`` and ``seed``).
     ``config``, the resolved recipe the teacher was made with, is saved beside it as ``config.toml``;
-    ``stage`` (what the teacher's maker recorded) and ``seconds`` go into teacher.json.
+    ``stage`` (what the teacher's maker recorded) and ``seconds`` go into teacher.json. ``finish``, called
+    with the folder being built once the features are in it, writes further files there (the served
+    teacher) and returns entries added to ``stage``.
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -166,6 +171,8 @@ def write_teacher(out: str | os.PathLike[str], ds: Any, encoder: Encoder, batch:
             view_encoder = encoder.view_encoder if isinstance(encoder, ArrayEncoder) else encoder
             view_info = write_view_bank(tmp, ds, view_encoder, views, view_augment(view_scale), view_seed, batch,
                                         from_arrays, dtype, progress)
+        if finish is not None:
+            stage = {**(stage or {}), **finish(tmp)}
         info = TeacherInfo(
             format=FORMAT, teacher=encoder.identity(), feature_dim=int(encoder.feature_dim),
             num_classes=None if not encoder.num_classes else int(encoder.num_classes),
@@ -201,6 +208,7 @@ class ArrayEncoder:
 
     sees_images = False
     view_encoder: Any = None
+    network: Any = None  # the whole fine-tuned network, when the teacher has one to serve
 
     def __init__(self, features: dict[str, np.ndarray], logits: dict[str, np.ndarray] | None, source: Path,
                  input_size: int, identity: dict[str, Any] | None = None):
@@ -321,13 +329,31 @@ def run_teacher_stage(dataset_dir: str | os.PathLike[str], out: str | os.PathLik
     ds = load_dataset(dataset_dir)
     encoder, made = make_encoder(ds, cfg, choice, out, from_arrays, progress)
     recipe = cfg.teacher
+    network = getattr(encoder, "network", None)
+    finish = None
+    if network is not None:
+        from leaflens.pipeline.teachers.served import write_served_teacher  # noqa: PLC0415
+
+        def log(msg: str) -> None:
+            if progress:
+                print(msg, file=sys.stderr, flush=True)
+
+        def finish(folder: Path) -> dict[str, Any]:
+            served = write_served_teacher(folder, network, ds, encoder.identity(), from_arrays,
+                                          recipe.encode_batch_size, log)
+            return {"served": served.to_dict()}
+
     write_teacher(out, ds, encoder, batch=recipe.encode_batch_size, shorter_side=getattr(encoder, "shorter_side", None),
                   from_arrays=from_arrays, dtype=np.float16 if fp16 else np.float32, stage=made,
                   seconds=round(time.perf_counter() - t0, 1), progress=progress, views=recipe.views,
-                  view_scale=recipe.view_scale, view_seed=recipe.seed, config=cfg)
+                  view_scale=recipe.view_scale, view_seed=recipe.seed, config=cfg, finish=finish)
     tt = load_teacher(out, ds)
     summary: dict[str, Any] = {"teacher": tt.info.teacher, "feature_dim": tt.feature_dim,
                                "seconds": round(time.perf_counter() - t0)}
+    served_info = tt.info.stage.get("served")
+    if served_info is not None:
+        summary["served"] = {k: served_info.get(k) for k in ("written", "onnx", "reason", "val_accuracy",
+                                                              "test_accuracy", "params")}
     if "test" in ds and ds["test"].labels is not None:
         test_y = np.asarray(ds["test"].labels)
         summary["knn_test_acc"] = round(knn_accuracy(np.asarray(tt.features["train"], np.float32),

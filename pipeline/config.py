@@ -85,7 +85,7 @@ class AugmentSection(Record):
 
 @dataclass(frozen=True)
 class DistillSection(Record):
-    """``[distill]``: the distillation loss and which students are trained."""
+    """``[distill]``: the distillation loss, which students are trained, and which model is kept."""
 
     feature_weight: float
     alpha: float
@@ -93,6 +93,17 @@ class DistillSection(Record):
     temperature: float
     same_view: bool
     compare_scratch: bool
+    # Which model the run keeps (leaflens.pipeline.selection): the serving budget and the teacher's margin.
+    max_params: int
+    max_ms: float
+    teacher_margin: float
+
+    def __post_init__(self) -> None:
+        if self.max_params < 0 or self.max_ms < 0:
+            raise ValueError(f"max_params and max_ms must be >= 0 (0: no limit), got {self.max_params} and "
+                             f"{self.max_ms}")
+        if not 0.0 <= self.teacher_margin <= 1.0:
+            raise ValueError(f"teacher_margin is a share of the validation photos in [0, 1], got {self.teacher_margin}")
 
 
 @dataclass(frozen=True)

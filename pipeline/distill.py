@@ -1,9 +1,16 @@
-"""The distill stage: train the student from the teacher and from scratch, keep the better, report.
+"""The distill stage: train the student from the teacher and from scratch, keep the best model, report.
+
+The model kept is the best on validation of the students and, when the teacher folder holds a servable
+fine-tuned teacher, the teacher, within the serving budget of ``[distill]`` max_params / max_ms
+(leaflens.pipeline.selection); report.json's ``selection`` and report.md's table show every candidate's
+accuracy, size and latency and why one was kept.
 
 Output folder (written as ``<out>.partial`` and renamed into place when complete; ``--resume``
 continues a partial one):
 
-    best.npz            the chosen student (engine checkpoint; see pipeline/runs.py)
+    best.npz            the best student (engine checkpoint; see pipeline/runs.py); its record says
+                        ``kept: teacher`` when the run keeps the teacher instead
+    teacher_model.npz   the kept teacher's network (only when the teacher is kept)
     config.toml         the resolved configuration
     distilled/, scratch/  each variant's last.npz, best.npz, metrics.jsonl (and faults.jsonl)
     report.json, report.md, curves.png, confusion.png, hardest.png, feature_maps.png
@@ -15,18 +22,21 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from leaflens.cpus import usable_cpus
 from leaflens.data_prep.contract import area_resize, contract_for_dataset, normalize, rgb_floats
 from leaflens.data_prep.data_report import read_data_report
 from leaflens.data_prep.manifest import load_dataset, manifest_sha256
 from leaflens.engine import Tensor, no_grad
-from leaflens.engine.checkpoint import save_checkpoint
+from leaflens.engine.checkpoint import CheckpointError, save_checkpoint
 from leaflens.files import swap_into_place, write_json_atomic, write_text_atomic
 from leaflens.pipeline import ood
 from leaflens.pipeline.config import StageConfig, dump_toml
@@ -34,7 +44,9 @@ from leaflens.pipeline.hardware import describe_hardware
 from leaflens.pipeline.models.student import StudentSpec
 from leaflens.pipeline.report import metrics, plots
 from leaflens.pipeline.report.markdown import write_report
-from leaflens.pipeline.runs import RunDataset, RunMeta, RunMetrics, Variant, load_student_weights
+from leaflens.pipeline.runs import TEACHER_MODEL, RunDataset, RunMeta, RunMetrics, Variant, load_student_weights
+from leaflens.pipeline.selection import Budget, Candidate, Selection, choose, measure_ms
+from leaflens.pipeline.teachers import served as served_teacher
 from leaflens.pipeline.teachers.artefact import load_teacher
 from leaflens.pipeline.train_student import ConcatImages, TrainData, predict_logits, student_input_size, train_run
 from leaflens.pipeline.training import BEST
@@ -120,24 +132,48 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
                                   resume=resume, label=name, progress=progress)
     # Ties go to the simpler recipe: distillation has to earn its place.
     order = sorted(results, key=lambda k: (results[k].best_val_accuracy, k == "scratch"), reverse=True)
-    winner = order[0]
+    best_student = order[0]
 
     evaluated = {name: _evaluate_variant(work / name / BEST, cfg, ds) for name in results}
-    chosen = evaluated[winner]
-    threshold = metrics.choose_uncertain_threshold(chosen["val_probs"], np.asarray(val.labels))
-    threshold_value = float(threshold["threshold"]) if isinstance(threshold, dict) else float(threshold)
-    model = chosen["model"]
-    test_summary = chosen.get("test_summary")
-    final_metrics = {"val_accuracy": results[winner].best_val_accuracy,
-                     "test_accuracy": None if test_summary is None else test_summary["accuracy"],
-                     "uncertain_threshold": threshold_value}
-    save_checkpoint(work / BEST, model, epoch=results[winner].best_epoch, step=0,
-                    extra=dataclasses.replace(run_meta, variant=winner, metrics=RunMetrics(**final_metrics),
-                                              teacher=None if teacher_info is None else teacher_info.teacher).to_dict())
+    student = evaluated[best_student]
+    model = student["model"]
+    student_threshold = metrics.choose_uncertain_threshold(student["val_probs"], np.asarray(val.labels))
+    student_summary = student.get("test_summary")
+    student_metrics = RunMetrics(val_accuracy=results[best_student].best_val_accuracy,
+                                 test_accuracy=None if student_summary is None else student_summary["accuracy"],
+                                 uncertain_threshold=float(student_threshold["threshold"]))
 
-    report = _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold, teacher_info, model,
-                           run_id)
-    report["out_of_domain"] = out_of_domain_summary(model, ds, contract_for_dataset(ds, input_size), threshold)
+    selection, teacher = _select(ds, cfg, tt, results, evaluated, input_size, progress)
+    winner = selection.kept
+    if winner == "teacher":
+        assert teacher is not None and tt is not None
+        shutil.copyfile(tt.root / served_teacher.MODEL_FILE, work / TEACHER_MODEL)
+        chosen, kept_params = teacher, int(teacher["params"])
+        threshold = metrics.choose_uncertain_threshold(chosen["val_probs"], np.asarray(val.labels))
+        kept_val = float(np.mean(chosen["val_probs"].argmax(1) == np.asarray(val.labels)))
+    else:
+        chosen, kept_params, threshold = student, int(model.num_parameters()), student_threshold
+        kept_val = results[best_student].best_val_accuracy  # the kept student is the best one
+    test_summary = chosen.get("test_summary")
+    final_metrics = {"val_accuracy": kept_val,
+                     "test_accuracy": None if test_summary is None else test_summary["accuracy"],
+                     "uncertain_threshold": float(threshold["threshold"])}
+    # best.npz is the best student, with its own figures; ``kept`` says when the run ships the teacher instead
+    save_checkpoint(work / BEST, model, epoch=results[best_student].best_epoch, step=0,
+                    extra=dataclasses.replace(run_meta, variant=best_student, metrics=student_metrics,
+                                              teacher=None if teacher_info is None else teacher_info.teacher,
+                                              kept="teacher" if winner == "teacher" else None,
+                                              kept_metrics=RunMetrics(**final_metrics) if winner == "teacher"
+                                              else None).to_dict())
+
+    report = _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold, teacher_info,
+                           kept_params, chosen, best_student, run_id)
+    report["selection"] = selection.to_dict()
+    if winner == "teacher":
+        assert teacher is not None
+        report["out_of_domain"] = teacher["out_of_domain"]
+    else:
+        report["out_of_domain"] = out_of_domain_summary(model, ds, contract_for_dataset(ds, input_size), threshold)
     report["data"] = read_data_report(ds.root)  # preprocess's data checks, for report.md (None: not recorded)
     _write_visuals(work, ds, results, chosen, model, mean, std, input_size)
     write_json_atomic(work / "report.json", report)
@@ -145,6 +181,72 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
 
     swap_into_place(work, out)
     return report
+
+
+def _teacher_candidate(ds: Any, tt: Any, threads: int) -> tuple[dict[str, Any] | None, str | None]:
+    """The fine-tuned teacher as a candidate (its figures, as :func:`_evaluate_variant` gives a student's,
+    plus ``params``, ``ms`` and its out-of-domain check), or None and why it is not one."""
+    where = tt.root / "teacher.json"
+    try:
+        served = served_teacher.read_served(tt.info.stage, str(where))
+    except served_teacher.TeacherNotServable as exc:
+        return None, str(exc)
+    if served is None:
+        return None, (f"{tt.root} holds no servable teacher (made before teachers were served, or not a fine-tuned "
+                      "EfficientNet): run `leaflens teacher` again to make it a candidate")
+    if not served.written:
+        return None, f"the teacher stage did not write teacher.onnx: {served.reason}"
+    if not tt.has_logits:
+        return None, f"{where} records no logits for the dataset's classes"
+    try:
+        net, _ = served_teacher.load_teacher_model(tt.root / served_teacher.MODEL_FILE)
+    except CheckpointError as exc:
+        return None, str(exc)
+    assert served.contract is not None
+    ms, backend = measure_ms(net, served.contract.input_size, threads)
+    # the figures the teacher stage recorded (teacher.json's logits), as the students' are the engine's
+    out: dict[str, Any] = {"params": int(net.num_parameters()), "ms": ms, "backend": backend,
+                           "val_probs": _softmax(np.asarray(tt.logits["val"], np.float32))}
+    if "test" in ds and ds["test"].labels is not None and len(ds["test"]):
+        probs = _softmax(np.asarray(tt.logits["test"], np.float32))
+        out["test_probs"] = probs
+        out["test_summary"] = metrics.evaluation_summary(probs, np.asarray(ds["test"].labels), ds.classes)
+    ood_check = dict(served.ood or {})
+    ood_check.pop("backend", None)
+    out["out_of_domain"] = ({"fitted": True, **ood_check} if ood_check else
+                            {"fitted": False, "reason": "teacher.onnx records no out-of-domain check"})
+    return out, None
+
+
+def _select(ds: Any, cfg: StageConfig, tt: Any, results: Mapping[Variant, Any], evaluated: Mapping[Variant, Any],
+            input_size: int, progress: bool) -> tuple[Selection, dict[str, Any] | None]:
+    """Weigh the students and the teacher (when the teacher folder holds a servable one) by validation
+    accuracy, size and latency on this machine, and keep one (leaflens.pipeline.selection)."""
+    d = cfg.distill
+    budget = Budget(max_params=d.max_params, max_ms=d.max_ms, teacher_margin=d.teacher_margin)
+    threads = usable_cpus()
+    # one architecture for every student: one size, one latency
+    any_student = evaluated[next(iter(results))]["model"]
+    student_ms, backend = measure_ms(any_student, input_size, threads)
+    params = int(any_student.num_parameters())
+    candidates = []
+    for name, r in results.items():
+        ts = evaluated[name].get("test_summary")
+        candidates.append(Candidate(name=name, kind="student", val_accuracy=r.best_val_accuracy,
+                                    test_accuracy=None if ts is None else ts["accuracy"], params=params,
+                                    ms_per_photo=round(student_ms, 3)))
+    teacher, unavailable = (None, None) if tt is None else _teacher_candidate(ds, tt, threads)
+    if teacher is not None:
+        val_acc = float(np.mean(teacher["val_probs"].argmax(1) == np.asarray(ds["val"].labels)))
+        ts = teacher.get("test_summary")
+        candidates.append(Candidate(name="teacher", kind="teacher", val_accuracy=val_acc,
+                                    test_accuracy=None if ts is None else ts["accuracy"], params=teacher["params"],
+                                    ms_per_photo=round(teacher["ms"], 3)))
+    selection = choose(candidates, budget, unavailable)
+    selection = dataclasses.replace(selection, timing={"backend": backend, "threads": threads, "batch": 1})
+    if progress:
+        print(f"kept: {selection.kept} ({selection.why})", file=sys.stderr, flush=True)
+    return selection, teacher
 
 
 def _evaluate_variant(best_path: Path, cfg: StageConfig, ds: Any) -> dict[str, Any]:
@@ -179,8 +281,8 @@ def out_of_domain_summary(model, ds, contract, threshold) -> dict[str, Any]:
             "val_ambiguous": None if coverage is None else 1.0 - float(coverage)}
 
 
-def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold, teacher_info, model,
-                  run_id: str) -> dict:
+def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold, teacher_info, params: int,
+                  chosen: dict[str, Any], best_student: str, run_id: str) -> dict:
     variants = {}
     for name, r in results.items():
         ts = evaluated[name].get("test_summary")
@@ -193,15 +295,15 @@ def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold,
         gain = {"val": variants["distilled"]["val_accuracy"] - variants["scratch"]["val_accuracy"],
                 "test": None if variants["scratch"]["test_accuracy"] is None
                 else variants["distilled"]["test_accuracy"] - variants["scratch"]["test_accuracy"]}
-    chosen = evaluated[winner]
     return {
         "run_id": run_id,
         "winner": winner,
+        "best_student": best_student,
         "test_accuracy": final_metrics["test_accuracy"],
         "val_accuracy": final_metrics["val_accuracy"],
         "uncertain_threshold": final_metrics["uncertain_threshold"],
         "threshold_choice": threshold if isinstance(threshold, dict) else None,
-        "params": model.num_parameters(),
+        "params": params,
         "train_seconds": round(sum(r.train_seconds for r in results.values()), 1),
         "variants": variants,
         "distillation_gain": gain,
@@ -209,7 +311,7 @@ def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold,
         "classes": ds.classes,
         "teacher": None if teacher_info is None else teacher_info.teacher,
         "config": cfg.to_dict(),
-        "hardware": describe_hardware(device=results[winner].device),
+        "hardware": describe_hardware(device=results[best_student].device),
         "dataset": {"root": str(ds.root), "counts": {s: len(ds[s]) for s in ds.splits},
                     "image_size": ds.image_size, "input_size": student_input_size(cfg, ds.image_size)},
     }

@@ -9,6 +9,10 @@ model:
   on the pixel/255 scale, stored and input size, resize rule, the manifest's SHA-256)
 - ``metrics``: val/test accuracy and the uncertain threshold (:class:`RunMetrics`, any may be absent)
 - ``run_id``, ``variant`` (distilled or scratch) and ``teacher`` (teacher.json's identity entry)
+- ``kept``: absent when the student in ``best.npz`` is the model the run keeps; ``"teacher"`` when the run
+  kept the fine-tuned teacher (leaflens.pipeline.selection), whose network is then copied into the run as
+  ``teacher_model.npz`` (pipeline/teachers/served.py) for `leaflens export` to ship, and ``kept_metrics``
+  holds the teacher's figures. ``best.npz`` is the best student either way, with its own metrics.
 
 Each variant's own ``best.npz`` carries the same record with its variant and val accuracy; the
 ``last.npz`` checkpoints add the loop's ``train_state`` for resuming.
@@ -29,6 +33,7 @@ from leaflens.pipeline.models.student import StudentSpec
 from leaflens.records import Record, RecordError
 
 BEST = "best.npz"
+TEACHER_MODEL = "teacher_model.npz"  # the kept teacher's network, when the run kept it
 
 
 Variant = Literal["distilled", "scratch"]  # learnt from the teacher, or from the labels alone
@@ -67,6 +72,8 @@ class RunMeta(Record):
     """What a run's checkpoints record beside the weights (their ``extra``)."""
 
     SCHEMA_VERSION: ClassVar[int | None] = 1
+    # a run that keeps its student records no "kept", as runs did before teachers could be kept
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"kept", "kept_metrics"})
     model_config: StudentSpec
     dataset: RunDataset
     run_id: str | None = None         # None: the run folder's name
@@ -74,6 +81,8 @@ class RunMeta(Record):
     metrics: RunMetrics = field(default_factory=RunMetrics)
     teacher: dict[str, Any] | None = None  # the teacher's identity (teacher.json's ``teacher``)
     schema_version: int = 1
+    kept: Literal["teacher"] | None = None  # None: the student is the kept model
+    kept_metrics: RunMetrics | None = None  # the kept teacher's val/test accuracy and "ambiguous" threshold
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,13 @@ class RunInfo:
     dataset: RunDataset
     metrics: RunMetrics
     run_id: str
+    kept: Literal["teacher"] | None = None  # "teacher": export ships TEACHER_MODEL, not the student
+    kept_metrics: RunMetrics | None = None
+
+    @property
+    def teacher_model(self) -> Path:
+        """Where the kept teacher's network is (meaningful when ``kept`` is "teacher")."""
+        return self.path.parent / TEACHER_MODEL
 
 
 def _run_info(path: Path, meta: dict[str, Any], run_dir: Path) -> RunInfo:
@@ -97,7 +113,7 @@ def _run_info(path: Path, meta: dict[str, Any], run_dir: Path) -> RunInfo:
     except RecordError as exc:
         raise CheckpointError(str(exc)) from None
     return RunInfo(path=path, model_config=record.model_config, dataset=record.dataset, metrics=record.metrics,
-                   run_id=record.run_id or run_dir.name)
+                   run_id=record.run_id or run_dir.name, kept=record.kept, kept_metrics=record.kept_metrics)
 
 
 def read_run(run_dir: str | os.PathLike[str]) -> RunInfo:

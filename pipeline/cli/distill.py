@@ -1,4 +1,4 @@
-"""`leaflens distill`: train the student from the teacher and from scratch; keep the better."""
+"""`leaflens distill`: train the student from the teacher and from scratch; keep the best model within the budget."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from leaflens.pipeline.config import DEFAULT_CONFIG, ConfigError, load_config
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "distill", help="train the student (distilled and from scratch), keep the better",
+        "distill", help="train the student (distilled and from scratch), keep the best model",
         description="Train the small student CNN on a preprocessed dataset, learning from the teacher's features "
-                    "(and logits), beside the same student trained from scratch; the better on the validation "
-                    "split is kept. Writes checkpoints, metrics.jsonl, curves.png, confusion.png, report.json "
-                    f"and report.md. Defaults: pipeline/{DEFAULT_CONFIG.name}.")
+                    "(and logits), beside the same student trained from scratch; the best on the validation "
+                    "split within the serving budget (--max-params, --max-ms) is kept: a student, or the "
+                    "fine-tuned teacher when it serves (teacher.onnx) and beats the best student by "
+                    "distill.teacher_margin. Writes checkpoints, metrics.jsonl, curves.png, confusion.png, "
+                    f"report.json and report.md. Defaults: pipeline/{DEFAULT_CONFIG.name}.")
     p.add_argument("--dataset", type=Path, default=Path("artifacts/dataset"), help="preprocessed dataset folder")
     p.add_argument("--teacher", type=Path, default=Path("artifacts/teacher"), help="teacher folder (features)")
     p.add_argument("--out", type=Path, default=Path("artifacts/student"), help="run folder to write")
@@ -25,6 +27,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--no-teacher", action="store_true", help="train from scratch only (cross-entropy alone)")
     p.add_argument("--seed", type=int, help="random seed (same as --set train.seed=N)")
     p.add_argument("--epochs", type=int, help="epochs (same as --set train.epochs=N)")
+    p.add_argument("--max-params", type=int, metavar="N",
+                   help="serving budget: keep no model with more than N parameters (0: no limit; same as --set "
+                        "distill.max_params=N)")
+    p.add_argument("--max-ms", type=float, metavar="MS",
+                   help="serving budget: keep no model slower than MS milliseconds per photo at batch 1 on this "
+                        "machine (0: no limit; same as --set distill.max_ms=MS)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in <out>.partial")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
@@ -43,6 +51,10 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"train.seed={args.seed}")
     if args.epochs is not None:
         overrides.append(f"train.epochs={args.epochs}")
+    if args.max_params is not None:
+        overrides.append(f"distill.max_params={args.max_params}")
+    if args.max_ms is not None:
+        overrides.append(f"distill.max_ms={float(args.max_ms)!r}")
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as exc:
@@ -63,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"leaflens distill: stopped: {exc}", file=sys.stderr)
         return 3
     v = report["variants"]
+    if report.get("selection"):
+        v = {c["name"]: c for c in report["selection"]["candidates"]}
     print(f"kept: {report['winner']} (val accuracy {report['val_accuracy']:.4f}; test accuracy "
           f"{report['test_accuracy'] if report['test_accuracy'] is None else format(report['test_accuracy'], '.4f')})")
     if len(v) > 1:

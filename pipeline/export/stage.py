@@ -1,7 +1,12 @@
 """The export stage: a trained run -> ONNX FP32/FP16/INT8, a parity report, a Triton repository.
 
 Reads ``<run>/best.npz`` (leaflens.pipeline.runs) and the dataset it was trained on, and writes into
-``--out`` (replaced atomically, only when parity holds):
+``--out`` (replaced atomically, only when parity holds) the model the run kept: its student or, when the
+run kept the fine-tuned teacher (``kept: teacher``, leaflens.pipeline.selection), the teacher from
+``<run>/teacher_model.npz``, with the preprocessing contract the teacher stage used (the original photos
+decoded at its input size, shorter side first; pipeline/teachers/served.py). The file names stay the same
+either way, so ``student.onnx`` is always the served model (what `make serve` and the app open);
+``parity.json``'s ``model.kind`` and the ONNX doc string say which it is:
 
 - ``student.onnx``: FP32, BatchNorm folded, the model card in its metadata (leaflens.apps.model_card);
 - ``student_fp16.onnx``: float16 weights/compute for GPU providers, float32 input/output;
@@ -27,9 +32,11 @@ is replaced, the report is written beside the output as ``<out>.parity-failed.js
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -59,7 +66,7 @@ from leaflens.pipeline.export.quantize import (
     quantize_int8,
 )
 from leaflens.pipeline.report import metrics
-from leaflens.pipeline.runs import RunInfo, load_model
+from leaflens.pipeline.runs import RunInfo, RunMetrics, load_model
 
 FP32_FILE, FP16_FILE, INT8_FILE = "student.onnx", "student_fp16.onnx", "student_int8.onnx"
 REPORT = "parity.json"
@@ -207,8 +214,93 @@ def served_check(model_path: Path, ds: Dataset, engine_test_accuracy: float | No
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
+@dataclass
+class _Subject:
+    """What the export ships: the engine model, its model card, its photos per split at its input size (uint8,
+    lazily), how its out-of-domain check is fitted, and what the files are."""
+
+    kind: str                          # "student" or "teacher"
+    model: Module
+    card: ModelCard
+    images: Callable[[str], Any]       # split -> uint8 [N, S, S, 3] at the input size (memmaps welcome)
+    fit_ood: Callable[[float], tuple[Any, Any, np.ndarray]]  # budget -> (head, check, validation logits)
+    source: Path                       # the checkpoint it came from
+    doc: str
+
+
+def _student(model: Module, info: RunInfo, ds: Dataset) -> _Subject:
+    card = model_card(info, model)
+
+    def fit(budget: float) -> tuple[Any, Any, np.ndarray]:
+        head, check, _, val_logits = ood_check.fit_for_dataset(model, ds, card.contract, card.num_classes, budget)
+        return head, check, val_logits
+
+    return _Subject("student", model, card, lambda split: parity.at_size(ds[split].images, card.input_size), fit,
+                    info.path, f"leaflens student, run {info.run_id}")
+
+
+def _teacher(info: RunInfo, ds: Dataset, threads: int, stack: contextlib.ExitStack,
+             log: Callable[[str], None]) -> _Subject:
+    """The teacher a run kept (pipeline/teachers/served.py): its network from the run's teacher_model.npz, its
+    contract from the teacher stage; its photos are decoded by that contract once, into a temporary folder."""
+    from leaflens.pipeline.teachers import served  # noqa: PLC0415
+
+    path = info.teacher_model
+    if not path.is_file():
+        raise ExportFailed(f"run {info.run_id} kept the teacher but {path} is missing: run `leaflens distill` again")
+    net, meta = served.load_teacher_model(path)
+    if meta.contract is None:
+        raise ExportFailed(f"{path}: the teacher cannot be served ({meta.reason})")
+    if meta.dataset_manifest_sha256 != manifest_sha256(ds.root):
+        raise ExportFailed(f"{path} was fine-tuned on another dataset than {ds.root} (manifest checksum differs)")
+    kept = info.kept_metrics or RunMetrics()
+    threshold = kept.uncertain_threshold
+    card = ModelCard(classes=meta.classes, contract=meta.contract,
+                     uncertain_threshold=threshold if threshold is not None else 0.5,
+                     threshold_from_model=threshold is not None, run_id=info.run_id, accuracy=kept.test_accuracy,
+                     params=int(net.num_parameters()))
+    folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="leaflens-export-photos-")))
+    decoded: dict[str, np.ndarray] = {}
+
+    contract = meta.contract
+    how = f"{contract.stored_size} px" + ("" if contract.shorter_side is None else
+                                          f" from a shorter side of {contract.shorter_side} px")
+
+    def images(split: str) -> np.ndarray:
+        if split not in decoded:
+            log(f"decoding the {len(ds[split])} '{split}' photos as the teacher sees them ({how})")
+            try:
+                decoded[split] = served.decode_split(ds, split, contract, folder)
+            except (ValueError, OSError) as exc:  # TeacherStageError (photos gone), ImageDecodeError
+                raise ExportFailed(f"the teacher needs the original photos of split '{split}': {exc}") from exc
+        return decoded[split]
+
+    def chunks(split: str, batch: int = 32) -> Any:
+        x = images(split)
+        return (np.asarray(x[i:i + batch]) for i in range(0, len(x), batch))
+
+    def fit(budget: float) -> tuple[Any, Any, np.ndarray]:
+        for split in ("train", "val"):
+            if split not in ds or not len(ds[split]) or ds[split].labels is None:
+                raise ValueError(f"dataset {ds.root} has no labelled '{split}' photos to fit the out-of-domain "
+                                 "check on")
+        runner = served.StatsRunner(net, contract.input_size, threads)
+        head, check, val_logits, _ = served.fit_teacher_ood(runner, contract, chunks("train"),
+                                                            np.asarray(ds["train"].labels), chunks("val"),
+                                                            len(meta.classes), budget)
+        return head, check, val_logits
+
+    return _Subject("teacher", net, card, images, fit, path,
+                    f"leaflens teacher (EfficientNet-Lite0 fine-tuned), kept by run {info.run_id}")
+
+
 def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the export stage (see the module docstring); returns the parity report."""
+    with contextlib.ExitStack() as stack:  # the teacher's decoded photos live until the export ends
+        return _export_run(opts, log, stack)
+
+
+def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextlib.ExitStack) -> dict[str, Any]:
     t_start = time.perf_counter()
     out = Path(opts.out).resolve()
     if opts.triton_variant not in ("fp32", "fp16", "int8"):
@@ -228,10 +320,14 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
     warnings = _check_dataset(info, ds, opts)
     for w in warnings:
         log(f"warning: {w}")
-    card = model_card(info, model)
+    threads = opts.threads or usable_cpus()
+    subject = _teacher(info, ds, threads, stack, log) if info.kept == "teacher" else _student(model, info, ds)
+    model, card = subject.model, subject.card
+    if subject.kind == "teacher":
+        log(f"run {info.run_id} kept the fine-tuned teacher ({info.teacher_model.name}): exporting it as "
+            f"{FP32_FILE}, the served model")
     mean, std = np.asarray(card.mean, np.float32), np.asarray(card.std, np.float32)
     size = card.input_size
-    threads = opts.threads or usable_cpus()
 
     exported: Module = model
     outputs: tuple[str, ...] = ("logits",)
@@ -244,8 +340,7 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
     elif opts.ood and ood_check.supports_ood(model):
         log("fitting the out-of-domain check on the training photos, thresholding it on the validation photos")
         try:
-            head, check, _, val_logits = ood_check.fit_for_dataset(model, ds, card.contract, card.num_classes,
-                                                             opts.ood_budget)
+            head, check, val_logits = subject.fit_ood(opts.ood_budget)
         except ValueError as exc:
             raise ExportFailed(f"cannot fit the out-of-domain check: {exc} (or pass --no-ood)") from exc
         probs = _softmax(val_logits)
@@ -269,7 +364,7 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
     log(f"exporting run {info.run_id} ({type(model).__name__}, {card.params} parameters, "
         f"{size}x{size} input, outputs {', '.join(outputs)})")
     proto = export_onnx(exported, (3, size, size), output_name=outputs, metadata=card.to_metadata(),
-                        graph_name=opts.name, doc_string=f"leaflens student, run {info.run_id}")
+                        graph_name=opts.name, doc_string=subject.doc)
     proto16 = convert_float16(proto)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -288,7 +383,7 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
         if split_labels is None:  # _pick_split picks a labelled split
             raise ExportFailed(f"internal error: the parity split '{split}' of {ds.root} has no labels")
         log(f"parity on the '{split}' split ({len(ds[split])} images)")
-        split_images = parity.at_size(ds[split].images, size)
+        split_images = subject.images(split)
         val, val_ood = parity.engine_and_onnx_outputs(exported, sessions, split_images, mean, std, opts.batch)
         int8: dict[str, Any] | None = None  # parity.json's "int8" entry: the recipes tried and the verdict
         if opts.int8:
@@ -297,7 +392,7 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
                 _skip_int8(int8, f"dataset {ds.root} has no labelled validation split to check INT8 on", opts, log)
             else:
                 kept = _first_good_int8(int8, opts, _Int8Inputs(paths["fp32"], tmp / INT8_FILE,
-                                                                parity.at_size(ds["train"].images, size), split_images,
+                                                                subject.images("train"), split_images,
                                                                 split_labels, val["fp32"], mean, std, threads), log)
                 if kept is not None:
                     paths["int8"], sessions["int8"], val["int8"] = kept
@@ -310,6 +405,10 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
         report: dict[str, Any] = {
             "format": REPORT_FORMAT,
             "run": {"id": info.run_id, "path": str(info.path), "metrics": info.metrics.to_dict()},
+            # what student.onnx is: the run's student, or the teacher the run kept (and its checkpoint)
+            "model": {"kind": subject.kind, "source": str(subject.source), "params": card.params,
+                      **({"metrics": info.kept_metrics.to_dict()} if subject.kind == "teacher"
+                         and info.kept_metrics is not None else {})},
             "dataset": {"root": str(ds.root), "manifest_sha256": manifest_sha256(ds.root),
                         "parity_split": split},
             "onnx": {"opset": OPSET, "ir_version": IR_VERSION, "input": proto.graph.input[0].name,
@@ -326,8 +425,7 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
         }
         acc = {split: {k: parity.accuracy(v, split_labels) for k, v in val.items()}}
         if split != "test" and "test" in ds and len(ds["test"]) and ds["test"].labels is not None:
-            test = parity.engine_and_onnx_logits(model, sessions, parity.at_size(ds["test"].images, size), mean,
-                                                 std, opts.batch)
+            test = parity.engine_and_onnx_logits(model, sessions, subject.images("test"), mean, std, opts.batch)
             acc["test"] = {k: parity.accuracy(v, ds["test"].labels) for k, v in test.items()}
         report["accuracy"] = acc
         acc_split = "test" if "test" in acc else split
@@ -339,7 +437,7 @@ def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[
                         accuracy_change=a["int8"] - a["fp32"],
                         top1_agreement_with_engine=report["parity"]["int8"]["top1_agreement"])
 
-        bench_images = parity.at_size(ds[acc_split].images, size)[: min(32, len(ds[acc_split]))]
+        bench_images = subject.images(acc_split)[: min(32, len(ds[acc_split]))]
         x32 = next(parity.batches(bench_images, mean, std, 32)).transpose(0, 3, 1, 2)
         x32 = np.ascontiguousarray(np.resize(x32, (32, *x32.shape[1:])))  # always a full batch of 32
         log(f"timing on {threads} CPU thread(s)")

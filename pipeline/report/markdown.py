@@ -4,7 +4,10 @@ The report dict (what ``leaflens.pipeline.distill`` puts in report.json); every 
 noted, and a missing one is written as "not recorded" rather than failing the report:
 
 - ``run_id``: str
-- ``winner`` (or ``kept``): "distilled" or "scratch", the model the run keeps (chosen on validation)
+- ``winner`` (or ``kept``): "distilled", "scratch" or "teacher", the model the run keeps (chosen on validation
+  within the serving budget); ``best_student``: the better student when the teacher is kept
+- ``selection``: :class:`leaflens.pipeline.selection.Selection` as a dict (every candidate's accuracy, size and
+  latency, the budget, and why the kept one was kept); the "Kept model" section is left out when absent
 - ``variants`` (or ``candidates``): {"distilled": {"val_accuracy", "test_accuracy", "best_epoch",
   "epochs_run"}, "scratch": {...}}; one entry when only one student was trained (``--no-teacher``)
 - ``val_accuracy``, ``test_accuracy``, ``params``, ``train_seconds``: of the kept model (report.json's
@@ -93,17 +96,53 @@ def _candidates(report: Mapping[str, Any]) -> Mapping[str, Any]:
     return report.get("variants") or report.get("candidates") or {}
 
 
+def _kept_section(report: Mapping[str, Any]) -> list[str]:
+    """Every candidate's accuracy against size and latency, the budget, and why the kept one was kept."""
+    sel = report.get("selection")
+    if not isinstance(sel, Mapping):
+        return []
+    budget = sel.get("budget") or {}
+    limits = [f"at most {int(budget['max_params']):,} parameters" if budget.get("max_params") else "any size",
+              f"at most {float(budget['max_ms']):g} ms per photo" if budget.get("max_ms") else "any latency"]
+    timing = sel.get("timing") or {}
+    lines = ["## Kept model", "",
+             f"**{sel.get('kept')}** is kept: {sel.get('why', 'no reason recorded')}.", "",
+             f"Serving budget: {', '.join(limits)}; the teacher must gain at least "
+             f"{100 * float(budget.get('teacher_margin', 0)):g} points of validation accuracy over the best student. "
+             f"Latency: median milliseconds per photo at batch 1 on this machine ({timing.get('backend', '?')}, "
+             f"{timing.get('threads', '?')} threads; the network alone, without decoding the photo).", ""]
+    rows = []
+    for c in sel.get("candidates") or []:
+        params = c.get("params")
+        ms = _float(c.get("ms_per_photo"))
+        rows.append([c.get("name"), _pct(c.get("val_accuracy")), _pct(c.get("test_accuracy")),
+                     f"{int(params):,}" if isinstance(params, (int, float)) else "not recorded",
+                     "not measured" if ms is None else f"{ms:.2f}", "yes" if c.get("within_budget") else "no",
+                     ("**kept**: " if c.get("kept") else "") + str(c.get("why", ""))])
+    lines += _table(["candidate", "val accuracy", "test accuracy", "parameters", "ms per photo", "within budget",
+                     "kept / why not"], rows, ["l", "r", "r", "r", "r", "l", "l"])
+    if sel.get("teacher_unavailable"):
+        lines += ["", f"The teacher was not a candidate: {sel['teacher_unavailable']}"]
+    return lines + [""]
+
+
 def _winner_section(report: Mapping[str, Any]) -> list[str]:
     cands = _candidates(report)
     d_val = _float((cands.get("distilled") or {}).get("val_accuracy"))
     s_val = _float((cands.get("scratch") or {}).get("val_accuracy"))
     kept = _kept(report)
+    teacher_kept = kept == "teacher"
+    if teacher_kept:
+        kept = report.get("best_student")
     lines = ["## Distilled or scratch", ""]
     if d_val is not None and s_val is not None:
         if kept not in ("distilled", "scratch"):
             kept = "distilled" if d_val > s_val else "scratch"
         gap = 100 * (d_val - s_val)
-        if kept == "distilled":
+        if teacher_kept:
+            lines.append(f"The better student is the **{kept}** one ({_pct(d_val)} validation accuracy distilled, "
+                         f"{_pct(s_val)} from scratch, {gap:+.1f} points); the run keeps the teacher (above).")
+        elif kept == "distilled":
             lines.append(f"**The distilled student is kept**: {_pct(d_val)} validation accuracy against "
                          f"{_pct(s_val)} for the same student trained from scratch ({gap:+.1f} points).")
         else:
@@ -113,7 +152,8 @@ def _winner_section(report: Mapping[str, Any]) -> list[str]:
         rows = []
         for name in ("distilled", "scratch"):
             c = cands.get(name) or {}
-            rows.append([name + (" (kept)" if name == kept else ""), _pct(c.get("val_accuracy")),
+            mark = (" (better)" if teacher_kept else " (kept)") if name == kept else ""
+            rows.append([name + mark, _pct(c.get("val_accuracy")),
                          _pct(c.get("test_accuracy"))])
         lines += _table(["student", "val accuracy", "test accuracy"], rows)
     elif s_val is not None or kept == "scratch":
@@ -298,10 +338,12 @@ def render_report(run_dir: str | os.PathLike[str], report: Mapping[str, Any]) ->
     kept = _kept(report)
     head = [f"# leaflens run report: {run_id}", ""]
     if kept:
-        head += [f"Kept model: **{kept}** student. Test accuracy {_pct(report.get('test_accuracy'))}, "
+        what = "**teacher** (fine-tuned)" if kept == "teacher" else f"**{kept}** student"
+        head += [f"Kept model: {what}. Test accuracy {_pct(report.get('test_accuracy'))}, "
                  f"validation accuracy {_pct(report.get('val_accuracy'))}.", ""]
     test = report.get("test") or {}
-    parts = (head + _winner_section(report) + _accuracy_section(report) + _per_class_section(test)
+    parts = (head + _kept_section(report) + _winner_section(report) + _accuracy_section(report)
+             + _per_class_section(test)
              + _confusion_section(test) + _facts_section(report) + _data_section(report) + _figures_section(run_dir))
     return "\n".join(parts).rstrip() + "\n"
 

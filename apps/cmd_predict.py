@@ -22,6 +22,7 @@ from pathlib import Path
 from leaflens.apps.diagnosis import REFUSAL_REASONS
 from leaflens.apps.model_card import ModelError
 from leaflens.apps.predictor import Prediction, Predictor
+from leaflens.apps.providers import add_provider_argument, requested_providers
 from leaflens.data_prep.scan import IMAGE_EXTENSIONS
 from leaflens.files import write_path_atomic
 
@@ -52,6 +53,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None,
                    help="onnxruntime intra-op threads (default: the CPUs this process may use)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_provider_argument(p)
     p.set_defaults(func=run)
     return p
 
@@ -156,10 +158,12 @@ def run(args: argparse.Namespace) -> int:
         files = collect_images(args.images)
         if not files:
             raise UsageError(f"no image files found in {', '.join(map(str, args.images))}")
-        predictor = Predictor(args.model, intra_op_threads=args.threads)
+        predictor = Predictor(args.model, intra_op_threads=args.threads,
+                              providers=requested_providers(getattr(args, "provider", "auto")))
     except (UsageError, ModelError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
+    print(predictor.provider_line, file=sys.stderr)
 
     from tqdm import tqdm
 

@@ -17,6 +17,8 @@ import importlib.util
 import logging
 import sys
 
+from leaflens.apps.providers import add_provider_argument, requested_providers
+
 __all__ = ["add_parser", "build", "prepare", "run"]
 
 log = logging.getLogger("leaflens.serve")
@@ -55,6 +57,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="how long a photo may wait for others to share its model call (default 2)")
     p.add_argument("--threads", type=int, default=None,
                    help="onnxruntime intra-op threads (default: the CPUs this process may use)")
+    add_provider_argument(p)
     p.add_argument("--no-examples", action="store_true", help="do not show example photos")
     p.add_argument("--examples-cache", default=None,
                    help="folder for the example PNGs (default ~/.cache/leaflens/examples)")
@@ -93,7 +96,8 @@ def prepare(args: argparse.Namespace):
     from leaflens.cpus import usable_cpus
 
     _check(args)
-    predictor = Predictor(args.model, intra_op_threads=args.threads)
+    predictor = Predictor(args.model, intra_op_threads=args.threads,
+                          providers=requested_providers(getattr(args, "provider", "auto")))
     ctx = discover(args.model, args.run, args.dataset, args.classes_notes)
     notes = load_notes(ctx.notes_path) if ctx.notes_path is not None else ClassNotes()
     for warning in ctx.warnings:
@@ -151,8 +155,9 @@ def run(args: argparse.Namespace) -> int:
         service.close()
         raise
     p = service.predictor
-    log.info("model %s: %d classes, %dx%d input, provider %s; notes: %s; examples: %d; run: %s",
-             p.model_path, len(p.classes), p.card.input_size, p.card.input_size, p.provider,
+    log.info("%s", p.provider_line)
+    log.info("model %s: %d classes, %dx%d input; notes: %s; examples: %d; run: %s",
+             p.model_path, len(p.classes), p.card.input_size, p.card.input_size,
              service.notes.source or "none", len(config.examples), config.context.run_dir or "none")
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s: other computers on the network can use this app", args.host)

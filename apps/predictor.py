@@ -41,7 +41,7 @@ This module must not import the engine: serving needs only onnxruntime, NumPy an
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from leaflens.apps.model_card import ModelCard, ModelError
+from leaflens.apps.providers import CPU, CUDA, TENSORRT, Probe, ProviderChoice, probe, provider_name
 from leaflens.cpus import usable_cpus
 from leaflens.data_prep.decode import ImageDecodeError
 from leaflens.data_prep.quality import PhotoRefused, check_photo
@@ -64,10 +65,11 @@ VERDICTS = ("refused", "out_of_domain", "ambiguous", "diagnosis", "error")
 MIN_SIDE = 32  # a photo smaller than this on a side holds no leaf worth judging
 OOD_OUTPUT = "ood_score"  # the graph output leaflens.pipeline.ood adds
 
-# Fastest first. TensorRT and CUDA come with the onnxruntime-gpu wheel; the list is filtered by
-# what this onnxruntime build offers, and onnxruntime itself drops a provider whose libraries fail
-# to load (the session's get_providers() then tells what really runs).
-PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
+# The default order when no provider is asked for. CUDA comes with the onnxruntime-gpu wheel and is used
+# only when a quiet probe says it starts here (leaflens.apps.providers). TensorRT is never a default: it
+# needs NVIDIA's TensorRT libraries, which no extra installs, and builds an engine per model at start;
+# ask for it (`--provider tensorrt`, or providers=["tensorrt"]).
+PREFERRED_PROVIDERS = (CUDA, CPU)
 
 
 @dataclass(frozen=True)
@@ -117,22 +119,36 @@ class Prediction:
                 "top": [list(t) for t in self.top], "reason": self.reason, "error": self.error}
 
 
-def choose_providers(available: Sequence[str], requested: Sequence[str] | None = None) -> list[str]:
-    """The execution providers to ask for: ``requested`` (each must be available), else the
-    available ones of :data:`PREFERRED_PROVIDERS`, always ending with the CPU fallback."""
-    if requested:
-        missing = [p for p in requested if p not in available]
-        if missing:
-            raise ValueError(
-                f"execution provider(s) {missing} not available in this onnxruntime build "
-                f"(available: {list(available)})"
-            )
-        chosen = list(requested)
-    else:
-        chosen = [p for p in PREFERRED_PROVIDERS if p in available]
-    if "CPUExecutionProvider" not in chosen and "CPUExecutionProvider" in available:
-        chosen.append("CPUExecutionProvider")
-    return chosen
+def choose_providers(available: Sequence[str], requested: Sequence[str] | None = None,
+                     works: Callable[[str], Probe] = probe) -> ProviderChoice:
+    """The execution providers to ask onnxruntime for, chosen by what starts here.
+
+    ``available``: what this onnxruntime build offers (``get_available_providers()``). ``requested``: names
+    in order of preference, ``cpu``/``cuda``/``tensorrt`` or onnxruntime's own; TensorRT brings CUDA after
+    it (for the nodes TensorRT leaves). Default: :data:`PREFERRED_PROVIDERS` that this build has (CUDA
+    with onnxruntime-gpu, never TensorRT). A wanted provider is kept only when it is in ``available`` and
+    ``works(provider)`` (the quiet probe, once per process) says it starts; the others are listed in
+    ``failed`` with the reason. The CPU provider always ends the list. Raises ValueError for a name that is
+    no provider.
+    """
+    names = [provider_name(r) for r in requested] if requested else [p for p in PREFERRED_PROVIDERS if p in available]
+    if TENSORRT in names and CUDA not in names:
+        names.insert(names.index(TENSORRT) + 1, CUDA)
+    chosen: list[str] = []
+    failed: list[tuple[str, str]] = []
+    for name in dict.fromkeys(names):
+        if name == CPU:
+            continue
+        if name not in available:
+            failed.append((name, f"this onnxruntime has no {name} (a GPU needs onnxruntime-gpu: "
+                                 "`leaflens doctor` says which extra to install)"))
+            continue
+        result = works(name)
+        if result.ok:
+            chosen.append(name)
+        else:
+            failed.append((name, result.reason))
+    return ProviderChoice(providers=(*chosen, CPU), failed=tuple(failed))
 
 
 class Predictor:
@@ -140,8 +156,10 @@ class Predictor:
 
     Args:
         model_path: the exported ``.onnx`` file (its metadata must describe it, see ModelCard).
-        providers: onnxruntime execution providers in order of preference; default: TensorRT, CUDA
-            when this onnxruntime offers them, else CPU. ``self.provider`` is the one really used.
+        providers: execution providers in order of preference (``cpu``, ``cuda``, ``tensorrt`` or
+            onnxruntime's names); default: CUDA when this onnxruntime has it and a quiet probe says it starts
+            here, else CPU (see :func:`choose_providers`). ``self.provider`` is the one really used, and
+            ``self.provider_line`` the one line to show: it and, when a wanted GPU provider could not start, why.
         intra_op_threads: threads onnxruntime uses inside one call; default: the CPUs this process
             may use (affinity and container quota), not the host's core count.
         allow_spinning: let onnxruntime's idle threads spin-wait. Off by default: spinning buys a
@@ -171,17 +189,19 @@ class Predictor:
         options.intra_op_num_threads = self.intra_op_threads
         options.inter_op_num_threads = 1
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
-        options.log_severity_level = 3  # errors only; provider fallbacks are reported via self.provider
-        try:
-            wanted = choose_providers(ort.get_available_providers(), providers)
+        options.log_severity_level = 3  # errors only; provider fallbacks are reported via self.provider_line
+        try:  # GPU providers that cannot start here are left out before onnxruntime tries (and complains)
+            self.provider_choice = choose_providers(ort.get_available_providers(), providers)
         except ValueError as exc:
             raise ModelError(f"{name}: {exc}") from exc
         try:
-            self.session = ort.InferenceSession(name, sess_options=options, providers=wanted)
+            self.session = ort.InferenceSession(name, sess_options=options,
+                                                providers=list(self.provider_choice.providers))
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidProtobuf/... types
             raise ModelError(f"{name}: onnxruntime cannot load this model: {exc}") from exc
         self.providers: list[str] = list(self.session.get_providers())
         self.provider: str = self.providers[0]
+        self.provider_line: str = self.provider_choice.line(self.provider)
         meta = self.session.get_modelmeta().custom_metadata_map
         self.card = ModelCard.from_metadata(meta, name)
         self._check_signature(name)

@@ -185,10 +185,11 @@ def _refusal(answer: Prediction) -> bool:
     return answer.verdict == "refused" or (not answer.ok and answer.reason in REFUSAL_REASONS)
 
 
-def evaluate_photos(model: str | os.PathLike[str], photos: str | os.PathLike[str], threads: int | None = None,
-                    batch_size: int = 32) -> PhotoEvaluation:
-    """`leaflens evaluate`: the model file served by onnxruntime on the class folders under ``photos``."""
-    predictor = Predictor(model, intra_op_threads=threads)
+def evaluate_photos(model: str | os.PathLike[str] | Predictor, photos: str | os.PathLike[str],
+                    threads: int | None = None, batch_size: int = 32) -> PhotoEvaluation:
+    """`leaflens evaluate`: the model file served by onnxruntime (or a loaded Predictor) on the class folders
+    under ``photos``."""
+    predictor = model if isinstance(model, Predictor) else Predictor(model, intra_op_threads=threads)
     files, labels = class_folder_photos(photos, predictor.classes)
     if not files:
         raise EvaluationError(f"{photos}: no photos in its class folders")

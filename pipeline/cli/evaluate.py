@@ -10,6 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from leaflens.apps.providers import add_provider_argument, requested_providers
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -27,12 +29,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32, help="photos per model call (default 32)")
     p.add_argument("--threads", type=int, default=None,
                    help="onnxruntime intra-op threads (default: the CPUs this process may use)")
+    add_provider_argument(p)
     p.set_defaults(func=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     from leaflens.apps.model_card import ModelError  # noqa: PLC0415
+    from leaflens.apps.predictor import Predictor  # noqa: PLC0415
     from leaflens.files import write_json_atomic  # noqa: PLC0415
     from leaflens.pipeline.evaluate import EvaluationError, evaluate_photos, format_evaluation  # noqa: PLC0415
 
@@ -44,7 +48,10 @@ def run(args: argparse.Namespace) -> int:
             raise EvaluationError(f"--threads must be >= 1, got {args.threads}")
         if args.json is not None and not args.json.resolve().parent.is_dir():
             raise EvaluationError(f"{args.json}: the folder for the JSON file does not exist")
-        evaluation = evaluate_photos(args.model, args.photos, threads=args.threads, batch_size=args.batch_size)
+        predictor = Predictor(args.model, intra_op_threads=args.threads,
+                              providers=requested_providers(getattr(args, "provider", "auto")))
+        print(predictor.provider_line, file=sys.stderr)
+        evaluation = evaluate_photos(predictor, args.photos, batch_size=args.batch_size)
     except (EvaluationError, ModelError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2

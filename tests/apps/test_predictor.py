@@ -10,7 +10,7 @@ import pytest
 from apps_helpers import reference_probs, tiny_weights, write_photo
 
 from leaflens.apps.model_card import DEFAULT_UNCERTAIN_THRESHOLD, ModelCard, ModelError
-from leaflens.apps.predictor import Predictor, choose_providers
+from leaflens.apps.predictor import Predictor
 from leaflens.data_prep.decode import decode_image
 
 CLASSES = ["angular_leaf_spot", "bean_rust", "healthy"]
@@ -35,17 +35,6 @@ def test_provider_and_threads_reported(tiny_model):
     assert predictor.provider in predictor.session.get_providers()
     assert predictor.intra_op_threads == 1
     assert predictor.classes == tuple(CLASSES)
-
-
-def test_choose_providers_prefers_gpu_and_checks_requests():
-    assert choose_providers(["CPUExecutionProvider", "CUDAExecutionProvider"]) == [
-        "CUDAExecutionProvider", "CPUExecutionProvider"]
-    everything = ["CPUExecutionProvider", "CUDAExecutionProvider", "TensorrtExecutionProvider"]
-    assert choose_providers(everything) == [
-        "TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
-    assert choose_providers(["AzureExecutionProvider", "CPUExecutionProvider"]) == ["CPUExecutionProvider"]
-    with pytest.raises(ValueError, match="CUDAExecutionProvider"):
-        choose_providers(["CPUExecutionProvider"], ["CUDAExecutionProvider"])
 
 
 def test_predict_files_matches_decode_and_reference(tiny_model, tmp_path):

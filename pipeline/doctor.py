@@ -1,5 +1,6 @@
 """The doctor's measurements: the largest safe training batch for a student and an input size, and
-every fact ``leaflens doctor`` reports (:func:`collect`; the command in leaflens.pipeline.cli.doctor prints it).
+every fact ``leaflens doctor`` reports (:func:`collect`; the command in leaflens.pipeline.cli.doctor prints it),
+the GPU stacks and the install extra for the driver among them (leaflens.pipeline.gpu_stacks).
 
 The batch size is derived from the peak memory of real training steps (forward, backward, optimiser
 step) measured at two small batches: the two peaks give a fixed cost (weights, optimiser state,
@@ -23,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from leaflens.pipeline.gpu_stacks import gpu_stack_facts
 from leaflens.pipeline.hardware import available_ram_bytes, cpu_facts, gpu_facts, software_facts
 
 SAFETY = 0.8  # use at most 80 % of the free memory: 20 % stays free as a margin
@@ -256,6 +258,7 @@ def collect(model: ModelSpec | str, input_size: int, measure_bandwidth: bool = T
         "software": software_facts(),
         "cpu": cpu_facts(),
         "gpu": gpu,
+        "gpu_stacks": gpu_stack_facts(),
         "request": {"model": "student", "input_size": input_size, "widths": list(spec.widths),
                     "num_classes": spec.num_classes, "mixed_precision": _use_amp(spec, "cuda" if gpu["available"]
                                                                                   else "cpu"),

@@ -1,6 +1,8 @@
 """``leaflens doctor``: what this machine offers leaflens.
 
-Prints the Python/NumPy/CuPy/onnxruntime versions, the CPU facts (cores, CPU quota, BLAS in use), and
+Prints the Python/NumPy/CuPy/onnxruntime versions, the CPU facts (cores, CPU quota, BLAS in use), the GPU
+stacks (the NVIDIA driver's CUDA version; CuPy and onnxruntime: built for which CUDA, whether each starts
+and which library it misses; the install extra for this driver), and
 either "no GPU: <reason>" or the GPU's name, compute capability, total/free memory, the host-to-device
 bandwidth measured with pinned memory, and the largest safe training batch for a model and input
 size (``--widths``/``--size``, or read from a trained run with ``--run``). The facts come from
@@ -54,6 +56,45 @@ def _estimate_lines(out: _Lines, est: dict[str, Any], req: dict[str, Any], memor
         out.add("  recipe batch", f"{configured} ({verdict})")
 
 
+_PROVIDER_LABELS = {"CUDAExecutionProvider": "CUDA provider", "TensorrtExecutionProvider": "TensorRT provider"}
+
+
+def _stack_lines(out: _Lines, stacks: dict[str, Any]) -> None:
+    """The NVIDIA driver, CuPy and onnxruntime: built for which CUDA, whether each starts (else what it
+    misses), and the install command for this driver."""
+    driver, cupy, ort, install = stacks["driver"], stacks["cupy"], stacks["onnxruntime"], stacks["install"]
+    out.rows.append("gpu stacks")
+    if driver["cuda_version"] is None:
+        out.add("NVIDIA driver", "none (libcuda.so.1 not found)")
+    else:
+        gpus = "; ".join(f"{g['name']}, driver {g['driver']}, compute capability {g['compute_capability']}"
+                         for g in driver["gpus"])
+        out.add("NVIDIA driver", f"supports CUDA {driver['cuda_version']}" + (f" ({gpus})" if gpus else ""))
+    if not cupy["packages"]:
+        out.add("CuPy", "not installed (training runs on the CPU)")
+    else:
+        built = f" for CUDA {cupy['cuda_major']}" if cupy["cuda_major"] else ""
+        wheels = ", ".join(f"{n} {v}" for n, v in cupy["packages"].items())
+        out.add("CuPy", f"{wheels}{built}: " + ("starts" if cupy["starts"] else f"cannot start: {cupy['reason']}"))
+        if cupy["missing"]:
+            out.add("  missing", ", ".join(cupy["missing"]))
+    if not ort["packages"]:
+        out.add("onnxruntime", "not installed (no serving)")
+    elif "error" in ort:
+        out.add("onnxruntime", f"cannot be imported: {ort['error']}")
+    else:
+        built = f" for CUDA {ort['cuda']}" if ort["cuda"] else " (CPU only)"
+        out.add("onnxruntime", f"{ort['package']} {ort['version']}{built}")
+        for provider, result in ort["providers"].items():
+            out.add(f"  {_PROVIDER_LABELS.get(provider, provider)}",
+                    "starts" if result["starts"] else f"cannot start: {result['reason']}")
+            if result["missing"]:
+                out.add("    missing", ", ".join(result["missing"]))
+    out.add("install", f"{install['command']} ({install['why']})")
+    for warning in install["warnings"]:
+        out.add("warning", warning)
+
+
 def render(facts: dict[str, Any]) -> str:
     """Human-readable report of :func:`collect`'s facts."""
     sw, cpu, gpu, req = facts["software"], facts["cpu"], facts["gpu"], facts["request"]
@@ -80,11 +121,13 @@ def render(facts: dict[str, Any]) -> str:
         out.add("threadpool", f"{pool['internal_api']} {pool['version']} ({pool['num_threads']} threads)")
     if "error" in blas:
         out.add("BLAS", blas["error"])
+    if "gpu_stacks" in facts:
+        _stack_lines(out, facts["gpu_stacks"])
     out.rows.append("gpu")
     if not gpu["available"]:
         out.rows.append(f"  no GPU: {gpu['reason']}")
         out.rows.append("  CPU-only machine: training and inference run on the CPU path "
-                        "(install leaflens[gpu] on a CUDA machine)")
+                        "(on an NVIDIA machine, 'install' above names the extra for its driver)")
         est = facts.get("cpu_batch_estimate")
         if est is not None:
             out.rows.append("training batch on the CPU")

@@ -3,11 +3,16 @@
     leaflens serve --model artifacts/export/student.onnx [--run artifacts/student]
                    [--classes-notes FILE] [--host 127.0.0.1] [--port 7860] [--share]
                    [--lang en|zh] [--max-upload-mb 20]
+                   [--uploads-dir DIR] [--keep-uploads-minutes 0] [--uploads-max-mb 1024]
 
 Binds 127.0.0.1 unless ``--host`` says otherwise; ``--share`` (a public Gradio link) is off unless
 asked. The run folder, dataset (for example photos) and class notes are found from the export's own
 records when not given (see leaflens.apps.model_info). One log line per request gives the server-side
 latency. Exit code 2 on a usage or model error.
+
+Uploaded photos go to a folder of the server's own (``GRADIO_TEMP_DIR`` is set to ``--uploads-dir``, by
+default ``<system temp>/leaflens-uploads-<port>``) and are deleted once answered, after
+``--keep-uploads-minutes`` (default 0: within half a minute); see leaflens.apps.uploads.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import os
 import sys
 
 from leaflens.apps.providers import add_provider_argument, requested_providers
@@ -61,6 +67,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-examples", action="store_true", help="do not show example photos")
     p.add_argument("--examples-cache", default=None,
                    help="folder for the example PNGs (default ~/.cache/leaflens/examples)")
+    p.add_argument("--uploads-dir", default=None, metavar="DIR",
+                   help="where uploaded photos are kept until they are deleted (default: "
+                        "<system temp>/leaflens-uploads-<port>; a new or empty folder, or one leaflens made)")
+    p.add_argument("--keep-uploads-minutes", type=float, default=0.0, metavar="N",
+                   help="keep each uploaded photo N minutes after its answer (default 0: deleted within half a "
+                        "minute, the time the page needs to show it)")
+    p.add_argument("--uploads-max-mb", type=float, default=1024.0,
+                   help="cap on the upload folder: beyond it the oldest photos are deleted first (default 1024)")
     p.set_defaults(func=run)
     return p
 
@@ -79,6 +93,10 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--concurrency must be >= 1, got {args.concurrency}")
     if args.max_wait_ms < 0:
         raise UsageError(f"--max-wait-ms must be >= 0, got {args.max_wait_ms}")
+    if not args.keep_uploads_minutes >= 0:
+        raise UsageError(f"--keep-uploads-minutes must be >= 0, got {args.keep_uploads_minutes}")
+    if not args.uploads_max_mb > 0:
+        raise UsageError(f"--uploads-max-mb must be > 0, got {args.uploads_max_mb}")
 
 
 def prepare(args: argparse.Namespace):
@@ -110,23 +128,74 @@ def prepare(args: argparse.Namespace):
         examples = write_examples(ctx.dataset_root, args.examples_cache or default_cache_dir(), predictor.classes)
     options = ServiceOptions(max_upload_mb=args.max_upload_mb, max_photos=args.max_photos, top_k=args.top_k,
                              max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms)
-    service = DiagnosisService(predictor, notes, options)
+    service = DiagnosisService(predictor, notes, options, uploads=upload_folder(args))
+    gradio_limits()
     concurrency = args.concurrency or max(4, 2 * usable_cpus())
     config = AppConfig(context=ctx, examples=examples, lang=args.lang, concurrency=concurrency,
                        queue_size=args.queue_size)
     return service, config
 
 
+def upload_folder(args: argparse.Namespace):
+    """The server's own upload folder, ready (leftovers of an earlier server deleted), with ``GRADIO_TEMP_DIR``
+    pointing at it for the Gradio app built next. Raises UsageError naming the folder."""
+    from leaflens.apps.uploads import UploadFolder, UploadFolderError, UploadPolicy, default_folder
+
+    root = args.uploads_dir or default_folder(args.port)
+    uploads = UploadFolder(root, UploadPolicy(keep_s=60.0 * args.keep_uploads_minutes, max_mb=args.uploads_max_mb))
+    try:
+        uploads.prepare()
+    except UploadFolderError as exc:
+        raise UsageError(f"--uploads-dir: {exc}") from exc
+    if os.environ.get("GRADIO_TEMP_DIR") not in (None, str(uploads.root)):
+        log.info("GRADIO_TEMP_DIR %s is replaced by the upload folder %s", os.environ["GRADIO_TEMP_DIR"], uploads.root)
+    os.environ["GRADIO_TEMP_DIR"] = str(uploads.root)
+    return uploads
+
+
+def gradio_limits() -> None:
+    """Gradio settings a long-running server needs, unless the environment sets them: Gradio 6 keeps the
+    last 10,000 events for its monitoring page and, after every event, summarises all of them in a pandas
+    table (7 ms of CPU at 10,000 on one core, and 5 MB): 1,000 events, summarised every 1,000."""
+    os.environ.setdefault("GRADIO_ANALYTICS_MAX_EVENTS", "1000")
+    os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", "1000")
+
+
+def sweep_uploads(service, demo) -> None:
+    """Start deleting answered uploads (the files the page was just built with stay). A deleted file also
+    leaves Gradio's own lists of the files it wrote, which would otherwise grow by a path per upload."""
+    from leaflens.apps.web_uploads import no_empty_temp_files
+
+    uploads = service.uploads
+    if uploads is None:
+        return
+    no_empty_temp_files(demo)  # Gradio 6.31 would leave an empty temporary file per photo
+    sets = getattr(demo, "temp_file_sets", None)  # Gradio 6: [upload_file_set, each block's temp_files]
+    if isinstance(sets, list):
+        def forget(path: str) -> None:
+            for s in sets:
+                s.discard(path)
+
+        uploads.on_delete = forget
+    uploads.start()
+    pol = uploads.policy
+    log.info("uploads: %s, deleted %s after their answer, never-diagnosed ones after %g min, capped at %g MB",
+             uploads.root, f"{pol.after_answer_s / 60:g} min" if pol.keep_s > pol.grace_s else
+             f"{pol.grace_s:g} s", max(pol.unanswered_s, pol.keep_s) / 60, pol.max_mb)
+
+
 def build(args: argparse.Namespace):
-    """(service, demo, config): :func:`prepare`, then the Gradio app (not yet launched)."""
+    """(service, demo, config): :func:`prepare`, then the Gradio app (not yet launched), its uploads swept."""
     from leaflens.apps.web import build_app
 
     service, config = prepare(args)
     try:
-        return service, build_app(service, config), config
+        demo = build_app(service, config)
     except BaseException:
         service.close()
         raise
+    sweep_uploads(service, demo)
+    return service, demo, config
 
 
 def run(args: argparse.Namespace) -> int:
@@ -154,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         service.close()
         raise
+    sweep_uploads(service, demo)
     p = service.predictor
     log.info("%s", p.provider_line)
     log.info("model %s: %d classes, %dx%d input; notes: %s; examples: %d; run: %s",

@@ -126,6 +126,44 @@ STRINGS: dict[str, dict[str, str]] = {
                         "the training curves are not shown (start with `--run <run folder>`)."),
         "confusion": "Confusion matrix",
         "curves": "Training curves",
+        # uploads and privacy (leaflens.apps.uploads, leaflens.apps.privacy)
+        "err_gone": ("this photo is no longer on the server: uploaded photos are deleted once answered. Add it "
+                     "again and press **Diagnose**."),
+        "privacy": ("**Privacy.** Your photos go only to the computer that runs this app; nothing is sent anywhere "
+                    "else (unless the app was started with `--share`, which relays the page through gradio.live). "
+                    "{kept} {corrections}"),
+        "privacy_kept": ("There they are kept in `{folder}` while they are diagnosed and deleted {when}; photos "
+                         "never diagnosed are deleted after {unanswered} minutes, and all of them when the app "
+                         "stops."),
+        "privacy_when_grace": "within {seconds} seconds of their answer",
+        "privacy_when_keep": "{minutes} minutes after their answer",
+        "privacy_unmanaged": "There they stay in the server's temporary folder until it is emptied.",
+        "privacy_corrections": ("A photo is kept for longer only when you correct its answer (**Wrong?**): it is "
+                                "then saved in `{folder}` to train the next model."),
+        "privacy_no_corrections": "No photo is kept for training.",
+        # model tab in plain words (leaflens.apps.model_info)
+        "m_demo_banner": ("**Demo model: trained on drawn leaves, not real photos.** Its answers about a real leaf "
+                          "mean nothing: train a model on photos of your own crop before using it in the field."),
+        "m_knows": "What it recognises",
+        "m_knows_value": "{n} classes: {names}",
+        "m_crops": "Crops",
+        "m_crops_synthetic": "none in particular: the leaves were drawn by a program",
+        "m_crops_unknown": "not named in the class notes",
+        "m_trained_on": "Trained on",
+        "m_trained_synthetic": "{n} drawn leaves (the demo set made by `leaflens data synth`), no real photos",
+        "m_trained_photos": "{n} photos",
+        "m_trained_unknown": "{n} images; the folder they came from is gone, so whether they were photos is not known",
+        "m_trained_unrecorded": "not recorded in this model file (it was exported before leaflens recorded it)",
+        "m_right": "How often it is right",
+        "m_rel_heading": "#### How reliable each class is (on the test photos)",
+        "m_rel_often": "**{name}** is often mistaken for **{other}** ({c} of {n} times); right {k} of {n} times.",
+        "m_rel_sometimes": "**{name}**: right {k} of {n} times; sometimes mistaken for **{other}** ({c} times).",
+        "m_rel_good": "**{name}**: right {k} of {n} times.",
+        "m_rel_said": "When it answers **{name}**, it is right only {k} of {n} times.",
+        "m_rel_few": "Too few test photos to be sure.",
+        "m_rel_none": ("No per-class test results were found for this model (they come from the training run's "
+                       "report: start with `--run <run folder>`)."),
+        "m_numbers_heading": "#### The numbers",
     },
     "zh": {
         "title": "# leaflens：这片叶子怎么了？",
@@ -224,6 +262,38 @@ STRINGS: dict[str, dict[str, str]] = {
                         "（启动时加 `--run <训练目录>`）。"),
         "confusion": "混淆矩阵",
         "curves": "训练曲线",
+        "err_gone": "这张照片已不在服务器上：上传的照片在给出结果后会被删除。请重新添加，然后点击 **诊断**。",
+        "privacy": ("**隐私。** 您的照片只发送到运行本应用的这台计算机，不会发送到其他任何地方"
+                    "（除非应用以 `--share` 启动，此时页面经由 gradio.live 中转）。{kept}{corrections}"),
+        "privacy_kept": ("照片在诊断期间保存在 `{folder}`，并在{when}删除；"
+                         "上传后未诊断的照片在 {unanswered} 分钟后删除，应用停止时全部删除。"),
+        "privacy_when_grace": "给出结果后 {seconds} 秒内",
+        "privacy_when_keep": "给出结果 {minutes} 分钟后",
+        "privacy_unmanaged": "照片会留在服务器的临时文件夹中，直到该文件夹被清空。",
+        "privacy_corrections": ("只有在您纠正结果时（**结果不对？**），照片才会被长期保存在 `{folder}`，"
+                                "用于训练下一个模型。"),
+        "privacy_no_corrections": "不会保存任何照片用于训练。",
+        "m_demo_banner": ("**演示模型：用程序绘制的叶片训练，不是真实照片。** 它对真实叶片给出的结果没有意义："
+                          "在田间使用之前，请用您自己作物的照片训练模型。"),
+        "m_knows": "能识别",
+        "m_knows_value": "{n} 类：{names}",
+        "m_crops": "作物",
+        "m_crops_synthetic": "没有特定作物：叶片由程序绘制",
+        "m_crops_unknown": "类别说明中未注明",
+        "m_trained_on": "训练数据",
+        "m_trained_synthetic": "{n} 张绘制的叶片（`leaflens data synth` 生成的演示数据），没有真实照片",
+        "m_trained_photos": "{n} 张照片",
+        "m_trained_unknown": "{n} 张图片；其来源文件夹已不存在，无法确定是否为真实照片",
+        "m_trained_unrecorded": "模型文件中没有记录（导出时 leaflens 还不记录这一项）",
+        "m_right": "准确程度",
+        "m_rel_heading": "#### 各类别的可靠程度（测试照片）",
+        "m_rel_often": "**{name}** 常被误认为 **{other}**（{n} 次中 {c} 次）；{n} 次中认对 {k} 次。",
+        "m_rel_sometimes": "**{name}**：{n} 次中认对 {k} 次；有时被误认为 **{other}**（{c} 次）。",
+        "m_rel_good": "**{name}**：{n} 次中认对 {k} 次。",
+        "m_rel_said": "当它回答 **{name}** 时，{n} 次中只有 {k} 次是对的。",
+        "m_rel_few": "测试照片太少，无法确定。",
+        "m_rel_none": "未找到本模型各类别的测试结果（来自训练记录中的报告：启动时加 `--run <训练目录>`）。",
+        "m_numbers_heading": "#### 具体数字",
     },
 }
 

@@ -22,6 +22,9 @@ leaflens.uncertain_threshold    no         float; top probability below it => "a
 leaflens.ood                    no         JSON :class:`OODCheck`: how ``ood_score`` is judged; present
                                            exactly when the graph has the ``ood_score`` output
 leaflens.val_ambiguous          no         float, share of validation photos below the threshold above
+leaflens.dataset                no         JSON :class:`TrainedOn`: what the model was trained on (drawn
+                                           leaves of `leaflens data synth`, or photos), from the dataset's
+                                           manifest; absent in files exported before it was recorded
 leaflens.run_id                 no         training run id
 leaflens.accuracy               no         float, test accuracy of that run
 leaflens.params                 no         int, parameter count
@@ -30,21 +33,29 @@ leaflens.params                 no         int, parameter count
 Format 1 files (exported before the stored size was recorded) are read with the stored size equal to
 the input size: photos are decoded straight to the input size, as leaflens did when it wrote them.
 Format 2 files have no out-of-domain score: they are served with the "ambiguous" rule alone.
+``leaflens.dataset`` is optional within format 3: older readers ignore it, and files without it say nothing
+about their training data (the Model tab says it is not recorded).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 
 from leaflens.data_prep.contract import ContractError, PreprocessContract
 from leaflens.records import Record
 
-__all__ = ["DEFAULT_UNCERTAIN_THRESHOLD", "FORMAT_VERSION", "ModelCard", "ModelError", "OODCheck"]
+if TYPE_CHECKING:
+    from leaflens.data_prep.manifest import Manifest
+
+__all__ = ["DEFAULT_UNCERTAIN_THRESHOLD", "FORMAT_VERSION", "ModelCard", "ModelError", "OODCheck", "TrainedOn",
+           "trained_on"]
 
 FORMAT_VERSION = "3"
 # Used when a model carries no calibrated threshold: with 3 to 40 classes, a top probability under
@@ -80,10 +91,55 @@ class OODCheck(Record):
 
 
 @dataclass(frozen=True)
+class TrainedOn(Record):
+    """What a model was trained on, as the Model tab tells it: ``kind`` "synthetic" (leaves drawn by
+    `leaflens data synth`, the demo), "photos", or "unknown" (the folder the dataset was made from is gone,
+    so it cannot be told); ``photos``: labelled images in the dataset (all splits); ``generator``: what drew
+    them, for synthetic data."""
+
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"generator"})
+    kind: Literal["synthetic", "photos", "unknown"]
+    photos: int
+    generator: str | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.photos, int) and self.photos >= 0):
+            raise ContractError("dataset", f"photos must be a count >= 0, got {self.photos!r}")
+
+    @property
+    def synthetic(self) -> bool:
+        return self.kind == "synthetic"
+
+
+def trained_on(manifest: Manifest, cwd: str | os.PathLike | None = None) -> TrainedOn:
+    """What a dataset was made from, by its manifest: "synthetic" when the folder `leaflens preprocess` read
+    (``source_root``, relative to ``cwd``) holds the ``synth.json`` that `leaflens data synth` writes there,
+    "photos" when that folder is there without one, "unknown" when it is gone."""
+    from leaflens.data_prep.synth import SYNTH_META, SynthInfo
+
+    photos = sum(s.count for s in manifest.splits.values() if s.labels == "present")
+    if not manifest.source_root:
+        return TrainedOn(kind="unknown", photos=photos)
+    source = Path(manifest.source_root)
+    if not source.is_absolute() and cwd is not None:
+        source = Path(cwd) / source
+    meta = source / SYNTH_META
+    if meta.is_file():
+        try:
+            info = SynthInfo.from_dict(json.loads(meta.read_text(encoding="utf-8")), str(meta))
+            generator: str | None = info.generator
+        except (OSError, ValueError, TypeError):  # a synth.json of another version: synthetic all the same
+            generator = None
+        return TrainedOn(kind="synthetic", photos=photos, generator=generator)
+    return TrainedOn(kind="photos" if source.is_dir() else "unknown", photos=photos)
+
+
+@dataclass(frozen=True)
 class ModelCard(Record):
     """What a leaflens ONNX model says about itself (see the module docstring for the keys)."""
 
     SCHEMA_VERSION: ClassVar[int | None] = int(FORMAT_VERSION)
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"trained_on"})  # as cards were before it existed
 
     classes: tuple[str, ...]
     contract: PreprocessContract
@@ -95,6 +151,7 @@ class ModelCard(Record):
     params: int | None = None
     ood: OODCheck | None = None  # None: the model has no out-of-domain output (format <= 2, or not fitted)
     val_ambiguous: float | None = None
+    trained_on: TrainedOn | None = None  # None: not recorded (exported before leaflens.dataset existed)
     schema_version: int = int(FORMAT_VERSION)
 
     def __post_init__(self) -> None:
@@ -161,6 +218,8 @@ class ModelCard(Record):
             meta["ood"] = json.dumps(self.ood.to_dict())
         if self.val_ambiguous is not None:
             meta["val_ambiguous"] = repr(float(self.val_ambiguous))
+        if self.trained_on is not None:
+            meta["dataset"] = json.dumps(self.trained_on.to_dict())
         return {PREFIX + k: v for k, v in meta.items()}
 
     @classmethod
@@ -227,6 +286,11 @@ class ModelCard(Record):
         data["accuracy"] = number("accuracy", float) if PREFIX + "accuracy" in meta else None
         data["params"] = number("params", int) if PREFIX + "params" in meta else None
         data["val_ambiguous"] = number("val_ambiguous", float) if PREFIX + "val_ambiguous" in meta else None
+        if PREFIX + "dataset" in meta:
+            try:
+                data["trained_on"] = TrainedOn.from_dict(json_value("dataset"), f"{source} metadata '{PREFIX}dataset'")
+            except (ValueError, TypeError) as exc:
+                raise fail("dataset", f"is not a valid description of the training data: {exc}") from exc
         if PREFIX + "ood" in meta:
             try:
                 data["ood"] = OODCheck.from_dict(json_value("ood"), f"{source} metadata '{PREFIX}ood'")

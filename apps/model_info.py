@@ -7,16 +7,22 @@ accuracy with its confidence interval, and ``curves.png`` / ``confusion.png`` si
 dataset folder carries ``classes.toml``. Explicit ``--run`` / ``--dataset`` / ``--classes-notes``
 win. Anything missing is reported as a warning and simply not shown.
 
-:func:`model_markdown` writes the "Model" tab, including how the two thresholds behind the verdicts were
-chosen and what they cost on the validation photos (from the model card: ``uncertain_threshold`` and
-``val_ambiguous``; ``ood``), or that the model has no out-of-domain check. This module reads JSON only (no
-engine import).
+:func:`model_markdown` writes the "Model" tab in plain words first: a banner when the model is the demo
+trained on drawn leaves (:func:`demo_banner`, from the model card's ``trained_on``), which classes and crops
+it knows (display names from the class notes; a class's ``crop`` note names its crop), what it was trained
+on, how often it is right, and how reliable each class is in a sentence (:func:`reliability_lines`, from the
+test split's confusion matrix in the run's ``report.json``: "Healthy is often mistaken for Leaf miner").
+The numbers follow below the words: the file, run, accuracy with its interval, input size, how the two
+thresholds behind the verdicts were chosen and what they cost on the validation photos (from the model card:
+``uncertain_threshold`` and ``val_ambiguous``; ``ood``), or that the model has no out-of-domain check. This
+module reads JSON only (no engine import).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,10 +30,15 @@ from typing import Any
 from leaflens.apps.i18n import t
 from leaflens.apps.notes import find_notes
 
-__all__ = ["EXPORT_REPORT", "RUN_REPORT", "ServeContext", "discover", "model_markdown", "run_images"]
+__all__ = ["EXPORT_REPORT", "RUN_REPORT", "ServeContext", "demo_banner", "discover", "model_markdown",
+           "reliability_lines", "run_images"]
 
 EXPORT_REPORT = "parity.json"  # written by `leaflens export` next to student.onnx
 RUN_REPORT = "report.json"  # written by `leaflens distill` into the run folder
+# Reliability in words: a class mistaken for one other class in at least OFTEN of its test photos is "often
+# mistaken", from SOMETIMES on "sometimes"; with fewer than FEW test photos the sentence says it is unsure;
+# an answer right in less than UNRELIABLE_SAID of the photos it was given to is named as such.
+OFTEN, SOMETIMES, FEW, UNRELIABLE_SAID = 0.2, 0.05, 10, 0.8
 
 
 @dataclass
@@ -151,15 +162,103 @@ def _ood_line(card: Any, lang: str) -> str:
              flagged=_pct(ood.val_flagged))
 
 
+def demo_banner(card: Any, lang: str) -> str:
+    """The "demo model" banner (Markdown) when the model was trained on drawn leaves, else ""."""
+    trained = getattr(card, "trained_on", None)
+    return t("m_demo_banner", lang) if trained is not None and trained.synthetic else ""
+
+
+def _names(classes: Sequence[str], notes: Any, lang: str) -> list[str]:
+    return [notes.name(c, lang) if notes is not None else c for c in classes]
+
+
+def _crops(card: Any, notes: Any, lang: str) -> str:
+    """The crops the classes belong to, from each class's ``crop`` note; what is known otherwise."""
+    trained = getattr(card, "trained_on", None)
+    if trained is not None and trained.synthetic:
+        return t("m_crops_synthetic", lang)
+    crops: list[str] = []
+    for c in card.classes:
+        crop = notes.text(c, "crop", lang) if notes is not None else ""
+        if crop and crop not in crops:
+            crops.append(crop)
+    return t("list_sep", lang).join(crops) if crops else t("m_crops_unknown", lang)
+
+
+def _trained_on_line(card: Any, lang: str) -> str:
+    trained = getattr(card, "trained_on", None)
+    if trained is None:
+        return t("m_trained_unrecorded", lang)
+    return t(f"m_trained_{trained.kind}", lang, n=f"{trained.photos:,}")
+
+
+def reliability_lines(report: dict[str, Any] | None, classes: Sequence[str], notes: Any, lang: str) -> list[str]:
+    """One sentence per class on how reliable it is, from the test split's confusion matrix (rows: true class,
+    columns: predicted) in the run's report; [] when the report has none that fits ``classes``.
+
+    A class mistaken for one other class in at least 20 % of its test photos is "often mistaken" for it,
+    from 5 % on "sometimes"; every sentence keeps the counts ("right 23 of 45 times"). An answer that is
+    right in less than 80 % of the photos it was given to says so ("When it says Rust, it is right only ...").
+    """
+    test = _get(report, "test")
+    cm_raw, order = _get(test, "confusion_matrix"), _get(test, "classes")
+    order = list(order) if isinstance(order, list) else list(classes)
+    try:
+        cm = [[int(v) for v in row] for row in cm_raw]
+    except (TypeError, ValueError):
+        return []
+    k = len(order)
+    if k == 0 or len(cm) != k or any(len(row) != k for row in cm) or sorted(order) != sorted(classes):
+        return []
+    names = dict(zip(order, _names(order, notes, lang)))
+    lines = []
+    for i, c in enumerate(order):
+        n, right = sum(cm[i]), cm[i][i]
+        if n == 0:
+            continue
+        wrong = [(cm[i][j], j) for j in range(k) if j != i and cm[i][j] > 0]
+        count, j = max(wrong) if wrong else (0, -1)
+        values = {"name": names[c], "k": right, "n": n, "c": count, "other": names[order[j]] if j >= 0 else ""}
+        if count and count / n >= OFTEN:
+            line = t("m_rel_often", lang, **values)
+        elif count and count / n >= SOMETIMES:
+            line = t("m_rel_sometimes", lang, **values)
+        else:
+            line = t("m_rel_good", lang, **values)
+        said = sum(cm[r][i] for r in range(k))
+        if said and cm[i][i] / said < UNRELIABLE_SAID:
+            line += " " + t("m_rel_said", lang, name=names[c], k=cm[i][i], n=said)
+        if n < FEW:
+            line += " " + t("m_rel_few", lang)
+        lines.append(f"- {line}")
+    return lines
+
+
 def model_markdown(predictor: Any, ctx: ServeContext, lang: str, notes: Any = None,
                    batching: tuple[int, float] | None = None) -> str:
-    """The Model tab: file, run, classes (display names), accuracy with CI, input, the "unsure" threshold and
-    the out-of-domain check (how chosen, cost on validation), provider, params."""
+    """The Model tab: in plain words first (the demo banner, classes with their display names, crops, what it
+    was trained on, how often it is right, each class's reliability), then the numbers: file, run, classes
+    (with their ids), accuracy with CI, input, the "unsure" threshold and the out-of-domain check (how chosen,
+    cost on validation), provider, params."""
     card = predictor.card
     report = ctx.run_report
     params = card.params if card.params is not None else _get(report, "params")
-    names = [notes.name(c, lang) if notes is not None else c for c in card.classes]
+    names = _names(card.classes, notes, lang)
     classes = ", ".join(n if n == c else f"{n} (`{c}`)" for n, c in zip(names, card.classes))
+    lines = [t("model_heading", lang), ""]
+    banner = demo_banner(card, lang)
+    if banner:
+        lines += [f"> {banner}", ""]
+    words = [
+        (t("m_knows", lang), t("m_knows_value", lang, n=len(names), names=t("list_sep", lang).join(names))),
+        (t("m_crops", lang), _crops(card, notes, lang)),
+        (t("m_trained_on", lang), _trained_on_line(card, lang)),
+        (t("m_right", lang), _accuracy_line(card, report, lang)),
+    ]
+    lines += [f"**{k}:** {v}  " for k, v in words]
+    reliability = reliability_lines(report, card.classes, notes, lang)
+    lines += ["", t("m_rel_heading", lang), ""]
+    lines += reliability or [t("m_rel_none", lang)]
     rows = [
         (t("m_file", lang), f"`{predictor.model_path.name}`"),
         (t("m_run", lang), f"`{card.run_id}`" if card.run_id else "-"),
@@ -174,7 +273,7 @@ def model_markdown(predictor: Any, ctx: ServeContext, lang: str, notes: Any = No
     ]
     if batching is not None:
         rows.append((t("m_batching", lang), t("m_batching_value", lang, batch=batching[0], wait=batching[1])))
-    lines = [t("model_heading", lang), ""]
+    lines += ["", t("m_numbers_heading", lang), ""]
     lines += [f"- **{k}:** {v}" for k, v in rows]
     if report is None:
         lines += ["", t("m_no_report", lang)]

@@ -14,6 +14,11 @@ one flat colour, too blurred: leaflens.data_prep.quality) or not usable at all (
 truncated, HEIC without pillow-heif, server busy, ...); an unexpected exception is logged with its
 traceback and becomes the reason "internal" for that file only. One log line per request records the
 verdicts and the server-side latency (``leaflens.serve`` logger).
+
+With an :class:`~leaflens.apps.uploads.UploadFolder` (`leaflens serve` always gives one), the files of a
+request that lie in that folder are held while it reads them and handed to the folder once answered, which
+deletes them after the retention; a photo of that folder that is already gone gets the reason "gone" (send
+it again), not "unreadable".
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +40,7 @@ from leaflens.apps.batcher import BatcherBusy, BatcherClosed, DynamicBatcher
 from leaflens.apps.diagnosis import REFUSAL_REASONS, PhotoOutcome, summarise
 from leaflens.apps.notes import ClassNotes
 from leaflens.apps.predictor import Predictor
+from leaflens.apps.uploads import UploadFolder
 from leaflens.cpus import usable_cpus
 from leaflens.data_prep.decode import ImageDecodeError
 from leaflens.data_prep.quality import PhotoRefused
@@ -63,8 +70,9 @@ class DiagnosisService:
     """Diagnose uploaded photo files with a model behind a dynamic batcher (thread-safe)."""
 
     def __init__(self, predictor: Predictor, notes: ClassNotes | None = None,
-                 options: ServiceOptions | None = None) -> None:
+                 options: ServiceOptions | None = None, uploads: UploadFolder | None = None) -> None:
         self.predictor = predictor
+        self.uploads = uploads  # None: the caller's files are left alone (tests, `leaflens predict`)
         self.notes = notes or ClassNotes()
         self.options = opts = options or ServiceOptions()
         if opts.max_upload_mb <= 0 or opts.max_photos < 1 or opts.top_k < 1:
@@ -91,7 +99,8 @@ class DiagnosisService:
             refused = isinstance(exc, PhotoRefused) or exc.reason in REFUSAL_REASONS
             return PhotoOutcome(name, reason=exc.reason, detail=exc.detail, verdict="refused" if refused else "error")
         except OSError as exc:
-            return PhotoOutcome(name, reason="unreadable", detail=exc.strerror or str(exc))
+            gone = isinstance(exc, FileNotFoundError) and self.uploads is not None and self.uploads.owns(path)
+            return PhotoOutcome(name, reason="gone" if gone else "unreadable", detail=exc.strerror or str(exc))
         except (BatcherBusy, BatcherClosed) as exc:
             return PhotoOutcome(name, reason="busy", detail=str(exc))
         except Exception as exc:  # a bug or an exotic file must cost one photo, not the page
@@ -117,17 +126,21 @@ class DiagnosisService:
         """Diagnose ``files`` (paths; their base names are shown) and return the JSON answer.
 
         At most ``max_photos`` files are used; the answer's ``given`` says how many came. Adds
-        ``server_ms`` (wall time of this call) and ``model`` (the model file's name).
+        ``server_ms`` (wall time of this call) and ``model`` (the model file's name). Files in the upload
+        folder are handed to it once answered (all of them, the ones beyond ``max_photos`` too).
         """
         t0 = time.perf_counter()
         paths = [os.fspath(f) for f in (files or [])]
         used = paths[: self.options.max_photos]
         names = [Path(p).name for p in used]
-        if len(used) == 1:
-            started = [self._start(used[0], names[0])]
-        else:
-            started = list(self._pool.map(self._start, used, names))
-        outcomes = [self._finish(n, s) for n, s in zip(names, started)]
+        with self.uploads.holding(used) if self.uploads is not None else nullcontext():
+            if len(used) == 1:
+                started = [self._start(used[0], names[0])]
+            else:
+                started = list(self._pool.map(self._start, used, names))
+            outcomes = [self._finish(n, s) for n, s in zip(names, started)]
+        if self.uploads is not None:
+            self.uploads.answered(paths)
         card = self.predictor.card
         result = summarise(outcomes, self.predictor.classes, card.uncertain_threshold, top_k=self.options.top_k,
                            given=len(paths), notes=self.notes,
@@ -145,9 +158,12 @@ class DiagnosisService:
         return result
 
     def close(self) -> None:
-        """Answer what is queued, then stop the batcher and the decode threads."""
+        """Answer what is queued, then stop the batcher and the decode threads; the upload folder's sweep
+        stops and what it holds is deleted."""
         self.batcher.close(drain=True, timeout_s=10)
         self._pool.shutdown(wait=True)
+        if self.uploads is not None:
+            self.uploads.close()
 
     def __enter__(self) -> DiagnosisService:
         return self

@@ -31,7 +31,8 @@ import gradio as gr
 
 from leaflens.apps.diagnosis import PhotoOutcome, photo_caption, render, summarise
 from leaflens.apps.i18n import LANG_CHOICES, lang_from_choice, t
-from leaflens.apps.model_info import model_markdown, run_images
+from leaflens.apps.model_info import demo_banner, model_markdown, run_images
+from leaflens.apps.privacy import privacy_markdown
 from leaflens.apps.service import DiagnosisService
 from leaflens.apps.web_config import AppConfig
 
@@ -65,6 +66,9 @@ def build_app(service: DiagnosisService, config: AppConfig | None = None) -> gr.
 
     with gr.Blocks(title="leaflens", analytics_enabled=False) as demo:
         title = gr.Markdown(t("title", lang0))
+        # "demo model: trained on drawn leaves" above everything, when it is (leaflens.apps.model_info)
+        banner = gr.Markdown(demo_banner(predictor.card, lang0), visible=bool(demo_banner(predictor.card, lang0)),
+                             elem_id="demo-banner")
         with gr.Row():
             intro = gr.Markdown(t("intro", lang0))
             lang_radio = gr.Radio([(label, code) for code, label in LANG_CHOICES.items()], value=lang0,
@@ -125,7 +129,8 @@ def build_app(service: DiagnosisService, config: AppConfig | None = None) -> gr.
             """The uploaded photos the model saw that a browser can show, captioned with their own answer."""
             return [(path, photo_caption(photo, notes, lang))
                     for photo, path in zip((result or {}).get("photos", []), paths or [])
-                    if photo["ok"] and Path(path).suffix.lower() in BROWSER_FORMATS]
+                    if photo["ok"] and Path(path).suffix.lower() in BROWSER_FORMATS
+                    and Path(path).is_file()]  # answered uploads are deleted (leaflens.apps.uploads)
 
         def relabel(lang_choice: str, result: dict[str, Any] | None, paths: list[str] | None):
             lang = lang_from_choice(lang_choice)
@@ -163,6 +168,16 @@ def build_app(service: DiagnosisService, config: AppConfig | None = None) -> gr.
                           outputs=[title, intro, lang_radio, tab_diagnose, tab_model, files, go, clear, gallery,
                                    label, details, model_md, confusion, curves, *rendered],
                           api_visibility="private", queue=False)
+        # what is kept of the photos, where, how long (leaflens.apps.privacy), from the server's own settings
+        kept_for_training = getattr(getattr(cfg, "corrections", None), "root", None)
+        privacy = gr.Markdown(privacy_markdown(service.uploads, kept_for_training, lang0), elem_id="privacy")
+
+        def page_words(choice: str) -> tuple[str, str]:
+            lang = lang_from_choice(choice)
+            return demo_banner(predictor.card, lang), privacy_markdown(service.uploads, kept_for_training, lang)
+
+        lang_radio.change(page_words, inputs=[lang_radio], outputs=[banner, privacy], api_visibility="private",
+                          queue=False)
 
     demo.queue(max_size=cfg.queue_size, default_concurrency_limit=cfg.concurrency)
     return demo
@@ -179,5 +194,8 @@ def launch(demo: gr.Blocks, service: DiagnosisService, config: AppConfig, host: 
                 quiet=quiet, footer_links=["api"], css=CSS, ssr_mode=False,
                 # Gradio keeps per-session state for 10,000 sessions by default and every API call is a
                 # session: measured ~56 KB each (docs/reliability.md). 200 keeps a long-running server flat.
-                state_session_capacity=200)
+                state_session_capacity=200,
+                # nothing leaves the machine: no run history (Gradio 6 keeps each call's inputs, the photos, in
+                # the browser and can send them to a Hugging Face bucket)
+                run_history=False)
     return demo

@@ -9,11 +9,15 @@ Phases (each client is a thread in a closed loop: send one photo, wait for its a
    "busy" rejections start exactly past the queue size, and that nothing is lost even then;
 3. ``app``: `leaflens serve` started as a subprocess on 127.0.0.1 (or ``--url`` of a running one),
    driven through its public API endpoint ``/diagnose`` with ``gradio_client`` (file upload, queue,
-   JSON answer), one Client per thread; answers are checked against a local Predictor's;
+   JSON answer), one Client per thread; answers are checked against a local Predictor's. gradio_client
+   opens a new HTTP client for each of its four requests per call, and each loads the system's TLS
+   certificates even for a plain http:// URL: 0.17 s of client CPU per call, 69 % of this process's CPU,
+   which made the clients, not the app, the bottleneck (p50 3.5 s at 32 clients on 2 cores, Little's law:
+   32 clients / 9 answers per second). The Clients here share one TLS context (``ssl_verify`` takes an
+   ``ssl.SSLContext`` as httpx's ``verify`` does), which a script calling the app many times should do too;
 4. ``app_http``: the same endpoint through Gradio's plain HTTP API (upload, call, event stream), as
-   a curl script would call it. gradio_client costs about 0.2 s of client CPU per call, so with it
-   the client process, not the server, is the bottleneck on a small machine; this phase loads the
-   server itself (``server_p50_ms`` is the time inside the app, from its answer);
+   a curl script would call it: lighter still on the client, so this phase loads the server itself
+   (``server_p50_ms`` is the time inside the app, from its answer);
 5. ``app_overload`` (``--overload``): a server whose Gradio queue is smaller than the clients.
 
 Every phase first runs the same load for a warm-up (not counted) so that the memory baseline is
@@ -23,15 +27,25 @@ Counted per phase: ``sent`` requests, ``answered`` (correct answer), ``busy`` (r
 queue full), ``failed`` (an error or a wrong answer), ``lost`` (no answer within the request
 timeout, or never settled); p50/p99 latency of the answered ones; RSS of the serving process
 before (after a warm-up) and after the run, sampled every second in between (``rss_growth_mb``
-= after - before; the app's upload folder is counted too, it must not grow past the photo set).
+= after - before, ``rss_slope_second_half_mb_per_min``: the trend once caches have filled); the
+app's upload folder, sampled with it (``upload_files_max``, ``upload_mb_max``: it must stay bounded,
+uploads being deleted once answered, leaflens.apps.uploads); CPU seconds per answer of the server
+process and of this one, the clients (``server_cpu_ms_per_answer``, ``client_cpu_ms_per_answer``:
+where the time goes on a machine whose cores they share), and the load average around the phase.
 
-Targets: 0 lost and 0 failed at 32 clients; busy only past the queue size; flat memory.
+Targets: 0 lost and 0 failed at 32 clients; busy only past the queue size; memory slope <= 1 MB/min;
+the upload folder bounded.
 
     nice -n 19 python benchmarks/load.py [--clients 32] [--seconds 30] [--model student.onnx] [--overload]
+                                         [--keep-uploads-minutes N]
 
 Without ``--model`` a stand-in of the student's shape (4 conv blocks 32-64-128-256, 64x64 input, 8
 classes, random weights) is built. The last line of output is one JSON object: the app's figures
-(keys sent, answered, busy, failed, lost, p50_ms, p99_ms, rss_growth_mb) with each phase nested.
+(keys sent, answered, busy, failed, lost, p50_ms, p99_ms, rss_growth_mb) with each phase nested, and
+the app's headline figures under their own keys: ``app_p50_ms`` and ``app_answers_per_s`` (phase
+``app``, through gradio_client), ``app_http_p50_ms`` and ``app_http_answers_per_s``,
+``app_rss_slope_mb_per_min`` and ``app_upload_files_max`` / ``app_upload_mb_max`` (the worst of the
+app phases), ``loadavg``.
 """
 
 from __future__ import annotations
@@ -41,6 +55,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -151,6 +166,34 @@ def warmup_s(seconds: float) -> float:
     return min(10.0, max(2.0, seconds / 5))
 
 
+def cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far, all its threads (None: gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def folder_usage(folder: Path | None) -> tuple[int, int] | None:
+    """(files, bytes) under ``folder``, marker files left out (None: no folder to look at)."""
+    if folder is None:
+        return None
+    files = bytes_ = 0
+    for q in folder.rglob("*"):
+        try:
+            if q.is_file() and not q.name.startswith("."):
+                files, bytes_ = files + 1, bytes_ + q.stat().st_size
+        except OSError:  # deleted while counted
+            continue
+    return files, bytes_
+
+
 def rss_mb(pid: int) -> float | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -162,17 +205,21 @@ def rss_mb(pid: int) -> float | None:
 
 
 class RssSampler(threading.Thread):
-    """RSS of ``pid`` once a second while the load runs."""
+    """RSS of ``pid`` once a second while the load runs, and the files in ``folder`` (the app's uploads)."""
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, folder: Path | None = None):
         super().__init__(daemon=True)
         self.pid, self.samples, self._stop_event = pid, [], threading.Event()
+        self.folder, self.folder_samples = folder, []
 
     def run(self) -> None:
         while not self._stop_event.wait(1.0):
             value = rss_mb(self.pid)
             if value is not None:
                 self.samples.append(value)
+            usage = folder_usage(self.folder)
+            if usage is not None:
+                self.folder_samples.append(usage)
 
     def stop(self) -> list[float]:
         self._stop_event.set()
@@ -273,11 +320,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(model: Path, port: int, gradio_tmp: Path, queue_size: int | None, log: Path) -> subprocess.Popen:
+def serve_knows(flag: str) -> bool:
+    """Whether this `leaflens serve` has ``flag`` (the benchmark also measures older versions)."""
+    out = subprocess.run([sys.executable, "-m", "leaflens", "serve", "--help"], cwd=REPO, capture_output=True,
+                         text=True, check=False)
+    return flag in out.stdout
+
+
+def start_server(model: Path, port: int, gradio_tmp: Path, queue_size: int | None, log: Path,
+                 keep_uploads_minutes: float | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "leaflens", "serve", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--no-examples"]
     if queue_size is not None:
         cmd += ["--queue-size", str(queue_size)]
+    if serve_knows("--uploads-dir"):  # its own upload folder, swept (older versions: Gradio's, via the variable)
+        cmd += ["--uploads-dir", str(gradio_tmp)]
+        if keep_uploads_minutes is not None:
+            cmd += ["--keep-uploads-minutes", str(keep_uploads_minutes)]
     env = dict(os.environ, GRADIO_TEMP_DIR=str(gradio_tmp), GRADIO_ANALYTICS_ENABLED="False")
     fh = open(log, "wb")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
@@ -366,9 +425,12 @@ def app_phase(url: str, server_pid: int | None, photos: list[Path], local: Predi
         expected[p.name] = (pred.label if shown else None, pred.confidence if shown else None)
     handles = [handle_file(str(p)) for p in photos]
     blobs = [p.read_bytes() for p in photos]
+    # one TLS context for every request of every Client: gradio_client would otherwise load the system's
+    # certificates for each of its requests (0.17 s of CPU per call), plain http:// included
+    tls = ssl.create_default_context()
 
     def setup(i: int):
-        return Client(url, verbose=False) if mode == "gradio_client" else HttpApi(url)
+        return Client(url, verbose=False, ssl_verify=tls) if mode == "gradio_client" else HttpApi(url)  # type: ignore[arg-type]
 
 
     def call(api, k: int) -> dict:
@@ -421,21 +483,32 @@ def app_phase(url: str, server_pid: int | None, photos: list[Path], local: Predi
     box["tally"], box["server_ms"] = tally, server_ms = Tally(), []
     time.sleep(1.0)
     before = rss_mb(server_pid) if server_pid else None
-    files_before = sum(1 for _ in gradio_tmp.rglob("*") if _.is_file()) if gradio_tmp else None
-    sampler = RssSampler(server_pid) if server_pid else None
+    files_before = (folder_usage(gradio_tmp) or (None, None))[0]
+    sampler = RssSampler(server_pid, gradio_tmp) if server_pid else None
     if sampler:
         sampler.start()
+    load_before, cpu_server0, cpu_client0 = os.getloadavg(), cpu_s(server_pid) if server_pid else None, own_cpu_s()
     wall = _run_clients(clients, seconds, worker, apis.__getitem__)
+    cpu_server1, cpu_client1 = cpu_s(server_pid) if server_pid else None, own_cpu_s()
     time.sleep(1.0)  # let the server settle (answers sent, uploads closed)
     after = rss_mb(server_pid) if server_pid else None
     out = tally.summary(wall)
     out.update(_rss_fields(before, after, sampler.stop() if sampler else []))
-    out.update({"clients": clients, "seconds": round(wall, 1), "client": mode})
+    out.update({"clients": clients, "seconds": round(wall, 1), "client": mode,
+                "loadavg_before": [round(v, 2) for v in load_before],
+                "loadavg_after": [round(v, 2) for v in os.getloadavg()]})
+    if tally.answered:
+        out["client_cpu_ms_per_answer"] = round(1000 * (cpu_client1 - cpu_client0) / tally.answered, 1)
+        if cpu_server0 is not None and cpu_server1 is not None:
+            out["server_cpu_ms_per_answer"] = round(1000 * (cpu_server1 - cpu_server0) / tally.answered, 1)
+    if sampler is not None and sampler.folder_samples:
+        out["upload_files_max"] = max(f for f, _ in sampler.folder_samples)
+        out["upload_mb_max"] = round(max(b for _, b in sampler.folder_samples) / 2**20, 1)
     if server_ms:
         out["server_p50_ms"] = round(float(np.percentile(server_ms, 50)), 2)
         out["server_p99_ms"] = round(float(np.percentile(server_ms, 99)), 2)
     if gradio_tmp is not None:
-        files = [q for q in gradio_tmp.rglob("*") if q.is_file()]
+        files = [q for q in gradio_tmp.rglob("*") if q.is_file() and not q.name.startswith(".")]
         out["upload_files_before"], out["upload_files_after"] = files_before, len(files)
         out["upload_bytes_after"] = sum(q.stat().st_size for q in files)
         out["upload_empty_files_after"] = sum(q.stat().st_size == 0 for q in files)
@@ -462,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phases", default="batcher,batcher_overload,app,app_http,app_overload",
                     help="comma-separated phases to run (default: all; app_overload only with --overload)")
     ap.add_argument("--photos", type=int, default=16, help="distinct photos sent (default 16)")
+    ap.add_argument("--keep-uploads-minutes", type=float, default=None,
+                    help="the server's --keep-uploads-minutes (default: the server's own default)")
     args = ap.parse_args(argv)
     if args.url and not args.url.startswith(("http://127.0.0.1", "http://localhost")):
         ap.error("--url must be on 127.0.0.1 (this benchmark never loads another machine)")
@@ -494,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
                     url, proc, pid, log = args.url.rstrip("/") + "/", None, args.server_pid, None
                 else:
                     port, log = free_port(), tmp / f"{name}.log"
-                    proc = start_server(model, port, gradio_tmp, queue_size, log)
+                    proc = start_server(model, port, gradio_tmp, queue_size, log, args.keep_uploads_minutes)
                     url, pid = f"http://127.0.0.1:{port}/", proc.pid
                 try:
                     wait_ready(url, proc, log)
@@ -516,7 +591,10 @@ def main(argv: list[str] | None = None) -> int:
                                                             "rss_after_mb", "rss_max_mb",
                                                             "rss_slope_second_half_mb_per_min", "rss_trace_mb",
                                                             "upload_files_before", "upload_files_after",
-                                                            "upload_bytes_after", "upload_empty_files_after")]
+                                                            "upload_bytes_after", "upload_empty_files_after",
+                                                            "upload_files_max", "upload_mb_max",
+                                                            "server_cpu_ms_per_answer", "client_cpu_ms_per_answer",
+                                                            "loadavg_before", "loadavg_after")]
         print(f"  {name}: " + ", ".join(extra) + (f"; errors {r['errors']}" if r["errors"] else ""))
     if not results:
         ap.error(f"no phase selected by --phases {args.phases!r}")
@@ -524,7 +602,21 @@ def main(argv: list[str] | None = None) -> int:
     keys = ("sent", "answered", "busy", "failed", "lost", "p50_ms", "p99_ms", "rss_growth_mb")
     summary = {k: head[k] for k in keys}
     summary.update({"clients": args.clients, "seconds": args.seconds,
-                    "source": "app" if "app" in results else next(iter(results)), "phases": results})
+                    "source": "app" if "app" in results else next(iter(results))})
+    for name in ("app", "app_http"):  # the app's headline figures, under their own keys
+        if name in results:
+            summary[f"{name}_p50_ms"] = results[name]["p50_ms"]
+            summary[f"{name}_answers_per_s"] = results[name]["answered_per_s"]
+    apps = [results[n] for n in ("app", "app_http", "app_overload") if n in results]
+    # the memory trend of the full-length phases (the overload one lasts 15 s at most: too short for a slope)
+    slopes = [r.get("rss_slope_second_half_mb_per_min") for r in apps[:2] if r is not results.get("app_overload")]
+    if any(v is not None for v in slopes):
+        summary["app_rss_slope_mb_per_min"] = max(v for v in slopes if v is not None)
+    if any("upload_files_max" in r for r in apps):
+        summary["app_upload_files_max"] = max(r.get("upload_files_max", 0) for r in apps)
+        summary["app_upload_mb_max"] = max(r.get("upload_mb_max", 0.0) for r in apps)
+    summary["loadavg"] = [round(v, 2) for v in os.getloadavg()]
+    summary["phases"] = results
     print(json.dumps(summary))
     return 0
 

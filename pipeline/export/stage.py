@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from leaflens.apps.model_card import ModelCard
+from leaflens.apps.model_card import ModelCard, trained_on
 from leaflens.apps.predictor import Predictor
 from leaflens.cpus import usable_cpus
 from leaflens.data_prep.arrays import sha256_file
@@ -326,6 +326,7 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
     if subject.kind == "teacher":
         log(f"run {info.run_id} kept the fine-tuned teacher ({info.teacher_model.name}): exporting it as "
             f"{FP32_FILE}, the served model")
+    card = replace(card, trained_on=trained_on(ds.manifest))  # drawn demo leaves or photos: the app says which
     mean, std = np.asarray(card.mean, np.float32), np.asarray(card.std, np.float32)
     size = card.input_size
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 from apps_helpers import build_tiny_model, leaflens_metadata, tiny_weights, write_photo
 
-from leaflens.apps.model_card import ModelCard, ModelError, OODCheck
+from leaflens.apps.model_card import ModelCard, ModelError, OODCheck, TrainedOn, trained_on
 from leaflens.apps.predictor import Predictor
 from leaflens.data_prep.contract import PreprocessContract, area_resize
 from leaflens.data_prep.decode import decode_image
@@ -99,3 +102,51 @@ def test_broken_out_of_domain_metadata_names_the_key(value, why):
     meta = {**_card().to_metadata(), "leaflens.ood": value}
     with pytest.raises(ModelError, match=f"leaflens.ood.*{why}"):
         ModelCard.from_metadata(meta, "m.onnx")
+
+
+# ---- what the model was trained on (leaflens.dataset) --------------------------------------------------
+def test_training_data_round_trips_and_older_files_say_nothing():
+    trained = TrainedOn(kind="synthetic", photos=2400, generator="leaflens data synth")
+    card = _card(trained_on=trained)
+    meta = card.to_metadata()
+    assert json.loads(meta["leaflens.dataset"]) == {"kind": "synthetic", "photos": 2400,
+                                                    "generator": "leaflens data synth"}
+    back = ModelCard.from_metadata(meta, "m.onnx")
+    assert back.trained_on == trained and back.trained_on.synthetic and back == card
+    assert ModelCard.from_dict(card.to_dict()) == card
+    photos = _card(trained_on=TrainedOn(kind="photos", photos=1034))
+    assert json.loads(photos.to_metadata()["leaflens.dataset"]) == {"kind": "photos", "photos": 1034}
+    assert not ModelCard.from_metadata(photos.to_metadata(), "m.onnx").trained_on.synthetic
+    plain = _card()  # exported before the key existed: not recorded, and the dict is as it was
+    assert "leaflens.dataset" not in plain.to_metadata() and "trained_on" not in plain.to_dict()
+    assert ModelCard.from_metadata(plain.to_metadata(), "m.onnx").trained_on is None
+
+
+@pytest.mark.parametrize("value, why", [("[", "not JSON"), ('{"kind": "drawings", "photos": 3}', "kind"),
+                                        ('{"kind": "photos", "photos": -1}', "photos must be a count"),
+                                        ('{"kind": "photos"}', "photos")])
+def test_broken_training_data_metadata_names_the_key(value, why):
+    meta = {**_card().to_metadata(), "leaflens.dataset": value}
+    with pytest.raises(ModelError, match=f"m.onnx: metadata key 'leaflens.dataset'.*{why}"):
+        ModelCard.from_metadata(meta, "m.onnx")
+
+
+def test_trained_on_tells_drawn_leaves_from_photos_by_the_source_folder(tmp_path):
+    from apps_helpers import make_dataset
+
+    from leaflens.data_prep.ingest import IngestOptions, ingest
+    from leaflens.data_prep.manifest import read_manifest
+    from leaflens.data_prep.synth import SynthOptions, generate
+
+    drawn = generate(tmp_path / "synth", SynthOptions(per_class=3, size=32, broken=0, exif_fraction=0.0), workers=1,
+                     log=lambda *_: None)
+    ds = ingest(tmp_path / "synth", tmp_path / "synth_ds", IngestOptions(size=16), workers=1, log=lambda *_: None).out
+    got = trained_on(read_manifest(ds))
+    assert got == TrainedOn(kind="synthetic", photos=3 * len(drawn.classes), generator="leaflens data synth")
+
+    photos = make_dataset(tmp_path / "real", ["healthy", "rust"], per_class=4)  # a photo folder: no synth.json
+    assert trained_on(read_manifest(photos)) == TrainedOn(kind="photos", photos=8)
+    (tmp_path / "synth" / "synth.json").write_text("{not json")  # another version's file: drawn all the same
+    assert trained_on(read_manifest(ds)).kind == "synthetic"
+    shutil.rmtree(tmp_path / "real" / "photos")  # the source is gone: cannot tell
+    assert trained_on(read_manifest(photos)) == TrainedOn(kind="unknown", photos=8)

@@ -261,6 +261,9 @@ def test_exported_model_is_what_the_predictor_serves(tiny_run, tmp_path):
         assert card.classes == tuple(CLASSES) and card.input_size == SIZE and card.resize == "crop"
         assert card.run_id == "tiny-run-1" and card.accuracy == 0.875
         assert card.params == model.num_parameters()
+        # photo folders (no synth.json where they came from): the app says "photos", with their count
+        assert card.trained_on is not None and card.trained_on.kind == "photos"
+        assert card.trained_on.photos == sum(len(ds[s]) for s in ("train", "val", "test"))
         assert card.threshold_from_model and card.uncertain_threshold == 0.55
         np.testing.assert_allclose(card.mean, ds.mean, rtol=1e-6)
         got = pred.logits_arrays(np.asarray(ds["test"].images))

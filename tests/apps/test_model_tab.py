@@ -1,0 +1,99 @@
+"""The Model tab in plain words (leaflens.apps.model_info): the demo banner, classes with display names, crops,
+what the model was trained on, and each class's reliability in a sentence from the run's confusion matrix;
+the numbers stay, below the words."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from leaflens.apps.model_info import ServeContext, demo_banner, model_markdown, reliability_lines
+from leaflens.apps.notes import ClassNotes
+
+CLASSES = ["aphids", "healthy", "leaf_miner", "rust"]
+NOTES = ClassNotes({"aphids": {"name": "Aphids", "name_zh": "蚜虫"},
+                    "healthy": {"name": "Healthy", "name_zh": "健康"},
+                    "leaf_miner": {"name": "Leaf miner", "name_zh": "潜叶蝇"},
+                    "rust": {"name": "Rust", "name_zh": "锈病"}})
+# rows: true class, columns: predicted (CLASSES order). Healthy: 23 of 45 right, 15 taken for leaf miner;
+# aphids: 40 of 43, 3 taken for rust (7 %); leaf miner: 44 of 44 but only 44 of 59 "leaf miner" answers right;
+# rust: 6 of 6 (too few to be sure).
+MATRIX = [[40, 0, 0, 3],
+          [4, 23, 15, 3],
+          [0, 0, 44, 0],
+          [0, 0, 0, 6]]
+
+
+def report(matrix=MATRIX, classes=CLASSES) -> dict:
+    return {"test": {"accuracy": 0.821, "accuracy_ci": [0.75, 0.88], "ci_level": 0.95, "n": 138,
+                     "classes": classes, "confusion_matrix": matrix}}
+
+
+def test_each_class_gets_a_sentence_with_its_counts():
+    lines = reliability_lines(report(), CLASSES, NOTES, "en")
+    assert lines == [
+        "- **Aphids**: right 40 of 43 times; sometimes mistaken for **Rust** (3 times).",
+        "- **Healthy** is often mistaken for **Leaf miner** (15 of 45 times); right 23 of 45 times.",
+        "- **Leaf miner**: right 44 of 44 times. When it answers **Leaf miner**, it is right only 44 of 59 times.",
+        "- **Rust**: right 6 of 6 times. When it answers **Rust**, it is right only 6 of 12 times. "
+        "Too few test photos to be sure.",
+    ]
+    zh = reliability_lines(report(), CLASSES, NOTES, "zh")
+    assert zh[1] == "- **健康** 常被误认为 **潜叶蝇**（45 次中 15 次）；45 次中认对 23 次。"
+    assert reliability_lines(report(), CLASSES, None, "en")[1].startswith("- **healthy** is often mistaken for")
+
+
+@pytest.mark.parametrize("bad", [
+    None, {}, {"test": {"accuracy": 0.9}},  # no matrix recorded
+    report(classes=["a", "b", "c", "d"]),  # another model's classes
+    report(matrix=[[1, 2], [3, 4]]),  # wrong shape
+    report(matrix=[["x"] * 4] * 4),  # not counts
+])
+def test_no_sentences_without_a_matrix_that_fits(bad):
+    assert reliability_lines(bad, CLASSES, NOTES, "en") == []
+
+
+def served(tiny_model, **meta: str):
+    """A Predictor over a tiny model of CLASSES with ``meta`` in its metadata."""
+    from leaflens.apps.predictor import Predictor
+
+    path, _ = tiny_model(classes=CLASSES, **meta)
+    return Predictor(path)
+
+
+def test_a_demo_model_says_so_first_and_the_numbers_come_after_the_words(tiny_model):
+    synthetic = json.dumps({"kind": "synthetic", "photos": 2400, "generator": "leaflens data synth"})
+    predictor = served(tiny_model, **{"leaflens.dataset": synthetic})
+    md = model_markdown(predictor, ServeContext(run_report=report()), "en", NOTES)
+    banner = demo_banner(predictor.card, "en")
+    assert banner.startswith("**Demo model: trained on drawn leaves, not real photos.**")
+    assert md.index(banner) < md.index("**What it recognises:**") < md.index("#### How reliable each class is")
+    assert md.index("#### How reliable each class is") < md.index("#### The numbers") < md.index("- **File:**")
+    assert "**What it recognises:** 4 classes: Aphids, Healthy, Leaf miner, Rust" in md
+    assert "**Crops:** none in particular: the leaves were drawn by a program" in md
+    assert "**Trained on:** 2,400 drawn leaves (the demo set made by `leaflens data synth`), no real photos" in md
+    assert "**How often it is right:** 82.1% (95% confidence interval 75.0% to 88.0%, 138 test photos)" in md
+    assert "**Healthy** is often mistaken for **Leaf miner**" in md
+    assert "- **Classes:** 4: Aphids (`aphids`)" in md  # the class ids stay, with the numbers
+    zh = model_markdown(predictor, ServeContext(run_report=report()), "zh", NOTES)
+    assert "演示模型" in zh and "2,400 张绘制的叶片" in zh and "#### 具体数字" in zh
+
+
+def test_a_photo_model_has_no_banner_and_names_its_crops(tiny_model):
+    photos = json.dumps({"kind": "photos", "photos": 1034})
+    predictor = served(tiny_model, **{"leaflens.dataset": photos})
+    notes = ClassNotes({c: {"name": c.title(), "crop": "Bean", "crop_zh": "菜豆"} for c in CLASSES[:2]}
+                       | {c: {"name": c.title(), "crop": "Tomato"} for c in CLASSES[2:]})
+    md = model_markdown(predictor, ServeContext(), "en", notes)
+    assert demo_banner(predictor.card, "en") == "" and "Demo model" not in md
+    assert "**Crops:** Bean, Tomato" in md and "**Trained on:** 1,034 photos" in md
+    assert "No per-class test results were found" in md and "No training report was found" in md
+    assert "**作物:** 菜豆、Tomato" in model_markdown(predictor, ServeContext(), "zh", notes)
+
+
+def test_an_older_model_says_its_training_data_is_not_recorded(tiny_model):
+    predictor = served(tiny_model)
+    md = model_markdown(predictor, ServeContext(), "en", NOTES)
+    assert "**Trained on:** not recorded in this model file" in md and "Demo model" not in md
+    assert "**Crops:** not named in the class notes" in md

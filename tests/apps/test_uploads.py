@@ -309,3 +309,37 @@ def test_through_gradio_answered_uploads_leave_the_folder(tmp_path, model):
     finally:
         demo.close()
         service.close()
+
+
+@pytest.mark.slow
+def test_a_server_stopped_with_sigterm_leaves_no_photo_behind(tmp_path, model):
+    """`kill` stops `leaflens serve` as Ctrl-C does: the upload folder is emptied on the way out."""
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    pytest.importorskip("gradio")
+    from leaflens.apps.screenshot import free_port
+
+    port, root = free_port(), tmp_path / "up"
+    proc = subprocess.Popen([sys.executable, "-m", "leaflens", "serve", "--model", str(model), "--port", str(port),
+                             "--uploads-dir", str(root), "--no-examples"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2):
+                    break
+            except OSError:
+                assert time.time() < deadline, "the server did not start"
+                time.sleep(0.3)
+        left = upload(root, seed=50)  # as if a page had uploaded it and been closed
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not left.exists() and files_in(root) == []

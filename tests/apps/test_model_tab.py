@@ -97,3 +97,21 @@ def test_an_older_model_says_its_training_data_is_not_recorded(tiny_model):
     md = model_markdown(predictor, ServeContext(), "en", NOTES)
     assert "**Trained on:** not recorded in this model file" in md and "Demo model" not in md
     assert "**Crops:** not named in the class notes" in md
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, shown", [("synthetic", True), ("photos", False)])
+def test_the_page_shows_the_banner_above_everything_for_a_demo_model(tiny_model, kind, shown):
+    pytest.importorskip("gradio")
+    from leaflens.apps.service import DiagnosisService
+    from leaflens.apps.web import build_app
+
+    predictor = served(tiny_model, **{"leaflens.dataset": json.dumps({"kind": kind, "photos": 10})})
+    with DiagnosisService(predictor) as service:
+        demo = build_app(service)
+        blocks = list(demo.blocks.values())
+        banner = next(b for b in blocks if getattr(b, "elem_id", None) == "demo-banner")
+        assert banner.visible is shown
+        assert ("Demo model: trained on drawn leaves, not real photos" in banner.value) is shown
+        tabs = [b for b in blocks if type(b).__name__ == "Tab"]
+        assert tabs and banner._id < min(tab._id for tab in tabs)  # above the tabs: on every page

@@ -1,7 +1,7 @@
 # leaflens: the two commands a newcomer needs are `make demo` and `make test`.
 #
 #   make demo                      synthetic leaves -> preprocess -> teacher -> distill -> export -> web app
-#   make preprocess DATA=photos/ SIZE=128
+#   make preprocess DATA=photos/ SIZE=128 [EXTRA="artifacts/corrections ..."]
 #   make teacher | distill | export | serve
 #
 # Stage targets depend on the real files each stage writes, so an up-to-date stage is skipped.
@@ -13,6 +13,8 @@ ART ?= artifacts
 SYNTH := $(ART)/synthetic
 DATA ?= $(SYNTH)
 SIZE ?= 128
+# Extra folders of labelled photos merged into DATA's classes (e.g. the web app's corrections folder).
+EXTRA ?=
 DATASET := $(ART)/dataset
 TEACHER := $(ART)/teacher
 STUDENT := $(ART)/student
@@ -36,7 +38,7 @@ help:
 	@echo "make demo           the whole pipeline on the built-in synthetic leaves, then the web app"
 	@echo "make test           the default test suite (creates $(VENV) on first use)"
 	@echo "make data           generate the synthetic leaf photos into $(SYNTH)"
-	@echo "make preprocess     DATA=<photo folder> SIZE=<pixels> -> $(DATASET)"
+	@echo "make preprocess     DATA=<photo folder> SIZE=<pixels> [EXTRA=<corrections folder>] -> $(DATASET)"
 	@echo "make teacher        teacher features -> $(TEACHER) (TEACHER_ARGS=--frozen|--onnx M|--train-cnn)"
 	@echo "make distill        student, distilled and from scratch -> $(STUDENT) (DISTILL_ARGS=...)"
 	@echo "make export         ONNX FP32/FP16 (+INT8 when within 1 point) + Triton repository -> $(EXPORT)"
@@ -72,7 +74,7 @@ data: $(SYNTH)/classes.toml
 # preprocess always looks at the photos (it does no work and keeps the manifest's time stamp when
 # nothing changed), so later stages re-run only when the dataset really changed.
 $(DATASET)/manifest.json: FORCE $(if $(filter $(SYNTH),$(DATA)),$(SYNTH)/classes.toml) | $(VENV)/.installed
-	$(LEAFLENS) preprocess --src $(DATA) --out $(DATASET) --size $(SIZE)
+	$(LEAFLENS) preprocess --src $(DATA) --out $(DATASET) --size $(SIZE) $(foreach d,$(EXTRA),--also $(d))
 
 preprocess: $(DATASET)/manifest.json
 

@@ -26,7 +26,7 @@ from leaflens.apps.providers import add_provider_argument, requested_providers
 from leaflens.data_prep.scan import IMAGE_EXTENSIONS
 from leaflens.files import write_path_atomic
 
-__all__ = ["add_parser", "collect_images", "run", "write_csv"]
+__all__ = ["add_parser", "collect_images", "csv_header", "csv_row", "run", "write_csv"]
 
 
 class UsageError(ValueError):
@@ -93,6 +93,27 @@ def verdict_of(p: Prediction) -> str:
     return "refused" if not p.ok and p.reason in REFUSAL_REASONS else p.verdict
 
 
+def csv_header(top_k: int) -> list[str]:
+    """The CSV columns: path, verdict, label, probability, uncertain, ood_score, class_i/prob_i (i = 1..top_k),
+    error. The web page's results download (leaflens.apps.history) writes the same."""
+    header = ["path", "verdict", "label", "probability", "uncertain", "ood_score"]
+    for i in range(1, top_k + 1):
+        header += [f"class_{i}", f"prob_{i}"]
+    header.append("error")
+    return header
+
+
+def csv_row(p: Prediction, top_k: int) -> list[str | None]:
+    """One image's row under :func:`csv_header` (None is written as an empty cell)."""
+    row: list[str | None]
+    if p.ok:
+        row = [p.source, p.verdict, p.label, "" if p.confidence is None else f"{p.confidence:.6f}",
+               str(p.uncertain).lower(), "" if p.ood_score is None else f"{p.ood_score:.6g}"]
+        ranked = [v for cls, prob in p.top[:top_k] for v in (cls, f"{prob:.6f}")]
+        return row + ranked + [""] * (2 * top_k - len(ranked)) + [""]
+    return [p.source, verdict_of(p), "", "", "", "", *[""] * (2 * top_k), p.error]
+
+
 def write_csv(path: str | os.PathLike, predictions: Iterable[Prediction], top_k: int) -> None:
     """Write one row per image: path, verdict, label, probability, uncertain, ood_score, class_i/prob_i, error.
 
@@ -103,25 +124,13 @@ def write_csv(path: str | os.PathLike, predictions: Iterable[Prediction], top_k:
     half-written file.
     """
     target = Path(path)
-    header = ["path", "verdict", "label", "probability", "uncertain", "ood_score"]
-    for i in range(1, top_k + 1):
-        header += [f"class_{i}", f"prob_{i}"]
-    header.append("error")
 
     def write(tmp: Path) -> None:
         with open(tmp, "x", newline="", encoding="utf-8") as fh:
             writer = csv.writer(fh)
-            writer.writerow(header)
+            writer.writerow(csv_header(top_k))
             for p in predictions:
-                row: list[str | None]  # csv writes None as an empty cell
-                if p.ok:
-                    row = [p.source, p.verdict, p.label, f"{p.confidence:.6f}", str(p.uncertain).lower(),
-                           "" if p.ood_score is None else f"{p.ood_score:.6g}"]
-                    ranked = [v for cls, prob in p.top[:top_k] for v in (cls, f"{prob:.6f}")]
-                    row += ranked + [""] * (2 * top_k - len(ranked)) + [""]
-                else:
-                    row = [p.source, verdict_of(p), "", "", "", "", *[""] * (2 * top_k), p.error]
-                writer.writerow(row)
+                writer.writerow(csv_row(p, top_k))
 
     write_path_atomic(target, write)
 

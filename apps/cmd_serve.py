@@ -4,6 +4,7 @@
                    [--classes-notes FILE] [--host 127.0.0.1] [--port 7860] [--share]
                    [--lang en|zh] [--max-upload-mb 20]
                    [--uploads-dir DIR] [--keep-uploads-minutes 0] [--uploads-max-mb 1024]
+                   [--corrections artifacts/corrections [--corrections-max-mb 500] | --no-corrections]
 
 Binds 127.0.0.1 unless ``--host`` says otherwise; ``--share`` (a public Gradio link) is off unless
 asked. The run folder, dataset (for example photos) and class notes are found from the export's own
@@ -75,6 +76,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "minute, the time the page needs to show it)")
     p.add_argument("--uploads-max-mb", type=float, default=1024.0,
                    help="cap on the upload folder: beyond it the oldest photos are deleted first (default 1024)")
+    p.add_argument("--corrections", default="artifacts/corrections", metavar="DIR",
+                   help="where 'Wrong? The right answer is ...' saves the corrected photos, in class folders "
+                        "`leaflens preprocess --also DIR` reads, with corrections.jsonl (default %(default)s; "
+                        "created on the first correction)")
+    p.add_argument("--corrections-max-mb", type=float, default=500.0,
+                   help="cap on the corrections folder; when full the page says so and saves nothing "
+                        "(default %(default)s)")
+    p.add_argument("--no-corrections", action="store_true",
+                   help="no correction control on the page and no /correct API endpoint")
     p.set_defaults(func=run)
     return p
 
@@ -97,6 +107,10 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--keep-uploads-minutes must be >= 0, got {args.keep_uploads_minutes}")
     if not args.uploads_max_mb > 0:
         raise UsageError(f"--uploads-max-mb must be > 0, got {args.uploads_max_mb}")
+    if not args.corrections_max_mb > 0:
+        raise UsageError(f"--corrections-max-mb must be > 0, got {args.corrections_max_mb}")
+    if not args.no_corrections and os.path.exists(args.corrections) and not os.path.isdir(args.corrections):
+        raise UsageError(f"--corrections {args.corrections}: exists and is not a folder")
 
 
 def prepare(args: argparse.Namespace):
@@ -131,8 +145,14 @@ def prepare(args: argparse.Namespace):
     service = DiagnosisService(predictor, notes, options, uploads=upload_folder(args))
     gradio_limits()
     concurrency = args.concurrency or max(4, 2 * usable_cpus())
+    corrections = None
+    if not args.no_corrections:
+        from leaflens.apps.corrections import CorrectionStore
+
+        corrections = CorrectionStore(args.corrections, predictor.classes, model_path=args.model,
+                                      run_id=predictor.card.run_id, max_mb=args.corrections_max_mb)
     config = AppConfig(context=ctx, examples=examples, lang=args.lang, concurrency=concurrency,
-                       queue_size=args.queue_size)
+                       queue_size=args.queue_size, corrections=corrections)
     return service, config
 
 

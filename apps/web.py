@@ -6,8 +6,9 @@ Layout: a language switch (English / 中文), then two tabs.
   (``gr.Label``, for a diagnosis only), the verdict in plain words (a diagnosis; "unsure between" two
   classes; "does not look like the leaves or pests this model knows"; the photos disagree; or why a
   photo was not analysed), the class notes (what it is, what to do; for a diagnosis only), a per-photo
-  table when there are several files or a file could not be used, the answer as JSON (closed), and
-  example photos from the training data (clicking one diagnoses it).
+  table when there are several files or a file could not be used, "Wrong? The right answer is ..." and
+  the diagnoses since the page was opened with their CSV (leaflens.apps.web_feedback), the answer as
+  JSON (closed), and example photos from the training data (clicking one diagnoses it).
 - "Model": the model card (classes, test accuracy with its confidence interval, input size,
   provider, parameters, how the "unsure" and out-of-domain thresholds were chosen and what they cost
   on validation) and the run's confusion matrix and training curves.
@@ -15,7 +16,8 @@ Layout: a language switch (English / 中文), then two tabs.
 The Diagnose button's event is the public API endpoint ``/diagnose`` (files in, the JSON of
 :func:`leaflens.apps.diagnosis.summarise` out); the page then renders that JSON in the chosen language in a
 chained, private event, so a language switch re-renders the last answer without asking the model
-again. Gradio's queue feeds the service's dynamic batcher: up to ``concurrency`` requests run at
+again. "Save correction" is the public endpoint ``/correct`` (see leaflens.apps.web_feedback). Gradio's
+queue feeds the service's dynamic batcher: up to ``concurrency`` requests run at
 once (each decoding its photos and submitting them to the shared batcher) and at most
 ``queue_size`` more wait.
 """
@@ -35,6 +37,7 @@ from leaflens.apps.model_info import demo_banner, model_markdown, run_images
 from leaflens.apps.privacy import privacy_markdown
 from leaflens.apps.service import DiagnosisService
 from leaflens.apps.web_config import AppConfig
+from leaflens.apps.web_feedback import build_feedback, wire_feedback
 
 __all__ = ["AppConfig", "build_app", "launch"]
 
@@ -94,6 +97,7 @@ def build_app(service: DiagnosisService, config: AppConfig | None = None) -> gr.
                         verdict = gr.Markdown(t("waiting", lang0), elem_id="verdict")
                         notes_md = gr.Markdown("", elem_id="notes")
                         table = gr.Markdown("", elem_id="per-photo")
+                        feedback = build_feedback(service, cfg, lang0)  # "Wrong?", history, CSV download
                         with gr.Accordion(t("details", lang0), open=False) as details:
                             answer = gr.JSON(label="diagnose", elem_id="answer")
             with gr.Tab(t("tab_model", lang0), id="model") as tab_model:
@@ -178,6 +182,7 @@ def build_app(service: DiagnosisService, config: AppConfig | None = None) -> gr.
 
         lang_radio.change(page_words, inputs=[lang_radio], outputs=[banner, privacy], api_visibility="private",
                           queue=False)
+        wire_feedback(feedback, service, cfg, files=files, answer=answer, lang_input=lang_radio)
 
     demo.queue(max_size=cfg.queue_size, default_concurrency_limit=cfg.concurrency)
     return demo

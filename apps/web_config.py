@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from leaflens.apps.corrections import CorrectionStore
 from leaflens.apps.i18n import DEFAULT_LANG
 from leaflens.apps.model_info import ServeContext
 
@@ -18,6 +19,9 @@ class AppConfig:
 
     ``concurrency``: diagnose requests running at once (each decodes its photos, then waits on the
     shared batcher); ``queue_size``: requests waiting beyond those before Gradio answers "busy".
+    ``corrections``: where "Wrong? The right answer is ..." saves photos (None: no such control, no
+    ``/correct`` endpoint); ``results_root``: where the session CSV downloads are written (None:
+    leaflens.apps.history.default_results_root()).
     """
 
     context: ServeContext = field(default_factory=ServeContext)
@@ -25,3 +29,5 @@ class AppConfig:
     lang: str = DEFAULT_LANG
     concurrency: int = 4
     queue_size: int = 64
+    corrections: CorrectionStore | None = None
+    results_root: Path | None = None

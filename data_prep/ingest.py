@@ -24,7 +24,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -50,7 +50,7 @@ from leaflens.data_prep.manifest import (
     split_paths,
 )
 from leaflens.data_prep.near_dup import HASH_CROPS, NearGroup, near_duplicate_groups, photo_hashes
-from leaflens.data_prep.scan import SPLITS, UNLABELED, ScanResult, SourceFile, scan_source
+from leaflens.data_prep.scan import NOT_A_LEAF, SPLITS, UNLABELED, ScanResult, SourceFile, scan_source
 from leaflens.data_prep.shortcut import PhotoMeta, photo_meta
 from leaflens.data_prep.split import MIN_PER_CLASS, assign_auto, resolve_given
 from leaflens.files import clean_stale_temps, new_temp_dir, swap_into_place, write_json_atomic
@@ -344,9 +344,11 @@ def _mean_std(hist: np.ndarray) -> tuple[tuple[float, float, float], tuple[float
 
 
 def _fingerprint(scan: ScanResult, opts: IngestOptions, unlabeled: str | None) -> str:
-    payload = json.dumps({"format_version": FORMAT_VERSION, "options": opts.to_dict(), "root": scan.root,
-                          "unlabeled": unlabeled, "classes": scan.classes, "files": scan.stats_digest},
-                         sort_keys=True)
+    fields = {"format_version": FORMAT_VERSION, "options": opts.to_dict(), "root": scan.root,
+              "unlabeled": unlabeled, "classes": scan.classes, "files": scan.stats_digest}
+    if scan.also:  # only when given, so datasets built without --also keep their fingerprint
+        fields["also"] = scan.also
+    payload = json.dumps(fields, sort_keys=True)
     return "sha256:" + hashlib.sha256(payload.encode()).hexdigest()
 
 
@@ -373,7 +375,8 @@ def _up_to_date(out: Path, fingerprint: str) -> bool:
 def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: IngestOptions | None = None, *,
            unlabeled: str | os.PathLike | None = None, workers: int | None = None, progress: bool = False,
            force: bool = False, strict: bool = False, check: bool = False,
-           report_path: str | os.PathLike | None = None, log: Callable[[str], None] = print) -> IngestReport:
+           report_path: str | os.PathLike | None = None, also: Sequence[str | os.PathLike] = (),
+           log: Callable[[str], None] = print) -> IngestReport:
     """Turn the photo folder ``src`` into the dataset folder ``out`` (see module docstring).
 
     Data a model cannot be trained and judged on is refused with what to do: fewer than 2 classes, or
@@ -385,13 +388,22 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: Inges
     find. ``check`` runs them alone, decoding each photo at :func:`check_size` and writing nothing but
     the report at ``report_path`` (when given); ``out`` may then be None. A refusal raises
     :class:`IngestError` in both modes, after the report is logged.
+
+    ``also``: extra folders of labelled photos (``DIR/<class>/*``, e.g. the web app's corrections) merged
+    into the source's classes (:func:`leaflens.data_prep.scan.scan_source`); their photos are recorded by
+    absolute path in ``<split>_files.txt``, ``not_a_leaf/`` is skipped with a note.
     """
     t0 = time.perf_counter()
     opts = options or IngestOptions()
     if opts.size < 8:
         raise IngestError(f"image size {opts.size} is too small (need >= 8)")
     src_p = Path(src).resolve()
-    scan = scan_source(src_p, unlabeled)
+    scan = scan_source(src_p, unlabeled, also)
+    if scan.also:
+        log(f"--also: {scan.also_files} labelled photo(s) from {', '.join(scan.also)} added to their classes")
+    if scan.ignored.get(NOT_A_LEAF):
+        log(f"note: {scan.ignored[NOT_A_LEAF]} photo(s) in --also {NOT_A_LEAF}/ folders skipped: the classifier has "
+            "no class for them (they stay where they are, for a future set of negatives)")
     if len(scan.classes) < 2:
         found = ", ".join(repr(c) for c in scan.classes) or "none"
         raise IngestError(f"{src_p}: {len(scan.classes)} class folder found ({found}); a classifier needs at least "

@@ -5,18 +5,28 @@ Two layouts are accepted: ``ROOT/<class>/*`` (split later, stratified) and
 folder passed as ``unlabeled``) holds photos without labels. Class folders may contain subfolders.
 Hidden files and folders and files whose extension is not an image's are ignored and counted.
 Everything is returned in a sorted, deterministic order.
+
+Extra labelled folders (``also``: `leaflens preprocess --also DIR`, e.g. the web app's corrections folder)
+hold ``DIR/<class>/*`` for classes the source already has; their photos join those classes (in the
+split-folder layout they join ``train``, so val and test stay as given). A class folder the source
+does not have is refused: adding a class changes the model, which a folder of corrections should not
+do by accident. ``DIR/not_a_leaf/`` (photos a person said show no leaf) is skipped and counted as
+ignored ``not_a_leaf``: the classifier has no class for them. Loose files in ``DIR`` (the corrections
+log) are not photos and are left alone.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".heic", ".heif"})
 SPLITS = ("train", "val", "test")
 UNLABELED = "unlabeled"
+NOT_A_LEAF = "not_a_leaf"  # an extra folder's "no leaf at all" photos (leaflens.apps.corrections): skipped
 # Folder names accepted for each split in the split layout (case-insensitive).
 _SPLIT_ALIASES = {"train": "train", "training": "train", "val": "val", "valid": "val",
                   "validation": "val", "test": "test", "testing": "test"}
@@ -44,6 +54,8 @@ class ScanResult:
     files: list[SourceFile]
     ignored: dict[str, int] = field(default_factory=dict)
     stats_digest: str = ""  # SHA-256 over (path, size, mtime_ns, label, split) of every file, in order
+    also: list[str] = field(default_factory=list)  # extra labelled folders merged in (resolved paths)
+    also_files: int = 0  # photos found in them (excluding not_a_leaf/)
 
 
 def _visible_dirs(path: Path) -> list[Path]:
@@ -80,8 +92,42 @@ def _count_loose_files(path: Path, ignored: dict[str, int]) -> None:
         ignored["outside_class_folders"] = ignored.get("outside_class_folders", 0) + len(loose)
 
 
-def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = None) -> ScanResult:
-    """List the photos under ``root`` (and the optional separate ``unlabeled`` folder)."""
+def _scan_also(folder: str | os.PathLike, root: Path, classes: list[str], split: str | None,
+               ignored: dict[str, int]) -> list[tuple[str, str | None, str, str]]:
+    """(class, split, abs, rel) of the photos of one extra labelled folder (see the module docstring)."""
+    d = Path(folder).resolve()
+    if not d.is_dir():
+        raise ScanError(f"--also folder {d} does not exist or is not a folder")
+    if d == root or root in d.parents or d in root.parents:
+        raise ScanError(f"--also folder {d} overlaps the source folder {root}; its photos would be counted twice")
+    found: list[tuple[str, str | None, str, str]] = []
+    unknown = []
+    for cdir in _visible_dirs(d):
+        name = cdir.name
+        if name == NOT_A_LEAF:
+            ignored[NOT_A_LEAF] = ignored.get(NOT_A_LEAF, 0) + len(_walk_images(cdir, root, {}))
+            continue
+        if name.lower() in _SPLIT_ALIASES or name.lower() == UNLABELED:
+            raise ScanError(f"--also folder {d}: found {name!r}; an extra folder holds class folders only "
+                            f"({d}/<class>/*.jpg), merged into the source's splits")
+        if name not in classes:
+            unknown.append(name)
+            continue
+        found.extend((name, split, full, rel) for full, rel in _walk_images(cdir, root, ignored))
+    if unknown:
+        raise ScanError(f"--also folder {d}: class folder(s) {', '.join(repr(u) for u in unknown)} are not classes "
+                        f"of the source {root} ({', '.join(classes)}). Rename them to one of those, or add the "
+                        "class to the source with enough photos of its own")
+    for p in d.iterdir():  # loose photos have no class; other loose files (corrections.jsonl) are not photos
+        if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS:
+            ignored["outside_class_folders"] = ignored.get("outside_class_folders", 0) + 1
+    return found
+
+
+def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = None,
+                also: Sequence[str | os.PathLike] = ()) -> ScanResult:
+    """List the photos under ``root``, of the extra labelled folders ``also`` (added to the source's
+    classes, see the module docstring) and of the optional separate ``unlabeled`` folder."""
     root_p = Path(root).resolve()
     if not root_p.is_dir():
         raise ScanError(f"source folder {root_p} does not exist or is not a folder")
@@ -121,6 +167,16 @@ def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = N
         raise ScanError(f"{root_p}: no class folders with images found (expected ROOT/<class>/*.jpg)")
     index = {c: i for i, c in enumerate(classes)}
     files = [SourceFile(full, rel, index[c], split) for c, split, full, rel in per_class]
+    also_roots: list[str] = []
+    also_files = 0
+    for folder in also:
+        d = Path(folder).resolve()
+        if any(d == Path(a) or Path(a) in d.parents or d in Path(a).parents for a in also_roots):
+            raise ScanError(f"--also folder {d} is given twice, or inside another --also folder")
+        labelled = _scan_also(folder, root_p, classes, "train" if layout == "split_folders" else None, ignored)
+        also_roots.append(str(d))
+        also_files += len(labelled)
+        files.extend(SourceFile(full, rel, index[c], split) for c, split, full, rel in labelled)
 
     extra = list(unlabeled_dirs)
     if unlabeled is not None:
@@ -137,4 +193,4 @@ def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = N
     for f in files:  # hashed as we go: no per-file list kept in memory
         st = os.stat(f.path)
         digest.update(f"{f.rel}\0{st.st_size}\0{st.st_mtime_ns}\0{f.label}\0{f.split}\n".encode())
-    return ScanResult(str(root_p), layout, classes, files, ignored, digest.hexdigest())
+    return ScanResult(str(root_p), layout, classes, files, ignored, digest.hexdigest(), also_roots, also_files)

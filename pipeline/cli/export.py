@@ -18,7 +18,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "export",
         help="student -> ONNX (FP32, FP16, INT8) + Triton repository",
-        description="Export the run's best.npz to ONNX (student.onnx FP32, student_fp16.onnx, and "
+        description="Export the model the run kept (its student in best.npz, or the fine-tuned teacher when the run "
+                    "kept it: teacher_model.npz, served under the same file names) to ONNX (student.onnx FP32, "
+                    "student_fp16.onnx, and "
                     "student_int8.onnx when its validation accuracy is within --int8-max-drop of FP32's), "
                     "check engine-vs-onnxruntime parity on the validation split and the served model's "
                     "accuracy on the test split's original photo files (parity.json), and write a Triton "

@@ -41,6 +41,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="train/val/test percentages for ROOT/<class>/ layouts (default 70/15/15)")
     p.add_argument("--seed", type=int, default=0, help="seed of the automatic split (default 0)")
     p.add_argument("--unlabeled", default=None, help="extra folder of unlabelled photos (split 'unlabeled')")
+    p.add_argument("--also", action="append", default=[], metavar="DIR",
+                   help="extra folder of labelled photos, DIR/<class>/*, e.g. the web app's corrections folder "
+                        "(leaflens serve --corrections): merged into the source's classes (with train/val/test "
+                        "folders: into train). A class the source lacks is refused; DIR/not_a_leaf/ is skipped "
+                        "with a note. Repeatable")
     p.add_argument("--workers", type=int, default=None, help="decode processes (default: all cores)")
     p.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS,
                    help=f"refuse images declaring more pixels than this (default {DEFAULT_MAX_PIXELS})")
@@ -60,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
                              seed=args.seed, max_pixels=args.max_pixels, dedupe=args.dedupe or None)
         ingest(args.src, None if args.check else args.out, opts, unlabeled=args.unlabeled, workers=args.workers,
                progress=not args.no_progress and sys.stderr.isatty(), force=args.force,
-               strict=args.strict, check=args.check, report_path=args.report)
+               strict=args.strict, check=args.check, report_path=args.report, also=args.also)
     except (IngestError, ScanError, ValueError) as exc:
         print(f"leaflens preprocess: error: {exc}", file=sys.stderr)
         return 1

@@ -53,7 +53,7 @@ __all__ = ["MODEL_FILE", "ONNX_FILE", "PARITY_PHOTOS", "ServedTeacher", "Teacher
 
 MODEL_FILE = "model.npz"
 ONNX_FILE = "teacher.onnx"
-PARITY_PHOTOS = 256  # validation photos the engine checks teacher.onnx on (the engine takes ~0.1 s each at 224 px)
+PARITY_PHOTOS = 64  # validation photos the engine checks teacher.onnx on here (0.1 s each at 224 px; export: all)
 FP32_TOLERANCE = 1e-4  # max |logit difference|, engine vs onnxruntime: the export's gate
 OOD_TOLERANCE = 1e-3  # out-of-domain score difference relative to max(1, |score|): the export's gate
 
@@ -317,15 +317,27 @@ def write_served_teacher(folder: Path, net: EfficientNetLite, ds: Any, identity:
         if split not in ds or not len(ds[split]) or ds[split].labels is None:
             return not_written(f"dataset {ds.root} has no labelled '{split}' photos to fit its out-of-domain check on")
     try:
+        import onnx  # noqa: F401, PLC0415
         import onnxruntime  # noqa: F401, PLC0415
-
-        from leaflens.engine.onnx_export import export_onnx, save_onnx  # noqa: PLC0415
-        from leaflens.pipeline.export.parity import cpu_session  # noqa: PLC0415
     except ImportError as exc:
         return not_written(f"{exc.name or 'onnx'} is not installed (pip install 'leaflens[serve-cpu]')")
 
+    try:
+        return _write_onnx(folder, net, ds, contract, params, batch, log, t0)
+    except Exception as exc:  # noqa: BLE001 - onnx/onnxruntime raise their own types; the features stand regardless
+        return not_written(f"exporting teacher.onnx failed: {type(exc).__name__}: {exc}")
+
+
+def _write_onnx(folder: Path, net: EfficientNetLite, ds: Any, contract: PreprocessContract, params: int, batch: int,
+                log: Callable[[str], None], t0: float) -> ServedTeacher:
+    """The part of :func:`write_served_teacher` that needs onnx and onnxruntime: fit, export, check, write."""
+    from leaflens.cpus import usable_cpus  # noqa: PLC0415
+    from leaflens.engine.onnx_export import export_onnx, save_onnx  # noqa: PLC0415
+    from leaflens.pipeline.export.parity import cpu_session  # noqa: PLC0415
+
+    size, threads = contract.input_size, usable_cpus()
     log(f"served teacher: fitting its out-of-domain check on the training photos at {size} px")
-    runner = StatsRunner(net, size)
+    runner = StatsRunner(net, size, threads)
     head, check, val_logits, photos = fit_teacher_ood(
         runner, contract, split_batches(ds, "train", contract, batch), np.asarray(ds["train"].labels),
         split_batches(ds, "val", contract, batch), ds.num_classes, keep_val=PARITY_PHOTOS)
@@ -345,13 +357,15 @@ def write_served_teacher(folder: Path, net: EfficientNetLite, ds: Any, identity:
     proto = export_onnx(served, (3, size, size), output_name=("logits", ood.OOD_OUTPUT), metadata=card.to_metadata(),
                         graph_name="leaflens_teacher",
                         doc_string=f"leaflens teacher: EfficientNet-Lite0 fine-tuned on {ds.root} ({run_id})")
-    session = cpu_session(proto.SerializeToString(), runner.session.get_session_options().intra_op_num_threads
-                          if runner.session is not None else 1)
+    session = cpu_session(proto.SerializeToString(), threads)
     log(f"served teacher: checking teacher.onnx against the engine on {len(photos)} validation photos")
     figures, failures = check_against_engine(served, session, photos, contract)
-    figures["photos"], figures["split"] = int(len(photos)), "val"
+    figures["split"] = "val"
     if failures:
-        return not_written("teacher.onnx does not match the engine: " + "; ".join(failures), parity=figures)
+        why = "teacher.onnx does not match the engine: " + "; ".join(failures)
+        log(f"teacher.onnx not written: {why}")
+        return ServedTeacher(written=False, reason=why, model=MODEL_FILE, params=params, contract=contract,
+                             parity=figures, seconds=round(time.perf_counter() - t0, 1))
     save_onnx(proto, folder / ONNX_FILE)
     return ServedTeacher(written=True, model=MODEL_FILE, onnx=ONNX_FILE, run_id=run_id, params=params,
                          contract=contract, val_accuracy=_accuracy(val_logits, val_labels), test_accuracy=test_acc,

@@ -63,7 +63,7 @@ class Server:
         self.notes = load_notes(self.dataset / "classes.toml")
         self.port = free_port()
         args = serve_args(model=self.model, run=self.run, port=self.port, max_upload_mb=1,
-                          examples_cache=root / "examples")
+                          examples_cache=root / "examples", corrections=root / "corrections")
         self.service, self.demo, self.config = cmd_serve.build(args)
         launch(self.demo, self.service, self.config, port=self.port, block=False, quiet=True)
         self.url = f"http://127.0.0.1:{self.port}/"
@@ -121,7 +121,7 @@ def test_app_is_wired_from_the_cli_build(server):
     assert server.service.notes.name("rust", "zh") == "锈病"  # found through the run report's dataset
     assert sorted(p.stem for p in server.config.examples) == CLASSES
     public = {d.get("api_name") for d in server.demo.config["dependencies"] if d.get("api_visibility") == "public"}
-    assert public == {"diagnose"}
+    assert public == {"diagnose", "correct"}  # correct: "Wrong? The right answer is" (test_web_feedback.py)
 
 
 def test_gradio_client_api(server, leaves, strangers):
@@ -129,7 +129,7 @@ def test_gradio_client_api(server, leaves, strangers):
 
     client = Client(server.url, verbose=False)
     info = client.view_api(print_info=False, return_format="dict")
-    assert list(info["named_endpoints"]) == ["/diagnose"]
+    assert sorted(info["named_endpoints"]) == ["/correct", "/diagnose"]
     broken = server.root / "broken.jpg"
     broken.write_bytes(b"\xff\xd8\xff\xe0 this is not really a JPEG")
     leaf = next(iter(leaves.values()))

@@ -213,3 +213,32 @@ def test_distill_says_why_a_teacher_without_a_served_model_is_no_candidate(tmp_p
     assert [c["name"] for c in sel["candidates"]] == ["distilled", "scratch"]
     assert "holds no servable teacher" in sel["teacher_unavailable"]
     assert "The teacher was not a candidate" in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_a_teacher_onnx_that_cannot_be_made_leaves_the_features_and_says_why(tmp_path, monkeypatch):
+    """The features are the teacher stage's product: a failure to export teacher.onnx is recorded, not fatal."""
+    from pipeline_helpers import tiny_dataset  # noqa: PLC0415
+
+    from leaflens.engine import onnx_export  # noqa: PLC0415
+
+    try:
+        pretrained.find_lite0_weights()
+    except pretrained.WeightsNotFoundError as exc:
+        pytest.skip(f"EfficientNet-Lite0 weights not installed: {exc}")
+    real = onnx_export.export_onnx
+
+    def refuse_served(model, *args, **kwargs):
+        if isinstance(model, served.ood.ServedModel):
+            raise onnx_export.ExportError("no converter for this test")
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(onnx_export, "export_onnx", refuse_served)
+    ds_dir = tiny_dataset(tmp_path, per_class=8, size=16)
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--epochs", "1", "--input-size",
+                "32", "--quiet"]) == 0
+    tt = load_teacher(tmp_path / "t", load_dataset(ds_dir))
+    info = served.read_served(tt.info.stage, "teacher.json")
+    assert info is not None and not info.written and "ExportError: no converter for this test" in info.reason
+    assert (tmp_path / "t" / served.MODEL_FILE).is_file() and not (tmp_path / "t" / served.ONNX_FILE).exists()
+    net, meta = served.load_teacher_model(tmp_path / "t" / served.MODEL_FILE)  # the network is kept all the same
+    assert meta.contract is not None and meta.contract.shorter_side == 37 and net.num_classes == 3

@@ -1,0 +1,401 @@
+"""Corrections from the web page: a person says what a photo really shows, the photo joins the training data.
+
+Under each answer the page offers "Wrong? The right answer is [class] / not a leaf". :class:`CorrectionStore`
+keeps the ORIGINAL bytes of the corrected photo (never the decoded pixels: a retrain decodes them as
+`leaflens preprocess` decodes every photo) in ``<root>/<class>/`` or ``<root>/not_a_leaf/``, which is the
+class-folder layout `leaflens preprocess` reads, so ``leaflens preprocess --src photos --also <root>`` puts
+them in the next training run. Each saved photo gets one JSON line in ``<root>/corrections.jsonl``: when,
+which model (file name, SHA-256, training run id), what it predicted, what the person chose, the saved file
+and the uploaded file's name (kept as metadata only).
+
+Rules, because the bytes come from strangers' uploads:
+
+- a saved file's name is generated here (``YYYYmmdd-HHMMSS-<random>.<ext>``, the extension from the
+  file's own magic bytes): the uploaded name never becomes a path;
+- nothing is ever overwritten: the bytes are copied to a hidden temporary name in the class folder and
+  hard-linked to the new name, which fails rather than replace an existing file;
+- the same bytes saved twice under the same class are written once (the log is read back on first use,
+  so this holds across server restarts, as long as the earlier file is still there);
+- the folder is capped (``max_mb``, all files in it counted, the log included): when a photo does not fit,
+  :class:`CorrectionError` with reason ``full`` says so and nothing is written;
+- the folder is created on the first save only, so a server nobody corrects leaves no trace.
+
+The log is appended to (one ``write`` per line, under a lock), not rewritten: an append cannot lose the
+lines already there, which a rewrite interrupted half-way could. A line is written after its photo, so a
+crash in between leaves a photo without its line, never a line without its photo.
+
+No Gradio here: the page (leaflens.apps.web_feedback) and the tests use this class directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from leaflens.apps.diagnosis import md_escape
+from leaflens.apps.i18n import t
+from leaflens.apps.notes import ClassNotes
+from leaflens.files import clean_stale_temps, temp_path
+
+__all__ = ["DEFAULT_DIR", "DEFAULT_MAX_MB", "LOG_NAME", "NOT_A_LEAF", "REASONS", "REQUEST_REASONS", "CorrectionError",
+           "CorrectionStore", "Saved", "apply_correction", "render_correction", "sniff_extension"]
+
+log = logging.getLogger("leaflens.serve")
+
+NOT_A_LEAF = "not_a_leaf"  # the folder for "this is not a leaf at all"
+LOG_NAME = "corrections.jsonl"
+DEFAULT_DIR = "artifacts/corrections"  # relative to the working folder, like the other artifacts
+DEFAULT_MAX_MB = 500.0
+MB = 1024 * 1024
+# Why a photo was not saved: the folder is full; the uploaded file is gone (uploads are cleaned up);
+# its bytes are not a photo format `leaflens preprocess` reads; the class is not the model's.
+REASONS = ("full", "gone", "format", "unknown_class")
+_INCOMING = "incoming"  # temporary files are ".incoming.tmp-<pid>-<random>" in the class folder
+_CHUNK = 1024 * 1024
+_NAME_TRIES = 8
+_LINE_ROOM = 4096  # room kept for a photo's log line when checking the cap
+
+
+class CorrectionError(Exception):
+    """A correction that cannot be saved; ``reason`` is one of :data:`REASONS`."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One saved correction: ``file`` relative to the store's root (posix), the bytes' SHA-256 and size.
+
+    ``duplicate``: the same bytes were already saved under the same class, so nothing new was written
+    and ``file`` is the earlier copy.
+    """
+
+    file: str
+    sha256: str
+    size: int
+    duplicate: bool = False
+
+
+def sniff_extension(head: bytes) -> str | None:
+    """The file extension for a photo from its first bytes (at least 12), or None when it is none of the
+    formats `leaflens preprocess` reads (JPEG, PNG, WebP, BMP, TIFF, HEIC/HEIF). Deliberately not the
+    uploaded name's extension: that name is the uploader's, and may lie."""
+    if head[:3] == b"\xff\xd8\xff":
+        return ".jpg"
+    if head[:8] == b"\x89PNG\r\n\x1a\n":
+        return ".png"
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return ".webp"
+    if head[:2] == b"BM":
+        return ".bmp"
+    if head[:4] in (b"II*\x00", b"MM\x00*"):
+        return ".tif"
+    if head[4:8] == b"ftyp" and head[8:12] in (b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx",
+                                                 b"mif1", b"msf1"):
+        return ".heic"
+    return None
+
+
+class CorrectionStore:
+    """The corrections folder of one server (thread-safe; see the module docstring for the rules).
+
+    ``classes``: the model's classes, the folder names a correction may choose besides :data:`NOT_A_LEAF`.
+    ``model_path`` / ``run_id`` identify the model in every log line (its SHA-256 is computed on the
+    first save). ``max_mb``: the folder's cap. ``clock``: seconds since the epoch (tests pass their own).
+    """
+
+    def __init__(self, root: str | os.PathLike, classes: Sequence[str], *, model_path: str | os.PathLike | None = None,
+                 run_id: str | None = None, max_mb: float = DEFAULT_MAX_MB,
+                 clock: Callable[[], float] = time.time) -> None:
+        if max_mb <= 0:
+            raise ValueError(f"the corrections folder's cap must be > 0 MB, got {max_mb}")
+        bad = [c for c in classes if not c or c.startswith(".") or "/" in c or "\\" in c or c in (".", "..")]
+        if bad:
+            raise ValueError(f"class names {bad} cannot be folder names in the corrections folder")
+        self.root = Path(root)
+        self.classes = tuple(classes)
+        self.model_path = Path(model_path) if model_path is not None else None
+        self.run_id = run_id
+        self.max_bytes = int(max_mb * MB)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._used: int | None = None  # bytes in the folder, counted on first use
+        self._saved: dict[tuple[str, str], str] | None = None  # (class, sha256) -> file, from the log
+        self._model_sha: str | None = None
+
+    # ----------------------------------------------------------------------------- what it offers
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """What a correction may choose: the model's classes, then :data:`NOT_A_LEAF`."""
+        return (*self.classes, NOT_A_LEAF) if NOT_A_LEAF not in self.classes else self.classes
+
+    @property
+    def log_path(self) -> Path:
+        return self.root / LOG_NAME
+
+    def used_bytes(self) -> int:
+        """Bytes in the folder now (every file, the log included)."""
+        with self._lock:
+            return self._usage()
+
+    def is_full(self) -> bool:
+        """Whether the folder is at its cap: not even one more log line fits (a photo may not fit sooner:
+        :meth:`save` says so for that photo)."""
+        return self.used_bytes() + _LINE_ROOM > self.max_bytes
+
+    # ----------------------------------------------------------------------------- saving
+    def save(self, source: str | os.PathLike, chosen: str, *, photo_name: str,
+             predicted: Mapping[str, Any] | None = None, answer: Mapping[str, Any] | None = None) -> Saved:
+        """Copy the photo file ``source`` into the ``chosen`` class's folder under a new name and log it.
+
+        ``photo_name``: what the uploader called the file (logged, never used as a path); ``predicted``:
+        the photo's own answer (its entry of :func:`leaflens.apps.diagnosis.summarise`); ``answer``: the
+        request's combined answer. Raises :class:`CorrectionError` (``unknown_class``, ``gone``,
+        ``format``, ``full``) with a message naming the photo, the class or the folder.
+        """
+        if chosen not in self.labels:
+            raise CorrectionError("unknown_class", f"{chosen!r} is not one of this model's classes "
+                                                   f"({', '.join(self.labels)})")
+        src = Path(source)
+        try:
+            size = src.stat().st_size
+            with open(src, "rb") as fh:
+                head = fh.read(32)
+        except OSError as exc:
+            raise CorrectionError("gone", f"{photo_name}: the uploaded file is no longer on the server "
+                                          f"({exc.strerror or exc}); upload the photo again") from exc
+        ext = sniff_extension(head)
+        if ext is None:
+            raise CorrectionError("format", f"{photo_name}: not a JPEG, PNG, WebP, BMP, TIFF or HEIC photo, so a "
+                                            "retrain could not read it; not saved")
+        with self._lock:
+            saved = self._index()
+            folder = self.root / chosen
+            used = self._usage()
+            if used + size + _LINE_ROOM > self.max_bytes:
+                raise CorrectionError("full", f"the corrections folder {self.root} is full ({used / MB:.1f} MB of "
+                                              f"{self.max_bytes / MB:g} MB); {photo_name} was not saved. Move the "
+                                              "saved photos into the training data, or start the server with a "
+                                              "larger --corrections-max-mb")
+            folder.mkdir(parents=True, exist_ok=True)
+            clean_stale_temps(folder / _INCOMING)
+            tmp = temp_path(folder / _INCOMING)
+            try:
+                digest = _copy_hashing(src, tmp)
+                key = (chosen, digest)
+                earlier = saved.get(key)
+                if earlier is not None and (self.root / earlier).is_file():
+                    return Saved(earlier, digest, size, duplicate=True)
+                now = self._clock()
+                final = self._link_new(tmp, folder, now, ext)
+            finally:
+                tmp.unlink(missing_ok=True)
+            rel = final.relative_to(self.root).as_posix()
+            line = json.dumps(self._record(now, rel, chosen, photo_name, digest, size, predicted, answer),
+                              ensure_ascii=False) + "\n"
+            with open(self.log_path, "a", encoding="utf-8") as fh:
+                fh.write(line)
+            saved[key] = rel
+            self._used = used + size + len(line.encode("utf-8"))
+        log.info("correction saved: %s as %s (predicted %s)", rel, chosen,
+                 (predicted or {}).get("label") or (predicted or {}).get("verdict") or "-")
+        return Saved(rel, digest, size)
+
+    # ----------------------------------------------------------------------------- inside
+    def _link_new(self, tmp: Path, folder: Path, now: float, ext: str) -> Path:
+        """Give ``tmp`` a fresh generated name in ``folder`` without replacing anything; the new path."""
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
+        for _ in range(_NAME_TRIES):
+            final = folder / f"{stamp}-{secrets.token_hex(4)}{ext}"
+            try:
+                os.link(tmp, final)  # fails with FileExistsError instead of replacing
+                return final
+            except FileExistsError:
+                continue
+            except OSError:  # a file system without hard links: exclusive create, then copy
+                try:
+                    with open(final, "xb") as out, open(tmp, "rb") as src:
+                        while chunk := src.read(_CHUNK):
+                            out.write(chunk)
+                except FileExistsError:
+                    continue
+                return final
+        raise CorrectionError("full", f"{folder}: no free file name after {_NAME_TRIES} tries")
+
+    def _usage(self) -> int:
+        if self._used is None:
+            total = 0
+            if self.root.is_dir():
+                for dirpath, _, filenames in os.walk(self.root):
+                    for name in filenames:
+                        try:
+                            total += os.lstat(os.path.join(dirpath, name)).st_size
+                        except OSError:
+                            continue
+            self._used = total
+        return self._used
+
+    def _index(self) -> dict[tuple[str, str], str]:
+        """(class, sha256) -> saved file, read back from the log once (a restarted server knows its files)."""
+        if self._saved is None:
+            found: dict[tuple[str, str], str] = {}
+            try:
+                with open(self.log_path, encoding="utf-8") as fh:
+                    for number, line in enumerate(fh, 1):
+                        try:
+                            rec = json.loads(line)
+                            found[(str(rec["chosen"]), str(rec["sha256"]))] = str(rec["file"])
+                        except (ValueError, KeyError, TypeError):
+                            log.warning("%s line %d is not a correction record; ignored", self.log_path, number)
+            except FileNotFoundError:
+                pass
+            self._saved = found
+        return self._saved
+
+    def model_sha256(self) -> str | None:
+        """``sha256:<hex>`` of the model file (computed once), None without a readable model file."""
+        if self._model_sha is None and self.model_path is not None:
+            try:
+                h = hashlib.sha256()
+                with open(self.model_path, "rb") as fh:
+                    while chunk := fh.read(_CHUNK):
+                        h.update(chunk)
+                self._model_sha = "sha256:" + h.hexdigest()
+            except OSError:
+                return None
+        return self._model_sha
+
+    def _record(self, now: float, rel: str, chosen: str, photo_name: str, digest: str, size: int,
+                predicted: Mapping[str, Any] | None, answer: Mapping[str, Any] | None) -> dict[str, Any]:
+        p = predicted or {}
+        a = answer or {}
+        return {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+            "file": rel,
+            "chosen": chosen,
+            "predicted": {"verdict": p.get("verdict"), "label": p.get("label"),
+                          "confidence": p.get("confidence"), "candidates": list(p.get("candidates") or [])},
+            "answer": {"verdict": a.get("verdict"), "label": a.get("label")},
+            "model": self.model_path.name if self.model_path is not None else None,
+            "model_sha256": self.model_sha256(),
+            "run_id": self.run_id,
+            "sha256": digest,
+            "bytes": size,
+            "photo_name": photo_name,
+        }
+
+
+def _copy_hashing(src: Path, tmp: Path) -> str:
+    """Copy ``src`` to the new file ``tmp``; the copied bytes' ``sha256:<hex>``."""
+    h = hashlib.sha256()
+    try:
+        with open(src, "rb") as fin, open(tmp, "xb") as fout:
+            while chunk := fin.read(_CHUNK):
+                h.update(chunk)
+                fout.write(chunk)
+    except FileNotFoundError as exc:
+        raise CorrectionError("gone", f"{src.name}: the uploaded file is no longer on the server; upload the "
+                                      "photo again") from exc
+    return "sha256:" + h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- one correction from the page
+# Why nothing (or not everything) was saved, besides REASONS: no answer to correct; no class chosen; the
+# photo number is not one of the answer's; the photos are not those of the answer; the model did not
+# analyse the photo (refused or unreadable), so there is nothing to correct.
+REQUEST_REASONS = ("no_answer", "no_choice", "bad_photo", "photos_changed", "not_analysed")
+
+
+def apply_correction(store: CorrectionStore, files: Sequence[str | os.PathLike] | None,
+                     answer: Mapping[str, Any] | None, which: str | int | None, chosen: str | None) -> dict[str, Any]:
+    """Save the photos of ``answer`` (what /diagnose returned for ``files``) as ``chosen``, as JSON.
+
+    ``which``: "all" (or empty) for every photo the model analysed, else the photo's number (1-based, the
+    per-photo table's #). ``files`` must be the files the answer was given for, in the same order (their
+    base names are checked against the answer's photo names: a correction never lands on another photo).
+    Returns ``ok`` (at least one photo saved or already there), ``reason`` (None, or why nothing was saved:
+    :data:`REQUEST_REASONS` or :data:`REASONS`), ``chosen``, ``saved`` (``photo``, ``file``, ``duplicate``)
+    and ``skipped`` (``photo``, ``reason``, ``message``).
+    """
+    out: dict[str, Any] = {"ok": False, "reason": None, "chosen": chosen, "saved": [], "skipped": []}
+
+    def refuse(reason: str) -> dict[str, Any]:
+        out["reason"] = reason
+        return out
+
+    photos = list((answer or {}).get("photos") or [])
+    if not photos:
+        return refuse("no_answer")
+    if not chosen:
+        return refuse("no_choice")
+    if chosen not in store.labels:
+        return refuse("unknown_class")
+    if which in (None, "", "all"):
+        picked = list(range(len(photos)))
+    else:
+        try:
+            number = int(which)
+        except (TypeError, ValueError):
+            return refuse("bad_photo")
+        if not 1 <= number <= len(photos):
+            return refuse("bad_photo")
+        picked = [number - 1]
+    paths = [os.fspath(f) for f in (files or [])]
+    if any(i >= len(paths) or Path(paths[i]).name != photos[i].get("name") for i in picked):
+        return refuse("photos_changed")
+    full = False
+    for i in picked:
+        photo = photos[i]
+        name = str(photo.get("name"))
+        if not photo.get("ok"):
+            out["skipped"].append({"photo": name, "reason": "not_analysed",
+                                   "message": f"{name}: the model did not analyse it ({photo.get('verdict')})"})
+            continue
+        if full:
+            out["skipped"].append({"photo": name, "reason": "full", "message": f"{name}: the folder is full"})
+            continue
+        try:
+            saved = store.save(paths[i], chosen, photo_name=name, predicted=photo,
+                               answer=(answer or {}).get("answer"))
+        except CorrectionError as exc:
+            full = exc.reason == "full"
+            out["skipped"].append({"photo": name, "reason": exc.reason, "message": str(exc)})
+            continue
+        out["saved"].append({"photo": name, "file": saved.file, "duplicate": saved.duplicate})
+    out["ok"] = bool(out["saved"])
+    if not out["ok"]:
+        out["reason"] = out["skipped"][0]["reason"] if out["skipped"] else "no_answer"
+    return out
+
+
+def render_correction(result: Mapping[str, Any] | None, notes: ClassNotes | None, lang: str) -> str:
+    """What the page says after "Save correction", in ``lang`` (empty before any)."""
+    if not result:
+        return ""
+    notes = notes or ClassNotes()
+    chosen = result.get("chosen")
+    name = t("not_a_leaf", lang) if chosen == NOT_A_LEAF else notes.name(str(chosen), lang)
+    lines = []
+    saved = list(result.get("saved") or [])
+    if saved:
+        fresh = sum(not s["duplicate"] for s in saved)
+        lines.append(t("correct_saved", lang, n=len(saved), name=md_escape(name)))
+        if fresh < len(saved):
+            lines.append(t("correct_saved_before", lang, k=len(saved) - fresh))
+    elif result.get("reason") in REQUEST_REASONS[:4] or result.get("reason") == "unknown_class":
+        lines.append(t(f"correct_{result['reason']}", lang))
+    for skip in result.get("skipped") or []:
+        lines.append(t("correct_skipped", lang, photo=md_escape(str(skip["photo"])),
+                       why=t(f"correct_why_{skip['reason']}", lang)))
+    return "\n\n".join(lines)

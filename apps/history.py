@@ -1,0 +1,175 @@
+"""The diagnoses made since the page was opened: a short list on the page and a CSV to download.
+
+One browser session's history lives in that session's ``gr.State`` (a plain dict, so Gradio can copy it
+per session): :func:`new_history`, then :func:`add_result` after every answer. At most
+:data:`HISTORY_MAX` diagnoses are kept, the oldest dropped first, so a page left open all day holds a
+bounded amount of memory. :func:`render_history` lists them, newest first, in the page's language.
+
+The download is the CSV `leaflens predict --csv` writes, with the same columns and the same row writer
+(:func:`leaflens.apps.cmd_predict.write_csv`): one row per photo of every diagnosis in the history, oldest
+first; ``path`` is the photo's file name as uploaded. The page's answer names no class for an
+out-of-domain photo, so neither does its row (``leaflens predict`` adds the model's ranking there).
+:func:`write_session_csv` writes it to ``<root>/<session token>/leaflens-results-<time>.csv`` (the one
+file of that folder: each write removes the previous one); at most :data:`MAX_SESSION_FOLDERS` session
+folders are kept under ``root``, the oldest removed first, and :func:`remove_session` deletes a session's
+folder when Gradio forgets the session.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from leaflens.apps.cmd_predict import write_csv
+from leaflens.apps.diagnosis import format_percent, md_escape
+from leaflens.apps.i18n import t
+from leaflens.apps.notes import ClassNotes
+from leaflens.apps.predictor import VERDICTS, Prediction
+
+__all__ = ["HISTORY_MAX", "MAX_SESSION_FOLDERS", "add_result", "default_results_root", "new_history",
+           "predictions", "remove_session", "render_history", "write_session_csv"]
+
+HISTORY_MAX = 50  # diagnoses kept per browser session
+MAX_SESSION_FOLDERS = 200  # CSV folders kept under the results root (Gradio keeps 200 sessions too)
+_CSV_PREFIX = "leaflens-results-"
+_PHOTO_KEYS = ("name", "ok", "verdict", "label", "confidence", "top", "candidates", "ood_score")
+
+
+def default_results_root() -> Path:
+    """Where the page's CSV downloads are written: ``<system temp>/leaflens-results``."""
+    return Path(tempfile.gettempdir()) / "leaflens-results"
+
+
+def new_history() -> dict[str, Any]:
+    """An empty history: ``token`` (the session's CSV folder, made on first write) and ``entries``."""
+    return {"token": None, "entries": []}
+
+
+def _photo(p: Mapping[str, Any]) -> dict[str, Any]:
+    """What the history keeps of one photo's entry: its answer and, for a failed photo, the reason."""
+    kept = {k: p.get(k) for k in _PHOTO_KEYS}
+    err = p.get("error")
+    kept["error"] = None if not err else {"reason": err.get("reason"), "message": err.get("message")}
+    return kept
+
+
+def add_result(history: Mapping[str, Any] | None, result: Mapping[str, Any] | None,
+               now: float | None = None) -> dict[str, Any]:
+    """The history with ``result`` (an answer of :func:`leaflens.apps.diagnosis.summarise`) added at the end,
+    bounded to :data:`HISTORY_MAX` entries. A result without photos is not a diagnosis: nothing is added."""
+    base = dict(history or new_history())
+    entries = list(base.get("entries") or [])
+    if result and result.get("photos"):
+        answer = result.get("answer") or {}
+        entries.append({
+            "time": time.time() if now is None else now,
+            "verdict": result.get("verdict"),
+            "answer": {k: answer.get(k) for k in ("verdict", "label", "confidence", "candidates")},
+            "photos": [_photo(p) for p in result["photos"]],
+        })
+    base["entries"] = entries[-HISTORY_MAX:]
+    return base
+
+
+def _summary(entry: Mapping[str, Any], notes: ClassNotes, lang: str) -> str:
+    """One diagnosis in a few words."""
+    answer, verdict = entry.get("answer") or {}, entry.get("verdict")
+    if verdict == "diagnosis" and answer.get("label"):
+        return f"**{md_escape(notes.name(answer['label'], lang))}** {format_percent(answer['confidence'])}"
+    if verdict == "ambiguous" and answer.get("candidates"):
+        a = answer["candidates"][0]
+        b = answer["candidates"][1] if len(answer["candidates"]) > 1 else a
+        return md_escape(t("photo_ambiguous", lang, a=notes.name(a, lang), b=notes.name(b, lang)))
+    if verdict == "out_of_domain":
+        return t("photo_ood", lang)
+    if verdict == "disagree":
+        return t("history_disagree", lang)
+    return t("refused_tag" if verdict == "refused" else "error_tag", lang)
+
+
+def render_history(history: Mapping[str, Any] | None, notes: ClassNotes | None, lang: str) -> str:
+    """The history as a Markdown list, newest first: time, the photos' names, the answer in a few words."""
+    entries = list((history or {}).get("entries") or [])
+    if not entries:
+        return t("history_empty", lang)
+    notes = notes or ClassNotes()
+    lines = []
+    for entry in reversed(entries):
+        names = [md_escape(str(p["name"])) for p in entry["photos"]]
+        shown = ", ".join(names[:3]) + (t("and_more_photos", lang, n=len(names) - 3) if len(names) > 3 else "")
+        stamp = time.strftime("%H:%M:%S", time.localtime(entry["time"]))
+        lines.append(f"- {stamp} · {shown}: {_summary(entry, notes, lang)}")
+    if len(entries) >= HISTORY_MAX:
+        lines.append("")
+        lines.append(t("history_bounded", lang, n=HISTORY_MAX))
+    return "\n".join(lines)
+
+
+def _prediction(p: Mapping[str, Any]) -> Prediction:
+    """A history photo as the :class:`Prediction` `leaflens predict` writes a CSV row from."""
+    verdict = p.get("verdict") if p.get("verdict") in VERDICTS else "error"
+    if p.get("ok"):
+        top = tuple((str(e["label"]), float(e["probability"])) for e in p.get("top") or [])
+        return Prediction(str(p["name"]), top=top, verdict=str(verdict), ood_score=p.get("ood_score"))
+    err = p.get("error") or {}
+    return Prediction(str(p["name"]), verdict=str(verdict), ood_score=p.get("ood_score"),
+                      error=str(err.get("message") or err.get("reason") or "not read"), reason=err.get("reason"))
+
+
+def predictions(history: Mapping[str, Any] | None) -> list[Prediction]:
+    """Every photo of every diagnosis in the history, oldest first, as CSV rows' Predictions."""
+    return [_prediction(p) for entry in (history or {}).get("entries") or [] for p in entry["photos"]]
+
+
+def write_session_csv(root: str | os.PathLike, history: Mapping[str, Any], top_k: int,
+                      now: float | None = None) -> tuple[dict[str, Any], Path | None]:
+    """Write the history's CSV for download; ``(history, path)`` (the history gains its token on the first
+    write; path None when the history is empty). See the module docstring for where and how many."""
+    if not (history.get("entries") or []):
+        return dict(history), None
+    base = dict(history)
+    token = base.get("token") or secrets.token_hex(8)
+    base["token"] = token
+    folder = Path(root) / str(token)
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if now is None else now))
+    target = folder / f"{_CSV_PREFIX}{stamp}.csv"
+    write_csv(target, predictions(base), top_k)
+    for old in folder.glob(f"{_CSV_PREFIX}*.csv"):
+        if old != target:
+            old.unlink(missing_ok=True)
+    _cap_sessions(Path(root), keep=folder)
+    return base, target
+
+
+def _cap_sessions(root: Path, keep: Path) -> None:
+    """Remove the oldest session folders beyond :data:`MAX_SESSION_FOLDERS` (never ``keep``)."""
+    try:
+        folders = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink()]
+    except OSError:
+        return
+    if len(folders) <= MAX_SESSION_FOLDERS:
+        return
+
+    def mtime(p: Path) -> float:
+        try:
+            return p.stat().st_mtime
+        except OSError:
+            return 0.0
+
+    for old in sorted(folders, key=mtime)[: len(folders) - MAX_SESSION_FOLDERS]:
+        if old != keep:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_session(root: str | os.PathLike, history: Mapping[str, Any] | None) -> None:
+    """Delete the CSV folder of a session Gradio has forgotten (its ``gr.State`` delete callback)."""
+    token = (history or {}).get("token")
+    if token and all(c in "0123456789abcdef" for c in str(token)):
+        shutil.rmtree(Path(root) / str(token), ignore_errors=True)

@@ -1,0 +1,283 @@
+"""The corrections folder (leaflens.apps.corrections): generated names, original bytes, no overwrite, the log,
+the cap, a restart, and applying a page's correction to the photos of an answer. No model, no Gradio."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from leaflens.apps import corrections as corr
+from leaflens.apps.corrections import (
+    LOG_NAME,
+    NOT_A_LEAF,
+    CorrectionError,
+    CorrectionStore,
+    apply_correction,
+    render_correction,
+    sniff_extension,
+)
+from leaflens.apps.notes import ClassNotes
+
+CLASSES = ["early_blight", "healthy", "rust"]
+MB = 1024 * 1024
+
+
+def photo_bytes(seed: int, fmt: str = "JPEG", size: tuple[int, int] = (40, 30)) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buf, fmt)
+    return buf.getvalue()
+
+
+def upload(folder: Path, name: str, data: bytes) -> Path:
+    """A file as Gradio keeps an upload: the uploader's name, in a folder of its own."""
+    d = folder / f"upload-{len(list(folder.glob('upload-*')))}"
+    d.mkdir(parents=True)
+    (d / name).write_bytes(data)
+    return d / name
+
+
+def store_at(root: Path, **kw) -> CorrectionStore:
+    model = root.parent / "model.onnx"
+    if not model.exists():
+        model.write_bytes(b"not really a model, but bytes to hash")
+    return CorrectionStore(root, CLASSES, model_path=model, run_id="run-7", **kw)
+
+
+def log_lines(root: Path) -> list[dict]:
+    return [json.loads(line) for line in (root / LOG_NAME).read_text(encoding="utf-8").splitlines()]
+
+
+# ----------------------------------------------------------------------------- saving one photo
+def test_saves_original_bytes_under_a_generated_name_with_a_log_line(tmp_path):
+    data = photo_bytes(1)
+    src = upload(tmp_path / "up", "IMG 0001.png", data)
+    root = tmp_path / "corrections"
+    assert not root.exists()
+    store = store_at(root, clock=lambda: 1_764_600_000.0)
+    assert not root.exists()  # nothing is created before the first correction
+    saved = store.save(src, "rust", photo_name="IMG 0001.png", predicted={"verdict": "diagnosis", "label": "healthy",
+                                                                           "confidence": 0.93, "candidates": []},
+                       answer={"verdict": "diagnosis", "label": "healthy"})
+    path = root / saved.file
+    assert path.parent == root / "rust" and path.read_bytes() == data  # the very bytes, not re-encoded
+    assert path.suffix == ".jpg"  # from the bytes (JPEG), not from the uploaded name (.png)
+    assert "IMG" not in path.name and path.name.startswith("20251201-")
+    assert [p.name for p in (root / "rust").iterdir()] == [path.name]  # no temporary left behind
+    (rec,) = log_lines(root)
+    assert rec["file"] == saved.file and rec["chosen"] == "rust" and rec["photo_name"] == "IMG 0001.png"
+    assert rec["predicted"] == {"verdict": "diagnosis", "label": "healthy", "confidence": 0.93, "candidates": []}
+    assert rec["answer"] == {"verdict": "diagnosis", "label": "healthy"}
+    assert rec["run_id"] == "run-7" and rec["model"] == "model.onnx"
+    assert rec["model_sha256"] == "sha256:" + hashlib.sha256((tmp_path / "model.onnx").read_bytes()).hexdigest()
+    assert rec["sha256"] == "sha256:" + hashlib.sha256(data).hexdigest() and rec["bytes"] == len(data)
+    assert rec["time"] == "2025-12-01T14:40:00Z"
+
+
+def test_uploaded_name_never_becomes_a_path(tmp_path):
+    root = tmp_path / "corrections"
+    store = store_at(root)
+    src = upload(tmp_path / "up", "leaf.jpg", photo_bytes(2))
+    saved = store.save(src, NOT_A_LEAF, photo_name="../../../etc/passwd")
+    assert (root / saved.file).parent == root / NOT_A_LEAF
+    assert log_lines(root)[0]["photo_name"] == "../../../etc/passwd"  # metadata only
+    assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()) == sorted(
+        [saved.file, LOG_NAME])
+
+
+@pytest.mark.parametrize("fmt,ext", [("JPEG", ".jpg"), ("PNG", ".png"), ("WEBP", ".webp"), ("BMP", ".bmp"),
+                                     ("TIFF", ".tif")])
+def test_extension_comes_from_the_bytes(fmt, ext):
+    assert sniff_extension(photo_bytes(3, fmt)[:32]) == ext
+
+
+def test_heic_brand_and_non_photos():
+    assert sniff_extension(b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00") == ".heic"
+    assert sniff_extension(b"\x00\x00\x00\x18ftypmp42\x00\x00\x00\x00") is None  # an MP4 video
+    assert sniff_extension(b"GIF89a" + b"\x00" * 10) is None  # preprocess does not read GIF
+    assert sniff_extension(b"just some text in a .jpg") is None
+
+
+def test_not_a_photo_is_refused_and_nothing_written(tmp_path):
+    root = tmp_path / "corrections"
+    store = store_at(root)
+    src = upload(tmp_path / "up", "notes.jpg", b"this is text, not a photo, whatever the name says")
+    with pytest.raises(CorrectionError) as exc:
+        store.save(src, "rust", photo_name="notes.jpg")
+    assert exc.value.reason == "format" and "notes.jpg" in str(exc.value)
+    assert not root.exists()
+
+
+def test_unknown_class_and_missing_upload(tmp_path):
+    store = store_at(tmp_path / "corrections")
+    src = upload(tmp_path / "up", "a.jpg", photo_bytes(4))
+    with pytest.raises(CorrectionError) as exc:
+        store.save(src, "mildew", photo_name="a.jpg")
+    assert exc.value.reason == "unknown_class" and "mildew" in str(exc.value)
+    with pytest.raises(CorrectionError) as exc:
+        store.save(tmp_path / "up" / "gone.jpg", "rust", photo_name="gone.jpg")
+    assert exc.value.reason == "gone" and "gone.jpg" in str(exc.value)
+
+
+def test_never_overwrites_even_when_the_generated_name_is_taken(tmp_path, monkeypatch):
+    root = tmp_path / "corrections"
+    store = store_at(root, clock=lambda: 1_764_600_000.0)
+    first = store.save(upload(tmp_path / "up", "a.jpg", photo_bytes(5)), "rust", photo_name="a.jpg")
+    before = (root / first.file).read_bytes()
+    token = Path(first.file).stem.rsplit("-", 1)[1]
+    tokens = iter([token, token, "0badc0de"])  # the same name twice (same clock, same random), then a new one
+    monkeypatch.setattr(corr.secrets, "token_hex", lambda n: next(tokens))
+    second = store.save(upload(tmp_path / "up", "b.jpg", photo_bytes(6)), "rust", photo_name="b.jpg")
+    assert second.file != first.file and second.file.endswith("-0badc0de.jpg")
+    assert (root / first.file).read_bytes() == before  # the first photo is untouched
+    assert (root / second.file).read_bytes() == photo_bytes(6)
+
+
+def test_same_photo_twice_is_written_once_per_class(tmp_path):
+    root = tmp_path / "corrections"
+    store = store_at(root)
+    data = photo_bytes(7)
+    a = store.save(upload(tmp_path / "up", "a.jpg", data), "rust", photo_name="a.jpg")
+    b = store.save(upload(tmp_path / "up", "a.jpg", data), "rust", photo_name="a.jpg")
+    assert b.duplicate and b.file == a.file and len(list((root / "rust").iterdir())) == 1
+    c = store.save(upload(tmp_path / "up", "a.jpg", data), "healthy", photo_name="a.jpg")  # changed their mind
+    assert not c.duplicate and (root / c.file).parent.name == "healthy"
+    assert [r["chosen"] for r in log_lines(root)] == ["rust", "healthy"]
+
+
+def test_restart_keeps_files_log_and_knows_what_it_saved(tmp_path):
+    root = tmp_path / "corrections"
+    data = photo_bytes(8)
+    first = store_at(root).save(upload(tmp_path / "up", "a.jpg", data), "rust", photo_name="a.jpg")
+    again = store_at(root)  # a restarted server: a new store over the same folder
+    dup = again.save(upload(tmp_path / "up", "a.jpg", data), "rust", photo_name="a.jpg")
+    assert dup.duplicate and dup.file == first.file
+    other = again.save(upload(tmp_path / "up", "b.png", photo_bytes(9, "PNG")), "rust", photo_name="b.png")
+    assert other.file != first.file and (root / first.file).read_bytes() == data
+    assert [r["file"] for r in log_lines(root)] == [first.file, other.file]
+    # a photo removed by hand (to fix a wrong label) can be saved again
+    (root / first.file).unlink()
+    assert not store_at(root).save(upload(tmp_path / "up", "a.jpg", data), "rust", photo_name="a.jpg").duplicate
+
+
+def test_cap_counts_what_is_there_and_says_when_full(tmp_path):
+    root = tmp_path / "corrections"
+    (root / "rust").mkdir(parents=True)
+    (root / "rust" / "older.jpg").write_bytes(b"\xff\xd8\xff" + b"\0" * (MB - 3))  # 1 MB from an earlier run
+    store = store_at(root, max_mb=1.5)
+    assert store.used_bytes() == MB and not store.is_full()
+    big = upload(tmp_path / "up", "big.jpg", b"\xff\xd8\xff" + os.urandom(MB // 2))
+    with pytest.raises(CorrectionError) as exc:
+        store.save(big, "rust", photo_name="big.jpg")
+    assert exc.value.reason == "full" and "full" in str(exc.value) and "--corrections-max-mb" in str(exc.value)
+    assert sorted(p.name for p in (root / "rust").iterdir()) == ["older.jpg"]
+    small = upload(tmp_path / "up", "small.jpg", photo_bytes(10))
+    saved = store.save(small, "rust", photo_name="small.jpg")
+    assert store.used_bytes() == MB + len(photo_bytes(10)) + len((root / LOG_NAME).read_bytes())
+    assert store.used_bytes() == sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    assert (root / saved.file).is_file()
+    (root / "rust" / "filler.jpg").write_bytes(b"\0" * (MB // 2))  # filled behind its back: seen after a restart
+    assert store_at(root, max_mb=1.5).is_full()
+
+
+def test_concurrent_saves_all_land(tmp_path):
+    root = tmp_path / "corrections"
+    store = store_at(root)
+    srcs = [upload(tmp_path / "up", f"p{i}.jpg", photo_bytes(100 + i)) for i in range(12)]
+    results: list = []
+    threads = [threading.Thread(target=lambda s=s: results.append(store.save(s, "healthy", photo_name=s.name)))
+               for s in srcs]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    files = {r.file for r in results}
+    assert len(files) == 12 and {r["file"] for r in log_lines(root)} == files
+    assert sorted((root / f).read_bytes() for f in files) == sorted(s.read_bytes() for s in srcs)
+
+
+# ----------------------------------------------------------------------------- a correction from the page
+def answer_for(paths: list[Path], verdicts: list[str]) -> dict:
+    photos = []
+    for p, v in zip(paths, verdicts):
+        ok = v not in ("refused", "error")
+        photos.append({"name": p.name, "ok": ok, "verdict": v, "label": "healthy" if v == "diagnosis" else None,
+                       "confidence": 0.9 if v == "diagnosis" else None, "candidates": [], "top": []})
+    return {"verdict": "diagnosis", "photos": photos, "answer": {"verdict": "diagnosis", "label": "healthy"}}
+
+
+def test_apply_saves_the_analysed_photos_and_skips_the_rest(tmp_path):
+    root = tmp_path / "corrections"
+    store = store_at(root)
+    paths = [upload(tmp_path / "up", "a.jpg", photo_bytes(11)), upload(tmp_path / "up", "b.jpg", photo_bytes(12)),
+             upload(tmp_path / "up", "c.jpg", b"broken")]
+    answer = answer_for(paths, ["diagnosis", "out_of_domain", "error"])
+    res = apply_correction(store, [str(p) for p in paths], answer, "all", "rust")
+    assert res["ok"] and [s["photo"] for s in res["saved"]] == ["a.jpg", "b.jpg"]
+    assert res["skipped"] == [{"photo": "c.jpg", "reason": "not_analysed",
+                               "message": "c.jpg: the model did not analyse it (error)"}]
+    assert sorted((root / s["file"]).read_bytes() for s in res["saved"]) == sorted([photo_bytes(11), photo_bytes(12)])
+    recs = log_lines(root)
+    assert [r["predicted"]["verdict"] for r in recs] == ["diagnosis", "out_of_domain"]
+    assert all(r["answer"] == {"verdict": "diagnosis", "label": "healthy"} for r in recs)
+    text = render_correction(res, ClassNotes({"rust": {"name": "Rust", "name_zh": "锈病"}}), "en")
+    assert "Saved 2 photo(s) as **Rust**" in text and "c\\.jpg" in text and "did not analyse" in text
+    zh = render_correction(res, ClassNotes({"rust": {"name": "Rust", "name_zh": "锈病"}}), "zh")
+    assert "锈病" in zh and "2 张" in zh
+
+
+def test_apply_one_photo_by_number(tmp_path):
+    root = tmp_path / "corrections"
+    store = store_at(root)
+    paths = [upload(tmp_path / "up", "a.jpg", photo_bytes(13)), upload(tmp_path / "up", "b.jpg", photo_bytes(14))]
+    res = apply_correction(store, paths, answer_for(paths, ["diagnosis", "diagnosis"]), "2", NOT_A_LEAF)
+    assert [s["photo"] for s in res["saved"]] == ["b.jpg"]
+    assert (root / res["saved"][0]["file"]).read_bytes() == photo_bytes(14)
+    assert "Not a leaf" in render_correction(res, None, "en")
+
+
+@pytest.mark.parametrize("which,chosen,reason", [("all", None, "no_choice"), ("all", "", "no_choice"),
+                                                 ("3", "rust", "bad_photo"), ("0", "rust", "bad_photo"),
+                                                 ("x", "rust", "bad_photo"), ("all", "mildew", "unknown_class")])
+def test_apply_refuses_bad_requests_and_writes_nothing(tmp_path, which, chosen, reason):
+    root = tmp_path / "corrections"
+    paths = [upload(tmp_path / "up", "a.jpg", photo_bytes(15)), upload(tmp_path / "up", "b.jpg", photo_bytes(16))]
+    res = apply_correction(store_at(root), paths, answer_for(paths, ["diagnosis", "diagnosis"]), which, chosen)
+    assert (res["ok"], res["reason"], res["saved"]) == (False, reason, [])
+    assert not root.exists()
+    assert render_correction(res, None, "en") and render_correction(res, None, "zh")
+
+
+def test_apply_refuses_photos_that_are_not_the_answers(tmp_path):
+    root = tmp_path / "corrections"
+    a = upload(tmp_path / "up", "a.jpg", photo_bytes(17))
+    b = upload(tmp_path / "up", "b.jpg", photo_bytes(18))
+    res = apply_correction(store_at(root), [b], answer_for([a], ["diagnosis"]), "all", "rust")
+    assert res["reason"] == "photos_changed" and not root.exists()
+    res = apply_correction(store_at(root), [], answer_for([a], ["diagnosis"]), "all", "rust")
+    assert res["reason"] == "photos_changed"
+    assert apply_correction(store_at(root), [a], None, "all", "rust")["reason"] == "no_answer"
+
+
+def test_apply_stops_at_a_full_folder_and_says_so(tmp_path):
+    root = tmp_path / "corrections"
+    store = store_at(root, max_mb=0.01)  # 10 KB: not even one of these photos fits
+    paths = [upload(tmp_path / "up", f"{n}.png", photo_bytes(19 + n, "PNG", (80, 60))) for n in range(2)]
+    res = apply_correction(store, paths, answer_for(paths, ["diagnosis", "diagnosis"]), "all", "rust")
+    assert not res["ok"] and res["reason"] == "full" and [s["reason"] for s in res["skipped"]] == ["full", "full"]
+    assert "full" in render_correction(res, None, "en") and "已满" in render_correction(res, None, "zh")
+
+
+def test_store_rejects_bad_settings(tmp_path):
+    with pytest.raises(ValueError, match="> 0 MB"):
+        CorrectionStore(tmp_path, CLASSES, max_mb=0)
+    with pytest.raises(ValueError, match="folder names"):
+        CorrectionStore(tmp_path, ["ok", "../up"])

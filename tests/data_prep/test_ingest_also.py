@@ -1,0 +1,119 @@
+"""`leaflens preprocess --also DIR`: extra labelled photos (the web app's corrections folder) merged into the
+source's classes; not_a_leaf/ skipped with a note; unknown classes, split folders and overlaps refused."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from dp_helpers import COLOURS, encode, make_class_folders, photo
+
+from leaflens.data_prep.ingest import IngestOptions, ingest
+from leaflens.data_prep.manifest import load_dataset
+from leaflens.data_prep.scan import NOT_A_LEAF, ScanError, scan_source
+from leaflens.pipeline.cli import main
+
+
+def corrections_folder(root, per_class: dict[str, int], seed: int = 5000, not_a_leaf: int = 0):
+    """What `leaflens serve` leaves: class folders of generated names, a log, maybe not_a_leaf/."""
+    for c, n in per_class.items():
+        (root / c).mkdir(parents=True, exist_ok=True)
+        for i in range(n):
+            (root / c / f"20261201-1200{i:02d}-{seed + i:08x}.jpg").write_bytes(encode(photo(seed + i, COLOURS[c])))
+        seed += 100
+    if not_a_leaf:
+        (root / NOT_A_LEAF).mkdir(parents=True)
+        for i in range(not_a_leaf):
+            (root / NOT_A_LEAF / f"n{i}.jpg").write_bytes(encode(photo(9000 + i, (90, 90, 90))))
+    (root / "corrections.jsonl").write_text('{"file": "x"}\n', encoding="utf-8")
+    (root / ".rust.tmp-1-ab.jpg").write_bytes(b"half a photo")  # a temporary: hidden, never read
+    return root
+
+
+def test_scan_merges_extra_photos_into_the_sources_classes(tmp_path):
+    src = make_class_folders(tmp_path / "photos", per_class=5)
+    extra = corrections_folder(tmp_path / "corrections", {"rust": 3, "healthy": 1}, not_a_leaf=2)
+    plain = scan_source(src)
+    scan = scan_source(src, also=[extra])
+    assert scan.classes == plain.classes and scan.also == [str(extra.resolve())] and scan.also_files == 4
+    added = scan.files[len(plain.files):]
+    assert sorted((scan.classes[f.label], f.path.split("/")[-2]) for f in added) == \
+        [("healthy", "healthy")] + [("rust", "rust")] * 3
+    assert all(f.split is None and f.rel == f.path for f in added)  # recorded by absolute path, split later
+    assert scan.ignored.get(NOT_A_LEAF) == 2 and "not_image" not in scan.ignored  # the log is not counted
+    assert scan.stats_digest != plain.stats_digest
+
+
+def test_preprocess_includes_corrections_and_notes_not_a_leaf(tmp_path):
+    src = make_class_folders(tmp_path / "photos", per_class=10)
+    extra = corrections_folder(tmp_path / "corrections", {"rust": 4}, not_a_leaf=3)
+    out = tmp_path / "ds"
+    said: list[str] = []
+    report = ingest(src, out, IngestOptions(size=16), workers=1, also=[extra], log=said.append)
+    ds = load_dataset(out)
+    files = [f for s in ("train", "val", "test") for f in ds[s].files]
+    from_extra = [f for f in files if f.startswith(str(extra.resolve()))]
+    assert len(files) == 34 and len(from_extra) == 4 and all("/rust/" in f for f in from_extra)
+    rust = ds.classes.index("rust")
+    for s in ("train", "val", "test"):  # the label of every extra row is its folder's class
+        labels = np.asarray(ds[s].labels)
+        for f, y in zip(ds[s].files, labels):
+            if f in from_extra:
+                assert y == rust
+    assert sum(ds.manifest.splits[s].per_class["rust"] for s in ("train", "val", "test")) == 14
+    assert report.ignored[NOT_A_LEAF] == 3 and ds.manifest.ignored[NOT_A_LEAF] == 3
+    assert any("4 labelled photo(s)" in m for m in said) and any("not_a_leaf/ folders skipped" in m for m in said)
+    # a new correction makes the dataset out of date; without --also it is rebuilt as before
+    again = ingest(src, out, IngestOptions(size=16), workers=1, also=[extra], log=said.append)
+    assert again.up_to_date
+    (extra / "rust" / "20261202-000000-feedbeef.jpg").write_bytes(encode(photo(7777, COLOURS["rust"])))
+    assert not ingest(src, out, IngestOptions(size=16), workers=1, also=[extra], log=said.append).up_to_date
+    assert load_dataset(out).manifest.splits["train"].count + load_dataset(out).manifest.splits["val"].count + \
+        load_dataset(out).manifest.splits["test"].count == 35
+
+
+def test_split_folders_source_takes_extra_photos_into_train(tmp_path):
+    src = tmp_path / "photos"
+    for s in ("train", "val", "test"):
+        make_class_folders(src / s, per_class=4, seed={"train": 1, "val": 2, "test": 3}[s])
+    extra = corrections_folder(tmp_path / "corrections", {"blight": 2})
+    out = tmp_path / "ds"
+    ingest(src, out, IngestOptions(size=16), workers=1, also=[extra], log=lambda m: None)
+    ds = load_dataset(out)
+    assert ds.manifest.splits["train"].per_class["blight"] == 6
+    assert ds.manifest.splits["val"].per_class["blight"] == ds.manifest.splits["test"].per_class["blight"] == 4
+
+
+def test_refuses_unknown_classes_split_folders_and_overlaps(tmp_path):
+    src = make_class_folders(tmp_path / "photos", per_class=3)
+    unknown = corrections_folder(tmp_path / "c1", {"rust": 1})
+    (unknown / "mildew").mkdir()
+    (unknown / "mildew" / "m.jpg").write_bytes(encode(photo(1, (10, 10, 10))))
+    with pytest.raises(ScanError, match=r"'mildew' are not classes of the source .*blight, healthy, rust"):
+        scan_source(src, also=[unknown])
+    split = tmp_path / "c2"
+    (split / "train" / "rust").mkdir(parents=True)
+    with pytest.raises(ScanError, match="'train'; an extra folder holds class folders only"):
+        scan_source(src, also=[split])
+    with pytest.raises(ScanError, match="overlaps the source folder"):
+        scan_source(src, also=[src / "rust"])
+    ok = corrections_folder(tmp_path / "c3", {"rust": 1})
+    with pytest.raises(ScanError, match="given twice"):
+        scan_source(src, also=[ok, ok])
+    with pytest.raises(ScanError, match="does not exist"):
+        scan_source(src, also=[tmp_path / "nowhere"])
+
+
+def test_cli_also_is_repeatable_and_errors_name_the_folder(tmp_path, capsys):
+    src = make_class_folders(tmp_path / "photos", per_class=6)
+    a = corrections_folder(tmp_path / "a", {"rust": 2})
+    b = corrections_folder(tmp_path / "b", {"healthy": 3}, seed=6000)
+    out = tmp_path / "ds"
+    assert main(["preprocess", "--src", str(src), "--out", str(out), "--size", "16", "--workers", "1",
+                 "--no-progress", "--also", str(a), "--also", str(b)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    total = sum(v["count"] for v in manifest["splits"].values())
+    assert total == 18 + 5
+    assert main(["preprocess", "--src", str(src), "--out", str(out), "--also", str(tmp_path / "none")]) == 1
+    assert "--also folder" in capsys.readouterr().err

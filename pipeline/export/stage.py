@@ -251,8 +251,6 @@ def _teacher(info: RunInfo, ds: Dataset, threads: int, stack: contextlib.ExitSta
     net, meta = served.load_teacher_model(path)
     if meta.contract is None:
         raise ExportFailed(f"{path}: the teacher cannot be served ({meta.reason})")
-    if meta.dataset_manifest_sha256 != manifest_sha256(ds.root):
-        raise ExportFailed(f"{path} was fine-tuned on another dataset than {ds.root} (manifest checksum differs)")
     kept = info.kept_metrics or RunMetrics()
     threshold = kept.uncertain_threshold
     card = ModelCard(classes=meta.classes, contract=meta.contract,

@@ -159,11 +159,19 @@ def prepare(args: argparse.Namespace):
 def upload_folder(args: argparse.Namespace):
     """The server's own upload folder, ready (leftovers of an earlier server deleted), with ``GRADIO_TEMP_DIR``
     pointing at it for the Gradio app built next. Raises UsageError naming the folder."""
-    from leaflens.apps.uploads import UploadFolder, UploadFolderError, UploadPolicy, default_folder
+    import tempfile
 
-    root = args.uploads_dir or default_folder(args.port)
-    uploads = UploadFolder(root, UploadPolicy(keep_s=60.0 * args.keep_uploads_minutes, max_mb=args.uploads_max_mb))
+    from leaflens.apps.uploads import UploadFolder, UploadFolderError, UploadFolderInUse, UploadPolicy, default_folder
+
+    policy = UploadPolicy(keep_s=60.0 * args.keep_uploads_minutes, max_mb=args.uploads_max_mb)
+    uploads = UploadFolder(args.uploads_dir or default_folder(args.port), policy)
     try:
+        uploads.prepare()
+    except UploadFolderInUse as exc:
+        if args.uploads_dir is not None:
+            raise UsageError(f"--uploads-dir: {exc}") from exc
+        # the default folder of this port is another running process's (a server or a test on the same port)
+        uploads = UploadFolder(tempfile.mkdtemp(prefix=f"{default_folder(args.port).name}-"), policy)
         uploads.prepare()
     except UploadFolderError as exc:
         raise UsageError(f"--uploads-dir: {exc}") from exc

@@ -43,8 +43,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ANSWER_GRACE_S", "MARKER", "UNANSWERED_S", "UploadFolder", "UploadFolderError", "UploadPolicy",
-           "default_folder"]
+__all__ = ["ANSWER_GRACE_S", "MARKER", "UNANSWERED_S", "UploadFolder", "UploadFolderError", "UploadFolderInUse",
+           "UploadPolicy", "default_folder"]
 
 log = logging.getLogger("leaflens.serve")
 
@@ -81,6 +81,10 @@ def _alive(pid: int) -> bool:
 
 class UploadFolderError(ValueError):
     """An upload folder that cannot be used; the message names the folder."""
+
+
+class UploadFolderInUse(UploadFolderError):
+    """The folder is marked by another process that is still running (another server, or a test)."""
 
 
 @dataclass(frozen=True)
@@ -163,7 +167,7 @@ class UploadFolder:
                 "give an empty or new folder, since everything Gradio writes there is deleted")
         owner = _owner(marker)
         if owner is not None and owner != os.getpid() and _alive(owner):
-            raise UploadFolderError(f"upload folder {self.root}: in use by another running server (process {owner}); "
+            raise UploadFolderInUse(f"upload folder {self.root}: in use by another running server (process {owner}); "
                                     "give each server its own folder")
         try:
             marker.write_text(f"pid {os.getpid()}\nPhotos uploaded to `leaflens serve`, deleted once answered.\n",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import threading
 import time
 from dataclasses import replace
@@ -261,6 +262,19 @@ def test_serve_flags_give_gradio_a_folder_of_its_own(tmp_path, model, monkeypatc
     finally:
         service.close()
     assert cmd_serve.run(serve_args(model=model, keep_uploads_minutes=-1)) == 2
+    # the default folder of a port another running process holds: this server takes a fresh one beside it
+    taken = UploadFolder(tmp_path / "elsewhere")
+    monkeypatch.setattr("leaflens.apps.uploads.default_folder", lambda port: taken.root)
+    (taken.root).mkdir()
+    (taken.root / MARKER).write_text(f"pid {os.getppid()}\n")
+    service, _ = cmd_serve.prepare(serve_args(model=model, no_examples=True))
+    try:
+        assert service.uploads.root != taken.root and service.uploads.root.name.startswith("elsewhere-")
+    finally:
+        service.close()
+        shutil.rmtree(service.uploads.root)  # made in the system temp folder
+    with pytest.raises(cmd_serve.UsageError, match="in use by another running server"):
+        cmd_serve.prepare(serve_args(model=model, no_examples=True, uploads_dir=taken.root))
     not_ours = tmp_path / "not-ours"
     not_ours.mkdir()
     (not_ours / "x.txt").write_text("x")

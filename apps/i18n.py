@@ -18,8 +18,25 @@ STRINGS: dict[str, dict[str, str]] = {
     "en": {
         "title": "# leaflens: what is wrong with this leaf?",
         "intro": ("Take a photo of one leaf, close and in daylight, and drop it here. Several photos of "
-                  "leaves from the same plant give a more reliable answer: they are judged together."),
-        "photos": "Leaf photos (JPEG, PNG, WebP or HEIC; one or several)",
+                  "leaves from the same plant give a more reliable answer: they are judged together. One plant "
+                  "at a time: a new upload starts a new plant, **Add photos** adds to this one."),
+        # the upload box's label: {formats} is formats or formats_heic (HEIC only when the server reads it)
+        "photos": "Leaf photos of one plant ({formats}; one or several)",
+        "formats": "JPEG, PNG or WebP",
+        "formats_heic": "JPEG, PNG, WebP or HEIC",
+        "add_photos": "Add photos (same plant)",
+        "camera": "Take a photo",
+        "answer_region": "Answer",
+        # the upload box's own prompt (replacing Gradio's "Drop File Here - or - Click to Upload")
+        "upload_drop": "Drop leaf photos here",
+        "upload_or": "- or -",
+        "upload_click": "click or tap to choose them",
+        "upload_aria": "Choose leaf photos, or drop them here",
+        "remove_photo": "Remove {name}",
+        "thumbnail": "Photo {i} of {n}: {caption}",
+        "gradio_upload": "Upload",
+        "fullscreen": "Full screen",
+        "fullscreen_exit": "Leave full screen",
         "diagnose": "Diagnose",
         "clear": "Clear",
         "language": "Language / 语言",
@@ -77,8 +94,9 @@ STRINGS: dict[str, dict[str, str]] = {
         "err_not_an_image": "this is not a picture, or not in a format we read (JPEG, PNG, WebP, HEIC).",
         "err_too_large": "the picture has too many pixels to process safely.",
         "err_unsupported_mode": "the picture uses a colour format we cannot convert.",
-        "err_heic_unsupported": ("this is an HEIC photo (iPhone), which this server cannot read: install "
-                                 "pillow-heif (pip install 'leaflens[heic]') or send the photo as JPEG."),
+        "err_heic_unsupported": ("this is an HEIC photo (iPhone), which this server cannot read: send it as "
+                                 "JPEG (iPhone: Settings > Camera > Formats > Most Compatible), or ask whoever "
+                                 "runs the server to install pillow-heif (pip install 'leaflens[heic]')."),
         "err_unreadable": "the file could not be opened.",
         "err_file_too_big": "the file is {size} MB; the largest accepted is {limit} MB.",
         "err_internal": "the server failed while reading this photo.",
@@ -197,8 +215,23 @@ STRINGS: dict[str, dict[str, str]] = {
     },
     "zh": {
         "title": "# leaflens：这片叶子怎么了？",
-        "intro": "请在自然光下近距离拍一片叶子，把照片拖到这里。同一株植物的多张叶片照片会一起判断，结果更可靠。",
-        "photos": "叶片照片（JPEG、PNG、WebP 或 HEIC；一张或多张）",
+        "intro": ("请在自然光下近距离拍一片叶子，把照片拖到这里。同一株植物的多张叶片照片会一起判断，结果更可靠。"
+                  "每次只看一株植物：新上传的照片代表一株新的植物，点 **添加照片** 可为这一株补充照片。"),
+        "photos": "同一株植物的叶片照片（{formats}；一张或多张）",
+        "formats": "JPEG、PNG 或 WebP",
+        "formats_heic": "JPEG、PNG、WebP 或 HEIC",
+        "add_photos": "添加照片（同一株）",
+        "camera": "拍照",
+        "answer_region": "诊断结果",
+        "upload_drop": "将叶片照片拖放到此处",
+        "upload_or": "- 或 -",
+        "upload_click": "点击或轻触选择照片",
+        "upload_aria": "选择叶片照片，或拖放到此处",
+        "remove_photo": "移除 {name}",
+        "thumbnail": "第 {i} 张，共 {n} 张：{caption}",
+        "gradio_upload": "上传",
+        "fullscreen": "全屏显示",
+        "fullscreen_exit": "退出全屏",
         "diagnose": "诊断",
         "clear": "清除",
         "language": "Language / 语言",
@@ -248,8 +281,9 @@ STRINGS: dict[str, dict[str, str]] = {
         "err_not_an_image": "这不是图片，或不是我们能读取的格式（JPEG、PNG、WebP、HEIC）。",
         "err_too_large": "图片像素太多，无法安全处理。",
         "err_unsupported_mode": "图片的颜色格式无法转换。",
-        "err_heic_unsupported": ("这是 HEIC 照片（iPhone），本服务器无法读取：请安装 pillow-heif"
-                                 "（pip install 'leaflens[heic]'），或以 JPEG 格式发送照片。"),
+        "err_heic_unsupported": ("这是 HEIC 照片（iPhone），本服务器无法读取：请以 JPEG 格式发送"
+                                 "（iPhone：设置 > 相机 > 格式 > 兼容性最佳），或请服务器管理员安装 pillow-heif"
+                                 "（pip install 'leaflens[heic]'）。"),
         "err_unreadable": "无法打开该文件。",
         "err_file_too_big": "文件大小为 {size} MB；最大允许 {limit} MB。",
         "err_internal": "服务器读取这张照片时出错。",

@@ -4,7 +4,8 @@ Used by the end-to-end browser test and to make the README's screenshot::
 
     python -m leaflens.apps.screenshot --model artifacts/export/student.onnx --photo leaf.jpg --out docs/app.png
 
-(any other ``leaflens serve`` option may follow). The app is started in this process on a free
+(any other ``leaflens serve`` option may follow; ``--phone`` saves what a 390 x 844 phone screen shows after
+Diagnose, ``--shot-lang zh`` switches the page to Chinese). The app is started in this process on a free
 local port. The browser is the system's Chromium driven by Playwright (``playwright install``
 cannot download browsers everywhere, so the executable is found on disk: ``$LEAFLENS_CHROMIUM``,
 then ``chromium`` / ``chromium-browser`` / ``google-chrome`` on the PATH). Playwright is a
@@ -30,6 +31,8 @@ __all__ = ["BROWSER_ARGS", "PageText", "drive", "find_chromium", "free_port", "m
 BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                 "--disable-component-update", "--no-first-run"]
 MAX_PNG_BYTES = 300_000
+PHONE = (390, 844)  # --phone: the viewport of a common phone, in CSS pixels
+VERDICT = "#verdict [data-testid=markdown]"  # the verdict's words (Gradio's progress timer sits beside them)
 
 
 @dataclass
@@ -76,9 +79,10 @@ def shrink_png(path: str | os.PathLike, max_bytes: int = MAX_PNG_BYTES) -> int:
 
 def drive(url: str, photos: Sequence[str | os.PathLike], screenshot: str | os.PathLike | None = None,
           lang: str | None = None, timeout_s: float = 60.0, width: int = 1200, height: int = 900,
-          chromium: str | None = None) -> PageText:
+          chromium: str | None = None, full_page: bool = True) -> PageText:
     """Open ``url``, optionally switch language ("en"/"zh"), upload ``photos``, press Diagnose,
-    wait for the verdict to change, optionally save a full-page PNG, and return the page's text.
+    wait for the verdict to change, optionally save a PNG (the whole page, or with ``full_page=False``
+    what the screen shows: on a phone, the answer the page scrolled to), and return the page's text.
 
     Raises ``RuntimeError`` when no browser is found and Playwright's ``TimeoutError`` when the
     page does not answer within ``timeout_s``.
@@ -102,19 +106,21 @@ def drive(url: str, photos: Sequence[str | os.PathLike], screenshot: str | os.Pa
                 page.locator("#lang").get_by_text(LANG_CHOICES[lang], exact=True).click()
                 page.wait_for_function("t => document.querySelector('#diagnose').innerText.trim() === t",
                                        arg=_button_text(lang))
-            before = page.inner_text("#verdict")
+            before = page.inner_text(VERDICT)
             page.locator("#photos input[type=file]").set_input_files([os.fspath(p) for p in photos])
             for p in photos:  # the upload has finished when every file is listed (as stem + extension)
                 page.locator("#photos").get_by_text(Path(p).stem, exact=False).first.wait_for()
             page.click("#diagnose")
-            page.wait_for_function("t => document.querySelector('#verdict').innerText !== t", arg=before)
+            page.wait_for_function(f"t => document.querySelector('{VERDICT}').innerText !== t", arg=before)
             time.sleep(0.3)  # let the chained render settle (label, notes, thumbnails arrive together)
-            text = PageText(page.inner_text("#verdict"), _text(page, "#ranking"), _text(page, "#notes"),
-                            _text(page, "#per-photo"))
+            text = PageText(page.inner_text(VERDICT), _text(page, "#ranking"), _text(page, "#notes"),
+                            _text(page, "#per-photo [data-testid=markdown]"))
             if screenshot is not None:
                 Path(screenshot).parent.mkdir(parents=True, exist_ok=True)
-                page.wait_for_load_state("networkidle")
-                page.screenshot(path=os.fspath(screenshot), full_page=True)
+                # not "networkidle": the page keeps a heartbeat connection open while it has per-session state
+                page.wait_for_function("() => [...document.images].every(i => i.complete)")
+                time.sleep(0.5)  # a phone-sized page scrolls smoothly to the answer
+                page.screenshot(path=os.fspath(screenshot), full_page=full_page)
             return text
         finally:
             browser.close()
@@ -141,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     own.add_argument("--out", required=True, help="PNG to write (re-encoded to stay under 300 KB)")
     own.add_argument("--shot-lang", choices=["en", "zh"], default=None, help="switch the page to this language")
     own.add_argument("--width", type=int, default=1200)
+    own.add_argument("--height", type=int, default=900)
+    own.add_argument("--phone", action="store_true",
+                     help=f"a phone's screen ({PHONE[0]} x {PHONE[1]}), and only what it shows after Diagnose")
     args, rest = own.parse_known_args(argv)
     serve_parser = cmd_serve.add_parser(argparse.ArgumentParser(prog="serve").add_subparsers())
     serve_args = serve_parser.parse_args(rest)
@@ -148,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     service, demo, config = cmd_serve.build(serve_args)
     try:
         launch(demo, service, config, host="127.0.0.1", port=serve_args.port, block=False, quiet=True)
+        width, height = PHONE if args.phone else (args.width, args.height)
         text = drive(f"http://127.0.0.1:{serve_args.port}/", args.photo, args.out, lang=args.shot_lang,
-                     width=args.width)
+                     width=width, height=height, full_page=not args.phone)
     finally:
         demo.close()
         service.close()

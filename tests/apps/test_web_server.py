@@ -159,14 +159,26 @@ def test_gradio_client_api(server, leaves, strangers):
         assert res["note"]["name_zh"] == "锈病"
 
 
-def test_upload_size_limit_is_enforced(server):
+def test_upload_size_limit_is_enforced(server, leaf):
+    """A file over the app's limit (1 MB here) is answered in the app's own format, next to the other photos;
+    Gradio's own limit, UPLOAD_CAP_FACTOR times higher, refuses far larger files before they are sent."""
     from gradio_client import Client, handle_file
+
+    from leaflens.apps.web_assets import UPLOAD_CAP_FACTOR
 
     big = server.root / "big.png"
     big.write_bytes(b"\x89PNG\r\n\x1a\n" + os.urandom(int(1.2 * 1024 * 1024)))
     client = Client(server.url, verbose=False)
-    with pytest.raises(ValueError, match="exceeds the maximum file size of 1048576 bytes"):
-        client.predict([handle_file(str(big))], api_name="/diagnose")  # refused before uploading
+    res = client.predict([handle_file(str(big)), handle_file(str(leaf))], api_name="/diagnose")
+    too_big, fine = res["photos"]
+    assert too_big["name"] == "big.png" and too_big["ok"] is False and too_big["verdict"] == "error"
+    assert too_big["error"]["reason"] == "file_too_big"
+    assert too_big["error"]["message"] == "the file is 1.2 MB; the largest accepted is 1.0 MB."
+    assert fine["ok"] is True and res["answer"]["photos_used"] == 1  # the other photo is still answered
+    huge = server.root / "huge.png"
+    huge.write_bytes(b"\x89PNG\r\n\x1a\n" + os.urandom(UPLOAD_CAP_FACTOR * 1024 * 1024))
+    with pytest.raises(ValueError, match=f"exceeds the maximum file size of {UPLOAD_CAP_FACTOR * 1048576} bytes"):
+        client.predict([handle_file(str(huge))], api_name="/diagnose")  # refused before uploading
     # and the service refuses it by itself when handed such a path directly (examples, scripts)
     res = server.service.diagnose([big])
     assert res["photos"][0]["error"]["reason"] == "file_too_big"

@@ -275,6 +275,8 @@ def run(args: argparse.Namespace) -> int:
         log.warning("listening on %s: other computers on the network can use this app", args.host)
     try:
         launch(demo, service, config, host=args.host, port=args.port, share=args.share, block=True)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM before Gradio's own wait could take it: a normal stop
+        demo.close()
     except OSError as exc:  # port in use, address not available
         print(f"{prog}: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2

@@ -145,12 +145,14 @@ class UploadFolder:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.deleted = 0  # files deleted since the start (for the log and the tests)
+        self._created = False  # prepare() made the folder: close() removes it again
 
     # ----------------------------------------------------------------------------- set-up
     def prepare(self) -> int:
         """Create the folder (mode 0700) and mark it, or check an existing one; delete an earlier server's
         leftovers. Returns how many files were deleted. Raises :class:`UploadFolderError` naming the folder."""
         try:
+            self._created = not self.root.exists()
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
             raise UploadFolderError(f"upload folder {self.root}: cannot create it ({exc.strerror or exc})") from exc
@@ -190,7 +192,8 @@ class UploadFolder:
             self._thread.start()
 
     def close(self, delete_all: bool = True) -> None:
-        """Stop the sweep; with ``delete_all``, delete every file Gradio wrote (the server is stopping)."""
+        """Stop the sweep; with ``delete_all``, delete every file Gradio wrote (the server is stopping), and
+        the folder itself when :meth:`prepare` made it and nothing else is left in it."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
@@ -202,6 +205,12 @@ class UploadFolder:
             for f in self._scan():
                 self._unlink(f.path)
             self._remove_empty_dirs(min_age_s=0.0)
+            if self._created and set(os.listdir(self.root)) <= {MARKER}:
+                try:
+                    (self.root / MARKER).unlink(missing_ok=True)
+                    self.root.rmdir()
+                except OSError:
+                    pass
 
     # ----------------------------------------------------------------------------- the service's calls
     def owns(self, path: str | os.PathLike) -> bool:

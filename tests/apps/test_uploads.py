@@ -175,6 +175,11 @@ def test_leftovers_temp_files_and_the_cap(tmp_path):
         uploads.close()
     assert files_in(root) == [foreign]  # everything Gradio wrote is deleted when the server stops
     assert not any(p.is_dir() for p in root.iterdir() if len(p.name) == 64)
+    quiet = UploadFolder(tmp_path / "made-here")
+    quiet.prepare()
+    upload(quiet.root, seed=60)
+    quiet.close()
+    assert not quiet.root.exists()  # a folder it made, left empty: removed with it
 
 
 def test_the_folder_stays_bounded_under_many_concurrent_requests(tmp_path, model):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -144,13 +145,21 @@ def test_correction_through_the_api_lands_in_the_folder_and_the_next_dataset(app
     assert not any(NOT_A_LEAF in f for f in rows)
 
 
-def test_no_corrections_means_no_control_and_no_endpoint(tmp_path):
+def test_no_corrections_means_no_control_and_no_endpoint(tmp_path, monkeypatch):
     from leaflens.apps import cmd_serve
     from leaflens.apps.web import build_app
 
+    # prepare() points GRADIO_TEMP_DIR, process-wide, at this test's upload folder: put it back afterwards, or the
+    # module's running server would keep uploading into a folder this test deletes
+    if "GRADIO_TEMP_DIR" in os.environ:
+        monkeypatch.setenv("GRADIO_TEMP_DIR", os.environ["GRADIO_TEMP_DIR"])
+    else:
+        monkeypatch.delenv("GRADIO_TEMP_DIR", raising=False)
+
     weights = tiny_weights(len(CLASSES), seed=1)
     model = build_tiny_model(tmp_path / "m.onnx", weights, 16, leaflens_metadata(CLASSES, 16))
-    service, config = cmd_serve.prepare(serve_args(model=model, no_corrections=True, no_examples=True))
+    service, config = cmd_serve.prepare(serve_args(model=model, no_corrections=True, no_examples=True,
+                                                   uploads_dir=tmp_path / "uploads"))
     try:
         assert config.corrections is None
         demo = build_app(service, config)
@@ -237,7 +246,7 @@ def test_page_correction_history_and_download(app, tmp_path, lang, viewport):
                     page.click("#clear")  # the next photo is another plant; wait until the page is cleared
                     page.wait_for_function("t => document.querySelector('#verdict').innerText.trim() === t",
                                            arg=t("waiting", lang).replace("**", ""))
-                    assert not page.locator("#correct-save").is_visible()  # no answer, nothing to correct
+                    page.locator("#correct-save").wait_for(state="hidden")  # no answer, nothing to correct
             assert _fits(page, "#history-box", viewport[0]) and _fits(page, "#download", viewport[0])
             history = page.inner_text("#history")
             assert history.index(second.name) < history.index(leaf.name)  # newest first

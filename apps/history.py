@@ -12,7 +12,8 @@ out-of-domain photo, so neither does its row (``leaflens predict`` adds the mode
 :func:`write_session_csv` writes it to ``<root>/<session token>/leaflens-results-<time>.csv`` (the one
 file of that folder: each write removes the previous one); at most :data:`MAX_SESSION_FOLDERS` session
 folders are kept under ``root``, the oldest removed first, and :func:`remove_session` deletes a session's
-folder when Gradio forgets the session.
+folder when Gradio forgets the session. By default ``root`` is the server's own folder
+(:func:`default_results_root`), removed when the server's process exits.
 """
 
 from __future__ import annotations
@@ -32,18 +33,44 @@ from leaflens.apps.i18n import t
 from leaflens.apps.notes import ClassNotes
 from leaflens.apps.predictor import VERDICTS, Prediction
 
-__all__ = ["HISTORY_MAX", "MAX_SESSION_FOLDERS", "add_result", "default_results_root", "new_history",
+__all__ = ["HISTORY_MAX", "MAX_SESSION_FOLDERS", "add_result", "clean_stale_results", "default_results_root",
+           "new_history",
            "predictions", "remove_session", "render_history", "write_session_csv"]
 
 HISTORY_MAX = 50  # diagnoses kept per browser session
 MAX_SESSION_FOLDERS = 200  # CSV folders kept under the results root (Gradio keeps 200 sessions too)
 _CSV_PREFIX = "leaflens-results-"
+_ROOT_PREFIX = "leaflens-results-"  # + the server's process id
 _PHOTO_KEYS = ("name", "ok", "verdict", "label", "confidence", "top", "candidates", "ood_score")
 
 
 def default_results_root() -> Path:
-    """Where the page's CSV downloads are written: ``<system temp>/leaflens-results``."""
-    return Path(tempfile.gettempdir()) / "leaflens-results"
+    """Where this server writes the page's CSV downloads: ``<system temp>/leaflens-results-<pid>``, its own
+    folder (the page removes it when the process exits; :func:`clean_stale_results` removes a killed one's)."""
+    return Path(tempfile.gettempdir()) / f"{_ROOT_PREFIX}{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, someone else's
+        return True
+    return True
+
+
+def clean_stale_results(parent: str | os.PathLike | None = None) -> list[Path]:
+    """Remove the ``leaflens-results-<pid>`` folders under ``parent`` (default: the system temp folder) of
+    processes that no longer run (a server killed before it could remove its own); the removed folders."""
+    removed = []
+    for folder in Path(parent or tempfile.gettempdir()).glob(f"{_ROOT_PREFIX}*"):
+        pid = folder.name[len(_ROOT_PREFIX):]
+        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)) or not folder.is_dir():
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
 
 
 def new_history() -> dict[str, Any]:

@@ -17,6 +17,8 @@ language switch:
 
 from __future__ import annotations
 
+import atexit
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ import gradio as gr
 from leaflens.apps.corrections import MB, NOT_A_LEAF, apply_correction, render_correction
 from leaflens.apps.history import (
     add_result,
+    clean_stale_results,
     default_results_root,
     new_history,
     remove_session,
@@ -63,8 +66,19 @@ class Feedback:
     correct: CorrectionControl | None = None
 
 
+_OWN_ROOTS: set[Path] = set()  # default results folders this process removes when it exits
+
+
 def _results_root(cfg: AppConfig) -> Path:
-    return cfg.results_root or default_results_root()
+    """``cfg.results_root``, else this server's own folder (a killed server's leftovers removed first)."""
+    if cfg.results_root is not None:
+        return cfg.results_root
+    root = default_results_root()
+    if root not in _OWN_ROOTS:
+        _OWN_ROOTS.add(root)
+        clean_stale_results()
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
 
 
 def _label_choices(service: DiagnosisService, lang: str) -> list[tuple[str, str]]:

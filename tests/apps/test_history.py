@@ -144,3 +144,21 @@ def test_csv_matches_leaflens_predict_photo_for_photo(tiny_model, tmp_path):
             assert page["error"] and cli["error"] and page["label"] == cli["label"] == ""
     assert {"out_of_domain", "refused", "error"} <= verdicts and verdicts & {"diagnosis", "ambiguous"}
     assert len(predictions(h)) == len(files)
+
+
+def test_default_results_folder_is_the_servers_own_and_stale_ones_are_removed(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from leaflens.apps.history import clean_stale_results, default_results_root
+
+    assert default_results_root().name == f"leaflens-results-{os.getpid()}"
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(done.stdout)  # a process that has exited
+    for name in (f"leaflens-results-{dead}", f"leaflens-results-{os.getpid()}", "leaflens-results-1",
+                 "leaflens-results-notes"):
+        (tmp_path / name / "abc").mkdir(parents=True)
+    assert clean_stale_results(tmp_path) == [tmp_path / f"leaflens-results-{dead}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"leaflens-results-{os.getpid()}", "leaflens-results-1", "leaflens-results-notes"])

@@ -13,7 +13,7 @@ latency. Exit code 2 on a usage or model error.
 
 Uploaded photos go to a folder of the server's own (``GRADIO_TEMP_DIR`` is set to ``--uploads-dir``, by
 default ``<system temp>/leaflens-uploads-<port>``) and are deleted once answered, after
-``--keep-uploads-minutes`` (default 0: within half a minute); see leaflens.apps.uploads.
+``--keep-uploads-minutes`` (default 30 with corrections on, else 0: within half a minute); see leaflens.apps.uploads.
 """
 
 from __future__ import annotations
@@ -30,6 +30,11 @@ __all__ = ["add_parser", "build", "prepare", "run"]
 
 log = logging.getLogger("leaflens.serve")
 
+
+
+# How long an answered photo stays by default while corrections are on (a person reads the answer, then may
+# press 'Wrong?'); with --no-corrections it goes within half a minute.
+CORRECTION_WINDOW_MINUTES = 30.0
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -71,9 +76,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--uploads-dir", default=None, metavar="DIR",
                    help="where uploaded photos are kept until they are deleted (default: "
                         "<system temp>/leaflens-uploads-<port>; a new or empty folder, or one leaflens made)")
-    p.add_argument("--keep-uploads-minutes", type=float, default=0.0, metavar="N",
-                   help="keep each uploaded photo N minutes after its answer (default 0: deleted within half a "
-                        "minute, the time the page needs to show it)")
+    p.add_argument("--keep-uploads-minutes", type=float, default=None, metavar="N",
+                   help="keep each uploaded photo N minutes after its answer (default: 30 while corrections are "
+                        "on, so 'Wrong?' can still save the photo; 0 with --no-corrections: deleted within half "
+                        "a minute, the time the page needs to show it)")
     p.add_argument("--uploads-max-mb", type=float, default=1024.0,
                    help="cap on the upload folder: beyond it the oldest photos are deleted first (default 1024)")
     p.add_argument("--corrections", default="artifacts/corrections", metavar="DIR",
@@ -103,6 +109,8 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--concurrency must be >= 1, got {args.concurrency}")
     if args.max_wait_ms < 0:
         raise UsageError(f"--max-wait-ms must be >= 0, got {args.max_wait_ms}")
+    if args.keep_uploads_minutes is None:  # a correction needs the photo: keep it while a person may still use it
+        args.keep_uploads_minutes = 0.0 if args.no_corrections else CORRECTION_WINDOW_MINUTES
     if not args.keep_uploads_minutes >= 0:
         raise UsageError(f"--keep-uploads-minutes must be >= 0, got {args.keep_uploads_minutes}")
     if not args.uploads_max_mb > 0:

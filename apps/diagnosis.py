@@ -260,7 +260,7 @@ def photo_caption(photo: dict[str, Any], notes: ClassNotes, lang: str) -> str:
         return t("photo_ambiguous", lang, a=a, b=b)
     if verdict == "out_of_domain":
         return t("photo_ood", lang)
-    return t("photo_refused" if verdict == "refused" else "error_tag", lang)
+    return t("refused_tag" if verdict == "refused" else "error_tag", lang)
 
 
 def _verdict(answer: dict[str, Any], photos: list[dict[str, Any]], classes: Sequence[str], notes: ClassNotes,

@@ -257,7 +257,16 @@ def test_serve_flags_give_gradio_a_folder_of_its_own(tmp_path, model, monkeypatc
 
     monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "shared-gradio"))
     args = serve_args()
-    assert args.keep_uploads_minutes == 0.0 and args.uploads_dir is None and args.uploads_max_mb == 1024.0
+    assert args.keep_uploads_minutes is None and args.uploads_dir is None and args.uploads_max_mb == 1024.0
+    # unset: photos stay while a correction may still need them, and go at once when corrections are off
+    for no_corrections, minutes in ((False, cmd_serve.CORRECTION_WINDOW_MINUTES), (True, 0.0)):
+        flags = {"no_corrections": True} if no_corrections else {}
+        service, _ = cmd_serve.prepare(serve_args(model=model, uploads_dir=tmp_path / f"up{no_corrections}",
+                                                  no_examples=True, **flags))
+        try:
+            assert service.uploads.policy.keep_s == 60.0 * minutes
+        finally:
+            service.close()
     args = serve_args(model=model, uploads_dir=tmp_path / "up", keep_uploads_minutes=5, no_examples=True)
     service, _ = cmd_serve.prepare(args)
     try:

@@ -308,7 +308,7 @@ def test_through_gradio_answered_uploads_leave_the_folder(tmp_path, model):
 
     port = free_port()
     service, demo, config = cmd_serve.build(serve_args(model=model, port=port, uploads_dir=tmp_path / "up",
-                                                       no_examples=True))
+                                                       no_examples=True, keep_uploads_minutes=0))
     uploads = service.uploads
     # answered photos go at once; a temporary file would stay an hour: none may be left (leaflens.apps.web_uploads)
     uploads.policy = replace(uploads.policy, grace_s=0.0, stale_temp_s=3600.0, sweep_every_s=0.2)

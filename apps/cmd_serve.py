@@ -57,7 +57,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s: this computer only)")
     p.add_argument("--port", type=int, default=7860, help="port (default %(default)s)")
     p.add_argument("--share", action="store_true", help="also create a public gradio.live link (off by default)")
-    p.add_argument("--lang", choices=["en", "zh"], default="en", help="interface language at start (default en)")
+    p.add_argument("--lang", choices=["en", "zh"], default="en",
+                   help="interface language when the page's address (?lang=), the browser's remembered choice and "
+                        "its own language name neither English nor Chinese (default en)")
     p.add_argument("--max-upload-mb", type=float, default=20.0, help="largest photo accepted, in MB (default 20)")
     p.add_argument("--max-photos", type=int, default=16, help="most photos judged together (default 16)")
     p.add_argument("--top-k", type=int, default=3, help="classes shown per answer (default 3)")

@@ -61,9 +61,11 @@ class Encoder(Protocol):
 
 
 def split_source_dir(ds: Any, split: str) -> Path | None:
-    """Where the original photos of a split live (None when the manifest does not say)."""
-    key = "unlabeled_source" if split == "unlabeled" else "source_root"
-    root = getattr(ds.manifest, key)
+    """Where the original photos of a split live (None when the manifest does not say). Unlabelled photos
+    come from a folder passed on their own (``unlabeled_source``, files recorded relative to it) or from the
+    source's own ``unlabeled/`` folder (files recorded relative to the source, like the labelled ones)."""
+    m = ds.manifest
+    root = (m.unlabeled_source or m.source_root) if split == "unlabeled" else m.source_root
     return Path(root) if root else None
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -148,3 +149,17 @@ def test_a_broken_teacher_array_is_refused_by_name(ds_dir, tmp_path):
     (tmp_path / "t" / "features_test.npy").unlink()
     with pytest.raises(TeacherError, match=r"features_test\.npy is missing"):
         load_teacher(tmp_path / "t", ds)
+
+
+def test_unlabeled_photos_are_found_inside_the_source_or_in_their_own_folder():
+    from types import SimpleNamespace
+
+    from leaflens.pipeline.teachers.stage import split_source_dir
+
+    inside = SimpleNamespace(manifest=SimpleNamespace(source_root="/photos", unlabeled_source=None))
+    apart = SimpleNamespace(manifest=SimpleNamespace(source_root="/photos", unlabeled_source="/more"))
+    assert split_source_dir(inside, "unlabeled") == Path("/photos")  # files read "unlabeled/x.jpg"
+    assert split_source_dir(apart, "unlabeled") == Path("/more")
+    assert split_source_dir(apart, "train") == Path("/photos")
+    assert split_source_dir(SimpleNamespace(manifest=SimpleNamespace(source_root=None, unlabeled_source=None)),
+                            "unlabeled") is None

@@ -43,7 +43,7 @@ from leaflens.engine.tensor import Function, Tensor, _coerce_inputs
 from leaflens.files import write_bytes_atomic
 
 __all__ = ["IR_VERSION", "OPSET", "ExportError", "UnsupportedOpError", "convert_float16", "export_onnx",
-           "save_onnx", "supported_ops", "trace"]
+           "nodes_reaching", "save_onnx", "supported_ops", "trace"]
 
 # Opset 17 and IR version 8 were released together (onnx 1.12, 2022): onnxruntime >= 1.12 loads
 # them, which covers every Triton Inference Server container since 22.08 (24.x ship 1.16-1.20).
@@ -121,8 +121,9 @@ def _unsupported(call: TracedCall) -> UnsupportedOpError:
                               f"Exportable ops: {', '.join(supported_ops())}")
 
 
-def _prune(nodes: list[onnx.NodeProto], outputs: Sequence[str]) -> list[onnx.NodeProto]:
-    """Drop nodes whose results never reach a graph output (e.g. a training-only head)."""
+def nodes_reaching(nodes: Sequence[onnx.NodeProto], outputs: Sequence[str]) -> list[onnx.NodeProto]:
+    """The nodes (topologically ordered, as given) whose results reach any of ``outputs``: export drops the
+    others (e.g. a training-only head), INT8 quantisation uses it to tell the branches of a graph apart."""
     needed = set(outputs)
     keep = []
     for node in reversed(nodes):
@@ -207,7 +208,7 @@ def export_onnx(model: Module, input_shape: Sequence[int], *, input_name: str = 
         out_shape = [t.shape[i] for i in out_perm]
         elem = helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype))
         outputs.append(helper.make_tensor_value_info(name, elem, ["batch", *out_shape[1:]]))
-    b.nodes[:] = _prune(b.nodes, output_names)
+    b.nodes[:] = nodes_reaching(b.nodes, output_names)
 
     graph = helper.make_graph(
         b.nodes, graph_name,

@@ -52,11 +52,6 @@ from leaflens.pipeline.train_student import ConcatImages, TrainData, predict_log
 from leaflens.pipeline.training import BEST
 
 
-def _softmax(z: np.ndarray) -> np.ndarray:
-    e = np.exp(z - z.max(axis=1, keepdims=True))
-    return e / e.sum(axis=1, keepdims=True)
-
-
 def _partial_dir(out: Path) -> Path:
     return out.with_name(out.name + ".partial")
 
@@ -206,9 +201,9 @@ def _teacher_candidate(ds: Any, tt: Any, threads: int) -> tuple[dict[str, Any] |
     ms, backend = measure_ms(net, served.contract.input_size, threads)
     # the figures the teacher stage recorded (teacher.json's logits), as the students' are the engine's
     out: dict[str, Any] = {"params": int(net.num_parameters()), "ms": ms, "backend": backend,
-                           "val_probs": _softmax(np.asarray(tt.logits["val"], np.float32))}
+                           "val_probs": metrics.softmax(np.asarray(tt.logits["val"], np.float32))}
     if "test" in ds and ds["test"].labels is not None and len(ds["test"]):
-        probs = _softmax(np.asarray(tt.logits["test"], np.float32))
+        probs = metrics.softmax(np.asarray(tt.logits["test"], np.float32))
         out["test_probs"] = probs
         out["test_summary"] = metrics.evaluation_summary(probs, np.asarray(ds["test"].labels), ds.classes)
     ood_check = dict(served.ood or {})
@@ -258,9 +253,9 @@ def _evaluate_variant(best_path: Path, cfg: StageConfig, ds: Any) -> dict[str, A
     bs = cfg.train.eval_batch_size
     size = student_input_size(cfg, ds.image_size)
     out: dict[str, Any] = {"model": model, "epoch": ck_meta["epoch"]}
-    out["val_probs"] = _softmax(predict_logits(model, ds["val"].images, ds.mean, ds.std, bs, size))
+    out["val_probs"] = metrics.softmax(predict_logits(model, ds["val"].images, ds.mean, ds.std, bs, size))
     if "test" in ds and ds["test"].labels is not None and len(ds["test"]):
-        probs = _softmax(predict_logits(model, ds["test"].images, ds.mean, ds.std, bs, size))
+        probs = metrics.softmax(predict_logits(model, ds["test"].images, ds.mean, ds.std, bs, size))
         out["test_probs"] = probs
         out["test_summary"] = metrics.evaluation_summary(probs, np.asarray(ds["test"].labels), ds.classes)
     return out

@@ -35,7 +35,7 @@ import numpy as np
 
 from leaflens.apps.model_card import OODCheck
 from leaflens.apps.predictor import OOD_OUTPUT
-from leaflens.engine import Tensor, no_grad
+from leaflens.engine import Tensor, no_grad, ops
 from leaflens.engine.nn import Module
 
 __all__ = ["DEFAULT_BUDGET", "METHOD", "OOD_OUTPUT", "OODHead", "ServedModel", "block_stats",
@@ -53,8 +53,6 @@ def block_stats(block: Any) -> Any:
     mean = block.mean(axis=(1, 2))
     centred = block - block.mean(axis=(1, 2), keepdims=True)
     std = ((centred * centred).mean(axis=(1, 2)) + _EPS) ** 0.5
-    from leaflens.engine import ops  # noqa: PLC0415
-
     return ops.concatenate([mean, std], axis=1)
 
 
@@ -174,8 +172,8 @@ def fit_ood_head(train_stats: Sequence[np.ndarray], train_labels: np.ndarray, va
     val_scores = head.score_numpy(val_stats)
     threshold = threshold_for(val_scores, budget)
     calib = OODCheck(method=METHOD, threshold=threshold, budget=float(budget), val_photos=n_val,
-                           val_flagged=float(np.mean(val_scores > threshold)), train_photos=len(labels),
-                           blocks=len(blocks))
+                     val_flagged=float(np.mean(val_scores > threshold)), train_photos=len(labels),
+                     blocks=len(blocks))
     return head, calib, val_scores
 
 

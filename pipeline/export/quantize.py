@@ -142,12 +142,9 @@ def float_nodes(model: onnx.ModelProto, first_conv: bool, classifier: bool) -> l
 
 def _ancestors(nodes: list[onnx.NodeProto], outputs: list[str]) -> set[int]:
     """ids of the nodes whose results reach any of ``outputs``."""
-    needed, found = set(outputs), set()
-    for n in reversed(nodes):
-        if needed.intersection(n.output):
-            found.add(id(n))
-            needed.update(i for i in n.input if i)
-    return found
+    from leaflens.engine.onnx_export import nodes_reaching  # noqa: PLC0415
+
+    return {id(n) for n in nodes_reaching(nodes, outputs)}
 
 
 def _only_feeding(nodes: list[onnx.NodeProto], logits: str, others: list[str]) -> list[onnx.NodeProto]:

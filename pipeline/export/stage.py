@@ -342,7 +342,7 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
             head, check, val_logits = subject.fit_ood(opts.ood_budget)
         except ValueError as exc:
             raise ExportFailed(f"cannot fit the out-of-domain check: {exc} (or pass --no-ood)") from exc
-        probs = _softmax(val_logits)
+        probs = metrics.softmax(val_logits)
         labels = ds["val"].labels
         choice = None if labels is None else metrics.choose_uncertain_threshold(probs, np.asarray(labels))
         if choice is not None and choice["method"] != "default":
@@ -501,11 +501,6 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
             shutil.rmtree(triton_tmp, ignore_errors=True)
         raise
     return report
-
-
-def _softmax(logits: np.ndarray) -> np.ndarray:
-    z = np.exp(logits - logits.max(1, keepdims=True))
-    return z / z.sum(1, keepdims=True)
 
 
 def _ood_variants(card: ModelCard, paths: dict[str, Path], val_ood: dict[str, np.ndarray]) -> dict[str, Any]:

@@ -53,6 +53,13 @@ def _aligned(probs: np.ndarray, y: np.ndarray, pname: str, yname: str) -> None:
 
 
 # ---- confusion matrix and per-class scores -------------------------------------------------------
+def softmax(logits: Any) -> np.ndarray:
+    """Rows of logits -> rows of probabilities (float64-safe: the row maximum is subtracted first)."""
+    z = np.asarray(logits)
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
 def confusion_matrix(y_true: Any, y_pred: Any, num_classes: int) -> np.ndarray:
     """(C, C) int64 counts; ``cm[i, j]`` = images of true class ``i`` predicted as ``j`` (rows = true)."""
     if int(num_classes) < 1:

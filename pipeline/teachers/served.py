@@ -254,11 +254,6 @@ def load_teacher_model(path: str | Path) -> tuple[EfficientNetLite, TeacherModel
 
 
 # ---- the teacher stage's part --------------------------------------------------------------------------------
-def _softmax(z: np.ndarray) -> np.ndarray:
-    e = np.exp(z - z.max(axis=1, keepdims=True))
-    return e / e.sum(axis=1, keepdims=True)
-
-
 def _accuracy(logits: np.ndarray, labels: Any) -> float:
     return float(np.mean(logits.argmax(1) == np.asarray(labels)))
 
@@ -346,7 +341,7 @@ def _write_onnx(folder: Path, net: EfficientNetLite, ds: Any, contract: Preproce
     if "test" in ds and len(ds["test"]) and ds["test"].labels is not None:
         test_logits, _, _ = outputs_of(runner, split_batches(ds, "test", contract, batch), contract)
         test_acc = _accuracy(test_logits, ds["test"].labels)
-    probs = _softmax(val_logits)
+    probs = metrics.softmax(val_logits)
     choice = metrics.choose_uncertain_threshold(probs, val_labels)
     threshold = float(choice["threshold"])
     run_id = f"teacher-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"

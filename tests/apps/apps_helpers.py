@@ -185,6 +185,17 @@ def make_dataset(root: Path, classes: list[str], size: int = 16, per_class: int 
     return ingest(src, root / "dataset", IngestOptions(size=size), workers=1, log=lambda *_: None).out
 
 
+def served_tiny_model(root: Path, classes: list[str], size: int, ood_threshold: float,
+                      run_id: str) -> tuple[Path, dict[str, np.ndarray], Path]:
+    """What the live-server tests serve: (dataset, weights, model) - a preprocessed dataset of ``classes`` and a
+    tiny model with the out-of-domain output whose answers are confident (peaky logits), not "ambiguous"."""
+    dataset = make_dataset(root, classes, size)
+    weights = tiny_weights(len(classes), seed=4)
+    weights["fc_w"] *= 6.0
+    meta = leaflens_metadata(classes, size, **{"leaflens.run_id": run_id}, **ood_metadata(ood_threshold, size))
+    return dataset, weights, build_tiny_model(root / "student.onnx", weights, size, meta, ood=True)
+
+
 def fake_run(tmp_path: Path, dataset: Path) -> Path:
     """A run folder as `leaflens distill` leaves it, as far as the app reads it."""
     run = tmp_path / "student"

@@ -17,11 +17,10 @@ from apps_helpers import (
     build_tiny_model,
     fake_run,
     leaflens_metadata,
-    make_dataset,
-    ood_metadata,
     reference_ood,
     reference_probs,
     serve_args,
+    served_tiny_model,
     tiny_weights,
     write_grey_noise,
     write_leaf,
@@ -47,13 +46,9 @@ class App:
         from leaflens.apps.web import build_app, launch
 
         self.root = root
-        self.dataset = make_dataset(root, CLASSES, SIZE)
+        self.dataset, self.weights, self.model = served_tiny_model(root, CLASSES, SIZE, OOD_THRESHOLD,
+                                                                   "feedback-run")
         self.photos = root / "photos"  # the source folder make_dataset preprocessed
-        self.weights = tiny_weights(len(CLASSES), seed=4)
-        self.weights["fc_w"] *= 6.0
-        meta = leaflens_metadata(CLASSES, SIZE, **{"leaflens.run_id": "feedback-run"},
-                                 **ood_metadata(OOD_THRESHOLD, SIZE))
-        self.model = build_tiny_model(root / "student.onnx", self.weights, SIZE, meta, ood=True)
         self.corrections = root / "corrections"
         self.port = free_port()
         args = serve_args(model=self.model, run=fake_run(root, self.dataset), port=self.port,

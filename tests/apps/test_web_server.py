@@ -17,15 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from apps_helpers import (
-    build_tiny_model,
     fake_run,
-    leaflens_metadata,
-    make_dataset,
-    ood_metadata,
     reference_ood,
     reference_probs,
     serve_args,
-    tiny_weights,
+    served_tiny_model,
     write_digit,
     write_grey_noise,
     write_leaf,
@@ -53,13 +49,9 @@ class Server:
         from leaflens.apps.web import launch
 
         self.root = root
-        self.dataset = make_dataset(root, CLASSES, SIZE)
+        self.dataset, self.weights, self.model = served_tiny_model(root, CLASSES, SIZE, OOD_THRESHOLD,
+                                                                   "test-run")
         self.run = fake_run(root, self.dataset)
-        self.weights = tiny_weights(len(CLASSES), seed=4)
-        self.weights["fc_w"] *= 6.0  # peaky outputs: the answers below are confident, not "uncertain"
-        meta = leaflens_metadata(CLASSES, SIZE, **{"leaflens.run_id": "test-run"},
-                                 **ood_metadata(OOD_THRESHOLD, SIZE))
-        self.model = build_tiny_model(root / "student.onnx", self.weights, SIZE, meta, ood=True)
         self.notes = load_notes(self.dataset / "classes.toml")
         self.port = free_port()
         args = serve_args(model=self.model, run=self.run, port=self.port, max_upload_mb=1,

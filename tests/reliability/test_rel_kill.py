@@ -93,8 +93,15 @@ def test_preprocess_killed_at_random_moments_keeps_previous_dataset(tmp_path):
     saved = tmp_path / "previous"
     shutil.copytree(out, saved)
     kills = []
-    for seed in range(8):  # until one kill lands while the new dataset is being written
-        k = kill_at_random_moment(args, seed, t_full, tmp_path, "ds", before)
+    writing_started = lambda: bool(_temps(tmp_path, "ds"))  # noqa: E731
+    # Up to 8 kills at random moments, until one lands while the new dataset is being written; the writing
+    # window is a small share of the run and moves with the machine's load, so the last try waits for the
+    # stage's temporary folder and kills at once: one kill inside the window, whatever the timing.
+    for seed in range(9):
+        if seed < 8:
+            k = kill_at_random_moment(args, seed, t_full, tmp_path, "ds", before)
+        else:
+            k = kill_at_random_moment(args, seed, 0.0, tmp_path, "ds", before, after=writing_started)
         kills.append(k)
         ds = load_dataset(out, verify=True)  # old or new, never a mix: every checksum matches
         if k.phase == "replaced":  # the kill came after the swap: the new dataset is complete; put the old back

@@ -33,6 +33,86 @@ _modules: dict[tuple[str, tuple[str, ...], int], Any] = {}
 _kernels: dict[tuple[str, str, tuple[str, ...], int], Any] = {}
 
 
+#: The install extra whose CuPy wheel is built for each CUDA major (the same table as
+#: leaflens.apps.providers.GPU_EXTRAS, repeated so this module imports nothing above it; a test holds them equal).
+CUDA_EXTRAS = {13: "gpu", 12: "gpu-cuda12", 11: "gpu-cuda11"}
+
+# The probe's NVRTC test: compiled at run time, so a missing libnvrtc shows here and not at the first real kernel.
+_PROBE_KERNEL = r"""
+extern "C" __global__ void leaflens_probe(const float* x, float* y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = 2.0f * x[i] + (float)i;
+}
+"""
+_LIB_RE = re.compile(r"\b(lib[\w.+-]*?\.so(?:\.\d+)*)")
+_NOT_FOUND_RE = re.compile(r"cannot open shared object|no such file|not found|failed to load|could not (?:find|load)",
+                           re.IGNORECASE)
+
+
+def _cuda_major(cupy: Any) -> int | None:
+    """The CUDA major CuPy is built for (its runtime version), or None when it does not say."""
+    try:
+        return int(cupy.cuda.runtime.runtimeGetVersion()) // 1000
+    except Exception:
+        return None
+
+
+def library_reason(label: str, stem: str, wheel: str, major: int | None, exc: BaseException) -> str:
+    """One line naming the CUDA library behind ``exc`` (``label`` "NVRTC", ``stem`` "libnvrtc.so"): when the
+    library is missing, which file and where it comes from; otherwise what failed."""
+    text = f"{type(exc).__name__}: {exc}"
+    if not (isinstance(exc, (ImportError, OSError)) or _NOT_FOUND_RE.search(text)):
+        return f"{label} failed ({text})"
+    base = stem.split(".so")[0]
+    named = [lib for lib in _LIB_RE.findall(text) if lib.startswith(base)]
+    lib = named[0] if named else (f"{stem}.{major}" if major else stem)
+    extra = CUDA_EXTRAS.get(major or 13, "gpu")
+    if major is not None and major < 12:
+        where = (f"install the CUDA {major} toolkit's {label} from your distribution or NVIDIA's repository "
+                 "(CuPy for this CUDA has no [ctk] extra)")
+    else:
+        where = f"install leaflens[{extra}], which brings {wheel} via cupy's [ctk] extra"
+    return f"{label} ({lib}) not found: {where} ({text})"
+
+
+def probe_cupy(cupy: Any) -> tuple[bool, str]:
+    """Whether ``cupy`` can really compute here, in the order a first training step needs it: a device,
+    memory and a copy, NVRTC (compile and launch a tiny kernel), cuBLAS (a 2x2 matrix product), each result
+    checked. The reason names the first thing that fails (a missing library by its file name)."""
+    import numpy as np
+
+    try:
+        if not cupy.cuda.is_available():
+            return False, "CuPy sees no CUDA device (no GPU, or no working NVIDIA driver)"
+        count = cupy.cuda.runtime.getDeviceCount()
+        x = cupy.asarray(np.arange(8, dtype=np.float32))
+        y = cupy.zeros(8, dtype=cupy.float32)
+    except Exception as exc:  # CUDARuntimeError, driver/runtime mismatch, ...
+        return False, f"CUDA probe failed ({type(exc).__name__}: {exc})"
+    major = _cuda_major(cupy)
+    try:
+        kernel = cupy.RawKernel(_PROBE_KERNEL, "leaflens_probe")
+        kernel.compile()
+    except Exception as exc:
+        return False, library_reason("NVRTC", "libnvrtc.so", "nvidia-cuda-nvrtc", major, exc)
+    try:
+        kernel((1,), (32,), (x, y, np.int32(8)))
+        got = cupy.asnumpy(y)
+    except Exception as exc:
+        return False, f"CUDA probe failed to launch a kernel ({type(exc).__name__}: {exc})"
+    if not np.array_equal(got, 3 * np.arange(8, dtype=np.float32)):
+        return False, f"CUDA probe computed a wrong result: {got.tolist()}"
+    a = np.array([[1, 2], [3, 4]], dtype=np.float32)
+    try:
+        cupy.cuda.device.get_cublas_handle()  # loads libcublas even if matmul found another route
+        product = cupy.asnumpy(cupy.matmul(cupy.asarray(a), cupy.asarray(a)))
+    except Exception as exc:
+        return False, library_reason("cuBLAS", "libcublas.so", "nvidia-cublas", major, exc)
+    if not np.array_equal(product, a @ a):
+        return False, f"cuBLAS probe computed a wrong product: {product.tolist()}"
+    return True, f"{count} CUDA device(s) usable through CuPy {cupy.__version__} (NVRTC and cuBLAS work)"
+
+
 def _probe() -> tuple[bool, str]:
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         return False, f"disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}"
@@ -40,16 +120,7 @@ def _probe() -> tuple[bool, str]:
         import cupy
     except Exception as exc:  # ImportError, or a broken CUDA library underneath
         return False, f"CuPy is not importable ({type(exc).__name__}: {exc})"
-    try:
-        if not cupy.cuda.is_available():
-            return False, "CuPy sees no CUDA device (no GPU, or no working NVIDIA driver)"
-        count = cupy.cuda.runtime.getDeviceCount()
-        # A tiny round trip proves that allocation and a kernel launch really work.
-        if int(cupy.arange(4, dtype=cupy.int32).sum().item()) != 6:
-            return False, "CUDA probe computed a wrong result"
-    except Exception as exc:  # CUDARuntimeError, driver/runtime mismatch, ...
-        return False, f"CUDA probe failed ({type(exc).__name__}: {exc})"
-    return True, f"{count} CUDA device(s) usable through CuPy {cupy.__version__}"
+    return probe_cupy(cupy)
 
 
 def gpu_probe(refresh: bool = False) -> tuple[bool, str]:

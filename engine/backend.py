@@ -6,6 +6,7 @@ only when a GPU array is asked for, so the CPU path never needs it installed.
 
 from __future__ import annotations
 
+import sys
 import types
 from typing import Any
 
@@ -31,10 +32,33 @@ def cupy_module() -> types.ModuleType | None:
 
 
 def array_module(x: Any) -> types.ModuleType:
-    """numpy or cupy, whichever owns ``x``."""
-    if _cupy is not None and isinstance(x, _cupy.ndarray):
-        return _cupy
-    return np
+    """numpy or cupy, whichever owns ``x``.
+
+    A CuPy array is recognised even when nothing in this process has called :func:`cupy_module` yet
+    (``Tensor(cupy.asarray(x))`` as the first GPU operation): whoever made it imported CuPy, so the
+    module is taken from ``sys.modules`` and remembered. NumPy arrays answer after one type test.
+    """
+    if isinstance(x, np.ndarray):
+        return np
+    cp = _cupy
+    if cp is None:
+        cp = _adopt_cupy(x)
+        if cp is None:
+            return np
+    return cp if isinstance(x, cp.ndarray) else np
+
+
+def _adopt_cupy(x: Any) -> types.ModuleType | None:
+    """The imported CuPy module when ``x`` is one of its arrays (and remember it), else None.
+
+    Importing CuPy is never triggered here: an object can only be a CuPy array if CuPy is imported.
+    """
+    global _cupy, _cupy_checked
+    cp = sys.modules.get("cupy")
+    if cp is None or not isinstance(x, getattr(cp, "ndarray", ())):
+        return None
+    _cupy, _cupy_checked = cp, True  # an array exists on the device, so the device answers
+    return cp
 
 
 def device_of(x: Any) -> str:

@@ -7,6 +7,7 @@ backward runs the ``activation_grad`` kernel (engine/ops/_kernels.py); on NumPy 
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -130,12 +131,41 @@ class Dropout(Function):
     def forward(self, x):
         xp = array_module(x)
         keep = 1.0 - self.p
-        draw = erandom.generator(self.rng).random(x.shape, dtype=x.dtype if x.dtype.kind == "f" else None)
-        self.mask = xp.asarray((draw < keep).astype(x.dtype) / x.dtype.type(keep))
+        draw = _uniform(xp, erandom.generator(self.rng), x.shape, x.dtype)
+        self.mask = (draw < keep).astype(x.dtype) / x.dtype.type(keep)
         return x * self.mask
 
     def backward(self, gy):
         return gy * self.mask
+
+
+_device_rng = threading.local()  # .states: CuPy device id -> cupy.random.RandomState, reseeded per draw
+
+
+def _uniform(xp: Any, gen: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    """Uniform [0, 1) numbers of ``shape`` for a dropout mask, in float32 (float64 for float64 ``x``).
+
+    NumPy's Generator cannot draw float16, so float16 masks are drawn in float32 and cast by the
+    caller. On CuPy the numbers are drawn on the device (no host-side draw, no upload) by a Philox
+    generator seeded from ``gen``: the mask still depends only on the caller's generator (checkpoints
+    and resumes stay exact), at the cost of one host draw per mask.
+    """
+    draw_dtype = np.float64 if dtype == np.float64 or dtype.kind != "f" else np.float32
+    if xp is np:
+        return gen.random(shape, dtype=draw_dtype)
+    states = getattr(_device_rng, "states", None)
+    if states is None:
+        states = _device_rng.states = {}
+    device = xp.cuda.Device().id
+    rs = states.get(device)
+    seed = int(gen.integers(0, 2**63 - 1))
+    if rs is None:
+        from cupy.cuda import curand  # noqa: PLC0415  (only on the CuPy path)
+
+        rs = states[device] = xp.random.RandomState(seed, method=curand.CURAND_RNG_PSEUDO_PHILOX4_32_10)
+    else:
+        rs.seed(seed)
+    return rs.random_sample(shape, dtype=draw_dtype)
 
 
 def relu(x: Any) -> Tensor:
@@ -169,8 +199,8 @@ def log_softmax(x: Any, axis: int = -1) -> Tensor:
 def dropout(x: Any, p: float = 0.5, training: bool = True, rng: np.random.Generator | None = None) -> Tensor:
     """Zero each value with probability p and scale the rest by 1/(1-p); identity when not training.
 
-    The mask is drawn (on the host) from ``rng``; ``None`` is the interactive fallback stream of
-    :mod:`leaflens.engine.random`.
+    The mask is drawn from ``rng`` (on the device for CuPy arrays, by a generator seeded from ``rng``);
+    ``None`` is the interactive fallback stream of :mod:`leaflens.engine.random`.
     """
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")

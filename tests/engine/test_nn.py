@@ -159,3 +159,35 @@ def test_set_dropout_generator_points_every_dropout_at_one_generator():
     np.testing.assert_array_equal(model(x).numpy(), first)
     nn.set_dropout_generator(model, np.random.default_rng(9))
     assert not np.array_equal(model(x).numpy(), first)
+
+
+def test_dropout_on_float16_input_draws_in_float32_and_keeps_the_dtype():
+    """NumPy cannot draw float16 uniforms: the mask is drawn in float32 and cast, so a float16 input gets
+    the very mask a float32 input gets from the same generator state, and the gradient follows it."""
+    x32 = np.random.default_rng(0).uniform(0.5, 2.0, (64, 32)).astype(np.float32)
+    x16 = Tensor(x32.astype(np.float16), requires_grad=True)
+    y16 = ops.dropout(x16, 0.25, rng=np.random.default_rng(5))
+    y32 = ops.dropout(Tensor(x32), 0.25, rng=np.random.default_rng(5))
+    assert y16.dtype == np.float16
+    kept = y16.numpy() != 0
+    np.testing.assert_array_equal(kept, y32.numpy() != 0)
+    assert 0.65 < kept.mean() < 0.85  # about 1 - p of the values survive
+    np.testing.assert_allclose(y16.numpy()[kept], (x32.astype(np.float16) / np.float16(0.75))[kept], rtol=1e-3)
+    y16.sum().backward()
+    assert x16.grad.dtype == np.float16
+    np.testing.assert_array_equal(x16.grad != 0, kept)
+    np.testing.assert_allclose(x16.grad[kept], 1 / 0.75, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_dropout_on_the_device_draws_there_from_the_given_generator(dtype):
+    from leaflens.engine.backend import to_device  # noqa: PLC0415
+
+    x = Tensor(to_device(np.ones((256, 64), dtype), "cuda"))
+    masks = [ops.dropout(x, 0.3, rng=np.random.default_rng(s)).data for s in (4, 4, 5)]
+    assert type(masks[0]) is type(x.data) and masks[0].dtype == dtype  # noqa: E721  (still a device array)
+    a, b, c = (to_device(m, "cpu") != 0 for m in masks)
+    np.testing.assert_array_equal(a, b)  # the same generator state gives the same mask
+    assert not np.array_equal(a, c)
+    assert 0.67 < a.mean() < 0.73

@@ -16,6 +16,9 @@ was. On CUDA, while the GPU computes on batch ``b``, batch ``b + 1`` is already 
    submitted, so an event ("free") recorded on the compute stream at that moment marks when the
    buffer may be overwritten; the copy stream waits on it before uploading into that buffer again.
    The pinned buffer is refilled only after the host has waited for its previous upload ("ready").
+   A device buffer newly taken from the (compute stream's) memory pool may be memory that queued
+   compute work still reads, so the copy stream also waits for the compute stream as it was right
+   after the allocation.
 
 A batch handed out on CUDA lives in a reused buffer: work enqueued on it before the consumer asks
 for the next batch is safe (the GPU finishes it before the buffer is refilled); to use a batch after
@@ -183,7 +186,7 @@ class _Slot:
             if not isinstance(a, np.ndarray) or a.ndim == 0 or i in host_only:
                 out.append(a)
                 continue
-            host, dev = self._buffers(cp, i, a)
+            host, dev = self._buffers(cp, stream, i, a)
             n = a.shape[0]
             np.copyto(host[:n], a)              # pageable -> pinned, on the host
             dev[:n].set(host[:n], stream=stream)  # pinned -> device, asynchronous on the copy stream
@@ -191,15 +194,31 @@ class _Slot:
         self.ready.record(stream)
         self.batch = type(batch)._make(out) if hasattr(batch, "_make") else tuple(out)
 
-    def _buffers(self, cp: Any, i: int, a: np.ndarray) -> tuple[np.ndarray, Any]:
-        """Pinned and device buffers for element ``i`` with room for ``a`` (first-axis slices are views)."""
+    def _buffers(self, cp: Any, stream: Any, i: int, a: np.ndarray) -> tuple[np.ndarray, Any]:
+        """Pinned and device buffers for element ``i`` with room for ``a`` (first-axis slices are views).
+
+        A new device buffer comes from the memory pool of the current (compute) stream, which may hand
+        out memory that work already queued there still reads (freed by the host, not yet by the GPU:
+        stream-ordered reuse is safe on that stream only). The ``free`` event knows nothing of it, so
+        the copy stream is made to wait for everything enqueued on the compute stream so far before it
+        writes into the new buffer (first fill, a larger batch, a new loader after a resume).
+        """
         host = self.host.get(i)
         if host is None or host.dtype != a.dtype or host.shape[1:] != a.shape[1:] or host.shape[0] < a.shape[0]:
             mem = cp.cuda.alloc_pinned_memory(max(a.nbytes, 1))
             host = np.frombuffer(mem, dtype=a.dtype, count=a.size).reshape(a.shape)
             self.host[i] = host
+            self.device[i] = None  # the old buffer goes back to the pool before the new one is taken
             self.device[i] = cp.empty(a.shape, dtype=a.dtype)
+            _copy_waits_for_compute(cp, stream)
         return host, self.device[i]
+
+
+def _copy_waits_for_compute(cp: Any, stream: Any) -> None:
+    """Make ``stream`` (the copy stream) wait for all work enqueued on the current stream so far."""
+    allocated = cp.cuda.Event(disable_timing=True)
+    allocated.record(cp.cuda.get_current_stream())
+    stream.wait_event(allocated)
 
 
 HOST_FIELDS = ("indices",)

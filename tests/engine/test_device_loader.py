@@ -5,6 +5,8 @@ missing wait or host synchronisation shows up as wrong data."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections import deque
 from typing import Any
 
@@ -146,16 +148,43 @@ class SimEvent:
             assert self.stream.done >= self.mark, "deadlock waiting for an event"
 
 
+class SimPool:
+    """A device memory pool as CuPy's: memory whose last array the host dropped goes back to the pool at
+    once and is handed out again (smallest block that fits), whether or not queued GPU work still reads
+    it. Reuse is stream-ordered: safe for work on the stream that allocated it, not for another stream."""
+
+    def __init__(self) -> None:
+        self.free: list[bytearray] = []
+        self.reused = 0
+
+    def alloc(self, nbytes: int) -> bytearray:
+        fits = [b for b in self.free if len(b) >= nbytes]
+        if fits:
+            block = min(fits, key=len)
+            self.free.remove(block)
+            self.reused += 1
+            return block
+        return bytearray(b"\xff" * max(nbytes, 1))  # fresh memory: NaN / all-ones garbage
+
+    def release(self, block: bytearray) -> None:
+        self.free.append(block)
+
+
+class _Allocation:
+    """Owner of one pool block; every SimArray view holds it, as a CuPy view holds its memory pointer."""
+
+
 class SimArray:
-    def __init__(self, a: np.ndarray) -> None:
+    def __init__(self, a: np.ndarray, owner: _Allocation | None = None) -> None:
         self.a = a
+        self.owner = owner
 
     @property
     def shape(self):
         return self.a.shape
 
     def __getitem__(self, key) -> SimArray:
-        return SimArray(self.a[key])
+        return SimArray(self.a[key], self.owner)
 
     def set(self, host: np.ndarray, stream: SimStream) -> None:
         assert host.shape == self.a.shape and host.dtype == self.a.dtype
@@ -166,8 +195,9 @@ class SimArray:
 class FakeCupy:
     """Just the CuPy surface DeviceLoader uses, on top of SimGPU."""
 
-    def __init__(self, gpu: SimGPU) -> None:
+    def __init__(self, gpu: SimGPU, pool: SimPool | None = None) -> None:
         self.gpu = gpu
+        self.pool = pool
         fake = self
 
         class _Cuda:
@@ -193,7 +223,23 @@ class FakeCupy:
         self.cuda = _Cuda
 
     def empty(self, shape, dtype) -> SimArray:
-        return SimArray(np.full(shape, 255 if np.dtype(dtype).kind in "iu" else np.nan, dtype=dtype))
+        if self.pool is None:  # fresh memory every time
+            return SimArray(np.full(shape, 255 if np.dtype(dtype).kind in "iu" else np.nan, dtype=dtype))
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape))
+        block = self.pool.alloc(count * dtype.itemsize)
+        owner = _Allocation()
+        weakref.finalize(owner, self.pool.release, block)  # the last view dropped: back to the pool
+        return SimArray(np.frombuffer(block, dtype=dtype, count=count).reshape(shape), owner)
+
+    def scratch(self, stream: SimStream, data: np.ndarray) -> dict[str, np.ndarray]:
+        """The consumer's own work: a device array written and then read by work queued on ``stream``,
+        dropped by the host at once (as a temporary is). Returns where the read lands when it runs."""
+        arr = self.empty(data.shape, data.dtype).a  # raw memory, as a kernel sees it: no owner held
+        seen: dict[str, np.ndarray] = {}
+        stream.enqueue("run", lambda: np.copyto(arr, data))
+        stream.enqueue("run", lambda: seen.update(value=arr.copy()))
+        return seen
 
 
 def _consume(dl, gpu: SimGPU, host_sync_every: int = 0) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -204,7 +250,8 @@ def _consume(dl, gpu: SimGPU, host_sync_every: int = 0) -> list[tuple[np.ndarray
         assert isinstance(idx, np.ndarray) and number == i
         slot: dict[str, np.ndarray] = {"idx": idx.copy()}
         seen.append(slot)
-        gpu.compute.enqueue("run", lambda x=x, y=y, slot=slot: slot.update(x=x.a.copy(), y=y.a.copy()))
+        # the queued work holds the raw memory only (a kernel holds pointers, not arrays)
+        gpu.compute.enqueue("run", lambda x=x.a, y=y.a, slot=slot: slot.update(x=x.copy(), y=y.copy()))
         if host_sync_every and (i + 1) % host_sync_every == 0:
             gpu.synchronize()
     gpu.synchronize()
@@ -264,6 +311,64 @@ def test_the_simulator_catches_each_missing_wait(monkeypatch, skip):
     ref = _host_batches(_loader())
     got = _consume(DeviceLoader(_loader(), "cuda", cupy=cp), gpu)
     assert any(not np.array_equal(x, rx) for (x, *_), (rx, *_) in zip(got, ref))
+
+
+def _check(got, ref) -> None:
+    assert len(got) == len(ref)
+    for i, ((x, y, idx), (rx, ry, ridx)) in enumerate(zip(got, ref)):
+        np.testing.assert_array_equal(x, rx, err_msg=f"batch {i}")
+        np.testing.assert_array_equal(y, ry, err_msg=f"batch {i}")
+        np.testing.assert_array_equal(idx, ridx, err_msg=f"batch {i}")
+
+
+def _pool_reuse_run(case: str) -> tuple[dict[str, np.ndarray], list, list, SimPool]:
+    """Device memory freed by the host while queued compute work still reads it is handed to a new
+    DeviceLoader buffer (its "free" event was never recorded). ``case``: "first fill" (the consumer's
+    own temporary) or "new loader" (an earlier loader's buffers, as after a stop and a resume)."""
+    gpu = SimGPU("copy")  # the copy stream runs at once, the compute stream only when the host syncs
+    pool = SimPool()
+    cp = FakeCupy(gpu, pool)
+    ref = _host_batches(_loader())
+    pattern = np.arange(ref[0][0].size, dtype=np.float32).reshape(ref[0][0].shape)
+    seen = cp.scratch(gpu.compute, pattern)  # same size as a batch's x: the pool will hand it out again
+    earlier: list = []
+    if case == "new loader":
+        first = DeviceLoader(_loader(), "cuda", cupy=cp)
+        it = iter(first)
+        for _k, (x, y, idx, _) in zip(range(2), it):  # two batches, then the run stops (and is resumed)
+            slot: dict[str, np.ndarray] = {"idx": idx.copy()}
+            earlier.append(slot)
+            gpu.compute.enqueue("run", lambda x=x.a, y=y.a, slot=slot: slot.update(x=x.copy(), y=y.copy()))
+        it.close()
+        del first, it, x, y
+        gc.collect()
+    got = _consume(DeviceLoader(_loader(), "cuda", cupy=cp), gpu)
+    return seen, got, [(s["x"], s["y"], s["idx"]) for s in earlier], pool
+
+
+@pytest.mark.parametrize("case", ["first fill", "new loader"])
+def test_new_device_buffers_wait_for_queued_compute_on_reused_pool_memory(case):
+    ref = _host_batches(_loader())
+    seen, got, earlier, pool = _pool_reuse_run(case)
+    assert pool.reused >= 1  # the hazard was set up: a new loader buffer got memory still in use
+    np.testing.assert_array_equal(seen["value"], np.arange(ref[0][0].size, dtype=np.float32).reshape(ref[0][0].shape))
+    _check(got, ref)
+    _check(earlier, ref[:len(earlier)])
+
+
+@pytest.mark.parametrize("case", ["first fill", "new loader"])
+def test_the_pool_model_catches_a_copy_that_does_not_wait_after_allocating(monkeypatch, case):
+    """The check above has teeth: without the wait after allocating (the code before this fix), the
+    upload overwrites memory that queued compute work reads."""
+    import leaflens.engine.device_loader as dlm
+
+    monkeypatch.setattr(dlm, "_copy_waits_for_compute", lambda cp, stream: None)
+    ref = _host_batches(_loader())
+    seen, got, earlier, _ = _pool_reuse_run(case)
+    pattern = np.arange(ref[0][0].size, dtype=np.float32).reshape(ref[0][0].shape)
+    intact = [np.array_equal(seen["value"], pattern)]
+    intact += [np.array_equal(x, rx) for (x, *_), (rx, *_) in zip(got + earlier, ref + ref[:len(earlier)])]
+    assert not all(intact)
 
 
 def test_upload_moves_prepared_tuples_and_passes_none_through():

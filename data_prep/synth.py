@@ -14,6 +14,13 @@ sensor noise. The class is carried only by local signs drawn on the leaf:
 - aphids: clusters of small dark or pale insects along the veins
 - leaf_miner: winding pale trails that widen along their length, with a dark frass line
 
+With ``unlabeled_fraction`` F, a seeded share F of each class's photos is written to ``unlabeled/``
+instead of the class folder, under names that do not tell the class (``unlabeled/unlabeled_NNNNN.jpg``,
+numbered in a shuffled order): the pipeline uses them as photos without labels (teacher features and
+distillation targets, never cross-entropy), which is where learning from a teacher pays. Their classes
+are kept in synth.json (``unlabeled``) for checks only; preprocessing and training never read them.
+The photos themselves do not depend on F: each is drawn from its class and index alone.
+
 Nuisance factors (leaf colour, background, light) dominate the image mean, so the classes are not
 separable by mean colour alone (tests/data_prep/test_synth.py checks a nearest-class-mean
 classifier on mean RGB). Rendering is vectorised NumPy plus Pillow drawing; files are written by a
@@ -111,6 +118,7 @@ CLASS_INFO: dict[str, dict[str, str]] = {
 CLASSES = tuple(CLASS_INFO)
 BACKGROUNDS = ("soil", "hand", "sky", "bench", "grass")
 SYNTH_META = "synth.json"
+UNLABELED_DIR = "unlabeled"  # the folder name scan.py reads as photos without labels
 CLASSES_TOML = "classes.toml"
 RENDER_SIZE = 256
 _ELLIPSE_ANGLES = np.linspace(0, 2 * math.pi, 10)
@@ -128,6 +136,7 @@ class SynthOptions(Record):
     seed: int = 0
     broken: int = 6  # deliberately broken files, spread over the classes
     exif_fraction: float = 0.03  # images stored rotated with an EXIF orientation tag
+    unlabeled_fraction: float = 0.0  # share of each class's photos written to unlabeled/ (labels withheld)
 
 
 @dataclass(frozen=True)
@@ -147,16 +156,25 @@ class BrokenFile(Record):
 
 
 @dataclass(frozen=True)
+class UnlabeledFile(Record):
+    """A photo written to unlabeled/ and the class it was drawn from (withheld from the pipeline)."""
+
+    path: str  # relative to the synthetic folder
+    withheld_class: str
+
+
+@dataclass(frozen=True)
 class SynthInfo(Record):
     """synth.json: how the synthetic photos were made and which files are odd on purpose."""
 
     generator: str
     options: SynthOptions
     classes: tuple[str, ...]
-    images_per_class: int
+    images_per_class: int  # drawn per class, the ones written to unlabeled/ included
     backgrounds: tuple[str, ...]
     exif_rotated: tuple[RotatedFile, ...]
     broken: tuple[BrokenFile, ...]
+    unlabeled: tuple[UnlabeledFile, ...] = ()
 
 
 # ---------------------------------------------------------------------------- drawing helpers
@@ -616,21 +634,47 @@ def _up_to_date(out: Path, opts: SynthOptions) -> SynthInfo | None:
         meta = SynthInfo.from_dict(json.loads((out / SYNTH_META).read_text(encoding="utf-8")), str(out / SYNTH_META))
     except (OSError, ValueError):
         return None
-    return meta if meta.options == opts and all((out / c).is_dir() for c in CLASSES) else None
+    folders = list(CLASSES) + ([UNLABELED_DIR] if meta.unlabeled else [])
+    return meta if meta.options == opts and all((out / c).is_dir() for c in folders) else None
+
+
+def unlabeled_counts(opts: SynthOptions) -> int:
+    """How many of each class's photos go to unlabeled/: ``unlabeled_fraction`` of ``per_class``, rounded."""
+    return int(round(opts.unlabeled_fraction * opts.per_class))
+
+
+def _unlabeled_names(opts: SynthOptions) -> dict[tuple[int, int], str]:
+    """(class index, image index) -> file name in unlabeled/ for the photos whose labels are withheld.
+
+    Each class's share is drawn by its own seeded generator; the names are numbered in a shuffled order
+    over all classes, so neither a name nor its place in a listing tells the class.
+    """
+    n = unlabeled_counts(opts)
+    picked = [(ci, int(i)) for ci in range(len(CLASSES))
+              for i in np.sort(np.random.default_rng([opts.seed, 77711, ci]).choice(opts.per_class, n,
+                                                                                    replace=False))]
+    order = np.random.default_rng([opts.seed, 77712]).permutation(len(picked))
+    return {picked[k]: f"{UNLABELED_DIR}_{j:05d}.jpg" for j, k in enumerate(order)}
 
 
 def generate(out: str | os.PathLike, options: SynthOptions | None = None, *, workers: int | None = None,
              force: bool = False, progress: bool = False, log=print) -> SynthInfo:
     """Write the synthetic dataset to ``out`` (atomically); returns the metadata written to synth.json.
 
-    Layout: ``out/<class>/<class>_NNNN.jpg``, ``out/classes.toml``, ``out/synth.json`` (options, counts,
-    the EXIF-rotated files and the deliberately broken ones with their kind).
+    Layout: ``out/<class>/<class>_NNNN.jpg``, ``out/unlabeled/unlabeled_NNNNN.jpg`` (when
+    ``unlabeled_fraction`` > 0), ``out/classes.toml``, ``out/synth.json`` (options, counts, the EXIF-rotated
+    files, the deliberately broken ones with their kind and the withheld classes of the unlabelled photos).
     """
     from tqdm import tqdm
 
     opts = options or SynthOptions()
     if opts.per_class < 1 or opts.size < 32:
         raise ValueError(f"need per_class >= 1 and size >= 32, got {opts.per_class}, {opts.size}")
+    if not 0.0 <= opts.unlabeled_fraction < 1.0:
+        raise ValueError(f"unlabeled_fraction must be at least 0 and below 1, got {opts.unlabeled_fraction}")
+    if unlabeled_counts(opts) >= opts.per_class:
+        raise ValueError(f"unlabeled_fraction {opts.unlabeled_fraction} of {opts.per_class} photos per class "
+                         "leaves no labelled photo in a class; lower it or raise per_class")
     out_p = Path(out).resolve()
     existing = None if force else _up_to_date(out_p, opts)
     if existing is not None:
@@ -644,11 +688,15 @@ def generate(out: str | os.PathLike, options: SynthOptions | None = None, *, wor
     tmp = new_temp_dir(out_p)
     try:
         tasks = []
+        withheld = _unlabeled_names(opts)
+        if withheld:
+            (tmp / UNLABELED_DIR).mkdir()
         for ci, cls in enumerate(CLASSES):
             (tmp / cls).mkdir()
             for i in range(opts.per_class):
-                tasks.append((cls, ci, i, opts.size, opts.seed, str(tmp / cls / f"{cls}_{i:04d}.jpg"),
-                              opts.exif_fraction))
+                name = withheld.get((ci, i))
+                path = tmp / UNLABELED_DIR / name if name else tmp / cls / f"{cls}_{i:04d}.jpg"
+                tasks.append((cls, ci, i, opts.size, opts.seed, str(path), opts.exif_fraction))
         workers = max(1, workers or usable_cpus())
         rotated = []
         bar = tqdm(total=len(tasks), desc="synth", unit="img", disable=not progress)
@@ -665,13 +713,16 @@ def generate(out: str | os.PathLike, options: SynthOptions | None = None, *, wor
         (tmp / CLASSES_TOML).write_text(classes_toml(), encoding="utf-8")
         meta = SynthInfo(generator="leaflens data synth", options=opts, classes=CLASSES,
                          images_per_class=opts.per_class, backgrounds=BACKGROUNDS, exif_rotated=tuple(rotated),
-                         broken=tuple(broken))
+                         broken=tuple(broken),
+                         unlabeled=tuple(UnlabeledFile(path=f"{UNLABELED_DIR}/{name}", withheld_class=CLASSES[ci])
+                                         for (ci, _), name in sorted(withheld.items(), key=lambda kv: kv[1])))
         (tmp / SYNTH_META).write_text(json.dumps(meta.to_dict(), indent=2) + "\n", encoding="utf-8")
         swap_into_place(tmp, out_p)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log(f"{out_p}: {len(tasks)} images in {len(CLASSES)} classes ({len(rotated)} EXIF-rotated, "
+    unl = f", {len(withheld)} of them in {UNLABELED_DIR}/ with their labels withheld" if withheld else ""
+    log(f"{out_p}: {len(tasks)} images in {len(CLASSES)} classes{unl} ({len(rotated)} EXIF-rotated, "
         f"{len(broken)} deliberately broken) in {time.perf_counter() - t0:.1f} s")
     return meta
 

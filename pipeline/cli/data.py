@@ -26,6 +26,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"deliberately broken files to include (default {d.broken})")
     s.add_argument("--exif-fraction", type=float, default=d.exif_fraction,
                    help=f"fraction stored rotated with an EXIF orientation tag (default {d.exif_fraction})")
+    s.add_argument("--unlabeled-fraction", type=float, default=d.unlabeled_fraction, metavar="F",
+                   help="share of each class's photos written to OUT/unlabeled/ with their labels withheld "
+                        "(seeded; names do not tell the class; synth.json keeps the classes for checks): "
+                        "the pipeline uses them for the teacher's targets and distillation, not as labels "
+                        f"(default {d.unlabeled_fraction}; `make demo` uses 0.6)")
     s.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     s.add_argument("--force", action="store_true", help="regenerate even if up to date")
     s.set_defaults(func=run)
@@ -35,7 +40,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     opts = SynthOptions(per_class=args.per_class, size=args.size, seed=args.seed, broken=args.broken,
-                        exif_fraction=args.exif_fraction)
+                        exif_fraction=args.exif_fraction, unlabeled_fraction=args.unlabeled_fraction)
     try:
         generate(args.out, opts, workers=args.workers, force=args.force, progress=sys.stderr.isatty())
     except ValueError as exc:

@@ -32,7 +32,7 @@ SERVE_ARGS ?=
 EXTRAS ?= dev,serve-cpu,teacher
 
 .PHONY: help venv test lint data preprocess teacher distill export serve demo clean FORCE \
-	bench-engine bench-mnist bench-preprocess bench-loader bench-serve bench-ibeans bench-ood bench-gpu
+	bench-engine bench-mnist bench-preprocess bench-loader bench-serve bench-ibeans bench-ood bench-gpu gpu-check
 
 help:
 	@echo "make demo           the whole pipeline on the built-in synthetic leaves, then the web app"
@@ -47,6 +47,7 @@ help:
 	@echo "make bench-mnist    MNIST with the engine (MNIST=dir with the IDX files)"
 	@echo "make bench-preprocess | bench-loader | bench-serve | bench-ibeans | bench-ood | bench-gpu"
 	@echo "make lint           ruff, then mypy on the leaflens package (.ci/typecheck)"
+	@echo "make gpu-check      on an NVIDIA machine: install the GPU extra, then doctor, gpu tests, GPU benchmark"
 
 # The virtual environment is rebuilt when pyproject.toml changes.
 $(VENV)/.installed: pyproject.toml
@@ -126,6 +127,14 @@ bench-ood: $(VENV)/.installed
 
 bench-gpu: $(VENV)/.installed
 	$(PY) benchmarks/gpu.py
+
+# The GPU stack in a venv of its own (a GPU extra must not sit beside .venv's serve onnxruntime): the driver's
+# extra, PyTorch as the reference, then doctor --require-gpu, pytest -m gpu and benchmarks/gpu.py --require-gpu.
+# Without a GPU it stops at once, before any download (.ci/gpu_check.py). GPU_CHECK_ARGS=--no-install: offline.
+GPU_VENV ?= build/venv-gpu
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(PYTHON) .ci/gpu_check.py --venv $(GPU_VENV) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(ART) .pytest_cache

@@ -19,7 +19,12 @@ in detail under ``train_step``.
 Without a GPU it prints why and ends with a JSON line whose figures are null and whose ``skipped``
 holds the reason. The last line of output is always one JSON object.
 
-    python benchmarks/gpu.py [--repeats 20] [--sizes full|tiny] [--no-train-step]
+With ``--require-gpu`` (``make gpu-check`` uses it) the benchmark is also a check, exit status 1 when: there
+is no usable GPU; a kernel the engine dispatches (all but SGEMM, see :data:`NOT_DISPATCHED`) takes more than
+:data:`SLOWDOWN_LIMIT` times its generic CuPy expression's time, or gives a non-finite difference; or the
+engine's training step raises. The reasons are printed and listed under ``failures`` in the JSON line.
+
+    python benchmarks/gpu.py [--repeats 20] [--sizes full|tiny] [--no-train-step] [--require-gpu]
 """
 
 from __future__ import annotations
@@ -410,6 +415,40 @@ def print_table(results: dict[str, Any]) -> None:
         )
 
 
+# ---- the --require-gpu verdict -------------------------------------------------------------------------------
+#: A dispatched kernel may take at most this many times its generic CuPy expression's time.
+SLOWDOWN_LIMIT = 1.2
+#: Kernels the engine does not dispatch (engine/ops/_kernels.py), so the limit does not apply to them.
+NOT_DISPATCHED = {
+    "sgemm": "the engine keeps cuBLAS (cupy.matmul) for matrix products",
+    "sgemm_conv_shape": "the engine keeps cuBLAS (cupy.matmul) for matrix products",
+}
+
+
+def kernel_failures(results: dict[str, Any], limit: float = SLOWDOWN_LIMIT) -> list[str]:
+    """One line per dispatched kernel that is slower than its CuPy fallback by more than ``limit`` times, or
+    whose output differs from it by a non-finite amount (NaN/inf: a broken kernel); [] when all pass."""
+    failures = []
+    for name, r in results.items():
+        diff = r.get("max_abs_diff")
+        if diff is not None and not np.isfinite(diff):
+            failures.append(f"{name}: our kernel and the CuPy expression differ by {diff}")
+        if name in NOT_DISPATCHED:
+            continue
+        if r["ours_ms"] > limit * r["cupy_ms"]:
+            failures.append(f"{name}: our kernel takes {r['ours_ms']:.3f} ms, {r['ours_ms'] / r['cupy_ms']:.2f}x the "
+                            f"generic CuPy fallback's {r['cupy_ms']:.3f} ms (limit {limit:g}x)")
+    return failures
+
+
+def train_failures(train: dict[str, Any] | None) -> list[str]:
+    """One line per training-step case where the engine raised (a PyTorch failure is not the engine's)."""
+    if train is None:
+        return []
+    return [f"training step {key}: the engine raised {case['engine_error']}"
+            for key, case in train["cases"].items() if "engine_error" in case]
+
+
 # ---- the student training step: engine vs PyTorch on the same GPU ---------------------------------------------
 TRAIN_BATCHES = (64, 256)
 TRAIN_SIZE = 64
@@ -609,6 +648,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per round")
     parser.add_argument("--sizes", choices=sorted(SIZES), default="full")
     parser.add_argument("--no-train-step", action="store_true", help="skip the engine-vs-PyTorch training step")
+    parser.add_argument("--require-gpu", action="store_true",
+                        help=f"exit 1 without a usable GPU, when a dispatched kernel is over {SLOWDOWN_LIMIT:g}x "
+                        "slower than its CuPy fallback, or when the engine's training step fails")
     args = parser.parse_args(argv)
 
     ok, reason = _cuda.gpu_probe()
@@ -616,6 +658,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"benchmarks/gpu.py: skipped, no GPU: {reason}")
         print("training step (engine vs PyTorch, float32 and mixed precision): not measured, no GPU")
         print(json.dumps(skipped_json(reason)))
+        if args.require_gpu:
+            print(f"benchmarks/gpu.py: FAILED (--require-gpu): no usable GPU: {reason}", file=sys.stderr)
+            return 1
         return 0
     import cupy as cp
 
@@ -631,9 +676,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         train = train_step_benchmark(cp, args.repeats)
         print_train_table(train)
+    slow = kernel_failures(results)
+    failures = slow + train_failures(train)
+    print(f"\nkernels dispatched by the engine vs their CuPy fallback (limit {SLOWDOWN_LIMIT:g}x slower): "
+          + ("FAILED" if slow else "all within"))
+    for line in failures:
+        print(f"  FAILED {line}")
     print(json.dumps({"skipped": None, "device": device, "kernels": results, "train_step": train,
-                      **train_step_flat(train)}))
-    return 0
+                      **train_step_flat(train), "failures": failures}))
+    return 1 if args.require_gpu and failures else 0
 
 
 if __name__ == "__main__":

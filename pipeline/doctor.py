@@ -268,3 +268,20 @@ def collect(model: ModelSpec | str, input_size: int, measure_bandwidth: bool = T
         facts["cpu_batch_estimate"] = (cpu_batch_estimate(spec, input_size) if measure_batch
                                        else {"unavailable": "not measured (--no-measure)", "note": CPU_SPEED_NOTE})
     return facts
+
+
+def gpu_requirement_failure(facts: dict[str, Any]) -> str | None:
+    """Why :func:`collect`'s facts do not show a usable GPU (``leaflens doctor --require-gpu`` exits 1 with this
+    line), naming the CUDA libraries CuPy misses and the install command for this driver; None with a GPU."""
+    gpu = facts["gpu"]
+    if gpu["available"]:
+        return None
+    line = f"no usable GPU: {gpu['reason']}"
+    stacks = facts.get("gpu_stacks") or {}
+    missing = (stacks.get("cupy") or {}).get("missing") or []
+    if missing:
+        line += f" (missing: {', '.join(missing)})"
+    install = stacks.get("install") or {}
+    if install.get("extra"):
+        line += f"; for this driver: {install['command']}"
+    return line

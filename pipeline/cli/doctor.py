@@ -5,7 +5,8 @@ stacks (the NVIDIA driver's CUDA version; CuPy and onnxruntime: built for which 
 and which library it misses; the install extra for this driver), and
 either "no GPU: <reason>" or the GPU's name, compute capability, total/free memory, the host-to-device
 bandwidth measured with pinned memory, and the largest safe training batch for a model and input
-size (``--widths``/``--size``, or read from a trained run with ``--run``). The facts come from
+size (``--widths``/``--size``, or read from a trained run with ``--run``); ``--require-gpu`` makes a machine
+without a usable GPU exit 1 with the reason (``make gpu-check`` runs it). The facts come from
 leaflens.pipeline.doctor (the batch-size measurement) and leaflens.pipeline.hardware (the probes); this
 module parses the options and prints.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from leaflens.cpus import THREADS_ENV
-from leaflens.pipeline.doctor import ModelSpec, collect, default_spec, spec_from_run
+from leaflens.pipeline.doctor import ModelSpec, collect, default_spec, gpu_requirement_failure, spec_from_run
 
 
 # ---- report ----------------------------------------------------------------------------------------------------
@@ -185,6 +186,10 @@ def run(args: argparse.Namespace) -> int:
         spec = ModelSpec(**{**asdict(spec), **changes, "source": "options" if args.run is None else spec.source})
     facts = collect(spec, size, measure_bandwidth=not args.no_bandwidth, measure_batch=not args.no_measure)
     print(json.dumps(facts, indent=2, default=str) if args.json else render(facts))
+    failure = gpu_requirement_failure(facts) if args.require_gpu else None
+    if failure:
+        print(f"doctor: --require-gpu: {failure}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -209,5 +214,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print the facts as one JSON object")
     parser.add_argument("--no-bandwidth", action="store_true", help="skip the host-to-device bandwidth measurement")
     parser.add_argument("--no-measure", action="store_true", help="skip the training-step memory measurements")
+    parser.add_argument("--require-gpu", action="store_true",
+                        help="exit 1, naming the reason (a missing CUDA library among them), without a usable GPU")
     parser.set_defaults(func=run)
     return parser

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from leaflens.engine.backend import array_module
+from leaflens.engine.deferred import deferred_checks, raise_first_failure, read_floats
 
 if TYPE_CHECKING:
     from leaflens.engine.tensor import Tensor
@@ -147,21 +148,35 @@ class GradScaler:
         if not self.enabled:
             self.found_inf = False
             return False
+        found = self.unscale_on_device_(optimizer_or_params)
+        self.found_inf = bool(found)  # one device-to-host read for all parameters on a GPU
+        return self.found_inf
+
+    def unscale_on_device_(self, optimizer_or_params: Any) -> Any:
+        """:meth:`unscale_` without the host read: returns whether any gradient is inf/NaN as a 0-d boolean
+        array on the gradients' device (a Python bool when there is nothing to unscale).
+
+        The caller reads it, in the same transfer as its other checks, and hands the answer to
+        :meth:`set_found_inf` before :meth:`step` and :meth:`update`.
+        """
+        if not self.enabled:
+            return False
         if self.found_inf is not None:
             raise RuntimeError("GradScaler.unscale_() was already called for this step; call update() after the step")
         grads = [p.grad for p in _parameters(optimizer_or_params) if p.grad is not None]
+        if not grads:
+            return False
         inv = 1.0 / self.scale_value
-        found = False
-        if grads:
-            xp = array_module(grads[0])
-            finite = []
-            for g in grads:
-                g *= g.dtype.type(inv)
-                finite.append(xp.isfinite(g).all())
-            # one device-to-host sync for all parameters on a GPU
-            found = not bool(xp.stack(finite).all()) if xp is not np else not all(bool(f) for f in finite)
-        self.found_inf = found
-        return found
+        xp = array_module(grads[0])
+        finite = []
+        for g in grads:
+            g *= g.dtype.type(inv)
+            finite.append(xp.isfinite(g).all())
+        return ~xp.stack(finite).all()
+
+    def set_found_inf(self, found_inf: bool) -> None:
+        """Record this step's verdict read from :meth:`unscale_on_device_`."""
+        self.found_inf = bool(found_inf) if self.enabled else False
 
     def step(self, optimizer: Any) -> bool:
         """``optimizer.step()`` unless the (unscaled) gradients hold inf/NaN; returns whether it stepped."""
@@ -251,28 +266,46 @@ def train_step(optimizer: Any, scaler: GradScaler, compute_loss: Callable[[], An
     scale 1 or in float32, a non-finite gradient norm) raises ``NonFiniteLossError`` with the optimiser
     untouched; the scaler is left ready for the next step either way, so the caller decides whether to
     skip the batch or stop.
+
+    On a GPU the step reads the device once: the loss, the overflow flag, the gradient norm and any
+    checks the loss deferred (:mod:`leaflens.engine.deferred`) travel in one transfer. Clipping is
+    computed and applied on the device. ``StepResult.loss`` stays a device tensor (reading it is the
+    caller's choice, and a synchronisation).
     """
     from leaflens.engine.optim.clip import clip_grad_norm_  # noqa: PLC0415  (optim imports the ops, which import amp)
     from leaflens.engine.tensor import NonFiniteLossError  # noqa: PLC0415
 
     optimizer.zero_grad()
+    params = list(_parameters(optimizer))
     try:
-        with autocast(scaler.enabled):
-            out = compute_loss()
-        loss, output = (out[0], out[1] if len(out) > 1 else None) if isinstance(out, tuple) else (out, None)
-        # float16 overflow is expected now and then under mixed precision: the scaler handles it
-        with np.errstate(over="ignore", invalid="ignore") if scaler.enabled else contextlib.nullcontext():
-            scaler.scale(loss).backward()
-        if scaler.unscale_(optimizer):  # true gradients before clipping; inf/NaN only with mixed precision
+        with deferred_checks() as pending:  # device-side input checks (target ranges, ...), read below
+            with autocast(scaler.enabled):
+                out = compute_loss()
+            loss, output = (out[0], out[1] if len(out) > 1 else None) if isinstance(out, tuple) else (out, None)
+            on_host = array_module(loss.data) is np
+            # float16 overflow is expected now and then under mixed precision: the scaler handles it
+            with np.errstate(over="ignore", invalid="ignore") if scaler.enabled else contextlib.nullcontext():
+                # on the host a non-finite loss is refused before backpropagating; on a GPU that check joins the
+                # step's one read below (the gradients of a non-finite loss are then computed, never applied)
+                scaler.scale(loss).backward(check_finite=on_host)
+            found_inf = scaler.unscale_on_device_(params)  # true gradients before clipping
+            norm = None if clip_grad_norm is None else clip_grad_norm_(params, float(clip_grad_norm))
+        # The step's one host read: the loss (finite?), the overflow flag, the gradient norm, the input checks.
+        loss_value, found, norm_value, *checks = read_floats(
+            [loss.data, found_inf, 0.0 if norm is None else norm, *(flag for flag, _, _ in pending)])
+        raise_first_failure(pending, checks)
+        if not math.isfinite(loss_value):
+            raise NonFiniteLossError(f"loss is {loss_value}: a non-finite loss, the step is left out (check the "
+                                     "learning rate, the inputs and the labels)")
+        scaler.set_found_inf(bool(found))
+        if found:  # inf/NaN gradients: only with mixed precision
             if scaler.get_scale() > 1.0:
                 scaler.update()
                 return StepResult(loss, output, stepped=False, overflow=True)
             raise NonFiniteLossError("gradients are not finite even with the loss scale at 1")
-        grad_norm = None
-        if clip_grad_norm is not None:
-            grad_norm = clip_grad_norm_(_parameters(optimizer), float(clip_grad_norm))
-            if not math.isfinite(grad_norm):
-                raise NonFiniteLossError(f"gradient norm is {grad_norm}")
+        grad_norm = None if norm is None else norm_value
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            raise NonFiniteLossError(f"gradient norm is {grad_norm}")
     except NonFiniteLossError:
         scaler.update()
         raise

@@ -111,12 +111,14 @@ class Tensor:
         self.grad = None
 
     # ---- backward ----------------------------------------------------------------------------
-    def backward(self, grad: Any = None, retain_graph: bool = False) -> None:
+    def backward(self, grad: Any = None, retain_graph: bool = False, check_finite: bool = True) -> None:
         """Accumulate d(self)/d(leaf) into ``leaf.grad`` for every leaf that requires grad.
 
-        Without ``grad``, self must be a scalar (a loss). Intermediate gradients and the values
-        each Function saved for backward are released as soon as they are used, unless
-        ``retain_graph`` is set.
+        Without ``grad``, self must be a scalar (a loss): a non-finite one raises NonFiniteLossError
+        unless ``check_finite`` is False (that check reads the loss on the host, a synchronisation on a
+        GPU; ``leaflens.engine.amp.train_step`` makes it together with its other checks instead).
+        Intermediate gradients and the values each Function saved for backward are released as soon
+        as they are used, unless ``retain_graph`` is set.
         """
         if not self.requires_grad:
             raise RuntimeError("backward() on a tensor that does not require grad: no parameter or input "
@@ -126,7 +128,7 @@ class Tensor:
             if self.data.size != 1:
                 raise RuntimeError(f"backward() without a gradient needs a scalar, but this tensor has shape "
                                    f"{self.shape}; pass grad= of the same shape or reduce it first (e.g. .mean())")
-            if not bool(xp.isfinite(self.data).all()):
+            if check_finite and not bool(xp.isfinite(self.data).all()):
                 raise NonFiniteLossError(f"loss is {float(self.data.reshape(()))}: refusing to backpropagate a "
                                          "non-finite loss (check the learning rate, the inputs and the labels)")
             grad = xp.ones_like(self.data)

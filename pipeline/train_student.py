@@ -174,11 +174,16 @@ def _outlier_exposure(logits_neg: Any) -> Any:
 def distill_loss(model: StudentCNN, x: np.ndarray, y: np.ndarray, feats: np.ndarray | None,
                  tlogits: np.ndarray | None, dcfg: DistillSection,
                  label_smoothing: float, negatives: Any = None,
-                 oe_weight: float = 0.0) -> tuple[Tensor, dict[str, float], np.ndarray]:
+                 oe_weight: float = 0.0, any_labelled: bool | None = None) -> tuple[Tensor, dict[str, Any], np.ndarray]:
     """The batch loss, its parts (feature = 2 - 2 cos, cross-entropy on labelled rows, KD, outlier exposure
-    on generated ``negatives``) and the logits of the batch."""
-    parts: dict[str, float] = {}
-    labelled = bool((y >= 0).any())
+    on generated ``negatives``) and the logits of the batch.
+
+    The parts are 0-d float32 arrays on the batch's device (``float()`` reads one), so a training step
+    reads nothing from a GPU for its logging. ``any_labelled``: whether ``y`` has a row >= 0, when the
+    caller knows it from the host (None: asked of ``y``, a synchronisation when ``y`` is on a GPU).
+    """
+    parts: dict[str, Any] = {}
+    labelled = bool((y >= 0).any()) if any_labelled is None else any_labelled
     n = len(x)
     inputs = Tensor(x) if negatives is None else Tensor(array_module(x).concatenate([x, negatives]))
     if feats is None:
@@ -186,11 +191,11 @@ def distill_loss(model: StudentCNN, x: np.ndarray, y: np.ndarray, feats: np.ndar
         neg = logits[n:] if negatives is not None else None
         logits = logits[:n] if negatives is not None else logits
         loss = ops.cross_entropy(logits, y, label_smoothing=label_smoothing, ignore_index=-1)
-        parts["ce"] = loss.item()
+        parts["ce"] = loss.data
         if neg is not None:
             oe = _outlier_exposure(neg)
             loss = loss + oe * float(oe_weight)
-            parts["oe"] = oe.item()
+            parts["oe"] = oe.data
         return loss, parts, logits.data
     logits, proj = model.forward_with_projection(inputs)
     neg = None
@@ -199,11 +204,11 @@ def distill_loss(model: StudentCNN, x: np.ndarray, y: np.ndarray, feats: np.ndar
     diff = ops.l2_normalize(proj, axis=1) - _l2n(feats)
     feat = (diff * diff).sum(axis=1).mean()
     loss = feat * float(dcfg.feature_weight)
-    parts["feature"] = feat.item()
+    parts["feature"] = feat.data
     if labelled and dcfg.alpha:
         ce = ops.cross_entropy(logits, y, label_smoothing=label_smoothing, ignore_index=-1)
         loss = loss + ce * float(dcfg.alpha)
-        parts["ce"] = ce.item()
+        parts["ce"] = ce.data
     if tlogits is not None and dcfg.kd_weight:
         t = float(dcfg.temperature)
         soft = _softmax(tlogits.astype(np.float32, copy=False) / t).astype(np.float32)
@@ -211,12 +216,13 @@ def distill_loss(model: StudentCNN, x: np.ndarray, y: np.ndarray, feats: np.ndar
         loss = loss + kd * float(dcfg.kd_weight)
         # log the KL divergence (cross-entropy minus the targets' constant entropy), which goes to 0
         xp = array_module(soft)
-        entropy = float(-(soft * xp.log(xp.maximum(soft, 1e-12))).sum(axis=1).mean())
-        parts["kd"] = kd.item() - t * t * entropy
+        entropy = -(soft * xp.log(xp.maximum(soft, 1e-12))).sum(axis=1).mean()
+        # float64 on the device, as the host's Python floats computed it
+        parts["kd"] = kd.data.astype(np.float64) - t * t * entropy.astype(np.float64)
     if neg is not None:
         oe = _outlier_exposure(neg)
         loss = loss + oe * float(oe_weight)
-        parts["oe"] = oe.item()
+        parts["oe"] = oe.data
     return loss, parts, logits.data
 
 
@@ -287,7 +293,7 @@ class StudentTask:
     def batch_loss(self, batch: StudentBatch) -> BatchLoss:
         loss, parts, logits = distill_loss(self.model, batch.images, batch.labels, batch.features, batch.logits,
                                            self.cfg.distill, self.cfg.train.label_smoothing, batch.negatives,
-                                           self.cfg.train.outlier_exposure)
+                                           self.cfg.train.outlier_exposure, batch.any_labelled)
         return BatchLoss(loss, logits, parts)
 
     def validate(self) -> tuple[float, float]:
@@ -313,6 +319,7 @@ class StudentBatch(NamedTuple):
     indices: np.ndarray  # dataset rows: stay on the host (DeviceLoader leaves ``indices`` alone)
     number: int          # the batch's position in its epoch
     negatives: Any = None  # generated negatives for outlier exposure (leaflens.pipeline.negatives)
+    any_labelled: bool | None = None  # whether a row has a label >= 0, known on the host (None: ask ``labels``)
 
 
 def _host_batch(data: TrainData, batch: Batch, seed: int, epoch: int, size: int,
@@ -328,4 +335,5 @@ def _host_batch(data: TrainData, batch: Batch, seed: int, epoch: int, size: int,
     if negatives:  # a generator per (seed, epoch, batch): a resumed run draws the same negatives
         rng = np.random.default_rng([seed, epoch, batch.number, 0x0E])
         neg = make_negatives(np.asarray(x), max(1, len(x) // 2), rng)
-    return StudentBatch(x, batch.labels, feats, tl, idx, batch.number, neg)
+    any_labelled = bool((np.asarray(batch.labels) >= 0).any())  # on the host here: no device read later
+    return StudentBatch(x, batch.labels, feats, tl, idx, batch.number, neg, any_labelled)

@@ -46,6 +46,7 @@ from tqdm import tqdm
 from leaflens.engine import NonFiniteLossError, Tensor, ops
 from leaflens.engine.amp import GradScaler, train_step
 from leaflens.engine.checkpoint import load_checkpoint, save_checkpoint
+from leaflens.engine.deferred import read_floats
 from leaflens.engine.nn import Module
 from leaflens.engine.optim.optimizer import Optimizer
 from leaflens.engine.optim.schedulers import Scheduler
@@ -72,7 +73,9 @@ class BatchLoss:
 
     loss: Tensor
     logits: Any
-    parts: dict[str, float] = field(default_factory=dict)
+    # floats, or 0-d arrays on the batch's device: the loop sums them where they are and reads the sums
+    # once per ``log_every`` steps and at the epoch's end (a read per step would stall a GPU each step)
+    parts: dict[str, Any] = field(default_factory=dict)
 
 
 class TrainingTask(Protocol):
@@ -135,11 +138,13 @@ class LoopSettings:
     lr_setting: str = "train.lr"      # the setting a user lowers after a divergence (named in messages)
     resumable: bool = True            # whether the stage offers --resume (named in messages)
     progress: bool = True
+    log_every: int = 50               # steps between reads of the running loss for the progress bar
 
     def __post_init__(self) -> None:
-        if self.epochs < 0 or self.max_bad_steps < 1 or self.early_stopping_patience < 0:
-            raise ValueError(f"LoopSettings: need epochs >= 0, max_bad_steps >= 1 and early_stopping_patience "
-                             f">= 0, got {self.epochs}, {self.max_bad_steps}, {self.early_stopping_patience}")
+        if self.epochs < 0 or self.max_bad_steps < 1 or self.early_stopping_patience < 0 or self.log_every < 1:
+            raise ValueError(f"LoopSettings: need epochs >= 0, max_bad_steps >= 1, early_stopping_patience >= 0 "
+                             f"and log_every >= 1, got {self.epochs}, {self.max_bad_steps}, "
+                             f"{self.early_stopping_patience}, {self.log_every}")
 
 
 @dataclass
@@ -219,8 +224,8 @@ def run_training(run_dir: str | os.PathLike[str], task: TrainingTask, settings: 
             break
         task.model.train()
         t0 = time.perf_counter()
-        sums: dict[str, float] = {}
-        seen = correct = labelled_seen = steps = skipped = amp_skipped = 0
+        sums = _DeviceSums()  # loss terms, correct and labelled counts: summed on the device, read rarely
+        seen = steps = skipped = amp_skipped = 0
         bar = tqdm(task.batches(epoch), total=task.steps_per_epoch, leave=False, disable=not settings.progress,
                    desc=f"{settings.label} epoch {epoch + 1}/{settings.epochs}", unit="batch")
         for batch in bar:
@@ -256,13 +261,15 @@ def run_training(run_dir: str | os.PathLike[str], task: TrainingTask, settings: 
                 tqdm.write(f"{settings.label}: about {remaining / 60:.1f} min for {settings.epochs - epoch} epochs")
             batch_loss: BatchLoss = result.output
             for k, v in batch_loss.parts.items():
-                sums[k] = sums.get(k, 0.0) + v
-            sums["loss"] = sums.get("loss", 0.0) + result.loss.item()
+                sums.add(k, v)
+            sums.add("loss", result.loss.data)
             labels = batch.labels
             labelled = labels >= 0
-            labelled_seen += int(labelled.sum())
-            correct += int((batch_loss.logits.argmax(1)[labelled] == labels[labelled]).sum())
+            sums.add("#labelled", labelled.sum())
+            sums.add("#correct", ((batch_loss.logits.argmax(1) == labels) & labelled).sum())
             seen += len(labels)
+            if settings.progress and steps % settings.log_every == 0:
+                bar.set_postfix(loss=f"{sums.read(['loss'])['loss'] / steps:.4f}")
         elapsed = time.perf_counter() - t0
         state.train_seconds += elapsed
         if not _finite_state(task.model):  # a step with a finite loss blew the weights up: keep the last good state
@@ -276,7 +283,9 @@ def run_training(run_dir: str | os.PathLike[str], task: TrainingTask, settings: 
             "epoch_seconds": round(elapsed, 2), "amp_skipped_steps": amp_skipped}
         if scaler.enabled:
             row["loss_scale"] = scaler.get_scale()
-        row.update({f"train_{k}": v / max(steps, 1) for k, v in sums.items()})
+        totals = sums.read()
+        correct, labelled_seen = int(totals.pop("#correct", 0)), int(totals.pop("#labelled", 0))
+        row.update({f"train_{k}": v / max(steps, 1) for k, v in totals.items()})
         row["train_acc"] = correct / labelled_seen if labelled_seen else None
         state.history.append(row)
         _append_jsonl(run_dir / METRICS, row)
@@ -291,6 +300,24 @@ def run_training(run_dir: str | os.PathLike[str], task: TrainingTask, settings: 
                        f"{row['images_per_s']:.0f} img/s")
     return RunResult(run_dir, state.best_acc, state.best_epoch + 1, len(state.history), state.train_seconds,
                      state.history, stopped_early, device=device, mixed_precision=settings.mixed_precision)
+
+
+class _DeviceSums:
+    """Named running sums kept where their terms live (float64 on the device for device terms), so that
+    logging costs no host read per step; :meth:`read` brings any subset back in one transfer."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, Any] = {}
+
+    def add(self, name: str, value: Any) -> None:
+        # float64, as Python floats: the sums are the ones a host-side float sum gives, to the last bit
+        v = value.astype(np.float64) if hasattr(value, "astype") else float(value)
+        prev = self.totals.get(name)
+        self.totals[name] = v if prev is None else prev + v
+
+    def read(self, names: Iterable[str] | None = None) -> dict[str, float]:
+        keys = list(self.totals) if names is None else [k for k in names if k in self.totals]
+        return dict(zip(keys, read_floats([self.totals[k] for k in keys])))
 
 
 def _loss_and_parts(task: TrainingTask, batch: Any) -> tuple[Tensor, BatchLoss]:

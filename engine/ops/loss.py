@@ -6,6 +6,7 @@ from typing import Any
 
 from leaflens.engine import amp
 from leaflens.engine.backend import array_module
+from leaflens.engine.deferred import require
 from leaflens.engine.ops import _kernels as gpu
 from leaflens.engine.ops.activation import _log_softmax
 from leaflens.engine.tensor import Function, Tensor
@@ -43,27 +44,27 @@ class CrossEntropy(Function):
                 raise ValueError(f"cross_entropy: {n} rows of logits but targets of shape {tuple(t.shape)}")
             valid = xp.ones(n, dtype=bool) if self.ignore_index is None else t != self.ignore_index
             tv = xp.where(valid, t, 0)
-            if bool(((tv < 0) | (tv >= c)).any()):
-                bad = int(tv[(tv < 0) | (tv >= c)][0])
-                raise ValueError(f"cross_entropy: target class {bad} is outside [0, {c})")
+            bad = (tv < 0) | (tv >= c)
+            # on a GPU inside a training step this flag is read with the step's other checks (engine/deferred.py)
+            require(~bad.any(), lambda: f"cross_entropy: target class {int(tv[bad][0])} is outside [0, {c})")
             q = xp.zeros_like(logp)
-            q[xp.arange(n), tv] = 1
+            q[xp.arange(n), xp.clip(tv, 0, c - 1)] = 1  # clip: a deferred check has not raised yet
             if self.smoothing:
                 q = q * logits.dtype.type(1 - self.smoothing) + logits.dtype.type(self.smoothing / c)
             q *= valid[:, None]
-            count = max(int(valid.sum()), 1)
+            count = xp.maximum(valid.sum(), 1).astype(logits.dtype)  # stays on the device
         else:
             if t.shape != logits.shape:
                 raise ValueError(f"cross_entropy: soft targets of shape {tuple(t.shape)} for logits of shape "
                                  f"{tuple(logits.shape)}")
             q = t.astype(logits.dtype, copy=False)
-            count = n
+            count = logits.dtype.type(n)
         per_row = -(q * logp).sum(axis=1)
         self.q, self.logp, self.count = q, logp, count
         if self.reduction == "none":
             return per_row
         total = per_row.sum()
-        return total / logits.dtype.type(count) if self.reduction == "mean" else total
+        return total / count if self.reduction == "mean" else total
 
     def backward(self, gy):
         xp = array_module(gy)

@@ -2,15 +2,13 @@
 
 On CuPy, float32 parameters take one fused ``adamw`` kernel launch per parameter (engine/ops/_kernels.py
 explains why per parameter rather than one flat buffer); the state (``exp_avg``, ``exp_avg_sq``, ``step``)
-is the same arrays either way, so checkpoints move freely between the two paths.
+is the same either way (``step`` a host int), so checkpoints move freely between the two paths.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
-
-import numpy as np
 
 from leaflens.engine.backend import array_module
 from leaflens.engine.ops import _kernels as gpu
@@ -35,9 +33,10 @@ class Adam(Optimizer):
         if "exp_avg" not in state:
             state["exp_avg"] = xp.zeros_like(d)
             state["exp_avg_sq"] = xp.zeros_like(d)
-            state["step"] = np.zeros((), dtype=np.int64)
-        state["step"] = state["step"] + 1
-        t = int(state["step"])
+            state["step"] = 0
+        # a host int (checkpoints store it as a 0-d array; Optimizer.load_state_dict gives an int back):
+        # the bias corrections below need it on the host, and reading it from a GPU would stall each step
+        t = state["step"] = int(state["step"]) + 1
         if gpu.adam_step(xp, d, grad, state["exp_avg"], state["exp_avg_sq"], t, lr=lr, beta1=b1, beta2=b2, eps=eps,
                          weight_decay=wd, decoupled=self.decoupled):
             return

@@ -85,5 +85,8 @@ class Optimizer:
             p = params[int(index)]
             if name != "step" and value.shape != p.data.shape:
                 raise ValueError(f"optimiser state {key!r} has shape {value.shape}, parameter has {p.data.shape}")
+            if name == "step":  # a step counter stays on the host (see Adam.update)
+                self.state.setdefault(id(p), {})[name] = int(value)
+                continue
             xp = array_module(p.data)
             self.state.setdefault(id(p), {})[name] = xp.asarray(value).copy()

@@ -57,15 +57,16 @@ def _cuda_major(cupy: Any) -> int | None:
         return None
 
 
-def library_reason(label: str, stem: str, wheel: str, major: int | None, exc: BaseException) -> str:
-    """One line naming the CUDA library behind ``exc`` (``label`` "NVRTC", ``stem`` "libnvrtc.so"): when the
-    library is missing, which file and where it comes from; otherwise what failed."""
+def library_reason(label: str, soname: str, wheel: str, major: int | None, exc: BaseException) -> str:
+    """One line naming the CUDA library behind ``exc`` (``label`` "NVRTC", ``soname`` "libnvrtc.so.13", used
+    when the error does not name the file): when the library is missing, which file and where it comes from;
+    otherwise what failed."""
     text = f"{type(exc).__name__}: {exc}"
     if not (isinstance(exc, (ImportError, OSError)) or _NOT_FOUND_RE.search(text)):
         return f"{label} failed ({text})"
-    base = stem.split(".so")[0]
+    base = soname.split(".so")[0]
     named = [lib for lib in _LIB_RE.findall(text) if lib.startswith(base)]
-    lib = named[0] if named else (f"{stem}.{major}" if major else stem)
+    lib = named[0] if named else soname
     extra = CUDA_EXTRAS.get(major or 13, "gpu")
     if major is not None and major < 12:
         where = (f"install the CUDA {major} toolkit's {label} from your distribution or NVIDIA's repository "
@@ -77,8 +78,9 @@ def library_reason(label: str, stem: str, wheel: str, major: int | None, exc: Ba
 
 def probe_cupy(cupy: Any) -> tuple[bool, str]:
     """Whether ``cupy`` can really compute here, in the order a first training step needs it: a device,
-    memory and a copy, NVRTC (compile and launch a tiny kernel), cuBLAS (a 2x2 matrix product), each result
-    checked. The reason names the first thing that fails (a missing library by its file name)."""
+    memory and a copy, NVRTC (compile and launch a tiny kernel), cuBLAS (a 2x2 matrix product), cuRAND (device
+    dropout masks: eight uniform numbers), each result checked. The reason names the first thing that fails (a
+    missing library by its file name)."""
     import numpy as np
 
     try:
@@ -90,11 +92,12 @@ def probe_cupy(cupy: Any) -> tuple[bool, str]:
     except Exception as exc:  # CUDARuntimeError, driver/runtime mismatch, ...
         return False, f"CUDA probe failed ({type(exc).__name__}: {exc})"
     major = _cuda_major(cupy)
+    suffix = f".{major}" if major else ""
     try:
         kernel = cupy.RawKernel(_PROBE_KERNEL, "leaflens_probe")
         kernel.compile()
     except Exception as exc:
-        return False, library_reason("NVRTC", "libnvrtc.so", "nvidia-cuda-nvrtc", major, exc)
+        return False, library_reason("NVRTC", f"libnvrtc.so{suffix}", "nvidia-cuda-nvrtc", major, exc)
     try:
         kernel((1,), (32,), (x, y, np.int32(8)))
         got = cupy.asnumpy(y)
@@ -107,10 +110,16 @@ def probe_cupy(cupy: Any) -> tuple[bool, str]:
         cupy.cuda.device.get_cublas_handle()  # loads libcublas even if matmul found another route
         product = cupy.asnumpy(cupy.matmul(cupy.asarray(a), cupy.asarray(a)))
     except Exception as exc:
-        return False, library_reason("cuBLAS", "libcublas.so", "nvidia-cublas", major, exc)
+        return False, library_reason("cuBLAS", f"libcublas.so{suffix}", "nvidia-cublas", major, exc)
     if not np.array_equal(product, a @ a):
         return False, f"cuBLAS probe computed a wrong product: {product.tolist()}"
-    return True, f"{count} CUDA device(s) usable through CuPy {cupy.__version__} (NVRTC and cuBLAS work)"
+    try:
+        u = cupy.asnumpy(cupy.random.RandomState(0).random_sample(8, dtype=np.float32))
+    except Exception as exc:  # libcurand is .so.10 for CUDA 11 to 13
+        return False, library_reason("cuRAND", "libcurand.so.10", "nvidia-curand", major, exc)
+    if not (u.shape == (8,) and np.all((u >= 0) & (u < 1)) and len(set(u.tolist())) > 1):
+        return False, f"cuRAND probe drew wrong uniform numbers: {u.tolist()}"
+    return True, f"{count} CUDA device(s) usable through CuPy {cupy.__version__} (NVRTC, cuBLAS and cuRAND work)"
 
 
 def _probe() -> tuple[bool, str]:

@@ -30,8 +30,21 @@ class FakeKernel:
         y[:n] = 2 * x[:n] + np.arange(n, dtype=np.float32)
 
 
-def fake_cupy(*, nvrtc: BaseException | None = None, cublas: BaseException | None = None, runtime: int = 13000,
-              matmul=np.matmul) -> types.SimpleNamespace:
+class FakeRandomState:
+    """cupy.random.RandomState on NumPy's generator (``fail``: the error creating it raises, as without cuRAND)."""
+
+    def __init__(self, seed: int, fail: BaseException | None, draw) -> None:
+        if fail is not None:
+            raise fail
+        self.rng, self.draw = np.random.default_rng(seed), draw
+
+    def random_sample(self, n: int, dtype) -> np.ndarray:
+        return self.draw(self.rng, n).astype(dtype)
+
+
+def fake_cupy(*, nvrtc: BaseException | None = None, cublas: BaseException | None = None,
+              curand: BaseException | None = None, runtime: int = 13000, matmul=np.matmul,
+              draw=lambda rng, n: rng.random(n)) -> types.SimpleNamespace:
     def handle() -> int:
         if cublas is not None:
             raise cublas
@@ -50,13 +63,14 @@ def fake_cupy(*, nvrtc: BaseException | None = None, cublas: BaseException | Non
         zeros=np.zeros,
         matmul=matmul,
         RawKernel=lambda source, name: FakeKernel(source, name, nvrtc),
+        random=types.SimpleNamespace(RandomState=lambda seed: FakeRandomState(seed, curand, draw)),
     )
 
 
 def test_a_working_stack_passes():
     ok, why = _cuda.probe_cupy(fake_cupy())
     assert ok, why
-    assert why == "1 CUDA device(s) usable through CuPy 14.0.0 (NVRTC and cuBLAS work)"
+    assert why == "1 CUDA device(s) usable through CuPy 14.0.0 (NVRTC, cuBLAS and cuRAND work)"
 
 
 def test_missing_nvrtc_is_named():
@@ -73,6 +87,14 @@ def test_missing_cublas_is_named_for_the_cuda_major_cupy_is_built_for():
     assert not ok
     assert why.startswith("cuBLAS (libcublas.so.12) not found: install leaflens[gpu-cuda12], which brings "
                           "nvidia-cublas via cupy's [ctk] extra")
+
+
+def test_missing_curand_is_named_and_bad_draws_fail():
+    ok, why = _cuda.probe_cupy(fake_cupy(curand=RuntimeError("CuPy failed to load libcurand.so.10")))
+    assert not ok and why.startswith("cuRAND (libcurand.so.10) not found: install leaflens[gpu], which brings "
+                                     "nvidia-curand via cupy's [ctk] extra")
+    ok, why = _cuda.probe_cupy(fake_cupy(draw=lambda rng, n: np.zeros(n)))
+    assert not ok and why.startswith("cuRAND probe drew wrong uniform numbers")
 
 
 def test_cuda11_points_at_the_system_toolkit():

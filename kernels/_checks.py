@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 INT32_MAX = 2**31 - 1
+INDEX32_MAX = INT32_MAX  # largest array size the 32-bit index kernel variants take (tests lower it)
 
 
 def require_array(
@@ -45,6 +46,17 @@ def require_int32(kernel: str, **sizes: int) -> None:
     for name, value in sizes.items():
         if not 0 <= value <= INT32_MAX:
             raise ValueError(f"{kernel}: {name}={value} does not fit the kernel's 32-bit int")
+
+
+def index_suffix(*sizes: int) -> str:
+    """Kernel-name suffix for the flat index type: '' (32-bit, unsigned) when every array the kernel
+    indexes has fewer than 2^31 elements, '_i64' (64-bit) otherwise.
+
+    A grid-stride loop (``_cuda.grid_1d``: at most 65535 blocks of at most 1024 threads) adds less than
+    2^31 to an index below 2^31, so an unsigned 32-bit index cannot wrap; 32-bit division and modulo
+    are several times cheaper on the GPU than 64-bit ones.
+    """
+    return "" if all(0 <= int(s) <= INDEX32_MAX for s in sizes) else "_i64"
 
 
 def require_pair(kernel: str, name: str, value: Any, minimum: int) -> tuple[int, int]:

@@ -3,14 +3,19 @@
 // Forward: one block per row, one read of the row. Each thread keeps an online (max, sum of exp)
 // pair, so the row maximum never needs a separate pass; pairs are merged across the block with warp
 // shuffles. Per row it writes the loss and two saved statistics: stats[2r] = log-sum-exp, stats[2r+1]
-// = total target mass (1 for class-index targets; sum(q) for soft targets), which makes the backward
-// an exact gradient even when soft targets do not sum to one.
+// = total target mass (1 for class-index targets, 0 for a row whose target is the ignore index;
+// sum(q) for soft targets), which makes the backward an exact gradient even when soft targets do not
+// sum to one, and lets the host side count the rows of a mean without reading anything back.
 //   hard targets t (int64) with label smoothing eps:
 //       q = (1 - eps) * onehot(t) + eps / C,  loss_r = lse - (1 - eps) * z_t - (eps / C) * sum(z)
+//       a row with t == ignore_index (when has_ignore): loss_r = 0, mass 0
 //   soft targets q (N, C):  loss_r = lse * sum(q) - sum(q * z)
-// A target index outside [0, C) gives a NaN row loss instead of an out-of-bounds read.
-// Backward (element-wise, one pass): dz = (exp(z - lse) * sum(q) - q) * g / N, where g points at the
-// upstream gradient of the mean loss (a device scalar, so no host synchronisation is needed).
+// A target index outside [0, C) (and not ignored) gives a NaN row loss instead of an out-of-bounds read.
+// Backward (element-wise, one pass): dz = (exp(z - lse) * mass - q) * scale, where q is zero on an
+// ignored row (so dz is too) and `scale` points at the upstream gradient already divided by the mean's
+// row count (a device scalar, so no host synchronisation is needed).
+// Index width: the element-wise backward divides a flat index by C; the launcher picks the 32-bit
+// (`unsigned int`) variant when N * C < 2^31 and the `_i64` variant beyond (see common.cuh).
 // Storage may be float32 or float16 (`_f16` kernels); all arithmetic is float32.
 #include "common.cuh"
 
@@ -61,7 +66,7 @@ __device__ __forceinline__ float block_logsumexp(float m, float s, float* sm, fl
 template <typename T>
 __device__ __forceinline__ void xent_hard_forward(const T* __restrict__ logits, const long long* __restrict__ targets,
                                                   float* __restrict__ row_loss, float* __restrict__ stats, int N,
-                                                  int C, float smoothing) {
+                                                  int C, float smoothing, long long ignore_index, int has_ignore) {
     __shared__ float sm[32], ss[32], sz[32];
     const int row = blockIdx.x;
     if (row >= N) return;  // uniform across the block
@@ -76,8 +81,11 @@ __device__ __forceinline__ void xent_hard_forward(const T* __restrict__ logits, 
     zsum = block_sum(zsum, sz);
     if (threadIdx.x == 0) {
         const long long t = targets[row];
-        float loss;
-        if (t < 0 || t >= C) {
+        float loss, mass = 1.f;
+        if (has_ignore && t == ignore_index) {
+            loss = 0.f;  // left out of the loss and of the mean's row count
+            mass = 0.f;
+        } else if (t < 0 || t >= C) {
             loss = __int_as_float(0x7fc00000);  // NaN marks an invalid class index
         } else {
             const float zt = load_as_float(z, t);
@@ -85,7 +93,7 @@ __device__ __forceinline__ void xent_hard_forward(const T* __restrict__ logits, 
         }
         row_loss[row] = loss;
         stats[2 * (long long)row] = lse;
-        stats[2 * (long long)row + 1] = 1.f;
+        stats[2 * (long long)row + 1] = mass;
     }
 }
 
@@ -116,42 +124,46 @@ __device__ __forceinline__ void xent_soft_forward(const T* __restrict__ logits, 
     }
 }
 
-template <typename T>
+// I: the flat index type (unsigned int when N * C < 2^31, else long long).
+template <typename T, typename I>
 __device__ __forceinline__ void xent_hard_backward(const T* __restrict__ logits, const long long* __restrict__ targets,
-                                                   const float* __restrict__ stats, const float* __restrict__ grad,
+                                                   const float* __restrict__ stats, const float* __restrict__ scale,
                                                    T* __restrict__ dlogits, int N, int C, float smoothing) {
-    const long long total = (long long)N * C;
-    const float scale = grad[0] / (float)N;
+    const I total = (I)N * (I)C;
+    const float g = scale[0];
     const float off = smoothing / (float)C;
-    for (long long i = grid_start(); i < total; i += grid_stride()) {
-        const long long row = i / C;
-        const int c = (int)(i - row * C);
+    for (I i = (I)grid_start(); i < total; i += (I)grid_stride()) {
+        const I row = i / (I)C;
+        const int c = (int)(i - row * (I)C);
+        const float mass = stats[2 * row + 1];  // 1, or 0 on an ignored row (whose q is 0 too)
         const float p = expf(load_as_float(logits, i) - stats[2 * row]);
         const float q = (targets[row] == c ? 1.f - smoothing : 0.f) + off;
-        store_from_float(dlogits, i, (p * stats[2 * row + 1] - q) * scale);
+        store_from_float(dlogits, i, mass * (p - q) * g);
     }
 }
 
-template <typename T>
+template <typename T, typename I>
 __device__ __forceinline__ void xent_soft_backward(const T* __restrict__ logits, const float* __restrict__ q,
-                                                   const float* __restrict__ stats, const float* __restrict__ grad,
+                                                   const float* __restrict__ stats, const float* __restrict__ scale,
                                                    T* __restrict__ dlogits, int N, int C) {
-    const long long total = (long long)N * C;
-    const float scale = grad[0] / (float)N;
-    for (long long i = grid_start(); i < total; i += grid_stride()) {
-        const long long row = i / C;
+    const I total = (I)N * (I)C;
+    const float g = scale[0];
+    for (I i = (I)grid_start(); i < total; i += (I)grid_stride()) {
+        const I row = i / (I)C;
         const float p = expf(load_as_float(logits, i) - stats[2 * row]);
-        store_from_float(dlogits, i, (p * stats[2 * row + 1] - q[i]) * scale);
+        store_from_float(dlogits, i, (p * stats[2 * row + 1] - q[i]) * g);
     }
 }
 
 extern "C" __global__ void xent_hard_forward_f32(const float* logits, const long long* targets, float* row_loss,
-                                                 float* stats, int N, int C, float smoothing) {
-    xent_hard_forward(logits, targets, row_loss, stats, N, C, smoothing);
+                                                 float* stats, int N, int C, float smoothing, long long ignore_index,
+                                                 int has_ignore) {
+    xent_hard_forward(logits, targets, row_loss, stats, N, C, smoothing, ignore_index, has_ignore);
 }
 extern "C" __global__ void xent_hard_forward_f16(const half_bits* logits, const long long* targets,
-                                                 float* row_loss, float* stats, int N, int C, float smoothing) {
-    xent_hard_forward(logits, targets, row_loss, stats, N, C, smoothing);
+                                                 float* row_loss, float* stats, int N, int C, float smoothing,
+                                                 long long ignore_index, int has_ignore) {
+    xent_hard_forward(logits, targets, row_loss, stats, N, C, smoothing, ignore_index, has_ignore);
 }
 extern "C" __global__ void xent_soft_forward_f32(const float* logits, const float* q, float* row_loss, float* stats,
                                                  int N, int C) {
@@ -162,20 +174,38 @@ extern "C" __global__ void xent_soft_forward_f16(const half_bits* logits, const 
     xent_soft_forward(logits, q, row_loss, stats, N, C);
 }
 extern "C" __global__ void xent_hard_backward_f32(const float* logits, const long long* targets, const float* stats,
-                                                  const float* grad, float* dlogits, int N, int C,
+                                                  const float* scale, float* dlogits, int N, int C,
                                                   float smoothing) {
-    xent_hard_backward(logits, targets, stats, grad, dlogits, N, C, smoothing);
+    xent_hard_backward<float, unsigned int>(logits, targets, stats, scale, dlogits, N, C, smoothing);
 }
 extern "C" __global__ void xent_hard_backward_f16(const half_bits* logits, const long long* targets,
-                                                  const float* stats, const float* grad, half_bits* dlogits, int N,
+                                                  const float* stats, const float* scale, half_bits* dlogits, int N,
                                                   int C, float smoothing) {
-    xent_hard_backward(logits, targets, stats, grad, dlogits, N, C, smoothing);
+    xent_hard_backward<half_bits, unsigned int>(logits, targets, stats, scale, dlogits, N, C, smoothing);
+}
+extern "C" __global__ void xent_hard_backward_f32_i64(const float* logits, const long long* targets,
+                                                      const float* stats, const float* scale, float* dlogits, int N,
+                                                      int C, float smoothing) {
+    xent_hard_backward<float, long long>(logits, targets, stats, scale, dlogits, N, C, smoothing);
+}
+extern "C" __global__ void xent_hard_backward_f16_i64(const half_bits* logits, const long long* targets,
+                                                      const float* stats, const float* scale, half_bits* dlogits,
+                                                      int N, int C, float smoothing) {
+    xent_hard_backward<half_bits, long long>(logits, targets, stats, scale, dlogits, N, C, smoothing);
 }
 extern "C" __global__ void xent_soft_backward_f32(const float* logits, const float* q, const float* stats,
-                                                  const float* grad, float* dlogits, int N, int C) {
-    xent_soft_backward(logits, q, stats, grad, dlogits, N, C);
+                                                  const float* scale, float* dlogits, int N, int C) {
+    xent_soft_backward<float, unsigned int>(logits, q, stats, scale, dlogits, N, C);
 }
 extern "C" __global__ void xent_soft_backward_f16(const half_bits* logits, const float* q, const float* stats,
-                                                  const float* grad, half_bits* dlogits, int N, int C) {
-    xent_soft_backward(logits, q, stats, grad, dlogits, N, C);
+                                                  const float* scale, half_bits* dlogits, int N, int C) {
+    xent_soft_backward<half_bits, unsigned int>(logits, q, stats, scale, dlogits, N, C);
+}
+extern "C" __global__ void xent_soft_backward_f32_i64(const float* logits, const float* q, const float* stats,
+                                                      const float* scale, float* dlogits, int N, int C) {
+    xent_soft_backward<float, long long>(logits, q, stats, scale, dlogits, N, C);
+}
+extern "C" __global__ void xent_soft_backward_f16_i64(const half_bits* logits, const float* q, const float* stats,
+                                                      const float* scale, half_bits* dlogits, int N, int C) {
+    xent_soft_backward<half_bits, long long>(logits, q, stats, scale, dlogits, N, C);
 }

@@ -16,9 +16,9 @@ the kernels off in one thread never changes what a training or serving thread be
 
 What is dispatched (forward/backward pairs keep what the kernel's backward needs):
 
-* ``cross_entropy`` with integer targets, reduction 'mean' or 'sum', optional label smoothing:
-  ``softmax_xent.cu`` (fused log-softmax + loss, and the fused gradient). Soft targets (knowledge
-  distillation), ``ignore_index`` and reduction 'none' stay on xp.
+* ``cross_entropy``, reduction 'mean' or 'sum': integer targets with optional label smoothing and
+  ``ignore_index``, and soft targets (knowledge distillation): ``softmax_xent.cu`` (fused log-softmax +
+  loss, and the fused gradient). Reduction 'none' and smoothed soft targets stay on xp.
 * ReLU / LeakyReLU (slope > 0) / ReLU6 backward from the saved output: ``activation_grad.cu``.
 * ``l2_normalize`` over the last axis: ``l2norm.cu``.
 * ``max_pool2d``: ``maxpool.cu``, which is NHWC like the engine, so no transpose is needed; the
@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from leaflens.engine.deferred import require
 from leaflens.kernels import _cuda
 from leaflens.kernels.activation_grad import activation_grad_cuda
 from leaflens.kernels.fused_optim import adamw_cuda, sgd_momentum_cuda
@@ -122,47 +123,64 @@ class SoftmaxXentSaved:
     """What the fused backward needs from the fused forward."""
 
     logits: Any  # contiguous (N, C) float32/float16
-    targets: Any  # contiguous (N,) int64
-    stats: Any  # (N, 2) float32: per-row log-sum-exp and target mass
+    targets: Any  # contiguous (N,) int64 class indices, or (N, C) float32 soft targets
+    stats: Any  # (N, 2) float32: per-row log-sum-exp and target mass (0 on an ignored row)
     label_smoothing: float
+    ignore_index: int | None
     reduction: str  # 'mean' or 'sum'
 
 
 def softmax_xent_forward(
     xp: Any, logits: Any, targets: Any, label_smoothing: float, ignore_index: int | None, reduction: str
 ) -> tuple[Any, SoftmaxXentSaved] | None:
-    """Fused softmax cross-entropy for integer targets: ``(loss, saved)`` or None to use xp.
+    """Fused softmax cross-entropy: ``(loss, saved)`` or None to use xp.
 
-    The loss has the logits' dtype (as on the xp path); the kernel itself accumulates in float32.
-    Out-of-range targets raise the same ValueError as the xp path (one host synchronisation, as there).
+    Covers what training runs: class-index targets with label smoothing and ``ignore_index`` (the
+    student's loss passes -1 for unlabelled photos) and soft targets (the KD term, cross-entropy against
+    ``softmax(teacher / T)``; as on the xp path, ``ignore_index`` does not apply to them), reduction
+    'mean' or 'sum'. The loss has the logits' dtype (as on the xp path); the kernel accumulates in
+    float32. An out-of-range class index raises the xp path's ValueError through
+    :func:`leaflens.engine.deferred.require`: inside a training step that check joins the step's one
+    host read instead of synchronising here.
     """
-    if not active(xp) or ignore_index is not None or reduction not in ("mean", "sum"):
+    if not active(xp) or reduction not in ("mean", "sum"):
         return None
-    if logits.ndim != 2 or logits.dtype not in _FLOATS or targets.dtype.kind not in "iu":
+    if logits.ndim != 2 or logits.dtype not in _FLOATS:
         return None
     if not isinstance(targets, type(logits)):  # targets left on the host: the xp path reports that
         return None
     n, c = logits.shape
-    if tuple(targets.shape) != (n,) or n == 0 or c == 0 or not _fits_int32(n, c):
+    if n == 0 or c == 0 or not _fits_int32(n, c):
         return None
-    bad = (targets < 0) | (targets >= c)
-    if bool(bad.any()):
-        raise ValueError(f"cross_entropy: target class {int(targets[bad][0])} is outside [0, {c})")
     z = _contig(xp, logits)
-    t = xp.ascontiguousarray(targets, dtype=np.int64)
-    loss, stats = softmax_xent_forward_cuda(z, t, label_smoothing, validate=False)  # checked just above
-    if reduction == "sum":
-        loss = loss * np.float32(n)
+    if targets.dtype.kind in "iu":
+        if tuple(targets.shape) != (n,):
+            return None
+        bad = (targets < 0) | (targets >= c)
+        if ignore_index is not None:
+            bad &= targets != ignore_index
+        require(~bad.any(), lambda: f"cross_entropy: target class {int(targets[bad][0])} is outside [0, {c})")
+        t = xp.ascontiguousarray(targets, dtype=np.int64)
+        ignore = None if ignore_index is None else int(ignore_index)
+    elif targets.dtype.kind == "f":
+        if tuple(targets.shape) != (n, c) or label_smoothing:  # smoothing is for class indices only
+            return None
+        t = xp.ascontiguousarray(targets, dtype=np.float32)
+        ignore = None
+    else:
+        return None
+    loss, stats = softmax_xent_forward_cuda(z, t, label_smoothing, validate=False, ignore_index=ignore,
+                                            reduction=reduction)
     _hit("softmax_xent")
-    return xp.asarray(loss, dtype=logits.dtype), SoftmaxXentSaved(z, t, stats, float(label_smoothing), reduction)
+    saved = SoftmaxXentSaved(z, t, stats, float(label_smoothing), ignore, reduction)
+    return xp.asarray(loss, dtype=logits.dtype), saved
 
 
 def softmax_xent_backward(xp: Any, saved: SoftmaxXentSaved, gy: Any) -> Any:
     """Gradient with respect to the logits for the upstream (scalar) gradient ``gy``."""
-    g = xp.asarray(gy, dtype=np.float32)
-    if saved.reduction == "sum":  # the kernel divides by N (the mean's gradient)
-        g = g * np.float32(saved.logits.shape[0])
-    return softmax_xent_backward_cuda(saved.logits, saved.targets, saved.stats, g, saved.label_smoothing)
+    return softmax_xent_backward_cuda(saved.logits, saved.targets, saved.stats, xp.asarray(gy, dtype=np.float32),
+                                      saved.label_smoothing, ignore_index=saved.ignore_index,
+                                      reduction=saved.reduction)
 
 
 # ---- activations -----------------------------------------------------------------------------------

@@ -18,8 +18,9 @@ class CrossEntropy(Function):
     ``q`` is the one-hot target (optionally smoothed: (1 - eps) * onehot + eps / C) for integer
     class targets, or a given probability matrix for soft targets (knowledge distillation). Rows
     whose integer target equals ``ignore_index`` contribute nothing and are left out of the mean.
-    On CuPy, integer targets without ``ignore_index`` (reduction 'mean'/'sum') use the fused
-    ``softmax_xent`` kernel (see engine/ops/_kernels.py); everything else runs the xp code below.
+    On CuPy, reduction 'mean'/'sum' uses the fused ``softmax_xent`` kernel (see engine/ops/_kernels.py)
+    for integer targets (with smoothing and ``ignore_index``) and soft targets; reduction 'none' and
+    anything the kernel does not cover run the xp code below, which defines the maths.
     """
 
     fused: gpu.SoftmaxXentSaved | None = None  # set when the forward ran the fused kernel

@@ -97,6 +97,11 @@ def _conv(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: Any, paddi
 CASES: dict[str, tuple[Callable[[Put, Any], list[np.ndarray]], set[str]]] = {
     "xent_mean": (_xent(), {"softmax_xent"}),
     "xent_sum_smoothed": (_xent(0.1, "sum"), {"softmax_xent"}),
+    "xent_ignore_index": (_xent(ignore_index=3), {"softmax_xent"}),
+    "xent_ignore_minus1_smoothed": (_xent(0.1, ignore_index=-1), {"softmax_xent"}),
+    "xent_ignore_minus1_sum": (_xent(0.0, "sum", ignore_index=-1), {"softmax_xent"}),
+    "xent_soft_targets": (_xent(soft=True), {"softmax_xent"}),
+    "xent_soft_targets_sum": (_xent(0.0, "sum", soft=True), {"softmax_xent"}),
     "relu": (_unary(ops.relu, (3, 4, 5), 2.0, 1), {"activation_grad"}),
     "leaky_relu": (_unary(lambda v: ops.leaky_relu(v, 0.2), (3, 4, 5), 2.0, 2), {"activation_grad"}),
     "relu6": (_unary(ops.relu6, (3, 4, 5), 5.0, 3), {"activation_grad"}),
@@ -111,9 +116,8 @@ CASES: dict[str, tuple[Callable[[Put, Any], list[np.ndarray]], set[str]]] = {
 
 # Cases the kernels do not cover: with dispatch on they must still run the xp code and agree.
 FALLBACKS: dict[str, Callable[[Put, Any], list[np.ndarray]]] = {
-    "xent_ignore_index": _xent(ignore_index=3),
-    "xent_soft_targets": _xent(soft=True),
     "xent_reduction_none": _xent(reduction="none"),
+    "xent_soft_targets_smoothed": _xent(0.1, soft=True),  # the xp path ignores smoothing for soft targets
     "leaky_relu_slope_0": _unary(lambda v: ops.leaky_relu(v, 0.0), (3, 5), 2.0, 8),
     "l2norm_axis_0": _unary(lambda v: ops.l2_normalize(v, axis=0), (6, 4), 1.0, 9),
     "conv_1x1": _conv((2, 4, 4, 3), (5, 3, 1, 1), 1, 0),  # a reshape, no im2col
@@ -245,6 +249,53 @@ def test_emulated_cross_entropy_rejects_bad_targets_like_the_xp_path(emulated):
     z = Tensor(np.zeros((2, 3), np.float32), requires_grad=True)
     with pytest.raises(ValueError, match=r"target class 3 is outside \[0, 3\)"):
         ops.cross_entropy(z, np.array([0, 3]))
+    with pytest.raises(ValueError, match=r"target class -2 is outside \[0, 3\)"):
+        ops.cross_entropy(z, np.array([-1, -2]), ignore_index=-1)
+    before = gpu.dispatch_counts()
+    ops.cross_entropy(z, np.array([-1, 2]), ignore_index=-1)  # the ignore index itself is fine
+    assert (gpu.dispatch_counts() - before)["softmax_xent"] == 1
+
+
+def _distill_setup(label_smoothing: float):
+    from leaflens.pipeline.config import load_config  # noqa: PLC0415
+    from leaflens.pipeline.models.student import StudentCNN  # noqa: PLC0415
+
+    cfg = load_config(None, ["distill.kd_weight=1.0", "distill.alpha=0.5", "distill.temperature=3.0"])
+    rng = _rng(9)
+    x = rng.standard_normal((6, 8, 8, 3)).astype(np.float32)
+    y = np.array([0, -1, 2, -1, 1, 3], np.int64)  # -1: unlabelled photos, as the pipeline passes them
+    feats = rng.standard_normal((6, 5)).astype(np.float32)
+    tlogits = (rng.standard_normal((6, 4)) * 2).astype(np.float32)
+    model = StudentCNN(4, widths=(4,), teacher_dim=5, rng=np.random.default_rng(1))
+    return model, x, y, feats, tlogits, cfg.distill, label_smoothing
+
+
+@pytest.mark.parametrize("with_features", [True, False], ids=["ce_and_kd", "ce_only"])
+def test_emulated_distill_loss_runs_the_fused_kernel(emulated, with_features: bool):
+    """The student's real loss (pipeline/train_student.py distill_loss: cross-entropy with ignore_index=-1
+    and label smoothing, and the KD term against softmax(teacher / T)) takes the fused kernel for every
+    cross-entropy it computes, and gives the xp path's loss and gradients."""
+    from leaflens.pipeline.train_student import distill_loss  # noqa: PLC0415
+
+    results = {}
+    for enabled in (True, False):
+        model, x, y, feats, tlogits, dcfg, smoothing = _distill_setup(0.1)
+        before = gpu.dispatch_counts()
+        with gpu.use_kernels(enabled):
+            loss, parts, _ = distill_loss(model, x, y, feats if with_features else None,
+                                          tlogits if with_features else None, dcfg, smoothing)
+            loss.backward()
+        hits = gpu.dispatch_counts() - before
+        results[enabled] = (float(loss.data), parts, [host(p.grad) for p in model.parameters()], hits)
+    (l_on, parts_on, g_on, hits), (l_off, parts_off, g_off, none) = results[True], results[False]
+    assert hits["softmax_xent"] == (2 if with_features else 1), dict(hits)  # ce (+ kd): every one fused
+    assert not none
+    assert l_on == pytest.approx(l_off, rel=1e-5)
+    assert parts_on.keys() == parts_off.keys()
+    for k in parts_on:
+        assert parts_on[k] == pytest.approx(parts_off[k], rel=1e-5, abs=1e-6), k
+    for a, b in zip(g_on, g_off):
+        close(a, b, dict(rtol=1e-4, atol=1e-6))
 
 
 def _opt_run(make: Callable[[list[Parameter]], Any], enabled: bool, steps: int = 3) -> tuple[list, list]:

@@ -11,6 +11,9 @@ float32.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 
@@ -41,11 +44,25 @@ def f32(a: np.ndarray) -> np.ndarray:
     return np.asarray(a).astype(np.float32)
 
 
+@contextlib.contextmanager
+def launched(backend, cu_file: str, kernel: str) -> Iterator[None]:
+    """On the emulator: the block must launch ``kernel`` (which variant ran is not visible on a GPU)."""
+    def count() -> int:
+        k = backend.emulator.kernels.get((cu_file, kernel)) if backend.emulator is not None else None
+        return k.launches if k is not None else 0
+
+    before = count()
+    yield
+    if backend.emulator is not None:
+        assert count() > before, f"{kernel} was not launched"
+
+
 # ---- the engine's functions, on NumPy float32 copies of the kernel's inputs ----------------------------
-def engine_xent(logits: np.ndarray, targets: np.ndarray, smoothing: float, grad: float) -> tuple[float, np.ndarray]:
-    """(mean loss, gradient for upstream ``grad``) of the engine's cross_entropy."""
+def engine_xent(logits: np.ndarray, targets: np.ndarray, smoothing: float, grad: float, ignore_index=None,
+                reduction: str = "mean") -> tuple[float, np.ndarray]:
+    """(loss, gradient for upstream ``grad``) of the engine's cross_entropy."""
     z = Tensor(f32(logits), requires_grad=True)
-    loss = ops.cross_entropy(z, targets, label_smoothing=smoothing)
+    loss = ops.cross_entropy(z, targets, label_smoothing=smoothing, ignore_index=ignore_index, reduction=reduction)
     loss.backward(np.float32(grad))
     return float(loss.data), z.grad
 
@@ -175,6 +192,59 @@ def test_softmax_xent_soft_targets(backend, dtype):
     close(backend.get(stats), np.stack([log_sum_exp(f32(logits)), q.sum(axis=1)], axis=1))
     d = softmax_xent_backward_cuda(backend.put(logits), backend.put(q), stats, 1.0)
     close(backend.get(d), want_d.astype(dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("ignore_index,smoothing", [(-1, 0.0), (-1, 0.1), (2, 0.05)])
+def test_softmax_xent_ignore_index(backend, dtype, reduction, ignore_index, smoothing):
+    """Ignored rows add nothing, are left out of the mean's count and get a zero gradient (the engine's
+    generic path defines it); -1 is what the student's loss passes for unlabelled photos, and an index
+    inside [0, C) is ignored the same way."""
+    rng = np.random.default_rng(7)
+    n, c = 9, 5
+    logits = (rng.standard_normal((n, c)) * 3).astype(dtype)
+    targets = rng.integers(0, c, size=n).astype(np.int64)
+    targets[[1, 4, 5]] = ignore_index
+    loss, stats = softmax_xent_forward_cuda(backend.put(logits), backend.put(targets), smoothing,
+                                            ignore_index=ignore_index, reduction=reduction)
+    want_loss, want_d = engine_xent(logits, targets, smoothing, 0.5, ignore_index, reduction)
+    mass = (targets != ignore_index).astype(np.float64)
+    close(backend.get(stats), np.stack([log_sum_exp(f32(logits)), mass], axis=1))
+    close(float(backend.get(loss)), want_loss, atol=1e-5)
+    d = backend.get(softmax_xent_backward_cuda(backend.put(logits), backend.put(targets), stats,
+                                               backend.put(np.array(0.5, np.float32)), smoothing,
+                                               ignore_index=ignore_index, reduction=reduction))
+    assert (d[[1, 4, 5]] == 0).all()
+    close(d, want_d.astype(dtype), dtype)
+
+
+def test_softmax_xent_every_row_ignored(backend):
+    """The engine's mean divides by max(count, 1): all rows ignored gives loss 0 and zero gradients."""
+    logits = backend.put(np.ones((3, 4), np.float32))
+    targets = backend.put(np.full(3, -1, np.int64))
+    loss, stats = softmax_xent_forward_cuda(logits, targets, ignore_index=-1)
+    assert float(backend.get(loss)) == 0.0
+    d = softmax_xent_backward_cuda(logits, targets, stats, 1.0, ignore_index=-1)
+    np.testing.assert_array_equal(backend.get(d), np.zeros((3, 4), np.float32))
+
+
+@pytest.mark.parametrize("soft", [False, True], ids=["hard", "soft"])
+def test_softmax_xent_64_bit_index_variant(backend, monkeypatch, soft):
+    """Past 2^31 elements the backward launches the ``_i64`` kernels; lowering the limit makes a small
+    case take that path, which must give the 32-bit variant's numbers exactly."""
+    from leaflens.kernels import _checks  # noqa: PLC0415
+
+    rng = np.random.default_rng(2)
+    logits = backend.put(rng.standard_normal((5, 7)).astype(np.float32))
+    targets = backend.put(rng.dirichlet(np.ones(7), 5).astype(np.float32) if soft else
+                          rng.integers(0, 7, 5).astype(np.int64))
+    _, stats = softmax_xent_forward_cuda(logits, targets)
+    d32 = backend.get(softmax_xent_backward_cuda(logits, targets, stats, 1.0))
+    monkeypatch.setattr(_checks, "INDEX32_MAX", 34)  # 5 * 7 = 35 elements: past the lowered limit
+    with launched(backend, "softmax_xent.cu", f"xent_{'soft' if soft else 'hard'}_backward_f32_i64"):
+        d64 = backend.get(softmax_xent_backward_cuda(logits, targets, stats, 1.0))
+    np.testing.assert_array_equal(d64, d32)
 
 
 def test_softmax_xent_is_stable_for_huge_logits(backend):

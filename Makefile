@@ -32,7 +32,7 @@ SERVE_ARGS ?=
 EXTRAS ?= dev,serve-cpu,teacher
 
 .PHONY: help venv test lint data preprocess teacher distill export serve demo clean FORCE \
-	bench-engine bench-mnist bench-preprocess bench-loader bench-serve bench-ibeans bench-ood bench-gpu gpu-check
+	bench-engine bench-mnist bench-preprocess bench-loader bench-serve bench-ibeans bench-ood bench-insects bench-gpu gpu-check
 
 help:
 	@echo "make demo           the whole pipeline on the built-in synthetic leaves, then the web app"
@@ -45,7 +45,7 @@ help:
 	@echo "make serve          the local web app on 127.0.0.1"
 	@echo "make bench-engine   engine training-step speed (vs PyTorch when installed)"
 	@echo "make bench-mnist    MNIST with the engine (MNIST=dir with the IDX files)"
-	@echo "make bench-preprocess | bench-loader | bench-serve | bench-ibeans | bench-ood | bench-gpu"
+	@echo "make bench-preprocess | bench-loader | bench-serve | bench-ibeans | bench-ood | bench-insects | bench-gpu"
 	@echo "make lint           ruff, then mypy on the leaflens package (.ci/typecheck)"
 	@echo "make gpu-check      on an NVIDIA machine: install the GPU extra, then doctor, gpu tests, GPU benchmark"
 
@@ -124,6 +124,10 @@ bench-ibeans: $(VENV)/.installed
 
 bench-ood: $(VENV)/.installed
 	$(PY) benchmarks/ood.py --data $(IBEANS)
+
+INSECTS ?= ../shared/data/insects
+bench-insects: $(VENV)/.installed
+	$(PY) benchmarks/insects.py --data $(INSECTS)
 
 bench-gpu: $(VENV)/.installed
 	$(PY) benchmarks/gpu.py

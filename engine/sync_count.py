@@ -21,6 +21,7 @@ before it returns. The hand-written CUDA kernels are switched off inside :func:`
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import sys
 import types
@@ -34,6 +35,7 @@ import numpy as np
 __all__ = ["DeviceArray", "SyncCounter", "counting_device", "counting_module"]
 
 _HERE = os.path.abspath(__file__)
+_BACKEND = os.path.join(os.path.dirname(_HERE), "backend.py")
 
 # Functions whose output size depends on the values: CuPy must read a count back to allocate it.
 _DATA_DEPENDENT = frozenset({"nonzero", "flatnonzero", "argwhere", "unique", "extract", "compress", "trim_zeros"})
@@ -64,15 +66,17 @@ class SyncCounter:
 
 
 def _caller() -> str:
-    """file:line of the first frame outside this module (and outside NumPy, which calls back into it)."""
+    """Where a read came from: the first two frames outside this module, NumPy and the backend's
+    ``to_device`` (``innermost < its caller``, as file:line)."""
+    sites: list[str] = []
     f: types.FrameType | None = sys._getframe(2)
-    while f is not None:
+    while f is not None and len(sites) < 2:
         path = os.path.abspath(f.f_code.co_filename)
-        if path != _HERE and f"{os.sep}numpy{os.sep}" not in path and not path.endswith(">"):
+        if path != _HERE and f"{os.sep}numpy{os.sep}" not in path and not path.endswith((">", _BACKEND)):
             rel = os.path.relpath(path)
-            return f"{path if rel.startswith('..') else rel}:{f.f_lineno}"
+            sites.append(f"{path if rel.startswith('..') else rel}:{f.f_lineno}")
         f = f.f_back
-    return "?"
+    return " < ".join(sites) or "?"
 
 
 _counter = SyncCounter()  # replaced by counting_device(); module level so arrays need no back reference
@@ -261,16 +265,16 @@ class DeviceArray:
 
         return method
 
-    def __neg__(self) -> DeviceArray:
+    def __neg__(self) -> Any:
         return np.negative(self)
 
-    def __pos__(self) -> DeviceArray:
+    def __pos__(self) -> Any:
         return np.positive(self)
 
-    def __abs__(self) -> DeviceArray:
+    def __abs__(self) -> Any:
         return np.absolute(self)
 
-    def __invert__(self) -> DeviceArray:
+    def __invert__(self) -> Any:
         return np.invert(self)
 
     __add__, __radd__, __iadd__ = _binary(np.add)
@@ -288,8 +292,8 @@ class DeviceArray:
     __le__ = _binary(np.less_equal)[0]
     __gt__ = _binary(np.greater)[0]
     __ge__ = _binary(np.greater_equal)[0]
-    __eq__ = _binary(np.equal)[0]  # type: ignore[assignment]
-    __ne__ = _binary(np.not_equal)[0]  # type: ignore[assignment]
+    __eq__ = _binary(np.equal)[0]
+    __ne__ = _binary(np.not_equal)[0]
 
 
 class _Stream:
@@ -329,12 +333,38 @@ class _Event:
         return True
 
 
+_CURAND = types.SimpleNamespace(CURAND_RNG_PSEUDO_PHILOX4_32_10=104)  # cupy.cuda.curand's constant
+
+
 def _cuda_namespace() -> types.SimpleNamespace:
     current = _Stream()
     return types.SimpleNamespace(
         Stream=_Stream, Event=_Event, get_current_stream=lambda: current,
         alloc_pinned_memory=lambda nbytes: bytearray(int(nbytes)),
-        runtime=types.SimpleNamespace(getDeviceCount=lambda: 1))
+        Device=lambda device=0: types.SimpleNamespace(id=int(device)),
+        runtime=types.SimpleNamespace(getDeviceCount=lambda: 1), curand=_CURAND)
+
+
+class _RandomState:
+    """``cupy.random.RandomState`` (a device generator): NumPy's legacy generator, draws as device arrays."""
+
+    def __init__(self, seed: int | None = None, method: Any = None) -> None:
+        self._rs = np.random.RandomState(None if seed is None else int(seed) % 2**32)
+
+    def seed(self, seed: int | None = None) -> None:
+        self._rs.seed(None if seed is None else int(seed) % 2**32)
+
+    def random_sample(self, size: Any = None, dtype: Any = float) -> DeviceArray:
+        return DeviceArray(np.asarray(self._rs.random_sample(size), dtype=dtype))
+
+
+class _RandomProxy(types.ModuleType):
+    """``cupy.random``: ``RandomState`` as above, the module functions NumPy's with device results."""
+
+    RandomState = _RandomState
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_NumpyProxy("leaflens_counting_cupy.random", np.random), name)
 
 
 class _NumpyProxy(types.ModuleType):
@@ -362,6 +392,7 @@ def counting_module() -> types.ModuleType:
     xp = _NumpyProxy("leaflens_counting_cupy", np)
     xp.ndarray = DeviceArray  # type: ignore[attr-defined]
     xp.cuda = _cuda_namespace()  # type: ignore[attr-defined]
+    xp.random = _RandomProxy("leaflens_counting_cupy.random")  # type: ignore[attr-defined]
 
     def asnumpy(a: Any, stream: Any = None) -> np.ndarray:
         if isinstance(a, DeviceArray):
@@ -388,8 +419,27 @@ def counting_device() -> Iterator[SyncCounter]:
     before = backend._cupy, backend._cupy_checked, _counter
     counter = SyncCounter()
     backend._cupy, backend._cupy_checked, _counter = counting_module(), True, counter
+    stubs = _cupy_import_stubs()
     try:
         with _kernels.use_kernels(False):
             yield counter
     finally:
         backend._cupy, backend._cupy_checked, _counter = before
+        for name in stubs:
+            sys.modules.pop(name, None)
+
+
+def _cupy_import_stubs() -> list[str]:
+    """Without CuPy installed, ``from cupy.cuda import curand`` (the device dropout's one import) must still
+    work: put stand-in modules for ``cupy`` and ``cupy.cuda`` in ``sys.modules``; returns their names.
+
+    They carry no ``ndarray``, so nothing takes them for CuPy itself. With CuPy installed, nothing is
+    stubbed: the import gets the real constant, which the stand-in's generator ignores.
+    """
+    if "cupy" in sys.modules or importlib.util.find_spec("cupy") is not None:
+        return []
+    cupy, cuda = types.ModuleType("cupy"), types.ModuleType("cupy.cuda")
+    cuda.curand = _CURAND  # type: ignore[attr-defined]
+    cupy.cuda = cuda  # type: ignore[attr-defined]
+    sys.modules["cupy"], sys.modules["cupy.cuda"] = cupy, cuda
+    return ["cupy.cuda", "cupy"]

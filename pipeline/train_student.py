@@ -233,8 +233,21 @@ def train_run(run_dir: str | os.PathLike[str], cfg: StageConfig, data: TrainData
     """Train one student in ``run_dir`` with the pipeline's training loop (:mod:`leaflens.pipeline.training`);
     resumes from ``last.npz`` when ``resume`` and it exists. ``resumable``: whether the calling stage offers
     ``--resume`` (its messages after a stop say so)."""
+    task, settings, device = student_run(cfg, data, val_images, val_labels, mean, std, num_classes, label=label,
+                                         progress=progress, resumable=resumable)
+    return run_training(run_dir, task, settings, extra_meta, resume=resume, device=device)
+
+
+def student_run(cfg: StageConfig, data: TrainData, val_images: Any, val_labels: np.ndarray, mean: np.ndarray,
+                std: np.ndarray, num_classes: int, label: str = "student", progress: bool = True,
+                resumable: bool = True, device: str | None = None) -> tuple[StudentTask, LoopSettings, str]:
+    """What :func:`train_run` trains: the task, the loop's settings and the device ("cpu"/"cuda").
+
+    ``device``: where to train, already resolved (None: ``train.device`` resolved here);
+    ``leaflens.pipeline.host_syncs`` passes "cuda" with the engine's counting stand-in for CuPy.
+    """
     tcfg = cfg.train
-    device = resolve_device(tcfg.device)
+    device = resolve_device(tcfg.device) if device is None else device
     use_amp = resolve_precision(tcfg.mixed_precision, device)
     seed = int(tcfg.seed)
     teacher_dim = None if data.features is None else int(data.features.shape[1])
@@ -265,7 +278,7 @@ def train_run(run_dir: str | os.PathLike[str], cfg: StageConfig, data: TrainData
                             max_bad_steps=int(tcfg.max_bad_steps),
                             early_stopping_patience=int(tcfg.early_stopping_patience), mixed_precision=use_amp,
                             label=label, resumable=resumable, progress=progress)
-    return run_training(run_dir, task, settings, extra_meta, resume=resume, device=device)
+    return task, settings, device
 
 
 class StudentTask:

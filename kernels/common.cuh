@@ -44,7 +44,10 @@ __device__ __forceinline__ float load_as_float(const half_bits* p, long long i) 
 __device__ __forceinline__ void store_from_float(float* p, long long i, float v) { p[i] = v; }
 __device__ __forceinline__ void store_from_float(half_bits* p, long long i, float v) { p[i] = float_to_half(v); }
 
-// Index of this thread in a 1-D grid-stride loop, and the stride.
+// Index of this thread in a 1-D grid-stride loop, and the stride. Element-wise kernels that split a
+// flat index with divisions (im2col, maxpool, softmax_xent's backward) are templates on the index type:
+// `unsigned int` when every array they index has fewer than 2^31 elements, `long long` (the `_i64`
+// kernels) otherwise; the Python launcher picks one by size (kernels/_checks.py index_suffix).
 __device__ __forceinline__ long long grid_start() {
     return (long long)blockIdx.x * blockDim.x + threadIdx.x;
 }

@@ -45,7 +45,8 @@ def conv_geometry(shape: tuple[int, ...], kernel: Any, stride: Any, padding: Any
 
 def _launch(kernel_name: str, src: Any, dst: Any, geo: tuple[int, ...], total: int) -> None:
     n, h, w, c, kh, kw, sh, sw, pt, _pb, pl, _pr, ho, wo = geo
-    kernel = _cuda.load_kernel("im2col.cu", kernel_name)
+    # 32-bit flat indices unless x or cols has 2^31 elements or more
+    kernel = _cuda.load_kernel("im2col.cu", kernel_name + _checks.index_suffix(int(src.size), int(dst.size)))
     grid, block = _cuda.grid_1d(total)
     ints = (n, h, w, c, kh, kw, sh, sw, pt, pl, ho, wo)
     kernel(grid, block, (src, dst) + tuple(np.int32(v) for v in ints))

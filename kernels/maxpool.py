@@ -44,7 +44,8 @@ def maxpool_forward_cuda(x: Any, kernel: Any, stride: Any = None, padding: Any =
     y = cp.empty((n, ho, wo, c), dtype=x.dtype)
     idx = cp.empty((n, ho, wo, c), dtype=np.uint8)
     if y.size:
-        k = _cuda.load_kernel("maxpool.cu", f"{name}_{_checks.float_suffix(name, x.dtype)}")
+        suffix = _checks.float_suffix(name, x.dtype) + _checks.index_suffix(int(x.size), int(y.size))
+        k = _cuda.load_kernel("maxpool.cu", f"{name}_{suffix}")
         grid, block = _cuda.grid_1d(int(y.size))
         k(grid, block, (x, y, idx) + _ints(geo))
     return y, idx
@@ -65,7 +66,8 @@ def maxpool_backward_cuda(
     _checks.require_int32(name, N=n, H=h, W=w, C=c)
     gx = cp.empty(tuple(int(v) for v in x_shape), dtype=gy.dtype)
     if gx.size:
-        k = _cuda.load_kernel("maxpool.cu", f"{name}_{_checks.float_suffix(name, gy.dtype)}")
+        suffix = _checks.float_suffix(name, gy.dtype) + _checks.index_suffix(int(gx.size), int(gy.size))
+        k = _cuda.load_kernel("maxpool.cu", f"{name}_{suffix}")
         grid, block = _cuda.grid_1d(int(gx.size))
         k(grid, block, (gy, idx, gx) + _ints(geo))
     return gx

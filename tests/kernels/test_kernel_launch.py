@@ -347,6 +347,24 @@ def test_im2col_col2im(backend, dtype, shape, kernel, stride, padding):
     close(backend.get(gx), engine_col2im(g, shape, kernel, stride, padding).astype(dtype), dtype)
 
 
+def test_im2col_col2im_64_bit_index_variant(backend, monkeypatch):
+    """Past 2^31 elements the ``_i64`` kernels run; with the limit lowered a small case takes them and
+    must give exactly what the 32-bit variants give."""
+    from leaflens.kernels import _checks  # noqa: PLC0415
+
+    shape, kernel, stride, padding = GEOMETRIES[1]
+    rng = np.random.default_rng(4)
+    x = backend.put(rng.standard_normal(shape).astype(np.float32))
+    cols32 = backend.get(im2col_cuda(x, kernel, stride, padding))
+    g = backend.put(rng.standard_normal(cols32.shape).astype(np.float32))
+    gx32 = backend.get(col2im_cuda(g, shape, kernel, stride, padding))
+    monkeypatch.setattr(_checks, "INDEX32_MAX", int(np.prod(shape)) - 1)  # x passes the limit, cols too
+    with launched(backend, "im2col.cu", "im2col_nhwc_f32_i64"):
+        np.testing.assert_array_equal(backend.get(im2col_cuda(x, kernel, stride, padding)), cols32)
+    with launched(backend, "im2col.cu", "col2im_nhwc_f32_i64"):
+        np.testing.assert_array_equal(backend.get(col2im_cuda(g, shape, kernel, stride, padding)), gx32)
+
+
 # ---- max-pool ------------------------------------------------------------------------------------
 POOLS = [
     ((2, 6, 6, 3), (2, 2), (2, 2), (0, 0, 0, 0)),
@@ -391,6 +409,25 @@ def test_maxpool_limits(backend):
         maxpool_forward_cuda(backend.put(np.zeros((1, 20, 20, 1), np.float32)), (17, 17))
     with pytest.raises(ValueError, match="does not fit"):
         maxpool_forward_cuda(backend.put(np.zeros((1, 2, 2, 1), np.float32)), (3, 3))
+
+
+def test_maxpool_64_bit_index_variant(backend, monkeypatch):
+    from leaflens.kernels import _checks  # noqa: PLC0415
+
+    shape, kernel, stride, padding = POOLS[1]
+    rng = np.random.default_rng(6)
+    x = backend.put(rng.standard_normal(shape).astype(np.float16))
+    y32, idx32 = maxpool_forward_cuda(x, kernel, stride, padding)
+    gy = backend.put(rng.standard_normal(tuple(y32.shape)).astype(np.float16))
+    gx32 = backend.get(maxpool_backward_cuda(gy, idx32, shape, kernel, stride, padding))
+    monkeypatch.setattr(_checks, "INDEX32_MAX", int(np.prod(shape)) - 1)
+    with launched(backend, "maxpool.cu", "maxpool_forward_f16_i64"):
+        y64, idx64 = maxpool_forward_cuda(x, kernel, stride, padding)
+    np.testing.assert_array_equal(backend.get(y64), backend.get(y32))
+    np.testing.assert_array_equal(backend.get(idx64), backend.get(idx32))
+    with launched(backend, "maxpool.cu", "maxpool_backward_f16_i64"):
+        gx64 = maxpool_backward_cuda(gy, idx64, shape, kernel, stride, padding)
+    np.testing.assert_array_equal(backend.get(gx64), gx32)
 
 
 # ---- fused optimisers ----------------------------------------------------------------------------

@@ -19,6 +19,10 @@ in detail under ``train_step``.
 Without a GPU it prints why and ends with a JSON line whose figures are null and whose ``skipped``
 holds the reason. The last line of output is always one JSON object.
 
+``host_syncs_per_step`` (with or without a GPU): the most host reads of device values in one step of
+the pipeline's student training (``leaflens.pipeline.host_syncs``, counted on the CPU with the engine's
+CuPy stand-in; each read makes the host wait for the GPU), and ``host_syncs_mean_per_step``.
+
 With ``--require-gpu`` (``make gpu-check`` uses it) the benchmark is also a check, exit status 1 when: there
 is no usable GPU; a kernel the engine dispatches (all but SGEMM, see :data:`NOT_DISPATCHED`) takes more than
 :data:`SLOWDOWN_LIMIT` times its generic CuPy expression's time, or gives a non-finite difference; or the
@@ -642,6 +646,17 @@ def skipped_json(reason: str) -> dict[str, Any]:
             **train_step_flat(None)}
 
 
+def host_syncs_keys() -> dict[str, Any]:
+    """The JSON line's host-synchronisation keys, measured on the CPU (needs no GPU); prints one line."""
+    from leaflens.pipeline.host_syncs import measure_host_syncs  # noqa: PLC0415
+
+    report = measure_host_syncs()
+    print(f"host reads per training step (CuPy stand-in, {len(report.per_step)} steps): at most "
+          f"{report.max_per_step}, mean {report.mean_per_step:.2f} (the progress bar reads every "
+          f"{report.log_every} steps)")
+    return {"host_syncs_per_step": report.max_per_step, "host_syncs_mean_per_step": round(report.mean_per_step, 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
     configure_process(engine=True)  # what the `leaflens` command runs with
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -657,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         print(f"benchmarks/gpu.py: skipped, no GPU: {reason}")
         print("training step (engine vs PyTorch, float32 and mixed precision): not measured, no GPU")
-        print(json.dumps(skipped_json(reason)))
+        print(json.dumps({**skipped_json(reason), **host_syncs_keys()}))
         if args.require_gpu:
             print(f"benchmarks/gpu.py: FAILED (--require-gpu): no usable GPU: {reason}", file=sys.stderr)
             return 1
@@ -682,8 +697,9 @@ def main(argv: list[str] | None = None) -> int:
           + ("FAILED" if slow else "all within"))
     for line in failures:
         print(f"  FAILED {line}")
+    syncs = host_syncs_keys()
     print(json.dumps({"skipped": None, "device": device, "kernels": results, "train_step": train,
-                      **train_step_flat(train), "failures": failures}))
+                      **train_step_flat(train), "failures": failures, **syncs}))
     return 1 if args.require_gpu and failures else 0
 
 

@@ -21,3 +21,19 @@ def test_a_training_step_reads_the_device_at_most_twice(optimizer, mixed_precisi
     assert min(report.steady) == 1, report.per_step
     assert report.mean_per_step <= 1 + 1 / 4 + 1e-9, report.per_step
     assert sum(n == 2 for n in report.steady) >= 2, report.per_step  # the progress bar's reads were counted
+
+
+def test_the_gpu_benchmark_reports_host_syncs_per_step_without_a_gpu(capsys):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu.py"
+    spec = importlib.util.spec_from_file_location("leaflens_gpu_benchmark_syncs", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses look their module up here
+    spec.loader.exec_module(bench)
+    keys = bench.host_syncs_keys()
+    assert keys["host_syncs_per_step"] in (1, 2)
+    assert 1.0 <= keys["host_syncs_mean_per_step"] <= 1.5
+    assert "host reads per training step" in capsys.readouterr().out

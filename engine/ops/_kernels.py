@@ -25,7 +25,8 @@ What is dispatched (forward/backward pairs keep what the kernel's backward needs
   forward records uint8 tap indices that the backward scatters through.
 * Convolution's ``im2col``/``col2im``: ``im2col.cu``, whose column layout (row ``(n*Ho+ho)*Wo+wo``,
   column ``(i*kw+j)*C+c``) is exactly the engine's NHWC im2col, so the kernel replaces the strided
-  copies one for one. The matrix products stay on ``cupy.matmul`` (cuBLAS).
+  copies one for one; it reads (and col2im drops) the zero padding itself, so no padded copy of the
+  activations is made. The matrix products stay on ``cupy.matmul`` (cuBLAS).
 * SGD with momentum (dampening 0) and Adam/AdamW on float32 parameters: ``fused_optim.cu``.
 
 ``dispatch_counts()`` tells how often each kernel family was chosen (tests use it to prove that a
@@ -261,35 +262,46 @@ def maxpool_backward(
 
 
 # ---- convolution's im2col / col2im -----------------------------------------------------------------
-def im2col(xp: Any, xpad: Any, kernel: tuple[int, int], stride: tuple[int, int]) -> Any | None:
-    """Columns (N*Ho*Wo, kh*kw*C) of the already padded NHWC ``xpad``, or None.
+_NO_PADS = (0, 0, 0, 0)
 
-    Same layout as the engine's im2col (tap-major, channels fastest), so the result feeds the
-    same cuBLAS matmul. The padding was applied by the caller, hence padding 0 here.
+
+def im2col(
+    xp: Any, x: Any, kernel: tuple[int, int], stride: tuple[int, int], pads: tuple[int, int, int, int] = _NO_PADS
+) -> Any | None:
+    """Columns (N*Ho*Wo, kh*kw*C) of NHWC ``x`` with zero padding ``pads`` (top, bottom, left, right), or None.
+
+    Same layout as the engine's im2col (tap-major, channels fastest), so the result feeds the same
+    cuBLAS matmul. The kernel reads the padding as zeros, so the caller makes no padded copy of x.
     """
-    if not active(xp) or xpad.ndim != 4 or xpad.dtype not in _FLOATS or xpad.size == 0:
+    if not active(xp) or x.ndim != 4 or x.dtype not in _FLOATS or x.size == 0:
         return None
     kh, kw = int(kernel[0]), int(kernel[1])
-    if not _fits_int32(*xpad.shape, kh * kw * xpad.shape[3]):
+    if not _fits_int32(*x.shape, kh * kw * x.shape[3]):
         return None
     _hit("im2col")
-    return im2col_cuda(_contig(xp, xpad), (kh, kw), tuple(int(s) for s in stride), 0)
+    return im2col_cuda(_contig(xp, x), (kh, kw), tuple(int(s) for s in stride), tuple(int(p) for p in pads))
 
 
 def col2im(
-    xp: Any, cols: Any, padded_shape: tuple[int, ...], kernel: tuple[int, int], stride: tuple[int, int]
+    xp: Any,
+    cols: Any,
+    x_shape: tuple[int, ...],
+    kernel: tuple[int, int],
+    stride: tuple[int, int],
+    pads: tuple[int, int, int, int] = _NO_PADS,
 ) -> Any | None:
-    """The adjoint of :func:`im2col` into a fresh array of ``padded_shape`` (overlaps summed), or None."""
-    if not active(xp) or cols.ndim != 2 or cols.dtype not in _FLOATS or cols.size == 0 or len(padded_shape) != 4:
+    """The adjoint of :func:`im2col` into a fresh array of ``x_shape`` (the unpadded input: what lands in
+    the padding is dropped; overlaps summed), or None."""
+    if not active(xp) or cols.ndim != 2 or cols.dtype not in _FLOATS or cols.size == 0 or len(x_shape) != 4:
         return None
     kh, kw = int(kernel[0]), int(kernel[1])
-    c = int(padded_shape[3])
-    if cols.shape[1] != kh * kw * c or not _fits_int32(*padded_shape, kh * kw * c):
+    c = int(x_shape[3])
+    if cols.shape[1] != kh * kw * c or not _fits_int32(*x_shape, kh * kw * c):
         return None
     _hit("col2im")
-    n, h, w = (int(v) for v in padded_shape[:3])
-    return col2im_cuda(_contig(xp, cols), (n, h, w, c), (kh, kw),
-                       tuple(int(s) for s in stride), 0)
+    n, h, w = (int(v) for v in x_shape[:3])
+    return col2im_cuda(_contig(xp, cols), (n, h, w, c), (kh, kw), tuple(int(s) for s in stride),
+                       tuple(int(p) for p in pads))
 
 
 # ---- optimisers ------------------------------------------------------------------------------------

@@ -84,12 +84,16 @@ def tap(xpad: Any, i: int, j: int, out_hw: tuple[int, int], stride: tuple[int, i
     return xpad[:, i:i + sh * (ho - 1) + 1:sh, j:j + sw * (wo - 1) + 1:sw, :]
 
 
-def im2col(xpad: Any, kernel: tuple[int, int], out_hw: tuple[int, int], stride: tuple[int, int]) -> Any:
-    """Columns (N*Ho*Wo, kh*kw*C), tap-major with channels fastest."""
+def im2col(xpad: Any, kernel: tuple[int, int], out_hw: tuple[int, int], stride: tuple[int, int],
+           pads: tuple[int, int, int, int] | None = None) -> Any:
+    """Columns (N*Ho*Wo, kh*kw*C), tap-major with channels fastest, of the padded input ``xpad``; with
+    ``pads``, ``xpad`` is the unpadded input and the GPU kernel reads the padding itself."""
     xp = array_module(xpad)
-    fused = gpu.im2col(xp, xpad, kernel, stride)
+    fused = gpu.im2col(xp, xpad, kernel, stride, pads or (0, 0, 0, 0))
     if fused is not None:
         return fused
+    if pads is not None:
+        xpad = pad_nhwc(xpad, pads)
     n, c = xpad.shape[0], xpad.shape[3]
     kh, kw = kernel
     ho, wo = out_hw
@@ -105,9 +109,16 @@ def im2col(xpad: Any, kernel: tuple[int, int], out_hw: tuple[int, int], stride: 
 
 
 def col2im(cols: Any, padded_shape: tuple[int, ...], kernel: tuple[int, int], out_hw: tuple[int, int],
-           stride: tuple[int, int]) -> Any:
-    """The adjoint of im2col: overlapping contributions are summed into the padded input."""
+           stride: tuple[int, int], pads: tuple[int, int, int, int] | None = None) -> Any:
+    """The adjoint of im2col: overlapping contributions are summed into the padded input; with ``pads``,
+    into the unpadded input (what lands in the padding is dropped, by the GPU kernel itself)."""
     xp = array_module(cols)
+    if pads is not None:
+        (n, h, w, c), (t, b, l, r) = padded_shape, pads
+        fused = gpu.col2im(xp, cols, (n, h - t - b, w - l - r, c), kernel, stride, pads)
+        if fused is not None:
+            return fused
+        return _unpad(col2im(cols, padded_shape, kernel, out_hw, stride), pads, (h - t - b, w - l - r))
     fused = gpu.col2im(xp, cols, padded_shape, kernel, stride)
     if fused is not None:
         return fused
@@ -161,9 +172,14 @@ class Conv2d(Function):
         if ho <= 0 or wo <= 0:
             raise ValueError(f"conv2d: a {kh}x{kw} kernel does not fit a {h}x{wd} input with padding {pads}")
         self.pads, self.kernel, self.out_hw, self.in_shape = pads, (kh, kw), (ho, wo), x.shape
-        xpad = pad_nhwc(x, pads)
-        self.padded_shape = xpad.shape
-        if g == c and cg == 1 and cout == c:
+        depthwise = g == c and cg == 1 and cout == c
+        # On the GPU the im2col/col2im kernels read and drop the padding themselves: no padded copy of x
+        pointwise = (kh, kw) == (1, 1) and self.stride == (1, 1)
+        self.kernel_pads = pads if any(pads) and not depthwise and not pointwise and gpu.active(
+            array_module(x)) else None
+        xpad = x if self.kernel_pads else pad_nhwc(x, pads)
+        self.padded_shape = (n, h + pads[0] + pads[1], wd + pads[2] + pads[3], c)
+        if depthwise:
             self.mode = "depthwise"
             y = self._depthwise_forward(xpad, w)
         elif g == 1:
@@ -187,7 +203,7 @@ class Conv2d(Function):
         if (kh, kw) == (1, 1) and self.stride == (1, 1):
             cols = xpad.reshape(-1, c)
         else:
-            cols = im2col(xpad, (kh, kw), self.out_hw, self.stride)
+            cols = im2col(xpad, (kh, kw), self.out_hw, self.stride, self.kernel_pads)
         wmat = w.transpose(2, 3, 1, 0).reshape(kh * kw * c, cout)
         if self.recording:
             self.cols = cols if self.needs_grad[1] else None
@@ -207,8 +223,9 @@ class Conv2d(Function):
             if (kh, kw) == (1, 1) and self.stride == (1, 1):
                 gx = gcols.reshape(self.padded_shape)
             else:
-                gx = col2im(gcols, self.padded_shape, self.kernel, self.out_hw, self.stride)
-            gx = _unpad(gx, self.pads, self.in_shape[1:3])
+                gx = col2im(gcols, self.padded_shape, self.kernel, self.out_hw, self.stride, self.kernel_pads)
+            if self.kernel_pads is None:
+                gx = _unpad(gx, self.pads, self.in_shape[1:3])
         return gx, gw
 
     # -- depthwise: kh*kw shifted multiply-adds -----------------------------------------------------
@@ -277,7 +294,7 @@ class Conv2d(Function):
         cout, cg, kh, kw = w.shape
         ho, wo = self.out_hw
         m = n * ho * wo
-        cols = im2col(xpad, (kh, kw), self.out_hw, self.stride)
+        cols = im2col(xpad, (kh, kw), self.out_hw, self.stride, self.kernel_pads)
         cols = xp.ascontiguousarray(cols.reshape(m, kh * kw, g, cg).transpose(2, 0, 1, 3)).reshape(g, m, -1)
         wg = w.reshape(g, cout // g, cg, kh, kw).transpose(0, 3, 4, 2, 1).reshape(g, kh * kw * cg, cout // g)
         if self.recording:
@@ -301,8 +318,9 @@ class Conv2d(Function):
             gcols = gyg @ self.wmat.transpose(0, 2, 1)  # (g, m, kh*kw*cg)
             m = gcols.shape[1]
             gcols = gcols.reshape(g, m, kh * kw, cg).transpose(1, 2, 0, 3).reshape(m, kh * kw * c)
-            gx = col2im(gcols, self.padded_shape, self.kernel, self.out_hw, self.stride)
-            gx = _unpad(gx, self.pads, self.in_shape[1:3])
+            gx = col2im(gcols, self.padded_shape, self.kernel, self.out_hw, self.stride, self.kernel_pads)
+            if self.kernel_pads is None:
+                gx = _unpad(gx, self.pads, self.in_shape[1:3])
         return gx, gw
 
     def backward(self, gy):

@@ -298,6 +298,43 @@ def test_emulated_distill_loss_runs_the_fused_kernel(emulated, with_features: bo
         close(a, b, dict(rtol=1e-4, atol=1e-6))
 
 
+def test_conv_helpers_with_pads_equal_padding_first():
+    """``im2col``/``col2im`` given ``pads`` (the GPU branch's call) equal padding first / cropping after on
+    the xp path, which is where they land whenever the kernel does not apply."""
+    from leaflens.engine.ops import conv  # noqa: PLC0415
+
+    rng = _rng(17)
+    x = rng.standard_normal((2, 5, 6, 3)).astype(np.float32)
+    pads, kernel, stride, out_hw = (1, 2, 0, 1), (3, 2), (2, 1), (3, 6)
+    xpad = conv.pad_nhwc(x, pads)
+    want = conv.im2col(xpad, kernel, out_hw, stride)
+    np.testing.assert_array_equal(conv.im2col(x, kernel, out_hw, stride, pads), want)
+    g = rng.standard_normal(want.shape).astype(np.float32)
+    full = conv.col2im(g, xpad.shape, kernel, out_hw, stride)
+    np.testing.assert_array_equal(conv.col2im(g, xpad.shape, kernel, out_hw, stride, pads), full[:, 1:6, 0:6])
+
+
+@pytest.mark.parametrize("name", ["conv_3x3_p1", "conv_3x3_s2_same", "conv_grouped"])
+def test_emulated_conv_makes_no_padded_copy(emulated, monkeypatch: pytest.MonkeyPatch, name: str):
+    """With the kernels, a padded dense or grouped convolution never builds a padded copy of its input:
+    im2col/col2im read and drop the padding themselves (the results equal the xp path: see above)."""
+    from leaflens.engine.ops import conv  # noqa: PLC0415
+
+    calls: list[tuple[int, ...]] = []
+    real_pad = conv.pad_nhwc
+
+    def counting_pad(x: Any, pads: tuple[int, int, int, int], value: float = 0.0) -> Any:
+        calls.append(tuple(pads))
+        return real_pad(x, pads, value)
+
+    monkeypatch.setattr(conv, "pad_nhwc", counting_pad)
+    case, _ = CASES[name]
+    _run(case, _copy_put, np.float32, enabled=True)
+    assert not calls
+    _run(case, _copy_put, np.float32, enabled=False)
+    assert calls  # the xp path pads (so the check above can fail)
+
+
 def _opt_run(make: Callable[[list[Parameter]], Any], enabled: bool, steps: int = 3) -> tuple[list, list]:
     rng = _rng(21)
     params = [Parameter(rng.standard_normal(s).astype(np.float32)) for s in [(4, 3, 3, 2), (7,), (5, 6)]]

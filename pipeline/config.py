@@ -113,6 +113,10 @@ class TeacherSection(Record):
     frozen: bool
     input_size: int
     finetune_from_block: int
+    augment: Literal["rrc", "cached"]  # a fresh random-resized crop per photo and epoch, or cached fronts
+    rrc_scale: tuple[float, float]
+    freeze_bn: bool
+    dropout: float
     epochs: int
     batch_size: int
     lr: float
@@ -133,6 +137,15 @@ class TeacherSection(Record):
         for name in ("input_size", "epochs", "batch_size", "encode_batch_size", "views", "cnn_epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.finetune_from_block < 0:
+            raise ValueError(f"finetune_from_block must be >= 0 (0: every block trains), got "
+                             f"{self.finetune_from_block}")
+        lo, hi = self.rrc_scale
+        if not 0.0 < lo <= hi <= 1.0:
+            raise ValueError(f"rrc_scale is the [min, max] area fraction of the crops, 0 < min <= max <= 1, got "
+                             f"{list(self.rrc_scale)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,11 @@ class Conv2d(Module):
 
 
 class BatchNorm2d(Module):
-    """Batch normalisation over the channel (last) axis; also serves (N, C) inputs."""
+    """Batch normalisation over the channel (last) axis; also serves (N, C) inputs.
+
+    ``frozen``: use (and keep) the running statistics even in training mode, the affine weights still
+    learning: how a pretrained network is fine-tuned on small batches of a small dataset.
+    """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1):
         super().__init__()
@@ -65,10 +69,11 @@ class BatchNorm2d(Module):
         self.bias = Parameter(np.zeros(num_features, dtype=np.float32))
         self.register_buffer("running_mean", np.zeros(num_features, dtype=np.float32))
         self.register_buffer("running_var", np.ones(num_features, dtype=np.float32))
+        self.frozen = False
 
     def forward(self, x: Any) -> Any:
         return ops.batch_norm(x, self.weight, self.bias, self.running_mean, self.running_var,
-                              training=self.training, momentum=self.momentum, eps=self.eps)
+                              training=self.training and not self.frozen, momentum=self.momentum, eps=self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}"

@@ -1,16 +1,20 @@
-"""The default teacher: ImageNet EfficientNet-Lite0, partially fine-tuned on the dataset by the engine.
+"""The default teacher: ImageNet EfficientNet-Lite0, fine-tuned on the dataset by the engine.
 
 Frozen ImageNet features are weaker on leaf photos than a small CNN trained from scratch (measured:
 iBeans linear probe 87.5 % vs about 95 %), and a teacher weaker than its student teaches nothing.
-So by default the teacher first learns the task. To fit a CPU budget the network is cut before
-block ``k``: the front (stem + early blocks) runs once per image with its ImageNet weights and its
-output is cached (plain and mirrored views of the training photos); only the back (the last blocks,
-the head conv and a new classifier) is trained on that cache, with a low learning rate for the
+So by default the teacher first learns the task. The network is cut before block ``k``
+(``teacher.finetune_from_block``): the front (stem + blocks before ``k``) keeps its ImageNet weights and
+runs in onnxruntime, the back (the other blocks, the head conv and a new classifier) is trained. By default
+(``teacher.augment = "rrc"``, pipeline/teachers/finetune.py) every epoch shows each training photo as a
+fresh random-resized crop, through the front and then the back. With ``"cached"`` the front runs once per
+image and its output is cached (plain and mirrored views of the training photos), and the back is trained
+on that cache (fast, but it learns two views per photo by heart). Either way with a low learning rate for the
 pretrained layers and a higher one for the new classifier, by the pipeline's one training loop
 (:mod:`leaflens.pipeline.training`, as the student: the epoch kept is the best on the validation split
-by accuracy, then loss; non-finite steps are counted, logged and stop the run after a limit). The
-cached fronts then give every split's features (1280-d) and logits. The recipe (cut point, input
-size, epochs, learning rates...) is the ``[teacher]`` section of the stage config.
+by accuracy, then loss; non-finite steps are counted, logged and stop the run after a limit), BatchNorm
+statistics frozen unless ``teacher.freeze_bn = false``. The fine-tuned network then gives every split's
+features (1280-d) and logits. The recipe (cut point, input size, augmentation, epochs, learning rates...)
+is the ``[teacher]`` section of the stage config, recorded whole in teacher.json (``stage.recipe``).
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from leaflens.engine.optim import AdamW, WarmupCosine
 from leaflens.pipeline.config import TeacherSection
 from leaflens.pipeline.models.efficientnet import EfficientNetLite, LiteConfig, normalize_images
 from leaflens.pipeline.models.pretrained import find_lite0_weights, load_efficientnet_lite0
-from leaflens.pipeline.teachers.stage import ArrayEncoder, iter_split_images
+from leaflens.pipeline.teachers.finetune import FreshViewTask, freeze_batchnorm, optimizer_groups, recipe_record
+from leaflens.pipeline.teachers.stage import ArrayEncoder, TeacherStageError, iter_split_images
 from leaflens.pipeline.training import BEST, BatchLoss, LoopSettings, run_training, validation_scores
 
 
@@ -121,11 +126,14 @@ def build_effnet_teacher(ds: Any, teacher: TeacherSection, weights_file: str | P
     The fine-tune stops after ``max_bad_steps`` consecutive non-finite steps (the recipe's
     ``train.max_bad_steps``); its checkpoints and metrics go to ``work_dir`` (None: a temporary folder).
     """
-    cfg = LiteConfig(padding="same", bn_eps=1e-3, normalization="tf")
+    cfg = LiteConfig(padding="same", bn_eps=1e-3, normalization="tf", dropout=teacher.dropout)
     weights = find_lite0_weights(weights_file)
     net: EfficientNetLite = load_efficientnet_lite0(weights, cfg)
     frozen = teacher.frozen or "train" not in ds or ds["train"].labels is None
     k = teacher.finetune_from_block
+    if k > net.num_blocks:
+        raise TeacherStageError(f"teacher.finetune_from_block = {k}, but EfficientNet-Lite0 has {net.num_blocks} "
+                                f"blocks: use 0 (every block trains) to {net.num_blocks} (only the head)")
     if not frozen:
         # A generator of its own from the recipe's seed, not a stream shared with whatever ran before in this
         # process: the new head's initial weights alone moved the fine-tuned teacher's iBeans test accuracy
@@ -134,6 +142,9 @@ def build_effnet_teacher(ds: Any, teacher: TeacherSection, weights_file: str | P
     front_module, back = net.split(k)
     size = teacher.input_size
     front = FrontRunner(front_module.eval(), size)
+    if not frozen and teacher.augment == "rrc":
+        return _fresh_view_teacher(net, front, back, ds, teacher, weights, cfg, from_arrays, progress,
+                                   max_bad_steps, work_dir)
     t0 = time.perf_counter()
     mirror = teacher.mirror and not frozen
     total = sum(len(ds[s]) * (2 if (s == "train" and mirror) else 1) for s in ds.splits)
@@ -151,9 +162,9 @@ def build_effnet_teacher(ds: Any, teacher: TeacherSection, weights_file: str | P
     extra: dict[str, Any] = {"weights": str(weights), "config": cfg.to_dict(), "split_block": k,
                              "front_backend": front.backend,
                              "front_seconds": round(front_seconds, 1), "fine_tuned": not frozen}
-    identity = {"kind": "efficientnet-lite0", "weights": str(weights), "fine_tuned": not frozen, "split_block": k,
-                "input_size": size, "shorter_side": shorter_side(size), "padding": cfg.padding,
-                "normalization": cfg.normalization, "bn_eps": cfg.bn_eps}
+    if not frozen:
+        extra["recipe"] = recipe_record(teacher)
+    identity = _identity(weights, not frozen, k, size, cfg)
     if frozen:
         feats = {s: _back_outputs(back, h)[0] for s, h in fronts.items()}
         enc = ArrayEncoder(feats, None, weights, ds.image_size, identity)
@@ -168,6 +179,48 @@ def build_effnet_teacher(ds: Any, teacher: TeacherSection, weights_file: str | P
     enc.view_encoder = EffnetImageEncoder(front, back, cfg.normalization, enc.feature_dim, enc.num_classes)
     if not frozen:  # the whole fine-tuned network, which the stage saves and serves (pipeline/teachers/served.py)
         enc.network = net
+    return enc, extra
+
+
+def _identity(weights: Path, fine_tuned: bool, k: int, size: int, cfg: LiteConfig) -> dict[str, Any]:
+    return {"kind": "efficientnet-lite0", "weights": str(weights), "fine_tuned": fine_tuned, "split_block": k,
+            "input_size": size, "shorter_side": shorter_side(size), "padding": cfg.padding,
+            "normalization": cfg.normalization, "bn_eps": cfg.bn_eps}
+
+
+def _fresh_view_teacher(net: EfficientNetLite, front: FrontRunner, back: Any, ds: Any, teacher: TeacherSection,
+                        weights: Path, cfg: LiteConfig, from_arrays: bool, progress: bool, max_bad_steps: int,
+                        work_dir: str | Path | None) -> tuple[ArrayEncoder, dict]:
+    """``teacher.augment = "rrc"``: fine-tune on fresh crops (pipeline/teachers/finetune.py), then encode
+    every split with the whole network, a chunk at a time (the front's output of early blocks is too big
+    to cache)."""
+    size, k = teacher.input_size, teacher.finetune_from_block
+    task = FreshViewTask(front, back, ds, teacher, cfg.normalization, from_arrays, shorter_side(size))
+    extra: dict[str, Any] = {"weights": str(weights), "config": cfg.to_dict(), "split_block": k,
+                             "front_backend": front.backend, "fine_tuned": True, "recipe": recipe_record(teacher)}
+    with contextlib.ExitStack() as stack:
+        where = Path(work_dir) if work_dir is not None else Path(stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="leaflens-finetune-")))
+        extra.update(_run_fine_tune(task, back, teacher, progress, max_bad_steps, where))
+    encoder = EffnetImageEncoder(front, back, cfg.normalization, net.feature_dim, ds.num_classes)
+    t0 = time.perf_counter()
+    bar = tqdm(total=sum(len(ds[s]) for s in ds.splits), desc="teacher: fine-tuned EfficientNet-Lite0", unit="img",
+               disable=not progress)
+    feats: dict[str, np.ndarray] = {}
+    logits: dict[str, np.ndarray] = {}
+    for split in ds.splits:
+        parts = []
+        for chunk in iter_split_images(ds, split, size, shorter_side(size), teacher.encode_batch_size, from_arrays):
+            parts.append(_back_outputs(back, front(normalize_images(chunk, cfg.normalization))))
+            bar.update(len(chunk))
+        dim, classes = net.feature_dim, ds.num_classes
+        feats[split] = np.concatenate([p[0] for p in parts]) if parts else np.zeros((0, dim), np.float32)
+        logits[split] = np.concatenate([p[1] for p in parts]) if parts else np.zeros((0, classes), np.float32)
+    bar.close()
+    extra["encode_seconds"] = round(time.perf_counter() - t0, 1)
+    enc = ArrayEncoder(feats, logits, weights, ds.image_size, _identity(weights, True, k, size, cfg))
+    enc.view_encoder = encoder
+    enc.network = net
     return enc, extra
 
 
@@ -192,10 +245,8 @@ class FineTuneTask:
         self.model, self.teacher = back, teacher
         self.views = [fronts["train"]] + ([mirrored] if mirrored is not None else [])
         self.val_fronts, self.labels, self.val_labels = fronts["val"], labels, val_labels
-        head = {id(p) for p in back.fc.parameters()}
-        groups = [{"params": [p for p in back.parameters() if id(p) not in head], "lr": teacher.lr},
-                  {"params": back.fc.parameters(), "lr": teacher.head_lr}]
-        self.optimizer = AdamW(groups, lr=teacher.lr, weight_decay=teacher.weight_decay)
+        freeze_batchnorm(back, teacher.freeze_bn)
+        self.optimizer = AdamW(optimizer_groups(back, teacher), lr=teacher.lr, weight_decay=teacher.weight_decay)
         self.steps_per_epoch = max(len(labels) // teacher.batch_size, 1)
         total = teacher.epochs * self.steps_per_epoch
         self.scheduler = WarmupCosine(self.optimizer, total_steps=max(total, 1),
@@ -239,6 +290,11 @@ def _fine_tune(back: Any, fronts: dict[str, np.ndarray], mirrored: np.ndarray | 
     load the best epoch's weights (best on val: accuracy, then loss)."""
     task = FineTuneTask(back, fronts, mirrored, np.asarray(ds["train"].labels), np.asarray(ds["val"].labels),
                         teacher)
+    return _run_fine_tune(task, back, teacher, progress, max_bad_steps, work_dir)
+
+
+def _run_fine_tune(task: Any, back: Any, teacher: TeacherSection, progress: bool, max_bad_steps: int,
+                   work_dir: Path) -> dict:
     settings = LoopSettings(epochs=teacher.epochs, clip_grad_norm=teacher.clip_grad_norm, max_bad_steps=max_bad_steps,
                             label="teacher fine-tune", lr_setting="teacher.lr", resumable=False, progress=progress)
     t0 = time.perf_counter()

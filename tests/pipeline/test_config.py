@@ -74,7 +74,7 @@ def test_the_default_file_is_the_typed_default_and_complete():
     assert cfg == StageConfig.from_dict(read_toml(DEFAULT_CONFIG))
     assert cfg.model.widths == (32, 64, 128, 256) and cfg.train.optimizer == "adamw"
     assert isinstance(cfg.train.lr, float) and isinstance(cfg.augment.scale, tuple)
-    assert cfg.teacher.input_size == 224 and cfg.teacher.finetune_from_block == 14
+    assert cfg.teacher.augment == "rrc" and isinstance(cfg.teacher.rrc_scale, tuple) and cfg.teacher.freeze_bn
     # every setting must be in the file: the records have no defaults to fall back on
     data = read_toml(DEFAULT_CONFIG)
     del data["teacher"]["head_lr"]
@@ -134,8 +134,10 @@ def test_a_config_saved_by_the_previous_code_still_loads(tmp_path):
 
 def test_the_demo_recipe_shortens_the_teacher_too():
     demo = load_config(DEFAULT_CONFIG.parent / "distill_demo.toml")
-    assert (demo.teacher.epochs, demo.teacher.input_size) == (3, 160)
-    assert dataclasses.replace(demo.teacher, epochs=8, input_size=224) == load_config().teacher
+    assert (demo.teacher.epochs, demo.teacher.input_size, demo.teacher.augment) == (3, 160, "cached")
+    default = load_config().teacher
+    own = ("epochs", "input_size", "augment", "finetune_from_block", "freeze_bn", "batch_size", "lr")
+    assert dataclasses.replace(demo.teacher, **{k: getattr(default, k) for k in own}) == default
 
 
 def test_teacher_flags_are_overrides_of_the_teacher_section():

@@ -242,7 +242,7 @@ class Check:
             made = self.step(f"create {self.venv}", [sys.executable, "-m", "venv", str(self.venv)], 120)
             if made.result != OK:
                 return False
-        step = self.step(name, [self.python, "-m", "pip", "install", "--quiet", "-e", f".[{extra},dev,teacher]"],
+        step = self.step(name, [self.python, "-m", "pip", "install", "-e", f".[{extra},dev,teacher]"],
                          INSTALL_TIMEOUT_S)
         if step.result == OK:
             return True
@@ -260,7 +260,7 @@ class Check:
         if rc == 0:
             self.steps.append(Step("PyTorch CUDA reference", OK, 0.0, "already installed"))
             return
-        cmd = [self.python, "-m", "pip", "install", "--quiet", "torch"]
+        cmd = [self.python, "-m", "pip", "install", "torch"]
         if os.environ.get("TORCH_INDEX_URL"):
             cmd += ["--index-url", os.environ["TORCH_INDEX_URL"]]
         step = self.step("PyTorch CUDA reference", cmd, TORCH_TIMEOUT_S)

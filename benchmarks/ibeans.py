@@ -206,6 +206,10 @@ def main() -> None:
     def rounded(v: float) -> float | None:
         return None if v != v else round(v, 4)
 
+    def teacher_minutes(name: str) -> float | None:
+        parts = [walls[k] for k in (f"teacher_finetune_{name}", f"teacher_features_{name}") if k in walls]
+        return round(sum(parts) / 60, 1) if parts else None
+
     def stat(setting, key):
         vals = [r[key] for r in rows if r["setting"] == setting]
         if not vals:
@@ -229,6 +233,8 @@ def main() -> None:
         "teacher_knn_acc": round(knn, 4), "teacher_probe_acc": round(probe, 4),
         "teacher_finetuned_acc": round(teacher_acc["full"], 4),
         "teacher_finetuned_acc_25": round(teacher_acc["frac"], 4),
+        # the fine-tune (and features) of the full-labels teacher, the 1034-photo budget; None with --reuse
+        "teacher_minutes": teacher_minutes("full"), "teacher_minutes_25": teacher_minutes("frac"),
         "scratch_acc": rounded(stat("full", "scratch")[0]), "distilled_acc": rounded(stat("full", "distilled")[0]),
         "scratch_acc_25": rounded(stat("frac", "scratch")[0]),
         "distilled_acc_25": rounded(stat("frac", "distilled")[0]),

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -126,9 +127,9 @@ Runner = Callable[[Sequence[str], dict[str, str], float], tuple[int, list[str]]]
 
 def run_streamed(cmd: Sequence[str], env: dict[str, str], timeout: float) -> tuple[int, list[str]]:
     """Run ``cmd`` in the repository root, its output shown as it comes; (exit status, last 40 lines). A run past
-    ``timeout`` seconds is killed and answers 124."""
+    ``timeout`` seconds is killed with every process it started, and answers 124."""
     proc = subprocess.Popen(list(cmd), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", bufsize=1)
+                            errors="replace", bufsize=1, start_new_session=True)
     tail: deque[str] = deque(maxlen=40)
 
     def pump() -> None:
@@ -143,7 +144,7 @@ def run_streamed(cmd: Sequence[str], env: dict[str, str], timeout: float) -> tup
     try:
         rc = proc.wait(timeout=max(1.0, timeout))
     except subprocess.TimeoutExpired:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)  # the step's own process group: pytest's and pip's children too
         proc.wait()
         rc = 124
     reader.join(timeout=5)

@@ -214,3 +214,25 @@ def test_a_failed_install_stops_unless_cupy_is_there(check, monkeypatch, tmp_pat
     assert status == 1 and [s.result for s in c.steps][-3:] == ["not run"] * 3
     c, status, _ = fake_run(check, monkeypatch, tmp_path / "again", {"pip install -e": 1})
     assert status == 0 and c.steps[1].result == "warning" and "going on with the CuPy" in c.steps[1].detail
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status", encoding="utf-8") as f:
+            return "\nState:\tZ" not in f.read()  # a zombie is dead, only not yet reaped
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to see processes")
+def test_a_step_past_its_time_is_killed_with_its_children(check):
+    child = ("import subprocess; p = subprocess.Popen(['sleep', '60']); print(p.pid, flush=True); p.wait()")
+    start = time.monotonic()
+    rc, lines = check.run_streamed([sys.executable, "-c", child], dict(os.environ), 1.5)
+    assert rc == 124 and time.monotonic() - start < 20
+    grandchild = int(lines[0])
+    deadline = time.monotonic() + 5
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grandchild)
+    assert check.last_line(["ran", '{"json": 1}', "====", ""]) == "ran"

@@ -501,3 +501,25 @@ def test_gpu_cnn_training_steps_match_numpy(cupy_put: Put, optimiser: str):
     np.testing.assert_allclose(gpu_losses, cpu_losses, rtol=1e-4)
     for a, b in zip(gpu_model.parameters(), cpu_model.parameters()):
         close(host(a.data), host(b.data), dict(rtol=1e-3, atol=1e-4))
+
+
+@pytest.mark.gpu
+def test_gpu_distill_loss_runs_the_fused_kernel_and_matches_numpy(cupy_put: Put):
+    """On CuPy the student's real loss (ce with ignore_index=-1 and smoothing, KD on soft targets) runs
+    the fused kernel for both cross-entropies and gives NumPy's loss and gradients."""
+    from leaflens.pipeline.train_student import distill_loss  # noqa: PLC0415
+
+    model, x, y, feats, tlogits, dcfg, smoothing = _distill_setup(0.1)
+    ref, _, _ = distill_loss(model, x, y, feats, tlogits, dcfg, smoothing, any_labelled=True)
+    ref.backward()
+    want = [host(p.grad) for p in model.parameters()]
+    model, *_ = _distill_setup(0.1)
+    model.to("cuda")
+    before = gpu.dispatch_counts()
+    loss, _, _ = distill_loss(model, cupy_put(x), cupy_put(y), cupy_put(feats), cupy_put(tlogits), dcfg, smoothing,
+                              any_labelled=True)
+    loss.backward()
+    assert (gpu.dispatch_counts() - before)["softmax_xent"] == 2
+    close(host(loss.data), host(ref.data), TOL[np.float32])
+    for p, w in zip(model.parameters(), want):
+        close(host(p.grad), w, dict(rtol=1e-3, atol=1e-5))

@@ -24,6 +24,7 @@ from typing import Any
 from leaflens.engine import amp
 from leaflens.engine.backend import array_module
 from leaflens.engine.ops import _kernels as gpu
+from leaflens.engine.ops.linalg import matmul_tn
 from leaflens.engine.parallel import for_rows
 from leaflens.engine.tensor import Function, Tensor
 
@@ -217,7 +218,7 @@ class Conv2d(Function):
         c = self.padded_shape[-1]
         gx = gw = None
         if self.needs_grad[1]:
-            gw = (self.cols.T @ gy2).reshape(kh, kw, c, cout).transpose(3, 2, 0, 1)
+            gw = matmul_tn(self.cols, gy2).reshape(kh, kw, c, cout).transpose(3, 2, 0, 1)
         if self.needs_grad[0]:
             gcols = gy2 @ self.wmat.T
             if (kh, kw) == (1, 1) and self.stride == (1, 1):

@@ -4,12 +4,29 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from leaflens.engine import amp
 from leaflens.engine.tensor import Function, Tensor, sum_to
 
 
 def _swap(a: Any) -> Any:
     return a.swapaxes(-1, -2)
+
+
+def matmul_tn(a: Any, b: Any) -> Any:
+    """``a.T @ b`` for 2-D ``a`` (K, M) and ``b`` (K, N): the weight-gradient product, long in K.
+
+    OpenBLAS computes ``a.T @ b`` (a transposed-times-normal product with a long inner dimension)
+    far below its speed when the result has fewer rows than columns: measured here with K = 200704,
+    (27, 32) took 2.0 s and the same product as ``(b.T @ a).T``, whose result (32, 27) has more
+    rows, 52 ms; with M > N the other way round is the slow one (96 x 24: 29 ms against 2.5 s). So
+    on NumPy the product is always taken with the longer side as rows (a transposed view of the
+    result comes back; callers reshape or copy it anyway).
+    """
+    if isinstance(a, np.ndarray) and a.shape[1] < b.shape[1]:
+        return (b.T @ a).T
+    return a.T @ b
 
 
 class MatMul(Function):
@@ -47,7 +64,7 @@ class Linear(Function):
 
     def backward(self, gy):
         gx = gy @ self.w if self.needs_grad[0] else None
-        gw = gy.T @ self.x if self.needs_grad[1] else None
+        gw = matmul_tn(gy, self.x) if self.needs_grad[1] else None
         if len(self.needs_grad) > 2:
             return gx, gw, (gy.sum(axis=0) if self.needs_grad[2] else None)
         return gx, gw

@@ -411,6 +411,7 @@ def counting_device() -> Iterator[SyncCounter]:
     ``to_device(x, "cuda")``, ``model.to("cuda")`` and ``DeviceLoader(..., "cuda")`` all land on the
     stand-in, and ``leaflens.engine.backend.array_module`` answers it for its arrays. The hand-written
     kernels are off in this thread meanwhile. Everything is put back on exit (a real CuPy included).
+    The switch is process-wide: no other thread should compute on a real GPU meanwhile.
     """
     from leaflens.engine import backend  # noqa: PLC0415  (engine/__init__ imports the ops, which import this)
     from leaflens.engine.ops import _kernels  # noqa: PLC0415

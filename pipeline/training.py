@@ -20,7 +20,10 @@ owns the rules that must be the same for all of them:
   ``best.npz`` when :func:`is_better_epoch` says the epoch beats the best so far (higher validation
   accuracy; at equal accuracy, lower validation loss: with ~100 validation photos ties are common and
   the earliest epoch would otherwise always win);
-- early stopping after ``early_stopping_patience`` epochs without a better epoch (0: never).
+- early stopping after ``early_stopping_patience`` epochs without a better epoch (0: never);
+- on a GPU a step reads the device once (``train_step``'s verdict: loss, overflow, gradient norm): the
+  loss terms and the accuracy counts are summed on the device and read every ``log_every`` steps for
+  the progress bar and at the epoch's end (``leaflens.pipeline.host_syncs`` counts this on the CPU).
 
 Checkpoints are written at epoch ends (a run stopped by faults restarts its epoch from the start), and
 batches carry their dataset rows (``indices``), so whatever a task looks up per row never depends on

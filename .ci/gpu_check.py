@@ -21,6 +21,10 @@ their own limits. Exit status: 0 all passed (warnings allowed), 1 a step failed,
 preflight. Standard library only: it runs before anything is installed.
 
     python3 .ci/gpu_check.py [--venv build/venv-gpu] [--extra gpu] [--no-install] [--budget 480]
+    python3 .ci/gpu_check.py --python /path/to/python3   # an offline GPU machine whose Python has CuPy
+
+``--python`` uses an interpreter that already holds CuPy, pytest, NumPy, Pillow and onnx (a GPU machine's image,
+where nothing can be downloaded): only leaflens itself is installed into it, without its dependencies.
 """
 
 from __future__ import annotations
@@ -166,6 +170,7 @@ class Check:
 
     venv: Path
     extra: str | None = None
+    interpreter: str | None = None  # an existing Python with the GPU stack: leaflens alone is installed into it
     install: bool = True
     budget: float = CHECK_BUDGET_S
     runner: Runner = run_streamed
@@ -173,7 +178,7 @@ class Check:
 
     @property
     def python(self) -> str:
-        return str(self.venv / "bin" / "python")
+        return self.interpreter or str(self.venv / "bin" / "python")
 
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in (DISABLE_ENV, "VIRTUAL_ENV")}
@@ -232,6 +237,8 @@ class Check:
 
     def install_stack(self, extra: str) -> bool:
         """The venv with the GPU extra; False when it cannot be used (then nothing else runs)."""
+        if self.interpreter:
+            return self.install_into_interpreter()
         name = f"install leaflens[{extra},dev,teacher] into {self.venv}"
         if not self.install:
             ok = Path(self.python).exists()
@@ -253,6 +260,19 @@ class Check:
             step.detail = f"pip failed ({step.detail}); going on with the CuPy already in the venv"
             return True
         return False
+
+    def install_into_interpreter(self) -> bool:
+        """leaflens alone (no dependencies, no download) into ``--python``, which must already import CuPy."""
+        step = self.step(f"install leaflens (no dependencies) into {self.python}",
+                         [self.python, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+                          "-e", "."], INSTALL_TIMEOUT_S)
+        if step.result != OK:
+            return False
+        rc, lines = self.runner([self.python, "-c", "import cupy, pytest, onnx, PIL, leaflens"], self.env(), 120)
+        if rc != 0:
+            step.result, step.detail = FAILED, f"{self.python} lacks part of the GPU stack: {last_line(lines)}"
+            return False
+        return True
 
     def install_torch(self) -> None:
         """PyTorch with CUDA for the benchmark's reference columns; any failure is a warning."""
@@ -290,11 +310,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="the GPU extra (default: the one for this driver, as leaflens doctor names it)")
     parser.add_argument("--no-install", action="store_true",
                         help="use the venv as it is (an offline machine prepared beforehand)")
+    parser.add_argument("--python", default=None, metavar="PATH",
+                        help="use this Python, which already has CuPy (offline GPU machines), instead of a venv")
     parser.add_argument("--budget", type=float, default=CHECK_BUDGET_S,
                         help="seconds for doctor, pytest and the benchmark together (default: 480)")
     args = parser.parse_args(argv)
     venv = args.venv if args.venv.is_absolute() else Path.cwd() / args.venv
-    check = Check(venv=venv, extra=args.extra, install=not args.no_install, budget=args.budget)
+    check = Check(venv=venv, extra=args.extra, install=not args.no_install, budget=args.budget,
+                  interpreter=args.python)
     status = check.run()
     print("\n" + check.table(status), flush=True)
     return status

@@ -168,7 +168,7 @@ def test_a_driver_older_than_any_extra_is_refused(check):
         check.extra_for(check.Driver(10020, [("old", 6.1)]))
 
 
-def fake_run(check, monkeypatch, tmp_path, outcomes: dict[str, int]):
+def fake_run(check, monkeypatch, tmp_path, outcomes: dict[str, int], interpreter: str | None = None):
     """Check.run() with a GPU pretended and every command answered from ``outcomes`` (by a word in it)."""
     monkeypatch.setattr(check, "probe_driver", lambda: check.Driver(13000, [("NVIDIA H200", 9.0)]))
     (tmp_path / "bin").mkdir(parents=True)
@@ -183,7 +183,7 @@ def fake_run(check, monkeypatch, tmp_path, outcomes: dict[str, int]):
                 return rc, [f"{word} said {rc}", "{}"]
         return 0, ["fine"]
 
-    c = check.Check(venv=tmp_path, runner=runner)
+    c = check.Check(venv=tmp_path, runner=runner, interpreter=interpreter)
     return c, c.run(), ran
 
 
@@ -214,6 +214,19 @@ def test_a_failed_install_stops_unless_cupy_is_there(check, monkeypatch, tmp_pat
     assert status == 1 and [s.result for s in c.steps][-3:] == ["not run"] * 3
     c, status, _ = fake_run(check, monkeypatch, tmp_path / "again", {"pip install -e": 1})
     assert status == 0 and c.steps[1].result == "warning" and "going on with the CuPy" in c.steps[1].detail
+
+
+def test_an_existing_python_gets_leaflens_alone_offline(check, monkeypatch, tmp_path):
+    py = "/opt/py/bin/python3"
+    c, status, ran = fake_run(check, monkeypatch, tmp_path, {}, interpreter=py)
+    assert status == 0
+    installs = [cmd for cmd, _ in ran if "pip" in cmd and "install" in cmd]
+    assert installs == [[py, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
+                         "--no-index", "-e", "."]]
+    assert all(cmd[0] == py for cmd, _ in ran)
+    c, status, _ = fake_run(check, monkeypatch, tmp_path / "again", {"import cupy": 1}, interpreter=py)
+    assert status == 1 and "lacks part of the GPU stack" in c.steps[1].detail
+    assert [s.result for s in c.steps][-3:] == ["not run"] * 3
 
 
 def _alive(pid: int) -> bool:

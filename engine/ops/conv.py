@@ -9,7 +9,9 @@ PyTorch, so export and pretrained weights need no reshuffle; turning them into t
 costs a copy of the (small) weight per call.
 
 Depthwise convolutions (groups == channels) skip im2col: they are kh*kw multiply-adds of shifted
-slices, which moves far less memory than building columns for a matmul of width one.
+slices, which moves far less memory than building columns for a matmul of width one. On NumPy they
+run tile by tile (a few output rows of one image), so every tap's pass reads and writes the cache
+instead of memory; forward and both gradients of a tile are made in one sweep over its taps.
 
 On CuPy, ``im2col``/``col2im`` run the ``im2col.cu`` kernels (engine/ops/_kernels.py): their column
 layout (row ``(n*Ho+ho)*Wo+wo``, column ``(i*kw+j)*C+c``) is exactly the one built here, so one
@@ -20,6 +22,8 @@ stay on ``cupy.matmul`` (cuBLAS), and depthwise convolutions stay on the shifted
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from leaflens.engine import amp
 from leaflens.engine.backend import array_module
@@ -140,6 +144,39 @@ def col2im(cols: Any, padded_shape: tuple[int, ...], kernel: tuple[int, int], ou
     return gx
 
 
+# Output values per depthwise tile (256 KB of float32): a tile, the input rows it reads and a scratch buffer
+# stay in a 1 MB L2 cache through all kh*kw taps, and the tile is large enough that NumPy's per-call cost
+# stays small. Measured on 2 cores at EfficientNet-Lite0's 224 px shapes (batch 16): 2^16 and 2^17 fastest,
+# 2^13 up to twice as slow (per-call cost), whole images (the untiled code) 1.3-2x slower.
+DEPTHWISE_TILE = 1 << 16
+
+
+def _depthwise_tiles(xp: Any, lo: int, hi: int, ho: int, row_size: int) -> Any:
+    """(image slice, first row, end row) tiles of output rows for images lo..hi. On NumPy each tile holds
+    about DEPTHWISE_TILE values of one image; elsewhere (CuPy, whose kernels are launched per call) one
+    tile covers every image and row."""
+    if xp is not np:
+        yield slice(lo, hi), 0, ho
+        return
+    rows = max(1, DEPTHWISE_TILE // max(row_size, 1))
+    for b in range(lo, hi):
+        for r0 in range(0, ho, rows):
+            yield slice(b, b + 1), r0, min(ho, r0 + rows)
+
+
+def _tap_rows(xpad: Any, i: int, j: int, r0: int, r1: int, wo: int, stride: tuple[int, int]) -> Any:
+    """:func:`tap` for output rows r0..r1 only."""
+    sh, sw = stride
+    return xpad[:, i + sh * r0:i + sh * (r1 - 1) + 1:sh, j:j + sw * (wo - 1) + 1:sw, :]
+
+
+def _scratch(xp: Any, buf: Any, like: Any) -> Any:
+    """A scratch array shaped like ``like``, carved from ``buf`` when it is large enough."""
+    if buf is None or buf.size < like.size:
+        return xp.empty_like(like)
+    return buf.reshape(-1)[:like.size].reshape(like.shape)
+
+
 def _unpad(gx: Any, pads: tuple[int, int, int, int], hw: tuple[int, int]) -> Any:
     t, _, l, _ = pads
     if not any(pads):
@@ -239,13 +276,15 @@ class Conv2d(Function):
         y = xp.empty((n, ho, wo, c), dtype=xpad.dtype)
 
         def run(lo: int, hi: int) -> None:
-            yy, src = y[lo:hi], xpad[lo:hi]
-            tmp = xp.empty_like(yy)
-            xp.multiply(tap(src, 0, 0, self.out_hw, self.stride), wt[0, 0], out=yy)
-            for t in range(1, kh * kw):
-                i, j = divmod(t, kw)
-                xp.multiply(tap(src, i, j, self.out_hw, self.stride), wt[i, j], out=tmp)
-                yy += tmp
+            tmp = None
+            for b, r0, r1 in _depthwise_tiles(xp, lo, hi, ho, wo * c):
+                yy, src = y[b, r0:r1], xpad[b]
+                tmp = _scratch(xp, tmp, yy)
+                xp.multiply(_tap_rows(src, 0, 0, r0, r1, wo, self.stride), wt[0, 0], out=yy)
+                for t in range(1, kh * kw):
+                    i, j = divmod(t, kw)
+                    xp.multiply(_tap_rows(src, i, j, r0, r1, wo, self.stride), wt[i, j], out=tmp)
+                    yy += tmp
 
         for_rows(xp, n, y.size * kh * kw, run)
         if self.recording:
@@ -256,34 +295,44 @@ class Conv2d(Function):
     def _depthwise_backward(self, gy):
         xp = array_module(gy)
         kh, kw = self.kernel
-        c = gy.shape[-1]
+        sh = self.stride[0]
+        n, ho, wo, c = gy.shape
+        hp = self.padded_shape[1]
+        want_x, want_w = self.needs_grad[0], self.needs_grad[1]
+        gxpad = xp.empty(self.padded_shape, dtype=gy.dtype) if want_x else None
+
+        def run(lo: int, hi: int) -> Any:
+            # One pass over row tiles of gy (each stays in cache for all kh*kw taps) gives both gradients.
+            # Threads own whole images, so the overlapping input rows of neighbouring tiles are never
+            # written by two threads; within an image, rows are zeroed just before a tile first reaches them.
+            part = xp.zeros((kh, kw, c), dtype=gy.dtype) if want_w else None
+            tmp = None
+            zeroed = 0
+            for b, r0, r1 in _depthwise_tiles(xp, lo, hi, ho, wo * c):
+                gyy = gy[b, r0:r1]
+                tmp = _scratch(xp, tmp, gyy)
+                if want_x:
+                    g = gxpad[b]
+                    if r0 == 0:
+                        zeroed = 0
+                    reach = sh * (r1 - 1) + kh if r1 < ho else hp  # the last tile also clears rows no tap reaches
+                    g[:, zeroed:reach] = 0
+                    zeroed = reach
+                for i in range(kh):
+                    for j in range(kw):
+                        if want_w:
+                            xp.multiply(_tap_rows(self.xpad[b], i, j, r0, r1, wo, self.stride), gyy, out=tmp)
+                            part[i, j] += tmp.reshape(-1, c).sum(axis=0)
+                        if want_x:
+                            xp.multiply(gyy, self.wt[i, j], out=tmp)
+                            _tap_rows(g, i, j, r0, r1, wo, self.stride)[...] += tmp
+            return part
+
+        parts = for_rows(xp, n, gy.size * kh * kw * (want_x + want_w), run)
         gx = gw = None
-        n = gy.shape[0]
-        if self.needs_grad[1]:
-            def wgrad(lo: int, hi: int) -> Any:
-                part = xp.empty((kh, kw, c), dtype=gy.dtype)
-                tmp = xp.empty_like(gy[lo:hi])
-                for i in range(kh):
-                    for j in range(kw):
-                        xp.multiply(tap(self.xpad[lo:hi], i, j, self.out_hw, self.stride), gy[lo:hi], out=tmp)
-                        part[i, j] = tmp.reshape(-1, c).sum(axis=0)
-                return part
-
-            parts = for_rows(xp, n, gy.size * kh * kw, wgrad)
+        if want_w:
             gw = sum(parts[1:], parts[0]).transpose(2, 0, 1).reshape(c, 1, kh, kw)
-        if self.needs_grad[0]:
-            gxpad = xp.empty(self.padded_shape, dtype=gy.dtype)
-
-            def dgrad(lo: int, hi: int) -> None:
-                g = gxpad[lo:hi]
-                g[...] = 0
-                tmp = xp.empty_like(gy[lo:hi])
-                for i in range(kh):
-                    for j in range(kw):
-                        xp.multiply(gy[lo:hi], self.wt[i, j], out=tmp)
-                        tap(g, i, j, self.out_hw, self.stride)[...] += tmp
-
-            for_rows(xp, n, gy.size * kh * kw, dgrad)
+        if want_x:
             gx = _unpad(gxpad, self.pads, self.in_shape[1:3])
         return gx, gw
 

@@ -1,0 +1,65 @@
+"""The CPU speed paths (benchmarks/engine_speed.py) compute what the plain formulas do.
+
+The gradient checks in test_gradcheck_ops.py run on shapes too small to reach some of these paths
+(several depthwise tiles per image, the swapped weight-gradient product), so they are forced here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from leaflens.engine import Tensor, ops
+from leaflens.engine.gradcheck import gradcheck
+from leaflens.engine.ops import conv as conv_mod
+from leaflens.engine.ops.linalg import matmul_tn
+
+rng = np.random.default_rng(7)
+
+
+@pytest.mark.parametrize("m,n", [(3, 8), (8, 3), (5, 5)])
+def test_matmul_tn_either_orientation_is_a_transpose_times_b(m, n):
+    a = rng.standard_normal((50, m)).astype(np.float32)
+    b = rng.standard_normal((50, n)).astype(np.float32)
+    np.testing.assert_allclose(matmul_tn(a, b), a.T @ b, rtol=1e-5, atol=1e-5)
+    assert matmul_tn(a, b).shape == (m, n)
+
+
+DW = {
+    "3x3_s1_pad1": dict(x=(2, 5, 4, 3), k=3, stride=1, padding=1),
+    "3x3_s2_same": dict(x=(2, 7, 6, 2), k=3, stride=2, padding="same"),
+    "5x5_s2_same_even": dict(x=(1, 8, 9, 3), k=5, stride=2, padding="same"),
+    "5x5_s1_same": dict(x=(2, 6, 5, 2), k=5, stride=1, padding="same"),
+    "3x3_s2_valid": dict(x=(2, 8, 7, 2), k=3, stride=2, padding=0),  # last padded row reached by no tap
+}
+
+
+@pytest.mark.parametrize("name", sorted(DW))
+def test_depthwise_with_many_tiles_per_image_passes_gradcheck(name, monkeypatch):
+    c = DW[name]
+    monkeypatch.setattr(conv_mod, "DEPTHWISE_TILE", 1)  # one output row per tile
+    ch = c["x"][-1]
+
+    def f(x, w):
+        return ops.conv2d(x, w, stride=c["stride"], padding=c["padding"], groups=ch)
+
+    assert gradcheck(f, [rng.standard_normal(c["x"]), rng.standard_normal((ch, 1, c["k"], c["k"]))])
+
+
+@pytest.mark.parametrize("tile", [1, 5, 64])
+def test_depthwise_tiles_match_one_tile_per_image(tile, monkeypatch):
+    x = rng.standard_normal((3, 11, 9, 4)).astype(np.float32)
+    w = rng.standard_normal((4, 1, 5, 5)).astype(np.float32)
+    gy = rng.standard_normal((3, 6, 5, 4)).astype(np.float32)
+
+    def run():
+        xt, wt = Tensor(x, requires_grad=True), Tensor(w, requires_grad=True)
+        y = ops.conv2d(xt, wt, stride=2, padding="same", groups=4)
+        y.backward(gy)
+        return y.data, xt.grad, wt.grad
+
+    monkeypatch.setattr(conv_mod, "DEPTHWISE_TILE", 1 << 30)
+    whole = run()
+    monkeypatch.setattr(conv_mod, "DEPTHWISE_TILE", tile)
+    for a, b in zip(run(), whole):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

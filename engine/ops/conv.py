@@ -305,7 +305,7 @@ class Conv2d(Function):
             # One pass over row tiles of gy (each stays in cache for all kh*kw taps) gives both gradients.
             # Threads own whole images, so the overlapping input rows of neighbouring tiles are never
             # written by two threads; within an image, rows are zeroed just before a tile first reaches them.
-            part = xp.zeros((kh, kw, c), dtype=gy.dtype) if want_w else None
+            part: Any = xp.zeros((kh, kw, c), dtype=gy.dtype) if want_w else None
             tmp = None
             zeroed = 0
             for b, r0, r1 in _depthwise_tiles(xp, lo, hi, ho, wo * c):

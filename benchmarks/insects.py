@@ -9,8 +9,8 @@ command, as a user runs it:
 1. ``leaflens preprocess --split 70/15/15 --seed SEED``: preprocess's own stratified, seeded split, which
    keeps each group of exact or near copies in one split (the set has a series of near-identical studio
    shots in one class; a random split of files would leak them into test). Stored at ``--store-size``
-   px (default 256, twice the largest student input, so every student's crops are cut from a sharper
-   image, as 128 px stored / 64 px input beat 64 / 64 on iBeans).
+   px (default 256, twice the largest default student input, so every student's crops are cut from a
+   sharper image, as 128 px stored / 64 px input beat 64 / 64 on iBeans; the photos are at most 256 px).
 2. ``leaflens teacher``: the EfficientNet-Lite0 teacher fine-tuned with the default ``[teacher]`` recipe,
    once, shared by every student size (it decodes the original photos at its own input size).
 3. ``leaflens distill --set model.input_size=N`` per size: the scratch and the distilled student with
@@ -26,7 +26,10 @@ what each run keeps and its accuracy, parameters and latency (ms per photo at ba
 as the selection measured it). ``kept_model``/``kept_acc`` are those of the run at the default input
 size (``model.input_size`` of pipeline/distill_default.toml), i.e. what `make export` would ship.
 Targets (issue #16): the best student >= teacher - 0.02, and every run's kept model >= teacher - 0.02.
-Prints a table, then one JSON object as the last line of output.
+Prints a table, then one JSON object as the last line of output: ``wall_s`` is this invocation's wall
+time, ``stage_wall_s`` what each stage took when it was made (reused stages cost nothing now).
+Invocations with different ``--sizes`` may share ``--work`` side by side once the teacher is made (each
+size keeps its own stamps).
 
 ``--quick``: a seeded choice of a few photos per class, 1 teacher epoch and 2 student epochs: a smoke run
 of the whole path (its figures mean nothing).
@@ -41,7 +44,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -53,6 +56,7 @@ from ood import leaflens, photo_files, stage  # noqa: E402  (benchmarks/ is not 
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = (64, 96, 128)
+STORE_SIZE = 256  # twice the largest default input size
 SPLIT = "70/15/15"
 TARGET_GAP = 0.02  # issue #16: students and the kept model within 2 points of the teacher
 QUICK_PER_CLASS, QUICK_TEACHER_EPOCHS, QUICK_EPOCHS = 8, 1, 2
@@ -181,6 +185,27 @@ def print_table(teacher_acc: float, rows: Mapping[int, Mapping[str, Any]], defau
         print(f"teacher: not a candidate ({next(iter(rows.values())).get('teacher_unavailable')})")
 
 
+def made_in(stamps: Path, name: str, marker: Path, make: Callable[[], None]) -> float | None:
+    """Run ``make`` (a stage that rewrites ``marker`` when it does any work) and return the seconds the
+    stage took when it was made: measured now when ``marker`` changed, else the figure recorded in
+    ``stamps``/walls.json when it was (None: made before figures were recorded). So ``stage_wall_s`` of
+    a rerun that reuses every stage still says what each one cost."""
+    from leaflens.files import write_json_atomic  # noqa: PLC0415
+
+    def stamp() -> int | None:
+        return marker.stat().st_mtime_ns if marker.is_file() else None
+
+    before, t = stamp(), time.perf_counter()
+    make()
+    took = round(time.perf_counter() - t, 1)
+    path = stamps / "walls.json"
+    walls = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    if stamp() != before:
+        walls[name] = took
+        write_json_atomic(path, walls)
+    return walls.get(name)
+
+
 def git_commit() -> str | None:
     """The repository's commit (with "+dirty" when tracked files differ from it), or None outside git."""
     try:
@@ -202,8 +227,9 @@ def main() -> None:
     p.add_argument("--work", type=Path,
                    help="stage outputs, reused when their inputs are the same (default artifacts/bench_insects; "
                         "--quick: artifacts/bench_insects_quick)")
-    p.add_argument("--store-size", type=int, default=0,
-                   help="size the photos are stored at (default: max(128, 2 x the largest input size), at most 256)")
+    p.add_argument("--store-size", type=int, default=STORE_SIZE,
+                   help=f"size the photos are stored at (default {STORE_SIZE}; the same for every --sizes, so runs "
+                        "with other sizes share the dataset and the teacher)")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke run: {QUICK_PER_CLASS} photos per class, {QUICK_TEACHER_EPOCHS} teacher epoch, "
                         f"{QUICK_EPOCHS} student epochs")
@@ -223,7 +249,10 @@ def main() -> None:
     if not args.data.is_dir() or not any(p.is_dir() for p in args.data.iterdir()):
         sys.exit(f"insects.py: {args.data} is not a folder of <class>/ photo folders (the insects set is "
                  "../shared/data/insects; it is not distributed with leaflens)")
-    store = args.store_size or min(256, max(128, 2 * max(sizes)))
+    store = args.store_size
+    if store < max(sizes):
+        sys.exit(f"insects.py: --store-size {store} is below the largest input size {max(sizes)}: the student's "
+                 "photos would be blown up")
     work = args.work or REPO / "artifacts" / ("bench_insects_quick" if args.quick else "bench_insects")
     work.mkdir(parents=True, exist_ok=True)
     progress = not args.quiet
@@ -241,22 +270,19 @@ def main() -> None:
     # [teacher] settings go to the teacher stage, the rest to distill: a student override never retrains the teacher
     teacher_args = [a for s in sets if s.startswith("teacher.") for a in ("--set", s)]
     distill_args = [a for s in sets if not s.startswith("teacher.") for a in ("--set", s)]
-    walls: dict[str, float] = {}
+    walls: dict[str, float | None] = {}
 
     src = subset_source(args.data, work / "source", QUICK_PER_CLASS, args.seed) if args.quick else args.data
     ds, teacher = work / f"dataset_s{store}_seed{args.seed}", work / f"teacher_s{store}_seed{args.seed}"
-    t0 = time.perf_counter()
-    preprocess(src, ds, store, args.seed, progress)
-    walls["preprocess"] = time.perf_counter() - t0
+    walls["preprocess"] = made_in(work, "preprocess", ds / "manifest.json",
+                                  lambda: preprocess(src, ds, store, args.seed, progress))
     counts = {s: sum(len(v) for v in per.values()) for s, per in dataset_splits(ds).items()}
     print(f"dataset {ds}: stored {store} px; train {counts['train']}, val {counts['val']}, test {counts['test']} "
           f"photos (split {SPLIT}, seed {args.seed})", flush=True)
 
-    t0 = time.perf_counter()
-    stage(work, "teacher", teacher / "teacher.json",
-          ["teacher", "--dataset", str(ds), "--out", str(teacher), *teacher_args],
-          [ds / "manifest.json", DEFAULT_CONFIG], quiet)
-    walls["teacher"] = time.perf_counter() - t0
+    walls["teacher"] = made_in(work, "teacher", teacher / "teacher.json", lambda: stage(
+        work, "teacher", teacher / "teacher.json", ["teacher", "--dataset", str(ds), "--out", str(teacher),
+                                                    *teacher_args], [ds / "manifest.json", DEFAULT_CONFIG], quiet))
     dataset = load_dataset(ds)
     tt = load_teacher(teacher, dataset)
     teacher_acc = float((np.asarray(tt.logits["test"]).argmax(1) == np.asarray(dataset["test"].labels)).mean())
@@ -265,12 +291,11 @@ def main() -> None:
     def distill(size: int) -> dict[str, Any]:
         run, stamps = work / f"run_{size}_s{store}_seed{args.seed}", work / f"stamps_{size}"
         stamps.mkdir(exist_ok=True)  # one stamps file per size: sizes may run side by side
-        t = time.perf_counter()
-        stage(stamps, "distill", run / "report.json",
-              ["distill", "--dataset", str(ds), "--teacher", str(teacher), "--out", str(run),
-               "--set", f"model.input_size={size}", *distill_args],
-              [ds / "manifest.json", teacher / "teacher.json", DEFAULT_CONFIG], quiet)
-        walls[f"distill_{size}"] = time.perf_counter() - t
+        walls[f"distill_{size}"] = made_in(stamps, "distill", run / "report.json", lambda: stage(
+            stamps, "distill", run / "report.json",
+            ["distill", "--dataset", str(ds), "--teacher", str(teacher), "--out", str(run),
+             "--set", f"model.input_size={size}", *distill_args],
+            [ds / "manifest.json", teacher / "teacher.json", DEFAULT_CONFIG], quiet))
         return student_row(json.loads((run / "report.json").read_text(encoding="utf-8")))
 
     if args.jobs > 1:
@@ -285,10 +310,11 @@ def main() -> None:
         rows = {size: distill(size) for size in sizes}
 
     print_table(teacher_acc, rows, default_size)
-    print("wall time per stage (s): " + ", ".join(f"{k} {v:.0f}" for k, v in walls.items()))
+    print("wall time per stage when it was made (s): "
+          + ", ".join(f"{k} {'?' if v is None else f'{v:.0f}'}" for k, v in walls.items()))
     extra = {"store_size": store, "split": SPLIT, "seed": args.seed, "counts": counts, "quick": args.quick,
              "overrides": sets, "teacher_epochs": cfg.teacher.epochs, "student_epochs": cfg.train.epochs,
-             "commit": git_commit(), "stage_wall_s": {k: round(v, 1) for k, v in walls.items()}}
+             "commit": git_commit(), "stage_wall_s": walls}
     print(json.dumps(summary(teacher_acc, rows, default_size, time.perf_counter() - t_all, extra)))
 
 

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +76,21 @@ def test_split_is_stratified_deterministic_and_disjoint(bench, tmp_path):
         assert {Path(f).name for s in files.values() for f in s} == {f"{i:02d}.png" for i in range(20)}
 
 
+def test_made_in_records_a_stage_only_when_it_did_work(bench, tmp_path):
+    marker = tmp_path / "out" / "done.json"
+
+    def work() -> None:
+        marker.parent.mkdir(exist_ok=True)
+        marker.write_text(str(time.time_ns()))
+        time.sleep(0.05)
+
+    assert bench.made_in(tmp_path, "never", marker, lambda: None) is None  # nothing made, nothing recorded
+    took = bench.made_in(tmp_path, "teacher", marker, work)
+    assert took is not None and took >= 0.0
+    assert bench.made_in(tmp_path, "teacher", marker, lambda: time.sleep(0.2)) == took  # reused: the old figure
+    assert json.loads((tmp_path / "walls.json").read_text()) == {"teacher": took}
+
+
 # ---- the JSON
 def report(scratch: float, distilled: float, teacher_val: float | None, test: dict[str, float]) -> dict:
     """A distill report.json as the benchmark reads it, its selection made by the pipeline's own rule."""
@@ -118,8 +134,8 @@ def test_summary_keys_kept_model_and_targets(bench):
 def test_quick_run_end_to_end(tmp_path):
     """The whole path on 3 tiny classes: preprocess, teacher, distill at two sizes, the JSON last line."""
     src = write_photos(tmp_path / "photos", per_class=10, size=48)
-    cmd = [sys.executable, str(BENCH), "--data", str(src), "--sizes", "32,48", "--work", str(tmp_path / "w"),
-           "--quick", "--quiet"]
+    cmd = [sys.executable, str(BENCH), "--data", str(src), "--sizes", "32,48", "--store-size", "64",
+           "--work", str(tmp_path / "w"), "--quick", "--quiet"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
@@ -127,4 +143,6 @@ def test_quick_run_end_to_end(tmp_path):
     assert out["quick"] is True and out["kept_model"] is None  # 64 px (the default) was not among the sizes
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=900)  # every stage reused
     assert again.returncode == 0 and "reusing" in again.stdout
-    assert json.loads(again.stdout.strip().splitlines()[-1])["scratch_acc_32"] == out["scratch_acc_32"]
+    rerun = json.loads(again.stdout.strip().splitlines()[-1])
+    assert rerun["scratch_acc_32"] == out["scratch_acc_32"]
+    assert rerun["stage_wall_s"] == out["stage_wall_s"]  # what each stage cost when it was made

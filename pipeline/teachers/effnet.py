@@ -107,13 +107,14 @@ class EffnetImageEncoder:
     sees_images = True
 
     def __init__(self, front: FrontRunner, back: Any, normalization: str, feature_dim: int,
-                 num_classes: int | None):
+                 num_classes: int | None, fp16_front: bool = True):
         self.front, self.back, self.normalization = front, back, normalization
         self.input_size, self.feature_dim, self.num_classes = front.input_size, feature_dim, num_classes
+        self.fp16_front = fp16_front  # round the front's output as the cached mode's cache holds it
 
     def encode(self, images: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        h = self.front(normalize_images(images, self.normalization)).astype(np.float16)  # as the cache holds it
-        feats, logits = _back_outputs(self.back, h)
+        h = self.front(normalize_images(images, self.normalization))
+        feats, logits = _back_outputs(self.back, h.astype(np.float16) if self.fp16_front else h)
         return feats, (logits if self.num_classes else None)
 
 
@@ -202,7 +203,7 @@ def _fresh_view_teacher(net: EfficientNetLite, front: FrontRunner, back: Any, ds
         where = Path(work_dir) if work_dir is not None else Path(stack.enter_context(
             tempfile.TemporaryDirectory(prefix="leaflens-finetune-")))
         extra.update(_run_fine_tune(task, back, teacher, progress, max_bad_steps, where))
-    encoder = EffnetImageEncoder(front, back, cfg.normalization, net.feature_dim, ds.num_classes)
+    encoder = EffnetImageEncoder(front, back, cfg.normalization, net.feature_dim, ds.num_classes, fp16_front=False)
     t0 = time.perf_counter()
     bar = tqdm(total=sum(len(ds[s]) for s in ds.splits), desc="teacher: fine-tuned EfficientNet-Lite0", unit="img",
                disable=not progress)
@@ -211,7 +212,7 @@ def _fresh_view_teacher(net: EfficientNetLite, front: FrontRunner, back: Any, ds
     for split in ds.splits:
         parts = []
         for chunk in iter_split_images(ds, split, size, shorter_side(size), teacher.encode_batch_size, from_arrays):
-            parts.append(_back_outputs(back, front(normalize_images(chunk, cfg.normalization))))
+            parts.append(encoder.encode(chunk))
             bar.update(len(chunk))
         dim, classes = net.feature_dim, ds.num_classes
         feats[split] = np.concatenate([p[0] for p in parts]) if parts else np.zeros((0, dim), np.float32)

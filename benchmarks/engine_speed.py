@@ -45,6 +45,12 @@ from dataclasses import dataclass
 from leaflens.pipeline.cli.runtime import configure_process
 
 configure_process(engine=True)
+# PyTorch's OpenMP threads spin at every barrier by default; on a shared machine one busy core then stalls
+# each parallel region: measured here with other jobs running, its Lite0 step took 25 s with 2 threads
+# against 3.5 s with 1. Passive waiting (read when PyTorch loads its OpenMP runtime) keeps the reference
+# from collapsing under load, as the short OpenBLAS spin above does for the engine. --torch-spin: as is.
+if "--torch-spin" not in sys.argv:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 CASES = ("student", "effnet160", "effnet224", "infer1", "infer64")
 IMPLS = ("engine", "torch", "torch_cl")
@@ -85,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="3 rounds of a third of the steps, no memory subprocesses")
     p.add_argument("--threads", type=int, default=2, help="BLAS / PyTorch threads")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch reference")
+    p.add_argument("--torch-spin", action="store_true",
+                   help="leave PyTorch's OpenMP threads spinning at barriers (default: OMP_WAIT_POLICY=PASSIVE)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--profile", action="store_true",
                    help="engine only: time of every op's forward and backward per step, instead of the comparison")
@@ -370,6 +378,8 @@ def memory_probe(args: argparse.Namespace, name: str, impl: str) -> None:
 def measure_memory(args: argparse.Namespace, name: str, impl: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--memory-probe", name, impl, "--threads", str(args.threads),
            "--batch", str(args.batch), "--size", str(args.size), "--classes", str(args.classes)]
+    if args.torch_spin:
+        cmd.append("--torch-spin")
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if res.returncode != 0:
         print(f"memory probe {name}/{impl} failed:\n{res.stderr[-2000:]}", file=sys.stderr)
@@ -512,7 +522,8 @@ def main() -> None:
                 figures[f"peak_rss_mb_{name}_{impl}"] = m["peak_rss_mb"]
                 figures[f"step_mb_{name}_{impl}"] = m["step_mb"]
                 print(f"{name:<12}{LABELS[impl]:<28}{m['peak_rss_mb']!s:>12}{m['step_mb']!s:>10}")
-    figures.update({"threads": args.threads, "rounds": args.rounds, "torch_version": torch_version})
+    figures.update({"threads": args.threads, "rounds": args.rounds, "torch_version": torch_version,
+                    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "load_average": os.getloadavg()[0]})
     print(json.dumps(figures))
 
 

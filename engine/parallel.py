@@ -65,3 +65,43 @@ def for_rows(xp: object, n: int, work: int, fn: Callable[[int, int], object]) ->
     if xp is not np:
         return [fn(0, n)]
     return parallel_rows(n, work, fn)
+
+
+TILE = 1 << 16  # values per tile of for_tiles: 256 KB of float32, so a few operands fit a 1 MB L2 cache
+
+
+def for_tiles(xp: object, rows: int, row_size: int, fn: Callable[[int, int], object]) -> list[object]:
+    """Call ``fn(lo, hi)`` over tiles of about :data:`TILE` values (whole rows of ``row_size`` values each),
+    the tiles shared out among the threads; results in tile order. One call over all rows on CuPy.
+
+    For chains of elementwise passes: run one after another over a tile, they read and write the cache
+    instead of memory. The tiles depend only on the shape, so per-tile partial sums added in tile order
+    give the same result whatever the thread count.
+    """
+    if xp is not np:
+        return [fn(0, rows)]
+    per = max(1, TILE // max(row_size, 1))
+    bounds = [*range(0, rows, per), rows]
+    tiles = list(zip(bounds[:-1], bounds[1:]))
+    parts = parallel_rows(len(tiles), rows * row_size, lambda a, b: [fn(lo, hi) for lo, hi in tiles[a:b]])
+    return [r for part in parts for r in part]  # type: ignore[attr-defined]
+
+
+_ones: dict[tuple[int, str], np.ndarray] = {}
+
+
+def column_sums(xp: object, a: object) -> object:
+    """``a.sum(axis=0)`` of a 2-D array. On NumPy as ``ones @ a`` (BLAS): NumPy sums a C-contiguous
+    array down its rows one short row at a time, measured 10-20x slower than the product for 16-32
+    columns (and no faster for 1000)."""
+    if xp is not np or a.dtype not in (np.float32, np.float64):  # type: ignore[attr-defined]
+        return a.sum(axis=0)  # type: ignore[attr-defined]
+    rows, dtype = a.shape[0], a.dtype  # type: ignore[attr-defined]
+    key = (rows, dtype.str)
+    ones = _ones.get(key)
+    if ones is None:
+        if len(_ones) > 64:
+            _ones.clear()
+        ones = _ones[key] = np.ones(rows, dtype=dtype)
+    return ones @ a
+

@@ -16,28 +16,42 @@ from leaflens.engine import amp
 from leaflens.engine import random as erandom
 from leaflens.engine.backend import array_module
 from leaflens.engine.ops import _kernels as gpu
-from leaflens.engine.parallel import for_rows
+from leaflens.engine.parallel import for_tiles
 from leaflens.engine.tensor import Function, Tensor
+
+
+def _rows(a: Any) -> tuple[int, int]:
+    """(rows, values per row) of ``a`` seen as a 2-D array over its last axis, for :func:`for_tiles`."""
+    if a.ndim == 0:
+        return 1, 1
+    return a.size // max(a.shape[-1], 1), a.shape[-1]
 
 
 class ReLU(Function):
     def forward(self, x):
         xp = array_module(x)
-        y = xp.empty_like(x)
-        for_rows(xp, len(x) if x.ndim else 1, x.size, lambda lo, hi: xp.maximum(x[lo:hi], 0, out=y[lo:hi]))
-        self.y = y
-        return y
+        rows, cols = _rows(x)
+        x2 = x.reshape(rows, cols)
+        y = xp.empty_like(x2)
+        for_tiles(xp, rows, cols, lambda lo, hi: xp.maximum(x2[lo:hi], 0, out=y[lo:hi]))
+        self.y = y.reshape(x.shape)
+        return self.y
 
     def backward(self, gy):
         xp = array_module(gy)
         fused = gpu.activation_grad(xp, "relu", self.y, gy)
         if fused is not None:
             return fused
-        g = xp.empty_like(gy)
-        y = self.y
-        for_rows(xp, len(gy) if gy.ndim else 1, gy.size,
-                 lambda lo, hi: xp.multiply(gy[lo:hi], y[lo:hi] > 0, out=g[lo:hi]))
-        return g
+        rows, cols = _rows(gy)
+        g2, y2 = gy.reshape(rows, cols), self.y.reshape(rows, cols)
+        g = xp.empty_like(g2)
+
+        def grad(lo: int, hi: int) -> None:
+            mask = xp.greater(y2[lo:hi], 0)
+            xp.multiply(g2[lo:hi], mask, out=g[lo:hi])
+
+        for_tiles(xp, rows, cols, grad)
+        return g.reshape(gy.shape)
 
 
 class LeakyReLU(Function):
@@ -58,15 +72,31 @@ class LeakyReLU(Function):
 
 
 class ReLU6(Function):
+    """min(max(x, 0), 6). The backward's mask and product go tile by tile over the rows, in threads on
+    NumPy (engine/parallel.py); ``clip`` in one call for the forward (measured 10 ms for 19 M values, against
+    30 ms for ``maximum`` then ``minimum``, and no faster in tiles)."""
+
     def forward(self, x):
         self.y = array_module(x).clip(x, 0, 6)
         return self.y
 
     def backward(self, gy):
-        fused = gpu.activation_grad(array_module(gy), "relu6", self.y, gy)
+        xp = array_module(gy)
+        fused = gpu.activation_grad(xp, "relu6", self.y, gy)
         if fused is not None:
             return fused
-        return gy * ((self.y > 0) & (self.y < 6))
+        rows, cols = _rows(gy)
+        g2, y2 = gy.reshape(rows, cols), self.y.reshape(rows, cols)
+        g = xp.empty_like(g2)
+
+        def grad(lo: int, hi: int) -> None:
+            y = y2[lo:hi]
+            inside = xp.greater(y, 0)
+            inside &= xp.less(y, 6)
+            xp.multiply(g2[lo:hi], inside, out=g[lo:hi])
+
+        for_tiles(xp, rows, cols, grad)
+        return g.reshape(gy.shape)
 
 
 class Sigmoid(Function):

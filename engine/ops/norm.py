@@ -7,7 +7,7 @@ from typing import Any
 from leaflens.engine import amp
 from leaflens.engine.backend import array_module
 from leaflens.engine.ops import _kernels as gpu
-from leaflens.engine.parallel import for_rows
+from leaflens.engine.parallel import column_sums, for_tiles
 from leaflens.engine.tensor import Function, Tensor
 
 
@@ -36,15 +36,16 @@ class BatchNorm(Function):
             if n < 2:
                 raise ValueError(f"batch_norm in training mode needs more than one value per channel, got "
                                  f"input shape {tuple(x.shape)}")
-            mean = _sum_rows(xp, x2) / n
+            mean = _total(for_tiles(xp, n, c, lambda lo, hi: column_sums(xp, x2[lo:hi]))) / n
             xhat = xp.empty_like(x2)
 
             def centre(lo: int, hi: int) -> Any:
                 xc = xhat[lo:hi]
                 xp.subtract(x2[lo:hi], mean, out=xc)
-                return (xc * xc).sum(axis=0)
+                sq = xp.multiply(xc, xc, out=y[lo:hi])  # y as scratch: overwritten by scale below
+                return column_sums(xp, sq)
 
-            var = _total(for_rows(xp, n, x2.size, centre)) / n
+            var = _total(for_tiles(xp, n, c, centre)) / n
             inv = 1 / xp.sqrt(var + x.dtype.type(self.eps))
 
             def scale(lo: int, hi: int) -> None:
@@ -53,7 +54,7 @@ class BatchNorm(Function):
                 xp.multiply(xh, gamma, out=y[lo:hi])
                 y[lo:hi] += beta
 
-            for_rows(xp, n, x2.size, scale)
+            for_tiles(xp, n, c, scale)
             if self.running_mean is not None:
                 m = self.momentum
                 self.running_mean *= 1 - m
@@ -71,7 +72,7 @@ class BatchNorm(Function):
                 xp.multiply(x2[lo:hi], scale, out=y[lo:hi])
                 y[lo:hi] += shift
 
-            for_rows(xp, n, x2.size, affine)
+            for_tiles(xp, n, c, affine)
             if self.recording:
                 self.x2, self.inv, self.scale = x2, inv, scale
         return y.reshape(x.shape)
@@ -81,17 +82,19 @@ class BatchNorm(Function):
         c = gy.shape[-1]
         g2 = gy.reshape(-1, c)
         n = g2.shape[0]
+        want_x = self.needs_grad[0]
+        gx = xp.empty_like(g2) if want_x else None
         if self.training:
             xhat = self.xhat
 
             def sums(lo: int, hi: int) -> Any:
                 g = g2[lo:hi]
-                return xp.stack([g.sum(axis=0), (g * xhat[lo:hi]).sum(axis=0)])
+                # gx's tile as scratch for g * xhat: the gradient itself is written in a second pass
+                gxh = xp.multiply(g, xhat[lo:hi], out=gx[lo:hi] if want_x else None)
+                return xp.stack([column_sums(xp, g), column_sums(xp, gxh)])
 
-            gbeta, ggamma = _total(for_rows(xp, n, g2.size, sums))
-            gx = None
-            if self.needs_grad[0]:
-                gx = xp.empty_like(g2)
+            gbeta, ggamma = _total(for_tiles(xp, n, c, sums))
+            if want_x:
                 k = self.gamma * self.inv
                 mean_g, mean_gx = gbeta / n, ggamma / n
 
@@ -102,30 +105,31 @@ class BatchNorm(Function):
                     out -= mean_g
                     out *= k
 
-                for_rows(xp, n, g2.size, grad)
+                for_tiles(xp, n, c, grad)
                 gx = gx.reshape(gy.shape)
             return gx, ggamma, gbeta
         rm = self.running_mean.astype(g2.dtype)
 
         def sums_eval(lo: int, hi: int) -> Any:
+            # frozen statistics: gx = g * scale; the affine parameters' gradients are column sums of g and
+            # of g * (x - mean), the latter times 1/std after the sum
             g = g2[lo:hi]
-            return xp.stack([g.sum(axis=0), (g * ((self.x2[lo:hi] - rm) * self.inv)).sum(axis=0)])
+            tmp = xp.subtract(self.x2[lo:hi], rm)
+            tmp *= g
+            if want_x:
+                xp.multiply(g, self.scale, out=gx[lo:hi])
+            return xp.stack([column_sums(xp, g), column_sums(xp, tmp)])
 
-        gbeta, ggamma = _total(for_rows(xp, n, g2.size, sums_eval))
-        gx = (g2 * self.scale).reshape(gy.shape) if self.needs_grad[0] else None
-        return gx, ggamma, gbeta
+        gbeta, gxc = _total(for_tiles(xp, n, c, sums_eval))
+        return (gx.reshape(gy.shape) if want_x else None), gxc * self.inv, gbeta
 
 
 def _total(parts: list[Any]) -> Any:
-    """Sum per-slice partial results in a fixed order (deterministic for a given thread count)."""
+    """Sum per-tile partial results in a fixed order (deterministic whatever the thread count)."""
     out = parts[0]
     for p in parts[1:]:
         out = out + p
     return out
-
-
-def _sum_rows(xp: Any, x2: Any) -> Any:
-    return _total(for_rows(xp, x2.shape[0], x2.size, lambda lo, hi: x2[lo:hi].sum(axis=0)))
 
 
 class L2Normalize(Function):

@@ -63,3 +63,50 @@ def test_depthwise_tiles_match_one_tile_per_image(tile, monkeypatch):
     monkeypatch.setattr(conv_mod, "DEPTHWISE_TILE", tile)
     for a, b in zip(run(), whole):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def tiny_tiles_in_threads(monkeypatch):
+    """Tiles of a few values, handed to the engine's threads even for tiny arrays."""
+    from leaflens.engine import parallel
+
+    monkeypatch.setattr(parallel, "TILE", 6)
+    monkeypatch.setattr(parallel, "MIN_ELEMENTS", 1)
+    monkeypatch.setattr(parallel, "num_threads", lambda: 2)
+
+
+def test_batch_norm_in_tiles_passes_gradcheck(tiny_tiles_in_threads):
+    g, b = rng.standard_normal(3) + 1.5, rng.standard_normal(3)
+    assert gradcheck(lambda x, g, b: ops.batch_norm(x, g, b, np.zeros(3), np.ones(3), training=True),
+                     [rng.standard_normal((3, 4, 5, 3)), g, b])
+    mean, var = rng.standard_normal(3), np.abs(rng.standard_normal(3)) + 0.5
+    assert gradcheck(lambda x, g, b: ops.batch_norm(x, g, b, mean, var, training=False),
+                     [rng.standard_normal((3, 4, 5, 3)), g, b])
+
+
+@pytest.mark.parametrize("op", [ops.relu, ops.relu6])
+def test_activations_in_tiles_pass_gradcheck(op, tiny_tiles_in_threads):
+    x = rng.standard_normal((3, 4, 5, 2)) * 5 + 2
+    x[np.abs(x) < 0.05] += 0.2  # no value at a kink
+    x[np.abs(x - 6) < 0.05] += 0.2
+    assert gradcheck(op, [x])
+
+
+def test_batch_norm_statistics_do_not_depend_on_the_tiling(monkeypatch):
+    from leaflens.engine import parallel
+
+    x = (rng.standard_normal((4, 6, 6, 5)) * 3 + 1).astype(np.float32)
+    g, b = np.ones(5, np.float32), np.zeros(5, np.float32)
+
+    def run():
+        rm, rv = np.zeros(5, np.float32), np.ones(5, np.float32)
+        y = ops.batch_norm(x, g, b, rm, rv, training=True, momentum=1.0)
+        return y.data, rm, rv
+
+    whole = run()
+    monkeypatch.setattr(parallel, "TILE", 7)
+    monkeypatch.setattr(parallel, "MIN_ELEMENTS", 1)
+    for a, w in zip(run(), whole):
+        np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(whole[1], x.reshape(-1, 5).mean(axis=0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(whole[2], x.reshape(-1, 5).var(axis=0, ddof=1), rtol=1e-5)

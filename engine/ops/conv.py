@@ -103,8 +103,23 @@ def im2col(xpad: Any, kernel: tuple[int, int], out_hw: tuple[int, int], stride: 
     kh, kw = kernel
     ho, wo = out_hw
     cols = xp.empty((n, ho, wo, kh, kw, c), dtype=xpad.dtype)
+    item = xpad.dtype.itemsize
+    rows_of_taps = xp is np and xpad.strides[3] == item and xpad.strides[2] == c * item
 
     def fill(lo: int, hi: int) -> None:
+        if rows_of_taps:
+            # The kw taps of kernel row i read kw*C consecutive values of the padded input: one copy per
+            # kernel row (kh copies with kw*C-long inner runs instead of kh*kw with C-long ones; the
+            # student's first layer has C = 3).
+            wide = cols[lo:hi].reshape(hi - lo, ho, wo, kh, kw * c)
+            s = xpad.strides
+            for i in range(kh):
+                src = np.lib.stride_tricks.as_strided(
+                    xpad[lo:hi, i:], shape=(hi - lo, ho, wo, kw * c), strides=(s[0], stride[0] * s[1],
+                                                                                stride[1] * s[2], s[3]),
+                    writeable=False)
+                wide[:, :, :, i, :] = src
+            return
         for i in range(kh):
             for j in range(kw):
                 cols[lo:hi, :, :, i, j, :] = tap(xpad[lo:hi], i, j, out_hw, stride)

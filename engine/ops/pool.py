@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from leaflens.engine.backend import array_module
 from leaflens.engine.ops import _kernels as gpu
 from leaflens.engine.ops.conv import Padding, _pair, _unpad, pad_nhwc, resolve_padding, tap
@@ -81,8 +83,8 @@ class MaxPool2d(_Pool):
         covered = not overlapping and self.xpad.shape[1] == kh * self.out_hw[0] \
             and self.xpad.shape[2] == kw * self.out_hw[1]
 
-        def run(lo: int, hi: int) -> None:
-            g, src, y, gyy = gx[lo:hi], self.xpad[lo:hi], self.y[lo:hi], gy[lo:hi]
+        def one(b: slice) -> None:
+            g, src, y, gyy = gx[b], self.xpad[b], self.y[b], gy[b]
             if not covered:  # some input pixels fall in no window (or in several): start from zero
                 g[...] = 0
             unclaimed = xp.ones(gyy.shape, dtype=bool)
@@ -90,13 +92,24 @@ class MaxPool2d(_Pool):
             for t in range(kh * kw):
                 i, j = t // kw, t % kw
                 xp.equal(tap(src, i, j, self.out_hw, self.stride), y, out=hit)
-                hit &= unclaimed
-                unclaimed &= ~hit
+                if t:
+                    hit &= unclaimed
+                if t + 1 < kh * kw:
+                    unclaimed ^= hit  # hit lies within unclaimed: this clears the taps just claimed
                 dst = tap(g, i, j, self.out_hw, self.stride)
                 if overlapping:
                     dst += gyy * hit
                 else:
                     xp.multiply(gyy, hit, out=dst)
+
+        def run(lo: int, hi: int) -> None:
+            if xp is not np:
+                one(slice(lo, hi))
+                return
+            # a few images at a time (about 2^17 input values): their gradient, input and masks stay in the cache
+            step = max(1, (1 << 17) // max(self.xpad[0].size, 1))
+            for b in range(lo, hi, step):
+                one(slice(b, min(b + step, hi)))
 
         for_rows(xp, gy.shape[0], self.xpad.size, run)
         return _unpad(gx, self.pads, self.in_shape[1:3])

@@ -110,3 +110,24 @@ def test_batch_norm_statistics_do_not_depend_on_the_tiling(monkeypatch):
         np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(whole[1], x.reshape(-1, 5).mean(axis=0), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(whole[2], x.reshape(-1, 5).var(axis=0, ddof=1), rtol=1e-5)
+
+
+@pytest.mark.parametrize("stride,padding", [(1, 0), (2, 0), (1, 1)])
+def test_dense_conv_of_a_strided_view_equals_that_of_a_copy(stride, padding):
+    """im2col copies kernel rows as kw*C-long runs when the input's rows are contiguous, tap by tap
+    otherwise (an unpadded view of another array)."""
+    base = rng.standard_normal((2, 7, 6, 8)).astype(np.float32)
+    view = base[:, ::-1, :, 1:4]  # rows not contiguous in C
+    w = rng.standard_normal((5, 3, 3, 3)).astype(np.float32)
+    a = ops.conv2d(view, w, stride=stride, padding=padding).data
+    b = ops.conv2d(np.ascontiguousarray(view), w, stride=stride, padding=padding).data
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_max_pool_ties_go_to_the_first_tap_in_image_groups():
+    x = np.zeros((5, 4, 4, 3), np.float32)  # every window a four-way tie
+    xt = Tensor(x, requires_grad=True)
+    ops.max_pool2d(xt, 2).backward(np.ones((5, 2, 2, 3), np.float32))
+    expected = np.zeros_like(x)
+    expected[:, ::2, ::2] = 1
+    np.testing.assert_array_equal(xt.grad, expected)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import typing
@@ -91,6 +92,8 @@ class DistillSection(Record):
     alpha: float
     kd_weight: float
     temperature: float
+    # Beta(mixup, mixup) mixing of the student's batches with targets mixed alike (0: off)
+    mixup: float
     same_view: bool
     compare_scratch: bool
     # Which model the run keeps (leaflens.pipeline.selection): the serving budget and the teacher's margin.
@@ -104,6 +107,9 @@ class DistillSection(Record):
                              f"{self.max_ms}")
         if not 0.0 <= self.teacher_margin <= 1.0:
             raise ValueError(f"teacher_margin is a share of the validation photos in [0, 1], got {self.teacher_margin}")
+        if not (math.isfinite(self.mixup) and self.mixup >= 0):
+            raise ValueError(f"mixup is the alpha of the Beta(alpha, alpha) mixing weight, a finite number >= 0 "
+                             f"(0: no mixup; 0.2-0.4 are usual), got {self.mixup}")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import dataclasses
 import io
 import tempfile
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,8 +87,10 @@ def _tiny_data(rows: int, size: int, classes: int, dim: int) -> tuple[TrainData,
 
 
 def measure_host_syncs(optimizer: str = "adamw", mixed_precision: bool = True, epochs: int = 2,
-                       log_every: int = 4, batch_size: int = 8, batches_per_epoch: int = 6) -> HostSyncReport:
+                       log_every: int = 4, batch_size: int = 8, batches_per_epoch: int = 6,
+                       overrides: Sequence[str] = ()) -> HostSyncReport:
     """Train a tiny distilled student for ``epochs`` on the counting stand-in; count host reads per step.
+    ``overrides``: further ``--set`` settings of the recipe (e.g. ``distill.mixup=0.4``).
 
     Each step's count covers everything between handing out one batch and the next: the loop, the
     loss, backward, clipping, the optimiser, the scaler, the loop's bookkeeping and the upload of the
@@ -99,7 +101,7 @@ def measure_host_syncs(optimizer: str = "adamw", mixed_precision: bool = True, e
     cfg = load_config(None, [f"train.epochs={epochs}", f"train.batch_size={batch_size}", "model.widths=[4, 8]",
                              "train.warmup_epochs=0", f"train.optimizer={optimizer}", "train.clip_grad_norm=1.0",
                              f"train.mixed_precision={'on' if mixed_precision else 'off'}",
-                             "distill.kd_weight=1.0", "distill.alpha=1.0"])
+                             "distill.kd_weight=1.0", "distill.alpha=1.0", *overrides])
     mean, std = np.full(3, 0.5, np.float32), np.full(3, 0.25, np.float32)
     with counting_device() as counter, tempfile.TemporaryDirectory(prefix="leaflens-syncs-") as tmp, \
             contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):

@@ -171,16 +171,54 @@ def _outlier_exposure(logits_neg: Any) -> Any:
     return (lse - logits_neg.mean(axis=1)).mean()
 
 
+class Mix(NamedTuple):
+    """A mixup draw for one batch: row ``i`` of the mixed batch is ``lam * row i + (1 - lam) * row perm[i]``."""
+
+    perm: Any   # (B,) int64 row indices (on the batch's device once uploaded)
+    lam: float  # the weight of the row's own image, drawn on the host
+
+
+def mixup_batch(x: np.ndarray, alpha: float, rng: np.random.Generator) -> tuple[np.ndarray, Mix | None]:
+    """Mix a (host) batch with a shuffled copy of itself, lam ~ Beta(alpha, alpha) once per batch
+    (Zhang et al. 2018; with the teacher's targets mixed alike, Beyer et al. 2022). ``alpha`` 0 (or a
+    batch of one row): the batch unchanged and no mix."""
+    if alpha <= 0 or len(x) < 2:
+        return x, None
+    lam = float(rng.beta(alpha, alpha))
+    perm = rng.permutation(len(x))
+    mixed = (x * np.float32(lam) + x[perm] * np.float32(1.0 - lam)).astype(x.dtype, copy=False)
+    return mixed, Mix(perm, lam)
+
+
+def _mixed(a: Any, mix: Mix | None) -> Any:
+    """Per-row targets mixed with the batch's own draw (unchanged without one)."""
+    if mix is None:
+        return a
+    return a * np.float32(mix.lam) + a[mix.perm] * np.float32(1.0 - mix.lam)
+
+
+def _cross_entropy(logits: Tensor, y: Any, label_smoothing: float, mix: Mix | None) -> Tensor:
+    """Cross-entropy on the labelled rows (-1 ignored); for a mixed batch lam CE(y) + (1 - lam) CE(y[perm]),
+    so a row is taught a label only in proportion to its labelled partners' share of its pixels."""
+    ce = ops.cross_entropy(logits, y, label_smoothing=label_smoothing, ignore_index=-1)
+    if mix is None:
+        return ce
+    other = ops.cross_entropy(logits, y[mix.perm], label_smoothing=label_smoothing, ignore_index=-1)
+    return ce * float(mix.lam) + other * float(1.0 - mix.lam)
+
+
 def distill_loss(model: StudentCNN, x: np.ndarray, y: np.ndarray, feats: np.ndarray | None,
                  tlogits: np.ndarray | None, dcfg: DistillSection,
                  label_smoothing: float, negatives: Any = None,
-                 oe_weight: float = 0.0, any_labelled: bool | None = None) -> tuple[Tensor, dict[str, Any], np.ndarray]:
+                 oe_weight: float = 0.0, any_labelled: bool | None = None,
+                 mix: Mix | None = None) -> tuple[Tensor, dict[str, Any], np.ndarray]:
     """The batch loss, its parts (feature = 2 - 2 cos, cross-entropy on labelled rows, KD, outlier exposure
     on generated ``negatives``) and the logits of the batch.
 
     The parts are 0-d float32 arrays on the batch's device (``float()`` reads one), so a training step
     reads nothing from a GPU for its logging. ``any_labelled``: whether ``y`` has a row >= 0, when the
     caller knows it from the host (None: asked of ``y``, a synchronisation when ``y`` is on a GPU).
+    ``mix``: the mixup draw ``x`` was mixed with (:func:`mixup_batch`); every target is mixed alike.
     """
     parts: dict[str, Any] = {}
     labelled = bool((y >= 0).any()) if any_labelled is None else any_labelled
@@ -190,7 +228,7 @@ def distill_loss(model: StudentCNN, x: np.ndarray, y: np.ndarray, feats: np.ndar
         logits = model(inputs)
         neg = logits[n:] if negatives is not None else None
         logits = logits[:n] if negatives is not None else logits
-        loss = ops.cross_entropy(logits, y, label_smoothing=label_smoothing, ignore_index=-1)
+        loss = _cross_entropy(logits, y, label_smoothing, mix)
         parts["ce"] = loss.data
         if neg is not None:
             oe = _outlier_exposure(neg)
@@ -201,17 +239,19 @@ def distill_loss(model: StudentCNN, x: np.ndarray, y: np.ndarray, feats: np.ndar
     neg = None
     if negatives is not None:
         logits, neg, proj = logits[:n], logits[n:], proj[:n]
-    diff = ops.l2_normalize(proj, axis=1) - _l2n(feats)
+    # a mixed target is the mix of the pair's unit features, made unit again (the loss is 2 - 2 cos)
+    target = _l2n(feats) if mix is None else _l2n(_mixed(_l2n(feats), mix))
+    diff = ops.l2_normalize(proj, axis=1) - target
     feat = (diff * diff).sum(axis=1).mean()
     loss = feat * float(dcfg.feature_weight)
     parts["feature"] = feat.data
     if labelled and dcfg.alpha:
-        ce = ops.cross_entropy(logits, y, label_smoothing=label_smoothing, ignore_index=-1)
+        ce = _cross_entropy(logits, y, label_smoothing, mix)
         loss = loss + ce * float(dcfg.alpha)
         parts["ce"] = ce.data
     if tlogits is not None and dcfg.kd_weight:
         t = float(dcfg.temperature)
-        soft = _softmax(tlogits.astype(np.float32, copy=False) / t).astype(np.float32)
+        soft = _mixed(_softmax(tlogits.astype(np.float32, copy=False) / t).astype(np.float32), mix)
         kd = ops.cross_entropy(logits * (1.0 / t), soft) * (t * t)
         loss = loss + kd * float(dcfg.kd_weight)
         # log the KL divergence (cross-entropy minus the targets' constant entropy), which goes to 0
@@ -300,13 +340,15 @@ class StudentTask:
         seed = self.loader.seed
         # Host side (teacher targets looked up by the batch's dataset rows, views), then on to the device.
         oe = float(self.cfg.train.outlier_exposure)
-        host = (_host_batch(self.data, batch, seed, epoch, self.size, oe > 0) for batch in self.loader)
+        mixup = float(self.cfg.distill.mixup)
+        host = (_host_batch(self.data, batch, seed, epoch, self.size, oe > 0, mixup) for batch in self.loader)
         return self.device_loader.upload(host)
 
     def batch_loss(self, batch: StudentBatch) -> BatchLoss:
         loss, parts, logits = distill_loss(self.model, batch.images, batch.labels, batch.features, batch.logits,
                                            self.cfg.distill, self.cfg.train.label_smoothing, batch.negatives,
-                                           self.cfg.train.outlier_exposure, batch.any_labelled)
+                                           self.cfg.train.outlier_exposure, batch.any_labelled,
+                                           None if batch.mix_perm is None else Mix(batch.mix_perm, batch.mix_lam))
         return BatchLoss(loss, logits, parts)
 
     def validate(self) -> tuple[float, float]:
@@ -333,12 +375,15 @@ class StudentBatch(NamedTuple):
     number: int          # the batch's position in its epoch
     negatives: Any = None  # generated negatives for outlier exposure (leaflens.pipeline.negatives)
     any_labelled: bool | None = None  # whether a row has a label >= 0, known on the host (None: ask ``labels``)
+    mix_perm: Any = None   # mixup: the partner row of each row (None: the batch is not mixed)
+    mix_lam: float = 1.0   # mixup: the weight of each row's own image
 
 
 def _host_batch(data: TrainData, batch: Batch, seed: int, epoch: int, size: int,
-                negatives: bool = False) -> StudentBatch:
+                negatives: bool = False, mixup: float = 0.0) -> StudentBatch:
     """A loader batch with its teacher targets looked up on the host by the batch's dataset rows
-    (cut to the teacher's views when there is a bank)."""
+    (cut to the teacher's views when there is a bank), mixed when ``mixup`` > 0 (the draw travels
+    with the batch: the loss mixes the targets of those very views alike)."""
     x, idx = batch.images, batch.indices
     feats = None if data.features is None else np.asarray(data.features[idx])
     tl = None if data.logits is None else np.asarray(data.logits[idx])
@@ -349,4 +394,7 @@ def _host_batch(data: TrainData, batch: Batch, seed: int, epoch: int, size: int,
         rng = np.random.default_rng([seed, epoch, batch.number, 0x0E])
         neg = make_negatives(np.asarray(x), max(1, len(x) // 2), rng)
     any_labelled = bool((np.asarray(batch.labels) >= 0).any())  # on the host here: no device read later
-    return StudentBatch(x, batch.labels, feats, tl, idx, batch.number, neg, any_labelled)
+    # its own generator per (seed, epoch, batch), like the negatives': a resumed run mixes alike
+    x, mix = mixup_batch(np.asarray(x), mixup, np.random.default_rng([seed, epoch, batch.number, 0x31]))
+    return StudentBatch(x, batch.labels, feats, tl, idx, batch.number, neg, any_labelled,
+                        None if mix is None else mix.perm, 1.0 if mix is None else mix.lam)

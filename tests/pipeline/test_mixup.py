@@ -172,3 +172,27 @@ def test_a_mixed_step_reads_the_device_no_more_than_an_unmixed_one():
                                 overrides=["distill.mixup=0.4"])
     assert report.max_per_step <= 2, report.per_step
     assert min(report.steady) == 1, report.per_step
+
+
+def test_view_bank_views_are_mixed_with_their_own_teacher_targets():
+    from leaflens.engine.data import Augment, sample_view_boxes
+
+    rng = np.random.default_rng(1)
+    n, k = 8, 4
+    data = ts.TrainData(images=rng.integers(0, 256, (n, SIZE, SIZE, 3), dtype=np.uint8),
+                        labels=np.array([0, 1, -1, -1, 2, -1, 0, -1]), features=None, logits=None,
+                        views=sample_view_boxes(n, k, Augment(crop="resized", scale=(0.5, 1.0)), rng),
+                        view_features=rng.normal(size=(n, k, D)).astype(np.float32),
+                        view_logits=rng.normal(size=(n, k, C)).astype(np.float32))
+    data.features = data.view_features[:, 0]
+    idx = np.array([6, 1, 3, 0, 7, 2])
+    x = rng.normal(size=(len(idx), SIZE, SIZE, 3)).astype(np.float32)
+    batch = Batch(x, data.labels[idx], idx, 1)
+    plain = ts._host_batch(data, batch, seed=0, epoch=3, size=SIZE, mixup=0.0)
+    mixed = ts._host_batch(data, batch, seed=0, epoch=3, size=SIZE, mixup=0.4)
+    # the same views as without mixup, their targets untouched (the loss mixes them with the draw) ...
+    np.testing.assert_array_equal(mixed.features, plain.features)
+    np.testing.assert_array_equal(mixed.logits, plain.logits)
+    # ... and the images are those views, mixed
+    lam, perm = mixed.mix_lam, mixed.mix_perm
+    np.testing.assert_allclose(mixed.images, lam * plain.images + (1 - lam) * plain.images[perm], rtol=1e-5, atol=1e-5)

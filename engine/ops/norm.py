@@ -7,7 +7,7 @@ from typing import Any
 from leaflens.engine import amp
 from leaflens.engine.backend import array_module
 from leaflens.engine.ops import _kernels as gpu
-from leaflens.engine.parallel import column_sums, for_tiles
+from leaflens.engine.parallel import column_sums, for_tiles, per_tile
 from leaflens.engine.tensor import Function, Tensor
 
 
@@ -37,22 +37,22 @@ class BatchNorm(Function):
                 raise ValueError(f"batch_norm in training mode needs more than one value per channel, got "
                                  f"input shape {tuple(x.shape)}")
             mean = _total(for_tiles(xp, n, c, lambda lo, hi: column_sums(xp, x2[lo:hi]))) / n
-            xhat = xp.empty_like(x2)
+
+            mean_t = per_tile(xp, mean, n)
 
             def centre(lo: int, hi: int) -> Any:
-                xc = xhat[lo:hi]
-                xp.subtract(x2[lo:hi], mean, out=xc)
-                sq = xp.multiply(xc, xc, out=y[lo:hi])  # y as scratch: overwritten by scale below
-                return column_sums(xp, sq)
+                xc = xp.subtract(x2[lo:hi], mean_t(lo, hi), out=y[lo:hi])  # y's tile as scratch, written below
+                xc *= xc
+                return column_sums(xp, xc)
 
             var = _total(for_tiles(xp, n, c, centre)) / n
             inv = 1 / xp.sqrt(var + x.dtype.type(self.eps))
+            k_t, beta_t = per_tile(xp, inv * gamma, n), per_tile(xp, beta, n)
 
             def scale(lo: int, hi: int) -> None:
-                xh = xhat[lo:hi]
-                xh *= inv
-                xp.multiply(xh, gamma, out=y[lo:hi])
-                y[lo:hi] += beta
+                out = xp.subtract(x2[lo:hi], mean_t(lo, hi), out=y[lo:hi])
+                out *= k_t(lo, hi)
+                out += beta_t(lo, hi)
 
             for_tiles(xp, n, c, scale)
             if self.running_mean is not None:
@@ -62,15 +62,17 @@ class BatchNorm(Function):
                 self.running_var *= 1 - m
                 self.running_var += (m * n / (n - 1)) * var.astype(self.running_var.dtype)
             if self.recording:
-                self.xhat, self.inv, self.gamma = xhat, inv, gamma
+                # the input (which the graph holds anyway) and its statistics, not a normalised copy of it:
+                # backward recomputes (x - mean) * inv tile by tile, in the cache
+                self.x2, self.mean, self.inv, self.gamma = x2, mean, inv, gamma
         else:
             inv = 1 / xp.sqrt(self.running_var.astype(x.dtype) + x.dtype.type(self.eps))
             scale = gamma * inv
-            shift = beta - self.running_mean.astype(x.dtype) * scale
+            scale_t, shift_t = per_tile(xp, scale, n), per_tile(xp, beta - self.running_mean.astype(x.dtype) * scale, n)
 
             def affine(lo: int, hi: int) -> None:
-                xp.multiply(x2[lo:hi], scale, out=y[lo:hi])
-                y[lo:hi] += shift
+                xp.multiply(x2[lo:hi], scale_t(lo, hi), out=y[lo:hi])
+                y[lo:hi] += shift_t(lo, hi)
 
             for_tiles(xp, n, c, affine)
             if self.recording:
@@ -85,39 +87,43 @@ class BatchNorm(Function):
         want_x = self.needs_grad[0]
         gx = xp.empty_like(g2) if want_x else None
         if self.training:
-            xhat = self.xhat
+            x2, inv = self.x2, self.inv
+            mean_t, inv_t = per_tile(xp, self.mean, n), per_tile(xp, inv, n)
 
             def sums(lo: int, hi: int) -> Any:
                 g = g2[lo:hi]
                 # gx's tile as scratch for g * xhat: the gradient itself is written in a second pass
-                gxh = xp.multiply(g, xhat[lo:hi], out=gx[lo:hi] if want_x else None)
+                gxh = xp.subtract(x2[lo:hi], mean_t(lo, hi), out=gx[lo:hi] if want_x else None)
+                gxh *= inv_t(lo, hi)
+                gxh *= g
                 return xp.stack([column_sums(xp, g), column_sums(xp, gxh)])
 
             gbeta, ggamma = _total(for_tiles(xp, n, c, sums))
             if want_x:
-                k = self.gamma * self.inv
-                mean_g, mean_gx = gbeta / n, ggamma / n
+                k_t, mean_g_t = per_tile(xp, self.gamma * inv, n), per_tile(xp, gbeta / n, n)
+                coef_t = per_tile(xp, inv * (ggamma / n), n)
 
                 def grad(lo: int, hi: int) -> None:
-                    out = gx[lo:hi]
-                    xp.multiply(xhat[lo:hi], mean_gx, out=out)
+                    # gx = k * (g - mean(g) - xhat * mean(g * xhat)), xhat = (x - mean) * inv
+                    out = xp.subtract(x2[lo:hi], mean_t(lo, hi), out=gx[lo:hi])
+                    out *= coef_t(lo, hi)
                     xp.subtract(g2[lo:hi], out, out=out)
-                    out -= mean_g
-                    out *= k
+                    out -= mean_g_t(lo, hi)
+                    out *= k_t(lo, hi)
 
                 for_tiles(xp, n, c, grad)
                 gx = gx.reshape(gy.shape)
             return gx, ggamma, gbeta
-        rm = self.running_mean.astype(g2.dtype)
+        rm_t, scale_t = per_tile(xp, self.running_mean.astype(g2.dtype), n), per_tile(xp, self.scale, n)
 
         def sums_eval(lo: int, hi: int) -> Any:
             # frozen statistics: gx = g * scale; the affine parameters' gradients are column sums of g and
             # of g * (x - mean), the latter times 1/std after the sum
             g = g2[lo:hi]
-            tmp = xp.subtract(self.x2[lo:hi], rm)
+            tmp = xp.subtract(self.x2[lo:hi], rm_t(lo, hi))
             tmp *= g
             if want_x:
-                xp.multiply(g, self.scale, out=gx[lo:hi])
+                xp.multiply(g, scale_t(lo, hi), out=gx[lo:hi])
             return xp.stack([column_sums(xp, g), column_sums(xp, tmp)])
 
         gbeta, gxc = _total(for_tiles(xp, n, c, sums_eval))

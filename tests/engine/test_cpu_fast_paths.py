@@ -131,3 +131,16 @@ def test_max_pool_ties_go_to_the_first_tap_in_image_groups():
     expected = np.zeros_like(x)
     expected[:, ::2, ::2] = 1
     np.testing.assert_array_equal(xt.grad, expected)
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 3), (10, 4), (1000, 16)])
+def test_per_tile_repeats_the_vector_for_every_tile(rows, cols, monkeypatch):
+    from leaflens.engine import parallel
+
+    monkeypatch.setattr(parallel, "TILE", 64)
+    v = rng.standard_normal(cols).astype(np.float32)
+    rep = parallel.per_tile(np, v, rows)
+    seen = []
+    parallel.for_tiles(np, rows, cols, lambda lo, hi: seen.append(rep(lo, hi).shape == (hi - lo, cols)
+                                                                    and bool((rep(lo, hi) == v).all())))
+    assert seen and all(seen)

@@ -236,7 +236,8 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=1,
                    help="student sizes trained side by side, each process with its share of the cores")
     p.add_argument("--set", dest="overrides", action="append", default=[],
-                   help="config override for both stages (e.g. train.epochs=30: a reduced run, say so)")
+                   help="config override, repeatable: teacher.* keys go to the teacher stage, the others to distill "
+                        "(e.g. train.epochs=15: a reduced run, say so when quoting it)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args()
     t_all = time.perf_counter()

@@ -203,7 +203,7 @@ def torch_student(args: argparse.Namespace, case: Case, channels_last: bool) -> 
     x = x.permute(0, 3, 1, 2).contiguous()
     y = torch.from_numpy(rng.integers(0, args.classes, case.batch))
     if channels_last:
-        model = model.to(memory_format=torch.channels_last)
+        model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         x = x.contiguous(memory_format=torch.channels_last)
     if not case.training:
         model.eval()
@@ -244,6 +244,7 @@ def torch_lite0_module(net):
     def bn(b) -> nn.BatchNorm2d:
         m = nn.BatchNorm2d(b.num_features, eps=b.eps, momentum=b.momentum)
         m.weight, m.bias = param(b.weight.data), param(b.bias.data)
+        assert m.running_mean is not None and m.running_var is not None  # track_running_stats is on
         m.running_mean.copy_(torch.from_numpy(np.asarray(b.running_mean)))
         m.running_var.copy_(torch.from_numpy(np.asarray(b.running_var)))
         return m
@@ -427,8 +428,9 @@ def run_case(args: argparse.Namespace, name: str, impls: tuple[str, ...], figure
 
 
 def _all_functions(cls: type) -> list[type]:
-    out = []
-    for sub in cls.__subclasses__():
+    out: list[type] = []
+    subs: list[type] = cls.__subclasses__()
+    for sub in subs:
         out += [sub, *_all_functions(sub)]
     return out
 

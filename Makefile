@@ -11,6 +11,7 @@ PY := $(VENV)/bin/python
 LEAFLENS := $(PY) -m leaflens
 ART ?= artifacts
 SYNTH := $(ART)/synthetic
+UNLABELED_FRACTION ?= 0.5
 DATA ?= $(SYNTH)
 SIZE ?= 128
 # Extra folders of labelled photos merged into DATA's classes (e.g. the web app's corrections folder).
@@ -67,8 +68,11 @@ lint: $(VENV)/.installed
 	PY=$(PY) .ci/typecheck
 
 # ---- the pipeline ----------------------------------------------------------------------------
-$(SYNTH)/classes.toml: | $(VENV)/.installed
-	$(LEAFLENS) data synth --out $(SYNTH)
+# The demo withholds the labels of UNLABELED_FRACTION of each class's photos (they go to $(SYNTH)/unlabeled/):
+# distillation learns from the teacher on those photos, training from scratch cannot. synth does nothing when
+# the folder already holds the same options, and makes it again when they changed.
+$(SYNTH)/classes.toml: FORCE | $(VENV)/.installed
+	$(LEAFLENS) data synth --out $(SYNTH) --unlabeled-fraction $(UNLABELED_FRACTION)
 
 data: $(SYNTH)/classes.toml
 

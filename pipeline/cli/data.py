@@ -30,7 +30,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="share of each class's photos written to OUT/unlabeled/ with their labels withheld "
                         "(seeded; names do not tell the class; synth.json keeps the classes for checks): "
                         "the pipeline uses them for the teacher's targets and distillation, not as labels "
-                        f"(default {d.unlabeled_fraction}; `make demo` uses 0.6)")
+                        f"(default {d.unlabeled_fraction}; `make demo` uses 0.5)")
     s.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     s.add_argument("--force", action="store_true", help="regenerate even if up to date")
     s.set_defaults(func=run)

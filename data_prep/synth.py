@@ -695,8 +695,8 @@ def generate(out: str | os.PathLike, options: SynthOptions | None = None, *, wor
             (tmp / cls).mkdir()
             for i in range(opts.per_class):
                 name = withheld.get((ci, i))
-                path = tmp / UNLABELED_DIR / name if name else tmp / cls / f"{cls}_{i:04d}.jpg"
-                tasks.append((cls, ci, i, opts.size, opts.seed, str(path), opts.exif_fraction))
+                dest = tmp / UNLABELED_DIR / name if name else tmp / cls / f"{cls}_{i:04d}.jpg"
+                tasks.append((cls, ci, i, opts.size, opts.seed, str(dest), opts.exif_fraction))
         workers = max(1, workers or usable_cpus())
         rotated = []
         bar = tqdm(total=len(tasks), desc="synth", unit="img", disable=not progress)

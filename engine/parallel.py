@@ -11,6 +11,9 @@ pool's size: :mod:`leaflens.cpus`).
 
 from __future__ import annotations
 
+import ctypes
+import glob
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -116,3 +119,51 @@ def column_sums(xp: object, a: object) -> object:
         ones = _ones[key] = np.ones(rows, dtype=dtype)
     return ones @ a
 
+
+
+_blas_local: Callable[[int], int] | None | bool = False  # False: not looked up yet; None: not available
+
+
+def _find_blas_local() -> Callable[[int], int] | None:
+    """OpenBLAS's ``openblas_set_num_threads_local`` (0.3.27+: the thread count for calls made by the calling
+    thread only) in the OpenBLAS that NumPy's wheel bundles; None where there is none."""
+    global _blas_local
+    if _blas_local is False:
+        _blas_local = None
+        libs = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
+        for path in sorted(glob.glob(os.path.join(libs, "*openblas*"))):
+            try:
+                fn = ctypes.CDLL(path).openblas_set_num_threads_local
+            except (OSError, AttributeError):
+                continue
+            fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+            _blas_local = fn
+            break
+    return _blas_local  # type: ignore[return-value]
+
+
+def for_chunks(n: int, chunk: int, work: int, fn: Callable[[int, int], object]) -> list[object]:
+    """Call ``fn(lo, hi)`` for chunks of ``chunk`` rows out of n, the chunks shared out among the threads
+    (contiguous runs of chunks per thread); results in chunk order, so sums of them in that order do not
+    depend on the thread count.
+
+    For work made of small matrix products on cache-sized chunks: each thread runs its BLAS calls with one
+    BLAS thread (OpenBLAS's per-thread setting, where NumPy's OpenBLAS has it), so the cores are split
+    between chunks, not inside every small product. Measured on 2 loaded cores, a (16384, 32) @ (32, 64)
+    product took 19-23 ms with OpenBLAS's 2 threads (which wait on each other at every call) against 1 ms
+    with one.
+    """
+    bounds = [*range(0, n, max(1, chunk)), n]
+    spans = list(zip(bounds[:-1], bounds[1:]))
+    local = _find_blas_local()
+
+    def run(a: int, b: int) -> list[object]:
+        prev = local(1) if local is not None else None
+        try:
+            return [fn(lo, hi) for lo, hi in spans[a:b]]
+        finally:
+            if local is not None and prev is not None:
+                local(prev)
+
+    parts = parallel_rows(len(spans), work, run)
+    return [r for part in parts for r in part]  # type: ignore[attr-defined]

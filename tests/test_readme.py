@@ -15,11 +15,16 @@ README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 
 def code_lines() -> list[str]:
-    blocks = re.findall(r"```(?:bash|sh|console)?\n(.*?)```", README, flags=re.S)
-    lines = []
-    for block in blocks:
-        for line in block.splitlines():
-            line = line.split("#", 1)[0].strip()
+    """The lines of the README's shell blocks (fences opened with bash, sh, console or no language), comments cut.
+    Fences are paired in order, so a closing fence is never taken for an opening one."""
+    lines: list[str] = []
+    language = None  # None: outside a fence; else the open fence's language
+    for raw in README.splitlines():
+        if raw.startswith("```"):
+            language = raw[3:].strip() if language is None else None
+            continue
+        if language in ("", "bash", "sh", "console"):
+            line = raw.split("#", 1)[0].strip()
             if line:
                 lines.append(line)
     return lines

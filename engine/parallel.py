@@ -17,10 +17,13 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import numpy as np
 
 from leaflens.cpus import usable_cpus
+
+T = TypeVar("T")
 
 MIN_ELEMENTS = 1 << 18  # below ~1 MB of float32 the hand-off costs more than it saves
 
@@ -142,7 +145,7 @@ def _find_blas_local() -> Callable[[int], int] | None:
     return _blas_local  # type: ignore[return-value]
 
 
-def for_chunks(n: int, chunk: int, work: int, fn: Callable[[int, int], object]) -> list[object]:
+def for_chunks(n: int, chunk: int, work: int, fn: Callable[[int, int], T]) -> list[T]:
     """Call ``fn(lo, hi)`` for chunks of ``chunk`` rows out of n, the chunks shared out among the threads
     (contiguous runs of chunks per thread); results in chunk order, so sums of them in that order do not
     depend on the thread count.
@@ -157,7 +160,7 @@ def for_chunks(n: int, chunk: int, work: int, fn: Callable[[int, int], object]) 
     spans = list(zip(bounds[:-1], bounds[1:]))
     local = _find_blas_local()
 
-    def run(a: int, b: int) -> list[object]:
+    def run(a: int, b: int) -> list[T]:
         prev = local(1) if local is not None else None
         try:
             return [fn(lo, hi) for lo, hi in spans[a:b]]

@@ -148,6 +148,7 @@ def _winner_section(report: Mapping[str, Any]) -> list[str]:
         else:
             lines.append(f"**Result:** {NO_GAIN} (validation accuracy {_pct(s_val)} from scratch, "
                          f"{_pct(d_val)} distilled, {gap:+.1f} points).")
+        lines += _photos_learned_from(report)
         lines.append("")
         rows = []
         for name in ("distilled", "scratch"):
@@ -165,6 +166,20 @@ def _winner_section(report: Mapping[str, Any]) -> list[str]:
     else:
         lines.append("No comparison recorded.")
     return lines + [""]
+
+
+def _photos_learned_from(report: Mapping[str, Any]) -> list[str]:
+    """What each student saw: unlabelled photos are where distillation can pay, so say how many there were."""
+    counts = (report.get("dataset") or {}).get("counts") or {}
+    labelled, unlabelled = counts.get("train"), counts.get("unlabeled") or 0
+    if labelled is None:
+        return []
+    if not unlabelled:
+        return [f"Both students learned from the same {labelled:,} labelled training photos; there were no "
+                "unlabelled photos, which is where a teacher helps most."]
+    return [f"The distilled student learned from {labelled:,} labelled and {unlabelled:,} unlabelled photos "
+            f"(the teacher's answers standing in for the withheld labels); the scratch student from the "
+            f"{labelled:,} labelled ones only."]
 
 
 def _accuracy_section(report: Mapping[str, Any]) -> list[str]:

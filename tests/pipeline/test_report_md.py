@@ -154,3 +154,13 @@ def test_report_reads_the_distill_stage_schema(tmp_path: Path) -> None:
     partial.mkdir()
     assert report_md.write_report(partial, rep).read_text(encoding="utf-8").startswith(
         "# leaflens run report: student\n")
+
+
+def test_report_says_how_many_unlabelled_photos_the_distilled_student_learned_from(tmp_path: Path) -> None:
+    counts = {"train": 600, "unlabeled": 1200, "val": 180, "test": 180}
+    text = report_md.render_report(tmp_path, report(dataset={"counts": counts}))
+    assert "The distilled student learned from 600 labelled and 1,200 unlabelled photos" in text
+    assert "the scratch student from the 600 labelled ones only" in text
+    text = report_md.render_report(tmp_path, report(dataset={"counts": {"train": 600, "val": 180, "test": 180}}))
+    assert "same 600 labelled training photos; there were no unlabelled photos" in text
+    assert "learned from" not in report_md.render_report(tmp_path, report())  # not recorded: nothing invented

@@ -138,9 +138,15 @@ class TeacherSection(Record):
     view_scale: tuple[float, float]
     cnn_widths: tuple[int, ...]
     cnn_epochs: int
+    # Self-training on the unlabelled photos (pipeline/teachers/self_train.py): on, the val accuracy the kept
+    # pseudo-labels' threshold must reach, and the second round's epochs.
+    self_train: bool
+    self_train_target: float
+    self_train_epochs: int
 
     def __post_init__(self) -> None:
-        for name in ("input_size", "epochs", "batch_size", "encode_batch_size", "views", "cnn_epochs"):
+        for name in ("input_size", "epochs", "batch_size", "encode_batch_size", "views", "cnn_epochs",
+                     "self_train_epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.finetune_from_block < 0:
@@ -152,6 +158,8 @@ class TeacherSection(Record):
                              f"{list(self.rrc_scale)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if not 0.0 <= self.self_train_target <= 1.0:
+            raise ValueError(f"self_train_target is a validation accuracy in [0, 1], got {self.self_train_target}")
 
 
 @dataclass(frozen=True)

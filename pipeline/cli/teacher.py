@@ -58,6 +58,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--view-scale", type=float, nargs=2, metavar=("LO", "HI"),
                    help="area fraction range of the view crops (teacher.view_scale)")
     p.add_argument("--batch-size", type=int, help="photos per batch when encoding (teacher.encode_batch_size)")
+    p.add_argument("--self-train", action=argparse.BooleanOptionalAction, default=None,
+                   help="EfficientNet: after the fine-tune, label the unlabelled photos, keep the confident ones "
+                        "(threshold chosen on val) and fine-tune again on labelled + pseudo-labelled photos, keeping "
+                        "that round only if it is not worse on val (teacher.self_train; default on, it runs when the "
+                        "dataset has unlabelled photos)")
     p.add_argument("--fp16", action="store_true", help="store features as float16 (half the disk)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
@@ -74,6 +79,7 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
         "views": args.views,
         "view_scale": list(args.view_scale) if args.view_scale else None,
         "encode_batch_size": args.batch_size,
+        "self_train": getattr(args, "self_train", None),
     }
     return [f"teacher.{key}={json.dumps(value)}" for key, value in flags.items() if value is not None]
 

@@ -36,7 +36,16 @@ from leaflens.engine.optim import AdamW, WarmupCosine
 from leaflens.pipeline.config import TeacherSection
 from leaflens.pipeline.models.efficientnet import EfficientNetLite, LiteConfig, normalize_images
 from leaflens.pipeline.models.pretrained import find_lite0_weights, load_efficientnet_lite0
-from leaflens.pipeline.teachers.finetune import FreshViewTask, freeze_batchnorm, optimizer_groups, recipe_record
+from leaflens.pipeline.teachers.finetune import (
+    FreshViewTask,
+    PhotoViews,
+    PseudoPhotos,
+    freeze_batchnorm,
+    logits_of,
+    optimizer_groups,
+    recipe_record,
+)
+from leaflens.pipeline.teachers.self_train import PseudoLabels, run_self_training
 from leaflens.pipeline.teachers.stage import ArrayEncoder, TeacherStageError, iter_split_images
 from leaflens.pipeline.training import BEST, BatchLoss, LoopSettings, run_training, validation_scores
 
@@ -174,6 +183,8 @@ def build_effnet_teacher(ds: Any, teacher: TeacherSection, weights_file: str | P
             where = Path(work_dir) if work_dir is not None else Path(stack.enter_context(
                 tempfile.TemporaryDirectory(prefix="leaflens-finetune-")))
             extra.update(_fine_tune(back, fronts, mirrored, ds, teacher, progress, max_bad_steps, where))
+            extra["self_train"] = _self_train_cached(back, fronts, mirrored, ds, teacher, extra, progress,
+                                                     max_bad_steps, where)
         outs = {s: _back_outputs(back, h) for s, h in fronts.items()}
         enc = ArrayEncoder({s: o[0] for s, o in outs.items()}, {s: o[1] for s, o in outs.items()}, weights,
                            ds.image_size, identity)
@@ -203,6 +214,8 @@ def _fresh_view_teacher(net: EfficientNetLite, front: FrontRunner, back: Any, ds
         where = Path(work_dir) if work_dir is not None else Path(stack.enter_context(
             tempfile.TemporaryDirectory(prefix="leaflens-finetune-")))
         extra.update(_run_fine_tune(task, back, teacher, progress, max_bad_steps, where))
+        extra["self_train"] = _self_train_fresh_views(task, front, back, ds, teacher, cfg, extra, from_arrays, progress,
+                                                      max_bad_steps, where)
     encoder = EffnetImageEncoder(front, back, cfg.normalization, net.feature_dim, ds.num_classes, fp16_front=False)
     t0 = time.perf_counter()
     bar = tqdm(total=sum(len(ds[s]) for s in ds.splits), desc="teacher: fine-tuned EfficientNet-Lite0", unit="img",
@@ -295,11 +308,57 @@ def _fine_tune(back: Any, fronts: dict[str, np.ndarray], mirrored: np.ndarray | 
 
 
 def _run_fine_tune(task: Any, back: Any, teacher: TeacherSection, progress: bool, max_bad_steps: int,
-                   work_dir: Path) -> dict:
+                   work_dir: Path, label: str = "teacher fine-tune") -> dict:
     settings = LoopSettings(epochs=teacher.epochs, clip_grad_norm=teacher.clip_grad_norm, max_bad_steps=max_bad_steps,
-                            label="teacher fine-tune", lr_setting="teacher.lr", resumable=False, progress=progress)
+                            label=label, lr_setting="teacher.lr", resumable=False, progress=progress)
     t0 = time.perf_counter()
     result = run_training(work_dir, task, settings, {"teacher": "efficientnet-lite0 fine-tune"})
     load_checkpoint(work_dir / BEST, back)
     return {"fine_tune_history": result.history, "fine_tune_best_epoch": result.best_epoch,
             "fine_tune_val_acc": result.best_val_accuracy, "fine_tune_seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _self_train_fresh_views(task: FreshViewTask, front: FrontRunner, back: Any, ds: Any, teacher: TeacherSection,
+                            cfg: LiteConfig, first_round: dict, from_arrays: bool, progress: bool, max_bad_steps: int,
+                            work_dir: Path) -> dict:
+    """Self-training after the fresh-view fine-tune (pipeline/teachers/self_train.py): the unlabelled photos
+    are labelled on their plain centre crop, and the pseudo-labelled ones are shown as fresh crops too."""
+    size, batch = teacher.input_size, teacher.encode_batch_size
+
+    def unlabeled_logits() -> np.ndarray:
+        bar = tqdm(total=len(ds["unlabeled"]), desc="teacher: labelling the unlabelled photos", unit="img",
+                   disable=not progress)
+        parts = []
+        for chunk in iter_split_images(ds, "unlabeled", size, shorter_side(size), batch, from_arrays):
+            parts.append(logits_of(front, back, chunk, cfg.normalization, batch))
+            bar.update(len(chunk))
+        bar.close()
+        return np.concatenate(parts)
+
+    def make_task(kept: PseudoLabels, recipe: TeacherSection) -> FreshViewTask:
+        unlabeled = PhotoViews(ds, "unlabeled", size, from_arrays)
+        return FreshViewTask(front, back, ds, recipe, cfg.normalization, from_arrays, shorter_side(size),
+                             photos=task.photos, pseudo=PseudoPhotos(unlabeled, kept.rows, kept.labels), stream=1)
+
+    val_logits = logits_of(front, back, task.val_images, cfg.normalization, batch)
+    return run_self_training(back, ds, teacher, first_round, val_logits, unlabeled_logits, make_task,
+                             _run_fine_tune, work_dir, progress, max_bad_steps)
+
+
+def _self_train_cached(back: Any, fronts: dict[str, np.ndarray], mirrored: np.ndarray | None, ds: Any,
+                       teacher: TeacherSection, first_round: dict, progress: bool, max_bad_steps: int,
+                       work_dir: Path) -> dict:
+    """Self-training on cached fronts: the unlabelled photos' fronts are already cached (plain only), so the
+    pseudo-labelled photos' noise is the dropout alone (their mirrored fronts are not computed)."""
+
+    def make_task(kept: PseudoLabels, recipe: TeacherSection) -> FineTuneTask:
+        extra_fronts = np.asarray(fronts["unlabeled"])[kept.rows]
+        both = {**fronts, "train": np.concatenate([fronts["train"], extra_fronts])}
+        flipped = None if mirrored is None else np.concatenate([mirrored, extra_fronts])
+        labels = np.concatenate([np.asarray(ds["train"].labels, np.int64), kept.labels])
+        return FineTuneTask(back, both, flipped, labels, np.asarray(ds["val"].labels), recipe)
+
+    val_logits = _back_outputs(back, fronts["val"])[1]
+    return run_self_training(back, ds, teacher, first_round, val_logits,
+                             lambda: _back_outputs(back, fronts["unlabeled"])[1], make_task, _run_fine_tune,
+                             work_dir, progress, max_bad_steps)

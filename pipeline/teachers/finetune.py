@@ -120,7 +120,8 @@ class FreshViewBatch:
         self.inputs, self.labels, self.indices, self.number = inputs, labels, indices, number
 
 
-def _logits(front: Any, back: Module, images: np.ndarray, normalization: str, batch: int) -> np.ndarray:
+def logits_of(front: Any, back: Module, images: np.ndarray, normalization: str, batch: int) -> np.ndarray:
+    """The logits of uint8 ``images`` through the frozen ``front`` and ``back`` (eval mode), ``batch`` at a time."""
     back.eval()
     out = []
     with no_grad():
@@ -130,17 +131,34 @@ def _logits(front: Any, back: Module, images: np.ndarray, normalization: str, ba
     return np.concatenate(out) if out else np.zeros((0, back.fc.out_features), np.float32)
 
 
+class PseudoPhotos:
+    """Unlabelled photos with the teacher's labels (self-training): ``rows`` of ``photos``' split, ``labels``."""
+
+    __slots__ = ("photos", "rows", "labels")
+
+    def __init__(self, photos: PhotoViews, rows: np.ndarray, labels: np.ndarray):
+        self.photos, self.rows, self.labels = photos, np.asarray(rows, np.int64), np.asarray(labels, np.int64)
+
+
 class FreshViewTask:
     """The fine-tune as a :class:`leaflens.pipeline.training.TrainingTask`: batches of fresh views of the train
     split through the frozen ``front``, the trained ``back`` (BatchNorm frozen when ``teacher.freeze_bn``),
     cross-entropy with label smoothing, AdamW with discriminative learning rates, warm-up then cosine per
-    step. Its generators (batch order, crops, dropout) come from ``teacher.seed``."""
+    step. Its generators (batch order, crops, dropout) come from ``teacher.seed`` (and ``stream``: the
+    self-training round draws streams of its own).
+
+    With ``pseudo`` (self-training) the pseudo-labelled unlabelled photos join the train photos: task row
+    ``i`` is train row ``i`` below ``len(train)``, else unlabelled row ``pseudo.rows[i - len(train)]``."""
 
     def __init__(self, front: Any, back: Module, ds: Any, teacher: TeacherSection, normalization: str,
-                 from_arrays: bool, shorter_side: int, photos: PhotoViews | None = None) -> None:
+                 from_arrays: bool, shorter_side: int, photos: PhotoViews | None = None,
+                 pseudo: PseudoPhotos | None = None, stream: int = 0) -> None:
         self.front, self.model, self.teacher, self.normalization = front, back, teacher, normalization
         self.photos = photos or PhotoViews(ds, "train", teacher.input_size, from_arrays)
         self.labels = np.asarray(ds["train"].labels, np.int64)
+        self.num_train, self.pseudo = len(self.labels), pseudo
+        if pseudo is not None:
+            self.labels = np.concatenate([self.labels, pseudo.labels])
         self.val_labels = np.asarray(ds["val"].labels, np.int64)
         size = teacher.input_size
         self.val_images = np.concatenate(list(iter_split_images(ds, "val", size, shorter_side,
@@ -153,9 +171,11 @@ class FreshViewTask:
         total = teacher.epochs * self.steps_per_epoch
         self.scheduler = WarmupCosine(self.optimizer, total_steps=max(total, 1),
                                       warmup_steps=min(teacher.warmup_epochs * self.steps_per_epoch, total))
-        self.order_rng = np.random.default_rng(teacher.seed)
-        self.view_rng = np.random.default_rng([teacher.seed, 1])
-        dropout_rng = np.random.default_rng([teacher.seed, 2])
+        seeds: list[Any] = ([teacher.seed, [teacher.seed, 1], [teacher.seed, 2]] if stream == 0 else
+                            [[teacher.seed, 100 * stream + j] for j in range(3)])
+        self.order_rng = np.random.default_rng(seeds[0])
+        self.view_rng = np.random.default_rng(seeds[1])
+        dropout_rng = np.random.default_rng(seeds[2])
         set_dropout_generator(back, dropout_rng)
         self.generators = {"batches": self.order_rng, "views": self.view_rng, "dropout": dropout_rng}
 
@@ -165,8 +185,21 @@ class FreshViewTask:
         boxes = sample_view_boxes(n, 2, self.augment, self.view_rng)[:, 1]  # view 0 would be the plain photo
         for s in range(self.steps_per_epoch):
             idx = order[s * size:(s + 1) * size]
-            x = normalize_images(self.photos.views(idx, boxes[idx]), self.normalization)
+            x = normalize_images(self._views(idx, boxes[idx]), self.normalization)
             yield FreshViewBatch(self.front(x).astype(np.float32), self.labels[idx], idx, s)
+
+    def _views(self, idx: np.ndarray, boxes: np.ndarray) -> np.ndarray:
+        if self.pseudo is None:
+            return self.photos.views(idx, boxes)
+        size = self.teacher.input_size
+        out = np.empty((len(idx), size, size, 3), np.float32)
+        labelled = idx < self.num_train
+        if labelled.any():
+            out[labelled] = self.photos.views(idx[labelled], boxes[labelled])
+        if not labelled.all():
+            rows = self.pseudo.rows[idx[~labelled] - self.num_train]
+            out[~labelled] = self.pseudo.photos.views(rows, boxes[~labelled])
+        return out
 
     def batch_loss(self, batch: FreshViewBatch) -> BatchLoss:
         logits = self.model(Tensor(batch.inputs))
@@ -174,12 +207,13 @@ class FreshViewTask:
         return BatchLoss(loss, logits.data)
 
     def validate(self) -> tuple[float, float]:
-        logits = _logits(self.front, self.model, self.val_images, self.normalization, self.teacher.encode_batch_size)
+        logits = logits_of(self.front, self.model, self.val_images, self.normalization, self.teacher.encode_batch_size)
         return validation_scores(logits, self.val_labels)
 
     def position(self, epoch: int) -> dict[str, Any]:
         # The batch order and the crops live in the generators, which the checkpoint saves.
-        return {"num_samples": len(self.labels), "batch_size": self.teacher.batch_size, "augment": "rrc"}
+        return {"num_samples": len(self.labels), "batch_size": self.teacher.batch_size, "augment": "rrc",
+                "pseudo_labelled": len(self.labels) - self.num_train}
 
     def restore_position(self, state: dict[str, Any]) -> None:
         mine = self.position(0)

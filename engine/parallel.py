@@ -17,7 +17,7 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -86,11 +86,74 @@ def for_tiles(xp: object, rows: int, row_size: int, fn: Callable[[int, int], obj
     """
     if xp is not np:
         return [fn(0, rows)]
-    per = max(1, TILE // max(row_size, 1))
+    per = rows_per_tile(row_size)
     bounds = [*range(0, rows, per), rows]
-    tiles = list(zip(bounds[:-1], bounds[1:]))
-    parts = parallel_rows(len(tiles), rows * row_size, lambda a, b: [fn(lo, hi) for lo, hi in tiles[a:b]])
-    return [r for part in parts for r in part]  # type: ignore[attr-defined]
+    return share(list(zip(bounds[:-1], bounds[1:])), rows * row_size, fn)
+
+
+def rows_per_tile(row_size: int) -> int:
+    """Rows of ``row_size`` values in one tile of :func:`for_tiles`: about :data:`TILE` values, at least one row."""
+    return max(1, TILE // max(row_size, 1))
+
+
+# Whether share() hands items out as threads come free (True) or as one contiguous run per thread (False).
+DYNAMIC = True
+
+
+def share(items: list[tuple[int, int]], work: int, fn: Callable[[int, int], T],
+          setup: Callable[[], Callable[[], None]] | None = None) -> list[T]:
+    """``[fn(lo, hi) for lo, hi in items]``, the items shared out among the engine's threads when ``work``
+    (elements touched in all) is large enough; results in item order.
+
+    Each thread takes the next item as soon as it is done with its last, so a thread the OS stalls (other
+    jobs on the same cores) holds up at most one item instead of half the work, as one contiguous run per
+    thread did: on a busy machine the other thread keeps going. Which thread runs an item does not change
+    its result, and callers add per-item results in item order, so sums stay the same whatever the thread
+    count or timing. ``setup``, called in each thread before its first item, returns the function that undoes
+    it after its last (for_chunks' per-thread BLAS setting).
+    """
+    k = min(num_threads(), len(items), max(1, work // MIN_ELEMENTS))
+    if k <= 1 or threading.current_thread().name.startswith("leaflens-engine"):
+        undo = setup() if setup is not None else None
+        try:
+            return [fn(lo, hi) for lo, hi in items]
+        finally:
+            if undo is not None:
+                undo()
+    results: list[Any] = [None] * len(items)
+    if not DYNAMIC:
+        bounds = np.linspace(0, len(items), k + 1).astype(int)
+        order = [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    lock = threading.Lock()
+    taken = [0]
+
+    def worker(mine: list[int] | None) -> None:
+        undo = setup() if setup is not None else None
+        try:
+            while True:
+                if mine is not None:
+                    if not mine:
+                        return
+                    i = mine.pop(0)
+                else:
+                    with lock:
+                        i = taken[0]
+                        taken[0] += 1
+                    if i >= len(items):
+                        return
+                results[i] = fn(*items[i])
+        finally:
+            if undo is not None:
+                undo()
+
+    pool = _get_pool(num_threads())
+    futures = [pool.submit(worker, None if DYNAMIC else order[t]) for t in range(1, k)]
+    try:
+        worker(None if DYNAMIC else order[0])  # the calling thread does a share too
+    finally:
+        for f in futures:
+            f.result()
+    return results
 
 
 def per_tile(xp: object, v: object, rows: int) -> Callable[[int, int], object]:
@@ -147,7 +210,7 @@ def _find_blas_local() -> Callable[[int], int] | None:
 
 def for_chunks(n: int, chunk: int, work: int, fn: Callable[[int, int], T]) -> list[T]:
     """Call ``fn(lo, hi)`` for chunks of ``chunk`` rows out of n, the chunks shared out among the threads
-    (contiguous runs of chunks per thread); results in chunk order, so sums of them in that order do not
+    (:func:`share`); results in chunk order, so sums of them in that order do not
     depend on the thread count.
 
     For work made of small matrix products on cache-sized chunks: each thread runs its BLAS calls with one
@@ -157,16 +220,15 @@ def for_chunks(n: int, chunk: int, work: int, fn: Callable[[int, int], T]) -> li
     with one.
     """
     bounds = [*range(0, n, max(1, chunk)), n]
-    spans = list(zip(bounds[:-1], bounds[1:]))
     local = _find_blas_local()
 
-    def run(a: int, b: int) -> list[T]:
+    def one_blas_thread() -> Callable[[], None]:
         prev = local(1) if local is not None else None
-        try:
-            return [fn(lo, hi) for lo, hi in spans[a:b]]
-        finally:
+
+        def restore() -> None:
             if local is not None and prev is not None:
                 local(prev)
 
-    parts = parallel_rows(len(spans), work, run)
-    return [r for part in parts for r in part]  # type: ignore[attr-defined]
+        return restore
+
+    return share(list(zip(bounds[:-1], bounds[1:])), work, fn, one_blas_thread)

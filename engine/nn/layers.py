@@ -10,7 +10,9 @@ import numpy as np
 from leaflens.engine import ops
 from leaflens.engine.nn import init
 from leaflens.engine.nn.module import Module, Parameter
+from leaflens.engine.ops import fused
 from leaflens.engine.ops.conv import Padding
+from leaflens.engine.tensor import Tensor
 
 
 class Linear(Module):
@@ -192,9 +194,33 @@ class Sequential(Module):
         return list(self._modules.values())[i]
 
     def forward(self, x: Any) -> Any:
-        for layer in self._modules.values():
-            x = layer(x)
+        layers = list(self._modules.values())
+        i = 0
+        while i < len(layers):
+            if _fuses_bn_relu_pool(layers, i, x):
+                bn = layers[i]
+                x = ops.batch_norm_relu_max_pool(x, bn.weight, bn.bias, bn.running_mean, bn.running_var,
+                                                   bn.momentum, bn.eps)
+                i += 3
+                continue
+            x = layers[i](x)
+            i += 1
         return x
+
+
+def _fuses_bn_relu_pool(layers: list[Module], i: int, x: Any) -> bool:
+    """Whether layers[i:i+3] are BatchNorm2d (batch statistics) -> ReLU -> MaxPool2d(2) that Sequential runs as
+    one op (leaflens.engine.ops.fused: the same values, one pass over memory instead of several). Only with
+    :data:`leaflens.engine.ops.fused.ENABLED`, on inputs that op serves, and when none of the three modules
+    has a forward hook (a fused run calls none of them)."""
+    if not fused.ENABLED or i + 2 >= len(layers):
+        return False
+    bn, act, pool = layers[i:i + 3]
+    if type(bn) is not BatchNorm2d or type(act) is not ReLU or type(pool) is not MaxPool2d:
+        return False
+    return (bn.training and not bn.frozen and not any(m._forward_hooks for m in (bn, act, pool))
+            and fused.pool_is_2x2(pool.kernel_size, pool.stride, pool.padding)
+            and fused.applies(x.data if isinstance(x, Tensor) else x))
 
 
 def set_dropout_generator(model: Module, rng: np.random.Generator) -> int:

@@ -36,16 +36,8 @@ class BatchNorm(Function):
             if n < 2:
                 raise ValueError(f"batch_norm in training mode needs more than one value per channel, got "
                                  f"input shape {tuple(x.shape)}")
-            mean = _total(for_tiles(xp, n, c, lambda lo, hi: column_sums(xp, x2[lo:hi]))) / n
-
+            mean, var = batch_statistics(xp, x2, y)  # y's tiles as scratch: written below
             mean_t = per_tile(xp, mean, n)
-
-            def centre(lo: int, hi: int) -> Any:
-                xc = xp.subtract(x2[lo:hi], mean_t(lo, hi), out=y[lo:hi])  # y's tile as scratch, written below
-                xc *= xc
-                return column_sums(xp, xc)
-
-            var = _total(for_tiles(xp, n, c, centre)) / n
             inv = 1 / xp.sqrt(var + x.dtype.type(self.eps))
             k_t, beta_t = per_tile(xp, inv * gamma, n), per_tile(xp, beta, n)
 
@@ -55,12 +47,7 @@ class BatchNorm(Function):
                 out += beta_t(lo, hi)
 
             for_tiles(xp, n, c, scale)
-            if self.running_mean is not None:
-                m = self.momentum
-                self.running_mean *= 1 - m
-                self.running_mean += m * mean.astype(self.running_mean.dtype)
-                self.running_var *= 1 - m
-                self.running_var += (m * n / (n - 1)) * var.astype(self.running_var.dtype)
+            update_running(self.running_mean, self.running_var, mean, var, n, self.momentum)
             if self.recording:
                 # the input (which the graph holds anyway) and its statistics, not a normalised copy of it:
                 # backward recomputes (x - mean) * inv tile by tile, in the cache
@@ -136,6 +123,33 @@ def _total(parts: list[Any]) -> Any:
     for p in parts[1:]:
         out = out + p
     return out
+
+
+def batch_statistics(xp: Any, x2: Any, scratch: Any = None) -> tuple[Any, Any]:
+    """(mean, biased variance) of each column of the 2-D ``x2``, in two passes over cache-sized tiles (the
+    centred second pass keeps float32 accurate where mean >> std). ``scratch`` (shaped like ``x2``), when
+    given, holds each tile's centred values, else each tile gets a new array. Per-tile sums are added in
+    tile order: the result does not depend on the thread count."""
+    n, c = x2.shape
+    mean = _total(for_tiles(xp, n, c, lambda lo, hi: column_sums(xp, x2[lo:hi]))) / n
+    mean_t = per_tile(xp, mean, n)
+
+    def centre(lo: int, hi: int) -> Any:
+        xc = xp.subtract(x2[lo:hi], mean_t(lo, hi), out=None if scratch is None else scratch[lo:hi])
+        xc *= xc
+        return column_sums(xp, xc)
+
+    return mean, _total(for_tiles(xp, n, c, centre)) / n
+
+
+def update_running(running_mean: Any, running_var: Any, mean: Any, var: Any, n: int, momentum: float) -> None:
+    """PyTorch's running-statistics update, in place: new = (1 - m) * old + m * batch (unbiased variance)."""
+    if running_mean is None:
+        return
+    running_mean *= 1 - momentum
+    running_mean += momentum * mean.astype(running_mean.dtype)
+    running_var *= 1 - momentum
+    running_var += (momentum * n / (n - 1)) * var.astype(running_var.dtype)
 
 
 class L2Normalize(Function):

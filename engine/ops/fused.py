@@ -1,0 +1,170 @@
+"""BatchNorm (batch statistics) -> ReLU -> 2x2 stride-2 max-pool as one op on NumPy, in cache-sized tiles.
+
+Why: the student's blocks end in exactly this chain, and on a CPU the three ops are memory passes, not
+arithmetic: run one after another, each reads and writes the whole convolution output (BatchNorm's
+output, ReLU's output and the pooling gradient are full-size arrays that go through memory), and the
+graph keeps ReLU's output for backward. Fused, a tile of image row pairs is normalised, rectified and
+pooled while it sits in the cache; only the pooled quarter-size output is written and kept.
+
+Forward: the batch statistics in BatchNorm's two passes (:func:`leaflens.engine.ops.norm.batch_statistics`,
+the same code, so the same numbers), then per tile ``z = (x - mean) * k + beta`` (BatchNorm's formula,
+``k = gamma / std``), the max over the 4 taps, then ReLU on the pooled values (``relu(max z) = max relu(z)``).
+
+Backward: per tile, ``z`` and its tap maxima are recomputed from the input (which the graph holds anyway);
+the pooled gradient times the ReLU mask (pooled output > 0, which is ReLU's mask at the winning tap) goes to
+the first tap equal to the max, as MaxPool2d's backward does; that is BatchNorm's output gradient ``g`` for
+the tile, written into the input gradient's tile, with the column sums of ``g`` and ``g * (x - mean)`` taken
+in the same pass. A second pass turns those tiles into BatchNorm's input gradient.
+
+Values equal BatchNorm2d -> ReLU -> MaxPool2d(2) computed one after another (the tests compare them); the
+gradients differ only in the summation order of the affine parameters' sums. NumPy only: on CuPy (and for
+other shapes) :class:`leaflens.engine.nn.Sequential` runs the three modules as they are. The module tree,
+the state dict and the ONNX export (traced in eval mode, where nothing is fused) do not change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from leaflens.engine import amp
+from leaflens.engine.ops.norm import _total, batch_statistics, update_running
+from leaflens.engine.parallel import column_sums, for_tiles, rows_per_tile
+from leaflens.engine.tensor import Function, Tensor
+
+# Whether leaflens.engine.nn.Sequential runs BatchNorm2d -> ReLU -> MaxPool2d(2) through this op (tests and the
+# speed benchmark turn it off to compare with the three ops run one after another).
+ENABLED = True
+
+# the taps of a 2x2 window in MaxPool2d's order (row-major): ties go to the first
+_TAPS = ((0, 0), (0, 1), (1, 0), (1, 1))
+
+
+def pool_is_2x2(kernel_size: Any, stride: Any, padding: Any) -> bool:
+    """Whether MaxPool2d(kernel_size, stride, padding) is the 2x2, stride-2, unpadded pool fused here."""
+    def pair(v: Any) -> Any:
+        return (v, v) if isinstance(v, int) else tuple(v) if isinstance(v, (tuple, list)) else v
+
+    return (pair(kernel_size) == (2, 2) and (stride is None or pair(stride) == (2, 2))
+            and (padding in (0, "valid") or pair(padding) in ((0, 0), (0, 0, 0, 0))))
+
+
+def applies(x: Any) -> bool:
+    """Whether the fused op serves this (NHWC) input: NumPy float32/64 with even height and width."""
+    return (isinstance(x, np.ndarray) and x.ndim == 4 and x.dtype in (np.float32, np.float64)
+            and x.shape[1] % 2 == 0 and x.shape[2] % 2 == 0 and x.shape[1] > 0 and x.shape[2] > 0
+            and x.shape[0] * x.shape[1] * x.shape[2] >= 2)
+
+
+def _template(v: Any, rows: int) -> Any:
+    """``v`` (one value per column) repeated over ``rows`` contiguous rows: a tile minus it runs NumPy's
+    flat loop, not a broadcast one (see leaflens.engine.parallel.per_tile)."""
+    return np.broadcast_to(v, (rows, v.shape[-1])).copy()
+
+
+def _tap_max(z5: Any) -> Any:
+    """(t, Wo, C) maxima over the 2x2 taps of a (t, 2, Wo, 2, C) tile."""
+    rows = np.maximum(z5[:, 0], z5[:, 1])
+    return np.maximum(rows[:, :, 0], rows[:, :, 1])
+
+
+class BatchNormReLUMaxPool(Function):
+    """``max_pool2d(relu(batch_norm(x, gamma, beta, training=True)), 2)`` on NHWC NumPy arrays."""
+
+    def __init__(self, running_mean: Any, running_var: Any, momentum: float, eps: float):
+        self.running_mean, self.running_var = running_mean, running_var
+        self.momentum, self.eps = momentum, eps
+
+    def forward(self, x, gamma, beta):
+        if not applies(x):
+            raise ValueError(f"batch_norm_relu_max_pool needs a NumPy float NHWC input with even height and "
+                             f"width, got {type(x).__name__} of shape {tuple(x.shape)}")
+        n, h, w, c = x.shape
+        if gamma.shape != (c,) or beta.shape != (c,):
+            raise ValueError(f"batch_norm_relu_max_pool: input has {c} channels (last axis of shape "
+                             f"{tuple(x.shape)}) but weight/bias have shapes {tuple(gamma.shape)}/{tuple(beta.shape)}")
+        x2 = np.ascontiguousarray(x).reshape(-1, c)
+        mean, var = batch_statistics(np, x2)
+        inv = 1 / np.sqrt(var + x.dtype.type(self.eps))
+        update_running(self.running_mean, self.running_var, mean, var, x2.shape[0], self.momentum)
+        self.shape, self.x2, self.mean, self.inv, self.gamma, self.beta = x.shape, x2, mean, inv, gamma, beta
+        self.row = 2 * w  # x2 rows per row pair (two image rows: one row of pooling windows)
+        self.per = rows_per_tile(self.row * c)  # row pairs per tile, as for_tiles cuts them
+        self.mean_t = _template(mean, self.per * self.row)
+        self.k_t = _template(inv * gamma, self.per * self.row)
+        self.beta_t = _template(beta, self.per * self.row)
+        y = np.empty((n, h // 2, w // 2, c), dtype=x.dtype)
+        y3 = y.reshape(-1, w // 2, c)
+
+        def run(lo: int, hi: int) -> None:
+            np.maximum(_tap_max(self._z(lo, hi)), 0, out=y3[lo:hi])
+
+        for_tiles(np, y3.shape[0], self.row * c, run)
+        self.y3 = y3
+        return y
+
+    def _z(self, lo: int, hi: int, out: Any = None) -> Any:
+        """BatchNorm's output for row pairs lo..hi, as a (pairs, 2, Wo, 2, C) tile (BatchNorm's own formula,
+        so forward and backward see the same values)."""
+        a, b = lo * self.row, hi * self.row
+        z = np.subtract(self.x2[a:b], self.mean_t[:b - a], out=out)
+        z *= self.k_t[:b - a]
+        z += self.beta_t[:b - a]
+        c = self.x2.shape[1]
+        return z.reshape(hi - lo, 2, self.row // 4, 2, c)
+
+    def backward(self, gy):
+        n, h, w, c = self.shape
+        want_x = self.needs_grad[0]
+        x2, row = self.x2, self.row
+        gx2 = np.empty_like(x2) if want_x else None
+        gy3 = gy.reshape(-1, w // 2, c)
+
+        def sums(lo: int, hi: int) -> Any:
+            a, b = lo * row, hi * row
+            z5 = self._z(lo, hi)
+            m = _tap_max(z5)
+            g = gy3[lo:hi] * (self.y3[lo:hi] > 0)  # ReLU's mask at the winning tap
+            d = gx2[a:b] if want_x else np.empty((b - a, c), dtype=x2.dtype)  # BatchNorm's output gradient
+            d5 = d.reshape(z5.shape)
+            claimed = None
+            for i, j in _TAPS:
+                hit = np.equal(z5[:, i, :, j], m)
+                if claimed is None:
+                    claimed = hit.copy()
+                else:
+                    np.greater(hit, claimed, out=hit)  # hit and not claimed by an earlier tap
+                    claimed |= hit
+                np.multiply(g, hit, out=d5[:, i, :, j])
+            xc = np.subtract(x2[a:b], self.mean_t[:b - a], out=z5.reshape(b - a, c))  # z's buffer, no longer read
+            xc *= d
+            return np.stack([column_sums(np, d), column_sums(np, xc)])
+
+        pairs = gy3.shape[0]
+        gbeta, gxc = _total(for_tiles(np, pairs, row * c, sums))
+        count = x2.shape[0]
+        ggamma = gxc * self.inv
+        if want_x:
+            coef_t = _template(self.inv * (ggamma / count), self.per * row)
+            mean_g_t = _template(gbeta / count, self.per * row)
+
+            def grad(lo: int, hi: int) -> None:
+                # BatchNorm's: gx = k * (g - mean(g) - xhat * mean(g * xhat)), xhat = (x - mean) * inv
+                a, b = lo * row, hi * row
+                out = gx2[a:b]
+                tmp = np.subtract(x2[a:b], self.mean_t[:b - a])
+                tmp *= coef_t[:b - a]
+                out -= tmp
+                out -= mean_g_t[:b - a]
+                out *= self.k_t[:b - a]
+
+            for_tiles(np, pairs, row * c, grad)
+        return (gx2.reshape(self.shape) if want_x else None), ggamma, gbeta
+
+
+def batch_norm_relu_max_pool(x: Any, weight: Any, bias: Any, running_mean: Any = None, running_var: Any = None,
+                             momentum: float = 0.1, eps: float = 1e-5) -> Tensor:
+    """``max_pool2d(relu(batch_norm(x, weight, bias, running_mean, running_var, training=True)), 2)`` in one
+    op (NumPy, NHWC, even height and width: see :func:`applies`)."""
+    return BatchNormReLUMaxPool(running_mean, running_var, momentum, eps)(amp.float_input(x), weight, bias)

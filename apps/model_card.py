@@ -54,8 +54,8 @@ from leaflens.records import Record
 if TYPE_CHECKING:
     from leaflens.data_prep.manifest import Manifest
 
-__all__ = ["DEFAULT_UNCERTAIN_THRESHOLD", "FORMAT_VERSION", "ModelCard", "ModelError", "OODCheck", "TrainedOn",
-           "trained_on"]
+__all__ = ["DEFAULT_UNCERTAIN_THRESHOLD", "FORMAT_VERSION", "ModelCard", "ModelError", "OODBranch", "OODCheck",
+           "TrainedOn", "trained_on"]
 
 FORMAT_VERSION = "3"
 # Used when a model carries no calibrated threshold: with 3 to 40 classes, a top probability under
@@ -70,11 +70,27 @@ class ModelError(ValueError):
 
 
 @dataclass(frozen=True)
+class OODBranch(Record):
+    """The generic-feature branch an out-of-domain score also reads (leaflens.pipeline.ood.GenericBranch):
+    the first ``blocks`` blocks of a frozen pretrained network (``kind``), whose ``maps`` feature maps add to
+    the score's blocks; ``params`` weights it adds to the file, read from ``weights``."""
+
+    kind: str
+    blocks: int
+    maps: int
+    params: int
+    weights: str
+
+
+@dataclass(frozen=True)
 class OODCheck(Record):
     """How a model's ``ood_score`` output is judged (leaflens.pipeline.ood): above ``threshold`` the photo
     is out of domain. The threshold was chosen so that at most ``budget`` of the ``val_photos`` validation
-    photos were flagged (``val_flagged`` were); the score was fitted on ``train_photos`` training photos."""
+    photos were flagged (``val_flagged`` were); the score was fitted on ``train_photos`` training photos,
+    on ``blocks`` feature maps (``branch``: those of a generic-feature branch among them; None, and left out
+    of the file, when the score reads the model's own maps alone, as every file before the branch did)."""
 
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"branch"})
     method: str
     threshold: float
     budget: float
@@ -82,6 +98,7 @@ class OODCheck(Record):
     val_flagged: float
     train_photos: int
     blocks: int
+    branch: OODBranch | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.threshold, (int, float)) and np.isfinite(self.threshold)):

@@ -157,7 +157,8 @@ def _ood_line(card: Any, lang: str) -> str:
     ood = card.ood
     if ood is None:
         return t("m_ood_none", lang)
-    return t("m_ood_value", lang, threshold=f"{ood.threshold:.3g}", method=f"`{ood.method}`",
+    branch = "" if ood.branch is None else t("m_ood_branch", lang, blocks=ood.branch.blocks)
+    return t("m_ood_value", lang, threshold=f"{ood.threshold:.3g}", method=f"`{ood.method}`", branch=branch,
              train=f"{ood.train_photos:,}", val=f"{ood.val_photos:,}", budget=_pct(ood.budget),
              flagged=_pct(ood.val_flagged))
 

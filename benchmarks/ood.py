@@ -495,6 +495,134 @@ def candidate_scores(run: Path, ds_dir: Path, in_images: np.ndarray, sets: dict[
     return methods
 
 
+# ---------------------------------------------------------------------------------------------- the branch
+BRANCH_SWEEP = (0, 1, 2, 3, 5, 8, 11, 15, 16)  # Lite0 blocks the generic branch may run (0: no branch)
+SWEEP_SEED, SWEEP_REPEATS = 0, 5  # random halves of the validation photos, each fitted on one and measured on the other
+SWEEP_TOLERANCE = 0.002  # AUROC within this of the best counts as as good: the fewest parameters win
+
+
+def _branch_maps(ends: Sequence[int], blocks: int) -> list[int]:
+    """Indices (0 = stem, i + 1 = block i) of the maps a branch of ``blocks`` blocks reads
+    (:class:`leaflens.pipeline.ood.GenericBranch`)."""
+    if blocks == 0:
+        return []
+    return [0, *[i + 1 for i in sorted({*(e for e in ends if e < blocks), blocks - 1})]]
+
+
+def all_stats(run: Path, ds_dir: Path, images: dict[str, np.ndarray], threads: int
+              ) -> tuple[dict[str, list[np.ndarray]], int, list[int], dict[int, int]]:
+    """Per named set of uint8 stored-size photos, the statistics of every map the score may read: the
+    student's own blocks, then the generic branch's stem and each of the 16 EfficientNet-Lite0 blocks (one
+    onnxruntime pass). Returns them, the number of student blocks, Lite0's stage ends and, per branch length,
+    the parameters it adds."""
+    from leaflens.data_prep.contract import contract_for_dataset  # noqa: PLC0415
+    from leaflens.data_prep.manifest import load_dataset  # noqa: PLC0415
+    from leaflens.engine import Tensor, no_grad  # noqa: PLC0415
+    from leaflens.engine.nn import Module  # noqa: PLC0415
+    from leaflens.engine.onnx_export import export_onnx  # noqa: PLC0415
+    from leaflens.pipeline.export.parity import cpu_session  # noqa: PLC0415
+    from leaflens.pipeline.ood import block_stats, generic_branch  # noqa: PLC0415
+    from leaflens.pipeline.runs import load_model  # noqa: PLC0415
+
+    model, info = load_model(run)
+    ds = load_dataset(ds_dir, verify=False)
+    contract = contract_for_dataset(ds, info.dataset.model_input_size)
+    branch, why = generic_branch(contract.mean, contract.std, blocks=16)
+    if branch is None:
+        sys.exit(f"ood.py: --branch-sweep needs the EfficientNet-Lite0 weights: {why}")
+    full_ends = [i for i in range(16)]
+    stage_ends = [i for i in range(len(branch.blocks)) if i + 1 == len(branch.blocks)
+                  or branch.blocks[i + 1].spec.cout != branch.blocks[i].spec.cout]
+    branch.ends = full_ends  # every block's output, to pick from per length
+    params = {n: int(sum(p.data.size for m in [branch.stem_conv, branch.stem_bn, *list(branch.blocks)[:n]]
+                         for p in m.parameters())) if n else 0 for n in BRANCH_SWEEP}
+
+    class Everything(Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model, self.branch = model, branch
+
+        def forward(self, x: Any) -> tuple[Any, ...]:
+            _, own = self.model.forward_blocks(x)
+            return tuple(block_stats(m) for m in [*own, *self.branch.maps(x)])
+
+    size = contract.input_size
+    with no_grad():
+        n_own = len(model.eval().forward_blocks(Tensor(np.zeros((1, size, size, 3), np.float32)))[1])
+    graph = export_onnx(Everything(), (3, size, size), output_name=[f"s{i}" for i in range(n_own + 17)])
+    session = cpu_session(graph.SerializeToString(), threads)
+    out = {}
+    for name, imgs in images.items():
+        parts = []
+        for i in range(0, len(imgs), 64):
+            x = contract.prepare(np.asarray(imgs[i:i + 64]))
+            parts.append(session.run(None, {"input": np.ascontiguousarray(x.transpose(0, 3, 1, 2))}))
+        out[name] = [np.concatenate(p) for p in zip(*parts)]
+    return out, n_own, stage_ends, params
+
+
+def branch_sweep(run: Path, ds_dir: Path, budget: float, threads: int) -> dict[str, Any]:
+    """Choose the generic branch's length on validation photos and GENERATED negatives only: for each length
+    in :data:`BRANCH_SWEEP`, the score fitted on the training photos with the branch's maps added, in two
+    folds of the validation photos (standardised and thresholded on one half, measured on the other): AUROC
+    of the held-out half against the generated negatives, and the share of negatives above the threshold
+    (overall and per kind). No benchmark set is read."""
+    from leaflens.data_prep.manifest import load_dataset  # noqa: PLC0415
+    from leaflens.pipeline.ood import fit_ood_head  # noqa: PLC0415
+
+    ds = load_dataset(ds_dir, verify=False)
+    train = np.asarray(ds["train"].images)
+    gen = generated_negatives(train, GENERATED, np.random.default_rng(GENERATED_SEED))
+    kinds = np.arange(len(gen)) % 6
+    t0 = time.perf_counter()
+    stats, n_own, ends, params = all_stats(run, ds_dir, {"train": train, "val": np.asarray(ds["val"].images),
+                                                         "generated": gen}, threads)
+    print(f"statistics of {n_own} own blocks and 17 Lite0 maps for {len(train)} train, {len(ds['val'])} val and "
+          f"{len(gen)} generated photos in {time.perf_counter() - t0:.1f} s", flush=True)
+    labels = np.asarray(ds["train"].labels)
+    n_val = len(ds["val"])
+    rng = np.random.default_rng(SWEEP_SEED)
+    folds = [np.array_split(rng.permutation(n_val), 2) for _ in range(SWEEP_REPEATS)]
+    rows: dict[str, dict[str, Any]] = {}
+    for n in BRANCH_SWEEP:
+        branch_cols = [n_own + j for j in _branch_maps(ends, n)]
+        for only_branch in ((False, True) if n else (False,)):
+            cols = branch_cols if only_branch else list(range(n_own)) + branch_cols
+            aurocs, flagged, held_flagged, per_kind = [], [], [], []
+            for halves in folds:
+                for a, b in ((0, 1), (1, 0)):
+                    head, check, _ = fit_ood_head([stats["train"][c] for c in cols], labels,
+                                                  [stats["val"][c][halves[a]] for c in cols], ds.num_classes, budget)
+                    held = head.score_numpy([stats["val"][c][halves[b]] for c in cols])
+                    g = head.score_numpy([stats["generated"][c] for c in cols])
+                    aurocs.append(auroc(held, g))
+                    held_flagged.append(float(np.mean(held > check.threshold)))
+                    flagged.append(float(np.mean(g > check.threshold)))
+                    per_kind.append([float(np.mean(g[kinds == k] > check.threshold)) for k in range(6)])
+            key = f"branch {n}" + (" alone" if only_branch else "")
+            rows[key] = {"blocks": n, "own_blocks": not only_branch, "maps": len(cols), "params": params[n],
+                         "auroc_generated": float(np.mean(aurocs)), "auroc_spread": float(np.std(aurocs)),
+                         "flagged_generated": float(np.mean(flagged)),
+                         "flagged_val_heldout": float(np.mean(held_flagged)),
+                         "flagged_per_kind": [round(float(v), 3) for v in np.mean(per_kind, 0)]}
+    # the method adds the branch's maps to the model's own ("alone" rows are shown for comparison only)
+    summed = {k: r for k, r in rows.items() if r["own_blocks"]}
+    best = max(r["auroc_generated"] for r in summed.values())
+    chosen = min((k for k, r in summed.items() if r["auroc_generated"] >= best - SWEEP_TOLERANCE),
+                 key=lambda k: (summed[k]["params"], -summed[k]["auroc_generated"]))
+    print(f"\n{'score':<18}{'maps':>5}{'params':>9}{'AUROC gen':>11}{'(sd)':>7}{'gen flagged':>12}{'val flagged':>12}"
+          "  flagged per kind (shuffled, blobs, colour-permuted/inverted, shapes, sinusoids, grey-scrambled)")
+    for k, r in rows.items():
+        print(f"{k:<18}{r['maps']:>5}{r['params']:>9}{r['auroc_generated']:>11.4f}{r['auroc_spread']:>7.4f}"
+              f"{r['flagged_generated']:>12.3f}{r['flagged_val_heldout']:>12.3f}  {r['flagged_per_kind']}"
+              + ("  <- chosen" if k == chosen else ""))
+    print(f"chosen: own blocks + branch, the fewest parameters within {SWEEP_TOLERANCE} AUROC of the best such "
+          f"({best:.4f}); {SWEEP_REPEATS} x 2 folds of the validation photos (\"alone\": the branch's maps without the "
+          "model's own, for comparison)")
+    return {"mode": "branch-sweep", "run": str(run), "dataset": str(ds_dir), "budget": budget,
+            "generated": len(gen), "val_photos": n_val, "repeats": SWEEP_REPEATS, "chosen": chosen, "rows": rows}
+
+
 # ---------------------------------------------------------------------------------------------- main
 def rounded(v: float | None) -> float | None:
     return None if v is None or v != v else round(float(v), 4)
@@ -556,6 +684,9 @@ def main() -> None:
     p.add_argument("--blanks", type=int, default=BLANKS, help=f"generated blanks to serve (default {BLANKS})")
     p.add_argument("--candidates", action="store_true",
                    help="also the engine-side candidates and the generated negatives (needs the run)")
+    p.add_argument("--branch-sweep", action="store_true",
+                   help="only choose the generic branch's length (needs --run): validation photos and generated "
+                        "negatives, no benchmark set")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args()
@@ -570,6 +701,16 @@ def main() -> None:
         sys.exit(f"ood.py: --model {args.model}: file not found")
     if args.candidates and args.model:
         sys.exit("ood.py: --candidates needs the engine run the model came from: pass --run (or nothing, to train)")
+    if args.branch_sweep:
+        if not args.run:
+            sys.exit("ood.py: --branch-sweep needs --run (and --dataset when the run does not name it)")
+        from leaflens.cpus import usable_cpus  # noqa: PLC0415
+        from leaflens.pipeline.ood import DEFAULT_BUDGET  # noqa: PLC0415
+        from leaflens.pipeline.runs import read_run  # noqa: PLC0415
+
+        sweep_ds = args.dataset or Path(read_run(args.run).dataset.root)
+        print(json.dumps(branch_sweep(args.run, sweep_ds, DEFAULT_BUDGET, usable_cpus())))
+        return
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
     mode_work = work / mode

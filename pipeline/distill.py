@@ -267,13 +267,14 @@ def out_of_domain_summary(model, ds, contract, threshold) -> dict[str, Any]:
     "ambiguous" rule leaves unanswered. Skipped (with the reason) for a model without block outputs."""
     if not ood.supports_ood(model):
         return {"fitted": False, "reason": f"{type(model).__name__} does not expose its block outputs"}
+    scored, why = ood.with_generic_branch(model, contract.mean, contract.std)  # as the export fits it
     try:
-        _, check, _, _ = ood.fit_for_dataset(model, ds, contract, ds.num_classes)
+        _, check, _, _ = ood.fit_for_dataset(scored, ds, contract, ds.num_classes)
     except ValueError as exc:
         return {"fitted": False, "reason": str(exc)}
     coverage = threshold.get("coverage") if isinstance(threshold, dict) else None
     return {"fitted": True, **check.to_dict(),
-            "val_ambiguous": None if coverage is None else 1.0 - float(coverage)}
+            "val_ambiguous": None if coverage is None else 1.0 - float(coverage), **({"note": why} if why else {})}
 
 
 def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold, teacher_info, params: int,

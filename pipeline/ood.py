@@ -27,21 +27,29 @@ no photos but the user's own, and it is all matrix products the ONNX graph can c
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from leaflens.apps.model_card import OODCheck
+from leaflens.apps.model_card import OODBranch, OODCheck
 from leaflens.apps.predictor import OOD_OUTPUT
 from leaflens.engine import Tensor, no_grad, ops
-from leaflens.engine.nn import Module
+from leaflens.engine.nn import Module, Sequential
 
-__all__ = ["DEFAULT_BUDGET", "METHOD", "OOD_OUTPUT", "OODHead", "ServedModel", "block_stats",
-           "fit_ood_head"]
+__all__ = ["DEFAULT_BUDGET", "GENERIC_BLOCKS", "METHOD", "METHOD_OWN", "OOD_OUTPUT", "GenericBranch", "OODHead",
+           "ServedModel", "WithGenericBranch", "block_stats", "fit_ood_head", "generic_branch",
+           "with_generic_branch"]
 
-METHOD = "block-mahalanobis-1"  # recorded in the model card; bump when the score's definition changes
+# Recorded in the model card; bump when the score's definition changes. METHOD: the model's own blocks and the
+# generic branch's; METHOD_OWN: the model's own blocks alone (a model exported without the branch, or the
+# EfficientNet-Lite0 teacher, whose own blocks are the generic features).
+METHOD = "block-mahalanobis-2"
+METHOD_OWN = "block-mahalanobis-1"
+GENERIC_BLOCKS = 5  # EfficientNet-Lite0 blocks run by the generic branch (chosen on generated negatives)
 DEFAULT_BUDGET = 0.025  # share of validation photos the out-of-domain check may flag (see AMBIGUOUS_BUDGET)
 SHRINKAGE = 0.01  # covariance (of standardised statistics) + SHRINKAGE * identity
 DEAD_SPREAD = 1e-3  # a statistic whose spread is under this share of its block's median one is left out
@@ -99,16 +107,126 @@ class OODHead:
 
 
 class ServedModel(Module):
-    """What export writes to ONNX: the classifier's logits and the out-of-domain score, one pass."""
+    """What export writes to ONNX: the classifier's logits and the out-of-domain score, one pass. A
+    :class:`WithGenericBranch` is unwrapped so that the graph's node names stay ``/model/...`` for the
+    classifier (as before the branch existed) and ``/branch/...`` for the branch."""
 
     def __init__(self, model: Module, head: OODHead) -> None:
         super().__init__()
-        self.model = model
+        if isinstance(model, WithGenericBranch):
+            self.model: Module = model.model
+            self.branch: GenericBranch | None = model.branch
+        else:
+            self.model, self.branch = model, None
         self._head = head
 
     def forward(self, x: Any) -> tuple[Any, Any]:
         logits, blocks = self.model.forward_blocks(x)
+        if self.branch is not None:
+            blocks = [*blocks, *self.branch.maps(x)]
         return logits, self._head.score([block_stats(b) for b in blocks])
+
+
+class GenericBranch(Module):
+    """The first ``blocks`` blocks of an ImageNet-pretrained EfficientNet-Lite0, frozen, run on the served
+    model's own input: generic colour, texture and object-part detectors beside the model's own blocks.
+
+    A small student trained from scratch on a few hundred photos learns only what tells its classes apart;
+    its feature maps barely react to what none of them has (an insect's legs, a digit's strokes). Features
+    learnt on ImageNet separate near out-of-domain photos far better (Fort et al. 2021). The model's input
+    is normalised by its own mean and std; Lite0 expects (pixel - 127) / 128, so a per-channel affine undoes
+    one into the other inside the graph. Its maps (:meth:`maps`) are the stem's (before its ReLU6) and the
+    output of the last block of every stage among the first ``blocks``, and of the last block run: as
+    :meth:`EfficientNetLite.forward_blocks` reads the whole network's, each before a clipping activation.
+    """
+
+    def __init__(self, net: Any, blocks: int, mean: Sequence[float], std: Sequence[float], source: str) -> None:
+        super().__init__()
+        if not 1 <= blocks <= net.num_blocks:
+            raise ValueError(f"the generic branch runs 1 to {net.num_blocks} EfficientNet-Lite0 blocks, got {blocks}")
+        if net.config.normalization != "tf":
+            raise ValueError("the generic branch expects Lite0 weights normalised 'tf', got "
+                             f"{net.config.normalization!r}")
+        self.stem_conv, self.stem_bn = net.stem_conv, net.stem_bn
+        self.blocks = Sequential(*list(net.blocks)[:blocks])
+        self.source = source
+        ends = [i for i in net.stage_ends() if i < blocks]
+        self.ends = sorted({*ends, blocks - 1})
+        m, s = np.asarray(mean, np.float64), np.asarray(std, np.float64)
+        # model input x = (p/255 - m) / s  ->  (p - 127) / 128 = x * 255 s / 128 + (255 m - 127) / 128
+        self._scale = (255.0 * s / 128.0).astype(np.float32)
+        self._shift = ((255.0 * m - 127.0) / 128.0).astype(np.float32)
+        self.eval()
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def maps(self, x: Any) -> list[Any]:
+        """The branch's feature maps for the served model's normalised NHWC input ``x``."""
+        h = x * Tensor(self._scale) + Tensor(self._shift)
+        pre = self.stem_bn(self.stem_conv(h))
+        h = ops.relu6(pre)
+        out = [pre]
+        for i, block in enumerate(self.blocks):
+            h = block(h)
+            if i in self.ends:
+                out.append(h)
+        return out
+
+    def forward(self, x: Any) -> Any:
+        return self.maps(x)
+
+    def record(self) -> OODBranch:
+        """What the model card says about the branch."""
+        return OODBranch(kind="efficientnet-lite0-imagenet", blocks=self.num_blocks, maps=len(self.ends) + 1,
+                         params=int(self.num_parameters()), weights=Path(self.source).name)
+
+
+class WithGenericBranch(Module):
+    """A classifier whose ``forward_blocks`` also gives the generic branch's maps, after its own: what the
+    score is fitted on and exported from. ``forward`` is the classifier's alone."""
+
+    def __init__(self, model: Module, branch: GenericBranch) -> None:
+        super().__init__()
+        self.model = model
+        self.branch = branch
+
+    def forward(self, x: Any) -> Any:
+        return self.model(x)
+
+    def forward_blocks(self, x: Any) -> tuple[Any, list[Any]]:
+        logits, blocks = self.model.forward_blocks(x)
+        return logits, [*blocks, *self.branch.maps(x)]
+
+
+def generic_branch(mean: Sequence[float], std: Sequence[float], blocks: int = GENERIC_BLOCKS,
+                   weights: str | os.PathLike[str] | None = None) -> tuple[GenericBranch | None, str | None]:
+    """The generic branch for a model normalised by ``mean``/``std`` (pixel/255 scale), from the
+    EfficientNet-Lite0 weights the teacher stage uses (``weights`` None: the installed package's), or
+    (None, why) when they cannot be found or read: the score then falls back to the model's own blocks."""
+    from leaflens.pipeline.models.efficientnet import LiteConfig  # noqa: PLC0415
+    from leaflens.pipeline.models.pretrained import find_lite0_weights, load_efficientnet_lite0  # noqa: PLC0415
+    from leaflens.pipeline.models.torch_weights import UnsafeCheckpointError  # noqa: PLC0415
+
+    try:
+        path = find_lite0_weights(weights)
+        net = load_efficientnet_lite0(path, LiteConfig(padding="same", bn_eps=1e-3, normalization="tf"))
+    except (OSError, ValueError, KeyError, UnsafeCheckpointError) as exc:  # WeightsNotFoundError: an OSError
+        return None, f"{type(exc).__name__}: {exc}"
+    return GenericBranch(net, min(blocks, net.num_blocks), mean, std, str(path)), None
+
+
+def with_generic_branch(model: Module, mean: Sequence[float], std: Sequence[float], blocks: int = GENERIC_BLOCKS,
+                        weights: str | os.PathLike[str] | None = None) -> tuple[Module, str | None]:
+    """What the score of ``model`` is fitted on and exported from: ``model`` with the generic branch
+    (:class:`WithGenericBranch`), or, when the EfficientNet-Lite0 weights cannot be found or read, ``model``
+    alone (today's score, :data:`METHOD_OWN`) and a sentence saying why, for the export log and report."""
+    branch, why = generic_branch(mean, std, blocks, weights)
+    if branch is None:
+        return model, (f"the out-of-domain score reads the model's own blocks only ({METHOD_OWN}): the "
+                       f"EfficientNet-Lite0 weights of its generic branch are not available ({why})")
+    return WithGenericBranch(model, branch), None
 
 
 def supports_ood(model: Module) -> bool:
@@ -152,9 +270,12 @@ def _fit_block(train: np.ndarray, labels: np.ndarray, k: int) -> tuple[np.ndarra
 
 
 def fit_ood_head(train_stats: Sequence[np.ndarray], train_labels: np.ndarray, val_stats: Sequence[np.ndarray],
-                 num_classes: int, budget: float = DEFAULT_BUDGET) -> tuple[OODHead, OODCheck, np.ndarray]:
+                 num_classes: int, budget: float = DEFAULT_BUDGET, branch: OODBranch | None = None
+                 ) -> tuple[OODHead, OODCheck, np.ndarray]:
     """Fit the score on the training photos' block statistics, standardise and set the threshold on the
-    validation photos'. Returns the head, the calibration record and the validation scores."""
+    validation photos'. ``branch``: the generic branch whose maps are among the statistics (recorded; the
+    method is then :data:`METHOD`, else :data:`METHOD_OWN`). Returns the head, the calibration record and
+    the validation scores."""
     if not 0.0 < budget < 0.5:
         raise ValueError(f"out-of-domain budget is a share of validation photos in (0, 0.5), got {budget}")
     labels = np.asarray(train_labels).astype(np.int64)
@@ -171,18 +292,23 @@ def fit_ood_head(train_stats: Sequence[np.ndarray], train_labels: np.ndarray, va
     head = OODHead(blocks)
     val_scores = head.score_numpy(val_stats)
     threshold = threshold_for(val_scores, budget)
-    calib = OODCheck(method=METHOD, threshold=threshold, budget=float(budget), val_photos=n_val,
-                     val_flagged=float(np.mean(val_scores > threshold)), train_photos=len(labels),
-                     blocks=len(blocks))
+    calib = OODCheck(method=METHOD if branch is not None else METHOD_OWN, threshold=threshold, budget=float(budget),
+                     val_photos=n_val, val_flagged=float(np.mean(val_scores > threshold)), train_photos=len(labels),
+                     blocks=len(blocks), branch=branch)
     return head, calib, val_scores
 
 
 def threshold_for(val_scores: np.ndarray, budget: float) -> float:
-    """The smallest observed validation score that at most ``budget`` of the validation scores exceed
-    (so the in-domain share flagged on validation is at most ``budget``, never more by rounding)."""
+    """A threshold that at most ``budget`` of the validation scores exceed (so the in-domain share flagged on
+    validation is at most ``budget``, never more by rounding): halfway between the highest score kept and the
+    lowest one flagged, so that a file computing the same scores with float rounding (the FP32 ONNX graph,
+    1e-5 apart) flags the same photos; the highest score kept itself when none is flagged."""
     s = np.sort(np.asarray(val_scores, np.float64))
     allowed = int(np.floor(budget * len(s)))
-    return float(s[len(s) - 1 - allowed])
+    kept = s[len(s) - 1 - allowed]
+    if allowed == 0:
+        return float(kept)
+    return float(kept + (s[len(s) - allowed] - kept) / 2.0)
 
 
 def split_stats(model: Module, images: Any, contract: Any, batch: int = 64) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -201,12 +327,14 @@ def split_stats(model: Module, images: Any, contract: Any, batch: int = 64) -> t
 def fit_for_dataset(model: Module, ds: Any, contract: Any, num_classes: int, budget: float = DEFAULT_BUDGET,
                     batch: int = 64) -> tuple[OODHead, OODCheck, np.ndarray, np.ndarray]:
     """:func:`fit_ood_head` on a dataset's labelled training photos and its validation photos (the same
-    numbers every time for the same model and data: distill reports them, export ships them). Returns the
+    numbers every time for the same model and data: distill reports them, export ships them); ``model`` a
+    :class:`WithGenericBranch` to fit the branch's maps too. Returns the
     head, the check, and the validation photos' scores and logits."""
     for split in ("train", "val"):
         if split not in ds or len(ds[split]) == 0 or (split == "train" and ds[split].labels is None):
             raise ValueError(f"dataset {ds.root} has no labelled '{split}' photos to fit the out-of-domain check on")
     _, train = split_stats(model, ds["train"].images, contract, batch)
     val_logits, val = split_stats(model, ds["val"].images, contract, batch)
-    head, check, scores = fit_ood_head(train, np.asarray(ds["train"].labels), val, num_classes, budget)
+    branch = model.branch.record() if isinstance(model, WithGenericBranch) else None
+    head, check, scores = fit_ood_head(train, np.asarray(ds["train"].labels), val, num_classes, budget, branch)
     return head, check, scores, val_logits

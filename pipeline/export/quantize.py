@@ -107,7 +107,7 @@ def calibration_indices(n_available: int, n_wanted: int, seed: int = 0) -> np.nd
 
 
 def float_nodes(model: onnx.ModelProto, first_conv: bool, classifier: bool) -> list[str]:
-    """Names of the nodes to keep in float: the first Conv of the graph, and the classifier (the last
+    """Names of the nodes to keep in float: the first Conv on the logits' side, and the classifier (the last
     Gemm/MatMul and the nodes between it and the graph output, e.g. a bias Add).
 
     Nodes without a name cannot be excluded by onnxruntime, so a graph whose chosen nodes are unnamed
@@ -115,13 +115,15 @@ def float_nodes(model: onnx.ModelProto, first_conv: bool, classifier: bool) -> l
     """
     nodes = list(model.graph.node)  # ONNX keeps nodes in topological order
     chosen: list[onnx.NodeProto] = []
+    logits_side = _ancestors(nodes, [model.graph.output[0].name])
     if first_conv:
-        convs = [n for n in nodes if n.op_type == "Conv"]
+        # the classifier's first convolution (the out-of-domain score's generic branch has convolutions of its
+        # own on the same input, which feed only that score and stay in float anyway)
+        convs = [n for n in nodes if n.op_type == "Conv" and id(n) in logits_side]
         if not convs:
             raise ValueError("the graph has no Conv node to keep in float (float_first_conv)")
         chosen.append(convs[0])
     if classifier:
-        logits_side = _ancestors(nodes, [model.graph.output[0].name])
         heads = [i for i, n in enumerate(nodes) if n.op_type in CLASSIFIER_OPS and id(n) in logits_side]
         if not heads:
             raise ValueError(f"the graph has no {'/'.join(CLASSIFIER_OPS)} node to keep in float "

@@ -223,17 +223,23 @@ class _Subject:
     model: Module
     card: ModelCard
     images: Callable[[str], Any]       # split -> uint8 [N, S, S, 3] at the input size (memmaps welcome)
-    fit_ood: Callable[[float], tuple[Any, Any, np.ndarray]]  # budget -> (head, check, validation logits)
+    # budget -> (head, check, validation logits, the module the score reads: the model, or it with the generic branch)
+    fit_ood: Callable[[float], tuple[Any, Any, np.ndarray, Module]]
     source: Path                       # the checkpoint it came from
     doc: str
 
 
-def _student(model: Module, info: RunInfo, ds: Dataset) -> _Subject:
+def _student(model: Module, info: RunInfo, ds: Dataset, warnings: list[str], log: Callable[[str], None]) -> _Subject:
     card = model_card(info, model)
 
-    def fit(budget: float) -> tuple[Any, Any, np.ndarray]:
-        head, check, _, val_logits = ood_check.fit_for_dataset(model, ds, card.contract, card.num_classes, budget)
-        return head, check, val_logits
+    def fit(budget: float) -> tuple[Any, Any, np.ndarray, Module]:
+        # the student's own blocks and a frozen ImageNet branch (pipeline/ood.py); without its weights, its own alone
+        scored, why = ood_check.with_generic_branch(model, card.mean, card.std)
+        if why is not None:
+            warnings.append(why)
+            log(f"warning: {why}")
+        head, check, _, val_logits = ood_check.fit_for_dataset(scored, ds, card.contract, card.num_classes, budget)
+        return head, check, val_logits, scored
 
     return _Subject("student", model, card, lambda split: parity.at_size(ds[split].images, card.input_size), fit,
                     info.path, f"leaflens student, run {info.run_id}")
@@ -277,7 +283,7 @@ def _teacher(info: RunInfo, ds: Dataset, threads: int, stack: contextlib.ExitSta
         x = images(split)
         return (np.asarray(x[i:i + batch]) for i in range(0, len(x), batch))
 
-    def fit(budget: float) -> tuple[Any, Any, np.ndarray]:
+    def fit(budget: float) -> tuple[Any, Any, np.ndarray, Module]:
         for split in ("train", "val"):
             if split not in ds or not len(ds[split]) or ds[split].labels is None:
                 raise ValueError(f"dataset {ds.root} has no labelled '{split}' photos to fit the out-of-domain "
@@ -286,7 +292,7 @@ def _teacher(info: RunInfo, ds: Dataset, threads: int, stack: contextlib.ExitSta
         head, check, val_logits, _ = served.fit_teacher_ood(runner, contract, chunks("train"),
                                                             np.asarray(ds["train"].labels), chunks("val"),
                                                             len(meta.classes), budget)
-        return head, check, val_logits
+        return head, check, val_logits, net  # Lite0's own blocks are the generic features: no branch
 
     return _Subject("teacher", net, card, images, fit, path,
                     f"leaflens teacher (EfficientNet-Lite0 fine-tuned), kept by run {info.run_id}")
@@ -319,7 +325,8 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
     for w in warnings:
         log(f"warning: {w}")
     threads = opts.threads or usable_cpus()
-    subject = _teacher(info, ds, threads, stack, log) if info.kept == "teacher" else _student(model, info, ds)
+    subject = (_teacher(info, ds, threads, stack, log) if info.kept == "teacher"
+               else _student(model, info, ds, warnings, log))
     model, card = subject.model, subject.card
     if subject.kind == "teacher":
         log(f"run {info.run_id} kept the fine-tuned teacher ({info.teacher_model.name}): exporting it as "
@@ -339,7 +346,7 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
     elif opts.ood and ood_check.supports_ood(model):
         log("fitting the out-of-domain check on the training photos, thresholding it on the validation photos")
         try:
-            head, check, val_logits = subject.fit_ood(opts.ood_budget)
+            head, check, val_logits, scored = subject.fit_ood(opts.ood_budget)
         except ValueError as exc:
             raise ExportFailed(f"cannot fit the out-of-domain check: {exc} (or pass --no-ood)") from exc
         probs = metrics.softmax(val_logits)
@@ -355,7 +362,11 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
             card = replace(card, uncertain_threshold=chosen, threshold_from_model=True)
         top = probs.max(1)
         card = replace(card, ood=check, val_ambiguous=float(np.mean(top < card.uncertain_threshold)))
-        exported, outputs = ood_check.ServedModel(model, head), ("logits", ood_check.OOD_OUTPUT)
+        exported, outputs = ood_check.ServedModel(scored, head), ("logits", ood_check.OOD_OUTPUT)
+        if check.branch is not None:
+            b = check.branch
+            log(f"out-of-domain check {check.method}: {check.blocks} feature maps, {b.maps} of them from the first "
+                f"{b.blocks} blocks of ImageNet EfficientNet-Lite0 ({b.weights}, frozen; {b.params} parameters)")
     elif opts.ood:
         msg = f"{type(model).__name__} does not expose its block outputs: exported without an out-of-domain check"
         warnings.append(msg)

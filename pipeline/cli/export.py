@@ -46,6 +46,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-ood", action="store_true",
                    help="export without the out-of-domain score output (photos unlike the training photos "
                         "then get a class name like any other)")
+    p.add_argument("--no-ood-branch", action="store_true",
+                   help="the out-of-domain score reads the model's own feature maps only (block-mahalanobis-1), "
+                        "without the frozen EfficientNet-Lite0 branch (smaller and faster, detects less)")
     p.add_argument("--ood-budget", type=float, default=0.025,
                    help="share of validation photos the out-of-domain check may flag; its threshold is chosen "
                         "on them (default 0.025)")
@@ -106,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
                          int8_max_drop=args.int8_max_drop, int8_recipes=recipes,
                          speed_seconds=args.speed_seconds, threads=args.threads,
                          allow_dataset_mismatch=args.allow_dataset_mismatch, ood=not args.no_ood,
-                         ood_budget=args.ood_budget)
+                         ood_branch=not args.no_ood_branch, ood_budget=args.ood_budget)
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

@@ -98,6 +98,7 @@ class ExportOptions:
     threads: int | None = None
     allow_dataset_mismatch: bool = False
     ood: bool = True  # add the out-of-domain score output (leaflens.pipeline.ood)
+    ood_branch: bool = True  # a student's score also reads the frozen EfficientNet-Lite0 branch (GenericBranch)
     ood_budget: float = ood_check.DEFAULT_BUDGET  # share of validation photos it may flag
     ood_tolerance: float = 1e-3  # FP32 ONNX vs engine score, relative to max(1, |score|)
 
@@ -229,12 +230,13 @@ class _Subject:
     doc: str
 
 
-def _student(model: Module, info: RunInfo, ds: Dataset, warnings: list[str], log: Callable[[str], None]) -> _Subject:
+def _student(model: Module, info: RunInfo, ds: Dataset, branch: bool, warnings: list[str],
+             log: Callable[[str], None]) -> _Subject:
     card = model_card(info, model)
 
     def fit(budget: float) -> tuple[Any, Any, np.ndarray, Module]:
         # the student's own blocks and a frozen ImageNet branch (pipeline/ood.py); without its weights, its own alone
-        scored, why = ood_check.with_generic_branch(model, card.mean, card.std)
+        scored, why = ood_check.with_generic_branch(model, card.mean, card.std) if branch else (model, None)
         if why is not None:
             warnings.append(why)
             log(f"warning: {why}")
@@ -326,7 +328,7 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
         log(f"warning: {w}")
     threads = opts.threads or usable_cpus()
     subject = (_teacher(info, ds, threads, stack, log) if info.kept == "teacher"
-               else _student(model, info, ds, warnings, log))
+               else _student(model, info, ds, opts.ood_branch, warnings, log))
     model, card = subject.model, subject.card
     if subject.kind == "teacher":
         log(f"run {info.run_id} kept the fine-tuned teacher ({info.teacher_model.name}): exporting it as "

@@ -4,6 +4,7 @@
     python benchmarks/ood.py --data ../shared/data/ibeans --run RUN [--dataset DS]    (exports RUN)
     python benchmarks/ood.py --data ../shared/data/ibeans --model student.onnx        (as it is)
     python benchmarks/ood.py --demo [--data ../shared/data/ibeans]
+    python benchmarks/ood.py --run RUN [--dataset DS] --branch-sweep                  (choose the branch)
 
 The model: an iBeans student trained here with the default recipe through the `leaflens` command
 (preprocess, teacher, distill, export into ``--work``; a stage is skipped when its output is there and
@@ -36,6 +37,18 @@ embedding, Mahalanobis distance on all block statistics at once - on the same ph
 GENERATED negatives (shuffled patches, colour-permuted and grey-scrambled training photos, blobs,
 shapes, sinusoid textures): the set the shipped method was chosen on, so its figure there is not
 independent. Nothing is tuned on the benchmark's sets: thresholds come with the model.
+
+``--no-ood-branch`` exports ``--run`` with the score of the model's own blocks alone (block-mahalanobis-1,
+into ``export_run_own``): the figures before the generic branch. ``--latency-vs OTHER.onnx`` times the
+served model against another (batch-1 p50 and batch-32 throughput, interleaved rounds).
+
+``--branch-sweep`` reads no benchmark set: it chooses the length of the score's generic branch
+(leaflens.pipeline.ood.GenericBranch) on the run's validation photos and the generated negatives. For 0 to
+16 EfficientNet-Lite0 blocks, the score is fitted on the training photos, standardised and thresholded on
+one random half of the validation photos and measured on the other half (5 x 2 folds): AUROC of held-out
+validation photos against the generated negatives, and the share of negatives flagged. The length kept is
+the cheapest within 0.002 AUROC of the best; "alone" rows (the branch's maps without the model's own) are
+shown for comparison.
 
 Targets (issue #15): not answered <= 0.05 with accuracy on answered >= plain accuracy; flagged >= 0.95
 for blank and digits, >= 0.90 for insects, >= 0.80 for the other crop's leaves (synthetic; ibeans in
@@ -586,10 +599,10 @@ def all_stats(run: Path, ds_dir: Path, images: dict[str, np.ndarray], threads: i
 
 def branch_sweep(run: Path, ds_dir: Path, budget: float, threads: int) -> dict[str, Any]:
     """Choose the generic branch's length on validation photos and GENERATED negatives only: for each length
-    in :data:`BRANCH_SWEEP`, the score fitted on the training photos with the branch's maps added, in two
-    folds of the validation photos (standardised and thresholded on one half, measured on the other): AUROC
-    of the held-out half against the generated negatives, and the share of negatives above the threshold
-    (overall and per kind). No benchmark set is read."""
+    in :data:`BRANCH_SWEEP`, the score fitted on the training photos with the branch's maps added, in
+    :data:`SWEEP_REPEATS` random splits of the validation photos into two folds (standardised and thresholded
+    on one half, measured on the other): AUROC of the held-out half against the generated negatives, and the
+    share of negatives above the threshold (overall and per kind). No benchmark set is read."""
     from leaflens.data_prep.manifest import load_dataset  # noqa: PLC0415
     from leaflens.pipeline.ood import fit_ood_head  # noqa: PLC0415
 

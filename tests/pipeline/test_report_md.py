@@ -164,3 +164,19 @@ def test_report_says_how_many_unlabelled_photos_the_distilled_student_learned_fr
     text = report_md.render_report(tmp_path, report(dataset={"counts": {"train": 600, "val": 180, "test": 180}}))
     assert "same 600 labelled training photos; there were no unlabelled photos" in text
     assert "learned from" not in report_md.render_report(tmp_path, report())  # not recorded: nothing invented
+
+
+def test_report_says_what_the_out_of_domain_score_reads(tmp_path: Path) -> None:
+    check = {"fitted": True, "method": "block-mahalanobis-2", "threshold": 19.12, "budget": 0.025,
+             "val_photos": 133, "val_flagged": 0.0226, "train_photos": 1034, "blocks": 8,
+             "branch": {"kind": "efficientnet-lite0-imagenet", "blocks": 5, "maps": 4, "params": 55504,
+                        "weights": "efficientnet-lite0-57934424.pth"}}
+    line = next(x for x in report_md.render_report(tmp_path, report(out_of_domain=check)).splitlines()
+                if x.startswith("- Out-of-domain check"))
+    assert "(block-mahalanobis-2)" in line and "19.120" in line and "1034 training photos" in line
+    assert "first 5 blocks of ImageNet EfficientNet-Lite0 (frozen, 55504 parameters" in line
+    # without the branch's weights: the model's own blocks, and the reason
+    own = {**{k: v for k, v in check.items() if k != "branch"}, "method": "block-mahalanobis-1",
+           "note": "the out-of-domain score reads the model's own blocks only (block-mahalanobis-1): ..."}
+    text = report_md.render_report(tmp_path, report(out_of_domain=own))
+    assert "EfficientNet" not in text and "- Note: the out-of-domain score reads the model's own blocks only" in text

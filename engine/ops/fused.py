@@ -139,7 +139,9 @@ class BatchNormReLUMaxPool(Function):
                 np.multiply(g, hit, out=d5[:, i, :, j])
             xc = np.subtract(x2[a:b], self.mean_t[:b - a], out=z5.reshape(b - a, c))  # z's buffer, no longer read
             xc *= d
-            return np.stack([column_sums(np, d), column_sums(np, xc)])
+            sum_d: Any = column_sums(np, d)
+            sum_xc: Any = column_sums(np, xc)
+            return np.stack([sum_d, sum_xc])
 
         pairs = gy3.shape[0]
         gbeta, gxc = _total(for_tiles(np, pairs, row * c, sums))

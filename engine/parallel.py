@@ -76,9 +76,11 @@ def for_rows(xp: object, n: int, work: int, fn: Callable[[int, int], object]) ->
 TILE = 1 << 16  # values per tile of for_tiles: 256 KB of float32, so a few operands fit a 1 MB L2 cache
 
 
-def for_tiles(xp: object, rows: int, row_size: int, fn: Callable[[int, int], object]) -> list[object]:
-    """Call ``fn(lo, hi)`` over tiles of about :data:`TILE` values (whole rows of ``row_size`` values each),
-    the tiles shared out among the threads; results in tile order. One call over all rows on CuPy.
+def for_tiles(xp: object, rows: int, row_size: int, fn: Callable[[int, int], object],
+              tile: int | None = None) -> list[object]:
+    """Call ``fn(lo, hi)`` over tiles of about ``tile`` (default :data:`TILE`) values (whole rows of
+    ``row_size`` values each), the tiles shared out among the threads; results in tile order. One call over
+    all rows on CuPy.
 
     For chains of elementwise passes: run one after another over a tile, they read and write the cache
     instead of memory. The tiles depend only on the shape, so per-tile partial sums added in tile order
@@ -86,14 +88,15 @@ def for_tiles(xp: object, rows: int, row_size: int, fn: Callable[[int, int], obj
     """
     if xp is not np:
         return [fn(0, rows)]
-    per = rows_per_tile(row_size)
+    per = rows_per_tile(row_size, tile)
     bounds = [*range(0, rows, per), rows]
     return share(list(zip(bounds[:-1], bounds[1:])), rows * row_size, fn)
 
 
-def rows_per_tile(row_size: int) -> int:
-    """Rows of ``row_size`` values in one tile of :func:`for_tiles`: about :data:`TILE` values, at least one row."""
-    return max(1, TILE // max(row_size, 1))
+def rows_per_tile(row_size: int, tile: int | None = None) -> int:
+    """Rows of ``row_size`` values in one tile of :func:`for_tiles`: about ``tile`` (default :data:`TILE`)
+    values, at least one row."""
+    return max(1, (TILE if tile is None else tile) // max(row_size, 1))
 
 
 # Whether share() hands items out as threads come free (True) or as one contiguous run per thread (False).

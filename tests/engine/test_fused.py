@@ -39,8 +39,9 @@ def _input(shape):
 @pytest.mark.parametrize("shape", [(2, 4, 6, 3), (3, 2, 2, 5), (4, 8, 10, 16)])
 @pytest.mark.parametrize("tiles", ["default", "tiny"])
 def test_values_and_gradients_equal_the_three_ops(dtype, shape, tiles, monkeypatch):
-    if tiles == "tiny":  # a row pair per tile, handed to two threads even at these sizes
+    if tiles == "tiny":  # a row pair per tile (a row for the statistics), handed to two threads even at these sizes
         monkeypatch.setattr(parallel, "TILE", 1)
+        monkeypatch.setattr(fused, "TILE", 1)
         monkeypatch.setattr(parallel, "MIN_ELEMENTS", 1)
         monkeypatch.setattr(parallel, "num_threads", lambda: 2)
     c = shape[-1]

@@ -135,15 +135,19 @@ class BatchNormReLUMaxPool(Function):
             g = gy3[lo:hi] * (self.y3[lo:hi] > 0)  # ReLU's mask at the winning tap
             d = gx2[a:b] if want_x else np.empty((b - a, c), dtype=x2.dtype)  # BatchNorm's output gradient
             d5 = d.reshape(z5.shape)
-            claimed = None
-            for i, j in _TAPS:
-                hit = np.equal(z5[:, i, :, j], m)
-                if claimed is None:
-                    claimed = hit.copy()
-                else:
-                    np.greater(hit, claimed, out=hit)  # hit and not claimed by an earlier tap
-                    claimed |= hit
-                np.multiply(g, hit, out=d5[:, i, :, j])
+            hits = np.equal(z5, m[:, None, :, None, :])  # every tap at its window's max, one pass
+            # A finite max is one of its taps, so every window has a hit; as many hits as windows then means
+            # one each. Otherwise (ties, or NaN) keep only the first hit of each window, as MaxPool2d does.
+            if np.count_nonzero(hits) != m.size or not np.isfinite(m).all():
+                claimed = None
+                for i, j in _TAPS:
+                    hit = hits[:, i, :, j]
+                    if claimed is None:
+                        claimed = hit.copy()
+                    else:
+                        np.greater(hit, claimed, out=hit)  # hit and not claimed by an earlier tap
+                        claimed |= hit
+            np.multiply(g[:, None, :, None, :], hits, out=d5)
             xc = np.subtract(x2[a:b], self.mean_t[:b - a], out=z5.reshape(b - a, c))  # z's buffer, no longer read
             xc *= d
             sum_d: Any = column_sums(np, d)

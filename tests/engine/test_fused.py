@@ -140,3 +140,14 @@ def test_student_training_step_is_the_same_fused_or_not(monkeypatch):
     for k in state_u:
         np.testing.assert_array_equal(state_f[k], state_u[k], err_msg=k)
     np.testing.assert_array_equal(eval_f, eval_u)
+
+
+def test_a_nan_in_one_channel_gives_what_the_three_ops_give():
+    """NaN reaches the windows' maxima (no tap equals them): the path for ties and NaN, not the one-hit one."""
+    x, gy = _input((2, 4, 4, 3)), rng.standard_normal((2, 2, 2, 3))
+    x[1, 2, 3, 1] = np.nan
+    got = _chain(x, np.ones(3), np.zeros(3), gy, fuse=True, dtype=np.float64)
+    want = _chain(x, np.ones(3), np.zeros(3), gy, fuse=False, dtype=np.float64)
+    for a, w in zip(got, want):
+        np.testing.assert_allclose(a, w, rtol=1e-12, atol=1e-12)  # NaN where the three ops give NaN
+    assert np.isnan(got[1][..., 1]).all() and np.isfinite(got[1][..., [0, 2]]).all()

@@ -17,7 +17,9 @@ the tile, written into the input gradient's tile, with the column sums of ``g`` 
 in the same pass. A second pass turns those tiles into BatchNorm's input gradient.
 
 Values equal BatchNorm2d -> ReLU -> MaxPool2d(2) computed one after another (the tests compare them); the
-gradients differ only in the summation order of the affine parameters' sums. NumPy only: on CuPy (and for
+gradients differ by rounding only (the affine parameters' sums are taken in another order). Measured at the
+student's three blocks (batch 64, forward + backward, interleaved): 1.25x faster than the three ops, and
+the training step's memory growth 250 -> 153 MB (README, "The engine"). NumPy only: on CuPy (and for
 other shapes) :class:`leaflens.engine.nn.Sequential` runs the three modules as they are. The module tree,
 the state dict and the ONNX export (traced in eval mode, where nothing is fused) do not change.
 """

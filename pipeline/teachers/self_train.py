@@ -117,13 +117,14 @@ MakeTask = Callable[[PseudoLabels, TeacherSection], Any]
 
 def run_self_training(back: Module, ds: Any, teacher: TeacherSection, first_round: dict[str, Any],
                       val_logits: np.ndarray, unlabeled_logits: Callable[[], np.ndarray], make_task: MakeTask,
-                      run_fine_tune: RunFineTune, work_dir: Path, progress: bool, max_bad_steps: int
-                      ) -> dict[str, Any]:
+                      run_fine_tune: RunFineTune, work_dir: Path, progress: bool, max_bad_steps: int,
+                      test_accuracy: Callable[[], float | None] | None = None) -> dict[str, Any]:
     """Self-train the fine-tuned ``back`` (whose first round ran in ``work_dir``; ``first_round`` is what it
     returned) and return teacher.json's ``self_train`` record. ``back`` ends with the kept round's weights.
 
     ``val_logits``: the first round's logits of the val photos; ``unlabeled_logits()`` computes those of the
-    unlabelled photos (only called when self-training can run).
+    unlabelled photos (only called when self-training can run). ``test_accuracy()``, when given, scores the
+    weights ``back`` has on the labelled test split: each round's is recorded (never used to choose).
     """
     record: dict[str, Any] = {"enabled": teacher.self_train, "ran": False, "reason": None,
                               "target": teacher.self_train_target, "epochs": teacher.self_train_epochs}
@@ -157,11 +158,13 @@ def run_self_training(back: Module, ds: Any, teacher: TeacherSection, first_roun
         record["reason"] = "no unlabelled photo reaches the threshold"
         return record
     first = best_scores(first_round["fine_tune_history"], first_round["fine_tune_best_epoch"])
+    first_test = test_accuracy() if test_accuracy is not None else None
     second_recipe = replace(teacher, epochs=teacher.self_train_epochs)
     task = make_task(kept, second_recipe)
     second_round = run_fine_tune(task, back, second_recipe, progress, max_bad_steps, work_dir / SELF_TRAIN_DIR,
                                  label="teacher self-training")
     second = best_scores(second_round["fine_tune_history"], second_round["fine_tune_best_epoch"])
+    second_test = test_accuracy() if test_accuracy is not None else None
     keep = second_round_kept(first, second)
     if not keep:
         load_checkpoint(work_dir / BEST, back)  # the first round's best epoch
@@ -169,10 +172,10 @@ def run_self_training(back: Module, ds: Any, teacher: TeacherSection, first_roun
         "ran": True, "kept_round": 2 if keep else 1, "train_photos": int(len(ds["train"])) + len(kept.rows),
         "rounds": [
             {"round": 1, "val_acc": first[0], "val_loss": first[1], "best_epoch": first_round["fine_tune_best_epoch"],
-             "seconds": first_round["fine_tune_seconds"]},
+             "seconds": first_round["fine_tune_seconds"], "test_acc": first_test},
             {"round": 2, "val_acc": second[0], "val_loss": second[1],
              "best_epoch": second_round["fine_tune_best_epoch"], "seconds": second_round["fine_tune_seconds"],
-             "history": second_round["fine_tune_history"]}],
+             "test_acc": second_test, "history": second_round["fine_tune_history"]}],
         "seconds": round(time.perf_counter() - t0, 1)})
     if progress:
         tqdm.write(f"teacher self-training: round 2 val acc {second[0]:.4f} loss {second[1]:.4f} vs round 1 "

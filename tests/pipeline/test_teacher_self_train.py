@@ -149,6 +149,8 @@ def test_teacher_json_records_both_rounds_the_threshold_and_the_kept_photos(tmp_
     assert len(st["rounds"][1]["history"]) == 1
     assert st["train_photos"] == len(load_dataset(ds_dir)["train"]) + st["kept"]
     assert st["rounds"][0]["val_acc"] == stage["fine_tune_val_acc"]
+    # each round's test accuracy is recorded (the tiny dataset has a labelled test split)
+    assert all(0.0 <= r["test_acc"] <= 1.0 for r in st["rounds"])
 
 
 def test_cached_mode_self_trains_too(tmp_path, tiny_lite0):

@@ -166,3 +166,31 @@ def test_stage_reruns_only_when_its_command_or_inputs_change(bench, tmp_path, mo
     marker.unlink()
     bench.stage(tmp_path, "teacher", marker, ["teacher", "--out", "y"], [src], [])
     assert len(ran) == 4
+
+
+# ---- the generic branch's sweep and the latency comparison
+def test_branch_maps_match_what_the_exported_branch_reads(bench):
+    """The sweep scores a branch of N blocks on the maps GenericBranch reads: the stem (0), then block i
+    (i + 1) for the stage ends among the first N blocks and for block N - 1."""
+    ends = [0, 2, 4, 7, 10, 14, 15]  # EfficientNet-Lite0's stage ends
+    assert bench._branch_maps(ends, 0) == []
+    assert bench._branch_maps(ends, 1) == [0, 1]
+    assert bench._branch_maps(ends, 5) == [0, 1, 3, 5]
+    assert bench._branch_maps(ends, 6) == [0, 1, 3, 5, 6]
+    assert bench._branch_maps(ends, 16) == [0, 1, 3, 5, 8, 11, 15, 16]
+
+
+def test_latency_comparison_times_every_model(bench, tmp_path, monkeypatch):
+    pytest.importorskip("onnxruntime")
+    from leaflens.engine import nn  # noqa: PLC0415
+    from leaflens.engine.onnx_export import export_onnx, save_onnx  # noqa: PLC0415
+
+    small = save_onnx(export_onnx(nn.Linear(4, 2, rng=np.random.default_rng(0)), (4,)), tmp_path / "a.onnx")
+    two = nn.Sequential(nn.Linear(4, 64, rng=np.random.default_rng(1)), nn.Linear(64, 2, rng=np.random.default_rng(2)))
+    big = save_onnx(export_onnx(two, (4,)), tmp_path / "b.onnx")
+    monkeypatch.setattr(bench, "LATENCY_ROUNDS", 2)
+    monkeypatch.setattr(bench, "LATENCY_SECONDS", 0.02)
+    out = bench.compare_latency({"model": small, "other": big}, threads=1)
+    assert set(out) == {"model", "other"}
+    assert out["model"]["bytes"] == small.stat().st_size < out["other"]["bytes"] == big.stat().st_size
+    assert all(v["b1_p50_ms"] > 0 and v["img_s_batch32"] > 0 and v["threads"] == 1 for v in out.values())

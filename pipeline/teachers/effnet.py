@@ -12,8 +12,9 @@ on that cache (fast, but it learns two views per photo by heart). Either way wit
 pretrained layers and a higher one for the new classifier, by the pipeline's one training loop
 (:mod:`leaflens.pipeline.training`, as the student: the epoch kept is the best on the validation split
 by accuracy, then loss; non-finite steps are counted, logged and stop the run after a limit), BatchNorm
-statistics frozen unless ``teacher.freeze_bn = false``. The fine-tuned network then gives every split's
-features (1280-d) and logits. The recipe (cut point, input size, augmentation, epochs, learning rates...)
+statistics frozen unless ``teacher.freeze_bn = false``. With unlabelled photos it then self-trains on those it
+labels confidently (``teacher.self_train``, pipeline/teachers/self_train.py). The fine-tuned network then gives
+every split's features (1280-d) and logits. The recipe (cut point, input size, augmentation, epochs, learning rates...)
 is the ``[teacher]`` section of the stage config, recorded whole in teacher.json (``stage.recipe``).
 """
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from leaflens.pipeline.models.family import check_family
 from leaflens.records import Record, RecordError
 
 if sys.version_info >= (3, 11):
@@ -44,11 +45,20 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSection(Record):
-    """``[model]``: the student's architecture and input size."""
+    """``[model]``: the student's architecture and input size, and the family of students to train."""
 
     widths: tuple[int, ...]
     dropout: float
     input_size: int  # 0: the dataset's stored size
+    block: Literal["conv", "separable"]  # 3x3 conv blocks, or depthwise-separable ones after the first
+    family: tuple[str, ...]  # members to train, chosen on validation (leaflens.pipeline.models.family)
+
+    def __post_init__(self) -> None:
+        if not self.widths or any(w < 1 for w in self.widths):
+            raise ValueError(f"widths: at least one conv block, each at least 1 wide, got {list(self.widths)}")
+        if self.input_size < 0:
+            raise ValueError(f"input_size: 0 (the dataset's stored size) or a side in pixels, got {self.input_size}")
+        check_family(self.family)
 
 
 @dataclass(frozen=True)

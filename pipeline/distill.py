@@ -12,7 +12,9 @@ continues a partial one):
                         ``kept: teacher`` when the run keeps the teacher instead
     teacher_model.npz   the kept teacher's network (only when the teacher is kept)
     config.toml         the resolved configuration
-    distilled/, scratch/  each variant's last.npz, best.npz, metrics.jsonl (and faults.jsonl)
+    distilled/, scratch/  each variant's last.npz, best.npz, metrics.jsonl (and faults.jsonl); with several
+                        members of the student family (``model.family``), one folder per member holding
+                        these, e.g. s/distilled/, m/scratch/ (each a candidate of the same name)
     report.json, report.md, curves.png, confusion.png, hardest.png, feature_maps.png
 """
 
@@ -41,6 +43,7 @@ from leaflens.files import swap_into_place, write_json_atomic, write_text_atomic
 from leaflens.pipeline import ood
 from leaflens.pipeline.config import StageConfig, dump_toml
 from leaflens.pipeline.hardware import describe_hardware
+from leaflens.pipeline.models.family import Member, members
 from leaflens.pipeline.models.student import StudentSpec
 from leaflens.pipeline.report import metrics, plots
 from leaflens.pipeline.report.markdown import write_report
@@ -54,6 +57,17 @@ from leaflens.pipeline.training import BEST
 
 def _partial_dir(out: Path) -> Path:
     return out.with_name(out.name + ".partial")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Student:
+    """One trained student's setting: its family member, the recipe with the member's ``[model]``, its input
+    side on this dataset and its checkpoints' record."""
+
+    member: Member
+    cfg: StageConfig
+    input_size: int
+    meta: RunMeta
 
 
 def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathLike[str] | None,
@@ -120,16 +134,25 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
     if not variants or cfg.distill.compare_scratch:
         variants["scratch"] = TrainData(images=train.images, labels=np.asarray(train.labels))
 
-    results = {}
-    for name, data in variants.items():
-        results[name] = train_run(work / name, cfg, data, val.images, np.asarray(val.labels), mean, std,
-                                  ds.num_classes, dataclasses.replace(run_meta, variant=name).to_dict(),
-                                  resume=resume, label=name, progress=progress)
-    # Ties go to the simpler recipe: distillation has to earn its place.
-    order = sorted(results, key=lambda k: (results[k].best_val_accuracy, k == "scratch"), reverse=True)
-    best_student = order[0]
+    results: dict[str, Any] = {}
+    students: dict[str, _Student] = {}
+    family = members(cfg.model)
+    for member in family:  # one member (the default): the run's folders and names are those of a single student
+        mcfg = dataclasses.replace(cfg, model=member.model)
+        size = student_input_size(mcfg, ds.image_size)
+        meta = dataclasses.replace(run_meta, model_config=StudentSpec.from_recipe(member.model, ds.num_classes),
+                                   dataset=dataclasses.replace(run_meta.dataset, input_size=size))
+        for variant, data in variants.items():
+            name = variant if len(family) == 1 else f"{member.name}/{variant}"
+            students[name] = _Student(member, mcfg, size, meta)
+            results[name] = train_run(work / name, mcfg, data, val.images, np.asarray(val.labels), mean, std,
+                                      ds.num_classes, dataclasses.replace(meta, variant=variant).to_dict(),
+                                      resume=resume, label=name, progress=progress)
 
-    evaluated = {name: _evaluate_variant(work / name / BEST, cfg, ds) for name in results}
+    evaluated = {name: _evaluate_variant(work / name / BEST, students[name].cfg, ds) for name in results}
+    selection, teacher = _select(ds, cfg, tt, results, evaluated, students, progress)
+    best_student = selection.best_student or next(iter(results))  # the best student by the selection's rule
+    input_size, run_meta = students[best_student].input_size, students[best_student].meta
     student = evaluated[best_student]
     model = student["model"]
     student_threshold = metrics.choose_uncertain_threshold(student["val_probs"], np.asarray(val.labels))
@@ -138,7 +161,6 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
                                  test_accuracy=None if student_summary is None else student_summary["accuracy"],
                                  uncertain_threshold=float(student_threshold["threshold"]))
 
-    selection, teacher = _select(ds, cfg, tt, results, evaluated, input_size, progress)
     winner = selection.kept
     if winner == "teacher":
         assert teacher is not None and tt is not None
@@ -155,14 +177,15 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
                      "uncertain_threshold": float(threshold["threshold"])}
     # best.npz is the best student, with its own figures; ``kept`` says when the run ships the teacher instead
     save_checkpoint(work / BEST, model, epoch=results[best_student].best_epoch, step=0,
-                    extra=dataclasses.replace(run_meta, variant=best_student, metrics=student_metrics,
+                    extra=dataclasses.replace(run_meta, variant=best_student.rsplit("/", 1)[-1],
+                                              metrics=student_metrics,
                                               teacher=None if teacher_info is None else teacher_info.teacher,
                                               kept="teacher" if winner == "teacher" else None,
                                               kept_metrics=RunMetrics(**final_metrics) if winner == "teacher"
                                               else None).to_dict())
 
     report = _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold, teacher_info,
-                           kept_params, chosen, best_student, run_id)
+                           kept_params, chosen, best_student, run_id, input_size)
     report["selection"] = selection.to_dict()
     if winner == "teacher":
         assert teacher is not None
@@ -213,23 +236,29 @@ def _teacher_candidate(ds: Any, tt: Any, threads: int) -> tuple[dict[str, Any] |
     return out, None
 
 
-def _select(ds: Any, cfg: StageConfig, tt: Any, results: Mapping[Variant, Any], evaluated: Mapping[Variant, Any],
-            input_size: int, progress: bool) -> tuple[Selection, dict[str, Any] | None]:
+def _select(ds: Any, cfg: StageConfig, tt: Any, results: Mapping[str, Any], evaluated: Mapping[str, Any],
+            students: Mapping[str, _Student], progress: bool) -> tuple[Selection, dict[str, Any] | None]:
     """Weigh the students and the teacher (when the teacher folder holds a servable one) by validation
     accuracy, size and latency on this machine, and keep one (leaflens.pipeline.selection)."""
     d = cfg.distill
     budget = Budget(max_params=d.max_params, max_ms=d.max_ms, teacher_margin=d.teacher_margin)
     threads = usable_cpus()
-    # one architecture for every student: one size, one latency
-    any_student = evaluated[next(iter(results))]["model"]
-    student_ms, backend = measure_ms(any_student, input_size, threads)
-    params = int(any_student.num_parameters())
+    # one architecture per family member (its distilled and scratch students): one size, one latency
+    timed: dict[str, tuple[int, float]] = {}
+    backend = "engine"
     candidates = []
     for name, r in results.items():
+        st = students[name]
+        if st.member.name not in timed:
+            net = evaluated[name]["model"]
+            ms, backend = measure_ms(net, st.input_size, threads)
+            timed[st.member.name] = (int(net.num_parameters()), ms)
+        params, ms = timed[st.member.name]
         ts = evaluated[name].get("test_summary")
         candidates.append(Candidate(name=name, kind="student", val_accuracy=r.best_val_accuracy,
                                     test_accuracy=None if ts is None else ts["accuracy"], params=params,
-                                    ms_per_photo=round(student_ms, 3)))
+                                    ms_per_photo=round(ms, 3), member=st.member.name,
+                                    architecture=st.member.describe(st.input_size)))
     teacher, unavailable = (None, None) if tt is None else _teacher_candidate(ds, tt, threads)
     if teacher is not None:
         val_acc = float(np.mean(teacher["val_probs"].argmax(1) == np.asarray(ds["val"].labels)))
@@ -278,7 +307,7 @@ def out_of_domain_summary(model, ds, contract, threshold) -> dict[str, Any]:
 
 
 def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold, teacher_info, params: int,
-                  chosen: dict[str, Any], best_student: str, run_id: str) -> dict:
+                  chosen: dict[str, Any], best_student: str, run_id: str, input_size: int) -> dict:
     variants = {}
     for name, r in results.items():
         ts = evaluated[name].get("test_summary")
@@ -287,10 +316,12 @@ def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold,
                           "test_accuracy": None if ts is None else ts["accuracy"],
                           "device": r.device, "mixed_precision": r.mixed_precision}
     gain = None
-    if "distilled" in variants and "scratch" in variants:
-        gain = {"val": variants["distilled"]["val_accuracy"] - variants["scratch"]["val_accuracy"],
-                "test": None if variants["scratch"]["test_accuracy"] is None
-                else variants["distilled"]["test_accuracy"] - variants["scratch"]["test_accuracy"]}
+    member = best_student[:best_student.rfind("/") + 1]  # "m/" in a family run: the gain of the best student's member
+    distilled, scratch = variants.get(member + "distilled"), variants.get(member + "scratch")
+    if distilled is not None and scratch is not None:
+        gain = {"val": distilled["val_accuracy"] - scratch["val_accuracy"],
+                "test": None if scratch["test_accuracy"] is None
+                else distilled["test_accuracy"] - scratch["test_accuracy"]}
     return {
         "run_id": run_id,
         "winner": winner,
@@ -309,7 +340,7 @@ def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold,
         "config": cfg.to_dict(),
         "hardware": describe_hardware(device=results[best_student].device),
         "dataset": {"root": str(ds.root), "counts": {s: len(ds[s]) for s in ds.splits},
-                    "image_size": ds.image_size, "input_size": student_input_size(cfg, ds.image_size)},
+                    "image_size": ds.image_size, "input_size": input_size},
     }
 
 

@@ -1,14 +1,17 @@
 """Which model a distill run keeps: the best of its candidates on validation, within a serving budget.
 
-Candidates: the students the run trained (``distilled``, ``scratch``) and, when the teacher folder holds
-a servable fine-tuned teacher (``teacher.onnx``, pipeline/teachers/served.py), the ``teacher``. Each is
-weighed by its validation accuracy, its size (parameters) and its latency (milliseconds per photo at
-batch 1 on this machine, :func:`measure_ms`). The rule (:func:`choose`):
+Candidates: the students the run trained (``distilled``, ``scratch``; with several members of the student
+family, pipeline/models/family.py, each member's, named ``<member>/distilled`` and ``<member>/scratch``
+after their folders in the run) and, when the teacher folder holds a servable fine-tuned teacher
+(``teacher.onnx``, pipeline/teachers/served.py), the ``teacher``. Each is weighed by its validation
+accuracy, its size (parameters) and its latency (milliseconds per photo at batch 1 on this machine,
+:func:`measure_ms`). The rule (:func:`choose`):
 
 1. A candidate is within the budget when its parameters are at most ``max_params`` and its latency at
    most ``max_ms`` (0: no limit on that figure).
-2. The best student within the budget on validation accuracy is the default choice (ties go to
-   ``scratch``: distillation has to earn its place).
+2. The best student within the budget on validation accuracy is the default choice. Ties go to the
+   smaller student (parameters), then the faster (ms per photo), then ``scratch``: a bigger model and
+   distillation each have to earn their place.
 3. The teacher replaces it when the teacher is within the budget and its validation accuracy is at
    least ``teacher_margin`` above that student's, or when no student is within the budget.
 4. When no candidate is within the budget, the best student is kept and the report says so (a run
@@ -22,12 +25,13 @@ is expected to stay, as before (the rule has not been re-run on those validation
 where the 64 px student sees too little of a small insect (test: teacher 80.1 %, student 41.1 %), the
 teacher would be shipped.
 
-Both students share one architecture, so they share one size and one latency figure: measured once,
-noise can never put one inside a latency budget and the other outside.
+The two students of one member share one architecture, so they share one size and one latency figure:
+measured once, noise can never put one inside a latency budget and the other outside.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -76,7 +80,7 @@ class Budget(Record):
 class Candidate(Record):
     """One row of the report's candidate table."""
 
-    name: str                         # distilled | scratch | teacher
+    name: str                         # distilled | scratch | teacher, or <member>/distilled | <member>/scratch
     kind: Literal["student", "teacher"]
     val_accuracy: float
     test_accuracy: float | None
@@ -85,6 +89,18 @@ class Candidate(Record):
     within_budget: bool = True
     kept: bool = False
     why: str = ""
+    member: str | None = None         # the student's family member (pipeline/models/family.py)
+    architecture: str | None = None   # the student's widths and input size, in words
+
+    @property
+    def is_scratch(self) -> bool:
+        return self.kind == "student" and self.name.rsplit("/", 1)[-1] == "scratch"
+
+    @property
+    def rank(self) -> tuple[float, int, float, bool]:
+        """Higher is better: validation accuracy, then fewer parameters, then fewer ms, then scratch."""
+        return (self.val_accuracy, -self.params, -(math.inf if self.ms_per_photo is None else self.ms_per_photo),
+                self.is_scratch)
 
 
 @dataclass(frozen=True)
@@ -98,6 +114,7 @@ class Selection(Record):
     within_budget: bool               # False: nothing fitted, the best student was kept anyway
     teacher_unavailable: str | None = None  # why the teacher was not a candidate (None: it was, or no teacher)
     timing: dict[str, Any] | None = None     # how ms_per_photo was measured (backend, threads, batch)
+    best_student: str | None = None   # the best student by the rule (best.npz's), kept or not
 
 
 def _pts(x: float) -> str:
@@ -112,7 +129,7 @@ def choose(candidates: Sequence[Candidate], budget: Budget, teacher_unavailable:
         raise ValueError("choose() needs at least one student candidate")
 
     def best(of: Sequence[Candidate]) -> Candidate:
-        return max(of, key=lambda c: (c.val_accuracy, c.name == "scratch"))
+        return max(of, key=lambda c: c.rank)
 
     fitting = [c for c in students if c.within_budget]
     student = best(fitting or students)
@@ -140,12 +157,14 @@ def choose(candidates: Sequence[Candidate], budget: Budget, teacher_unavailable:
             reason = (f"{_pts(gain)} on validation over the best student ({student.name}), less than the "
                       f"teacher_margin of {100 * budget.teacher_margin:g} points: the smaller model is kept")
         elif c.val_accuracy == kept.val_accuracy and kept.kind == "student":
-            reason = "ties on validation with the kept student, which is the simpler recipe"
+            reason = "ties on validation with the kept student, which is " + (
+                "smaller" if c.params > kept.params else "faster" if c.rank[2] < kept.rank[2] else "the simpler recipe")
         else:
             reason = f"{_pts(c.val_accuracy - kept.val_accuracy)} on validation against the kept {kept.name}"
         rows[name] = replace(c, why=reason)
     return Selection(kept=kept.name, why=why, budget=budget, candidates=tuple(rows.values()),
-                     within_budget=kept.within_budget, teacher_unavailable=teacher_unavailable)
+                     within_budget=kept.within_budget, teacher_unavailable=teacher_unavailable,
+                     best_student=student.name)
 
 
 def measure_ms(model: Module, input_size: int, threads: int, seconds: float = 0.5) -> tuple[float, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -33,6 +34,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--max-ms", type=float, metavar="MS",
                    help="serving budget: keep no model slower than MS milliseconds per photo at batch 1 on this "
                         "machine (0: no limit; same as --set distill.max_ms=MS)")
+    p.add_argument("--family", metavar="NAMES",
+                   help="students to train and choose from on validation, comma-separated, e.g. s,m,l or m,m@128 "
+                        "(s/m/l: the [model] widths x0.5/x1/x1.5; -ds: depthwise-separable; @PX: input size; "
+                        "same as --set model.family='[\"s\", \"m\"]')")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in <out>.partial")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
@@ -55,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"distill.max_params={args.max_params}")
     if args.max_ms is not None:
         overrides.append(f"distill.max_ms={float(args.max_ms)!r}")
+    if args.family is not None:
+        overrides.append(f"model.family={json.dumps([n.strip() for n in args.family.split(',') if n.strip()])}")
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as exc:

@@ -1,9 +1,10 @@
 """The student: a compact CNN that runs fast on a CPU and exports cleanly to ONNX.
 
-Blocks of 3x3 conv -> BatchNorm -> ReLU -> 2x2 max-pool, then global average pooling gives the
-embedding; a linear classifier gives the logits. For distillation, an optional linear projection
-maps the embedding to the teacher's feature dimension; it is used only in training and is not
-exported.
+Blocks of 3x3 conv -> BatchNorm -> ReLU -> 2x2 max-pool (or, for a ``separable`` student, blocks after
+the first made of a 3x3 depthwise conv -> BatchNorm -> ReLU -> 1x1 conv -> BatchNorm -> ReLU -> 2x2
+max-pool), then global average pooling gives the embedding; a linear classifier gives the logits. For
+distillation, an optional linear projection maps the embedding to the teacher's feature dimension; it
+is used only in training and is not exported.
 
 ``StudentSpec`` is the one description of a student's architecture: the recipe's ``[model]``
 section and the dataset's class count make one, distillation builds the network from it, and it is
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 
@@ -30,18 +31,28 @@ def conv_block(cin: int, cout: int, rng: np.random.Generator | None = None) -> n
                          nn.MaxPool2d(2))
 
 
+def separable_block(cin: int, cout: int, rng: np.random.Generator | None = None) -> nn.Sequential:
+    """A depthwise-separable block: 9 * cin + cin * cout conv weights instead of 9 * cin * cout. It ends in
+    BatchNorm -> ReLU -> max-pool like :func:`conv_block`, so the engine's fused path serves that part too."""
+    return nn.Sequential(nn.Conv2d(cin, cin, 3, padding=1, groups=cin, bias=False, rng=rng), nn.BatchNorm2d(cin),
+                         nn.ReLU(), nn.Conv2d(cin, cout, 1, bias=False, rng=rng), nn.BatchNorm2d(cout), nn.ReLU(),
+                         nn.MaxPool2d(2))
+
+
 class StudentCNN(nn.Module):
     """The student network; ``rng`` gives its initial weights and its dropout masks, in that order (the
     trainer passes one made from the recipe's seed, see :mod:`leaflens.engine.random`)."""
 
     def __init__(self, num_classes: int, widths: Sequence[int] = (32, 64, 128), in_channels: int = 3,
-                 teacher_dim: int | None = None, dropout: float = 0.0, *, rng: np.random.Generator | None = None):
+                 teacher_dim: int | None = None, dropout: float = 0.0, *, separable: bool = False,
+                 rng: np.random.Generator | None = None):
         super().__init__()
         if not widths:
             raise ValueError("StudentCNN needs at least one conv block width")
         self.widths = list(widths)
         chans = [in_channels, *widths]
-        self.features = nn.Sequential(*[conv_block(a, b, rng) for a, b in zip(chans[:-1], chans[1:])])
+        self.features = nn.Sequential(*[(separable_block if separable and i else conv_block)(a, b, rng)
+                                        for i, (a, b) in enumerate(zip(chans[:-1], chans[1:]))])
         self.pool = nn.GlobalAvgPool2d()
         self.dropout = nn.Dropout(dropout, rng=rng) if dropout else nn.Identity()
         self.classifier = nn.Linear(widths[-1], num_classes, rng=rng)
@@ -80,22 +91,27 @@ class StudentSpec(Record):
     """A student's architecture, as a run's checkpoint records it (``model_config``).
 
     ``in_channels`` and ``dropout`` have defaults only because checkpoints written before they were
-    recorded lack them (RGB input, no dropout); a recipe's values come from ``[model]``.
+    recorded lack them (RGB input, no dropout); a recipe's values come from ``[model]``. ``block`` is
+    recorded only for depthwise-separable students (absent: 3x3 conv blocks, as every run before it).
     """
 
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"block"})
     num_classes: int
     widths: tuple[int, ...]
     in_channels: int = 3
     dropout: float = 0.0
     kind: Literal["student_cnn"] = "student_cnn"
+    block: Literal["separable"] | None = None
 
     @classmethod
     def from_recipe(cls, model: ModelSection, num_classes: int) -> StudentSpec:
         """The student the recipe's ``[model]`` section describes, for ``num_classes`` classes."""
-        return cls(num_classes=num_classes, widths=tuple(model.widths), dropout=model.dropout)
+        return cls(num_classes=num_classes, widths=tuple(model.widths), dropout=model.dropout,
+                   block="separable" if model.block == "separable" else None)
 
     def build(self, rng: np.random.Generator, teacher_dim: int | None = None) -> StudentCNN:
         """The network (with a distillation projection to ``teacher_dim`` when given), its initial weights
         and dropout masks drawn from ``rng``."""
         return StudentCNN(self.num_classes, widths=self.widths, in_channels=self.in_channels,
-                          teacher_dim=teacher_dim, dropout=self.dropout, rng=rng)
+                          teacher_dim=teacher_dim, dropout=self.dropout, separable=self.block == "separable",
+                          rng=rng)

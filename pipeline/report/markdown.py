@@ -5,7 +5,8 @@ noted, and a missing one is written as "not recorded" rather than failing the re
 
 - ``run_id``: str
 - ``winner`` (or ``kept``): "distilled", "scratch" or "teacher", the model the run keeps (chosen on validation
-  within the serving budget); ``best_student``: the better student when the teacher is kept
+  within the serving budget), or "<member>/distilled" / "<member>/scratch" in a run of several student family
+  members; ``best_student``: the better student when the teacher is kept
 - ``selection``: :class:`leaflens.pipeline.selection.Selection` as a dict (every candidate's accuracy, size and
   latency, the budget, and why the kept one was kept); the "Kept model" section is left out when absent
 - ``variants`` (or ``candidates``): {"distilled": {"val_accuracy", "test_accuracy", "best_epoch",
@@ -112,29 +113,40 @@ def _kept_section(report: Mapping[str, Any]) -> list[str]:
              f"Latency: median milliseconds per photo at batch 1 on this machine ({timing.get('backend', '?')}, "
              f"{timing.get('threads', '?')} threads; the network alone, without decoding the photo).", ""]
     rows = []
-    for c in sel.get("candidates") or []:
+    cands = sel.get("candidates") or []
+    # a family run (several student members): say what each student is (widths, input size)
+    family = len({c.get("member") for c in cands if c.get("kind") == "student"}) > 1
+    for c in cands:
         params = c.get("params")
         ms = _float(c.get("ms_per_photo"))
-        rows.append([c.get("name"), _pct(c.get("val_accuracy")), _pct(c.get("test_accuracy")),
+        arch = [c.get("architecture") or ("EfficientNet-Lite0" if c.get("kind") == "teacher" else "")] if family else []
+        rows.append([c.get("name"), *arch, _pct(c.get("val_accuracy")), _pct(c.get("test_accuracy")),
                      f"{int(params):,}" if isinstance(params, (int, float)) else "not recorded",
                      "not measured" if ms is None else f"{ms:.2f}", "yes" if c.get("within_budget") else "no",
                      ("**kept**: " if c.get("kept") else "") + str(c.get("why", ""))])
-    lines += _table(["candidate", "val accuracy", "test accuracy", "parameters", "ms per photo", "within budget",
-                     "kept / why not"], rows, ["l", "r", "r", "r", "r", "l", "l"])
+    lines += _table(["candidate", *(["network"] if family else []), "val accuracy", "test accuracy", "parameters",
+                     "ms per photo", "within budget", "kept / why not"],
+                    rows, ["l", *(["l"] if family else []), "r", "r", "r", "r", "l", "l"])
     if sel.get("teacher_unavailable"):
         lines += ["", f"The teacher was not a candidate: {sel['teacher_unavailable']}"]
     return lines + [""]
 
 
 def _winner_section(report: Mapping[str, Any]) -> list[str]:
+    """Distilled against scratch; in a family run, the two students of the best student's member."""
     cands = _candidates(report)
-    d_val = _float((cands.get("distilled") or {}).get("val_accuracy"))
-    s_val = _float((cands.get("scratch") or {}).get("val_accuracy"))
     kept = _kept(report)
     teacher_kept = kept == "teacher"
     if teacher_kept:
         kept = report.get("best_student")
+    member = str(kept or "")[:str(kept or "").rfind("/") + 1]  # "m/" in a family run, else ""
+    kept = kept[len(member):] if isinstance(kept, str) else kept
+    d_val = _float((cands.get(member + "distilled") or {}).get("val_accuracy"))
+    s_val = _float((cands.get(member + "scratch") or {}).get("val_accuracy"))
     lines = ["## Distilled or scratch", ""]
+    if member:
+        lines += [f"The two students of family member {member[:-1]}, the best student's (every member is in the "
+                  "table above):", ""]
     if d_val is not None and s_val is not None:
         if kept not in ("distilled", "scratch"):
             kept = "distilled" if d_val > s_val else "scratch"
@@ -152,9 +164,9 @@ def _winner_section(report: Mapping[str, Any]) -> list[str]:
         lines.append("")
         rows = []
         for name in ("distilled", "scratch"):
-            c = cands.get(name) or {}
+            c = cands.get(member + name) or {}
             mark = (" (better)" if teacher_kept else " (kept)") if name == kept else ""
-            rows.append([name + mark, _pct(c.get("val_accuracy")),
+            rows.append([member + name + mark, _pct(c.get("val_accuracy")),
                          _pct(c.get("test_accuracy"))])
         lines += _table(["student", "val accuracy", "test accuracy"], rows)
     elif s_val is not None or kept == "scratch":

@@ -11,10 +11,14 @@ owns the rules that must be the same for all of them:
   statistics its forward pass updated are put back: a non-finite input would otherwise poison them
   for good), counted in the epoch's ``skipped_steps``, written with the batch's dataset rows to
   ``faults.jsonl``, and
-  ``max_bad_steps`` of them in a row stop the run with :class:`TrainingStopped` (``last.npz`` keeps the
-  state to resume from when the weights are still finite). A step skipped because its float16
-  gradients overflowed at a loss scale above 1 is ordinary dynamic loss scaling, counted apart
-  (``amp_skipped_steps``), not a fault. Weights that turn non-finite during an epoch stop the run at once;
+  ``max_bad_steps`` of them in a row stop the run with :class:`TrainingStopped`. A step skipped because
+  its float16 gradients overflowed at a loss scale above 1 is ordinary dynamic loss scaling, counted
+  apart (``amp_skipped_steps``), not a fault. Weights that turn non-finite during an epoch stop the run
+  at once. A stop rewinds ``last.npz`` to the last sound state (see :class:`_RewindPoint`): the end of
+  the last epoch that finished before the faults began with a finite validation loss, or the initial
+  state; the message names it. A diverging run's last steps before its first non-finite loss leave
+  weights that are finite but enormous, so resuming from them with a lower learning rate would only
+  diverge again;
 - after every epoch: validation, a line in ``metrics.jsonl``, ``last.npz`` (model, optimiser,
   scheduler, generator states, the task's position, history: everything to resume exactly), and
   ``best.npz`` when :func:`is_better_epoch` says the epoch beats the best so far (higher validation
@@ -25,7 +29,7 @@ owns the rules that must be the same for all of them:
   loss terms and the accuracy counts are summed on the device and read every ``log_every`` steps for
   the progress bar and at the epoch's end (``leaflens.pipeline.host_syncs`` counts this on the CPU).
 
-Checkpoints are written at epoch ends (a run stopped by faults restarts its epoch from the start), and
+Checkpoints are written at epoch ends (a run stopped by faults restarts from an epoch's start), and
 batches carry their dataset rows (``indices``), so whatever a task looks up per row never depends on
 recomputing a shuffle order.
 """
@@ -37,6 +41,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -48,7 +53,7 @@ from tqdm import tqdm
 
 from leaflens.engine import NonFiniteLossError, Tensor, ops
 from leaflens.engine.amp import GradScaler, train_step
-from leaflens.engine.checkpoint import load_checkpoint, save_checkpoint
+from leaflens.engine.checkpoint import CheckpointError, load_checkpoint, read_checkpoint_arrays, save_checkpoint
 from leaflens.engine.deferred import read_floats
 from leaflens.engine.nn import Module
 from leaflens.engine.optim.optimizer import Optimizer
@@ -56,6 +61,7 @@ from leaflens.engine.optim.schedulers import Scheduler
 from leaflens.files import write_text_atomic
 
 LAST, BEST, METRICS, FAULTS = "last.npz", "best.npz", "metrics.jsonl", "faults.jsonl"
+REWIND = "rewind.npz"  # the state a stop on numerical faults puts back as last.npz (see _RewindPoint)
 
 
 class TrainingStopped(RuntimeError):
@@ -191,6 +197,7 @@ class _State:
     best_loss: float = math.inf
     best_epoch: int = -1  # 0-based
     train_seconds: float = 0.0
+    bad_streak: int = 0   # consecutive non-finite steps so far (a streak may span epochs)
 
 
 def run_training(run_dir: str | os.PathLike[str], task: TrainingTask, settings: LoopSettings,
@@ -202,23 +209,27 @@ def run_training(run_dir: str | os.PathLike[str], task: TrainingTask, settings: 
     last = run_dir / LAST
     scaler = GradScaler(enabled=settings.mixed_precision)
     state = _State()
-    start_epoch = 0
-    if resume and last.exists():
-        start_epoch = _resume(last, task, scaler, state, run_dir)
-    elif not resume:
-        for name in (LAST, BEST, METRICS, FAULTS):
-            (run_dir / name).unlink(missing_ok=True)
+    rewind = _RewindPoint(run_dir / REWIND, last)
 
-    def checkpoint_last(epoch_done: int) -> None:
-        save_checkpoint(last, task.model, task.optimizer, task.scheduler, epoch=epoch_done,
+    def checkpoint_last(epoch_done: int, path: Path = last) -> None:
+        save_checkpoint(path, task.model, task.optimizer, task.scheduler, epoch=epoch_done,
                         step=task.scheduler.last_step, generators=task.generators,
                         extra={**extra_meta, "train_state": {
                             "history": state.history, "best_acc": state.best_acc, "best_loss": state.best_loss,
                             "best_epoch": state.best_epoch, "train_seconds": state.train_seconds,
-                            "loader": task.position(epoch_done + 1),
+                            "bad_streak": state.bad_streak, "loader": task.position(epoch_done + 1),
                             "grad_scaler": scaler.state_dict() if scaler.enabled else None}})
 
-    bad_streak = 0
+    start_epoch = 0
+    if resume and last.exists():
+        start_epoch = _resume(last, task, scaler, state, run_dir)
+        rewind.resumed(start_epoch - 1, state.bad_streak, _sound_end(state.history))
+    else:
+        if not resume:
+            for name in (LAST, BEST, METRICS, FAULTS, REWIND):
+                (run_dir / name).unlink(missing_ok=True)
+        checkpoint_last(-1, rewind.path)  # the initial state: where a stop in the first epoch rewinds to
+
     stopped_early = False
     for epoch in range(start_epoch, settings.epochs):
         patience = settings.early_stopping_patience
@@ -241,21 +252,22 @@ def run_training(run_dir: str | os.PathLike[str], task: TrainingTask, settings: 
                 for buf, before in zip(buffers, saved):  # a batch left out leaves no trace in the model
                     buf[...] = before
                 skipped += 1
-                bad_streak += 1
+                state.bad_streak += 1
                 _append_jsonl(run_dir / FAULTS, {"epoch": epoch, "batch": int(batch.number),
                                                   "rows": np.asarray(batch.indices).tolist(), "error": str(exc)})
-                if bad_streak >= settings.max_bad_steps:
-                    if _finite_state(task.model):  # bad data, sound weights: keep them, rerun this epoch
-                        checkpoint_last(epoch - 1)
+                if state.bad_streak >= settings.max_bad_steps:
                     raise TrainingStopped(
-                        f"{settings.label}: {bad_streak} consecutive non-finite losses/gradients (last at epoch "
-                        f"{epoch + 1}, batch {batch.number}; rows in {run_dir / FAULTS}). "
-                        f"{_resume_hint(task.model, last, settings)}") from exc
+                        f"{settings.label}: {state.bad_streak} consecutive non-finite losses/gradients (last at "
+                        f"epoch {epoch + 1}, batch {batch.number}; rows in {run_dir / FAULTS}). Check the data, "
+                        f"or lower {settings.lr_setting} if the training loss grew before (in {run_dir / METRICS}); "
+                        f"{_resume_hint(rewind.rewind(), last, settings)}") from exc
                 continue
             if result.overflow:
                 amp_skipped += 1
                 continue
-            bad_streak = 0
+            if state.bad_streak:
+                state.bad_streak = 0
+                rewind.streak_ended()
             task.scheduler.step()
             steps += 1
             if settings.progress and epoch == start_epoch and steps == 2:
@@ -275,9 +287,10 @@ def run_training(run_dir: str | os.PathLike[str], task: TrainingTask, settings: 
                 bar.set_postfix(loss=f"{sums.read(['loss'])['loss'] / steps:.4f}")
         elapsed = time.perf_counter() - t0
         state.train_seconds += elapsed
-        if not _finite_state(task.model):  # a step with a finite loss blew the weights up: keep the last good state
+        if not _finite_state(task.model):  # a step with a finite loss blew the weights up
             raise TrainingStopped(f"{settings.label}: the weights became non-finite during epoch {epoch + 1} "
-                                  f"({settings.lr_setting} too high?). {_resume_hint(task.model, last, settings)}")
+                                  f"({settings.lr_setting} too high?): lower {settings.lr_setting}; "
+                                  f"{_resume_hint(rewind.rewind(), last, settings)}")
         val_acc, val_loss = task.validate()
         row: dict[str, Any] = {
             "epoch": epoch + 1, "lr": task.scheduler.get_lr()[0], "val_acc": val_acc, "val_loss": val_loss,
@@ -297,12 +310,83 @@ def run_training(run_dir: str | os.PathLike[str], task: TrainingTask, settings: 
             save_checkpoint(run_dir / BEST, task.model, epoch=epoch, step=task.scheduler.last_step,
                             extra={**extra_meta, "metrics": {"val_accuracy": val_acc}})
         checkpoint_last(epoch)
+        rewind.epoch_ended(epoch, state.bad_streak, _sound_end(state.history))
         if settings.progress:
             tqdm.write(f"{settings.label} epoch {epoch + 1}/{settings.epochs}: loss "
                        f"{row.get('train_loss', float('nan')):.4f} val acc {val_acc:.4f} (best {state.best_acc:.4f}) "
                        f"{row['images_per_s']:.0f} img/s")
+    rewind.discard()
     return RunResult(run_dir, state.best_acc, state.best_epoch + 1, len(state.history), state.train_seconds,
                      state.history, stopped_early, device=device, mixed_precision=settings.mixed_precision)
+
+
+class _RewindPoint:
+    """The state a stop on numerical faults puts back as ``last.npz``: the initial state, or the end of the
+    latest epoch that finished before the stopping streak of faults began, with a finite validation loss.
+
+    ``last.npz`` is always the latest epoch's end (a killed run resumes exactly from it), but that state
+    can already be on the way to divergence: an epoch that ended inside a streak of non-finite steps, or
+    whose validation loss overflowed, holds weights the steps before the faults blew up. A lower learning
+    rate cannot bring those back, so a stop rewinds past them. The point lives in ``rewind.npz`` in the run
+    folder: a hard link to ``last.npz`` while both are the same state (no extra write per epoch), a file of
+    its own once ``last.npz`` moves on to a state not yet known to be sound; a run that finishes removes it.
+    """
+
+    def __init__(self, path: Path, last: Path) -> None:
+        self.path, self.last = path, last
+        self.epoch = -1             # 0-based epoch whose end ``path`` holds; -1: the initial state
+        self.pending: int | None = None  # last.npz's epoch, sound but ended inside a streak: kept once it ends
+
+    def resumed(self, epoch: int, bad_streak: int, sound: bool) -> None:
+        """After resuming from ``last.npz`` (the end of ``epoch``): keep the saved point when last.npz is not
+        (yet) one; a run folder without a point has only last.npz to offer."""
+        if not self.path.exists() or (sound and not bad_streak):
+            self._take_last(epoch)
+            return
+        try:
+            self.epoch = int(read_checkpoint_arrays(self.path)[0]["epoch"])
+        except (CheckpointError, KeyError, TypeError, ValueError):
+            self._take_last(epoch)
+            return
+        self.pending = epoch if sound else None
+
+    def epoch_ended(self, epoch: int, bad_streak: int, sound: bool) -> None:
+        """``last.npz`` now holds the end of ``epoch``: the point when sound and no streak of faults is open."""
+        self.pending = None
+        if sound and not bad_streak:
+            self._take_last(epoch)
+        elif sound:
+            self.pending = epoch
+
+    def streak_ended(self) -> None:
+        """A step succeeded after faults: an epoch end inside that streak came before any later one."""
+        if self.pending is not None:
+            self._take_last(self.pending)
+            self.pending = None
+
+    def rewind(self) -> int | None:
+        """Put the point back as ``last.npz``; its epoch (-1: the initial state), None when there is none."""
+        if not self.path.exists():
+            return None
+        if self.last.exists() and self.path.samefile(self.last):  # rename() between two links to one file is a no-op
+            self.path.unlink()
+        else:
+            os.replace(self.path, self.last)
+        return self.epoch
+
+    def discard(self) -> None:
+        self.path.unlink(missing_ok=True)
+        self.path.with_name(self.path.name + ".tmp").unlink(missing_ok=True)  # left by a kill in _take_last
+
+    def _take_last(self, epoch: int) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(self.last, tmp)
+        except OSError:  # a file system without hard links: a copy costs one more write of the state
+            shutil.copyfile(self.last, tmp)
+        os.replace(tmp, self.path)
+        self.epoch = epoch
 
 
 class _DeviceSums:
@@ -341,6 +425,7 @@ def _resume(last: Path, task: TrainingTask, scaler: GradScaler, state: _State, r
     state.history, state.best_acc, state.best_epoch = st["history"], st["best_acc"], st["best_epoch"]
     state.best_loss = st["best_loss"]
     state.train_seconds = st["train_seconds"]
+    state.bad_streak = int(st.get("bad_streak", 0))  # absent from checkpoints written before it was saved
     task.restore_position(st["loader"])
     if scaler.enabled and st.get("grad_scaler"):
         scaler.load_state_dict(st["grad_scaler"])
@@ -353,17 +438,22 @@ def _finite_state(model: Module) -> bool:
     return all(bool(np.isfinite(v).all()) for v in model.state_dict().values())
 
 
-def _resume_hint(model: Module, last: Path, settings: LoopSettings) -> str:
-    """What the user can do after a stop on numerical faults, given which checkpoint is usable."""
-    again = "then rerun with --resume" if settings.resumable else "then run the stage again"
-    if _finite_state(model):
-        state = f" (state saved in {last})" if settings.resumable else ""
-        return f"Check the data (or lower {settings.lr_setting}), {again}{state}."
-    if last.exists() and settings.resumable:
-        return (f"{last} still holds the last finite state (end of the previous epoch): lower "
-                f"{settings.lr_setting}, {again}.")
-    return (f"No epoch finished with finite weights, so there is nothing to resume: lower {settings.lr_setting} "
-            "and rerun." if settings.resumable else f"Lower {settings.lr_setting}, {again}.")
+def _sound_end(history: list[dict[str, Any]]) -> bool:
+    """Whether the latest epoch end may be rewound to: its validation loss is finite (an overflowing forward
+    pass on clean validation photos means the weights already blew up); the initial state (no epoch) is."""
+    return not history or math.isfinite(history[-1]["val_loss"])
+
+
+def _resume_hint(rewound_to: int | None, last: Path, settings: LoopSettings) -> str:
+    """The end of a stop message: how to go on, and which state ``last.npz`` now holds (``rewound_to``: the
+    epoch whose end it is, 0-based; -1: the initial state; None: no sound state was kept)."""
+    if not settings.resumable:
+        return "then run the stage again."
+    if rewound_to is None:
+        return f"then rerun without --resume: no sound state was kept to resume from ({last} is not one)."
+    where = ("the initial state (no epoch ended soundly before the faults began)" if rewound_to < 0 else
+             f"the state at the end of epoch {rewound_to + 1}, the last sound one before the faults began")
+    return f"then rerun with --resume, which starts from {where}: {last} was rewound to it."
 
 
 def _append_jsonl(path: Path, row: dict[str, Any]) -> None:

@@ -122,6 +122,83 @@ def test_repeated_non_finite_steps_stop_the_run_with_advice(tmp_path, resumable)
     assert meta["epoch"] == -1 and all(np.isfinite(v).all() for v in arrays.values())
 
 
+class ScheduledFaults(ToyTask):
+    """ToyTask whose batches ``(epoch, number)`` in ``bad`` have a non-finite loss (NaN inputs), and whose
+    validation loss overflows (NaN) after epoch ``nan_val`` (0-based), as a diverged model's does."""
+
+    def __init__(self, bad: set[tuple[int, int]], nan_val: int | None = None) -> None:
+        super().__init__()
+        self.bad, self.nan_val, self.epoch = bad, nan_val, 0
+
+    def batches(self, epoch: int):
+        self.epoch = epoch
+        for b in super().batches(epoch):
+            yield b._replace(inputs=np.full_like(b.inputs, np.nan)) if (epoch, b.number) in self.bad else b
+
+    def validate(self) -> tuple[float, float]:
+        acc, loss = super().validate()
+        return (acc, float("nan")) if self.epoch == self.nan_val else (acc, loss)
+
+
+def _stopped(run_dir, task: ToyTask, resume: bool = False) -> str:
+    with pytest.raises(TrainingStopped) as stop:
+        run_training(run_dir, task, _settings(), {}, resume=resume)
+    return str(stop.value)
+
+
+# (faulty batches as (epoch, batch), epoch whose validation loss is NaN, epoch whose end a stop rewinds to)
+REWINDS = {
+    "first epoch: the initial state": ({(0, 2), (0, 3), (1, 0)}, None, -1),
+    "later epoch: its start": ({(2, 0), (2, 1), (2, 2)}, None, 1),
+    "streak across an epoch end: the end before it": ({(1, 3), (2, 0), (2, 1)}, None, 0),
+    "a streak that ended does not hold the point back": ({(0, 3), (2, 0), (2, 1), (2, 2)}, None, 1),
+    "an epoch with a NaN validation loss is passed over": ({(2, 0), (2, 1), (2, 2)}, 1, 0),
+}
+
+
+@pytest.mark.parametrize("bad,nan_val,expected", REWINDS.values(), ids=REWINDS.keys())
+def test_a_stop_rewinds_last_to_the_last_sound_state_before_the_faults(tmp_path, bad, nan_val, expected):
+    """The steps before a divergence's first non-finite loss leave finite but enormous weights: a stop puts
+    back the last epoch end that came before the faults began (with a finite validation loss), or the
+    initial state, says which, and a resumed run goes on from there."""
+    msg = _stopped(tmp_path, ScheduledFaults(bad, nan_val))
+    where = "the initial state" if expected < 0 else f"the state at the end of epoch {expected + 1}, the last sound"
+    assert f"--resume, which starts from {where}" in msg, msg
+    meta, arrays = read_checkpoint_arrays(tmp_path / training.LAST)
+    assert meta["epoch"] == expected and all(np.isfinite(v).all() for v in arrays.values())
+    assert meta["step"] == 4 * (expected + 1) - sum(e <= expected for e, _ in bad)  # no step from after it
+    assert len(meta["extra"]["train_state"]["history"]) == expected + 1
+    assert not (tmp_path / training.REWIND).exists()
+    task = ToyTask()  # the cause fixed
+    result = run_training(tmp_path, task, _settings(), {}, resume=True)
+    assert task.validated == 3 - expected and result.epochs_run == 4
+    assert len(_rows(tmp_path / training.METRICS)) == 4 and not (tmp_path / training.REWIND).exists()
+
+
+def test_a_run_killed_inside_a_streak_of_faults_resumes_it_and_still_rewinds_past_it(tmp_path, monkeypatch):
+    """Killed right after an epoch that ended inside a streak: the resumed run counts the streak on and a
+    stop still rewinds to the state from before it, as the uninterrupted run does."""
+    bad = {(1, 3), (2, 0), (2, 1)}
+    real = training.save_checkpoint
+    calls = {"n": 0}
+
+    def dying_save(path, *a, **k):
+        real(path, *a, **k)
+        if path.name == training.LAST:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise KeyboardInterrupt("simulated crash after epoch 2")
+
+    monkeypatch.setattr(training, "save_checkpoint", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(tmp_path, ScheduledFaults(bad), _settings(), {})
+    monkeypatch.setattr(training, "save_checkpoint", real)
+    assert read_checkpoint_arrays(tmp_path / training.REWIND)[0]["epoch"] == 0  # last.npz is inside the streak
+    msg = _stopped(tmp_path, ScheduledFaults(bad), resume=True)
+    assert msg.startswith("model: 3 consecutive non-finite losses/gradients (last at epoch 3, batch 1;"), msg
+    assert read_checkpoint_arrays(tmp_path / training.LAST)[0]["epoch"] == 0 and "end of epoch 1," in msg
+
+
 def test_resume_continues_exactly(tmp_path, monkeypatch):
     full = run_training(tmp_path / "full", ToyTask(), _settings(), {})
     real = training.save_checkpoint

@@ -112,16 +112,33 @@ def test_every_batch_poisoned_stops_with_exit_3_and_resumes_after_the_fix(data, 
     assert report["variants"]["distilled"]["epochs_run"] == 3 and _finite_checkpoint(out / "best.npz")
 
 
-def test_divergence_stops_without_a_non_finite_checkpoint(data, capsys):
+def test_divergence_stops_and_rewinds_to_a_state_a_lower_lr_resumes_from(data, capsys):
+    """lr 1e8 blows the weights up on the first step (finite but enormous: a training loss of ~1e16 here),
+    and the losses turn non-finite within the first epoch. Resuming from those weights diverges again at any
+    learning rate (or not, by the luck of rounding), so the stop must rewind last.npz to the last sound state,
+    here the initial one, and say so; then the advice, a lower train.lr and --resume, must work every time."""
     tmp, ds_dir = data
     out = tmp / "run_lr"
     code = _distill(ds_dir, None, out, "--set", "train.lr=1e8")
     err = capsys.readouterr().err
     assert code == 3, err
-    assert "non-finite" in err and "lower train.lr" in err
-    for ckpt in (tmp / "run_lr.partial" / "scratch").glob("*.npz"):
+    assert "non-finite" in err and "lower train.lr" in err and "--resume" in err
+    assert "starts from the initial state (no epoch ended soundly before the faults began)" in err, err
+    scratch = tmp / "run_lr.partial" / "scratch"
+    for ckpt in scratch.glob("*.npz"):
         assert _finite_checkpoint(ckpt), f"{ckpt} holds non-finite weights"
-    assert _distill(ds_dir, None, out, "--resume") == 0, capsys.readouterr().err
+    first_fault = json.loads((scratch / "faults.jsonl").read_text().splitlines()[0])
+    assert first_fault["epoch"] == 0 and first_fault["batch"] > 0  # steps were taken before the faults began
+    meta, arrays = read_checkpoint_arrays(scratch / "last.npz")
+    assert meta["epoch"] == -1 and meta["step"] == 0 and meta["extra"]["train_state"]["history"] == []
+    weights = [v for k, v in arrays.items() if k.startswith("model/") and v.dtype.kind == "f"]
+    assert max(float(np.abs(w).max()) for w in weights) < 100, "last.npz holds the blown-up weights"
+    assert not (scratch / "rewind.npz").exists()
+    lowered = "train.lr=0.01"  # the suite's own lr, 1e-10 of the one that diverged
+    assert _distill(ds_dir, None, out, "--set", lowered, "--resume") == 0, capsys.readouterr().err
+    metrics = [json.loads(line) for line in (out / "scratch" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 3 and all(m["lr"] <= 0.01 and np.isfinite(m["val_loss"]) for m in metrics)
+    assert _finite_checkpoint(out / "best.npz")
 
 
 def test_resume_uses_the_configured_learning_rate(data, tmp_path):

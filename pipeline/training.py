@@ -174,8 +174,13 @@ def is_better_epoch(val_acc: float, val_loss: float, best_acc: float, best_loss:
 
     A validation split of a hundred photos moves in steps of about 1 %, so equal accuracies are common;
     the loss breaks the tie instead of the earliest epoch always winning, and early stopping counts
-    from the last epoch that really improved.
+    from the last epoch that really improved. An epoch whose val loss is not finite (its logits overflowed:
+    the weights are diverging) never beats one whose loss is, whatever its accuracy, and an epoch with a
+    finite loss beats any that is not; ``best_acc`` below 0 means no epoch yet.
     """
+    finite, best_finite = math.isfinite(val_loss), math.isfinite(best_loss)
+    if best_acc >= 0 and finite != best_finite:
+        return finite
     return val_acc > best_acc or (val_acc == best_acc and val_loss < best_loss)
 
 

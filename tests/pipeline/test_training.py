@@ -97,6 +97,16 @@ def test_kept_epoch_is_the_best_by_accuracy_then_loss_and_patience_counts_from_i
     assert is_better_epoch(0.75, 0.6, 0.75, 0.8) and not is_better_epoch(0.75, 0.8, 0.75, 0.8)
 
 
+def test_an_epoch_with_a_non_finite_val_loss_never_beats_a_finite_one():
+    """A diverging epoch (logits overflowed: val loss inf or NaN) must not become best.npz over a sound one,
+    even with a higher accuracy; a sound epoch replaces a diverged best; with none yet, it still counts."""
+    nan, inf = float("nan"), float("inf")
+    assert not is_better_epoch(0.9, nan, 0.5, 0.7) and not is_better_epoch(0.9, inf, 0.5, 0.7)
+    assert is_better_epoch(0.3, 0.9, 0.33, nan)
+    assert is_better_epoch(0.33, nan, -1.0, inf)   # the first epoch counts whatever its loss
+    assert is_better_epoch(0.5, nan, 0.33, nan)    # among diverged epochs, accuracy still decides
+
+
 def test_non_finite_steps_are_counted_logged_and_left_out(tmp_path):
     task = ToyTask(poison=(5,))
     result = run_training(tmp_path, task, _settings(), {})

@@ -61,10 +61,11 @@ def _partial_dir(out: Path) -> Path:
 
 @dataclasses.dataclass(frozen=True)
 class _Student:
-    """One trained student's setting: its family member, the recipe with the member's ``[model]``, its input
-    side on this dataset and its checkpoints' record."""
+    """One trained student's setting: its family member and variant, the recipe with the member's ``[model]``,
+    its input side on this dataset and its checkpoints' record."""
 
     member: Member
+    variant: Variant
     cfg: StageConfig
     input_size: int
     meta: RunMeta
@@ -144,7 +145,7 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
                                    dataset=dataclasses.replace(run_meta.dataset, input_size=size))
         for variant, data in variants.items():
             name = variant if len(family) == 1 else f"{member.name}/{variant}"
-            students[name] = _Student(member, mcfg, size, meta)
+            students[name] = _Student(member, variant, mcfg, size, meta)
             results[name] = train_run(work / name, mcfg, data, val.images, np.asarray(val.labels), mean, std,
                                       ds.num_classes, dataclasses.replace(meta, variant=variant).to_dict(),
                                       resume=resume, label=name, progress=progress)
@@ -177,8 +178,7 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
                      "uncertain_threshold": float(threshold["threshold"])}
     # best.npz is the best student, with its own figures; ``kept`` says when the run ships the teacher instead
     save_checkpoint(work / BEST, model, epoch=results[best_student].best_epoch, step=0,
-                    extra=dataclasses.replace(run_meta, variant=best_student.rsplit("/", 1)[-1],
-                                              metrics=student_metrics,
+                    extra=dataclasses.replace(run_meta, variant=students[best_student].variant, metrics=student_metrics,
                                               teacher=None if teacher_info is None else teacher_info.teacher,
                                               kept="teacher" if winner == "teacher" else None,
                                               kept_metrics=RunMetrics(**final_metrics) if winner == "teacher"

@@ -156,14 +156,24 @@ def _diagnose(page, lang: str) -> str:
 
 
 def _too_wide(page) -> list[str]:
-    """Visible elements that reach past the right edge of the viewport (or the page scrolling sideways)."""
+    """Visible elements that reach past the right edge of the viewport (or the page scrolling sideways).
+    An element cut off by an ancestor that clips its overflow inside the viewport is not seen past the edge
+    (Gradio's progress bar slides in from -100 % inside its clipped track while a request is pending)."""
     return page.evaluate("""() => {
         const width = document.documentElement.clientWidth, out = [];
+        const inside = r => r.left >= -1 && r.right <= width + 1;
+        const clipped = el => {
+            for (let p = el.parentElement; p && p !== document.body; p = p.parentElement) {
+                const cs = getComputedStyle(p);
+                if (/hidden|clip/.test(cs.overflowX)) return inside(p.getBoundingClientRect());
+            }
+            return false;
+        };
         if (document.documentElement.scrollWidth > width + 1) out.push('page ' + document.documentElement.scrollWidth);
         for (const el of document.querySelectorAll('body *')) {
             const r = el.getBoundingClientRect(), s = getComputedStyle(el);
             if (!r.width || !r.height || s.visibility === 'hidden' || s.display === 'none') continue;
-            if (r.right > width + 1 || r.left < -1)
+            if ((r.right > width + 1 || r.left < -1) && !clipped(el))
                 out.push(`${el.tagName}#${el.id}.${String(el.className).slice(0, 40)} ${r.left}..${r.right}`);
         }
         return out.slice(0, 10);

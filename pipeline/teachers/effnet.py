@@ -346,7 +346,7 @@ def _self_train_fresh_views(task: FreshViewTask, front: FrontRunner, back: Any, 
             return None
         parts = [logits_of(front, back, chunk, cfg.normalization, batch)
                  for chunk in iter_split_images(ds, "test", size, shorter_side(size), batch, from_arrays)]
-        return _accuracy(np.concatenate(parts), ds["test"].labels)
+        return validation_scores(np.concatenate(parts), ds["test"].labels)[0]
 
     val_logits = logits_of(front, back, task.val_images, cfg.normalization, batch)
     return run_self_training(back, ds, teacher, first_round, val_logits, unlabeled_logits, make_task,
@@ -369,13 +369,9 @@ def _self_train_cached(back: Any, fronts: dict[str, np.ndarray], mirrored: np.nd
     def test_accuracy() -> float | None:
         if "test" not in fronts or ds["test"].labels is None:
             return None
-        return _accuracy(_back_outputs(back, fronts["test"])[1], ds["test"].labels)
+        return validation_scores(_back_outputs(back, fronts["test"])[1], ds["test"].labels)[0]
 
     val_logits = _back_outputs(back, fronts["val"])[1]
     return run_self_training(back, ds, teacher, first_round, val_logits,
                              lambda: _back_outputs(back, fronts["unlabeled"])[1], make_task, _run_fine_tune,
                              work_dir, progress, max_bad_steps, test_accuracy)
-
-
-def _accuracy(logits: np.ndarray, labels: Any) -> float:
-    return float((np.asarray(logits).argmax(1) == np.asarray(labels)).mean())

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from leaflens.engine.checkpoint import load_checkpoint
 from leaflens.engine.nn import Module
 from leaflens.pipeline.config import TeacherSection
+from leaflens.pipeline.report import metrics
 from leaflens.pipeline.training import BEST, is_better_epoch
 
 SELF_TRAIN_DIR = "self_train"  # the second round's run folder, inside the first round's
@@ -36,9 +37,7 @@ SELF_TRAIN_DIR = "self_train"  # the second round's run folder, inside the first
 
 def softmax(logits: np.ndarray) -> np.ndarray:
     """Row-wise softmax in float64 (confidences compared against a threshold must not depend on rounding)."""
-    z = np.asarray(logits, np.float64)
-    z = np.exp(z - z.max(axis=1, keepdims=True))
-    return z / z.sum(axis=1, keepdims=True)
+    return metrics.softmax(np.asarray(logits, np.float64))
 
 
 @dataclass(frozen=True)

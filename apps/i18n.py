@@ -130,9 +130,12 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_ood": "Out-of-domain check",
         "m_ood_value": ("a photo scoring above {threshold} ({method}: how far the model's own feature statistics"
                         "{branch} are from those of its {train} training photos) gets \"does not look like the "
-                        "leaves or pests this model knows\". The threshold was set on {val} validation photos to "
-                        "flag at most {budget} of them; it flags {flagged}, the share of genuine photos this check "
-                        "costs"),
+                        "leaves or pests this model knows\". {calibration}"),
+        "m_ood_calibration": ("The threshold was set on {val} validation photos so that at most {budget} of genuine "
+                              "new photos get this answer, with {confidence} confidence; it flags {flagged} of the "
+                              "validation photos"),
+        "m_ood_calibration_val": ("The threshold was set on {val} validation photos to flag at most {budget} of "
+                                  "them; it flags {flagged}, about the share of genuine photos this check costs"),
         "m_ood_branch": (" and those of the first {blocks} blocks of an ImageNet-pretrained EfficientNet-Lite0 "
                          "(frozen, generic colour and texture detectors)"),
         "m_ood_none": ("none: this model has no out-of-domain check (it was exported before the check existed, or "
@@ -316,8 +319,11 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_ood": "域外检查",
         "m_ood_value": ("得分高于 {threshold} 的照片（{method}：模型自身特征统计量{branch}"
                         "与其 {train} 张训练照片的差距）"
-                        "会得到“不像本模型认识的叶片或害虫”的回答。该阈值在 {val} 张验证集照片上设定，最多标记其中的 "
-                        "{budget}；实际标记 {flagged}，即这项检查对正常照片的代价"),
+                        "会得到“不像本模型认识的叶片或害虫”的回答。{calibration}"),
+        "m_ood_calibration": ("该阈值在 {val} 张验证集照片上设定，使正常的新照片中最多 {budget} 得到这一回答"
+                              "（置信度 {confidence}）；它标记了 {flagged} 的验证集照片"),
+        "m_ood_calibration_val": ("该阈值在 {val} 张验证集照片上设定，最多标记其中的 {budget}；实际标记 {flagged}，"
+                                  "约为这项检查对正常照片的代价"),
         "m_ood_branch": ("，以及 ImageNet 预训练 EfficientNet-Lite0 前 {blocks} 个模块"
                          "（冻结的通用颜色与纹理检测器）的特征统计量"),
         "m_ood_none": ("无：本模型没有域外检查（导出时还没有这项检查，或导出时关闭了它），"

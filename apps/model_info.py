@@ -158,9 +158,14 @@ def _ood_line(card: Any, lang: str) -> str:
     if ood is None:
         return t("m_ood_none", lang)
     branch = "" if ood.branch is None else t("m_ood_branch", lang, blocks=ood.branch.blocks)
+    if ood.confidence is None:  # exported when the budget was the validation photos' own share
+        calibration = t("m_ood_calibration_val", lang, val=f"{ood.val_photos:,}", budget=_pct(ood.budget),
+                        flagged=_pct(ood.val_flagged))
+    else:
+        calibration = t("m_ood_calibration", lang, val=f"{ood.val_photos:,}", budget=_pct(ood.budget),
+                        confidence=_pct(ood.achieved_confidence), flagged=_pct(ood.val_flagged))
     return t("m_ood_value", lang, threshold=f"{ood.threshold:.3g}", method=f"`{ood.method}`", branch=branch,
-             train=f"{ood.train_photos:,}", val=f"{ood.val_photos:,}", budget=_pct(ood.budget),
-             flagged=_pct(ood.val_flagged))
+             train=f"{ood.train_photos:,}", calibration=calibration)
 
 
 def demo_banner(card: Any, lang: str) -> str:

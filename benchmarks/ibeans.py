@@ -37,7 +37,7 @@ from leaflens.engine.optim import AdamW
 from leaflens.engine.parallel import num_threads
 from leaflens.pipeline.cli.runtime import configure_process
 from leaflens.pipeline.config import TeacherSection, load_config
-from leaflens.pipeline.distill import run_distill
+from leaflens.pipeline.distill import member_pair, run_distill
 from leaflens.pipeline.teachers.artefact import load_teacher
 from leaflens.pipeline.teachers.effnet import build_effnet_teacher
 from leaflens.pipeline.teachers.stage import knn_accuracy, write_teacher
@@ -113,10 +113,10 @@ def student_run(job: tuple) -> dict:
     run_dir = work / f"run_{name}_{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run per recipe, never a resumed one
     rep = run_distill(ds_dir, teacher_dir, run_dir, cfg, progress=False)
-    v = rep["variants"]
-    return {"seed": seed, "setting": name, "scratch": v["scratch"]["test_accuracy"],
-            "distilled": v["distilled"]["test_accuracy"], "winner": rep["winner"],
-            "scratch_val": v["scratch"]["val_accuracy"], "distilled_val": v["distilled"]["val_accuracy"],
+    distilled, scratch = member_pair(rep["variants"], rep["best_student"])  # the best member's, in a family run
+    return {"seed": seed, "setting": name, "scratch": scratch["test_accuracy"],
+            "distilled": distilled["test_accuracy"], "winner": rep["winner"],
+            "scratch_val": scratch["val_accuracy"], "distilled_val": distilled["val_accuracy"],
             "params": rep["params"]}
 
 

@@ -102,16 +102,20 @@ def preprocess(src: Path, ds: Path, store: int, seed: int, progress: bool) -> No
 
 # ---------------------------------------------------------------------------------------------- results
 def student_row(report: Mapping[str, Any]) -> dict[str, Any]:
-    """The figures of one distill run's report.json: each student's test accuracy, what was kept, its test
-    accuracy, the student's parameters and latency, the teacher's when it was a candidate."""
-    v = report["variants"]
+    """The figures of one distill run's report.json: each student's test accuracy (those of the best student's
+    member in a family run), what was kept, its test accuracy, the student's parameters and latency, the
+    teacher's when it was a candidate."""
+    from leaflens.pipeline.distill import member_pair  # noqa: PLC0415  (the engine only once a run is read)
+
+    distilled, scratch = member_pair(report["variants"], report["best_student"])
+    member = report["best_student"][:report["best_student"].rfind("/") + 1]
     cands = {c["name"]: c for c in report["selection"]["candidates"]}
-    student = cands.get("scratch") or cands["distilled"]
+    student = cands.get(member + "scratch") or cands[member + "distilled"]
     teacher = cands.get("teacher")
-    return {"scratch": v["scratch"]["test_accuracy"] if "scratch" in v else None,
-            "distilled": v["distilled"]["test_accuracy"] if "distilled" in v else None,
-            "scratch_val": v["scratch"]["val_accuracy"] if "scratch" in v else None,
-            "distilled_val": v["distilled"]["val_accuracy"] if "distilled" in v else None,
+    return {"scratch": None if scratch is None else scratch["test_accuracy"],
+            "distilled": None if distilled is None else distilled["test_accuracy"],
+            "scratch_val": None if scratch is None else scratch["val_accuracy"],
+            "distilled_val": None if distilled is None else distilled["val_accuracy"],
             "kept": report["winner"], "kept_acc": report["test_accuracy"], "kept_why": report["selection"]["why"],
             "params": int(student["params"]), "ms": student["ms_per_photo"],
             "teacher_val": None if teacher is None else teacher["val_accuracy"],

@@ -810,7 +810,9 @@ def main() -> None:
     print(f"model: {model} ({len(card.classes)} classes, stored {card.stored_size} px, input {card.input_size} px)")
     if card.ood:
         print(f"out-of-domain check: {card.ood.method}, threshold {card.ood.threshold:.3f} (flags "
-              f"{card.ood.val_flagged:.1%} of {card.ood.val_photos} validation photos; budget {card.ood.budget:.1%})"
+              f"{card.ood.val_flagged:.1%} of {card.ood.val_photos} validation photos; budget {card.ood.budget:.1%}"
+              + ("" if card.ood.confidence is None else f" of new photos with {card.ood.achieved_confidence:.0%} "
+                 "confidence") + ")"
               f"; ambiguous below top probability {card.uncertain_threshold:.3f}")
     else:
         print("this model has no ood_score output (exported before format 3 or with --no-ood): only the "

@@ -55,6 +55,14 @@ from leaflens.pipeline.train_student import ConcatImages, TrainData, predict_log
 from leaflens.pipeline.training import BEST
 
 
+def member_pair(variants: Mapping[str, Any], best_student: str) -> tuple[Any, Any]:
+    """(distilled, scratch) entries of ``variants`` (report.json's) for the family member of ``best_student``:
+    "distilled"/"scratch" in a run of one student, "l/distilled"/"l/scratch" when "l/..." was best in a
+    family run; None for one that was not trained."""
+    member = best_student[:best_student.rfind("/") + 1]
+    return variants.get(member + "distilled"), variants.get(member + "scratch")
+
+
 def _partial_dir(out: Path) -> Path:
     return out.with_name(out.name + ".partial")
 
@@ -316,8 +324,7 @@ def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold,
                           "test_accuracy": None if ts is None else ts["accuracy"],
                           "device": r.device, "mixed_precision": r.mixed_precision}
     gain = None
-    member = best_student[:best_student.rfind("/") + 1]  # "m/" in a family run: the gain of the best student's member
-    distilled, scratch = variants.get(member + "distilled"), variants.get(member + "scratch")
+    distilled, scratch = member_pair(variants, best_student)
     if distilled is not None and scratch is not None:
         gain = {"val": distilled["val_accuracy"] - scratch["val_accuracy"],
                 "test": None if scratch["test_accuracy"] is None

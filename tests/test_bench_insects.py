@@ -100,8 +100,22 @@ def report(scratch: float, distilled: float, teacher_val: float | None, test: di
         cands.append(Candidate("teacher", "teacher", teacher_val, test["teacher"], 3_386_380, 12.0))
     sel = choose(cands, Budget())
     return {"winner": sel.kept, "test_accuracy": test[sel.kept], "selection": sel.to_dict(),
+            "best_student": "distilled" if distilled >= scratch else "scratch",
             "variants": {"distilled": {"val_accuracy": distilled, "test_accuracy": test["distilled"]},
                          "scratch": {"val_accuracy": scratch, "test_accuracy": test["scratch"]}}}
+
+
+def test_a_family_run_reports_its_best_members_students(bench):
+    """With ``--family s,l`` the variants are "s/..." and "l/...": the row holds the best member's pair."""
+    cands = [Candidate(f"{m}/{v}", "student", val, val - 0.01, params, ms)
+             for m, params, ms in (("s", 100_000, 0.8), ("l", 800_000, 2.0))
+             for v, val in (("distilled", 0.70 if m == "l" else 0.50), ("scratch", 0.60 if m == "l" else 0.55))]
+    sel = choose(cands, Budget())
+    rep = {"winner": sel.kept, "test_accuracy": 0.69, "selection": sel.to_dict(), "best_student": "l/distilled",
+           "variants": {c.name: {"val_accuracy": c.val_accuracy, "test_accuracy": c.test_accuracy} for c in cands}}
+    row = bench.student_row(rep)
+    assert (row["distilled"], row["scratch"], row["distilled_val"]) == (0.69, 0.59, 0.70)
+    assert (row["kept"], row["params"], row["ms"]) == ("l/distilled", 800_000, 2.0)
 
 
 def test_summary_keys_kept_model_and_targets(bench):

@@ -49,9 +49,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-ood-branch", action="store_true",
                    help="the out-of-domain score reads the model's own feature maps only (block-mahalanobis-1), "
                         "without the frozen EfficientNet-Lite0 branch (smaller and faster, detects less)")
-    p.add_argument("--ood-budget", type=float, default=0.025,
-                   help="share of validation photos the out-of-domain check may flag; its threshold is chosen "
-                        "on them (default 0.025)")
+    p.add_argument("--ood-budget", type=float, default=0.03,
+                   help="share of genuine new photos the out-of-domain check may flag, with 90%% confidence; its "
+                        "threshold is chosen on the validation photos (default 0.03)")
     p.add_argument("--int8-max-drop", type=float, default=0.01,
                    help="write INT8 only when its validation accuracy is at most this far below FP32's "
                         "(a fraction; default 0.01 = 1 point)")

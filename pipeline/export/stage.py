@@ -99,7 +99,7 @@ class ExportOptions:
     allow_dataset_mismatch: bool = False
     ood: bool = True  # add the out-of-domain score output (leaflens.pipeline.ood)
     ood_branch: bool = True  # a student's score also reads the frozen EfficientNet-Lite0 branch (GenericBranch)
-    ood_budget: float = ood_check.DEFAULT_BUDGET  # share of validation photos it may flag
+    ood_budget: float = ood_check.DEFAULT_BUDGET  # share of genuine new photos it may flag (with 0.9 confidence)
     ood_tolerance: float = 1e-3  # FP32 ONNX vs engine score, relative to max(1, |score|)
 
 
@@ -518,7 +518,7 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
 
 def _ood_variants(card: ModelCard, paths: dict[str, Path], val_ood: dict[str, np.ndarray]) -> dict[str, Any]:
     """Each file's own out-of-domain threshold: FP16 and INT8 compute the score with their own rounding, so
-    their thresholds are chosen again on their own validation scores (same budget) and written into their
+    their thresholds are chosen again on their own validation scores (same budget and confidence) and written into their
     metadata. Returns parity.json's "ood" entry: the check, and per file the threshold, the share of
     validation photos flagged, the score's difference from the engine's and the flags' agreement."""
     check = card.ood
@@ -527,7 +527,8 @@ def _ood_variants(card: ModelCard, paths: dict[str, Path], val_ood: dict[str, np
     variants: dict[str, Any] = {}
     for k, path in paths.items():
         scores = val_ood[k].astype(np.float64)
-        threshold = check.threshold if k == "fp32" else ood_check.threshold_for(scores, check.budget)
+        confidence = ood_check.DEFAULT_CONFIDENCE if check.confidence is None else check.confidence
+        threshold = check.threshold if k == "fp32" else ood_check.threshold_for(scores, check.budget, confidence)
         if k != "fp32":
             own = replace(check, threshold=threshold, val_flagged=float(np.mean(scores > threshold)))
             model = onnx.load(str(path))

@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from leaflens.apps.model_card import flag_confidence
 from leaflens.files import write_text_atomic
 
 REPORT_MD = "report.md"
@@ -46,6 +47,19 @@ FIGURES = (
 )
 NO_GAIN = "distillation did not beat training from scratch on this data; the scratch model is kept"
 _NAMED_COLUMNS_MAX = 10  # wider confusion tables number their columns instead of naming them
+
+
+def _ood_calibration(ood: Mapping[str, Any]) -> str:
+    """How the out-of-domain threshold was chosen: for genuine new photos with a confidence (recorded since the
+    budget became theirs), or for the validation photos themselves (earlier runs)."""
+    val, budget, flagged = ood.get("val_photos"), _float(ood.get("budget")), _float(ood.get("val_flagged"))
+    if _float(ood.get("confidence")) is None or not isinstance(val, int) or budget is None or flagged is None:
+        return (f"the threshold was chosen on the {val} validation photos to flag at most {_pct(budget)} of them, "
+                f"and flags {_pct(flagged)}")
+    achieved = flag_confidence(val, round(flagged * val), budget)
+    return (f"the threshold was chosen on the {val} validation photos so that at most {_pct(budget)} of genuine "
+            f"new photos are flagged, with {_pct(achieved)} confidence (it flags {_pct(flagged)} of the validation "
+            "photos)")
 
 
 def _pct(v: Any, digits: int = 1) -> str:
@@ -237,9 +251,7 @@ def _out_of_domain_lines(ood: Mapping[str, Any]) -> list[str]:
     line = (f"- Out-of-domain check ({ood.get('method')}): a photo whose score is above "
             f"{float(ood['threshold']):.3f} is answered \"not a photo this model knows\". The score is the "
             f"distance of the model's feature-map statistics{_branch_words(ood.get('branch'))} from the "
-            f"{ood.get('train_photos')} training photos; the threshold was chosen on the {ood.get('val_photos')} "
-            f"validation photos to flag at most {_pct(ood.get('budget'), 0)} of them, and flags "
-            f"{_pct(ood.get('val_flagged'))}")
+            f"{ood.get('train_photos')} training photos; {_ood_calibration(ood)}")
     if _float(ood.get("val_ambiguous")) is not None:
         line += (f"; the \"ambiguous\" rule leaves another {_pct(ood.get('val_ambiguous'))} of validation photos "
                  "unanswered")

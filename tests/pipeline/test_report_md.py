@@ -180,3 +180,13 @@ def test_report_says_what_the_out_of_domain_score_reads(tmp_path: Path) -> None:
            "note": "the out-of-domain score reads the model's own blocks only (block-mahalanobis-1): ..."}
     text = report_md.render_report(tmp_path, report(out_of_domain=own))
     assert "EfficientNet" not in text and "- Note: the out-of-domain score reads the model's own blocks only" in text
+    # a run from before the confidence was recorded: the budget was the validation photos' own share
+    assert "chosen on the 133 validation photos to flag at most 2.5 % of them, and flags 2.3 %" in text
+
+
+def test_report_says_what_the_threshold_promises_new_photos(tmp_path: Path) -> None:
+    check = {"fitted": True, "method": "block-mahalanobis-1", "threshold": 21.7, "budget": 0.03, "confidence": 0.9,
+             "val_photos": 133, "val_flagged": 1 / 133, "train_photos": 1034, "blocks": 16}
+    text = report_md.render_report(tmp_path, report(out_of_domain=check))
+    assert ("so that at most 3.0 % of genuine new photos are flagged, with 91.1 % confidence (it flags 0.8 % of the "
+            "validation photos)") in text

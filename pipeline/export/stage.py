@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -364,6 +365,13 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
             card = replace(card, uncertain_threshold=chosen, threshold_from_model=True)
         top = probs.max(1)
         card = replace(card, ood=check, val_ambiguous=float(np.mean(top < card.uncertain_threshold)))
+        if check.confidence is not None and check.achieved_confidence < check.confidence:
+            need = math.ceil(math.log1p(-check.confidence) / math.log1p(-check.budget))
+            msg = (f"only {check.val_photos} validation photos: the out-of-domain threshold flags at most "
+                   f"{check.budget:.1%} of genuine new photos with {check.achieved_confidence:.0%} confidence, not "
+                   f"{check.confidence:.0%} ({need} validation photos would give it); add validation photos")
+            warnings.append(msg)
+            log(f"warning: {msg}")
         exported, outputs = ood_check.ServedModel(scored, head), ("logits", ood_check.OOD_OUTPUT)
         if check.branch is not None:
             b = check.branch

@@ -10,6 +10,10 @@ On a GPU the peak is CuPy's memory pool after the step (emptied before it), plus
 device batch buffers. On a CPU-only machine the same fit runs on the Python/NumPy heap peak
 (``tracemalloc``) against the RAM the kernel reports available, and is labelled for what it is: a
 memory ceiling, while on a CPU the batch size is limited by speed long before memory.
+
+A recipe's student family (``[model] family``, leaflens.pipeline.models.family) trains every member with
+the same ``train.batch_size``, so :func:`collect_family` sizes each member at its own widths, block kind and
+input size, and reports the smallest safe batch with the member it comes from: the one the batch must fit.
 """
 
 from __future__ import annotations
@@ -17,19 +21,23 @@ from __future__ import annotations
 import gc
 import os
 import tracemalloc
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from leaflens.pipeline.gpu_stacks import gpu_stack_facts
 from leaflens.pipeline.hardware import available_ram_bytes, cpu_facts, gpu_facts, software_facts
 
+if TYPE_CHECKING:
+    from leaflens.pipeline.config import ModelSection
+
 SAFETY = 0.8  # use at most 80 % of the free memory: 20 % stays free as a margin
 GPU_BATCHES = (16, 64)  # measured on a GPU (large enough that the pool's rounding does not dominate)
 CPU_BATCHES = (2, 8)    # measured on the CPU (cheap)
+SIZED_BLOCKS = ("conv", "separable")  # the StudentCNN block kinds _training_step builds
 
 
 class BatchEstimateUnavailable(RuntimeError):
@@ -38,16 +46,28 @@ class BatchEstimateUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The student to size a batch for: conv widths, classes, precision (what ``leaflens distill`` trains)."""
+    """The student to size a batch for: conv widths, block kind, classes, precision (what ``leaflens distill``
+    trains)."""
 
     widths: tuple[int, ...]  # the default recipe's come from its [model] section (default_spec)
     num_classes: int = 10
     mixed_precision: str = "auto"  # "auto" (on with a GPU), "on", "off": as train.mixed_precision
     source: str = "defaults"       # where the numbers came from (defaults, options, a run folder)
     configured_batch: int | None = None  # train.batch_size of that recipe or run
+    block: str = "conv"  # as [model] block; "separable" blocks have far fewer weights (only these two are sized)
 
     def describe(self) -> str:
-        return f"student CNN widths {'-'.join(map(str, self.widths))}, {self.num_classes} classes"
+        return (f"student CNN widths {'-'.join(map(str, self.widths))}"
+                f"{', separable' if self.block == 'separable' else ''}, {self.num_classes} classes")
+
+
+@dataclass(frozen=True)
+class MemberSpec:
+    """One student of a family to size: the member's name, its architecture and the input side it trains at."""
+
+    name: str
+    spec: ModelSpec
+    input_size: int
 
 
 def default_spec() -> ModelSpec:
@@ -56,7 +76,17 @@ def default_spec() -> ModelSpec:
 
     cfg = load_config()
     return ModelSpec(widths=cfg.model.widths, mixed_precision=cfg.train.mixed_precision,
-                     configured_batch=cfg.train.batch_size)
+                     configured_batch=cfg.train.batch_size, block=cfg.model.block)
+
+
+def family_specs(model: ModelSection, base: ModelSpec) -> list[MemberSpec]:
+    """Every member ``model.family`` lists (leaflens.pipeline.models.family.members), as ``base`` with the
+    member's widths and block kind, at the member's input size: its ``@PX``, else ``model.input_size``
+    (64 where that is 0, the dataset's stored size: no dataset is given to read it from)."""
+    from leaflens.pipeline.models.family import members  # noqa: PLC0415
+
+    return [MemberSpec(m.name, replace(base, widths=tuple(m.model.widths), block=m.model.block),
+                       m.model.input_size or 64) for m in members(model)]
 
 
 def spec_from_run(run_dir: str | os.PathLike[str]) -> tuple[ModelSpec, int]:
@@ -66,12 +96,14 @@ def spec_from_run(run_dir: str | os.PathLike[str]) -> tuple[ModelSpec, int]:
     from leaflens.pipeline.runs import read_run  # noqa: PLC0415
 
     info = read_run(run_dir)
-    mc = info.model_config
+    mc = info.model_config  # the kept student's architecture, separable blocks included
+    block = (mc.block or "conv") if mc.kind == "student_cnn" else str(mc.kind)  # another kind: refused when sized
     cfg_path = Path(run_dir) / "config.toml"
     train = read_toml(cfg_path).get("train", {}) if cfg_path.exists() else {}
     spec = ModelSpec(widths=mc.widths, num_classes=mc.num_classes,
                      mixed_precision=str(train.get("mixed_precision", "auto")), source=str(run_dir),
-                     configured_batch=int(train["batch_size"]) if "batch_size" in train else None)
+                     configured_batch=int(train["batch_size"]) if "batch_size" in train else None,
+                     block=block)
     return spec, info.dataset.model_input_size
 
 
@@ -97,8 +129,12 @@ def _training_step(spec: ModelSpec, input_size: int, batch: int, device: str) ->
     from leaflens.engine.optim import AdamW  # noqa: PLC0415
     from leaflens.pipeline.models.student import StudentCNN  # noqa: PLC0415
 
+    if spec.block not in SIZED_BLOCKS:
+        raise BatchEstimateUnavailable(f"a {spec.block!r} student cannot be sized: the doctor builds the student "
+                                       f"CNN, with {' or '.join(SIZED_BLOCKS)} blocks")
     use_amp = _use_amp(spec, device)
-    model = StudentCNN(spec.num_classes, widths=spec.widths, rng=np.random.default_rng(0))
+    model = StudentCNN(spec.num_classes, widths=spec.widths, separable=spec.block == "separable",
+                       rng=np.random.default_rng(0))
     if device != "cpu":
         model.to(device)
     opt = AdamW(model.parameters(), lr=1e-3)
@@ -229,7 +265,11 @@ CPU_SPEED_NOTE = ("a memory ceiling, not a recommendation: on the CPU the batch 
 def cpu_batch_estimate(spec: ModelSpec, input_size: int,
                        measure: Callable[[Any, int, int], int] = measure_cpu_step_peak_bytes) -> dict[str, Any]:
     """The memory ceiling for a CPU batch (measured heap peaks vs available RAM), with the speed caveat."""
-    ram = available_ram_bytes()
+    return _cpu_batch_estimate(spec, input_size, available_ram_bytes(), measure)
+
+
+def _cpu_batch_estimate(spec: ModelSpec, input_size: int, ram: int | None,
+                        measure: Callable[[Any, int, int], int] = measure_cpu_step_peak_bytes) -> dict[str, Any]:
     if ram is None:
         return {"unavailable": "available RAM unknown on this system", "note": CPU_SPEED_NOTE}
     est = batch_estimate(spec, input_size, ram, measure=measure, batches=CPU_BATCHES)
@@ -246,27 +286,69 @@ def gpu_batch_estimate(model: ModelSpec | str, input_size: int, free_bytes: int)
     return est
 
 
+def limiting_member(estimates: Sequence[dict[str, Any]]) -> int:
+    """Index of the estimate the family's training batch must fit: the first one that is unavailable (that
+    member could not be sized, so neither can the family), else the smallest safe batch (the first listed
+    on a tie)."""
+    if not estimates:
+        raise ValueError("limiting_member needs at least one estimate")
+    for i, est in enumerate(estimates):
+        if "batch" not in est:
+            return i
+    return min(range(len(estimates)), key=lambda i: estimates[i]["batch"])
+
+
+def _request(member: MemberSpec, device: str) -> dict[str, Any]:
+    spec = member.spec
+    req = {"model": "student", "input_size": member.input_size, "widths": list(spec.widths),
+           "num_classes": spec.num_classes, "mixed_precision": _use_amp(spec, device),
+           "source": spec.source, "configured_batch": spec.configured_batch}
+    if spec.block == "separable":  # absent for plain conv blocks, as in a run's model_config
+        req["block"] = spec.block
+    return req
+
+
 def collect(model: ModelSpec | str, input_size: int, measure_bandwidth: bool = True,
             measure_batch: bool = True) -> dict[str, Any]:
-    """Every fact the report shows, as one JSON-able dict (``--json`` prints it as it is)."""
-    spec = _as_spec(model)
+    """Every fact the report shows for one student, as one JSON-able dict (``--json`` prints it as it is)."""
+    return collect_family([MemberSpec("student", _as_spec(model), input_size)], measure_bandwidth, measure_batch)
+
+
+def collect_family(family: Sequence[MemberSpec], measure_bandwidth: bool = True,
+                   measure_batch: bool = True) -> dict[str, Any]:
+    """Every fact the report shows, as one JSON-able dict (``--json`` prints it as it is), sizing every member
+    of ``family`` against the same free memory. ``request`` and the batch estimate are the limiting member's
+    (:func:`limiting_member`); with more than one member, ``request["member"]`` names it and ``family`` lists
+    each member's request and estimate. One member gives exactly the facts of :func:`collect`."""
+    if not family:
+        raise ValueError("collect_family needs at least one member")
     gpu = gpu_facts(measure_bandwidth)
+    device = "cuda" if gpu["available"] else "cpu"
+    if not measure_batch:
+        unmeasured = {"unavailable": "not measured (--no-measure)"}
+        estimates = [dict(unmeasured) if gpu["available"] else {**unmeasured, "note": CPU_SPEED_NOTE}
+                     for _ in family]
+    elif gpu["available"]:
+        estimates = [gpu_batch_estimate(m.spec, m.input_size, gpu["free_bytes"]) for m in family]
+    else:  # CPU-only: the memory ceiling of a CPU batch, with its caveat; one RAM reading for every member
+        ram = available_ram_bytes()
+        estimates = [_cpu_batch_estimate(m.spec, m.input_size, ram) for m in family]
+    limit = limiting_member(estimates)
     if gpu["available"]:
-        gpu["batch_estimate"] = (gpu_batch_estimate(spec, input_size, gpu["free_bytes"]) if measure_batch
-                                 else {"unavailable": "not measured (--no-measure)"})
-    facts = {
+        gpu["batch_estimate"] = estimates[limit]
+    facts: dict[str, Any] = {
         "software": software_facts(),
         "cpu": cpu_facts(),
         "gpu": gpu,
         "gpu_stacks": gpu_stack_facts(),
-        "request": {"model": "student", "input_size": input_size, "widths": list(spec.widths),
-                    "num_classes": spec.num_classes, "mixed_precision": _use_amp(spec, "cuda" if gpu["available"]
-                                                                                  else "cpu"),
-                    "source": spec.source, "configured_batch": spec.configured_batch},
+        "request": _request(family[limit], device),
     }
-    if not gpu["available"]:  # CPU-only: the memory ceiling of a CPU batch, with its caveat
-        facts["cpu_batch_estimate"] = (cpu_batch_estimate(spec, input_size) if measure_batch
-                                       else {"unavailable": "not measured (--no-measure)", "note": CPU_SPEED_NOTE})
+    if not gpu["available"]:
+        facts["cpu_batch_estimate"] = estimates[limit]
+    if len(family) > 1:
+        facts["request"]["member"] = family[limit].name
+        facts["family"] = [{"member": m.name, **_request(m, device), "batch_estimate": est}
+                           for m, est in zip(family, estimates)]
     return facts
 
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from leaflens.pipeline.config import DEFAULT_CONFIG, ConfigError, load_config
+from leaflens.pipeline.models.family import family_option
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_ms is not None:
         overrides.append(f"distill.max_ms={float(args.max_ms)!r}")
     if args.family is not None:
-        overrides.append(f"model.family={json.dumps([n.strip() for n in args.family.split(',') if n.strip()])}")
+        overrides.append(f"model.family={json.dumps(list(family_option(args.family)))}")
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as exc:

@@ -5,7 +5,8 @@ stacks (the NVIDIA driver's CUDA version; CuPy and onnxruntime: built for which 
 and which library it misses; the install extra for this driver), and
 either "no GPU: <reason>" or the GPU's name, compute capability, total/free memory, the host-to-device
 bandwidth measured with pinned memory, and the largest safe training batch for a model and input
-size (``--widths``/``--size``, or read from a trained run with ``--run``); ``--require-gpu`` makes a machine
+size (``--widths``/``--size``, or read from a trained run with ``--run``): for every member of the recipe's
+student family (``--family s,m,l``), reporting the member that limits the batch; ``--require-gpu`` makes a machine
 without a usable GPU exit 1 with the reason (``make gpu-check`` runs it). The facts come from
 leaflens.pipeline.doctor (the batch-size measurement) and leaflens.pipeline.hardware (the probes); this
 module parses the options and prints.
@@ -16,12 +17,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from leaflens.cpus import THREADS_ENV
-from leaflens.pipeline.doctor import ModelSpec, collect, default_spec, gpu_requirement_failure, spec_from_run
+from leaflens.pipeline.doctor import (
+    MemberSpec,
+    ModelSpec,
+    collect_family,
+    default_spec,
+    family_specs,
+    gpu_requirement_failure,
+    spec_from_run,
+)
 
 
 # ---- report ----------------------------------------------------------------------------------------------------
@@ -41,9 +50,15 @@ class _Lines:
         self.rows.append(f"  {key:<22} {value}")
 
 
+def _student(req: dict[str, Any]) -> str:
+    """``student 32-64-128-256 at 64x64`` (``, separable`` for depthwise-separable blocks)."""
+    return (f"student {'-'.join(map(str, req.get('widths', [])))}"
+            f"{', separable' if req.get('block') == 'separable' else ''} at {req['input_size']}x{req['input_size']}")
+
+
 def _estimate_lines(out: _Lines, est: dict[str, Any], req: dict[str, Any], memory: str) -> None:
-    what = (f"student {'-'.join(map(str, req.get('widths', [])))} at {req['input_size']}x{req['input_size']}"
-            f"{', mixed precision' if req.get('mixed_precision') else ', float32'}")
+    member = f"family member {req['member']}, " if "member" in req else ""
+    what = f"{member}{_student(req)}{', mixed precision' if req.get('mixed_precision') else ', float32'}"
     if "unavailable" in est:
         out.add("largest safe batch", f"batch-size estimate unavailable: {est['unavailable']}")
         return
@@ -55,6 +70,28 @@ def _estimate_lines(out: _Lines, est: dict[str, Any], req: dict[str, Any], memor
     if configured:
         verdict = "fits" if configured <= est["batch"] else "does NOT fit: lower train.batch_size"
         out.add("  recipe batch", f"{configured} ({verdict})")
+
+
+def _family_lines(out: _Lines, facts: dict[str, Any]) -> None:
+    """Each member's largest safe batch, when the recipe's family has more than one member; the batch above
+    is the limiting member's, since every member trains with the same train.batch_size."""
+    family = facts.get("family")
+    if not family:
+        return
+    limit = facts["request"]["member"]
+    limit_est = next(m["batch_estimate"] for m in family if m["member"] == limit)
+    names = ", ".join(m["member"] for m in family)
+    if "batch" in limit_est:
+        out.add("family", f"{names}: the training batch must fit {limit}, the member with the smallest safe batch")
+    else:
+        out.add("family", f"{names}: the family's batch is unknown ({limit}: {limit_est['unavailable']})")
+    for m in family:
+        est = m["batch_estimate"]
+        if "batch" in est:
+            limits = " (limits the batch)" if m["member"] == limit else ""
+            out.add(f"  {m['member']}", f"{est['batch']} for {_student(m)}{limits}")
+        else:
+            out.add(f"  {m['member']}", f"{_student(m)}: estimate unavailable: {est['unavailable']}")
 
 
 _PROVIDER_LABELS = {"CUDAExecutionProvider": "CUDA provider", "TensorrtExecutionProvider": "TensorRT provider"}
@@ -133,6 +170,7 @@ def render(facts: dict[str, Any]) -> str:
         if est is not None:
             out.rows.append("training batch on the CPU")
             _estimate_lines(out, est, req, "available RAM")
+            _family_lines(out, facts)
             out.add("note", est["note"])
         return "\n".join(out.rows)
     out.add("name", f"{gpu['name']} (device {gpu['device']}, {gpu['multiprocessors']} SMs)")
@@ -142,6 +180,7 @@ def render(facts: dict[str, Any]) -> str:
     if "h2d_pinned_gbps" in gpu:
         out.add("host->device (pinned)", f"{gpu['h2d_pinned_gbps']:.1f} GB/s")
     _estimate_lines(out, gpu["batch_estimate"], req, "free GPU memory")
+    _family_lines(out, facts)
     return "\n".join(out.rows)
 
 
@@ -156,7 +195,15 @@ def _parse_widths(text: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from leaflens.pipeline.config import load_config  # noqa: PLC0415
+    from leaflens.pipeline.models.family import check_family, family_option  # noqa: PLC0415
+
+    recipe = None
     if args.run is not None:
+        if args.family is not None:
+            print("doctor: --family cannot be used with --run: a run folder holds one student, the one it kept",
+                  file=sys.stderr)
+            return 2
         try:
             spec, size = spec_from_run(args.run)
         except Exception as exc:  # CheckpointError, a missing folder, a foreign file
@@ -164,10 +211,17 @@ def run(args: argparse.Namespace) -> int:
             return 2
         size = args.input_size or size
     else:
-        spec, size = default_spec(), args.input_size or 64
+        recipe = load_config().model
+        spec, size = default_spec(), args.input_size or recipe.input_size or 64
         if args.model != "student":
             print(f"doctor: unknown --model {args.model!r}: only 'student' can be sized", file=sys.stderr)
             return 2
+        if args.family is not None:
+            try:
+                check_family(family_option(args.family))
+            except ValueError as exc:
+                print(f"doctor: --family {args.family}: {exc}", file=sys.stderr)
+                return 2
     if size < 8:
         print(f"doctor: --input-size must be >= 8, got {size}", file=sys.stderr)
         return 2
@@ -184,7 +238,12 @@ def run(args: argparse.Namespace) -> int:
         changes["mixed_precision"] = args.mixed_precision
     if changes:
         spec = ModelSpec(**{**asdict(spec), **changes, "source": "options" if args.run is None else spec.source})
-    facts = collect(spec, size, measure_bandwidth=not args.no_bandwidth, measure_batch=not args.no_measure)
+    if recipe is None:  # a run folder: its kept student
+        family = [MemberSpec("student", spec, size)]
+    else:  # the recipe's family, scaled from the (possibly --widths) [model] student
+        names = recipe.family if args.family is None else family_option(args.family)
+        family = family_specs(replace(recipe, widths=spec.widths, input_size=size, family=names), spec)
+    facts = collect_family(family, measure_bandwidth=not args.no_bandwidth, measure_batch=not args.no_measure)
     print(json.dumps(facts, indent=2, default=str) if args.json else render(facts))
     failure = gpu_requirement_failure(facts) if args.require_gpu else None
     if failure:
@@ -203,9 +262,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", default="student", help="model to size the batch for (default: student)")
     parser.add_argument("--input-size", "--size", dest="input_size", type=int, default=None,
-                        help="square input side in pixels (default: 64, or the run's image size)")
+                        help="square input side in pixels (default: the recipe's model.input_size, 64, which a "
+                             "family member's @PX replaces; or the run's image size)")
     parser.add_argument("--widths", default=None,
                         help="student conv widths, e.g. 32,64,128,256 (default: the distill recipe's)")
+    parser.add_argument("--family", metavar="NAMES", default=None,
+                        help="size every student of this family, comma-separated, e.g. s,m,l or m,m@128 "
+                             "(as leaflens distill --family; default: the recipe's model.family) and report the "
+                             "one that limits the batch")
     parser.add_argument("--classes", type=int, default=None, help="number of classes (default: 10, or the run's)")
     parser.add_argument("--mixed-precision", choices=("auto", "on", "off"), default=None,
                         help="size for float16 training (auto: on with a GPU; default: the recipe's setting)")

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from leaflens.pipeline.config import ModelSection
 
-__all__ = ["SCALES", "Member", "check_family", "members"]
+__all__ = ["SCALES", "Member", "check_family", "family_option", "members"]
 
 SCALES = {"s": 0.5, "m": 1.0, "l": 1.5}  # width multipliers of the [model] widths
 _NAME = re.compile(r"^(?P<size>[a-z]+)(?P<ds>-ds)?(?:@(?P<px>\d+))?$")
@@ -71,6 +71,12 @@ def check_family(names: Sequence[str]) -> None:
     repeated = sorted({n for n in names if list(names).count(n) > 1})
     if repeated:
         raise ValueError(f"family: member {repeated[0]!r} is listed twice")
+
+
+def family_option(text: str) -> tuple[str, ...]:
+    """The member names of a ``--family`` option (``leaflens distill``, ``leaflens doctor``): comma-separated,
+    blanks ignored; not checked here (check_family, or the recipe's own check, does that)."""
+    return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
 def members(model: ModelSection) -> list[Member]:

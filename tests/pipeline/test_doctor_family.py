@@ -122,3 +122,32 @@ def test_a_run_folder_sizes_its_kept_separable_student(no_gpu, tmp_path, capsys)
     assert facts["cpu_batch_estimate"]["batch"] > 0 and "family" not in facts
     assert main([*FAST, "--run", str(tmp_path), "--family", "s,m"]) == 2
     assert "--family cannot be used with --run" in capsys.readouterr().err
+
+
+def test_a_family_on_a_gpu_is_sized_against_its_free_memory(monkeypatch):
+    """The GPU branch without a GPU: probe facts and measurements are faked, the choice is real."""
+    free = 6 * 2**30
+    monkeypatch.setattr(doctor, "gpu_facts", lambda measure_bandwidth: {"available": True, "free_bytes": free})
+    calls = []
+
+    def fake_estimate(model, input_size, free_bytes, batches=doctor.GPU_BATCHES, **kw):
+        calls.append((model.widths, model.block, input_size, free_bytes))
+        return {"batch": 1000 // model.widths[0]}
+
+    monkeypatch.setattr(doctor, "batch_estimate", fake_estimate)
+    family = [doctor.MemberSpec("s", doctor.ModelSpec((8, 16)), 32),
+              doctor.MemberSpec("l-ds@64", doctor.ModelSpec((12, 24), block="separable"), 64)]
+    facts = doctor.collect_family(family, measure_bandwidth=False)
+    assert calls == [((8, 16), "conv", 32, free), ((12, 24), "separable", 64, free)]
+    assert facts["gpu"]["batch_estimate"] == {"batch": 83} and "cpu_batch_estimate" not in facts
+    assert facts["request"]["member"] == "l-ds@64" and facts["request"]["block"] == "separable"
+    assert [m["batch_estimate"]["batch"] for m in facts["family"]] == [125, 83]
+
+
+@pytest.mark.gpu
+def test_gpu_estimate_of_a_separable_student_is_positive_and_a_step_at_that_batch_fits():
+    spec = doctor.ModelSpec(widths=(16, 32), num_classes=5, block="separable")
+    free = 2 * 2**30
+    est = doctor.batch_estimate(spec, 32, free)
+    assert est["batch"] > 0, est
+    assert doctor.measure_train_step_peak_bytes(spec, 32, est["batch"]) <= free

@@ -50,14 +50,18 @@ class ModelSection(Record):
     widths: tuple[int, ...]
     dropout: float
     input_size: int  # 0: the dataset's stored size
-    block: Literal["conv", "separable"]  # 3x3 conv blocks, or depthwise-separable ones after the first
+    block: Literal["conv", "separable", "lite0"]  # 3x3 conv blocks, depthwise-separable ones after the first, or
+    # the first trunk_blocks blocks of ImageNet EfficientNet-Lite0 (leaflens.pipeline.models.trunk), widths[-1] its head
     family: tuple[str, ...]  # members to train, chosen on validation (leaflens.pipeline.models.family)
+    trunk_blocks: int = 8  # block = "lite0": how many of Lite0's 16 blocks (8: 254 k weights, stride 16)
 
     def __post_init__(self) -> None:
         if not self.widths or any(w < 1 for w in self.widths):
             raise ValueError(f"widths: at least one conv block, each at least 1 wide, got {list(self.widths)}")
         if self.input_size < 0:
             raise ValueError(f"input_size: 0 (the dataset's stored size) or a side in pixels, got {self.input_size}")
+        if not 1 <= self.trunk_blocks <= 16:
+            raise ValueError(f"trunk_blocks: 1 to 16 of EfficientNet-Lite0's blocks, got {self.trunk_blocks}")
         check_family(self.family)
 
 

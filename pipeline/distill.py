@@ -367,7 +367,7 @@ def _write_visuals(work: Path, ds, results, chosen, model, mean, std, input_size
         else np.zeros((0, ds.image_size, ds.image_size, 3), np.uint8)
     plots.contact_sheet(rows, caps, work / "hardest.png")
     # first convolution's feature maps for a few validation images, captured with a forward hook
-    first_conv = model.features[0][0]
+    first_conv = model.first_conv
     captured: list[np.ndarray] = []
     remove = first_conv.register_forward_hook(lambda m, i, o: captured.append(o.numpy()))
     imgs = area_resize(np.asarray(ds["val"].images[: min(4, len(ds["val"]))]), input_size)

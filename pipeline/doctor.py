@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 SAFETY = 0.8  # use at most 80 % of the free memory: 20 % stays free as a margin
 GPU_BATCHES = (16, 64)  # measured on a GPU (large enough that the pool's rounding does not dominate)
 CPU_BATCHES = (2, 8)    # measured on the CPU (cheap)
-SIZED_BLOCKS = ("conv", "separable")  # the StudentCNN block kinds _training_step builds
+SIZED_BLOCKS = ("conv", "separable", "lite0")  # the student kinds _training_step builds
 
 
 class BatchEstimateUnavailable(RuntimeError):
@@ -54,9 +54,13 @@ class ModelSpec:
     mixed_precision: str = "auto"  # "auto" (on with a GPU), "on", "off": as train.mixed_precision
     source: str = "defaults"       # where the numbers came from (defaults, options, a run folder)
     configured_batch: int | None = None  # train.batch_size of that recipe or run
-    block: str = "conv"  # as [model] block; "separable" blocks have far fewer weights (only these two are sized)
+    block: str = "conv"  # as [model] block; "separable" blocks have far fewer weights; "lite0": a pretrained trunk
+    trunk_blocks: int | None = None  # block "lite0": EfficientNet-Lite0 blocks in the trunk (widths[-1]: its head)
 
     def describe(self) -> str:
+        if self.block == "lite0":
+            return (f"student Lite0 trunk of {self.trunk_blocks} blocks, head {self.widths[-1]}, "
+                    f"{self.num_classes} classes")
         return (f"student CNN widths {'-'.join(map(str, self.widths))}"
                 f"{', separable' if self.block == 'separable' else ''}, {self.num_classes} classes")
 
@@ -76,7 +80,8 @@ def default_spec() -> ModelSpec:
 
     cfg = load_config()
     return ModelSpec(widths=cfg.model.widths, mixed_precision=cfg.train.mixed_precision,
-                     configured_batch=cfg.train.batch_size, block=cfg.model.block)
+                     configured_batch=cfg.train.batch_size, block=cfg.model.block,
+                     trunk_blocks=cfg.model.trunk_blocks if cfg.model.block == "lite0" else None)
 
 
 def family_specs(model: ModelSection, base: ModelSpec) -> list[MemberSpec]:
@@ -85,7 +90,8 @@ def family_specs(model: ModelSection, base: ModelSpec) -> list[MemberSpec]:
     (64 where that is 0, the dataset's stored size: no dataset is given to read it from)."""
     from leaflens.pipeline.models.family import members  # noqa: PLC0415
 
-    return [MemberSpec(m.name, replace(base, widths=tuple(m.model.widths), block=m.model.block),
+    return [MemberSpec(m.name, replace(base, widths=tuple(m.model.widths), block=m.model.block,
+                                       trunk_blocks=m.model.trunk_blocks if m.model.block == "lite0" else None),
                        m.model.input_size or 64) for m in members(model)]
 
 
@@ -97,13 +103,13 @@ def spec_from_run(run_dir: str | os.PathLike[str]) -> tuple[ModelSpec, int]:
 
     info = read_run(run_dir)
     mc = info.model_config  # the kept student's architecture, separable blocks included
-    block = (mc.block or "conv") if mc.kind == "student_cnn" else str(mc.kind)  # another kind: refused when sized
+    block = (mc.block or "conv") if mc.kind == "student_cnn" else "lite0" if mc.kind == "lite0_trunk" else str(mc.kind)
     cfg_path = Path(run_dir) / "config.toml"
     train = read_toml(cfg_path).get("train", {}) if cfg_path.exists() else {}
     spec = ModelSpec(widths=mc.widths, num_classes=mc.num_classes,
                      mixed_precision=str(train.get("mixed_precision", "auto")), source=str(run_dir),
                      configured_batch=int(train["batch_size"]) if "batch_size" in train else None,
-                     block=block)
+                     block=block, trunk_blocks=mc.trunk_blocks)
     return spec, info.dataset.model_input_size
 
 
@@ -127,14 +133,18 @@ def _training_step(spec: ModelSpec, input_size: int, batch: int, device: str) ->
     from leaflens.engine import Tensor, ops  # noqa: PLC0415
     from leaflens.engine.amp import GradScaler, train_step  # noqa: PLC0415
     from leaflens.engine.optim import AdamW  # noqa: PLC0415
-    from leaflens.pipeline.models.student import StudentCNN  # noqa: PLC0415
+    from leaflens.pipeline.models.student import StudentCNN, StudentSpec  # noqa: PLC0415
 
     if spec.block not in SIZED_BLOCKS:
         raise BatchEstimateUnavailable(f"a {spec.block!r} student cannot be sized: the doctor builds the student "
                                        f"CNN, with {' or '.join(SIZED_BLOCKS)} blocks")
     use_amp = _use_amp(spec, device)
-    model = StudentCNN(spec.num_classes, widths=spec.widths, separable=spec.block == "separable",
-                       rng=np.random.default_rng(0))
+    if spec.block == "lite0":  # random weights: the memory is the pretrained student's all the same
+        model = StudentSpec(num_classes=spec.num_classes, widths=(spec.widths[-1],), kind="lite0_trunk",
+                            trunk_blocks=spec.trunk_blocks or 8).build(np.random.default_rng(0))
+    else:
+        model = StudentCNN(spec.num_classes, widths=spec.widths, separable=spec.block == "separable",
+                           rng=np.random.default_rng(0))
     if device != "cpu":
         model.to(device)
     opt = AdamW(model.parameters(), lr=1e-3)

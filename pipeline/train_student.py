@@ -294,7 +294,9 @@ def student_run(cfg: StageConfig, data: TrainData, val_images: Any, val_labels: 
     # The run's own generator, from the recipe's seed: the initial weights, then the dropout masks. Nothing
     # that ran earlier in the process can change them; checkpoints carry its state for an exact resume.
     model_rng = np.random.default_rng(seed)
-    model = StudentSpec.from_recipe(cfg.model, num_classes).build(model_rng, teacher_dim)
+    spec = StudentSpec.from_recipe(cfg.model, num_classes)
+    model = spec.build(model_rng, teacher_dim, (tuple(map(float, mean)), tuple(map(float, std))) if spec.pretrained
+                       else None)
     if device != "cpu":
         model.to(device)  # before the optimiser and the checkpoint: their state follows the parameters
     dataset = ArrayDataset(data.images, data.labels)

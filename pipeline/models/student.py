@@ -62,6 +62,11 @@ class StudentCNN(nn.Module):
     def embed_dim(self) -> int:
         return self.widths[-1]
 
+    @property
+    def first_conv(self) -> nn.Module:
+        """The convolution that sees the photo (whose maps the run's feature_maps.png shows)."""
+        return self.features[0][0]
+
     def embed(self, x: Any) -> Any:
         """NHWC images -> (N, embed_dim) embedding."""
         return self.pool(self.features(x))
@@ -95,23 +100,48 @@ class StudentSpec(Record):
     recorded only for depthwise-separable students (absent: 3x3 conv blocks, as every run before it).
     """
 
-    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"block"})
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"block", "trunk_blocks"})
     num_classes: int
     widths: tuple[int, ...]
     in_channels: int = 3
     dropout: float = 0.0
-    kind: Literal["student_cnn"] = "student_cnn"
+    kind: Literal["student_cnn", "lite0_trunk"] = "student_cnn"
     block: Literal["separable"] | None = None
+    trunk_blocks: int | None = None  # kind "lite0_trunk": Lite0 blocks in the trunk (widths: its head's width)
+
+    def __post_init__(self) -> None:
+        if (self.kind == "lite0_trunk") != (self.trunk_blocks is not None):
+            raise ValueError(f"model_config: trunk_blocks goes with kind 'lite0_trunk' (kind {self.kind!r}, "
+                             f"trunk_blocks {self.trunk_blocks!r})")
 
     @classmethod
     def from_recipe(cls, model: ModelSection, num_classes: int) -> StudentSpec:
         """The student the recipe's ``[model]`` section describes, for ``num_classes`` classes."""
+        if model.block == "lite0":
+            return cls(num_classes=num_classes, widths=(int(model.widths[-1]),), dropout=model.dropout,
+                       kind="lite0_trunk", trunk_blocks=int(model.trunk_blocks))
         return cls(num_classes=num_classes, widths=tuple(model.widths), dropout=model.dropout,
                    block="separable" if model.block == "separable" else None)
 
-    def build(self, rng: np.random.Generator, teacher_dim: int | None = None) -> StudentCNN:
+    @property
+    def pretrained(self) -> bool:
+        """Whether :meth:`build` starts from pretrained weights when given the input normalisation."""
+        return self.kind == "lite0_trunk"
+
+    def build(self, rng: np.random.Generator, teacher_dim: int | None = None,
+              normalisation: tuple[Sequence[float], Sequence[float]] | None = None) -> Any:
         """The network (with a distillation projection to ``teacher_dim`` when given), its initial weights
-        and dropout masks drawn from ``rng``."""
+        and dropout masks drawn from ``rng``. A pretrained student (:attr:`pretrained`) given the input's
+        ``normalisation`` (mean, std) then loads its ImageNet weights; without it, its weights stay random
+        (to be replaced by a checkpoint's)."""
+        if self.kind == "lite0_trunk":
+            from leaflens.pipeline.models.trunk import LiteTrunkStudent  # noqa: PLC0415
+
+            model = LiteTrunkStudent(self.num_classes, blocks=int(self.trunk_blocks or 0), head=self.widths[-1],
+                                     teacher_dim=teacher_dim, dropout=self.dropout, rng=rng)
+            if normalisation is not None:
+                model.load_pretrained(*normalisation)
+            return model
         return StudentCNN(self.num_classes, widths=self.widths, in_channels=self.in_channels,
                           teacher_dim=teacher_dim, dropout=self.dropout, separable=self.block == "separable",
                           rng=rng)

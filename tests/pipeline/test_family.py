@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -42,11 +43,14 @@ def _params(cfg, name, num_classes=3):
     return StudentSpec.from_recipe(member.model, num_classes).build(np.random.default_rng(0)).num_parameters()
 
 
-def test_the_default_family_is_the_recipes_one_student():
+def test_the_default_family_is_the_pretrained_student_and_m_is_the_recipes_own():
     cfg = load_config()
     (only,) = members(cfg.model)
-    assert cfg.model.family == ("m",) and only.name == "m" and only.model == cfg.model
-    assert "block" not in StudentSpec.from_recipe(only.model, 5).to_dict()  # checkpoints as before families
+    assert cfg.model.family == ("lite8",) and only.name == "lite8"
+    assert (only.model.block, only.model.trunk_blocks, only.model.input_size) == ("lite0", 8, cfg.model.input_size)
+    (m,) = members(load_config(None, ['model.family=["m"]']).model)
+    assert m.model == dataclasses.replace(cfg.model, family=("m",))
+    assert "block" not in StudentSpec.from_recipe(m.model, 5).to_dict()  # checkpoints as before families
 
 
 def test_members_scale_the_recipes_widths_and_set_block_and_input_size():

@@ -36,9 +36,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="serving budget: keep no model slower than MS milliseconds per photo at batch 1 on this "
                         "machine (0: no limit; same as --set distill.max_ms=MS)")
     p.add_argument("--family", metavar="NAMES",
-                   help="students to train and choose from on validation, comma-separated, e.g. s,m,l or m,m@128 "
-                        "(s/m/l: the [model] widths x0.5/x1/x1.5; -ds: depthwise-separable; @PX: input size; "
-                        "same as --set model.family='[\"s\", \"m\"]')")
+                   help="students to train and choose from on validation, comma-separated, e.g. lite8,m or m,m@128 "
+                        "(default lite8: the first 8 blocks of ImageNet EfficientNet-Lite0 and a small head; liteN: "
+                        "N blocks; s/m/l: the [model] CNN with widths x0.5/x1/x1.5; -ds: depthwise-separable; "
+                        "@PX: input size; same as --set model.family='[\"lite8\", \"m\"]')")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in <out>.partial")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)

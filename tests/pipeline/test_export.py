@@ -356,6 +356,27 @@ def test_pbtxt_parser_on_handwritten_text():
             triton.parse_pbtxt(broken)
 
 
+def test_an_fp16_flip_on_a_near_tie_is_rounding_not_a_failure():
+    """133 validation photos, one flips in FP16: fine when its two best FP32 logits were within FP16's rounding
+    (a pretrained student's export failed on a 0.018 margin between logits of 13), a failure when they were not."""
+    ref = np.tile(np.array([[2.0, 1.0, -1.0]], np.float32), (133, 1)) * 6.5  # the largest |logit|: 13
+    ref[76] = [13.0, 12.982, 0.0]  # a near-tie
+    fp16 = ref.copy()
+    fp16[76] = [12.99, 13.0, 0.0]
+    opts = ExportOptions(run=Path("r"), out=Path("o"))
+    tie16 = 2 * opts.fp16_tolerance * 13.0
+
+    def report(other):
+        return {"parity": {"fp32": {**stage.parity.compare(ref, ref), "finite": True},
+                           "fp16": stage.parity.compare(ref, other, tie16)}}
+
+    assert stage._gates(report(fp16), opts) == []
+    clear = fp16.copy()
+    clear[5] = [0.0, 13.0, 0.0]  # a photo that was not a near-tie changes its answer
+    (failure,) = stage._gates(report(clear), opts)
+    assert failure == "FP16 top-1 agreement 99.25% < 99.5% (2 images differ, 1 of them near-ties)"
+
+
 def test_parity_failure_exits_non_zero_and_replaces_nothing(tiny_run, tmp_path, capsys):
     run, dataset = tiny_run
     out = tmp_path / "export"

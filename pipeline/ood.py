@@ -239,10 +239,8 @@ def with_generic_branch(model: Module, mean: Sequence[float], std: Sequence[floa
     """What the score of ``model`` is fitted on and exported from: ``model`` with the generic branch
     (:class:`WithGenericBranch`), or, when the EfficientNet-Lite0 weights cannot be found or read, ``model``
     alone (today's score, :data:`METHOD_OWN`) and a sentence saying why, for the export log and report.
-    A model whose own blocks are already Lite0's (``generic_blocks``: the pretrained trunk student) is
-    returned alone, with no sentence: the branch would repeat its first blocks."""
-    if getattr(model, "generic_blocks", False):
-        return model, None
+    The pretrained trunk student gets the branch too: its Lite0 blocks are fine-tuned, the branch's stay
+    ImageNet's (on generated negatives, iBeans lite8: AUROC 0.983 without, 0.987 with; `--branch-sweep`)."""
     branch, why = generic_branch(mean, std, blocks, weights)
     if branch is None:
         return model, (f"the out-of-domain score reads the model's own blocks only ({METHOD_OWN}): the "

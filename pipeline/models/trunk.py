@@ -52,8 +52,6 @@ class LiteTrunkStudent(nn.Module):
     ``rng`` gives the initial weights (all of them random: :func:`load_pretrained` then replaces the stem's
     and the blocks' by ImageNet's) and the dropout masks, as for :class:`StudentCNN`."""
 
-    generic_blocks = True  # its blocks are ImageNet Lite0's: the out-of-domain score needs no generic branch
-
     def __init__(self, num_classes: int, blocks: int = 8, head: int = 256, teacher_dim: int | None = None,
                  dropout: float = 0.0, *, rng: np.random.Generator | None = None):
         super().__init__()

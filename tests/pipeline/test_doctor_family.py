@@ -8,9 +8,9 @@ import json
 import re
 
 import pytest
+from test_cmd_doctor import no_gpu  # noqa: F401  (the fixture: the doctor's CPU path even on a GPU machine)
 
 from leaflens.engine.checkpoint import save_checkpoint
-from leaflens.kernels import _cuda
 from leaflens.pipeline import doctor
 from leaflens.pipeline.cli import main
 from leaflens.pipeline.models.student import StudentCNN
@@ -19,13 +19,6 @@ FAST = ["doctor", "--no-bandwidth"]
 REQUEST_KEYS = {"model", "input_size", "widths", "num_classes", "mixed_precision", "source", "configured_batch"}
 
 
-@pytest.fixture
-def no_gpu(monkeypatch):
-    monkeypatch.setenv(_cuda.DISABLE_ENV, "1")
-    _cuda.gpu_probe(refresh=True)
-    yield
-    monkeypatch.delenv(_cuda.DISABLE_ENV)
-    _cuda.gpu_probe(refresh=True)
 
 
 def test_a_separable_student_needs_less_memory_per_step_than_a_plain_one():
@@ -51,7 +44,8 @@ def test_the_limiting_member_is_the_unsizable_one_else_the_smallest_batch():
         doctor.limiting_member([])
 
 
-def test_a_family_of_s_and_l_is_limited_by_l(no_gpu, capsys):
+@pytest.mark.usefixtures("no_gpu")
+def test_a_family_of_s_and_l_is_limited_by_l(capsys):
     args = [*FAST, "--widths", "16,32,64", "--size", "24", "--classes", "3"]
     assert main([*args, "--family", "s,l", "--json"]) == 0
     facts = json.loads(capsys.readouterr().out)
@@ -73,7 +67,8 @@ def test_a_family_of_s_and_l_is_limited_by_l(no_gpu, capsys):
     assert rows["s"].endswith("for student 8-16-32 at 24x24") and rows["l"].endswith("(limits the batch)")
 
 
-def test_a_member_keeps_its_own_block_and_input_size(no_gpu, capsys):
+@pytest.mark.usefixtures("no_gpu")
+def test_a_member_keeps_its_own_block_and_input_size(capsys):
     assert main([*FAST, "--no-measure", "--json", "--widths", "8,16", "--size", "16", "--family", "s,m-ds@32"]) == 0
     facts = json.loads(capsys.readouterr().out)
     s, m = facts["family"]
@@ -96,7 +91,8 @@ def test_bad_family_names_exit_2_naming_the_member(family, message, capsys):
     assert err.startswith(f"doctor: --family {family}: ") and message in err
 
 
-def test_the_default_family_reports_as_one_student(no_gpu, capsys):
+@pytest.mark.usefixtures("no_gpu")
+def test_the_default_family_reports_as_one_student(capsys):
     """The recipe's family is ["m"]: the report is the one student's, with neither a member nor a family."""
     assert main([*FAST, "--no-measure", "--json"]) == 0
     default = json.loads(capsys.readouterr().out)
@@ -110,7 +106,8 @@ def test_the_default_family_reports_as_one_student(no_gpu, capsys):
     assert capsys.readouterr().out == text
 
 
-def test_a_run_folder_sizes_its_kept_separable_student(no_gpu, tmp_path, capsys):
+@pytest.mark.usefixtures("no_gpu")
+def test_a_run_folder_sizes_its_kept_separable_student(tmp_path, capsys):
     model = StudentCNN(4, widths=(8, 16), separable=True)
     save_checkpoint(tmp_path / "best.npz", model, extra={
         "model_config": {"kind": "student_cnn", "num_classes": 4, "widths": [8, 16], "in_channels": 3,

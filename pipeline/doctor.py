@@ -33,6 +33,7 @@ from leaflens.pipeline.hardware import available_ram_bytes, cpu_facts, gpu_facts
 
 if TYPE_CHECKING:
     from leaflens.pipeline.config import ModelSection
+    from leaflens.pipeline.models.student import StudentSpec
 
 SAFETY = 0.8  # use at most 80 % of the free memory: 20 % stays free as a margin
 GPU_BATCHES = (16, 64)  # measured on a GPU (large enough that the pool's rounding does not dominate)
@@ -56,6 +57,17 @@ class ModelSpec:
     configured_batch: int | None = None  # train.batch_size of that recipe or run
     block: str = "conv"  # as [model] block; "separable" blocks have far fewer weights; "lite0": a pretrained trunk
     trunk_blocks: int | None = None  # block "lite0": EfficientNet-Lite0 blocks in the trunk (widths[-1]: its head)
+
+    def student_spec(self) -> StudentSpec:
+        """The :class:`~leaflens.pipeline.models.student.StudentSpec` distill would build for this spec (random
+        weights: a pretrained student needs the memory of its architecture, not its ImageNet values)."""
+        from leaflens.pipeline.models.student import StudentSpec  # noqa: PLC0415
+
+        if self.block == "lite0":
+            return StudentSpec(num_classes=self.num_classes, widths=(self.widths[-1],), kind="lite0_trunk",
+                               trunk_blocks=self.trunk_blocks or 8)
+        return StudentSpec(num_classes=self.num_classes, widths=tuple(self.widths),
+                           block="separable" if self.block == "separable" else None)
 
     def describe(self) -> str:
         if self.block == "lite0":
@@ -90,9 +102,13 @@ def family_specs(model: ModelSection, base: ModelSpec) -> list[MemberSpec]:
     (64 where that is 0, the dataset's stored size: no dataset is given to read it from)."""
     from leaflens.pipeline.models.family import members  # noqa: PLC0415
 
-    return [MemberSpec(m.name, replace(base, widths=tuple(m.model.widths), block=m.model.block,
-                                       trunk_blocks=m.model.trunk_blocks if m.model.block == "lite0" else None),
-                       m.model.input_size or 64) for m in members(model)]
+    out = []
+    for m in members(model):
+        lite = m.model.block == "lite0"  # a pretrained trunk: its one width is its head's
+        out.append(MemberSpec(m.name, replace(base, widths=(m.model.widths[-1],) if lite else tuple(m.model.widths),
+                                              block=m.model.block, trunk_blocks=m.model.trunk_blocks if lite else None),
+                              m.model.input_size or 64))
+    return out
 
 
 def spec_from_run(run_dir: str | os.PathLike[str]) -> tuple[ModelSpec, int]:
@@ -133,18 +149,12 @@ def _training_step(spec: ModelSpec, input_size: int, batch: int, device: str) ->
     from leaflens.engine import Tensor, ops  # noqa: PLC0415
     from leaflens.engine.amp import GradScaler, train_step  # noqa: PLC0415
     from leaflens.engine.optim import AdamW  # noqa: PLC0415
-    from leaflens.pipeline.models.student import StudentCNN, StudentSpec  # noqa: PLC0415
 
     if spec.block not in SIZED_BLOCKS:
-        raise BatchEstimateUnavailable(f"a {spec.block!r} student cannot be sized: the doctor builds the student "
-                                       f"CNN, with {' or '.join(SIZED_BLOCKS)} blocks")
+        raise BatchEstimateUnavailable(f"a {spec.block!r} student cannot be sized: the doctor builds "
+                                       f"{' or '.join(SIZED_BLOCKS)} students")
     use_amp = _use_amp(spec, device)
-    if spec.block == "lite0":  # random weights: the memory is the pretrained student's all the same
-        model = StudentSpec(num_classes=spec.num_classes, widths=(spec.widths[-1],), kind="lite0_trunk",
-                            trunk_blocks=spec.trunk_blocks or 8).build(np.random.default_rng(0))
-    else:
-        model = StudentCNN(spec.num_classes, widths=spec.widths, separable=spec.block == "separable",
-                           rng=np.random.default_rng(0))
+    model = spec.student_spec().build(np.random.default_rng(0))
     if device != "cpu":
         model.to(device)
     opt = AdamW(model.parameters(), lr=1e-3)
@@ -313,8 +323,10 @@ def _request(member: MemberSpec, device: str) -> dict[str, Any]:
     req = {"model": "student", "input_size": member.input_size, "widths": list(spec.widths),
            "num_classes": spec.num_classes, "mixed_precision": _use_amp(spec, device),
            "source": spec.source, "configured_batch": spec.configured_batch}
-    if spec.block == "separable":  # absent for plain conv blocks, as in a run's model_config
+    if spec.block != "conv":  # absent for plain conv blocks, as in a run's model_config
         req["block"] = spec.block
+    if spec.trunk_blocks is not None:
+        req["trunk_blocks"] = spec.trunk_blocks
     return req
 
 

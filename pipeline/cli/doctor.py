@@ -51,9 +51,13 @@ class _Lines:
 
 
 def _student(req: dict[str, Any]) -> str:
-    """``student 32-64-128-256 at 64x64`` (``, separable`` for depthwise-separable blocks)."""
+    """``student 32-64-128-256 at 64x64`` (``, separable`` for depthwise-separable blocks; ``student Lite0
+    blocks 0-7 + 256 head at 64x64`` for a pretrained trunk)."""
+    size = f"at {req['input_size']}x{req['input_size']}"
+    if req.get("block") == "lite0":
+        return f"student Lite0 blocks 0-{req['trunk_blocks'] - 1} + {req['widths'][-1]} head {size}"
     return (f"student {'-'.join(map(str, req.get('widths', [])))}"
-            f"{', separable' if req.get('block') == 'separable' else ''} at {req['input_size']}x{req['input_size']}")
+            f"{', separable' if req.get('block') == 'separable' else ''} {size}")
 
 
 def _estimate_lines(out: _Lines, est: dict[str, Any], req: dict[str, Any], memory: str) -> None:
@@ -241,7 +245,8 @@ def run(args: argparse.Namespace) -> int:
     if recipe is None:  # a run folder: its kept student
         family = [MemberSpec("student", spec, size)]
     else:  # the recipe's family, scaled from the (possibly --widths) [model] student
-        names = recipe.family if args.family is None else family_option(args.family)
+        # --widths describes the [model] CNN: alone, it sizes that student (the "m" member)
+        names = family_option(args.family) if args.family is not None else ("m",) if args.widths else recipe.family
         family = family_specs(replace(recipe, widths=spec.widths, input_size=size, family=names), spec)
     facts = collect_family(family, measure_bandwidth=not args.no_bandwidth, measure_batch=not args.no_measure)
     print(json.dumps(facts, indent=2, default=str) if args.json else render(facts))
@@ -265,7 +270,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="square input side in pixels (default: the recipe's model.input_size, 64, which a "
                              "family member's @PX replaces; or the run's image size)")
     parser.add_argument("--widths", default=None,
-                        help="student conv widths, e.g. 32,64,128,256 (default: the distill recipe's)")
+                        help="student conv widths, e.g. 32,64,128,256 (default: the distill recipe's); without "
+                             "--family it sizes that CNN, the family's m member")
     parser.add_argument("--family", metavar="NAMES", default=None,
                         help="size every student of this family, comma-separated, e.g. s,m,l or m,m@128 "
                              "(as leaflens distill --family; default: the recipe's model.family) and report the "

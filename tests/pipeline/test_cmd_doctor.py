@@ -41,7 +41,9 @@ def test_doctor_json(no_gpu, capsys):
     facts = json.loads(capsys.readouterr().out)
     assert facts["gpu"] == {"available": False, "reason": f"disabled by {_cuda.DISABLE_ENV}=1"}
     req = facts["request"]
-    assert req["model"] == "student" and req["input_size"] == 96 and req["widths"] == [32, 64, 128, 256]
+    # the default student: lite8, the first 8 Lite0 blocks and a 256-wide head
+    assert req["model"] == "student" and req["input_size"] == 96 and req["widths"] == [256]
+    assert req["block"] == "lite0" and req["trunk_blocks"] == 8
     assert req["mixed_precision"] is False and req["source"] == "defaults" and req["configured_batch"] == 64
     assert "--no-measure" in facts["cpu_batch_estimate"]["unavailable"]
     assert facts["cpu"]["logical_cores"] >= 1

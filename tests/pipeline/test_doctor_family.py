@@ -93,17 +93,21 @@ def test_bad_family_names_exit_2_naming_the_member(family, message, capsys):
 
 @pytest.mark.usefixtures("no_gpu")
 def test_the_default_family_reports_as_one_student(capsys):
-    """The recipe's family is ["m"]: the report is the one student's, with neither a member nor a family."""
+    """The recipe's family is ["lite8"]: the report is the one student's, with neither a member nor a family."""
     assert main([*FAST, "--no-measure", "--json"]) == 0
     default = json.loads(capsys.readouterr().out)
-    assert set(default["request"]) == REQUEST_KEYS and "family" not in default
-    assert main([*FAST, "--no-measure", "--json", "--family", "m"]) == 0
+    assert set(default["request"]) == REQUEST_KEYS | {"block", "trunk_blocks"} and "family" not in default
+    assert main([*FAST, "--no-measure", "--json", "--family", "lite8"]) == 0
     assert json.loads(capsys.readouterr().out)["request"] == default["request"]
     assert main([*FAST, "--no-measure"]) == 0
     text = capsys.readouterr().out
     assert "family" not in text and "estimate unavailable: not measured (--no-measure)" in text
-    assert main([*FAST, "--no-measure", "--family", "m"]) == 0
+    assert main([*FAST, "--no-measure", "--family", "lite8"]) == 0
     assert capsys.readouterr().out == text
+    # one CNN member: the request is the [model] CNN's, with no block key, as before families
+    assert main([*FAST, "--no-measure", "--json", "--family", "m"]) == 0
+    m = json.loads(capsys.readouterr().out)["request"]
+    assert set(m) == REQUEST_KEYS and m["widths"] == [32, 64, 128, 256]
 
 
 @pytest.mark.usefixtures("no_gpu")

@@ -55,6 +55,7 @@ from leaflens.apps.model_card import OODBranch, OODCheck, flag_confidence
 from leaflens.apps.predictor import OOD_OUTPUT
 from leaflens.engine import Tensor, no_grad, ops
 from leaflens.engine.nn import Module, Sequential
+from leaflens.pipeline.models.efficientnet import tf_input_affine
 
 __all__ = ["DEFAULT_BUDGET", "DEFAULT_CONFIDENCE", "GENERIC_BLOCKS", "METHOD", "METHOD_OWN", "OOD_OUTPUT",
            "GenericBranch", "OODHead", "ServedModel", "WithGenericBranch", "block_stats", "fit_ood_head",
@@ -169,10 +170,7 @@ class GenericBranch(Module):
         self.source = source
         ends = [i for i in net.stage_ends() if i < blocks]
         self.ends = sorted({*ends, blocks - 1})
-        m, s = np.asarray(mean, np.float64), np.asarray(std, np.float64)
-        # model input x = (p/255 - m) / s  ->  (p - 127) / 128 = x * 255 s / 128 + (255 m - 127) / 128
-        self._scale = (255.0 * s / 128.0).astype(np.float32)
-        self._shift = ((255.0 * m - 127.0) / 128.0).astype(np.float32)
+        self._scale, self._shift = tf_input_affine(mean, std)
         self.eval()
 
     @property

@@ -38,7 +38,7 @@ from leaflens.engine import nn, ops
 
 __all__ = ["B0_STAGE_STRIDES", "NORMALIZATIONS", "PADDINGS", "BlockSpec", "EfficientNetBack", "EfficientNetFront",
            "EfficientNetLite", "FeatureEncoder", "LiteConfig", "map_torch_state_dict", "normalize_images",
-           "specs_from_state_dict"]
+           "specs_from_state_dict", "tf_input_affine"]
 
 # Stride of each of EfficientNet-B0's seven stages (shared by every Lite variant).
 B0_STAGE_STRIDES = (1, 2, 2, 2, 1, 2, 1)
@@ -103,6 +103,14 @@ def normalize_images(images: np.ndarray, normalization: str = "tf") -> np.ndarra
     if normalization == "imagenet":
         return (x / 255.0 - IMAGENET_MEAN) / IMAGENET_STD
     raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+
+
+def tf_input_affine(mean: Any, std: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel (scale, shift), float32, that turn an input normalised as ``(pixel/255 - mean) / std``
+    (``mean``, ``std`` on the [0, 1] scale) into the "tf" normalisation Lite0's weights expect: ``(pixel - 127)
+    / 128 = x * 255 std / 128 + (255 mean - 127) / 128``."""
+    m, s = np.asarray(mean, np.float64), np.asarray(std, np.float64)
+    return (255.0 * s / 128.0).astype(np.float32), ((255.0 * m - 127.0) / 128.0).astype(np.float32)
 
 
 def _conv_padding(config: LiteConfig, kernel: int) -> Any:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from leaflens.engine import Tensor, nn, ops
-from leaflens.pipeline.models.efficientnet import BlockSpec, LiteConfig, MBConv, _conv_padding
+from leaflens.pipeline.models.efficientnet import BlockSpec, LiteConfig, MBConv, _conv_padding, tf_input_affine
 
 __all__ = ["LITE0_BLOCKS", "LiteTrunkStudent", "lite0_block_specs"]
 
@@ -138,13 +138,6 @@ class LiteTrunkStudent(nn.Module):
             raise ValueError(f"{path} does not describe EfficientNet-Lite0's blocks: {net.specs[:len(self.specs)]}")
         state = {k: v for k, v in net.state_dict().items() if k.split(".")[0] in ("stem_conv", "stem_bn")
                  or (k.startswith("blocks.") and int(k.split(".")[1]) < len(self.specs))}
-        m, s = np.asarray(mean, np.float64), np.asarray(std, np.float64)
-        # the model sees x = (p/255 - m) / s; Lite0 saw (p - 127) / 128 = x * 255 s / 128 + (255 m - 127) / 128
-        state["input_scale"] = (255.0 * s / 128.0).astype(np.float32)
-        state["input_shift"] = ((255.0 * m - 127.0) / 128.0).astype(np.float32)
-        own = self.state_dict()
-        missing = [k for k in state if k not in own]
-        if missing:
-            raise ValueError(f"{path}: weights the trunk does not have: {missing[:3]}")
-        self.load_state_dict({**own, **state})
+        state["input_scale"], state["input_shift"] = tf_input_affine(mean, std)
+        self.load_state_dict({**self.state_dict(), **state})  # strict: a name the trunk lacks is refused
         return str(path)

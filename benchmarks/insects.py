@@ -108,9 +108,8 @@ def student_row(report: Mapping[str, Any]) -> dict[str, Any]:
     from leaflens.pipeline.distill import member_pair  # noqa: PLC0415  (the engine only once a run is read)
 
     distilled, scratch = member_pair(report["variants"], report["best_student"])
-    member = report["best_student"][:report["best_student"].rfind("/") + 1]
     cands = {c["name"]: c for c in report["selection"]["candidates"]}
-    student = cands.get(member + "scratch") or cands[member + "distilled"]
+    student = cands[report["best_student"]]  # its member's size and latency (both variants share them)
     teacher = cands.get("teacher")
     return {"scratch": None if scratch is None else scratch["test_accuracy"],
             "distilled": None if distilled is None else distilled["test_accuracy"],

@@ -43,6 +43,7 @@ Lite0 weights (``leaflens[teacher]`` not installed) the export falls back to the
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -59,7 +60,7 @@ from leaflens.pipeline.models.efficientnet import tf_input_affine
 
 __all__ = ["DEFAULT_BUDGET", "DEFAULT_CONFIDENCE", "GENERIC_BLOCKS", "METHOD", "METHOD_OWN", "OOD_OUTPUT",
            "GenericBranch", "OODHead", "ServedModel", "WithGenericBranch", "block_stats", "fit_ood_head",
-           "flags_allowed", "generic_branch", "with_generic_branch"]
+           "flags_allowed", "generic_branch", "photos_for_confidence", "with_generic_branch"]
 
 # Recorded in the model card; bump when the score's definition changes. METHOD: the model's own blocks and the
 # generic branch's; METHOD_OWN: the model's own blocks alone (a model exported without the branch, or the
@@ -326,6 +327,12 @@ def flags_allowed(n: int, budget: float, confidence: float = DEFAULT_CONFIDENCE)
     while k + 1 < n and flag_confidence(n, k + 1, budget) >= confidence:
         k += 1
     return k
+
+
+def photos_for_confidence(budget: float, confidence: float = DEFAULT_CONFIDENCE) -> int:
+    """The fewest validation photos with which a threshold above all of them holds ``budget`` with
+    ``confidence`` (``1 - (1 - budget)^n >= confidence``): 76 at 3 % and 0.9."""
+    return math.ceil(math.log1p(-confidence) / math.log1p(-budget))
 
 
 def threshold_for(val_scores: np.ndarray, budget: float, confidence: float = DEFAULT_CONFIDENCE) -> float:

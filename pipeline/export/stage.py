@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -369,7 +368,7 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
         top = probs.max(1)
         card = replace(card, ood=check, val_ambiguous=float(np.mean(top < card.uncertain_threshold)))
         if check.confidence is not None and check.achieved_confidence < check.confidence:
-            need = math.ceil(math.log1p(-check.confidence) / math.log1p(-check.budget))
+            need = ood_check.photos_for_confidence(check.budget, check.confidence)
             msg = (f"only {check.val_photos} validation photos: the out-of-domain threshold flags at most "
                    f"{check.budget:.1%} of genuine new photos with {check.achieved_confidence:.0%} confidence, not "
                    f"{check.confidence:.0%} ({need} validation photos would give it); add validation photos")

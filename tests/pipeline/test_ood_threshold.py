@@ -30,6 +30,8 @@ def test_flags_allowed_is_the_largest_count_that_keeps_the_confidence() -> None:
             assert flag_confidence(n, k, 0.03) >= 0.9
         assert k == 0 or flag_confidence(n, k + 1, 0.03) < 0.9
     assert ood.flags_allowed(75, 0.03, 0.9) == 0 and ood.flags_allowed(133, 0.03, 0.9) == 1
+    need = ood.photos_for_confidence(0.03, 0.9)
+    assert need == 76 and flag_confidence(need, 0, 0.03) >= 0.9 > flag_confidence(need - 1, 0, 0.03)
     # many photos: close to the budget's share, always under it
     assert 0.02 < ood.flags_allowed(5000, 0.03, 0.9) / 5000 < 0.03
 

@@ -66,6 +66,7 @@ SWITCHES = {
     "fused": ("leaflens.engine.ops.fused", "ENABLED", True, False),  # BatchNorm -> ReLU -> max-pool in one op
     "dynamic": ("leaflens.engine.parallel", "DYNAMIC", True, False),  # tiles handed out as threads come free
     "winograd": ("leaflens.engine.ops.winograd", "MIN_CHANNELS", 16, 1 << 30),  # else im2col for every 3x3
+    "monotone": ("leaflens.engine.ops.fused", "MONOTONE", True, False),  # fused op's k > 0 path
 }
 
 

@@ -245,20 +245,15 @@ class Conv2d(Function):
         pointwise = (kh, kw) == (1, 1) and self.stride == (1, 1)
         self.kernel_pads = pads if any(pads) and not depthwise and not pointwise and gpu.active(
             array_module(x)) else None
-        xpad = x if self.kernel_pads else pad_nhwc(x, pads)
         self.padded_shape = (n, h + pads[0] + pads[1], wd + pads[2] + pads[3], c)
-        if depthwise:
-            self.mode = "depthwise"
-            y = self._depthwise_forward(xpad, w)
-        elif winograd.applies(x, w, self.stride, pads, g):
-            self.mode = "winograd"
-            y = self._winograd_forward(xpad, w)
-        elif g == 1:
-            self.mode = "dense"
-            y = self._dense_forward(xpad, w)
+        if not depthwise and winograd.applies(x, w, self.stride, pads, g):
+            self.mode = "winograd"  # pads the input itself, into its own layout
+            y = self._winograd_forward(x, w)
         else:
-            self.mode = "grouped"
-            y = self._grouped_forward(xpad, w)
+            xpad = x if self.kernel_pads else pad_nhwc(x, pads)
+            self.mode = "depthwise" if depthwise else "dense" if g == 1 else "grouped"
+            y = {"depthwise": self._depthwise_forward, "dense": self._dense_forward,
+                 "grouped": self._grouped_forward}[self.mode](xpad, w)
         if b is not None:
             def add_bias(lo: int, hi: int) -> None:
                 y[lo:hi] += b
@@ -300,16 +295,17 @@ class Conv2d(Function):
         return gx, gw
 
     # -- 3x3 stride 1 pad 1 on NumPy: Winograd F(2x2, 3x3) (engine/ops/winograd.py) -----------------------
-    def _winograd_forward(self, xpad, w):
+    def _winograd_forward(self, x, w):
         u = winograd.transform_filter(w)
+        y, padded = winograd.forward(x, u)
         if self.recording:
-            self.xpad = xpad  # the transformed input is made again from it in backward (no columns kept)
+            self.padded = padded  # the transformed input is made again from it in backward (no columns kept)
             self.u = u
             self.w_shape = w.shape
-        return winograd.forward(xpad, u, self.out_hw)
+        return y
 
     def _winograd_backward(self, gy):
-        du, gx = winograd.backward(self.xpad, self.u, gy, self.needs_grad[0], self.needs_grad[1])
+        du, gx = winograd.backward(self.padded, self.u, gy, self.needs_grad[0], self.needs_grad[1])
         gw = winograd.filter_grad(du, self.w_shape) if du is not None else None
         return gx, gw
 

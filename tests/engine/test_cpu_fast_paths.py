@@ -25,6 +25,26 @@ def test_matmul_tn_either_orientation_is_a_transpose_times_b(m, n):
     assert matmul_tn(a, b).shape == (m, n)
 
 
+@pytest.mark.parametrize("m,n", [(3, 8), (8, 3)])
+def test_matmul_tn_in_pieces_is_the_same_product_whatever_the_thread_count(m, n, monkeypatch):
+    from leaflens.engine import parallel
+    from leaflens.engine.ops import linalg
+
+    monkeypatch.setattr(linalg, "TN_ROWS", 16)  # 103 rows: pieces of 16, the last one short
+    monkeypatch.setattr(parallel, "MIN_ELEMENTS", 1)
+    a = rng.standard_normal((103, m)).astype(np.float32)
+    b = rng.standard_normal((103, n)).astype(np.float32)
+    results = []
+    for threads in (1, 2, 3):
+        monkeypatch.setattr(parallel, "num_threads", lambda t=threads: t)
+        results.append(matmul_tn(a, b))
+    np.testing.assert_allclose(results[0], a.T @ b, rtol=1e-5, atol=1e-5)
+    for r in results[1:]:
+        np.testing.assert_array_equal(r, results[0])
+    monkeypatch.setattr(linalg, "TN_SPLIT_MAX", 1)  # a larger result: one product
+    np.testing.assert_allclose(matmul_tn(a, b), a.T @ b, rtol=1e-5, atol=1e-5)
+
+
 DW = {
     "3x3_s1_pad1": dict(x=(2, 5, 4, 3), k=3, stride=1, padding=1),
     "3x3_s2_same": dict(x=(2, 7, 6, 2), k=3, stride=2, padding="same"),

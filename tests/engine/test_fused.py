@@ -14,14 +14,16 @@ from leaflens.engine.ops.fused import BatchNormReLUMaxPool
 rng = np.random.default_rng(5)
 
 
-def _chain(x, g, b, gy, *, fuse: bool, dtype):
-    """(output, gx, ggamma, gbeta, running mean, running var) of the fused op or of the three ops."""
+def _chain(x, g, b, gy, *, fuse: bool, dtype, monotone: bool | None = None):
+    """(output, gx, ggamma, gbeta, running mean, running var) of the fused op or of the three ops; with
+    ``monotone``, the fused op must have taken that path."""
     c = x.shape[-1]
     rm, rv = np.full(c, 0.5, dtype), np.full(c, 2.0, dtype)
     xt, gt, bt = (Tensor(a.astype(dtype), requires_grad=True) for a in (x, g, b))
     if fuse:
         y = ops.batch_norm_relu_max_pool(xt, gt, bt, rm, rv, momentum=0.3, eps=1e-3)
         assert isinstance(y.creator, BatchNormReLUMaxPool)
+        assert monotone is None or y.creator.monotone == monotone
     else:
         y = ops.max_pool2d(ops.relu(ops.batch_norm(xt, gt, bt, rm, rv, training=True, momentum=0.3, eps=1e-3)), 2)
     y.backward(gy.astype(dtype))
@@ -38,7 +40,8 @@ def _input(shape):
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("shape", [(2, 4, 6, 3), (3, 2, 2, 5), (4, 8, 10, 16)])
 @pytest.mark.parametrize("tiles", ["default", "tiny"])
-def test_values_and_gradients_equal_the_three_ops(dtype, shape, tiles, monkeypatch):
+@pytest.mark.parametrize("negative_scale", [True, False])
+def test_values_and_gradients_equal_the_three_ops(dtype, shape, tiles, negative_scale, monkeypatch):
     if tiles == "tiny":  # a row pair per tile (a row for the statistics), handed to two threads even at these sizes
         monkeypatch.setattr(parallel, "TILE", 1)
         monkeypatch.setattr(fused, "TILE", 1)
@@ -46,9 +49,12 @@ def test_values_and_gradients_equal_the_three_ops(dtype, shape, tiles, monkeypat
         monkeypatch.setattr(parallel, "num_threads", lambda: 2)
     c = shape[-1]
     x, g, b = _input(shape), rng.standard_normal(c) + 1.5, rng.standard_normal(c)
-    g[0] = -0.7  # a negative scale: the max of the normalised values is not at the max of x
+    if negative_scale:
+        g[0] = -0.7  # the max of the normalised values is not at the max of x: the general path
+    else:
+        g = np.abs(g) + 0.1  # every scale positive: the monotone path
     gy = rng.standard_normal((shape[0], shape[1] // 2, shape[2] // 2, c))
-    got = _chain(x, g, b, gy, fuse=True, dtype=dtype)
+    got = _chain(x, g, b, gy, fuse=True, dtype=dtype, monotone=not negative_scale)
     want = _chain(x, g, b, gy, fuse=False, dtype=dtype)
     tol = 1e-12 if dtype == np.float64 else 2e-5
     for a, w, name in zip(got, want, ("y", "gx", "ggamma", "gbeta", "running_mean", "running_var")):
@@ -70,7 +76,7 @@ def test_ties_in_every_window_go_where_max_pool_sends_them(dtype):
     taps[:, 1, :, 1, 0] -= 2.0  # two-way ties (taps (0, 1) and (1, 1))
     x = taps.transpose(0, 1, 3, 2, 4, 5).reshape(2, 4, 4, 3)
     g, b, gy = np.ones(3), np.full(3, 3.0), rng.standard_normal((2, 2, 2, 3))
-    got = _chain(x, g, b, gy, fuse=True, dtype=dtype)
+    got = _chain(x, g, b, gy, fuse=True, dtype=dtype, monotone=True)
     want = _chain(x, g, b, gy, fuse=False, dtype=dtype)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5 * np.abs(want[1]).max())
@@ -146,8 +152,33 @@ def test_a_nan_in_one_channel_gives_what_the_three_ops_give():
     """NaN reaches the windows' maxima (no tap equals them): the path for ties and NaN, not the one-hit one."""
     x, gy = _input((2, 4, 4, 3)), rng.standard_normal((2, 2, 2, 3))
     x[1, 2, 3, 1] = np.nan
-    got = _chain(x, np.ones(3), np.zeros(3), gy, fuse=True, dtype=np.float64)
+    # NaN makes its channel's statistics and scale NaN: the general path
+    got = _chain(x, np.ones(3), np.zeros(3), gy, fuse=True, dtype=np.float64, monotone=False)
     want = _chain(x, np.ones(3), np.zeros(3), gy, fuse=False, dtype=np.float64)
     for a, w in zip(got, want):
         np.testing.assert_allclose(a, w, rtol=1e-12, atol=1e-12)  # NaN where the three ops give NaN
     assert np.isnan(got[1][..., 1]).all() and np.isfinite(got[1][..., [0, 2]]).all()
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0])
+def test_a_zero_or_negative_scale_takes_the_general_path(scale):
+    """With gamma = 0 every tap ties after normalisation (the first tap wins, whatever x is); with gamma < 0 the
+    normalised maximum sits at the minimum of x: neither is the maximum of x, so the op recomputes the taps."""
+    x, gy = _input((2, 4, 4, 3)), rng.standard_normal((2, 2, 2, 3))
+    g = np.array([1.0, scale, 2.0])
+    got = _chain(x, g, np.full(3, 0.2), gy, fuse=True, dtype=np.float64, monotone=False)
+    want = _chain(x, g, np.full(3, 0.2), gy, fuse=False, dtype=np.float64)
+    for a, w in zip(got, want):
+        np.testing.assert_allclose(a, w, rtol=1e-12, atol=1e-12)
+
+
+def test_the_monotone_path_equals_the_general_one_on_a_student_sized_block(monkeypatch):
+    x = rng.standard_normal((8, 16, 16, 32)).astype(np.float32) * 3 + 1
+    g, b = rng.uniform(0.5, 2, 32), rng.standard_normal(32)
+    gy = rng.standard_normal((8, 8, 8, 32))
+    got = _chain(x, g, b, gy, fuse=True, dtype=np.float32, monotone=True)
+    monkeypatch.setattr(fused, "MONOTONE", False)
+    general = _chain(x, g, b, gy, fuse=True, dtype=np.float32, monotone=False)
+    np.testing.assert_array_equal(got[0], general[0])
+    for a, w in zip(got[1:4], general[1:4]):
+        np.testing.assert_allclose(a, w, rtol=2e-5, atol=2e-5 * np.abs(w).max())

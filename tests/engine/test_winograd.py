@@ -22,10 +22,13 @@ def _run(x, w, gy, *, winograd_on: bool, monkeypatch):
     return y.data, xt.grad, wt.grad
 
 
-@pytest.mark.parametrize("shape,cout", [((3, 4, 6, 5), 7), ((2, 8, 8, 16), 24), ((5, 2, 2, 3), 2)])
-@pytest.mark.parametrize("chunk", [1, 1 << 30])
-def test_forward_and_gradients_equal_im2col_in_float32(shape, cout, chunk, monkeypatch):
-    monkeypatch.setattr(winograd, "CHUNK", chunk)  # 1: one image per chunk, many chunks
+@pytest.mark.parametrize("shape,cout", [((3, 4, 6, 5), 7), ((2, 8, 8, 16), 24), ((5, 2, 2, 3), 2), ((6, 8, 4, 4), 3)])
+@pytest.mark.parametrize("chunk,piece", [(1, 256), (8, 2), (1 << 30, 256), (1 << 30, 2)])
+def test_forward_and_gradients_equal_im2col_in_float32(shape, cout, chunk, piece, monkeypatch):
+    # chunk 1: one image and one tile row per chunk; 8: blocks of a few images, chunks of one or more tile rows
+    # (their input gradients overlap); 1 << 30: one chunk. piece 2: the products in 2-row pieces.
+    monkeypatch.setattr(winograd, "CHUNK", chunk)
+    monkeypatch.setattr(winograd, "PIECE", piece)
     monkeypatch.setattr(parallel, "MIN_ELEMENTS", 1)  # chunks go to the threads even at these sizes
     monkeypatch.setattr(parallel, "num_threads", lambda: 2)
     x = rng.standard_normal(shape).astype(np.float32)
@@ -73,3 +76,11 @@ def test_only_3x3_stride_1_pad_1_even_numpy_float_with_enough_channels():
     assert not winograd.applies(x, w, **{**ok, "stride": (2, 2)})
     assert not winograd.applies(x, w, **{**ok, "pads": (0, 1, 0, 1)})
     assert not winograd.applies(x, w[:, :8], **{**ok, "groups": 2})
+
+
+def test_filter_transform_and_its_gradient_are_adjoint():
+    """<transform_filter(w), dU> = <w, filter_grad(dU)>, whatever order the planes are kept in."""
+    w = rng.standard_normal((5, 4, 3, 3))
+    du = rng.standard_normal((16, 4, 5))
+    assert np.isclose(np.sum(winograd.transform_filter(w) * du), np.sum(w * winograd.filter_grad(du, w.shape)))
+    assert sorted(winograd.ORDER) == list(range(16))

@@ -159,14 +159,15 @@ def share(items: list[tuple[int, int]], work: int, fn: Callable[[int, int], T],
     return results
 
 
-def per_tile(xp: object, v: object, rows: int) -> Callable[[int, int], object]:
-    """``v`` (one value per column) for the tile of rows lo..hi of a :func:`for_tiles` call: on NumPy a
-    contiguous (tile rows, columns) array repeating it, made once, so ``tile - v`` runs NumPy's flat loop
-    instead of a broadcast one (measured 2x faster at 96-1152 columns, 3-5x at 16-32); ``v`` on CuPy."""
+def per_tile(xp: object, v: object, rows: int, tile: int | None = None) -> Callable[[int, int], object]:
+    """``v`` (one value per column) for the tile of rows lo..hi of a :func:`for_tiles` call with the same
+    ``tile``: on NumPy a contiguous (tile rows, columns) array repeating it, made once, so ``tile - v`` runs
+    NumPy's flat loop instead of a broadcast one (measured 2x faster at 96-1152 columns, 3-5x at 16-32); ``v``
+    on CuPy."""
     if xp is not np:
         return lambda lo, hi: v
     cols = v.shape[-1]  # type: ignore[attr-defined]
-    full = np.broadcast_to(v, (min(rows, max(1, TILE // max(cols, 1))), cols)).copy()  # type: ignore[call-overload]
+    full = np.broadcast_to(v, (min(rows, rows_per_tile(cols, tile)), cols)).copy()  # type: ignore[call-overload]
     return lambda lo, hi: full[:hi - lo]
 
 

@@ -51,9 +51,10 @@ ENABLED = True
 # Values per tile of the normalise-pool passes and of backward (the statistics use BatchNorm's tiles, so they are
 # the same numbers): several tile-sized operands live at once here (input, normalised values, gradient, masks),
 # and NumPy's per-call cost weighs more than with one pass per tile. Measured at the student's three blocks
-# (batch 64, forward + backward, interleaved, median of 11 rounds, 2 cores at load 7-8): against 2^16, 2^15
-# took 1.26x the time, 2^17 0.83-0.91x (0.88x with the statistics kept on 2^16), 2^18 0.89-0.92x, 2^19-2^20 6-8x.
-TILE = 1 << 17
+# (batch 64, forward + backward, interleaved, median of 11 rounds, 2 cores at load 7-8), before the monotone
+# path: against 2^16, 2^15 took 1.26x the time, 2^17 0.83-0.91x, 2^18 0.89-0.92x, 2^19-2^20 6-8x. With it
+# (fewer passes, longer calls), the student's step at 2^17 took 1.034x its time at 2^18 (9 rounds, idle).
+TILE = 1 << 18
 
 # Whether the op takes the monotone path when every channel's scale is positive (tests and the speed benchmark
 # turn it off to compare with the general path, which recomputes the normalised values in backward).
@@ -233,7 +234,8 @@ class BatchNormReLUMaxPool(Function):
             sum_xc: Any = column_sums(np, xc)
             return np.stack([sum_g, sum_xc])
 
-        gbeta, gxc = _total(for_tiles(np, pairs, row * c, sums, TILE))
+        # the sums read quarter-size arrays: tiles of 4 x TILE input values keep the calls as long as the others
+        gbeta, gxc = _total(for_tiles(np, pairs, row * c, sums, 4 * TILE))
         ggamma = gxc * self.inv
         if not self.needs_grad[0]:
             return None, ggamma, gbeta

@@ -12,6 +12,7 @@ import pytest
 from leaflens.engine import Tensor, ops
 from leaflens.engine.gradcheck import gradcheck
 from leaflens.engine.ops import conv as conv_mod
+from leaflens.engine.ops import norm as norm_mod
 from leaflens.engine.ops.linalg import matmul_tn
 
 rng = np.random.default_rng(7)
@@ -125,6 +126,7 @@ def test_batch_norm_statistics_do_not_depend_on_the_tiling(monkeypatch):
 
     whole = run()
     monkeypatch.setattr(parallel, "TILE", 7)
+    monkeypatch.setattr(norm_mod, "STATS_TILE", 9)  # the statistics' own tiles
     monkeypatch.setattr(parallel, "MIN_ELEMENTS", 1)
     for a, w in zip(run(), whole):
         np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-5)
@@ -159,8 +161,11 @@ def test_per_tile_repeats_the_vector_for_every_tile(rows, cols, monkeypatch):
 
     monkeypatch.setattr(parallel, "TILE", 64)
     v = rng.standard_normal(cols).astype(np.float32)
-    rep = parallel.per_tile(np, v, rows)
-    seen = []
-    parallel.for_tiles(np, rows, cols, lambda lo, hi: seen.append(rep(lo, hi).shape == (hi - lo, cols)
-                                                                    and bool((rep(lo, hi) == v).all())))
-    assert seen and all(seen)
+    for tile in (None, 200):  # the default tiles, and tiles of their own
+        rep = parallel.per_tile(np, v, rows, tile)
+
+        def matches(lo: int, hi: int, rep=rep) -> bool:
+            return rep(lo, hi).shape == (hi - lo, cols) and bool((rep(lo, hi) == v).all())
+
+        seen = parallel.for_tiles(np, rows, cols, matches, tile)
+        assert seen and all(seen)

@@ -8,7 +8,7 @@ import pytest
 
 from leaflens.engine import Tensor, nn, no_grad, ops, parallel
 from leaflens.engine.gradcheck import gradcheck
-from leaflens.engine.ops import fused
+from leaflens.engine.ops import fused, norm
 from leaflens.engine.ops.fused import BatchNormReLUMaxPool
 
 rng = np.random.default_rng(5)
@@ -45,6 +45,7 @@ def test_values_and_gradients_equal_the_three_ops(dtype, shape, tiles, negative_
     if tiles == "tiny":  # a row pair per tile (a row for the statistics), handed to two threads even at these sizes
         monkeypatch.setattr(parallel, "TILE", 1)
         monkeypatch.setattr(fused, "TILE", 1)
+        monkeypatch.setattr(norm, "STATS_TILE", 1)
         monkeypatch.setattr(parallel, "MIN_ELEMENTS", 1)
         monkeypatch.setattr(parallel, "num_threads", lambda: 2)
     c = shape[-1]

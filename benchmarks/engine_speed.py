@@ -67,6 +67,7 @@ SWITCHES = {
     "dynamic": ("leaflens.engine.parallel", "DYNAMIC", True, False),  # tiles handed out as threads come free
     "winograd": ("leaflens.engine.ops.winograd", "MIN_CHANNELS", 16, 1 << 30),  # else im2col for every 3x3
     "monotone": ("leaflens.engine.ops.fused", "MONOTONE", True, False),  # fused op's k > 0 path
+    "tnsplit": ("leaflens.engine.ops.linalg", "TN_SPLIT_MAX", 1 << 16, 0),  # weight gradients in pieces
 }
 
 

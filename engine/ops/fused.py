@@ -224,18 +224,20 @@ class BatchNormReLUMaxPool(Function):
         pairs = gy3.shape[0]
         g3 = np.empty_like(self.y3)  # the pooled gradient through ReLU
         xc3 = np.empty_like(self.y3)  # x - mean at each window's winner
+        # the sums read quarter-size arrays: tiles of 4 x TILE input values keep the calls as long as the others
+        sums_tile = 4 * TILE
+        mean_q = _template(self.mean, rows_per_tile(row * c, sums_tile) * quarter)
 
         def sums(lo: int, hi: int) -> Any:
             g = np.multiply(gy3[lo:hi], self.y3[lo:hi] > 0, out=g3[lo:hi]).reshape(-1, c)
-            xc = np.subtract(self.xmax3[lo:hi].reshape(-1, c), self.mean_t[:(hi - lo) * quarter],
+            xc = np.subtract(self.xmax3[lo:hi].reshape(-1, c), mean_q[:(hi - lo) * quarter],
                              out=xc3[lo:hi].reshape(-1, c))
             xc *= g
             sum_g: Any = column_sums(np, g)
             sum_xc: Any = column_sums(np, xc)
             return np.stack([sum_g, sum_xc])
 
-        # the sums read quarter-size arrays: tiles of 4 x TILE input values keep the calls as long as the others
-        gbeta, gxc = _total(for_tiles(np, pairs, row * c, sums, 4 * TILE))
+        gbeta, gxc = _total(for_tiles(np, pairs, row * c, sums, sums_tile))
         ggamma = gxc * self.inv
         if not self.needs_grad[0]:
             return None, ggamma, gbeta

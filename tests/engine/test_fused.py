@@ -39,13 +39,18 @@ def _input(shape):
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("shape", [(2, 4, 6, 3), (3, 2, 2, 5), (4, 8, 10, 16)])
-@pytest.mark.parametrize("tiles", ["default", "tiny"])
+@pytest.mark.parametrize("tiles", ["default", "tiny", "uneven"])
 @pytest.mark.parametrize("negative_scale", [True, False])
 def test_values_and_gradients_equal_the_three_ops(dtype, shape, tiles, negative_scale, monkeypatch):
     if tiles == "tiny":  # a row pair per tile (a row for the statistics), handed to two threads even at these sizes
         monkeypatch.setattr(parallel, "TILE", 1)
         monkeypatch.setattr(fused, "TILE", 1)
         monkeypatch.setattr(norm, "STATS_TILE", 1)
+    if tiles == "uneven":  # tiles that do not hold a whole number of row pairs (nor 4 of them, 4x as many)
+        monkeypatch.setattr(fused, "TILE", 3 * shape[2] * shape[3])  # 1.5 row pairs
+        monkeypatch.setattr(norm, "STATS_TILE", 3 * shape[3] + 1)
+        monkeypatch.setattr(parallel, "MIN_ELEMENTS", 1)
+        monkeypatch.setattr(parallel, "num_threads", lambda: 2)
         monkeypatch.setattr(parallel, "MIN_ELEMENTS", 1)
         monkeypatch.setattr(parallel, "num_threads", lambda: 2)
     c = shape[-1]

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_efficientnet import tiny_state
-from torch_pickle_helpers import TensorSpec, write_legacy
+from pth_checkpoint_files import TensorSpec, write_legacy
 
 from leaflens.apps.model_card import ModelCard, OODCheck
 from leaflens.data_prep.contract import PreprocessContract

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from torch_pickle_helpers import TensorSpec, write_legacy
+from pth_checkpoint_files import TensorSpec, write_legacy
 
 from leaflens.pipeline.models import pretrained
 from leaflens.pipeline.models.pretrained import (

@@ -7,7 +7,7 @@ import zipfile
 
 import numpy as np
 import pytest
-from torch_pickle_helpers import TensorSpec, call, glob, write_legacy, write_zip
+from pth_checkpoint_files import TensorSpec, call, glob, write_legacy, write_zip
 
 from leaflens.pipeline.models.torch_weights import (
     ALLOWED_GLOBALS,
@@ -80,7 +80,7 @@ def test_the_plain_pickle_would_have_run_the_payload(tmp_path):
     import pickle
 
     marker = tmp_path / "ran"
-    from torch_pickle_helpers import state_dict_pickle
+    from pth_checkpoint_files import state_dict_pickle
 
     data = state_dict_pickle({"evil": call("builtins", "eval", f"open({str(marker)!r}, 'w').write('x')")})
     pickle.loads(data)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from pipeline_helpers import class_features, tiny_dataset
 from test_efficientnet import tiny_state
-from torch_pickle_helpers import TensorSpec, write_legacy
+from pth_checkpoint_files import TensorSpec, write_legacy
 
 from leaflens.data_prep.manifest import load_dataset
 from leaflens.engine import Tensor, no_grad

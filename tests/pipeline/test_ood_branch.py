@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_efficientnet import tiny_state
 from pth_checkpoint_files import TensorSpec, write_legacy
+from test_efficientnet import tiny_state
 
 from leaflens.apps.model_card import ModelCard, OODCheck
 from leaflens.data_prep.contract import PreprocessContract

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from pipeline_helpers import class_features, tiny_dataset
-from test_efficientnet import tiny_state
 from pth_checkpoint_files import TensorSpec, write_legacy
+from test_efficientnet import tiny_state
 
 from leaflens.data_prep.manifest import load_dataset
 from leaflens.engine import Tensor, no_grad

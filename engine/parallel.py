@@ -171,6 +171,17 @@ def per_tile(xp: object, v: object, rows: int, tile: int | None = None) -> Calla
     return lambda lo, hi: full[:hi - lo]
 
 
+def sum_in_order(parts: list[Any]) -> Any:
+    """Per-tile or per-chunk partial results added in their fixed order, so the total does not depend on the
+    thread count or on which thread finished first."""
+    if len(parts) == 1:
+        return parts[0]
+    out = parts[0] + parts[1]  # a new array, so the parts are left as they are
+    for p in parts[2:]:
+        out += p
+    return out
+
+
 _ones: dict[tuple[int, str], np.ndarray] = {}
 
 

@@ -34,7 +34,7 @@ from leaflens.engine.backend import array_module
 from leaflens.engine.ops import _kernels as gpu
 from leaflens.engine.ops import winograd
 from leaflens.engine.ops.linalg import matmul_tn
-from leaflens.engine.parallel import for_rows
+from leaflens.engine.parallel import for_rows, sum_in_order
 from leaflens.engine.tensor import Function, Tensor
 
 Padding = int | tuple[int, int] | tuple[int, int, int, int] | str
@@ -399,7 +399,7 @@ class Conv2d(Function):
         parts = for_rows(xp, n, gy.size * kh * kw * (want_x + want_w), run)
         gx = gw = None
         if want_w:
-            gw = sum(parts[1:], parts[0]).transpose(2, 0, 1).reshape(c, 1, kh, kw)
+            gw = sum_in_order(parts).transpose(2, 0, 1).reshape(c, 1, kh, kw)
         if want_x:
             gx = gx_out if gather else _unpad(gxpad, self.pads, self.in_shape[1:3])
         return gx, gw

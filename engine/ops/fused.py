@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 
 from leaflens.engine import amp
-from leaflens.engine.ops.norm import _total, batch_statistics, update_running
-from leaflens.engine.parallel import column_sums, for_tiles, rows_per_tile
+from leaflens.engine.ops.norm import batch_statistics, update_running
+from leaflens.engine.parallel import column_sums, for_tiles, rows_per_tile, sum_in_order
 from leaflens.engine.tensor import Function, Tensor
 
 # Whether leaflens.engine.nn.Sequential runs BatchNorm2d -> ReLU -> MaxPool2d(2) through this op (tests and the
@@ -194,7 +194,7 @@ class BatchNormReLUMaxPool(Function):
             return np.stack([sum_d, sum_xc])
 
         pairs = gy3.shape[0]
-        gbeta, gxc = _total(for_tiles(np, pairs, row * c, sums, TILE))
+        gbeta, gxc = sum_in_order(for_tiles(np, pairs, row * c, sums, TILE))
         count = x2.shape[0]
         ggamma = gxc * self.inv
         if want_x:
@@ -238,7 +238,7 @@ class BatchNormReLUMaxPool(Function):
             sum_xc: Any = column_sums(np, xc)
             return np.stack([sum_g, sum_xc])
 
-        gbeta, gxc = _total(for_tiles(np, pairs, row * c, sums, sums_tile))
+        gbeta, gxc = sum_in_order(for_tiles(np, pairs, row * c, sums, sums_tile))
         ggamma = gxc * self.inv
         if not self.needs_grad[0]:
             return None, ggamma, gbeta

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from leaflens.engine import amp
-from leaflens.engine.parallel import for_chunks
+from leaflens.engine.parallel import for_chunks, sum_in_order
 from leaflens.engine.tensor import Function, Tensor, sum_to
 
 
@@ -47,10 +47,7 @@ def _split_tn(a: Any, b: Any) -> Any:
     def piece(lo: int, hi: int) -> Any:
         return b[lo:hi].T @ a[lo:hi] if swap else a[lo:hi].T @ b[lo:hi]
 
-    parts = for_chunks(a.shape[0], TN_ROWS, a.size + b.size, piece)
-    out = parts[0].copy()
-    for p in parts[1:]:
-        out += p
+    out = sum_in_order(for_chunks(a.shape[0], TN_ROWS, a.size + b.size, piece))
     return out.T if swap else out
 
 

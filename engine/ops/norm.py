@@ -7,7 +7,7 @@ from typing import Any
 from leaflens.engine import amp
 from leaflens.engine.backend import array_module
 from leaflens.engine.ops import _kernels as gpu
-from leaflens.engine.parallel import column_sums, for_tiles, per_tile
+from leaflens.engine.parallel import column_sums, for_tiles, per_tile, sum_in_order
 from leaflens.engine.tensor import Function, Tensor
 
 
@@ -85,7 +85,7 @@ class BatchNorm(Function):
                 gxh *= g
                 return xp.stack([column_sums(xp, g), column_sums(xp, gxh)])
 
-            gbeta, ggamma = _total(for_tiles(xp, n, c, sums))
+            gbeta, ggamma = sum_in_order(for_tiles(xp, n, c, sums))
             if want_x:
                 k_t, mean_g_t = per_tile(xp, self.gamma * inv, n), per_tile(xp, gbeta / n, n)
                 coef_t = per_tile(xp, inv * (ggamma / n), n)
@@ -113,16 +113,8 @@ class BatchNorm(Function):
                 xp.multiply(g, scale_t(lo, hi), out=gx[lo:hi])
             return xp.stack([column_sums(xp, g), column_sums(xp, tmp)])
 
-        gbeta, gxc = _total(for_tiles(xp, n, c, sums_eval))
+        gbeta, gxc = sum_in_order(for_tiles(xp, n, c, sums_eval))
         return (gx.reshape(gy.shape) if want_x else None), gxc * self.inv, gbeta
-
-
-def _total(parts: list[Any]) -> Any:
-    """Sum per-tile partial results in a fixed order (deterministic whatever the thread count)."""
-    out = parts[0]
-    for p in parts[1:]:
-        out = out + p
-    return out
 
 
 def batch_statistics(xp: Any, x2: Any, scratch: Any = None) -> tuple[Any, Any]:
@@ -131,7 +123,7 @@ def batch_statistics(xp: Any, x2: Any, scratch: Any = None) -> tuple[Any, Any]:
     given, holds each tile's centred values, else each tile gets a new array. Per-tile sums are added in
     tile order: the result does not depend on the thread count."""
     n, c = x2.shape
-    mean = _total(for_tiles(xp, n, c, lambda lo, hi: column_sums(xp, x2[lo:hi]), STATS_TILE)) / n
+    mean = sum_in_order(for_tiles(xp, n, c, lambda lo, hi: column_sums(xp, x2[lo:hi]), STATS_TILE)) / n
     mean_t = per_tile(xp, mean, n, STATS_TILE)
 
     def centre(lo: int, hi: int) -> Any:
@@ -139,7 +131,7 @@ def batch_statistics(xp: Any, x2: Any, scratch: Any = None) -> tuple[Any, Any]:
         xc *= xc
         return column_sums(xp, xc)
 
-    return mean, _total(for_tiles(xp, n, c, centre, STATS_TILE)) / n
+    return mean, sum_in_order(for_tiles(xp, n, c, centre, STATS_TILE)) / n
 
 
 # Values per tile of the statistics' two passes: each tile is one or two calls, too short at 2^16 for the

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from leaflens.engine.parallel import for_chunks, for_rows
+from leaflens.engine.parallel import for_chunks, for_rows, sum_in_order
 
 # F(2x2, 3x3) matrices (Lavin & Gray): input B^T (4x4), filter G (4x3), output A^T (2x4).
 BT = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], dtype=np.float64)
@@ -281,8 +281,8 @@ def backward(ps: Any, u: Any, gy: Any, want_x: bool, want_w: bool) -> tuple[Any,
     gps = [np.zeros_like(p) for p in ps] if want_x else []
     ut = u.transpose(0, 2, 1)
 
-    def run(lo: int, hi: int) -> Any:
-        (b, t0, t1), = chunks[lo:hi]
+    def run(i: int) -> Any:
+        b, t0, t1 = chunks[i]
         n0, n1 = blocks[b]
         dm = _output_adjoint(gy[n0:n1], t0, t1)
         du = None
@@ -304,15 +304,12 @@ def backward(ps: Any, u: Any, gy: Any, want_x: bool, want_w: bool) -> tuple[Any,
         wave = [i for i, pos in enumerate(position) if pos % 2 == parity]
 
         def run_wave(lo: int, hi: int, wave: list[int] = wave) -> Any:
-            return run(wave[lo], wave[lo] + 1)
+            return run(wave[lo])
 
         for i, du in zip(wave, for_chunks(len(wave), 1, gy.size * 18 * len(wave) // len(chunks), run_wave)):
             parts[i] = du
-    du = gx = None
-    if want_w:
-        du = parts[0].copy()
-        for part in parts[1:]:
-            du += part
+    du = sum_in_order(parts) if want_w else None
+    gx = None
     if want_x:
         gx = np.empty((n, h, wd, c), dtype=gy.dtype)
 

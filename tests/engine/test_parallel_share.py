@@ -91,3 +91,22 @@ def test_tile_sums_do_not_depend_on_the_hand_out(two_threads, monkeypatch):
         parts = parallel.for_tiles(np, 100, 4, lambda lo, hi: a[lo:hi].sum(axis=0))
         sums.append(sum(parts[1:], parts[0]))
     np.testing.assert_array_equal(*sums)
+
+
+@pytest.mark.parametrize("count", [1, 2, 5])
+def test_sum_in_order_adds_left_to_right_and_leaves_the_parts(count):
+    # values whose float32 sum depends on the order: any other order gives a different total
+    rng = np.random.default_rng(3)
+    parts = [(rng.standard_normal(64) * 10.0 ** rng.integers(-3, 4, 64)).astype(np.float32) for _ in range(count)]
+    before = [p.copy() for p in parts]
+    expected = before[0].copy()
+    for p in before[1:]:
+        expected = expected + p
+    total = parallel.sum_in_order(parts)
+    assert total.dtype == np.float32
+    np.testing.assert_array_equal(total, expected)
+    for p, b in zip(parts, before):
+        np.testing.assert_array_equal(p, b)
+    if count > 1:
+        total += 1  # the total is an array of its own: changing it leaves the parts alone
+        np.testing.assert_array_equal(parts[0], before[0])

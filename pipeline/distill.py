@@ -151,7 +151,9 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
             images=ConcatImages([ds[p].images for p in parts]), labels=labels,
             features=ConcatImages([tt.features[p] for p in parts]),
             logits=ConcatImages([tt.logits[p] for p in parts]) if tt.has_logits else None)
-        if tt.views and cfg.distill.same_view:
+        if cfg.distill.teacher_online:
+            variants["distilled"].online = _online_teacher(ds, cfg, tt, progress)
+        elif tt.views and cfg.distill.same_view:
             missing = [p for p in parts if p not in tt.views]
             if missing:
                 raise ValueError(f"teacher {tt.root} has views for {sorted(tt.views)} but not for {missing}: "
@@ -231,6 +233,21 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
 
     swap_into_place(work, out)
     return report
+
+
+def _online_teacher(ds: Any, cfg: StageConfig, tt: Any, progress: bool) -> Any:
+    """The teacher's network for the training loop (``distill.teacher_online``), and a line saying what it is
+    worth on the validation photos at the stored pixels it will see."""
+    from leaflens.engine.device_loader import resolve_device  # noqa: PLC0415
+    from leaflens.pipeline.teachers.online import load_online_teacher  # noqa: PLC0415
+
+    online = load_online_teacher(tt.root, ds.num_classes, tt.info.feature_dim, resolve_device(cfg.train.device))
+    if progress:
+        val = ds["val"]
+        acc = online.accuracy(val.images, np.asarray(val.labels), ds.mean, ds.std)
+        print(f"teacher online ({online.backend}, {online.input_size} px from the stored {ds.image_size} px): "
+              f"{acc:.1%} on validation", file=sys.stderr, flush=True)
+    return online
 
 
 def _teacher_candidate(ds: Any, tt: Any, threads: int) -> tuple[dict[str, Any] | None, str | None]:

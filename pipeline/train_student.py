@@ -81,6 +81,9 @@ class TrainData:
     views: Any = None
     view_features: Any = None
     view_logits: Any = None
+    # The teacher in the loop (pipeline/teachers/online.py): targets computed for each batch's own views;
+    # ``features``/``logits`` above then only give the targets' shapes.
+    online: Any = None
 
 
 def student_input_size(cfg: StageConfig, image_size: int) -> int:
@@ -211,14 +214,15 @@ def distill_loss(model: StudentCNN, x: np.ndarray, y: np.ndarray, feats: np.ndar
                  tlogits: np.ndarray | None, dcfg: DistillSection,
                  label_smoothing: float, negatives: Any = None,
                  oe_weight: float = 0.0, any_labelled: bool | None = None,
-                 mix: Mix | None = None) -> tuple[Tensor, dict[str, Any], np.ndarray]:
+                 mix: Mix | None = None, targets_mixed: bool = False) -> tuple[Tensor, dict[str, Any], np.ndarray]:
     """The batch loss, its parts (feature = 2 - 2 cos, cross-entropy on labelled rows, KD, outlier exposure
     on generated ``negatives``) and the logits of the batch.
 
     The parts are 0-d float32 arrays on the batch's device (``float()`` reads one), so a training step
     reads nothing from a GPU for its logging. ``any_labelled``: whether ``y`` has a row >= 0, when the
     caller knows it from the host (None: asked of ``y``, a synchronisation when ``y`` is on a GPU).
-    ``mix``: the mixup draw ``x`` was mixed with (:func:`mixup_batch`); every target is mixed alike.
+    ``mix``: the mixup draw ``x`` was mixed with (:func:`mixup_batch`); every target is mixed alike, except
+    the teacher's when ``targets_mixed`` (a teacher in the loop judged the mixed images themselves).
     """
     parts: dict[str, Any] = {}
     labelled = bool((y >= 0).any()) if any_labelled is None else any_labelled
@@ -239,8 +243,9 @@ def distill_loss(model: StudentCNN, x: np.ndarray, y: np.ndarray, feats: np.ndar
     neg = None
     if negatives is not None:
         logits, neg, proj = logits[:n], logits[n:], proj[:n]
+    tmix = None if targets_mixed else mix
     # a mixed target is the mix of the pair's unit features, made unit again (the loss is 2 - 2 cos)
-    target = _l2n(feats) if mix is None else _l2n(_mixed(_l2n(feats), mix))
+    target = _l2n(feats) if tmix is None else _l2n(_mixed(_l2n(feats), tmix))
     diff = ops.l2_normalize(proj, axis=1) - target
     feat = (diff * diff).sum(axis=1).mean()
     loss = feat * float(dcfg.feature_weight)
@@ -251,7 +256,7 @@ def distill_loss(model: StudentCNN, x: np.ndarray, y: np.ndarray, feats: np.ndar
         parts["ce"] = ce.data
     if tlogits is not None and dcfg.kd_weight:
         t = float(dcfg.temperature)
-        soft = _mixed(_softmax(tlogits.astype(np.float32, copy=False) / t).astype(np.float32), mix)
+        soft = _mixed(_softmax(tlogits.astype(np.float32, copy=False) / t).astype(np.float32), tmix)
         kd = ops.cross_entropy(logits * (1.0 / t), soft) * (t * t)
         loss = loss + kd * float(dcfg.kd_weight)
         # log the KL divergence (cross-entropy minus the targets' constant entropy), which goes to 0
@@ -301,7 +306,7 @@ def student_run(cfg: StageConfig, data: TrainData, val_images: Any, val_labels: 
         model.to(device)  # before the optimiser and the checkpoint: their state follows the parameters
     dataset = ArrayDataset(data.images, data.labels)
     size = student_input_size(cfg, dataset.image_shape[0])
-    augment = make_augment(cfg, colour_only=data.views is not None, out_size=size)
+    augment = make_augment(cfg, colour_only=data.views is not None or data.online is not None, out_size=size)
     loader = DataLoader(dataset, int(tcfg.batch_size), shuffle=True, drop_last=len(dataset) > tcfg.batch_size,
                         seed=seed, mean=mean, std=std, augment=augment, prefetch=3, num_threads=1)
     epochs, steps_per_epoch = int(tcfg.epochs), len(loader)
@@ -343,14 +348,18 @@ class StudentTask:
         # Host side (teacher targets looked up by the batch's dataset rows, views), then on to the device.
         oe = float(self.cfg.train.outlier_exposure)
         mixup = float(self.cfg.distill.mixup)
-        host = (_host_batch(self.data, batch, seed, epoch, self.size, oe > 0, mixup) for batch in self.loader)
+        a = self.cfg.augment
+        view_aug = Augment(hflip=a.hflip, vflip=a.vflip, crop=None if a.crop == "none" else a.crop, scale=a.scale)
+        host = (_host_batch(self.data, batch, seed, epoch, self.size, oe > 0, mixup, self.mean, self.std, view_aug)
+                for batch in self.loader)
         return self.device_loader.upload(host)
 
     def batch_loss(self, batch: StudentBatch) -> BatchLoss:
         loss, parts, logits = distill_loss(self.model, batch.images, batch.labels, batch.features, batch.logits,
                                            self.cfg.distill, self.cfg.train.label_smoothing, batch.negatives,
                                            self.cfg.train.outlier_exposure, batch.any_labelled,
-                                           None if batch.mix_perm is None else Mix(batch.mix_perm, batch.mix_lam))
+                                           None if batch.mix_perm is None else Mix(batch.mix_perm, batch.mix_lam),
+                                           batch.targets_mixed)
         return BatchLoss(loss, logits, parts)
 
     def validate(self) -> tuple[float, float]:
@@ -379,14 +388,19 @@ class StudentBatch(NamedTuple):
     any_labelled: bool | None = None  # whether a row has a label >= 0, known on the host (None: ask ``labels``)
     mix_perm: Any = None   # mixup: the partner row of each row (None: the batch is not mixed)
     mix_lam: float = 1.0   # mixup: the weight of each row's own image
+    targets_mixed: bool = False  # the teacher's targets are already those of the mixed images (teacher online)
 
 
 def _host_batch(data: TrainData, batch: Batch, seed: int, epoch: int, size: int,
-                negatives: bool = False, mixup: float = 0.0) -> StudentBatch:
+                negatives: bool = False, mixup: float = 0.0, mean: Any = None, std: Any = None,
+                view_aug: Augment | None = None) -> StudentBatch:
     """A loader batch with its teacher targets looked up on the host by the batch's dataset rows
     (cut to the teacher's views when there is a bank), mixed when ``mixup`` > 0 (the draw travels
-    with the batch: the loss mixes the targets of those very views alike)."""
+    with the batch: the loss mixes the targets of those very views alike). With the teacher online the
+    batch is cut to fresh views (``view_aug``) and the teacher judges them, mixed as the student sees them."""
     x, idx = batch.images, batch.indices
+    if data.online is not None:
+        return _online_batch(data, batch, seed, epoch, size, negatives, mixup, mean, std, view_aug)
     feats = None if data.features is None else np.asarray(data.features[idx])
     tl = None if data.logits is None else np.asarray(data.logits[idx])
     if data.views is not None:
@@ -400,3 +414,29 @@ def _host_batch(data: TrainData, batch: Batch, seed: int, epoch: int, size: int,
     x, mix = mixup_batch(np.asarray(x), mixup, np.random.default_rng([seed, epoch, batch.number, 0x31]))
     return StudentBatch(x, batch.labels, feats, tl, idx, batch.number, neg, any_labelled,
                         None if mix is None else mix.perm, 1.0 if mix is None else mix.lam)
+
+
+def _online_batch(data: TrainData, batch: Batch, seed: int, epoch: int, size: int, negatives: bool,
+                  mixup: float, mean: Any, std: Any, view_aug: Augment | None) -> StudentBatch:
+    """:func:`_host_batch` with the teacher in the loop (pipeline/teachers/online.py): one fresh view per row
+    cut at the student's size and at the teacher's, mixed alike, and the teacher's targets for them."""
+    from leaflens.pipeline.teachers.online import view_boxes  # noqa: PLC0415
+
+    if mean is None or std is None or view_aug is None:
+        raise ValueError("a batch for the teacher in the loop needs the dataset's mean and std and the view recipe")
+    x, idx, online = np.asarray(batch.images), batch.indices, data.online
+    boxes = view_boxes(len(idx), view_aug, seed, epoch, batch.number)
+    xs = apply_view_boxes(x, boxes, size)
+    xt = online.teacher_views(x, mean, std, boxes)
+    neg = None
+    if negatives:
+        rng = np.random.default_rng([seed, epoch, batch.number, 0x0E])
+        neg = make_negatives(xs, max(1, len(xs) // 2), rng)
+    any_labelled = bool((np.asarray(batch.labels) >= 0).any())
+    xs, mix = mixup_batch(xs, mixup, np.random.default_rng([seed, epoch, batch.number, 0x31]))
+    if mix is not None:
+        xt = xt * np.float32(mix.lam) + xt[mix.perm] * np.float32(1.0 - mix.lam)
+    feats, tl = online(xt)
+    return StudentBatch(xs, batch.labels, feats, tl if data.logits is not None else None, idx, batch.number, neg,
+                        any_labelled, None if mix is None else mix.perm, 1.0 if mix is None else mix.lam,
+                        targets_mixed=True)

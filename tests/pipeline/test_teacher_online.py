@@ -195,3 +195,16 @@ def test_online_targets_differ_from_the_cached_ones(tiny):
 
     assert online["variants"]["distilled"] and cached["variants"]["distilled"]
     assert first_feature(tmp / "on") != pytest.approx(first_feature(tmp / "off"), rel=1e-3)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_teacher_runs_in_the_engine_there_with_the_cpu_answers():
+    x = normalize_images(photos(5), "tf")
+    gpu = OnlineTeacher(tiny_net(), 16, "tf", device="cuda", batch=2)
+    assert gpu.backend == "engine on cuda" and gpu.session is None
+    cpu = OnlineTeacher(tiny_net(), 16, "tf", batch=2)
+    cpu.session = None
+    (fa, la), (fb, lb) = gpu(x), cpu(x)
+    assert isinstance(fa, np.ndarray) and isinstance(la, np.ndarray)  # targets come back to the host
+    np.testing.assert_allclose(fa, fb, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(la, lb, rtol=1e-3, atol=1e-4)

@@ -115,7 +115,7 @@ class DistillSection(Record):
     max_ms: float
     teacher_margin: float
     # The fine-tuned teacher's network judges every batch's own fresh views (pipeline/teachers/online.py)
-    teacher_online: bool = False
+    teacher_online: bool
 
     def __post_init__(self) -> None:
         if self.max_params < 0 or self.max_ms < 0:

@@ -141,7 +141,7 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
     write_json_atomic(work / "run_id.json", {"run_id": run_id})  # a resume reads it back
 
     variants: dict[Variant, TrainData] = {}
-    teacher_info = None
+    teacher_info, online_info = None, None
     if tt is not None:
         teacher_info = tt.info
         parts = ["train"] + (["unlabeled"] if "unlabeled" in ds else [])
@@ -152,7 +152,7 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
             features=ConcatImages([tt.features[p] for p in parts]),
             logits=ConcatImages([tt.logits[p] for p in parts]) if tt.has_logits else None)
         if cfg.distill.teacher_online:
-            variants["distilled"].online = _online_teacher(ds, cfg, tt, progress)
+            variants["distilled"].online, online_info = _online_teacher(ds, cfg, tt, progress)
         elif tt.views and cfg.distill.same_view:
             missing = [p for p in parts if p not in tt.views]
             if missing:
@@ -221,6 +221,8 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
     report = _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold, teacher_info,
                            kept_params, chosen, best_student, run_id, input_size)
     report["selection"] = selection.to_dict()
+    if online_info is not None:
+        report["teacher_online"] = online_info
     if winner == "teacher":
         assert teacher is not None
         report["out_of_domain"] = teacher["out_of_domain"]
@@ -235,19 +237,20 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
     return report
 
 
-def _online_teacher(ds: Any, cfg: StageConfig, tt: Any, progress: bool) -> Any:
-    """The teacher's network for the training loop (``distill.teacher_online``), and a line saying what it is
-    worth on the validation photos at the stored pixels it will see."""
+def _online_teacher(ds: Any, cfg: StageConfig, tt: Any, progress: bool) -> tuple[Any, dict[str, Any]]:
+    """The teacher's network for the training loop (``distill.teacher_online``) and the report's record of it:
+    what it is worth on the validation photos at the stored pixels it will see there."""
     from leaflens.engine.device_loader import resolve_device  # noqa: PLC0415
     from leaflens.pipeline.teachers.online import load_online_teacher  # noqa: PLC0415
 
     online = load_online_teacher(tt.root, ds.num_classes, tt.info.feature_dim, resolve_device(cfg.train.device))
+    val = ds["val"]
+    acc = online.accuracy(val.images, np.asarray(val.labels), ds.mean, ds.std)
     if progress:
-        val = ds["val"]
-        acc = online.accuracy(val.images, np.asarray(val.labels), ds.mean, ds.std)
         print(f"teacher online ({online.backend}, {online.input_size} px from the stored {ds.image_size} px): "
               f"{acc:.1%} on validation", file=sys.stderr, flush=True)
-    return online
+    return online, {"backend": online.backend, "input_size": online.input_size, "stored_size": ds.image_size,
+                    "val_accuracy_at_stored_pixels": round(acc, 4)}
 
 
 def _teacher_candidate(ds: Any, tt: Any, threads: int) -> tuple[dict[str, Any] | None, str | None]:

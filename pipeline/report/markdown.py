@@ -19,6 +19,8 @@ noted, and a missing one is written as "not recorded" rather than failing the re
   ``uncertain_threshold`` alone (a float) is shown when the choice details are absent
 - ``hardware``: :func:`leaflens.pipeline.hardware.describe_hardware`'s result
 - ``teacher``: the teacher's identity (teacher.json's ``teacher`` entry)
+- ``teacher_online``: with ``distill.teacher_online``, the teacher in the loop's backend, input and stored sizes and
+  ``val_accuracy_at_stored_pixels``
 - ``epochs``, ``best_epoch``: ints (else taken from the kept variant's ``epochs_run``/``best_epoch``)
 - ``data``: the dataset's ``data_report.json`` (:class:`leaflens.data_prep.data_report.DataReport`: duplicates,
   leakage, photos per class, the metadata shortcut check, warnings); the section is left out when absent
@@ -321,6 +323,11 @@ def _facts_section(report: Mapping[str, Any]) -> list[str]:
         lines.append(f"- Teacher: {described or 'recorded in report.json'}")
     elif teacher:
         lines.append(f"- Teacher: {teacher}")
+    online = report.get("teacher_online")
+    if isinstance(online, Mapping):
+        lines.append(f"- Teacher in the training loop ({online.get('backend')}): it judged each batch's own views, "
+                     f"cut at {online.get('input_size')} px from the stored {online.get('stored_size')} px photos, "
+                     f"where it is {_pct(online.get('val_accuracy_at_stored_pixels'))} right on validation")
     lines.append(f"- Hardware: {hw.get('summary') or 'not recorded'}")
     return lines + [""]
 

@@ -155,6 +155,10 @@ def test_distill_with_the_teacher_online_resumes_exactly(tiny, monkeypatch):
     cfg = _cfg()
     full = run_distill(ds_dir, tmp / "teacher", tmp / "full", cfg, progress=False)
     assert set(full["variants"]) == {"distilled"}
+    online = full["teacher_online"]
+    assert online["input_size"] == 16 and online["stored_size"] == 16
+    assert 0 <= online["val_accuracy_at_stored_pixels"] <= 1
+    assert "Teacher in the training loop" in (tmp / "full" / "report.md").read_text()
 
     import leaflens.pipeline.training as training
 

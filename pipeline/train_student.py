@@ -396,15 +396,24 @@ def _host_batch(data: TrainData, batch: Batch, seed: int, epoch: int, size: int,
                 view_aug: Augment | None = None) -> StudentBatch:
     """A loader batch with its teacher targets looked up on the host by the batch's dataset rows
     (cut to the teacher's views when there is a bank), mixed when ``mixup`` > 0 (the draw travels
-    with the batch: the loss mixes the targets of those very views alike). With the teacher online the
-    batch is cut to fresh views (``view_aug``) and the teacher judges them, mixed as the student sees them."""
-    x, idx = batch.images, batch.indices
-    if data.online is not None:
-        return _online_batch(data, batch, seed, epoch, size, negatives, mixup, mean, std, view_aug)
-    feats = None if data.features is None else np.asarray(data.features[idx])
-    tl = None if data.logits is None else np.asarray(data.logits[idx])
-    if data.views is not None:
-        x, feats, tl = pick_views(data, idx, x, seed, epoch, batch.number, size)
+    with the batch: the loss mixes the targets of those very views alike). With the teacher online
+    (pipeline/teachers/online.py) the batch is cut to one fresh view per row (``view_aug``) at the student's
+    size and at the teacher's, both mixed alike, and the teacher judges the mixed views themselves."""
+    x, idx, online = batch.images, batch.indices, data.online
+    feats = tl = None
+    xt: Any = None  # the teacher's view of each row (teacher online)
+    if online is not None:
+        from leaflens.pipeline.teachers.online import view_boxes  # noqa: PLC0415
+
+        if mean is None or std is None or view_aug is None:
+            raise ValueError("a batch for the teacher in the loop needs the dataset's mean and std and the view recipe")
+        boxes = view_boxes(len(idx), view_aug, seed, epoch, batch.number)
+        x, xt = apply_view_boxes(np.asarray(x), boxes, size), online.teacher_views(np.asarray(x), mean, std, boxes)
+    else:
+        feats = None if data.features is None else np.asarray(data.features[idx])
+        tl = None if data.logits is None else np.asarray(data.logits[idx])
+        if data.views is not None:
+            x, feats, tl = pick_views(data, idx, x, seed, epoch, batch.number, size)
     neg = None
     if negatives:  # a generator per (seed, epoch, batch): a resumed run draws the same negatives
         rng = np.random.default_rng([seed, epoch, batch.number, 0x0E])
@@ -412,31 +421,10 @@ def _host_batch(data: TrainData, batch: Batch, seed: int, epoch: int, size: int,
     any_labelled = bool((np.asarray(batch.labels) >= 0).any())  # on the host here: no device read later
     # its own generator per (seed, epoch, batch), like the negatives': a resumed run mixes alike
     x, mix = mixup_batch(np.asarray(x), mixup, np.random.default_rng([seed, epoch, batch.number, 0x31]))
+    if online is not None:
+        xt = xt if mix is None else xt * np.float32(mix.lam) + xt[mix.perm] * np.float32(1.0 - mix.lam)
+        feats, tl = online(xt)
+        tl = tl if data.logits is not None else None
     return StudentBatch(x, batch.labels, feats, tl, idx, batch.number, neg, any_labelled,
-                        None if mix is None else mix.perm, 1.0 if mix is None else mix.lam)
-
-
-def _online_batch(data: TrainData, batch: Batch, seed: int, epoch: int, size: int, negatives: bool,
-                  mixup: float, mean: Any, std: Any, view_aug: Augment | None) -> StudentBatch:
-    """:func:`_host_batch` with the teacher in the loop (pipeline/teachers/online.py): one fresh view per row
-    cut at the student's size and at the teacher's, mixed alike, and the teacher's targets for them."""
-    from leaflens.pipeline.teachers.online import view_boxes  # noqa: PLC0415
-
-    if mean is None or std is None or view_aug is None:
-        raise ValueError("a batch for the teacher in the loop needs the dataset's mean and std and the view recipe")
-    x, idx, online = np.asarray(batch.images), batch.indices, data.online
-    boxes = view_boxes(len(idx), view_aug, seed, epoch, batch.number)
-    xs = apply_view_boxes(x, boxes, size)
-    xt = online.teacher_views(x, mean, std, boxes)
-    neg = None
-    if negatives:
-        rng = np.random.default_rng([seed, epoch, batch.number, 0x0E])
-        neg = make_negatives(xs, max(1, len(xs) // 2), rng)
-    any_labelled = bool((np.asarray(batch.labels) >= 0).any())
-    xs, mix = mixup_batch(xs, mixup, np.random.default_rng([seed, epoch, batch.number, 0x31]))
-    if mix is not None:
-        xt = xt * np.float32(mix.lam) + xt[mix.perm] * np.float32(1.0 - mix.lam)
-    feats, tl = online(xt)
-    return StudentBatch(xs, batch.labels, feats, tl if data.logits is not None else None, idx, batch.number, neg,
-                        any_labelled, None if mix is None else mix.perm, 1.0 if mix is None else mix.lam,
-                        targets_mixed=True)
+                        None if mix is None else mix.perm, 1.0 if mix is None else mix.lam,
+                        targets_mixed=online is not None)

@@ -15,7 +15,10 @@ command, as a user runs it:
    once, shared by every student size (it decodes the original photos at its own input size).
 3. ``leaflens distill --set model.input_size=N`` per size: the scratch and the distilled student with
    the default recipe, and the model the pipeline keeps (pipeline/selection.py: the best student on
-   validation, or the teacher when it beats it by ``distill.teacher_margin`` within the budget).
+   validation, or the teacher when it beats it by ``distill.teacher_margin`` within the budget). The run at
+   the default size also trains the recipe's larger students (``model.escalate``) while the teacher leads
+   by that margin, as the default pipeline does; they are reported on their own lines (``escalated`` in the
+   JSON) and count as students for the first target. The other sizes' runs set ``model.escalate=[]``.
 
 A stage is skipped when its output is there and its command and inputs (the dataset's manifest, the
 teacher's teacher.json, the installed leaflens's distill_default.toml) are those recorded when it was made
@@ -104,23 +107,41 @@ def preprocess(src: Path, ds: Path, store: int, seed: int, progress: bool) -> No
 def student_row(report: Mapping[str, Any]) -> dict[str, Any]:
     """The figures of one distill run's report.json: each student's test accuracy (those of the best student's
     member in a family run), what was kept, its test accuracy, the student's parameters and latency, the
-    teacher's when it was a candidate."""
+    teacher's when it was a candidate. Members the run trained because the teacher led (``model.escalate``) are
+    kept apart under ``escalated`` ({member: its students' figures, parameters, latency}), so a size's row is
+    always that size's own student."""
     from leaflens.pipeline.distill import member_pair  # noqa: PLC0415  (the engine only once a run is read)
 
-    distilled, scratch = member_pair(report["variants"], report["best_student"])
+    variants = report["variants"]
     cands = {c["name"]: c for c in report["selection"]["candidates"]}
-    student = cands[report["best_student"]]  # its member's size and latency (both variants share them)
+    steps = (report.get("escalation") or {}).get("steps") or []
+    escalated = [s["member"] for s in steps if s.get("trained")]
+    own = [n for n in variants if not any(n.startswith(m + "/") for m in escalated)]
+    best_own = (report["best_student"] if report["best_student"] in own
+                else max(own, key=lambda n: variants[n]["val_accuracy"]))
+
+    def pair(name: str) -> dict[str, Any]:
+        distilled, scratch = member_pair(variants, name)
+        return {"scratch": None if scratch is None else scratch["test_accuracy"],
+                "distilled": None if distilled is None else distilled["test_accuracy"],
+                "scratch_val": None if scratch is None else scratch["val_accuracy"],
+                "distilled_val": None if distilled is None else distilled["val_accuracy"]}
+
+    student = cands[best_own]  # its member's size and latency (both variants share them)
     teacher = cands.get("teacher")
-    return {"scratch": None if scratch is None else scratch["test_accuracy"],
-            "distilled": None if distilled is None else distilled["test_accuracy"],
-            "scratch_val": None if scratch is None else scratch["val_accuracy"],
-            "distilled_val": None if distilled is None else distilled["val_accuracy"],
+    extra = {}
+    for member in escalated:
+        first = next(n for n in variants if n.startswith(member + "/"))
+        extra[member] = {**pair(first), "params": int(cands[first]["params"]), "ms": cands[first]["ms_per_photo"],
+                         "network": cands[first].get("architecture")}
+    return {**pair(best_own),
             "kept": report["winner"], "kept_acc": report["test_accuracy"], "kept_why": report["selection"]["why"],
             "params": int(student["params"]), "ms": student["ms_per_photo"],
             "teacher_val": None if teacher is None else teacher["val_accuracy"],
             "teacher_params": None if teacher is None else int(teacher["params"]),
             "teacher_ms": None if teacher is None else teacher["ms_per_photo"],
-            "teacher_unavailable": report["selection"].get("teacher_unavailable")}
+            "teacher_unavailable": report["selection"].get("teacher_unavailable"),
+            "escalated": extra}
 
 
 def _r(x: float | None) -> float | None:
@@ -155,7 +176,13 @@ def summary(teacher_acc: float, rows: Mapping[int, Mapping[str, Any]], default_s
     teacher_row = next((r for r in rows.values() if r.get("teacher_params") is not None), None)
     out["teacher_params"] = None if teacher_row is None else teacher_row["teacher_params"]
     out["teacher_ms"] = None if teacher_row is None else teacher_row["teacher_ms"]
+    escalated = {f"{m}@{size}" if "@" not in m else m: {k: (_r(v) if k in ("scratch", "distilled") else v)
+                                                         for k, v in e.items() if not k.endswith("_val")}
+                 for size, r in sorted(rows.items()) for m, e in (r.get("escalated") or {}).items()}
+    if escalated:
+        out["escalated"] = escalated
     students = [a for r in rows.values() for a in (r["scratch"], r["distilled"]) if a is not None]
+    students += [a for e in escalated.values() for a in (e["scratch"], e["distilled"]) if a is not None]
     floor = teacher_acc - TARGET_GAP
     out["best_student_acc"] = _r(max(students)) if students else None
     out["target_best_student"] = bool(students) and max(students) >= floor - 1e-9
@@ -181,6 +208,11 @@ def print_table(teacher_acc: float, rows: Mapping[int, Mapping[str, Any]], defau
               f"{pct(r['scratch_val']) + '/' + pct(r['distilled_val']):>12} {r['kept']:>10} {pct(r['kept_acc']):>9} "
               f"{r['params']:>9,} {r['ms'] if r['ms'] is not None else '-':>9}{mark}")
         print(f"{'':>6} kept: {r['kept_why']}")
+        for member, e in (r.get("escalated") or {}).items():
+            print(f"{'':>6} {pct(e['scratch']):>8} {pct(e['distilled']):>10} "
+                  f"{pct(e['scratch_val']) + '/' + pct(e['distilled_val']):>12} {'':>10} {'':>9} {e['params']:>9,} "
+                  f"{e['ms'] if e['ms'] is not None else '-':>9} larger student {member} ({e['network']}), trained "
+                  "because the teacher led")
     t = next((r for r in rows.values() if r.get("teacher_params") is not None), None)
     if t is not None:
         print(f"teacher: {t['teacher_params']:,} parameters, {t['teacher_ms']} ms per photo")
@@ -298,7 +330,9 @@ def main() -> None:
         walls[f"distill_{size}"] = made_in(stamps, "distill", run / "report.json", lambda: stage(
             stamps, "distill", run / "report.json",
             ["distill", "--dataset", str(ds), "--teacher", str(teacher), "--out", str(run),
-             "--set", f"model.input_size={size}", *distill_args],
+             "--set", f"model.input_size={size}",
+             # the larger students are tried once, by the run at the default size (what the pipeline ships)
+             *([] if size == default_size else ["--set", "model.escalate=[]"]), *distill_args],
             [ds / "manifest.json", teacher / "teacher.json", DEFAULT_CONFIG], quiet))
         return student_row(json.loads((run / "report.json").read_text(encoding="utf-8")))
 

@@ -54,6 +54,10 @@ class ModelSection(Record):
     # the first trunk_blocks blocks of ImageNet EfficientNet-Lite0 (leaflens.pipeline.models.trunk), widths[-1] its head
     family: tuple[str, ...]  # members to train, chosen on validation (leaflens.pipeline.models.family)
     trunk_blocks: int = 8  # block = "lite0": how many of Lite0's 16 blocks (8: 254 k weights, stride 16)
+    # members trained one at a time, only while the teacher leads every student so far by distill.teacher_margin
+    # on validation (leaflens.pipeline.distill); () in runs recorded before it existed
+    escalate: tuple[str, ...] = ()
+    escalate_lr: float = 0.0  # the escalated members' train.lr (0: train.lr itself)
 
     def __post_init__(self) -> None:
         if not self.widths or any(w < 1 for w in self.widths):
@@ -63,6 +67,16 @@ class ModelSection(Record):
         if not 1 <= self.trunk_blocks <= 16:
             raise ValueError(f"trunk_blocks: 1 to 16 of EfficientNet-Lite0's blocks, got {self.trunk_blocks}")
         check_family(self.family)
+        if self.escalate:
+            try:
+                check_family(self.escalate)
+            except ValueError as exc:
+                raise ValueError(f"escalate: {str(exc).removeprefix('family: ')}") from None
+            both = sorted(set(self.family) & set(self.escalate))
+            if both:
+                raise ValueError(f"escalate: {both[0]!r} is already in family (a member is trained once)")
+        if not (self.escalate_lr >= 0.0 and math.isfinite(self.escalate_lr)):
+            raise ValueError(f"escalate_lr: 0 (train.lr) or a learning rate above 0, got {self.escalate_lr}")
 
 
 @dataclass(frozen=True)

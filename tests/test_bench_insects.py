@@ -118,6 +118,32 @@ def test_a_family_run_reports_its_best_members_students(bench):
     assert (row["kept"], row["params"], row["ms"]) == ("l/distilled", 800_000, 2.0)
 
 
+def test_a_larger_student_trained_because_the_teacher_led_is_reported_apart(bench):
+    """``model.escalate``: the size's row keeps its own student; the larger one is listed on its own and counts
+    for the best-student target."""
+    cands = [Candidate(n, "student", val, test, params, ms) for n, val, test, params, ms in (
+        ("distilled", 0.56, 0.50, 280_000, 0.5), ("scratch", 0.55, 0.49, 280_000, 0.5),
+        ("lite16@96/distilled", 0.87, 0.85, 3_000_000, 4.0), ("lite16@96/scratch", 0.80, 0.79, 3_000_000, 4.0))]
+    cands.append(Candidate("teacher", "teacher", 0.88, 0.86, 3_386_380, 12.0))
+    sel = choose(cands, Budget())
+    rep = {"winner": sel.kept, "test_accuracy": 0.85, "selection": sel.to_dict(), "best_student": "lite16@96/distilled",
+           "variants": {c.name: {"val_accuracy": c.val_accuracy, "test_accuracy": c.test_accuracy}
+                        for c in cands if c.kind == "student"},
+           "escalation": {"teacher_val_accuracy": 0.88, "margin": 0.02,
+                          "steps": [{"member": "lite16@96", "trained": True}]}}
+    row = bench.student_row(rep)
+    assert (row["distilled"], row["scratch"], row["params"]) == (0.50, 0.49, 280_000)  # the size's own student
+    assert row["kept"] == "lite16@96/distilled"  # within 2 points of the teacher on val: the student is kept
+    big = row["escalated"]["lite16@96"]
+    assert (big["distilled"], big["scratch"], big["params"], big["ms"]) == (0.85, 0.79, 3_000_000, 4.0)
+    out = bench.summary(0.86, {64: row}, default_size=64, wall_s=1.0)
+    assert out["distilled_acc_64"] == 0.50 and out["escalated"]["lite16@96"]["distilled"] == 0.85
+    assert out["best_student_acc"] == 0.85 and out["target_best_student"] is True and out["target_kept"] is True
+    json.dumps(out)
+    plain = bench.summary(0.86, {64: {**row, "escalated": {}}}, default_size=64, wall_s=1.0)
+    assert "escalated" not in plain and plain["target_best_student"] is False  # 0.50 is 36 points short
+
+
 def test_summary_keys_kept_model_and_targets(bench):
     teacher = 0.80
     rows = {64: bench.student_row(report(0.40, 0.45, 0.80, {"scratch": 0.41, "distilled": 0.44, "teacher": 0.80})),

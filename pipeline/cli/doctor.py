@@ -245,9 +245,11 @@ def run(args: argparse.Namespace) -> int:
     if recipe is None:  # a run folder: its kept student
         family = [MemberSpec("student", spec, size)]
     else:  # the recipe's family, scaled from the (possibly --widths) [model] student
-        # --widths describes the [model] CNN: alone, it sizes that student (the "m" member)
-        names = family_option(args.family) if args.family is not None else ("m",) if args.widths else recipe.family
-        family = family_specs(replace(recipe, widths=spec.widths, input_size=size, family=names), spec)
+        # --widths describes the [model] CNN: alone, it sizes that student (the "m" member); the recipe's own
+        # family is sized with its larger students (model.escalate), which train at the same batch when they do
+        names = (family_option(args.family) if args.family is not None else ("m",) if args.widths
+                 else (*recipe.family, *recipe.escalate))
+        family = family_specs(replace(recipe, widths=spec.widths, input_size=size, family=names, escalate=()), spec)
     facts = collect_family(family, measure_bandwidth=not args.no_bandwidth, measure_batch=not args.no_measure)
     print(json.dumps(facts, indent=2, default=str) if args.json else render(facts))
     failure = gpu_requirement_failure(facts) if args.require_gpu else None
@@ -274,8 +276,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "--family it sizes that CNN, the family's m member")
     parser.add_argument("--family", metavar="NAMES", default=None,
                         help="size every student of this family, comma-separated, e.g. s,m,l or m,m@128 "
-                             "(as leaflens distill --family; default: the recipe's model.family) and report the "
-                             "one that limits the batch")
+                             "(as leaflens distill --family; default: the recipe's model.family and model.escalate) "
+                             "and report the one that limits the batch")
     parser.add_argument("--classes", type=int, default=None, help="number of classes (default: 10, or the run's)")
     parser.add_argument("--mixed-precision", choices=("auto", "on", "off"), default=None,
                         help="size for float16 training (auto: on with a GPU; default: the recipe's setting)")

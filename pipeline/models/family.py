@@ -91,16 +91,18 @@ def family_option(text: str) -> tuple[str, ...]:
     return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
-def members(model: ModelSection) -> list[Member]:
-    """The members ``model.family`` lists, each with its own ``[model]`` section (widths scaled, block kind
-    and input size set), in the listed order."""
-    check_family(model.family)
+def members(model: ModelSection, names: Sequence[str] | None = None) -> list[Member]:
+    """The members ``model.family`` lists (or ``names``, e.g. ``model.escalate``), each with its own ``[model]``
+    section (widths scaled, block kind and input size set), in the listed order."""
+    names = model.family if names is None else tuple(names)
+    check_family(names)
     out = []
-    for name in model.family:
+    for name in names:
         scale, separable, px, trunk = _parse(name)
         widths = tuple(max(1, round(w * scale)) for w in model.widths)
         block = "lite0" if trunk is not None else "separable" if separable else model.block
         out.append(Member(name, dataclasses.replace(
-            model, family=(name,), widths=widths, block=block, trunk_blocks=model.trunk_blocks if trunk is None
-            else trunk, input_size=model.input_size if px is None else px)))
+            model, family=(name,), escalate=(), widths=widths, block=block,
+            trunk_blocks=model.trunk_blocks if trunk is None else trunk,
+            input_size=model.input_size if px is None else px)))
     return out

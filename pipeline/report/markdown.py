@@ -21,6 +21,8 @@ noted, and a missing one is written as "not recorded" rather than failing the re
 - ``teacher``: the teacher's identity (teacher.json's ``teacher`` entry)
 - ``teacher_online``: with ``distill.teacher_online``, the teacher in the loop's backend, input and stored sizes and
   ``val_accuracy_at_stored_pixels``
+- ``escalation``: with ``model.escalate``, the teacher's validation accuracy, the margin and, per larger member
+  weighed, the best student's validation accuracy then, the teacher's lead, whether it was trained and why not
 - ``epochs``, ``best_epoch``: ints (else taken from the kept variant's ``epochs_run``/``best_epoch``)
 - ``data``: the dataset's ``data_report.json`` (:class:`leaflens.data_prep.data_report.DataReport`: duplicates,
   leakage, photos per class, the metadata shortcut check, warnings); the section is left out when absent
@@ -145,7 +147,23 @@ def _kept_section(report: Mapping[str, Any]) -> list[str]:
                     rows, ["l", *(["l"] if family else []), "r", "r", "r", "r", "l", "l"])
     if sel.get("teacher_unavailable"):
         lines += ["", f"The teacher was not a candidate: {sel['teacher_unavailable']}"]
-    return lines + [""]
+    return lines + _escalation_lines(report) + [""]
+
+
+def _escalation_lines(report: Mapping[str, Any]) -> list[str]:
+    """Which larger students (``model.escalate``) were trained because the teacher led, and which were not."""
+    esc = report.get("escalation")
+    if not isinstance(esc, Mapping) or not esc.get("steps"):
+        return []
+    teacher = _pct(esc.get("teacher_val_accuracy"))
+    lines = ["", f"Larger students (model.escalate), each tried while the teacher ({teacher} on validation) led "
+                 f"every student so far by {100 * float(esc.get('margin') or 0):g} points or more:"]
+    for step in esc["steps"]:
+        lead = _float(step.get("teacher_lead"))
+        done = "trained" if step.get("trained") else f"not trained: {step.get('why', 'no reason recorded')}"
+        lines.append(f"- {step.get('member')}: best student then {_pct(step.get('best_student_val'))}, teacher lead "
+                     f"{'?' if lead is None else f'{100 * lead:.1f}'} points; {done}")
+    return lines
 
 
 def _winner_section(report: Mapping[str, Any]) -> list[str]:

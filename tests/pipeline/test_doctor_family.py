@@ -152,3 +152,20 @@ def test_gpu_estimate_of_a_separable_student_is_positive_and_a_step_at_that_batc
     est = doctor.batch_estimate(spec, 32, free)
     assert est["batch"] > 0, est
     assert doctor.measure_train_step_peak_bytes(spec, 32, est["batch"]) <= free
+
+
+@pytest.mark.usefixtures("no_gpu")
+def test_the_recipes_larger_students_are_sized_with_its_family(monkeypatch, capsys):
+    """``model.escalate`` members train at the recipe's batch when the teacher leads: the doctor sizes them too."""
+    from leaflens.pipeline import config  # noqa: PLC0415
+
+    real = config.load_config
+    monkeypatch.setattr(config, "load_config", lambda *a, **k: real(
+        None, ['model.family=["s"]', 'model.escalate=["lite12@96", "l"]']))
+    assert main([*FAST, "--no-measure", "--json"]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert [m["member"] for m in facts["family"]] == ["s", "lite12@96", "l"]
+    lite = facts["family"][1]
+    assert (lite["block"], lite["trunk_blocks"], lite["input_size"]) == ("lite0", 12, 96)
+    assert main([*FAST, "--no-measure", "--json", "--family", "s"]) == 0  # a family asked for: that family alone
+    assert "family" not in json.loads(capsys.readouterr().out)

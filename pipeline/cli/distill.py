@@ -40,6 +40,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "(default lite8: the first 8 blocks of ImageNet EfficientNet-Lite0 and a small head; liteN: "
                         "N blocks; s/m/l: the [model] CNN with widths x0.5/x1/x1.5; -ds: depthwise-separable; "
                         "@PX: input size; same as --set model.family='[\"lite8\", \"m\"]')")
+    p.add_argument("--escalate", metavar="NAMES",
+                   help="larger students, comma-separated, each trained (distilled) only while the teacher beats "
+                        "every student so far by distill.teacher_margin on validation, e.g. lite16@128 (default none: "
+                        "ship the teacher; same as --set model.escalate='[\"lite16@128\"]')")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in <out>.partial")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
@@ -64,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"distill.max_ms={float(args.max_ms)!r}")
     if args.family is not None:
         overrides.append(f"model.family={json.dumps(list(family_option(args.family)))}")
+    if args.escalate is not None:
+        overrides.append(f"model.escalate={json.dumps(list(family_option(args.escalate)))}")
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as exc:

@@ -121,7 +121,6 @@ def test_a_run_stopped_in_the_larger_student_resumes_to_the_same_result(tiny, mo
 
 
 @pytest.mark.parametrize("family, escalate, message", [
-    (["s"], ["s"], "escalate: 's' is already in family"),
     (["s"], ["xl"], "escalate: unknown member 'xl'"),
     (["s"], ["m", "m"], "escalate: member 'm' is listed twice"),
     (["s"], ["m"], "escalate_lr: 0 \\(train.lr\\) or a learning rate above 0, got -0.1"),
@@ -137,3 +136,32 @@ def test_the_members_of_an_escalation_are_built_like_the_familys():
     lite, ds = members(cfg.model, cfg.model.escalate)
     assert lite.model.block == "lite0" and lite.model.trunk_blocks == 12 and lite.model.input_size == 96
     assert ds.model.block == "separable" and lite.model.escalate == () and lite.model.family == ("lite12@96",)
+
+
+def test_the_default_recipe_ships_the_teacher_without_trying_and_names_a_gentle_rate():
+    cfg = load_config()
+    assert cfg.model.family == ("lite8",) and cfg.model.escalate == ()
+    assert cfg.model.escalate_lr == 0.001 < cfg.train.lr
+
+
+def test_a_member_already_in_the_family_is_not_trained_twice(tiny):
+    tmp, ds_dir, _ = tiny
+    cfg = _cfg(escalate=("s", "m"), **{"distill.compare_scratch": "false"})  # family ["s"]
+    report = run_distill(ds_dir, tmp / "teacher", tmp / "twice", cfg, progress=False)
+    assert [s["member"] for s in report["escalation"]["steps"]] == ["m"]
+    assert set(report["variants"]) == {"distilled", "m/distilled"}
+
+
+def test_the_cli_escalate_option(tiny):
+    from leaflens.pipeline.cli import main as cli  # noqa: PLC0415
+
+    tmp, ds_dir, _ = tiny
+    common = ["distill", "--dataset", str(ds_dir), "--teacher", str(tmp / "teacher"), "--family", "s", "--quiet",
+              "--set", "train.epochs=1", "--set", "train.batch_size=8", "--set", "model.widths=[8, 16]",
+              "--set", "distill.teacher_margin=0", "--set", "distill.compare_scratch=false"]
+    assert cli([*common, "--out", str(tmp / "cli_m"), "--escalate", "m"]) == 0
+    report = json.loads((tmp / "cli_m" / "report.json").read_text())
+    assert report["config"]["model"]["escalate"] == ["m"] and set(report["variants"]) == {"distilled", "m/distilled"}
+    assert cli([*common, "--out", str(tmp / "cli_none"), "--escalate", ""]) == 0
+    report = json.loads((tmp / "cli_none" / "report.json").read_text())
+    assert report["config"]["model"]["escalate"] == [] and "escalation" not in report

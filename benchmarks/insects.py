@@ -18,7 +18,8 @@ command, as a user runs it:
    validation, or the teacher when it beats it by ``distill.teacher_margin`` within the budget). The run at
    the default size also trains the recipe's larger students (``model.escalate``) while the teacher leads
    by that margin, as the default pipeline does; they are reported on their own lines (``escalated`` in the
-   JSON) and count as students for the first target. The other sizes' runs set ``model.escalate=[]``.
+   JSON) and count as students for the first target (``--set 'model.escalate=["lite16@128"]'``: the default
+   is none). The other sizes' runs set ``model.escalate=[]``, whatever ``--set`` says.
 
 A stage is skipped when its output is there and its command and inputs (the dataset's manifest, the
 teacher's teacher.json, the installed leaflens's distill_default.toml) are those recorded when it was made
@@ -330,9 +331,10 @@ def main() -> None:
         walls[f"distill_{size}"] = made_in(stamps, "distill", run / "report.json", lambda: stage(
             stamps, "distill", run / "report.json",
             ["distill", "--dataset", str(ds), "--teacher", str(teacher), "--out", str(run),
-             "--set", f"model.input_size={size}",
-             # the larger students are tried once, by the run at the default size (what the pipeline ships)
-             *([] if size == default_size else ["--set", "model.escalate=[]"]), *distill_args],
+             "--set", f"model.input_size={size}", *distill_args,
+             # the larger students are tried once, by the run at the default size (what the pipeline ships),
+             # also when --set gives model.escalate
+             *([] if size == default_size else ["--set", "model.escalate=[]"])],
             [ds / "manifest.json", teacher / "teacher.json", DEFAULT_CONFIG], quiet))
         return student_row(json.loads((run / "report.json").read_text(encoding="utf-8")))
 

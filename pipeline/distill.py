@@ -14,7 +14,8 @@ continues a partial one):
     config.toml         the resolved configuration
     distilled/, scratch/  each variant's last.npz, best.npz, metrics.jsonl (and faults.jsonl); with several
                         members of the student family (``model.family``), one folder per member holding
-                        these, e.g. s/distilled/, m/scratch/ (each a candidate of the same name)
+                        these, e.g. s/distilled/, m/scratch/ (each a candidate of the same name); a larger
+                        student trained because the teacher led (``model.escalate``) in <member>/distilled/
     report.json, report.md, curves.png, confusion.png, hardest.png, feature_maps.png
 """
 

@@ -264,12 +264,13 @@ def _escalate(ds: Any, cfg: StageConfig, tt: Any, results: Mapping[str, Any],
     trained (None: nothing to escalate to, or no teacher logits to compare with). Distilled only: they are
     trained because the teacher knows more than the students, and a larger student costs hours on a CPU. The
     decision reads only the trained students' checkpoints, so a resumed run makes the same one."""
-    if not set(cfg.model.escalate) - set(cfg.model.family) or tt is None or not tt.has_logits:
+    names = [n for n in cfg.model.escalate if n not in cfg.model.family]
+    if not names or tt is None or not tt.has_logits:
         return None
     teacher_val = float(np.mean(np.asarray(tt.logits["val"]).argmax(1) == np.asarray(ds["val"].labels)))
     margin, max_params = cfg.distill.teacher_margin, cfg.distill.max_params
     steps: list[dict[str, Any]] = []
-    for member in members(cfg.model, [n for n in cfg.model.escalate if n not in cfg.model.family]):
+    for member in members(cfg.model, names):
         best = max(r.best_val_accuracy for r in results.values())
         step: dict[str, Any] = {"member": member.name, "best_student_val": round(best, 4),
                                 "teacher_lead": round(teacher_val - best, 4)}

@@ -249,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
         # family is sized with its larger students (model.escalate), which train at the same batch when they do
         names = (family_option(args.family) if args.family is not None else ("m",) if args.widths
                  else (*recipe.family, *(n for n in recipe.escalate if n not in recipe.family)))
-        family = family_specs(replace(recipe, widths=spec.widths, input_size=size, family=names, escalate=()), spec)
+        family = family_specs(replace(recipe, widths=spec.widths, input_size=size, family=names), spec)
     facts = collect_family(family, measure_bandwidth=not args.no_bandwidth, measure_batch=not args.no_measure)
     print(json.dumps(facts, indent=2, default=str) if args.json else render(facts))
     failure = gpu_requirement_failure(facts) if args.require_gpu else None

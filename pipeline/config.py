@@ -59,6 +59,10 @@ class ModelSection(Record):
     # before it existed
     escalate: tuple[str, ...] = ()
     escalate_lr: float = 0.0  # the escalated members' train.lr (0: train.lr itself)
+    # where a distilled Lite0-trunk student's stem and blocks start: "imagenet" (Lite0's own weights) or "teacher"
+    # (the fine-tuned teacher's, when the teacher folder has its network; ImageNet's otherwise). Students trained
+    # without the teacher always start from ImageNet's. "imagenet" in runs recorded before it existed.
+    trunk_init: Literal["imagenet", "teacher"] = "imagenet"
 
     def __post_init__(self) -> None:
         if not self.widths or any(w < 1 for w in self.widths):

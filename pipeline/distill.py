@@ -150,6 +150,7 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
 
     variants: dict[Variant, TrainData] = {}
     teacher_info, online_info = None, None
+    trunk_info: dict[str, Any] | None = None
     if tt is not None:
         teacher_info = tt.info
         parts = ["train"] + (["unlabeled"] if "unlabeled" in ds else [])
@@ -159,6 +160,7 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
             images=ConcatImages([ds[p].images for p in parts]), labels=labels,
             features=ConcatImages([tt.features[p] for p in parts]),
             logits=ConcatImages([tt.logits[p] for p in parts]) if tt.has_logits else None)
+        variants["distilled"].trunk_from, trunk_info = _trunk_init(cfg, tt, progress)
         if cfg.distill.teacher_online:
             variants["distilled"].online, online_info = _online_teacher(ds, cfg, tt, progress)
         elif tt.views and cfg.distill.same_view:
@@ -240,6 +242,8 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
     report["selection"] = selection.to_dict()
     if online_info is not None:
         report["teacher_online"] = online_info
+    if trunk_info is not None:
+        report["trunk_init"] = trunk_info
     if escalation is not None:
         report["escalation"] = escalation
     if winner == "teacher":
@@ -306,6 +310,39 @@ def _online_teacher(ds: Any, cfg: StageConfig, tt: Any, progress: bool) -> tuple
               f"{acc:.1%} on validation", file=sys.stderr, flush=True)
     return online, {"backend": online.backend, "input_size": online.input_size, "stored_size": ds.image_size,
                     "val_accuracy_at_stored_pixels": round(acc, 4)}
+
+
+def _trunk_init(cfg: StageConfig, tt: Any, progress: bool) -> tuple[Path | None, dict[str, Any] | None]:
+    """The fine-tuned teacher network the distilled Lite0-trunk students start from (``model.trunk_init``), or
+    None for ImageNet's weights, and the report's record of it (``used``; ``why`` when the teacher's was asked
+    for and cannot be used; None without a Lite0-trunk student). Checked here, before anything trains."""
+    asked = cfg.model.trunk_init
+    record: dict[str, Any] = {"asked": asked, "used": "imagenet"}
+    names = cfg.model.family + tuple(n for n in cfg.model.escalate if n not in cfg.model.family)
+    trunks = [m.model.trunk_blocks for m in members(cfg.model, names) if m.model.block == "lite0"]
+    if not trunks:
+        return None, None
+    if asked != "teacher":
+        return None, record
+    path = tt.root / served_teacher.MODEL_FILE
+    why = None
+    if not path.is_file():
+        why = (f"{tt.root} holds no teacher network ({served_teacher.MODEL_FILE}: the teacher is a features file, "
+               "an ONNX encoder or a trained CNN, or was made before teachers saved theirs)")
+    else:
+        from leaflens.pipeline.models.trunk import LiteTrunkStudent  # noqa: PLC0415
+
+        try:
+            LiteTrunkStudent(2, blocks=max(trunks), rng=np.random.default_rng(0)).load_teacher_trunk(
+                path, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+        except (ValueError, KeyError, CheckpointError) as exc:
+            why = f"its network does not hold the Lite0 blocks the students have: {exc}"
+    if why is not None:
+        if progress:
+            print(f"note: model.trunk_init = \"teacher\", but {why}: the students start from ImageNet's Lite0 "
+                  "weights", file=sys.stderr, flush=True)
+        return None, {**record, "why": why}
+    return path, {**record, "used": "teacher", "file": str(path)}
 
 
 def _teacher_candidate(ds: Any, tt: Any, threads: int) -> tuple[dict[str, Any] | None, str | None]:

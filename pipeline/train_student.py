@@ -84,6 +84,9 @@ class TrainData:
     # The teacher in the loop (pipeline/teachers/online.py): targets computed for each batch's own views;
     # ``features``/``logits`` above then only give the targets' shapes.
     online: Any = None
+    # A fine-tuned teacher's network (its model.npz) whose stem and blocks a Lite0-trunk student starts from
+    # (model.trunk_init = "teacher"); None: ImageNet's.
+    trunk_from: Any = None
 
 
 def student_input_size(cfg: StageConfig, image_size: int) -> int:
@@ -301,7 +304,7 @@ def student_run(cfg: StageConfig, data: TrainData, val_images: Any, val_labels: 
     model_rng = np.random.default_rng(seed)
     spec = StudentSpec.from_recipe(cfg.model, num_classes)
     model = spec.build(model_rng, teacher_dim, (tuple(map(float, mean)), tuple(map(float, std))) if spec.pretrained
-                       else None)
+                       else None, trunk_from=data.trunk_from)
     if device != "cpu":
         model.to(device)  # before the optimiser and the checkpoint: their state follows the parameters
     dataset = ArrayDataset(data.images, data.labels)

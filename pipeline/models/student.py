@@ -13,6 +13,7 @@ what a run's checkpoint records as ``model_config`` and what loading a run rebui
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -131,17 +132,21 @@ class StudentSpec(Record):
         return self.kind == "lite0_trunk"
 
     def build(self, rng: np.random.Generator, teacher_dim: int | None = None,
-              normalisation: tuple[Sequence[float], Sequence[float]] | None = None) -> Any:
+              normalisation: tuple[Sequence[float], Sequence[float]] | None = None,
+              trunk_from: str | os.PathLike[str] | None = None) -> Any:
         """The network (with a distillation projection to ``teacher_dim`` when given), its initial weights
         and dropout masks drawn from ``rng``. A pretrained student (:attr:`pretrained`) given the input's
-        ``normalisation`` (mean, std) then loads its ImageNet weights; without it, its weights stay random
-        (to be replaced by a checkpoint's)."""
+        ``normalisation`` (mean, std) then loads its ImageNet weights, or, given ``trunk_from`` (a fine-tuned
+        teacher's ``model.npz``), the teacher's; without ``normalisation``, its weights stay random (to be
+        replaced by a checkpoint's)."""
         if self.kind == "lite0_trunk":
             from leaflens.pipeline.models.trunk import LiteTrunkStudent  # noqa: PLC0415
 
             model = LiteTrunkStudent(self.num_classes, blocks=int(self.trunk_blocks or 0), head=self.widths[-1],
                                      teacher_dim=teacher_dim, dropout=self.dropout, rng=rng)
-            if normalisation is not None:
+            if normalisation is not None and trunk_from is not None:
+                model.load_teacher_trunk(trunk_from, *normalisation)
+            elif normalisation is not None:
                 model.load_pretrained(*normalisation)
             return model
         return StudentCNN(self.num_classes, widths=self.widths, in_channels=self.in_channels,

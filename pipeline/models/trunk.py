@@ -134,10 +134,33 @@ class LiteTrunkStudent(nn.Module):
 
         path = find_lite0_weights(weights)
         net = load_efficientnet_lite0(path)
+        self._load_trunk_of(net, mean, std, str(path))
+        return str(path)
+
+    def load_teacher_trunk(self, path: str | os.PathLike[str], mean: Sequence[float], std: Sequence[float]) -> str:
+        """Replace the stem's and the blocks' weights and BatchNorm statistics by those of a fine-tuned teacher
+        (a teacher folder's ``model.npz``, :mod:`leaflens.pipeline.teachers.served`) and set the input affine;
+        returns the file read. The teacher has learnt the user's classes with these very blocks, at its own
+        input size: a student cut from it starts where ImageNet's weights would take it many epochs to get.
+        ValueError naming the file when its network is not EfficientNet-Lite0's blocks as this trunk runs them."""
+        from leaflens.pipeline.teachers.served import load_teacher_model  # noqa: PLC0415
+
+        net, _ = load_teacher_model(os.fspath(path))
+        ours, theirs = self.config, net.config
+        if net.folded or ((theirs.padding, theirs.normalization, theirs.bn_eps)
+                          != (ours.padding, ours.normalization, ours.bn_eps)):
+            raise ValueError(f"{path}: the teacher's network (padding {theirs.padding!r}, normalisation "
+                             f"{theirs.normalization!r}, BatchNorm eps {theirs.bn_eps:g}"
+                             f"{', BatchNorm folded' if net.folded else ''}) is not run as a Lite0 trunk is (padding "
+                             f"{ours.padding!r}, normalisation {ours.normalization!r}, eps {ours.bn_eps:g})")
+        self._load_trunk_of(net, mean, std, str(path))
+        return str(path)
+
+    def _load_trunk_of(self, net: Any, mean: Sequence[float], std: Sequence[float], source: str = "") -> None:
         if net.specs[:len(self.specs)] != self.specs or net.stem_channels != _STEM:
-            raise ValueError(f"{path} does not describe EfficientNet-Lite0's blocks: {net.specs[:len(self.specs)]}")
+            raise ValueError(f"{source or 'the network'} does not describe EfficientNet-Lite0's first "
+                             f"{len(self.specs)} blocks: {net.specs[:len(self.specs)]}")
         state = {k: v for k, v in net.state_dict().items() if k.split(".")[0] in ("stem_conv", "stem_bn")
                  or (k.startswith("blocks.") and int(k.split(".")[1]) < len(self.specs))}
         state["input_scale"], state["input_shift"] = tf_input_affine(mean, std)
         self.load_state_dict({**self.state_dict(), **state})  # strict: a name the trunk lacks is refused
-        return str(path)

@@ -21,6 +21,8 @@ noted, and a missing one is written as "not recorded" rather than failing the re
 - ``teacher``: the teacher's identity (teacher.json's ``teacher`` entry)
 - ``teacher_online``: with ``distill.teacher_online``, the teacher in the loop's backend, input and stored sizes and
   ``val_accuracy_at_stored_pixels``
+- ``trunk_init``: with a Lite0-trunk student, where the distilled students' stem and blocks started (``asked``,
+  ``used``: "imagenet" or "teacher", ``why`` the teacher's could not be used)
 - ``escalation``: with ``model.escalate``, the teacher's validation accuracy, the margin and, per larger member
   weighed, the best student's validation accuracy then, the teacher's lead, whether it was trained and why not
 - ``epochs``, ``best_epoch``: ints (else taken from the kept variant's ``epochs_run``/``best_epoch``)
@@ -346,6 +348,16 @@ def _facts_section(report: Mapping[str, Any]) -> list[str]:
         lines.append(f"- Teacher in the training loop ({online.get('backend')}): it judged each batch's own views, "
                      f"cut at {online.get('input_size')} px from the stored {online.get('stored_size')} px photos, "
                      f"where it is {_pct(online.get('val_accuracy_at_stored_pixels'))} right on validation")
+    trunk = report.get("trunk_init")
+    if isinstance(trunk, Mapping):
+        if trunk.get("used") == "teacher":
+            start = "the fine-tuned teacher's (model.trunk_init = \"teacher\")"
+        elif trunk.get("why"):
+            start = f"ImageNet EfficientNet-Lite0's, not the teacher's as asked: {trunk['why']}"
+        else:
+            start = "ImageNet EfficientNet-Lite0's"
+        lines.append(f"- Pretrained students: the distilled ones' stem and blocks started from {start}; those trained "
+                     "without the teacher from ImageNet's")
     lines.append(f"- Hardware: {hw.get('summary') or 'not recorded'}")
     return lines + [""]
 

@@ -47,3 +47,17 @@ def class_features(dataset_dir: Path, out: Path, dim: int = 12, noise: float = 0
         logit = (feats @ protos.T).astype(np.float32)
         np.save(out / f"logits_{split}.npy", logit)
     return out
+
+
+def write_lite0_shaped(path: Path) -> Path:
+    """A legacy-format .pth in EfficientNet-Lite0's real block shapes (a small head) with random weights: the
+    stand-in for the ImageNet file in tests of the pretrained students."""
+    from pth_checkpoint_files import TensorSpec, write_legacy  # noqa: PLC0415
+    from test_efficientnet import tiny_state  # noqa: PLC0415
+
+    from leaflens.pipeline.models.trunk import lite0_block_specs  # noqa: PLC0415
+
+    blocks = [(s.cin, s.cout, s.hidden, s.kernel) for s in lite0_block_specs()]
+    state = tiny_state(seed=5, blocks=blocks, stem=32, head=16, classes=5)
+    return write_legacy(path, {k: TensorSpec.of(str(i), v) for i, (k, v) in enumerate(state.items())
+                               if not k.endswith("num_batches_tracked")})

@@ -9,9 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pipeline_helpers import class_features, tiny_dataset
-from pth_checkpoint_files import TensorSpec, write_legacy
-from test_efficientnet import tiny_state
+from pipeline_helpers import class_features, tiny_dataset, write_lite0_shaped
 
 from leaflens.data_prep.manifest import load_dataset
 from leaflens.engine import Tensor, no_grad
@@ -28,11 +26,7 @@ MEAN, STD = (0.45, 0.5, 0.4), (0.2, 0.25, 0.22)
 @pytest.fixture(scope="module")
 def lite0_shaped(tmp_path_factory) -> Path:
     """A legacy-format .pth in EfficientNet-Lite0's real block shapes (a small head), random weights."""
-    blocks = [(s.cin, s.cout, s.hidden, s.kernel) for s in lite0_block_specs()]
-    state = tiny_state(seed=5, blocks=blocks, stem=32, head=16, classes=5)
-    path = tmp_path_factory.mktemp("lite0") / "lite0-shaped.pth"
-    return write_legacy(path, {k: TensorSpec.of(str(i), v) for i, (k, v) in enumerate(state.items())
-                               if not k.endswith("num_batches_tracked")})
+    return write_lite0_shaped(tmp_path_factory.mktemp("lite0") / "lite0-shaped.pth")
 
 
 def test_the_block_table_is_lite0s():

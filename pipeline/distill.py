@@ -44,7 +44,7 @@ from leaflens.files import swap_into_place, write_json_atomic, write_text_atomic
 from leaflens.pipeline import ood
 from leaflens.pipeline.config import StageConfig, dump_toml, load_config
 from leaflens.pipeline.hardware import describe_hardware
-from leaflens.pipeline.models.family import Member, members
+from leaflens.pipeline.models.family import Member, escalation_names, members
 from leaflens.pipeline.models.student import StudentSpec
 from leaflens.pipeline.report import metrics, plots
 from leaflens.pipeline.report.markdown import write_report
@@ -268,7 +268,7 @@ def _escalate(ds: Any, cfg: StageConfig, tt: Any, results: Mapping[str, Any],
     trained (None: nothing to escalate to, or no teacher logits to compare with). Distilled only: they are
     trained because the teacher knows more than the students, and a larger student costs hours on a CPU. The
     decision reads only the trained students' checkpoints, so a resumed run makes the same one."""
-    names = [n for n in cfg.model.escalate if n not in cfg.model.family]
+    names = escalation_names(cfg.model)
     if not names or tt is None or not tt.has_logits:
         return None
     teacher_val = float(np.mean(np.asarray(tt.logits["val"]).argmax(1) == np.asarray(ds["val"].labels)))
@@ -318,8 +318,8 @@ def _trunk_init(cfg: StageConfig, tt: Any, progress: bool) -> tuple[Path | None,
     for and cannot be used; None without a Lite0-trunk student). Checked here, before anything trains."""
     asked = cfg.model.trunk_init
     record: dict[str, Any] = {"asked": asked, "used": "imagenet"}
-    names = cfg.model.family + tuple(n for n in cfg.model.escalate if n not in cfg.model.family)
-    trunks = [m.model.trunk_blocks for m in members(cfg.model, names) if m.model.block == "lite0"]
+    trunks = [m.model.trunk_blocks for m in members(cfg.model, cfg.model.family + escalation_names(cfg.model))
+              if m.model.block == "lite0"]
     if not trunks:
         return None, None
     if asked != "teacher":

@@ -200,7 +200,7 @@ def _parse_widths(text: str) -> tuple[int, ...]:
 
 def run(args: argparse.Namespace) -> int:
     from leaflens.pipeline.config import load_config  # noqa: PLC0415
-    from leaflens.pipeline.models.family import check_family, family_option  # noqa: PLC0415
+    from leaflens.pipeline.models.family import check_family, escalation_names, family_option  # noqa: PLC0415
 
     recipe = None
     if args.run is not None:
@@ -248,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
         # --widths describes the [model] CNN: alone, it sizes that student (the "m" member); the recipe's own
         # family is sized with its larger students (model.escalate), which train at the same batch when they do
         names = (family_option(args.family) if args.family is not None else ("m",) if args.widths
-                 else (*recipe.family, *(n for n in recipe.escalate if n not in recipe.family)))
+                 else recipe.family + escalation_names(recipe))
         family = family_specs(replace(recipe, widths=spec.widths, input_size=size, family=names), spec)
     facts = collect_family(family, measure_bandwidth=not args.no_bandwidth, measure_batch=not args.no_measure)
     print(json.dumps(facts, indent=2, default=str) if args.json else render(facts))

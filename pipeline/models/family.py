@@ -91,6 +91,11 @@ def family_option(text: str) -> tuple[str, ...]:
     return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
+def escalation_names(model: ModelSection) -> tuple[str, ...]:
+    """The ``model.escalate`` members not already in ``model.family``: a member is trained once."""
+    return tuple(n for n in model.escalate if n not in model.family)
+
+
 def members(model: ModelSection, names: Sequence[str] | None = None) -> list[Member]:
     """The members ``model.family`` lists (or ``names``, e.g. ``model.escalate``), each with its own ``[model]``
     section (widths scaled, block kind and input size set), in the listed order."""

@@ -156,9 +156,9 @@ class LiteTrunkStudent(nn.Module):
         self._load_trunk_of(net, mean, std, str(path))
         return str(path)
 
-    def _load_trunk_of(self, net: Any, mean: Sequence[float], std: Sequence[float], source: str = "") -> None:
+    def _load_trunk_of(self, net: Any, mean: Sequence[float], std: Sequence[float], source: str) -> None:
         if net.specs[:len(self.specs)] != self.specs or net.stem_channels != _STEM:
-            raise ValueError(f"{source or 'the network'} does not describe EfficientNet-Lite0's first "
+            raise ValueError(f"{source} does not describe EfficientNet-Lite0's first "
                              f"{len(self.specs)} blocks: {net.specs[:len(self.specs)]}")
         state = {k: v for k, v in net.state_dict().items() if k.split(".")[0] in ("stem_conv", "stem_bn")
                  or (k.startswith("blocks.") and int(k.split(".")[1]) < len(self.specs))}

@@ -61,3 +61,16 @@ def write_lite0_shaped(path: Path) -> Path:
     state = tiny_state(seed=5, blocks=blocks, stem=32, head=16, classes=5)
     return write_legacy(path, {k: TensorSpec.of(str(i), v) for i, (k, v) in enumerate(state.items())
                                if not k.endswith("num_batches_tracked")})
+
+
+def with_moved_bn_stats(net, seed: int = 2):
+    """``net`` in eval mode with its BatchNorm running statistics drawn away from (0, 1), so that a test sees
+    whether they were kept, frozen or copied."""
+    from leaflens.engine.nn import BatchNorm2d  # noqa: PLC0415
+
+    rng = np.random.default_rng(seed)
+    for m in net.modules():
+        if isinstance(m, BatchNorm2d):
+            m.running_mean[...] = rng.normal(0, 0.2, m.num_features)
+            m.running_var[...] = rng.uniform(0.5, 2.0, m.num_features)
+    return net.eval()

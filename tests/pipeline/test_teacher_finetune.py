@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pipeline_helpers import tiny_dataset
+from pipeline_helpers import tiny_dataset, with_moved_bn_stats
 
 from leaflens.data_prep.manifest import load_dataset
 from leaflens.engine import Tensor, ops
@@ -30,12 +30,7 @@ def tiny_net(config: LiteConfig | None = None) -> EfficientNetLite:
              BlockSpec(12, 16, 24, 3, 2)]
     net = EfficientNetLite(specs, num_classes=10, stem_channels=8, head_channels=24,
                            config=config or LiteConfig(), rng=np.random.default_rng(1))
-    rng = np.random.default_rng(2)
-    for m in net.modules():
-        if isinstance(m, BatchNorm2d):
-            m.running_mean[...] = rng.normal(0, 0.2, m.num_features)
-            m.running_var[...] = rng.uniform(0.5, 2.0, m.num_features)
-    return net.eval()
+    return with_moved_bn_stats(net)
 
 
 @pytest.fixture

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from pipeline_helpers import class_features, tiny_dataset
+from pipeline_helpers import class_features, tiny_dataset, with_moved_bn_stats
 
 from leaflens.data_prep.contract import normalize
 from leaflens.data_prep.manifest import load_dataset, manifest_sha256
 from leaflens.engine.data import Augment, Batch, apply_view_boxes
-from leaflens.engine.nn import BatchNorm2d
 from leaflens.pipeline.config import load_config
 from leaflens.pipeline.distill import run_distill
 from leaflens.pipeline.models.efficientnet import BlockSpec, EfficientNetLite, normalize_images
@@ -28,12 +27,7 @@ AUG = Augment(hflip=True, vflip=True, crop="resized", scale=(0.5, 1.0))
 def tiny_net(classes: int = 3, head: int = 12) -> EfficientNetLite:
     net = EfficientNetLite([BlockSpec(8, 8, 8, 3, 1), BlockSpec(8, 12, 24, 3, 2)], num_classes=classes,
                            stem_channels=8, head_channels=head, rng=np.random.default_rng(1))
-    rng = np.random.default_rng(2)
-    for m in net.modules():
-        if isinstance(m, BatchNorm2d):
-            m.running_mean[...] = rng.normal(0, 0.2, m.num_features)
-            m.running_var[...] = rng.uniform(0.5, 2.0, m.num_features)
-    return net.eval()
+    return with_moved_bn_stats(net)
 
 
 def photos(n: int = 6, size: int = 16, seed: int = 0) -> np.ndarray:

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pipeline_helpers import class_features, tiny_dataset, write_lite0_shaped
+from pipeline_helpers import class_features, tiny_dataset, with_moved_bn_stats, write_lite0_shaped
 
 from leaflens.data_prep.manifest import load_dataset, manifest_sha256
 from leaflens.engine.checkpoint import read_checkpoint_arrays
-from leaflens.engine.nn import BatchNorm2d
 from leaflens.pipeline.config import ConfigError, load_config
 from leaflens.pipeline.distill import run_distill
 from leaflens.pipeline.models import pretrained
@@ -30,12 +29,7 @@ def teacher_net(blocks: int = 3, classes: int = 3, config: LiteConfig | None = N
     """Lite0's first ``blocks`` blocks as a fine-tuned teacher would hold them: random weights and statistics."""
     net = EfficientNetLite(lite0_block_specs()[:blocks], num_classes=classes, stem_channels=32, head_channels=12,
                            config=config, rng=np.random.default_rng(7))
-    rng = np.random.default_rng(8)
-    for m in net.modules():
-        if isinstance(m, BatchNorm2d):
-            m.running_mean[...] = rng.normal(0, 0.2, m.num_features)
-            m.running_var[...] = rng.uniform(0.5, 2.0, m.num_features)
-    return net.eval()
+    return with_moved_bn_stats(net, seed=8)
 
 
 def save_teacher_net(path: Path, net: EfficientNetLite, classes: tuple[str, ...], ds_dir: Path) -> Path:

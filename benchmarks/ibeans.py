@@ -40,7 +40,7 @@ from leaflens.pipeline.config import TeacherSection, load_config
 from leaflens.pipeline.distill import member_pair, run_distill
 from leaflens.pipeline.teachers.artefact import load_teacher
 from leaflens.pipeline.teachers.effnet import build_effnet_teacher
-from leaflens.pipeline.teachers.stage import knn_accuracy, write_teacher
+from leaflens.pipeline.teachers.stage import knn_accuracy, served_teacher_writer, write_teacher
 
 EXTS = {".jpg", ".jpeg", ".png"}
 
@@ -192,8 +192,11 @@ def main() -> None:
         if not (args.reuse and (tdir / "teacher.json").is_file()):
             recipe = teacher_recipe(False, args.teacher_epochs)
             enc, extra = timed(f"teacher_finetune_{name}", build_effnet_teacher, ds, recipe, progress=False)
+            # with the served teacher, as `leaflens teacher` writes it: distill may keep it (or start a student
+            # from it, or run it in the training loop: --set model.trunk_init=teacher, distill.teacher_online=true)
             timed(f"teacher_features_{name}", write_teacher, tdir, ds, enc, progress=False, stage=extra,
-                  views=args.teacher_views, view_scale=recipe.view_scale, view_seed=recipe.seed)
+                  views=args.teacher_views, view_scale=recipe.view_scale, view_seed=recipe.seed,
+                  finish=served_teacher_writer(enc.network, ds, enc.identity(), batch=recipe.encode_batch_size))
         tt = load_teacher(tdir, ds)
         teachers[name] = tdir
         teacher_acc[name] = float((np.asarray(tt.logits["test"]).argmax(1) == np.asarray(ds["test"].labels)).mean())
@@ -256,6 +259,8 @@ def main() -> None:
         "scratch_acc": rounded(stat("full", "scratch")[0]), "distilled_acc": rounded(stat("full", "distilled")[0]),
         "scratch_acc_25": rounded(stat("frac", "scratch")[0]),
         "distilled_acc_25": rounded(stat("frac", "distilled")[0]),
+        # per setting, per seed: what each run keeps and `leaflens export` ships (a student, or "teacher")
+        "kept_models": {s: [r["winner"] for r in rows if r["setting"] == s] for s in args.settings.split(",")},
         "student_params": rows[0]["params"], "seeds": args.seeds, "fraction": args.fraction,
         "teacher_views": args.teacher_views, "overrides": args.overrides, "input_size": args.size,
         "store_size": store,

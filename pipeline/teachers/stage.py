@@ -315,6 +315,20 @@ def make_encoder(ds: Any, cfg: StageConfig, choice: TeacherChoice, out: Path, fr
                                 max_bad_steps=cfg.train.max_bad_steps)
 
 
+def served_teacher_writer(network: Any, ds: Any, identity: dict[str, Any], from_arrays: bool = False,
+                          batch: int = 32, log: Callable[[str], None] = lambda s: None
+                          ) -> Callable[[Path], dict[str, Any]]:
+    """:func:`write_teacher`'s ``finish`` for a teacher with a network of ours: writes the served teacher
+    (model.npz and teacher.onnx, pipeline/teachers/served.py) that distill may keep, start a student from or
+    run in its training loop, and records it as teacher.json's ``stage.served``."""
+    def finish(folder: Path) -> dict[str, Any]:
+        from leaflens.pipeline.teachers.served import write_served_teacher  # noqa: PLC0415
+
+        return {"served": write_served_teacher(folder, network, ds, identity, from_arrays, batch, log).to_dict()}
+
+    return finish
+
+
 def run_teacher_stage(dataset_dir: str | os.PathLike[str], out: str | os.PathLike[str], cfg: StageConfig,
                       choice: TeacherChoice = TeacherChoice(), *, from_arrays: bool = False, fp16: bool = False,
                       progress: bool = True) -> dict[str, Any]:
@@ -334,17 +348,11 @@ def run_teacher_stage(dataset_dir: str | os.PathLike[str], out: str | os.PathLik
     network = getattr(encoder, "network", None)
     finish = None
     if network is not None:
-        from leaflens.pipeline.teachers.served import write_served_teacher  # noqa: PLC0415
-
         def log(msg: str) -> None:
             if progress:
                 print(msg, file=sys.stderr, flush=True)
 
-        def finish(folder: Path) -> dict[str, Any]:
-            served = write_served_teacher(folder, network, ds, encoder.identity(), from_arrays,
-                                          recipe.encode_batch_size, log)
-            return {"served": served.to_dict()}
-
+        finish = served_teacher_writer(network, ds, encoder.identity(), from_arrays, recipe.encode_batch_size, log)
     write_teacher(out, ds, encoder, batch=recipe.encode_batch_size, shorter_side=getattr(encoder, "shorter_side", None),
                   from_arrays=from_arrays, dtype=np.float16 if fp16 else np.float32, stage=made,
                   seconds=round(time.perf_counter() - t0, 1), progress=progress, views=recipe.views,

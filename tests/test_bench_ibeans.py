@@ -1,0 +1,63 @@
+"""benchmarks/ibeans.py end to end on a tiny iBeans-shaped folder (train/val/test/<class>/): its teachers are
+written as `leaflens teacher` writes them, served teacher included, so its student runs can keep the teacher,
+start from it or run it in the training loop. Needs the EfficientNet-Lite0 weights; marked slow (two teacher
+fine-tunes, about a minute)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+pretrained = pytest.importorskip("leaflens.pipeline.models.pretrained")
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "ibeans.py"
+CLASSES = ("angular_leaf_spot", "bean_rust", "healthy")
+PER_SPLIT = {"train": 8, "val": 4, "test": 4}
+
+
+def write_ibeans(root: Path) -> Path:
+    """``root/<split>/<class>/NN.png``: a colour per class with seeded noise, so every model can learn it."""
+    rng = np.random.default_rng(0)
+    for c, base in zip(CLASSES, ((200, 60, 60), (60, 200, 60), (60, 60, 200)), strict=True):
+        for split, n in PER_SPLIT.items():
+            (root / split / c).mkdir(parents=True)
+            for i in range(n):
+                img = rng.normal(base, 30, (48, 48, 3))
+                Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(root / split / c / f"{i:02d}.png")
+    return root
+
+
+@pytest.mark.slow
+def test_ibeans_benchmark_writes_served_teachers_and_runs_the_teacher_in_the_loop(tmp_path):
+    try:
+        pretrained.find_lite0_weights()
+    except pretrained.WeightsNotFoundError as exc:
+        pytest.skip(f"EfficientNet-Lite0 weights not installed: {exc}")
+    data, work = write_ibeans(tmp_path / "ibeans"), tmp_path / "work"
+    # the teacher in the loop needs the teacher's network (model.npz) beside its features: the run fails without it
+    out = subprocess.run([sys.executable, str(BENCH), "--data", str(data), "--seeds", "1", "--epochs", "1",
+                          "--teacher-epochs", "1", "--settings", "full", "--work", str(work),
+                          "--set", "distill.teacher_online=true"],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(figures["kept_models"]) == {"full"} and len(figures["kept_models"]["full"]) == 1
+    assert figures["kept_models"]["full"][0] in {"scratch", "distilled", "teacher"}
+    assert 0.0 <= figures["distilled_acc"] <= 1.0 and 0.0 <= figures["teacher_finetuned_acc"] <= 1.0
+    for name in ("full", "frac"):
+        folder = work / f"teacher_{name}_e1_v1_s128"
+        served = json.loads((folder / "teacher.json").read_text())["stage"]["served"]
+        assert served["written"], served
+        assert (folder / "teacher.onnx").is_file() and (folder / "model.npz").is_file()
+    report = json.loads((work / "run_full_0" / "report.json").read_text())
+    assert report["teacher_online"]  # the distilled student learned from the teacher run on its own views
+    assert report["selection"]["teacher_unavailable"] is None  # the served teacher was a candidate
+    assert "teacher" in {row["name"] for row in report["selection"]["candidates"]}

@@ -10,28 +10,24 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "data_prep"))
+
+from dp_helpers import make_class_folders  # noqa: E402
 
 pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 pretrained = pytest.importorskip("leaflens.pipeline.models.pretrained")
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "ibeans.py"
-CLASSES = ("angular_leaf_spot", "bean_rust", "healthy")
 PER_SPLIT = {"train": 8, "val": 4, "test": 4}
 
 
 def write_ibeans(root: Path) -> Path:
-    """``root/<split>/<class>/NN.png``: a colour per class with seeded noise, so every model can learn it."""
-    rng = np.random.default_rng(0)
-    for c, base in zip(CLASSES, ((200, 60, 60), (60, 200, 60), (60, 60, 200)), strict=True):
-        for split, n in PER_SPLIT.items():
-            (root / split / c).mkdir(parents=True)
-            for i in range(n):
-                img = rng.normal(base, 30, (48, 48, 3))
-                Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(root / split / c / f"{i:02d}.png")
+    """``root/<split>/<class>/``: dp_helpers' three colour classes, distinct photos in every split."""
+    for k, (split, n) in enumerate(PER_SPLIT.items()):
+        make_class_folders(root / split, per_class=n, seed=k)
     return root
 
 

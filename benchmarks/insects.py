@@ -22,8 +22,9 @@ command, as a user runs it:
    is none). The other sizes' runs set ``model.escalate=[]``, whatever ``--set`` says.
 
 A stage is skipped when its output is there and its command and inputs (the dataset's manifest, the
-teacher's teacher.json, the installed leaflens's distill_default.toml) are those recorded when it was made
-(benchmarks/ood.py's ``stage``), so a rerun with more sizes trains only the new students.
+teacher's teacher.json, the settings of the installed leaflens's distill_default.toml: not its comments) are
+those recorded when it was made (benchmarks/ood.py's ``stage``), so a rerun with more sizes trains only the new
+students.
 
 Reported on the test split, which nothing here is chosen on: the teacher's accuracy, each student's,
 what each run keeps and its accuracy, parameters and latency (ms per photo at batch 1 on this machine,

@@ -330,6 +330,14 @@ def leaflens(*args: str) -> None:
 
 
 def file_digest(path: Path) -> str:
+    """SHA-256 of a stage input; of a ``.toml`` file, of the settings it parses to, so an edited comment or
+    layout in a recipe (pipeline/distill_default.toml) does not make a stage run again."""
+    if path.suffix == ".toml":
+        from leaflens.pipeline.config import tomllib  # noqa: PLC0415  (tomli before Python 3.11)
+
+        with open(path, "rb") as f:
+            settings = tomllib.load(f)
+        return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):

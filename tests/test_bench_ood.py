@@ -143,10 +143,9 @@ def test_cached_set_is_reused_only_for_the_same_params(bench, tmp_path):
     assert len(calls) == 2 and len(list(target.glob("*.png"))) == 2
 
 
-def test_stage_reruns_only_when_its_command_or_inputs_change(bench, tmp_path, monkeypatch):
+def fake_stage_runs(bench, monkeypatch, marker):
+    """The `leaflens` commands stage() runs, recorded instead of run; each writes ``marker``."""
     ran = []
-    marker, src = tmp_path / "out" / "done.json", tmp_path / "input.txt"
-    src.write_text("a")
 
     def fake_leaflens(*args: str) -> None:
         ran.append(args)
@@ -154,6 +153,13 @@ def test_stage_reruns_only_when_its_command_or_inputs_change(bench, tmp_path, mo
         marker.write_text("{}")
 
     monkeypatch.setattr(bench, "leaflens", fake_leaflens)
+    return ran
+
+
+def test_stage_reruns_only_when_its_command_or_inputs_change(bench, tmp_path, monkeypatch):
+    marker, src = tmp_path / "out" / "done.json", tmp_path / "input.txt"
+    src.write_text("a")
+    ran = fake_stage_runs(bench, monkeypatch, marker)
     bench.stage(tmp_path, "teacher", marker, ["teacher", "--out", "x"], [src], ["--quiet"])
     assert ran == [("teacher", "--out", "x", "--quiet")]
     bench.stage(tmp_path, "teacher", marker, ["teacher", "--out", "x"], [src], [])  # quiet flags: not the key
@@ -167,6 +173,20 @@ def test_stage_reruns_only_when_its_command_or_inputs_change(bench, tmp_path, mo
     bench.stage(tmp_path, "teacher", marker, ["teacher", "--out", "y"], [src], [])
     assert len(ran) == 4
 
+
+
+def test_a_recipe_input_is_keyed_by_its_settings_not_its_text(bench, tmp_path, monkeypatch):
+    """A comment or layout edit in a TOML recipe reuses the stage; a changed value runs it again."""
+    marker, recipe = tmp_path / "out" / "done.json", tmp_path / "recipe.toml"
+    recipe.write_text("[train]\nepochs = 60\nlr = 0.001\n")
+    ran = fake_stage_runs(bench, monkeypatch, marker)
+    bench.stage(tmp_path, "distill", marker, ["distill"], [recipe], [])
+    recipe.write_text("# the recipe, explained\n[train]\nlr = 0.001   # moved\nepochs = 60\n")
+    bench.stage(tmp_path, "distill", marker, ["distill"], [recipe], [])
+    assert len(ran) == 1
+    recipe.write_text("[train]\nepochs = 61\nlr = 0.001\n")
+    bench.stage(tmp_path, "distill", marker, ["distill"], [recipe], [])
+    assert len(ran) == 2
 
 # ---- the generic branch's sweep and the latency comparison
 def test_branch_maps_match_what_the_exported_branch_reads(bench):

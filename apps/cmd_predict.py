@@ -41,9 +41,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "ONNX model. Each image gets a verdict: diagnosis, ambiguous (between the top two "
                     "classes), out_of_domain (unlike the model's training photos; models exported with the "
                     "check), refused (too small, one flat colour or too blurred) or error (unreadable). Prints "
-                    "one line per image, or writes --csv with the verdict, the top-k classes, the "
-                    "out-of-domain score and an error column. Exit code 0: every image was judged by the "
-                    "model; 1: some were refused or could not be read; 2: usage or model error.",
+                    "one line per image, or writes --csv with the verdict, the top-k classes (none for an "
+                    "out-of-domain photo), the out-of-domain score and an error column. Exit code 0: every "
+                    "image was judged by the model; 1: some were refused or could not be read; 2: usage or "
+                    "model error.",
     )
     p.add_argument("images", nargs="+", metavar="IMAGES", help="image files and/or folders")
     p.add_argument("--model", required=True, help="exported model (.onnx with leaflens metadata)")
@@ -107,9 +108,11 @@ def csv_row(p: Prediction, top_k: int) -> list[str | None]:
     """One image's row under :func:`csv_header` (None is written as an empty cell)."""
     row: list[str | None]
     if p.ok:
-        row = [p.source, p.verdict, p.label, "" if p.confidence is None else f"{p.confidence:.6f}",
+        named = p.verdict != "out_of_domain"  # no class is named for a photo unlike the training photos
+        row = [p.source, p.verdict, p.label if named else "",
+               "" if p.confidence is None or not named else f"{p.confidence:.6f}",
                str(p.uncertain).lower(), "" if p.ood_score is None else f"{p.ood_score:.6g}"]
-        ranked = [v for cls, prob in p.top[:top_k] for v in (cls, f"{prob:.6f}")]
+        ranked = [v for cls, prob in p.top[:top_k] for v in (cls, f"{prob:.6f}")] if named else []
         return row + ranked + [""] * (2 * top_k - len(ranked)) + [""]
     return [p.source, verdict_of(p), "", "", "", "", *[""] * (2 * top_k), p.error]
 
@@ -117,9 +120,10 @@ def csv_row(p: Prediction, top_k: int) -> list[str | None]:
 def write_csv(path: str | os.PathLike, predictions: Iterable[Prediction], top_k: int) -> None:
     """Write one row per image: path, verdict, label, probability, uncertain, ood_score, class_i/prob_i, error.
 
-    ``label`` .. ``prob_i`` are the model's ranking for every photo it saw, also when the verdict claims no
-    class (ambiguous, out_of_domain); ``uncertain`` is "true" for those. ``ood_score`` is empty for a model
-    without the out-of-domain output. Refused and unreadable photos have only path, verdict and error.
+    ``label`` .. ``prob_i`` are the model's ranking, also for an ambiguous photo (``uncertain`` "true"); an
+    out-of-domain photo's row names no class, as the web page and its API do: only its verdict, ``uncertain``
+    and ``ood_score``. ``ood_score`` is empty for a model without the out-of-domain output. Refused and
+    unreadable photos have only path, verdict and error.
     Written to a temporary file beside ``path`` and renamed into place, so a reader never sees a
     half-written file.
     """
@@ -137,7 +141,8 @@ def write_csv(path: str | os.PathLike, predictions: Iterable[Prediction], top_k:
 
 def _line(p: Prediction, top_k: int) -> str:
     """``path <tab> verdict <tab> answer <tab> ranking``: the answer is the class for a diagnosis, "X or Y"
-    for an ambiguous photo, "-" out of domain (with its score), the reason for a refused or unreadable one."""
+    for an ambiguous photo, "-" out of domain (no ranking: only its score, as in the CSV), the reason for a
+    refused or unreadable one."""
     verdict = verdict_of(p)
     if not p.ok:
         return f"{p.source}\t{verdict}\t{p.reason}\t{p.error}"
@@ -147,9 +152,9 @@ def _line(p: Prediction, top_k: int) -> str:
         answer = "-"
     else:
         answer = str(p.label)
-    ranked = ", ".join(f"{cls} {prob:.3f}" for cls, prob in p.top[:top_k])
+    ranked = ", ".join(f"{cls} {prob:.3f}" for cls, prob in p.top[:top_k]) if verdict != "out_of_domain" else ""
     if p.ood_score is not None:
-        ranked += f"; ood_score {p.ood_score:.3g}"
+        ranked += f"{'; ' if ranked else ''}ood_score {p.ood_score:.3g}"
     return f"{p.source}\t{verdict}\t{answer}\t{ranked}"
 
 

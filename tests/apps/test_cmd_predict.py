@@ -97,6 +97,10 @@ def test_verdicts_in_csv_lines_and_summary(tiny_model, tmp_path, capsys):
         assert row["verdict"] == want, (name, row)
         assert float(row["ood_score"]) == pytest.approx(ood, abs=1e-5)
         assert row["uncertain"] == str(want != "diagnosis").lower() and "class_2" not in row  # --top-k 1
+        named = want != "out_of_domain"  # no class is named for a photo unlike the training photos
+        top = ["angular_leaf_spot", "bean_rust", "healthy"][int(np.argmax(probs))]  # tiny_model's classes
+        assert (row["label"] == row["class_1"] == top) == named, (name, row)
+        assert bool(row["probability"]) == bool(row["prob_1"]) == named, (name, row)
         seen.add(want)
     assert seen == {"diagnosis", "ambiguous", "out_of_domain"}, seen  # the photos cover every verdict
     assert rows["grey.png"]["verdict"] == rows["digit.png"]["verdict"] == "out_of_domain"
@@ -108,7 +112,7 @@ def test_verdicts_in_csv_lines_and_summary(tiny_model, tmp_path, capsys):
     code = main(["predict", str(folder), "--model", str(model), "--top-k", "1", "--no-progress"])
     lines = {Path(line.split("\t")[0]).name: line.split("\t") for line in capsys.readouterr().out.splitlines()}
     assert code == 1 and lines["dot.png"][1:3] == ["refused", "too_small"]
-    assert lines["grey.png"][1:3] == ["out_of_domain", "-"] and "ood_score" in lines["grey.png"][3]
+    assert lines["grey.png"][1:3] == ["out_of_domain", "-"] and lines["grey.png"][3].startswith("ood_score ")
     for name, row in rows.items():
         assert lines[name][1] == row["verdict"]
         if row["verdict"] == "ambiguous":  # names the top two even with --top-k 1

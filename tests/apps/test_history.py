@@ -138,8 +138,9 @@ def test_csv_matches_leaflens_predict_photo_for_photo(tiny_model, tmp_path):
                 assert page[f"class_{i}"] == cli[f"class_{i}"]
                 assert float(page[f"prob_{i}"]) == pytest.approx(float(cli[f"prob_{i}"]), abs=1e-5)
             assert page["label"] == cli["label"]
-        elif page["verdict"] == "out_of_domain":
-            assert page["label"] == "" and page["class_1"] == ""  # the page names no class here
+        elif page["verdict"] == "out_of_domain":  # neither names a class here
+            assert page["label"] == cli["label"] == "" and page["class_1"] == cli["class_1"] == ""
+            assert page["probability"] == cli["probability"] == ""
         else:
             assert page["error"] and cli["error"] and page["label"] == cli["label"] == ""
     assert {"out_of_domain", "refused", "error"} <= verdicts and verdicts & {"diagnosis", "ambiguous"}

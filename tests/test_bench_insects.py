@@ -4,7 +4,6 @@ insect photos and an hour or more of training (one end-to-end --quick run is mar
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,21 +12,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from bench_helpers import BENCHMARKS, load_benchmark
 from PIL import Image
 
 from leaflens.pipeline.selection import Budget, Candidate, choose
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "insects.py"
+BENCH = BENCHMARKS / "insects.py"
 CLASSES = ("ants", "snail", "weevil")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("leaflens_insects_benchmark", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("insects.py")
 
 
 def write_photos(root: Path, per_class: int, size: int = 40, seed: int = 0) -> Path:

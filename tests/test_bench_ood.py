@@ -5,24 +5,17 @@ tiny inputs; the benchmark itself needs real photos and a trained model."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from bench_helpers import load_benchmark
 from PIL import Image
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "ood.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("leaflens_ood_benchmark", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("ood.py")
 
 
 # ---- metrics

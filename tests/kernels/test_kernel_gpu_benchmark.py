@@ -3,26 +3,21 @@ sizes on the kernel backends (CPU emulator always; the real GPU where there is o
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
+from bench_helpers import BENCHMARKS, load_benchmark
 
 from leaflens.kernels import _cuda
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu.py"
+BENCH = BENCHMARKS / "gpu.py"
 
 
 def _load_bench():
-    spec = importlib.util.spec_from_file_location("leaflens_gpu_benchmark", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu.py")
 
 
 def test_benchmark_skips_without_gpu():

@@ -24,15 +24,9 @@ def test_a_training_step_reads_the_device_at_most_twice(optimizer, mixed_precisi
 
 
 def test_the_gpu_benchmark_reports_host_syncs_per_step_without_a_gpu(capsys):
-    import importlib.util
-    import sys
-    from pathlib import Path
+    from bench_helpers import load_benchmark
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu.py"
-    spec = importlib.util.spec_from_file_location("leaflens_gpu_benchmark_syncs", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # dataclasses look their module up here
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("gpu.py")
     keys = bench.host_syncs_keys()
     assert keys["host_syncs_per_step"] in (1, 2)
     assert 1.0 <= keys["host_syncs_mean_per_step"] <= 1.5

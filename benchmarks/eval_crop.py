@@ -1,0 +1,112 @@
+"""Would the students gain from a centre crop at evaluation? Each trained student of a distill run, on its
+validation and test photos, with the centre of the stored photo kept before the resize to the model's input.
+
+The students train on random-resized crops (``[augment] scale``: half to all of the photo's area), so an object
+looks about 1.15x larger to them in training than in a whole-frame photo; the EfficientNet teacher is served
+with ImageNet's centre crop (0.875 of the side) for the same reason ("FixRes", Touvron et al. 2019). For each
+ratio r the centre ``round(r * stored)`` square of each stored photo is area-resized to the model's input, as
+``predict_logits`` does for the whole photo. The ratio a run would choose is the best on validation (ties: the
+larger ratio, the smaller change); ``test_gain`` is what that choice gives on test against the whole photo.
+Nothing is chosen on test.
+
+    python benchmarks/eval_crop.py --run RUN DS [--run RUN2 DS2 ...] [--ratios 1,0.9375,0.875,0.8125,0.75]
+
+RUN: a `leaflens distill` output folder, DS: its dataset folder. Prints a table, then one JSON object as the last
+line: per run and student ``val``/``test`` (accuracy by ratio), ``chosen_ratio``, ``test_gain``; and
+``mean_test_gain`` over every student.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DEFAULT_RATIOS = (1.0, 0.9375, 0.875, 0.8125, 0.75)
+
+
+def centre_crop(images: np.ndarray, ratio: float) -> np.ndarray:
+    """The centre ``round(ratio * side)`` square of every ``(N, S, S, C)`` image (the whole image at 1)."""
+    if not 0 < ratio <= 1:
+        raise ValueError(f"crop ratio must be in (0, 1], got {ratio}")
+    side = images.shape[1]
+    keep = max(1, int(round(ratio * side)))
+    start = (side - keep) // 2
+    return np.ascontiguousarray(images[:, start:start + keep, start:start + keep])
+
+
+def chosen_ratio(val: dict[float, float]) -> float:
+    """The ratio with the best validation accuracy; ties go to the larger ratio (the smaller change)."""
+    best = max(val.values())
+    return max(r for r, acc in val.items() if acc == best)
+
+
+def student_dirs(run: Path) -> list[Path]:
+    """Every trained student of a run (distilled/, scratch/, <member>/distilled/ ...), not the kept copy."""
+    return sorted(p.parent for p in run.rglob("best.npz") if p.parent != run)
+
+
+def crop_accuracies(run: Path, ds_dir: Path, ratios: Sequence[float]) -> dict[str, dict[str, Any]]:
+    """Per student of ``run``: validation and test accuracy at each ratio, the chosen ratio and its test gain."""
+    from leaflens.data_prep.manifest import load_dataset  # noqa: PLC0415
+    from leaflens.pipeline.runs import load_model  # noqa: PLC0415
+    from leaflens.pipeline.train_student import predict_logits  # noqa: PLC0415
+
+    ds = load_dataset(ds_dir)
+    out: dict[str, dict[str, Any]] = {}
+    for student in student_dirs(run):
+        model, info = load_model(student)
+        size = info.dataset.model_input_size
+        row: dict[str, Any] = {}
+        for split in ("val", "test"):
+            images, labels = np.asarray(ds[split].images), np.asarray(ds[split].labels)
+            row[split] = {r: float(np.mean(predict_logits(model, centre_crop(images, r), ds.mean, ds.std,
+                                                          size=size).argmax(1) == labels)) for r in ratios}
+        row["chosen_ratio"] = chosen_ratio(row["val"])
+        row["test_gain"] = row["test"][row["chosen_ratio"]] - row["test"][1.0]
+        out[student.relative_to(run).as_posix()] = row
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", nargs=2, action="append", required=True, metavar=("RUN", "DATASET"),
+                    help="a distill run folder and its dataset folder (repeat for more runs)")
+    ap.add_argument("--ratios", default=",".join(map(str, DEFAULT_RATIOS)),
+                    help="centre crop ratios to try, comma-separated; 1 (the whole photo) is always included")
+    args = ap.parse_args(argv)
+    try:
+        ratios = sorted({1.0, *(float(r) for r in args.ratios.split(",") if r.strip())}, reverse=True)
+        for r in ratios:
+            centre_crop(np.zeros((1, 4, 4, 3), np.uint8), r)  # refuses a ratio outside (0, 1]
+    except ValueError as exc:
+        ap.error(f"--ratios: {exc}")
+    results, gains = {}, []
+    print(f"{'run / student':48s} {'split':5s} " + " ".join(f"{r:>7.4g}" for r in ratios) + "  chosen  test gain")
+    for run, ds in args.run:
+        per = crop_accuracies(Path(run), Path(ds), ratios)
+        results[run] = per
+        for name, row in per.items():
+            for split in ("val", "test"):
+                tail = f"  {row['chosen_ratio']:>6.4g}  {100 * row['test_gain']:+.1f}" if split == "test" else ""
+                print(f"{(run + ' / ' + name)[-48:]:48s} {split:5s} "
+                      + " ".join(f"{100 * row[split][r]:7.1f}" for r in ratios) + tail)
+            gains.append(row["test_gain"])
+    mean_gain = float(np.mean(gains)) if gains else None
+    print(f"mean test gain of the validation-chosen crop over {len(gains)} students: "
+          + ("-" if mean_gain is None else f"{100 * mean_gain:+.2f} points"))
+    print(json.dumps({"ratios": ratios, "runs": {run: {name: {**row, "val": {str(r): a for r, a in row["val"].items()},
+                                                             "test": {str(r): a for r, a in row["test"].items()}}
+                                                      for name, row in per.items()} for run, per in results.items()},
+                      "mean_test_gain": mean_gain}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -113,11 +113,6 @@ class Prediction:
         """The top probability, or None for a failed image."""
         return self.top[0][1] if self.top else None
 
-    def as_dict(self) -> dict[str, object]:
-        return {"source": self.source, "verdict": self.verdict, "label": self.label,
-                "confidence": self.confidence, "ood_score": self.ood_score, "uncertain": self.uncertain,
-                "top": [list(t) for t in self.top], "reason": self.reason, "error": self.error}
-
 
 def choose_providers(available: Sequence[str], requested: Sequence[str] | None = None,
                      works: Callable[[str], Probe] = probe) -> ProviderChoice:

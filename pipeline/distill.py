@@ -86,6 +86,18 @@ def _without_missing_weights(cfg: StageConfig) -> StageConfig:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, family=("m",)))
 
 
+def few_validation_photos(n_val: int) -> str | None:
+    """Why ``n_val`` validation photos are too few to lean on (None when they are enough): said before training
+    starts, so photos can be added first, rather than only by the export (its out-of-domain confidence)."""
+    need = ood.photos_for_confidence(ood.DEFAULT_BUDGET, ood.DEFAULT_CONFIDENCE)
+    if n_val >= need:
+        return None
+    return (f"only {n_val} validation photos: the best epoch, the model kept and the answer thresholds are chosen "
+            f"on them (one photo moves their accuracy by {100 / max(n_val, 1):.1f} points), and the out-of-domain "
+            f"threshold needs {need} to hold its {ood.DEFAULT_BUDGET:.0%} budget with {ood.DEFAULT_CONFIDENCE:.0%} "
+            "confidence; for steadier choices add photos and preprocess again (each class gives its share to val)")
+
+
 def member_pair(variants: Mapping[str, Any], best_student: str) -> tuple[Any, Any]:
     """(distilled, scratch) entries of ``variants`` (report.json's) for the family member of ``best_student``:
     "distilled"/"scratch" in a run of one student, "l/distilled"/"l/scratch" when "l/..." was best in a
@@ -129,6 +141,9 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
                          "photos per class (or a --split that gives val and test a share)")
     tt = load_teacher(teacher_dir, ds) if teacher_dir is not None and not no_teacher else None
     cfg = _without_missing_weights(cfg)
+    few = few_validation_photos(counts["val"])
+    if few:
+        print(f"warning: {few}", file=sys.stderr, flush=True)
     if not resume and work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)

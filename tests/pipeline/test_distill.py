@@ -131,7 +131,9 @@ def test_cli_distill_reports_and_refuses_unknown_settings(tiny, capsys):
     code = cli(["distill", "--dataset", str(ds_dir), "--teacher", str(tmp / "teacher"), "--out", str(tmp / "cli"),
                 "--set", "train.epochs=1", "--set", "model.widths=[8]", "--quiet"])
     assert code == 0
-    assert "kept:" in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert "kept:" in out.out
+    assert "warning: only 6 validation photos" in out.err and "needs 76" in out.err  # said even with --quiet
     code = cli(["distill", "--dataset", str(ds_dir), "--out", str(tmp / "cli2"), "--set", "train.epoks=1"])
     assert code == 2
     assert "unknown key 'train.epoks'" in capsys.readouterr().err
@@ -155,3 +157,12 @@ def test_the_kept_epoch_is_the_best_by_accuracy_then_loss(tiny):
     assert report["variants"]["scratch"]["best_epoch"] == best["epoch"]
     ck = np.load(tmp / "select" / "scratch" / "best.npz")
     assert json.loads(str(ck["meta"]))["epoch"] == best["epoch"] - 1
+
+
+def test_few_validation_photos_are_named_until_the_out_of_domain_check_has_enough():
+    from leaflens.pipeline.distill import few_validation_photos
+
+    assert few_validation_photos(76) is None and few_validation_photos(500) is None
+    said = few_validation_photos(75)
+    assert said is not None and said.startswith("only 75 validation photos") and "1.3 points" in said
+    assert "needs 76" in few_validation_photos(1)

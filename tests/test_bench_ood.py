@@ -167,7 +167,6 @@ def test_stage_reruns_only_when_its_command_or_inputs_change(bench, tmp_path, mo
     assert len(ran) == 4
 
 
-
 def test_a_recipe_input_is_keyed_by_its_settings_not_its_text(bench, tmp_path, monkeypatch):
     """A comment or layout edit in a TOML recipe reuses the stage; a changed value runs it again."""
     marker, recipe = tmp_path / "out" / "done.json", tmp_path / "recipe.toml"
@@ -180,6 +179,7 @@ def test_a_recipe_input_is_keyed_by_its_settings_not_its_text(bench, tmp_path, m
     recipe.write_text("[train]\nepochs = 61\nlr = 0.001\n")
     bench.stage(tmp_path, "distill", marker, ["distill"], [recipe], [])
     assert len(ran) == 2
+
 
 # ---- the generic branch's sweep and the latency comparison
 def test_branch_maps_match_what_the_exported_branch_reads(bench):

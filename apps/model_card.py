@@ -8,8 +8,10 @@ weights and cannot drift apart from them. All values are strings (ONNX metadata 
 ==============================  =========  ===============================================
 key                             required   value
 ==============================  =========  ===============================================
-leaflens.format                 yes        "3" ("2": before the out-of-domain check; "1": before the
-                                           stored size was recorded)
+leaflens.format                 yes        "4" when the contract has a centre crop, else "3" (so a leaflens
+                                           that cannot apply the crop refuses the file rather than serve it
+                                           wrong); "2": before the out-of-domain check; "1": before the
+                                           stored size was recorded
 leaflens.classes                yes        JSON list of class names
 leaflens.stored_size            format 2   photos are first decoded to a stored_size square
 leaflens.input_size             yes        S (input is [N, 3, S, S]), reached by area averaging
@@ -18,6 +20,8 @@ leaflens.layout                 yes        "NCHW"
 leaflens.resize                 yes        "crop" or "pad" (as in leaflens.data_prep.decode)
 leaflens.shorter_side           no         int; "crop" with the shorter side at this size, then the centre
                                            stored_size square (a served teacher); absent: straight to stored_size
+leaflens.centre_crop            format 4   float in (0, 1); the centre square of that share of the stored
+                                           side is kept before the area resize; absent: the whole square
 leaflens.uncertain_threshold    no         float; top probability below it => "ambiguous"
 leaflens.ood                    no         JSON :class:`OODCheck`: how ``ood_score`` is judged; present
                                            exactly when the graph has the ``ood_score`` output
@@ -58,7 +62,9 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_UNCERTAIN_THRESHOLD", "FORMAT_VERSION", "ModelCard", "ModelError", "OODBranch", "OODCheck",
            "TrainedOn", "flag_confidence", "trained_on"]
 
-FORMAT_VERSION = "3"
+FORMAT_VERSION = "4"
+# The format of a file whose contract has no centre crop: leaflens versions before format 4 serve it right.
+FORMAT_WITHOUT_CROP = 3
 # Used when a model carries no calibrated threshold: with 3 to 40 classes, a top probability under
 # one half means the model itself rates another answer as likely as its first choice.
 DEFAULT_UNCERTAIN_THRESHOLD = 0.5
@@ -242,7 +248,7 @@ class ModelCard(Record):
     def to_metadata(self) -> dict[str, str]:
         """The ``metadata_props`` entries (key -> string value) that describe this model."""
         meta = {
-            "format": str(self.schema_version),
+            "format": str(self.schema_version if self.contract.centre_crop is not None else FORMAT_WITHOUT_CROP),
             "classes": json.dumps(list(self.classes)),
             "stored_size": str(self.stored_size),
             "input_size": str(self.input_size),
@@ -253,6 +259,8 @@ class ModelCard(Record):
         }
         if self.contract.shorter_side is not None:
             meta["shorter_side"] = str(int(self.contract.shorter_side))
+        if self.contract.centre_crop is not None:
+            meta["centre_crop"] = repr(float(self.contract.centre_crop))
         if self.threshold_from_model:
             meta["uncertain_threshold"] = repr(float(self.uncertain_threshold))
         if self.run_id is not None:
@@ -272,12 +280,13 @@ class ModelCard(Record):
     @classmethod
     def _upgrade(cls, data: dict[str, Any], version: int, where: str) -> dict[str, Any]:
         """Format 1 recorded no stored size: its photos were decoded straight to the input size.
-        Format 2 had no out-of-domain output: nothing to add (``ood`` stays None)."""
+        Format 2 had no out-of-domain output: nothing to add (``ood`` stays None). Format 3 had no centre
+        crop: the whole stored square (``centre_crop`` stays None)."""
         if version == 1:
             contract = dict(data["contract"])
             contract.setdefault("stored_size", contract["input_size"])
             return {**data, "contract": contract}
-        if version == 2:
+        if version in (2, 3):
             return data
         return super()._upgrade(data, version, where)
 
@@ -325,6 +334,10 @@ class ModelCard(Record):
             contract["stored_size"] = number("stored_size", int)
         if PREFIX + "shorter_side" in meta:  # absent (every student, older files): decoded straight to stored_size
             contract["shorter_side"] = number("shorter_side", int)
+        if PREFIX + "centre_crop" in meta:
+            if version < 4:
+                raise fail("centre_crop", f"is in a format {version} file; format 4 carries it")
+            contract["centre_crop"] = number("centre_crop", float)
         data: dict[str, Any] = {"classes": json_value("classes"), "contract": contract, "layout": get("layout")}
         if PREFIX + "uncertain_threshold" in meta:
             data["uncertain_threshold"] = number("uncertain_threshold", float)

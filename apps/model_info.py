@@ -240,6 +240,13 @@ def reliability_lines(report: dict[str, Any] | None, classes: Sequence[str], not
     return lines
 
 
+def _framing_line(card: Any, lang: str) -> str:
+    """How a photo is framed for the model: the resize rule and, when the model has one, its centre crop."""
+    framing = t("m_resize_crop" if card.resize == "crop" else "m_resize_pad", lang)
+    crop = card.contract.centre_crop
+    return framing if crop is None else t("m_resize_centre", lang, framing=framing, share=_pct(crop))
+
+
 def model_markdown(predictor: Any, ctx: ServeContext, lang: str, notes: Any = None,
                    batching: tuple[int, float] | None = None) -> str:
     """The Model tab: in plain words first (the demo banner, classes with their display names, crops, what it
@@ -271,7 +278,7 @@ def model_markdown(predictor: Any, ctx: ServeContext, lang: str, notes: Any = No
         (t("m_classes", lang), f"{len(card.classes)}: {classes}"),
         (t("m_accuracy", lang), _accuracy_line(card, report, lang)),
         (t("m_input", lang), f"{card.input_size} x {card.input_size} RGB"),
-        (t("m_resize", lang), t("m_resize_crop" if card.resize == "crop" else "m_resize_pad", lang)),
+        (t("m_resize", lang), _framing_line(card, lang)),
         (t("m_threshold", lang), _threshold_line(card, lang)),
         (t("m_ood", lang), _ood_line(card, lang)),
         (t("m_provider", lang), f"`{predictor.provider}`"),

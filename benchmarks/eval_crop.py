@@ -1,5 +1,7 @@
 """Would the students gain from a centre crop at evaluation? Each trained student of a distill run, on its
 validation and test photos, with the centre of the stored photo kept before the resize to the model's input.
+(This measurement led to ``distill.centre_crops``: distill now makes the same choice for every student it
+trains and records it in the model's contract; this script still scores any run, older ones included.)
 
 The students train on random-resized crops (``[augment] scale``: half to all of the photo's area), so an object
 looks about 1.15x larger to them in training than in a whole-frame photo; the EfficientNet teacher is served
@@ -27,21 +29,14 @@ from typing import Any
 
 import numpy as np
 
+from leaflens.data_prep.contract import centre_crop  # the crop distill chooses and the contract applies
+
 DEFAULT_RATIOS = (1.0, 0.9375, 0.875, 0.8125, 0.75)
 
 
-def centre_crop(images: np.ndarray, ratio: float) -> np.ndarray:
-    """The centre ``round(ratio * side)`` square of every ``(N, S, S, C)`` image (the whole image at 1)."""
-    if not 0 < ratio <= 1:
-        raise ValueError(f"crop ratio must be in (0, 1], got {ratio}")
-    side = images.shape[1]
-    keep = max(1, int(round(ratio * side)))
-    start = (side - keep) // 2
-    return np.ascontiguousarray(images[:, start:start + keep, start:start + keep])
-
-
 def chosen_ratio(val: dict[float, float]) -> float:
-    """The ratio with the best validation accuracy; ties go to the larger ratio (the smaller change)."""
+    """The ratio with the best validation accuracy; ties go to the larger ratio (the smaller change), as
+    distill's own choice (leaflens.pipeline.distill.choose_crop) breaks them."""
     best = max(val.values())
     return max(r for r, acc in val.items() if acc == best)
 

@@ -484,14 +484,13 @@ def candidate_scores(run: Path, ds_dir: Path, in_images: np.ndarray, sets: dict[
                      generated: np.ndarray) -> dict[str, dict[str, np.ndarray]]:
     """Engine-side alternatives, fitted on the run's training photos: {method: {set: scores}} for the
     in-domain photos ("in"), every set and the generated negatives ("generated")."""
-    from leaflens.data_prep.contract import contract_for_dataset  # noqa: PLC0415
     from leaflens.data_prep.manifest import load_dataset  # noqa: PLC0415
     from leaflens.pipeline.ood import split_stats  # noqa: PLC0415
     from leaflens.pipeline.runs import load_model  # noqa: PLC0415
 
     model, info = load_model(run)
     ds = load_dataset(ds_dir, verify=False)
-    contract = contract_for_dataset(ds, info.dataset.model_input_size)
+    contract = info.dataset.contract()  # its centre crop included
 
     def features(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(embedding = the last block's channel means, all block statistics concatenated)."""
@@ -553,14 +552,12 @@ def _branch_maps(ends: Sequence[int], blocks: int) -> list[int]:
     return [0, *[i + 1 for i in sorted({*(e for e in ends if e < blocks), blocks - 1})]]
 
 
-def all_stats(run: Path, ds_dir: Path, images: dict[str, np.ndarray], threads: int
+def all_stats(run: Path, images: dict[str, np.ndarray], threads: int
               ) -> tuple[dict[str, list[np.ndarray]], int, list[int], dict[int, int]]:
     """Per named set of uint8 stored-size photos, the statistics of every map the score may read: the
     student's own blocks, then the generic branch's stem and each of the 16 EfficientNet-Lite0 blocks (one
     onnxruntime pass). Returns them, the number of student blocks, Lite0's stage ends and, per branch length,
     the parameters it adds."""
-    from leaflens.data_prep.contract import contract_for_dataset  # noqa: PLC0415
-    from leaflens.data_prep.manifest import load_dataset  # noqa: PLC0415
     from leaflens.engine import Tensor, no_grad  # noqa: PLC0415
     from leaflens.engine.nn import Module  # noqa: PLC0415
     from leaflens.engine.onnx_export import export_onnx  # noqa: PLC0415
@@ -569,8 +566,7 @@ def all_stats(run: Path, ds_dir: Path, images: dict[str, np.ndarray], threads: i
     from leaflens.pipeline.runs import load_model  # noqa: PLC0415
 
     model, info = load_model(run)
-    ds = load_dataset(ds_dir, verify=False)
-    contract = contract_for_dataset(ds, info.dataset.model_input_size)
+    contract = info.dataset.contract()  # its centre crop included
     branch, why = generic_branch(contract.mean, contract.std, blocks=16)
     if branch is None:
         sys.exit(f"ood.py: --branch-sweep needs the EfficientNet-Lite0 weights: {why}")
@@ -619,8 +615,8 @@ def branch_sweep(run: Path, ds_dir: Path, budget: float, threads: int) -> dict[s
     gen = generated_negatives(train, GENERATED, np.random.default_rng(GENERATED_SEED))
     kinds = np.arange(len(gen)) % 6
     t0 = time.perf_counter()
-    stats, n_own, ends, params = all_stats(run, ds_dir, {"train": train, "val": np.asarray(ds["val"].images),
-                                                         "generated": gen}, threads)
+    stats, n_own, ends, params = all_stats(run, {"train": train, "val": np.asarray(ds["val"].images),
+                                                "generated": gen}, threads)
     print(f"statistics of {n_own} own blocks and 17 Lite0 maps for {len(train)} train, {len(ds['val'])} val and "
           f"{len(gen)} generated photos in {time.perf_counter() - t0:.1f} s", flush=True)
     labels = np.asarray(ds["train"].labels)

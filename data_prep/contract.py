@@ -8,7 +8,10 @@ Three steps, each implemented once, here (or, for the decode, in :mod:`leaflens.
    writes exactly this into the dataset arrays. A served teacher's contract sets ``shorter_side``
    (shorter side to it, then the centre square, as the teacher stage decoded its photos).
 2. stored size -> input size (:func:`area_resize`): every input pixel is the mean of the stored
-   pixels it covers (an area filter), float32, not rounded back to uint8.
+   pixels it covers (an area filter), float32, not rounded back to uint8. A student whose contract has a
+   ``centre_crop`` keeps the centre square of that share of the stored side first (:func:`centre_crop`):
+   students train on random crops of half to all of a photo's area, so an object looks larger to them in
+   training than in a whole frame (Touvron et al. 2019); distill chooses the share on validation.
 3. normalise (:func:`normalize`): ``(x / 255 - mean) / std`` per RGB channel, float32.
 
 A model records its contract in its metadata (:class:`PreprocessContract`, inside
@@ -40,8 +43,8 @@ import numpy as np
 from leaflens.data_prep.decode import DEFAULT_MAX_PIXELS, decode_image, decode_image_at
 from leaflens.records import Record
 
-__all__ = ["ContractError", "PreprocessContract", "area_resize", "contract_for_dataset", "decode_stored",
-           "normalize", "rgb_floats"]
+__all__ = ["ContractError", "PreprocessContract", "area_resize", "centre_crop", "contract_for_dataset",
+           "decode_stored", "normalize", "rgb_floats"]
 
 Source = str | os.PathLike | bytes
 
@@ -65,10 +68,15 @@ class PreprocessContract(Record):
     teacher saw in the teacher stage (:func:`leaflens.data_prep.decode.decode_image_at`), so a served
     teacher gets the very pixels it was fine-tuned and evaluated on. None: the shorter side goes straight
     to ``stored_size``, as `leaflens preprocess` stores photos.
+
+    ``centre_crop`` (a share in (0, 1); None: the whole stored square): step 2 keeps the centre
+    ``round(centre_crop * stored_size)`` square of the stored pixels before the area resize
+    (:func:`centre_crop`), at least ``input_size`` wide. Applied to the stored arrays, so a photo decoded by
+    step 1 and a dataset row give the same input.
     """
 
-    # A student's contract is written as it was before teachers were served (older readers refuse unknown keys).
-    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"shorter_side"})
+    # Written as contracts were before these existed when unused (older readers refuse unknown keys).
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"shorter_side", "centre_crop"})
 
     stored_size: int
     input_size: int
@@ -76,6 +84,7 @@ class PreprocessContract(Record):
     std: tuple[float, float, float]
     resize: Literal["crop", "pad"] = "crop"
     shorter_side: int | None = None
+    centre_crop: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("stored_size", "input_size"):
@@ -103,6 +112,16 @@ class PreprocessContract(Record):
                                                     f"got {side!r}")
             if self.resize != "crop":
                 raise ContractError("shorter_side", f"applies to resize 'crop' only, not {self.resize!r}")
+        crop = self.centre_crop
+        if crop is not None:
+            if isinstance(crop, bool) or not isinstance(crop, (int, float)) or not 0.0 < crop < 1.0:
+                raise ContractError("centre_crop", f"must be a share of the stored side in (0, 1), got {crop!r}")
+            object.__setattr__(self, "centre_crop", float(crop))
+            kept = crop_side(self.stored_size, crop)
+            if kept < self.input_size:
+                raise ContractError("centre_crop", f"{crop:g} keeps {kept} of the stored {self.stored_size} px, "
+                                                   f"fewer than the input size {self.input_size} (images are never "
+                                                   "blown up)")
 
     def decode(self, src: Source, max_pixels: int = DEFAULT_MAX_PIXELS, min_side: int = 0) -> np.ndarray:
         """Step 1: one photo (path or encoded bytes) -> uint8 ``(stored_size, stored_size, 3)``;
@@ -119,7 +138,31 @@ class PreprocessContract(Record):
         if images.dtype != np.uint8 or images.ndim != 4 or images.shape[1:] != (s, s, 3):
             raise ValueError(f"expected a uint8 array of shape [N, {s}, {s}, 3] (photos decoded at the stored "
                              f"size), got {images.dtype} {images.shape}")
-        return normalize(area_resize(images, self.input_size), self.mean, self.std)
+        return normalize(self.to_input_size(images), self.mean, self.std)
+
+    def to_input_size(self, images: Any) -> np.ndarray:
+        """Step 2 alone: stored-size images -> float32 ``(N, input_size, input_size, C)`` on the 0-255 scale
+        (the centre crop, when the contract has one, then the area resize)."""
+        x = np.asarray(images)
+        return area_resize(x if self.centre_crop is None else centre_crop(x, self.centre_crop), self.input_size)
+
+
+def crop_side(side: int, share: float) -> int:
+    """The side of the centre square :func:`centre_crop` keeps of a ``side``-pixel square (at least 1)."""
+    return max(1, int(round(share * side)))
+
+
+def centre_crop(images: Any, share: float) -> np.ndarray:
+    """The centre ``round(share * side)`` square of every ``(N, S, S, C)`` image (the images themselves at
+    ``share`` 1); an odd margin leaves the extra pixel on the bottom and right. A view, not a copy."""
+    x = np.asarray(images)
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"centre crop share must be in (0, 1], got {share}")
+    if x.ndim != 4 or x.shape[1] != x.shape[2]:
+        raise ValueError(f"centre_crop expects square (N, S, S, C) images, got shape {x.shape}")
+    keep = crop_side(x.shape[1], share)
+    start = (x.shape[1] - keep) // 2
+    return x[:, start:start + keep, start:start + keep]
 
 
 def decode_stored(src: Source, stored_size: int, resize: str, max_pixels: int = DEFAULT_MAX_PIXELS,
@@ -199,12 +242,13 @@ def rgb_floats(values: Any, what: str) -> tuple[float, float, float]:
     return floats[0], floats[1], floats[2]
 
 
-def contract_for_dataset(ds: Any, input_size: int) -> PreprocessContract:
-    """The contract of a model that looks at ``input_size`` px and was trained on the dataset ``ds``
-    (a :class:`leaflens.data_prep.manifest.Dataset`): its stored size, resize rule and train mean/std."""
+def contract_for_dataset(ds: Any, input_size: int, centre_crop: float | None = None) -> PreprocessContract:
+    """The contract of a model that looks at ``input_size`` px (of the centre ``centre_crop`` of each photo)
+    and was trained on the dataset ``ds`` (a :class:`leaflens.data_prep.manifest.Dataset`): its stored size,
+    resize rule and train mean/std."""
     return PreprocessContract(
         stored_size=int(ds.image_size), input_size=int(input_size),
         mean=rgb_floats(ds.mean, f"{ds.root}: the dataset's mean"),
         std=rgb_floats(ds.std, f"{ds.root}: the dataset's std"),
-        resize=ds.manifest.resize,
+        resize=ds.manifest.resize, centre_crop=centre_crop,
     )

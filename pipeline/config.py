@@ -132,8 +132,15 @@ class DistillSection(Record):
     teacher_margin: float
     # The fine-tuned teacher's network judges every batch's own fresh views (pipeline/teachers/online.py)
     teacher_online: bool
+    # Centre crops (shares of the stored side) each trained student is also scored at on validation, beside the
+    # whole photo; the best is its contract's (leaflens.data_prep.contract). () in runs recorded before it existed.
+    centre_crops: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
+        bad = [c for c in self.centre_crops if not (isinstance(c, (int, float)) and 0.0 < c < 1.0)]
+        if bad:
+            raise ValueError(f"centre_crops are shares of the photo's side in (0, 1) (the whole photo is always "
+                             f"tried as well), got {bad[0]!r}")
         if self.max_params < 0 or self.max_ms < 0:
             raise ValueError(f"max_params and max_ms must be >= 0 (0: no limit), got {self.max_params} and "
                              f"{self.max_ms}")

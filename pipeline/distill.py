@@ -3,7 +3,9 @@
 The model kept is the best on validation of the students and, when the teacher folder holds a servable
 fine-tuned teacher, the teacher, within the serving budget of ``[distill]`` max_params / max_ms
 (leaflens.pipeline.selection); report.json's ``selection`` and report.md's table show every candidate's
-accuracy, size and latency and why one was kept.
+accuracy, size and latency and why one was kept. Each student is judged on the centre crop of the photos it
+does best with on validation (``[distill] centre_crops``; the whole photo when none beats it), which its
+contract then carries to the export and the served photos (leaflens.data_prep.contract).
 
 Output folder (written as ``<out>.partial`` and renamed into place when complete; ``--resume``
 continues a partial one):
@@ -35,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from leaflens.cpus import usable_cpus
-from leaflens.data_prep.contract import area_resize, contract_for_dataset, normalize, rgb_floats
+from leaflens.data_prep.contract import contract_for_dataset, crop_side, rgb_floats
 from leaflens.data_prep.data_report import read_data_report
 from leaflens.data_prep.manifest import load_dataset, manifest_sha256
 from leaflens.engine import Tensor, no_grad
@@ -219,14 +221,22 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
     escalation = _escalate(ds, cfg, tt, results, train_member, progress)
 
     evaluated = {name: _evaluate_variant(work / name / BEST, students[name].cfg, ds) for name in results}
+    if progress:
+        for name, ev in evaluated.items():
+            if ev["centre_crop"] is not None:
+                print(f"{name}: the centre {ev['centre_crop']:g} of each photo, validation "
+                      f"{ev['val_by_crop']['1']:.1%} -> {ev['val_accuracy']:.1%}", file=sys.stderr, flush=True)
     selection, teacher = _select(ds, cfg, tt, results, evaluated, students, progress)
     best_student = selection.best_student or next(iter(results))  # the best student by the selection's rule
-    input_size, run_meta = students[best_student].input_size, students[best_student].meta
+    input_size = students[best_student].input_size
     student = evaluated[best_student]
+    run_meta = students[best_student].meta
+    run_meta = dataclasses.replace(run_meta, dataset=dataclasses.replace(run_meta.dataset,
+                                                                         centre_crop=student["centre_crop"]))
     model = student["model"]
     student_threshold = metrics.choose_uncertain_threshold(student["val_probs"], np.asarray(val.labels))
     student_summary = student.get("test_summary")
-    student_metrics = RunMetrics(val_accuracy=results[best_student].best_val_accuracy,
+    student_metrics = RunMetrics(val_accuracy=student["val_accuracy"],
                                  test_accuracy=None if student_summary is None else student_summary["accuracy"],
                                  uncertain_threshold=float(student_threshold["threshold"]))
 
@@ -239,7 +249,7 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
         kept_val = float(np.mean(chosen["val_probs"].argmax(1) == np.asarray(val.labels)))
     else:
         chosen, kept_params, threshold = student, int(model.num_parameters()), student_threshold
-        kept_val = results[best_student].best_val_accuracy  # the kept student is the best one
+        kept_val = student["val_accuracy"]  # the kept student is the best one
     test_summary = chosen.get("test_summary")
     final_metrics = {"val_accuracy": kept_val,
                      "test_accuracy": None if test_summary is None else test_summary["accuracy"],
@@ -265,9 +275,9 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
         assert teacher is not None
         report["out_of_domain"] = teacher["out_of_domain"]
     else:
-        report["out_of_domain"] = out_of_domain_summary(model, ds, contract_for_dataset(ds, input_size), threshold)
+        report["out_of_domain"] = out_of_domain_summary(model, ds, student["contract"], threshold)
     report["data"] = read_data_report(ds.root)  # preprocess's data checks, for report.md (None: not recorded)
-    _write_visuals(work, ds, results, chosen, model, mean, std, input_size)
+    _write_visuals(work, ds, results, chosen, model, student["contract"])
     write_json_atomic(work / "report.json", report)
     write_report(work, report)
 
@@ -406,7 +416,7 @@ def _select(ds: Any, cfg: StageConfig, tt: Any, results: Mapping[str, Any], eval
     timed: dict[str, tuple[int, float]] = {}
     backend = "engine"
     candidates = []
-    for name, r in results.items():
+    for name in results:
         st = students[name]
         if st.member.name not in timed:
             net = evaluated[name]["model"]
@@ -414,7 +424,7 @@ def _select(ds: Any, cfg: StageConfig, tt: Any, results: Mapping[str, Any], eval
             timed[st.member.name] = (int(net.num_parameters()), ms)
         params, ms = timed[st.member.name]
         ts = evaluated[name].get("test_summary")
-        candidates.append(Candidate(name=name, kind="student", val_accuracy=r.best_val_accuracy,
+        candidates.append(Candidate(name=name, kind="student", val_accuracy=evaluated[name]["val_accuracy"],
                                     test_accuracy=None if ts is None else ts["accuracy"], params=params,
                                     ms_per_photo=round(ms, 3), member=st.member.name,
                                     architecture=st.member.describe(st.input_size)))
@@ -432,20 +442,47 @@ def _select(ds: Any, cfg: StageConfig, tt: Any, results: Mapping[str, Any], eval
     return selection, teacher
 
 
+def crop_shares(centre_crops: Any, stored: int, input_size: int) -> list[float | None]:
+    """The centre crops a student is scored at, the whole photo (None) first, then the larger shares first (the
+    order ties are broken in); shares that would keep fewer pixels than the input size are left out."""
+    shares = sorted({float(c) for c in centre_crops if crop_side(stored, c) >= input_size}, reverse=True)
+    return [None, *shares]
+
+
+def choose_crop(val_accuracy: Mapping[float | None, float]) -> float | None:
+    """The centre crop with the best validation accuracy; ties go to the one scored first (:func:`crop_shares`'s
+    order: the whole photo, then the larger share, the smaller change)."""
+    best = max(val_accuracy.values())
+    return next(c for c, acc in val_accuracy.items() if acc == best)
+
+
 def _evaluate_variant(best_path: Path, cfg: StageConfig, ds: Any) -> dict[str, Any]:
-    """Reload a variant's best weights and score them on val and (when present) test."""
+    """Reload a variant's best weights, choose its centre crop on validation (``distill.centre_crops``) and score
+    it there and (when present) on test: ``val_probs``, ``val_accuracy``, ``test_*`` at the chosen crop, with
+    ``val_by_crop`` (share -> accuracy, "1" the whole photo), ``test_accuracy_whole`` and the ``contract``."""
     # every initial value is replaced by the checkpoint's weights: any generator will do
     model = StudentSpec.from_recipe(cfg.model, ds.num_classes).build(np.random.default_rng(0))
     ck_meta = load_student_weights(model, best_path)
     model.eval()
     bs = cfg.train.eval_batch_size
     size = student_input_size(cfg, ds.image_size)
-    out: dict[str, Any] = {"model": model, "epoch": ck_meta["epoch"]}
-    out["val_probs"] = metrics.softmax(predict_logits(model, ds["val"].images, ds.mean, ds.std, bs, size))
+    y_val = np.asarray(ds["val"].labels)
+    val_probs = {c: metrics.softmax(predict_logits(model, ds["val"].images, ds.mean, ds.std, bs, size, c))
+                 for c in crop_shares(cfg.distill.centre_crops, ds.image_size, size)}
+    val_acc = {c: float(np.mean(p.argmax(1) == y_val)) for c, p in val_probs.items()}
+    crop = choose_crop(val_acc)
+    out: dict[str, Any] = {"model": model, "epoch": ck_meta["epoch"], "centre_crop": crop,
+                           "contract": contract_for_dataset(ds, size, crop), "val_probs": val_probs[crop],
+                           "val_accuracy": val_acc[crop],
+                           "val_by_crop": {("1" if c is None else f"{c:g}"): acc for c, acc in val_acc.items()}}
     if "test" in ds and ds["test"].labels is not None and len(ds["test"]):
-        probs = metrics.softmax(predict_logits(model, ds["test"].images, ds.mean, ds.std, bs, size))
+        y_test = np.asarray(ds["test"].labels)
+        probs = metrics.softmax(predict_logits(model, ds["test"].images, ds.mean, ds.std, bs, size, crop))
         out["test_probs"] = probs
-        out["test_summary"] = metrics.evaluation_summary(probs, np.asarray(ds["test"].labels), ds.classes)
+        out["test_summary"] = metrics.evaluation_summary(probs, y_test, ds.classes)
+        whole = probs if crop is None else metrics.softmax(predict_logits(model, ds["test"].images, ds.mean,
+                                                                          ds.std, bs, size))
+        out["test_accuracy_whole"] = float(np.mean(whole.argmax(1) == y_test))
     return out
 
 
@@ -469,10 +506,13 @@ def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold,
                   chosen: dict[str, Any], best_student: str, run_id: str, input_size: int) -> dict:
     variants = {}
     for name, r in results.items():
-        ts = evaluated[name].get("test_summary")
-        variants[name] = {"val_accuracy": r.best_val_accuracy, "best_epoch": r.best_epoch, "epochs_run": r.epochs_run,
+        ev = evaluated[name]
+        ts = ev.get("test_summary")
+        variants[name] = {"val_accuracy": ev["val_accuracy"], "best_epoch": r.best_epoch, "epochs_run": r.epochs_run,
                           "train_seconds": round(r.train_seconds, 1), "stopped_early": r.stopped_early,
                           "test_accuracy": None if ts is None else ts["accuracy"],
+                          "centre_crop": ev["centre_crop"], "val_by_crop": ev["val_by_crop"],
+                          "test_accuracy_whole": ev.get("test_accuracy_whole"),
                           "device": r.device, "mixed_precision": r.mixed_precision}
     gain = None
     distilled, scratch = member_pair(variants, best_student)
@@ -502,7 +542,7 @@ def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold,
     }
 
 
-def _write_visuals(work: Path, ds, results, chosen, model, mean, std, input_size: int) -> None:
+def _write_visuals(work: Path, ds, results, chosen, model, contract) -> None:
     plots.plot_curves(None, work / "curves.png", series={k: r.history for k, r in results.items()},
                       keys_left=("train_ce", "val_loss"),
                       title="Student training: distilled vs scratch" if len(results) > 1 else "Student training")
@@ -521,9 +561,10 @@ def _write_visuals(work: Path, ds, results, chosen, model, mean, std, input_size
     first_conv = model.first_conv
     captured: list[np.ndarray] = []
     remove = first_conv.register_forward_hook(lambda m, i, o: captured.append(o.numpy()))
-    imgs = area_resize(np.asarray(ds["val"].images[: min(4, len(ds["val"]))]), input_size)
+    stored = np.asarray(ds["val"].images[: min(4, len(ds["val"]))])
+    imgs = contract.to_input_size(stored)  # what the student sees of each photo
     with no_grad():
-        model(Tensor(normalize(imgs, mean, std)))
+        model(Tensor(contract.prepare(stored)))
     imgs = np.clip(np.rint(imgs), 0, 255).astype(np.uint8)
     remove()
     plots.feature_map_grid(captured[0], work / "feature_maps.png", images=imgs)

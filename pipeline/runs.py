@@ -6,7 +6,7 @@ model:
 
 - ``model_config``: the architecture, a :class:`~leaflens.pipeline.models.student.StudentSpec`
 - ``dataset``: the data it learnt from and how images reach it (:class:`RunDataset`: classes, mean/std
-  on the pixel/255 scale, stored and input size, resize rule, the manifest's SHA-256)
+  on the pixel/255 scale, stored and input size, resize rule, centre crop, the manifest's SHA-256)
 - ``metrics``: val/test accuracy and the uncertain threshold (:class:`RunMetrics`, any may be absent)
 - ``run_id``, ``variant`` (distilled or scratch) and ``teacher`` (teacher.json's identity entry)
 - ``kept``: absent when the student in ``best.npz`` is the model the run keeps; ``"teacher"`` when the run
@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
+from leaflens.data_prep.contract import PreprocessContract
 from leaflens.engine.checkpoint import CheckpointError, read_checkpoint_arrays
 from leaflens.engine.nn import Module
 from leaflens.pipeline.models.student import StudentSpec
@@ -43,6 +44,7 @@ Variant = Literal["distilled", "scratch"]  # learnt from the teacher, or from th
 class RunDataset(Record):
     """The data a run learnt from and how an image reaches its model (best.npz's ``dataset``)."""
 
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"centre_crop"})  # as runs were before it existed
     classes: tuple[str, ...]
     mean: tuple[float, float, float]  # per RGB channel, pixel / 255
     std: tuple[float, float, float]
@@ -51,11 +53,23 @@ class RunDataset(Record):
     resize: Literal["crop", "pad"] = "crop"  # absent in the first runs, which all cropped
     manifest_sha256: str | None = None
     root: str | None = None
+    # the centre share of each stored photo the model looks at (chosen on validation by distill; None: whole)
+    centre_crop: float | None = None
+
+    def __post_init__(self) -> None:
+        crop = self.centre_crop
+        if crop is not None and (isinstance(crop, bool) or not isinstance(crop, (int, float)) or not 0.0 < crop < 1.0):
+            raise ValueError(f"centre_crop must be a share of the stored side in (0, 1), got {crop!r}")
 
     @property
     def model_input_size(self) -> int:
         """The side of the model's input (the stored size for runs that did not record it)."""
         return self.image_size if self.input_size is None else self.input_size
+
+    def contract(self) -> PreprocessContract:
+        """How a stored photo reaches this run's model (what its export records and serving applies)."""
+        return PreprocessContract(stored_size=self.image_size, input_size=self.model_input_size, mean=self.mean,
+                                  std=self.std, resize=self.resize, centre_crop=self.centre_crop)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from leaflens.data_prep.contract import area_resize, normalize
+from leaflens.data_prep.contract import area_resize, centre_crop, normalize
 from leaflens.engine import Tensor, no_grad, ops
 from leaflens.engine.backend import array_module, to_device
 from leaflens.engine.data import ArrayDataset, Augment, Batch, DataLoader, apply_view_boxes
@@ -138,10 +138,13 @@ def pick_views(data: TrainData, idx: np.ndarray, x: np.ndarray, seed: int, epoch
 
 
 def predict_logits(model: Module, images: Any, mean: np.ndarray, std: np.ndarray, batch: int = 256,
-                   size: int | None = None) -> np.ndarray:
+                   size: int | None = None, crop: float | None = None) -> np.ndarray:
     """Logits for every row of a uint8 NHWC array, in eval mode, without recording a graph; the images
-    are first area-downsampled to ``size`` px when they are stored larger. Resizing and normalising are
-    the preprocessing contract's (leaflens.data_prep.contract), as the Predictor's are."""
+    are first cut to their centre ``crop`` share (None: whole) and area-downsampled to ``size`` px when they
+    are stored larger. Cropping, resizing and normalising are the preprocessing contract's
+    (leaflens.data_prep.contract), as the Predictor's are."""
+    if crop is not None and size is None:
+        raise ValueError("predict_logits: a centre crop needs the input size to resize the crop to")
     was_training = model.training
     model.eval()
     device = _model_device(model)
@@ -149,6 +152,8 @@ def predict_logits(model: Module, images: Any, mean: np.ndarray, std: np.ndarray
     with no_grad():
         for i in range(0, len(images), batch):
             x = np.asarray(images[i:i + batch])
+            if crop is not None:
+                x = centre_crop(x, crop)
             # never in place: at its own size, x may be a view of the caller's float array
             x = normalize(x if size is None else area_resize(x, size), mean, std)
             out.append(model(Tensor(to_device(x, device))).numpy())

@@ -1,9 +1,8 @@
-"""benchmarks/eval_crop.py: the centre crop, the validation rule that chooses a ratio, and which checkpoints of a
+"""benchmarks/eval_crop.py: the validation rule that chooses a ratio, and which checkpoints of a
 run count as students; the figures themselves need trained runs (README, "What is measured")."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from bench_helpers import load_benchmark
 
@@ -11,17 +10,6 @@ from bench_helpers import load_benchmark
 @pytest.fixture(scope="module")
 def bench():
     return load_benchmark("eval_crop.py")
-
-
-def test_centre_crop_keeps_the_centre_square(bench):
-    images = np.arange(2 * 8 * 8 * 3, dtype=np.uint8).reshape(2, 8, 8, 3)
-    assert bench.centre_crop(images, 1.0).tolist() == images.tolist()
-    half = bench.centre_crop(images, 0.5)
-    assert half.shape == (2, 4, 4, 3) and half.tolist() == images[:, 2:6, 2:6].tolist()
-    assert bench.centre_crop(images, 0.875).shape == (2, 7, 7, 3)  # round(7.0)
-    for bad in (0.0, 1.5, -0.2):
-        with pytest.raises(ValueError, match="crop ratio"):
-            bench.centre_crop(images, bad)
 
 
 def test_the_best_validation_ratio_is_chosen_ties_to_the_larger(bench):

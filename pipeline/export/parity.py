@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from leaflens.data_prep.contract import area_resize, normalize
+from leaflens.data_prep.contract import area_resize, centre_crop, normalize
 from leaflens.engine import Tensor, no_grad
 from leaflens.engine.nn import Module
 
@@ -33,11 +33,12 @@ def cpu_session(model: str | os.PathLike[str] | bytes, threads: int) -> Any:
 
 
 class AtSize:
-    """Rows of a uint8 image array, area-downsampled to ``size`` px when read (as the student saw them
-    in training when the dataset is stored larger than its input). Lazy: a memmap stays on disk."""
+    """Rows of a uint8 image array brought to ``size`` px when read, by the centre ``crop`` share (None:
+    whole) and the area resize of the preprocessing contract (as evaluation and serving see them when the
+    dataset is stored larger than the model's input). Lazy: a memmap stays on disk."""
 
-    def __init__(self, images: Any, size: int) -> None:
-        self.images, self.size = images, int(size)
+    def __init__(self, images: Any, size: int, crop: float | None = None) -> None:
+        self.images, self.size, self.crop = images, int(size), crop
 
     def __len__(self) -> int:
         return len(self.images)
@@ -46,12 +47,12 @@ class AtSize:
         x = np.asarray(self.images[idx])
         if x.ndim != 4:
             raise IndexError("AtSize supports slices and index arrays only")
-        return area_resize(x, self.size)
+        return area_resize(x if self.crop is None else centre_crop(x, self.crop), self.size)
 
 
-def at_size(images: Any, size: int) -> Any:
-    """``images`` themselves when already ``size`` px, else an :class:`AtSize` view of them."""
-    return images if images.shape[1] == size else AtSize(images, size)
+def at_size(images: Any, size: int, crop: float | None = None) -> Any:
+    """``images`` themselves when already ``size`` px and not cropped, else an :class:`AtSize` view of them."""
+    return images if images.shape[1] == size and crop is None else AtSize(images, size, crop)
 
 
 def batches(images: Any, mean: np.ndarray, std: np.ndarray, batch: int):

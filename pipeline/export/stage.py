@@ -50,7 +50,6 @@ from leaflens.apps.model_card import ModelCard, trained_on
 from leaflens.apps.predictor import Predictor
 from leaflens.cpus import usable_cpus
 from leaflens.data_prep.arrays import sha256_file
-from leaflens.data_prep.contract import PreprocessContract
 from leaflens.data_prep.manifest import Dataset, load_dataset, manifest_sha256
 from leaflens.engine.nn import Module
 from leaflens.engine.onnx_export import IR_VERSION, OPSET, convert_float16, export_onnx, save_onnx
@@ -130,13 +129,8 @@ def _check_dataset(info: RunInfo, ds: Dataset, opts: ExportOptions) -> list[str]
 def model_card(info: RunInfo, model: Module) -> ModelCard:
     d, m = info.dataset, info.metrics
     threshold = m.uncertain_threshold
-    contract = PreprocessContract(
-        stored_size=d.image_size, input_size=d.model_input_size,
-        mean=d.mean, std=d.std,
-        resize=d.resize,
-    )
     return ModelCard(
-        classes=d.classes, contract=contract,
+        classes=d.classes, contract=d.contract(),
         uncertain_threshold=threshold if threshold is not None else 0.5,
         threshold_from_model=threshold is not None, run_id=info.run_id,
         accuracy=m.test_accuracy,
@@ -246,8 +240,10 @@ def _student(model: Module, info: RunInfo, ds: Dataset, branch: bool, warnings: 
         head, check, _, val_logits = ood_check.fit_for_dataset(scored, ds, card.contract, card.num_classes, budget)
         return head, check, val_logits, scored
 
-    return _Subject("student", model, card, lambda split: parity.at_size(ds[split].images, card.input_size), fit,
-                    info.path, f"leaflens student, run {info.run_id}")
+    def images(split: str) -> Any:
+        return parity.at_size(ds[split].images, card.input_size, card.contract.centre_crop)
+
+    return _Subject("student", model, card, images, fit, info.path, f"leaflens student, run {info.run_id}")
 
 
 def _teacher(info: RunInfo, ds: Dataset, threads: int, stack: contextlib.ExitStack,

@@ -10,7 +10,9 @@ noted, and a missing one is written as "not recorded" rather than failing the re
 - ``selection``: :class:`leaflens.pipeline.selection.Selection` as a dict (every candidate's accuracy, size and
   latency, the budget, and why the kept one was kept); the "Kept model" section is left out when absent
 - ``variants`` (or ``candidates``): {"distilled": {"val_accuracy", "test_accuracy", "best_epoch",
-  "epochs_run"}, "scratch": {...}}; one entry when only one student was trained (``--no-teacher``)
+  "epochs_run", "centre_crop", "val_by_crop", "test_accuracy_whole"}, "scratch": {...}}; one entry when only
+  one student was trained (``--no-teacher``); the accuracies are at the student's centre crop (None: the whole
+  photo), chosen on ``val_by_crop`` (share -> validation accuracy, "1" the whole photo)
 - ``val_accuracy``, ``test_accuracy``, ``params``, ``train_seconds``: of the kept model (report.json's
   required figures)
 - ``test``: :func:`leaflens.pipeline.report.metrics.evaluation_summary` of the kept model on the test split (accuracy
@@ -214,6 +216,32 @@ def _winner_section(report: Mapping[str, Any]) -> list[str]:
     else:
         lines.append("No comparison recorded.")
     return lines + [""]
+
+
+def _crop_section(report: Mapping[str, Any]) -> list[str]:
+    """Each student's validation accuracy on the whole photo and on its centre crops, and the crop it keeps."""
+    rows = []
+    shares: list[str] = []
+    for name, c in _candidates(report).items():
+        by_crop = c.get("val_by_crop") if isinstance(c, Mapping) else None
+        if not isinstance(by_crop, Mapping) or len(by_crop) < 2:
+            continue
+        shares += [k for k in by_crop if k not in shares]
+        crop = _float(c.get("centre_crop"))
+        whole, test = _float(c.get("test_accuracy_whole")), _float(c.get("test_accuracy"))
+        rows.append((name, by_crop, "whole photo" if crop is None else f"centre {crop:g}",
+                     "" if whole is None or test is None else f"{_pct(whole)} -> {_pct(test)}"))
+    if not rows:
+        return []
+    lines = ["## Centre crop", "",
+             "Each student was scored on the validation photos whole (1) and on the centre square of a share of "
+             "each photo's side (distill.centre_crops), and keeps the best (ties: the larger share). Its validation "
+             "and test figures above, the answer thresholds and the export use that crop; test accuracy on the "
+             "whole photo is shown for comparison, not used.", ""]
+    table = [[name, *(_pct(by_crop.get(k)) if k in by_crop else "-" for k in shares), chosen, test]
+             for name, by_crop, chosen, test in rows]
+    return lines + _table(["student", *(f"val at {k}" for k in shares), "kept", "test: whole -> kept"], table,
+                          ["l", *(["r"] * len(shares)), "l", "r"]) + [""]
 
 
 def _photos_learned_from(report: Mapping[str, Any]) -> list[str]:
@@ -427,7 +455,7 @@ def render_report(run_dir: str | os.PathLike[str], report: Mapping[str, Any]) ->
         head += [f"Kept model: {what}. Test accuracy {_pct(report.get('test_accuracy'))}, "
                  f"validation accuracy {_pct(report.get('val_accuracy'))}.", ""]
     test = report.get("test") or {}
-    parts = (head + _kept_section(report) + _winner_section(report) + _accuracy_section(report)
+    parts = (head + _kept_section(report) + _winner_section(report) + _crop_section(report) + _accuracy_section(report)
              + _per_class_section(test)
              + _confusion_section(test) + _facts_section(report) + _data_section(report) + _figures_section(run_dir))
     return "\n".join(parts).rstrip() + "\n"

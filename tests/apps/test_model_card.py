@@ -11,7 +11,7 @@ from apps_helpers import build_tiny_model, leaflens_metadata, tiny_weights, writ
 
 from leaflens.apps.model_card import ModelCard, ModelError, OODCheck, TrainedOn, trained_on
 from leaflens.apps.predictor import Predictor
-from leaflens.data_prep.contract import PreprocessContract, area_resize
+from leaflens.data_prep.contract import PreprocessContract, area_resize, normalize
 from leaflens.data_prep.decode import decode_image
 from leaflens.records import RecordError
 
@@ -34,10 +34,41 @@ def test_format_3_records_the_stored_size_and_reads_back():
     assert (card.stored_size, card.input_size, card.resize) == (32, 16, "pad")
 
 
+def test_a_centre_crop_is_format_4_and_a_format_3_file_cannot_carry_one():
+    crop = ModelCard(classes=tuple(CLASSES), contract=PreprocessContract(
+        stored_size=32, input_size=16, mean=(0.5, 0.4, 0.3), std=(0.25, 0.2, 0.3), centre_crop=0.875))
+    meta = crop.to_metadata()
+    # a leaflens from before format 4 would serve the whole photo: it refuses the file instead
+    assert meta["leaflens.format"] == "4" and meta["leaflens.centre_crop"] == "0.875"
+    assert ModelCard.from_metadata(meta, "m.onnx") == crop
+    assert "leaflens.centre_crop" not in _card().to_metadata()
+    with pytest.raises(ModelError, match=r"m.onnx: metadata key 'leaflens.centre_crop' is in a format 3 file"):
+        ModelCard.from_metadata({**meta, "leaflens.format": "3"}, "m.onnx")
+    with pytest.raises(ModelError, match=r"'leaflens.centre_crop' must be a share of the stored side in \(0, 1\)"):
+        ModelCard.from_metadata({**meta, "leaflens.centre_crop": "1.5"}, "m.onnx")
+    with pytest.raises(ModelError, match=r"'leaflens.centre_crop' is not a number"):
+        ModelCard.from_metadata({**meta, "leaflens.centre_crop": "most"}, "m.onnx")
+
+
+def test_the_predictor_applies_the_models_centre_crop(tmp_path):
+    weights = tiny_weights(3, seed=4)
+    meta = leaflens_metadata(CLASSES, 16, **{"leaflens.format": "4", "leaflens.stored_size": "32",
+                                             "leaflens.centre_crop": "0.75"})
+    predictor = Predictor(build_tiny_model(tmp_path / "crop.onnx", weights, 16, meta))
+    photo = write_photo(tmp_path / "p.png", (60, 40))
+    stored = decode_image(photo, 32, "crop")
+    assert predictor.card.contract.centre_crop == 0.75
+    np.testing.assert_array_equal(predictor.decode(photo), stored)  # step 1 unchanged: the stored pixels
+    want = predictor.card.contract.prepare(stored[None])
+    np.testing.assert_array_equal(want[0], normalize(area_resize(stored[None, 4:28, 4:28], 16),
+                                                     predictor.card.mean, predictor.card.std)[0])
+    np.testing.assert_array_equal(predictor.preprocess([stored]), want.transpose(0, 3, 1, 2))
+
+
 def test_typed_record_round_trip_and_format_1_upgrade():
     card = _card()
     data = card.to_dict()
-    assert data["schema_version"] == 3 and data["contract"]["stored_size"] == 32
+    assert data["schema_version"] == 4 and data["contract"]["stored_size"] == 32
     assert ModelCard.from_dict(data) == card
     old = {**data, "schema_version": 1, "contract": {k: v for k, v in data["contract"].items() if k != "stored_size"}}
     assert ModelCard.from_dict(old).stored_size == 16  # format 1: decoded straight to the input size
@@ -57,7 +88,7 @@ def test_format_1_metadata_is_read_with_the_stored_size_equal_to_the_input_size(
     ({"leaflens.format": "2"}, "leaflens.stored_size", "is missing"),
     ({"leaflens.format": "2", "leaflens.stored_size": "8"}, "leaflens.input_size", "larger than stored_size"),
     ({"leaflens.format": "2", "leaflens.stored_size": "big"}, "leaflens.stored_size", "not an integer"),
-    ({"leaflens.format": "one"}, "leaflens.format", "reads formats 1 to 3"),
+    ({"leaflens.format": "one"}, "leaflens.format", "reads formats 1 to 4"),
 ])
 def test_bad_format_2_metadata_names_the_key(tmp_path, extra, key, why):
     path = build_tiny_model(tmp_path / "bad.onnx", tiny_weights(3), 16, leaflens_metadata(CLASSES, 16, **extra))

@@ -99,6 +99,17 @@ def test_an_older_model_says_its_training_data_is_not_recorded(tiny_model):
     assert "**Crops:** not named in the class notes" in md
 
 
+def test_the_framing_line_names_the_models_centre_crop(tiny_model):
+    whole = model_markdown(served(tiny_model), ServeContext(), "en", NOTES)
+    assert "**Photo framing:** centre crop of the shorter side\n" in whole
+    crop = served(tiny_model, **{"leaflens.format": "4", "leaflens.stored_size": "32",
+                                 "leaflens.centre_crop": "0.875"})
+    md = model_markdown(crop, ServeContext(), "en", NOTES)
+    assert ("**Photo framing:** centre crop of the shorter side, then its middle 87.5% (chosen on the validation "
+            "photos)") in md
+    assert "再取中间的 87.5%" in model_markdown(crop, ServeContext(), "zh", NOTES)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, shown", [("synthetic", True), ("photos", False)])
 def test_the_page_shows_the_banner_above_everything_for_a_demo_model(tiny_model, kind, shown):

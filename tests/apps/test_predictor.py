@@ -126,7 +126,7 @@ def test_missing_required_key_names_file_and_key(tiny_model, key):
     ("leaflens.std", "[0.5, 0.0, 0.5]", "positive"),
     ("leaflens.resize", "stretch", "'crop' or 'pad'"),
     ("leaflens.layout", "NHWC", "NCHW"),
-    ("leaflens.format", "4", "format"),
+    ("leaflens.format", "5", "format"),
     ("leaflens.uncertain_threshold", "1.5", "[0, 1]"),
 ])
 def test_invalid_metadata_is_a_clear_error(tiny_model, key, value, why):

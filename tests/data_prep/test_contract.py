@@ -9,6 +9,7 @@ from leaflens.data_prep.contract import (
     ContractError,
     PreprocessContract,
     area_resize,
+    centre_crop,
     contract_for_dataset,
     normalize,
     rgb_floats,
@@ -109,6 +110,35 @@ def test_prepare_takes_stored_size_pixels_and_gives_the_model_input():
         c.prepare(x[:, :16, :16])
 
 
+def test_centre_crop_keeps_the_middle_square_of_each_image():
+    x = np.arange(2 * 8 * 8 * 1, dtype=np.uint8).reshape(2, 8, 8, 1)
+    np.testing.assert_array_equal(centre_crop(x, 0.5), x[:, 2:6, 2:6])
+    np.testing.assert_array_equal(centre_crop(x, 0.75), x[:, 1:7, 1:7])  # 6 of 8 pixels
+    np.testing.assert_array_equal(centre_crop(x, 0.875), x[:, 0:7, 0:7])  # odd margin: the extra pixel right/bottom
+    assert centre_crop(x, 1.0).shape == x.shape
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match=r"\(0, 1\]"):
+            centre_crop(x, bad)
+    with pytest.raises(ValueError, match="square"):
+        centre_crop(x[:, :, :6], 0.5)
+
+
+def test_a_contract_with_a_centre_crop_crops_the_stored_pixels_before_the_resize():
+    c = PreprocessContract(stored_size=32, input_size=16, mean=MEAN, std=STD, centre_crop=0.75)
+    x = np.random.default_rng(7).integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
+    np.testing.assert_array_equal(c.to_input_size(x), area_resize(x[:, 4:28, 4:28], 16))
+    np.testing.assert_array_equal(c.prepare(x), normalize(area_resize(x[:, 4:28, 4:28], 16), MEAN, STD))
+    whole = PreprocessContract(stored_size=32, input_size=16, mean=MEAN, std=STD)
+    assert not np.array_equal(c.prepare(x), whole.prepare(x))
+    assert c.to_dict()["centre_crop"] == 0.75 and "centre_crop" not in whole.to_dict()  # old readers: unchanged
+    assert PreprocessContract.from_dict(c.to_dict()) == c
+    for crop, why in [(1.0, "in (0, 1)"), (0.0, "in (0, 1)"), (True, "in (0, 1)"), ("0.5", "in (0, 1)"),
+                      (0.4, "keeps 13 of the stored 32 px, fewer than the input size 16")]:
+        with pytest.raises(ContractError) as info:
+            PreprocessContract(stored_size=32, input_size=16, mean=MEAN, std=STD, centre_crop=crop)
+        assert info.value.field == "centre_crop" and why in str(info.value)
+
+
 def test_contract_for_dataset_reads_stored_size_resize_and_statistics(tmp_path):
     from dp_helpers import make_class_folders
 
@@ -123,6 +153,7 @@ def test_contract_for_dataset_reads_stored_size_resize_and_statistics(tmp_path):
     assert (c.stored_size, c.input_size, c.resize) == (24, 12, "pad")
     np.testing.assert_allclose(c.mean, ds.mean)
     np.testing.assert_allclose(c.std, ds.std)
+    assert c.centre_crop is None and contract_for_dataset(ds, 12, 0.75).centre_crop == 0.75
     # step 1 is what preprocess stored
     first = ds["train"].files[0]
     np.testing.assert_array_equal(c.decode(tmp_path / "photos" / first), ds["train"].images[0])

@@ -11,7 +11,7 @@ from pipeline_helpers import class_features, tiny_dataset
 from leaflens.data_prep.manifest import load_dataset
 from leaflens.pipeline.cli import main as cli
 from leaflens.pipeline.config import load_config
-from leaflens.pipeline.distill import run_distill
+from leaflens.pipeline.distill import choose_crop, crop_shares, run_distill
 from leaflens.pipeline.runs import load_model
 from leaflens.pipeline.teachers.artefact import TeacherError, load_teacher
 from leaflens.pipeline.teachers.stage import ArrayEncoder, read_features_source, write_teacher
@@ -70,13 +70,14 @@ def test_the_student_trains_and_is_judged_at_model_input_size(tiny):
     assert report["dataset"]["image_size"] == 16 and report["dataset"]["input_size"] == 8
     _, info = load_model(tmp / "at8")
     assert info.dataset.input_size == 8
-    # the kept weights score on val exactly what the report says when fed 8 px area-downsampled images
-    from leaflens.data_prep.contract import area_resize  # noqa: PLC0415
+    # the kept weights score on val exactly what the report says when fed the 8 px images of the run's contract
+    # (its centre crop, if validation chose one, then the area resize)
+    from leaflens.data_prep.contract import contract_for_dataset  # noqa: PLC0415
     from leaflens.pipeline.train_student import predict_logits  # noqa: PLC0415
 
     model, _ = load_model(tmp / "at8")
     ds = load_dataset(ds_dir)
-    small = area_resize(np.asarray(ds["val"].images), 8)
+    small = contract_for_dataset(ds, 8, info.dataset.centre_crop).to_input_size(np.asarray(ds["val"].images))
     kept = small.copy()
     acc = float((predict_logits(model, small, ds.mean, ds.std, size=8).argmax(1)
                  == np.asarray(ds["val"].labels)).mean())
@@ -85,6 +86,67 @@ def test_the_student_trains_and_is_judged_at_model_input_size(tiny):
     big = run_distill(ds_dir, None, tmp / "at64", _cfg(epochs=1, **{"model.input_size": 64}), no_teacher=True,
                       progress=False)
     assert big["dataset"]["input_size"] == 16
+
+
+def test_crops_are_tried_whole_first_then_larger_first_and_ties_keep_the_smaller_change():
+    assert crop_shares([0.75, 0.875, 0.9375, 0.875], 128, 64) == [None, 0.9375, 0.875, 0.75]
+    assert crop_shares([0.75, 0.5, 0.4], 128, 64) == [None, 0.75, 0.5]  # 0.4 keeps 51 px < 64: never blown up
+    assert crop_shares([0.9], 64, 64) == [None]  # a student at the stored size has nothing to crop
+    assert crop_shares([], 128, 64) == [None]
+    assert choose_crop({None: 0.8, 0.9375: 0.8, 0.875: 0.8}) is None
+    assert choose_crop({None: 0.8, 0.9375: 0.85, 0.875: 0.85, 0.75: 0.7}) == 0.9375
+    assert choose_crop({None: 0.8, 0.9375: 0.8, 0.75: 0.9}) == 0.75
+
+
+def test_each_student_keeps_the_centre_crop_validation_prefers_and_is_judged_with_it(tiny):
+    """Stored 16 px, input 8: every student is scored whole and at each crop on val; the run's figures, its
+    record and the report are at the chosen crop; the whole photo's figure is the training loop's own."""
+    from leaflens.data_prep.contract import contract_for_dataset  # noqa: PLC0415
+    from leaflens.pipeline.report import metrics  # noqa: PLC0415
+    from leaflens.pipeline.train_student import predict_logits  # noqa: PLC0415
+
+    tmp, ds_dir = tiny
+    ds = load_dataset(ds_dir)
+    out = tmp / "crops"
+    report = run_distill(ds_dir, tmp / "teacher", out, _cfg(epochs=3, **{"model.input_size": 8}), progress=False)
+    for name, v in report["variants"].items():
+        assert list(v["val_by_crop"]) == ["1", "0.9375", "0.875", "0.8125", "0.75"]
+        assert v["val_accuracy"] == max(v["val_by_crop"].values())
+        kept = "1" if v["centre_crop"] is None else f"{v['centre_crop']:g}"
+        assert v["val_by_crop"][kept] == v["val_accuracy"]
+        assert all(acc < v["val_accuracy"] for k, acc in v["val_by_crop"].items()
+                   if list(v["val_by_crop"]).index(k) < list(v["val_by_crop"]).index(kept))  # ties: first tried
+        rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+        assert v["val_by_crop"]["1"] == max(r["val_acc"] for r in rows)  # the loop judged the whole photo
+    _, info = load_model(out)
+    best = report["variants"][report["best_student"]]
+    assert info.dataset.centre_crop == best["centre_crop"] and info.metrics.val_accuracy == best["val_accuracy"]
+    # the recorded contract reproduces the test figure
+    model, _ = load_model(out)
+    contract = contract_for_dataset(ds, 8, info.dataset.centre_crop)
+    probs = metrics.softmax(predict_logits(model, contract.to_input_size(np.asarray(ds["test"].images)), ds.mean,
+                                           ds.std, size=8))
+    assert float(np.mean(probs.argmax(1) == np.asarray(ds["test"].labels))) == pytest.approx(best["test_accuracy"])
+    assert "## Centre crop" in (out / "report.md").read_text()
+    off = run_distill(ds_dir, tmp / "teacher", tmp / "no_crops",
+                      _cfg(epochs=1, **{"model.input_size": 8, "distill.centre_crops": "[]"}), progress=False)
+    assert all(v["centre_crop"] is None and list(v["val_by_crop"]) == ["1"] for v in off["variants"].values())
+    assert load_model(tmp / "no_crops")[1].dataset.centre_crop is None
+    assert "## Centre crop" not in (tmp / "no_crops" / "report.md").read_text()
+
+
+def test_a_crop_validation_chose_is_the_run_contract(tiny, monkeypatch):
+    """Whatever validation prefers, the kept student's record carries it, and its figures are those of the crop."""
+    import leaflens.pipeline.distill as distill  # noqa: PLC0415
+
+    tmp, ds_dir = tiny
+    monkeypatch.setattr(distill, "choose_crop", lambda val_accuracy: 0.75)
+    report = run_distill(ds_dir, tmp / "teacher", tmp / "forced", _cfg(epochs=1, **{"model.input_size": 8}),
+                         progress=False)
+    assert all(v["centre_crop"] == 0.75 and v["val_accuracy"] == v["val_by_crop"]["0.75"]
+               for v in report["variants"].values())
+    assert load_model(tmp / "forced")[1].dataset.centre_crop == 0.75
+    assert report["out_of_domain"]["fitted"]
 
 
 def test_resume_gives_the_same_result_as_an_uninterrupted_run(tiny, monkeypatch):

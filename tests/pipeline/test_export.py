@@ -468,3 +468,43 @@ def test_without_the_lite0_weights_the_score_falls_back_to_the_students_own_bloc
     assert warning and "not available" in warning[0] and any(warning[0] in s for s in said)
     card = Predictor(out / "student.onnx", intra_op_threads=1).card
     assert card.ood is not None and card.ood.method == "block-mahalanobis-1" and card.ood.branch is None
+
+
+def test_a_student_with_a_centre_crop_is_exported_checked_and_served_with_it(tiny_run, tmp_path):
+    """A run whose contract keeps the centre 0.75 of each stored photo (distill's validation choice): the file
+    says so (format 4), and parity, the engine's accuracy, the served check and the Predictor all use the crop."""
+    from leaflens.apps.predictor import Predictor  # noqa: PLC0415
+    from leaflens.data_prep.contract import area_resize  # noqa: PLC0415
+    from leaflens.pipeline.runs import load_model  # noqa: PLC0415
+
+    run16, _ = tiny_run
+    dataset = tmp_path / "dataset32"
+    ingest(_photos(tmp_path / "photos"), dataset, IngestOptions(size=32), workers=1, log=lambda s: None)
+    ds = load_dataset(dataset)
+    model, info = load_model(run16)
+    extra = {"model_config": info.model_config.to_dict(), "metrics": info.metrics.to_dict(), "run_id": "tiny-crop",
+             "dataset": {"classes": ds.classes, "mean": ds.mean.tolist(), "std": ds.std.tolist(), "image_size": 32,
+                         "input_size": 16, "resize": "crop", "manifest_sha256": manifest_sha256(dataset),
+                         "centre_crop": 0.75}}
+    run = tmp_path / "student_crop"
+    save_checkpoint(run / "best.npz", model, epoch=3, step=30, extra=extra)
+    out = tmp_path / "export"
+    export_run(_opts(run, dataset, out), log=lambda s: None)
+    report = json.loads((out / "parity.json").read_text())
+    assert report["parity"]["fp32"]["top1_agreement"] == 1.0
+    pred = Predictor(out / "student.onnx", intra_op_threads=1)
+    assert pred.card.contract.centre_crop == 0.75
+    import onnx as onnx_lib  # noqa: PLC0415
+
+    meta = {p.key: p.value for p in onnx_lib.load(str(out / "student.onnx")).metadata_props}
+    assert meta["leaflens.format"] == "4" and meta["leaflens.centre_crop"] == "0.75"
+    stored = np.asarray(ds["test"].images)
+    model.eval()
+    cropped = model(Tensor(normalize(area_resize(stored[:, 4:28, 4:28], 16), ds.mean, ds.std))).numpy()
+    whole = model(Tensor(normalize(area_resize(stored, 16), ds.mean, ds.std))).numpy()
+    np.testing.assert_allclose(pred.logits_arrays(stored), cropped, atol=1e-4)
+    assert not np.allclose(cropped, whole, atol=1e-3)  # the crop matters, so the checks above can fail
+    labels = np.asarray(ds["test"].labels)
+    assert report["accuracy"]["test"]["engine"] == pytest.approx(float(np.mean(cropped.argmax(1) == labels)))
+    served = report["served"]  # the photo files, decoded and cropped by the Predictor, agree with the arrays
+    assert served["checked"] and served["served_test_accuracy"] == report["accuracy"]["test"]["engine"]

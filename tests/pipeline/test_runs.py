@@ -77,11 +77,19 @@ def test_run_metadata_written_by_the_previous_code_is_read():
     ({"dataset": {**PREVIOUS_RUN_EXTRA["dataset"], "mean": [0.5]}}, "dataset: mean: expected 3 values"),
     ({"metrics": {"val_acc": 0.9}}, "metrics: unknown key 'val_acc'"),
     ({"schema_version": 2}, "written by a newer leaflens"),
+    ({"dataset": {**PREVIOUS_RUN_EXTRA["dataset"], "centre_crop": 1.0}}, "centre_crop must be a share"),
 ])
 def test_run_metadata_refusals_name_the_key(change, message):
     with pytest.raises(RecordError) as info:
         RunMeta.from_dict({**PREVIOUS_RUN_EXTRA, **change}, "best.npz")
     assert message in str(info.value)
+
+
+def test_the_runs_contract_carries_its_centre_crop():
+    whole = RunMeta.from_dict(PREVIOUS_RUN_EXTRA).dataset.contract()
+    assert (whole.stored_size, whole.input_size, whole.centre_crop, whole.mean) == (32, 16, None, (0.4, 0.5, 0.3))
+    crop = RunMeta.from_dict({**PREVIOUS_RUN_EXTRA, "dataset": {**PREVIOUS_RUN_EXTRA["dataset"], "centre_crop": 0.75}})
+    assert crop.dataset.contract().centre_crop == 0.75 and crop.to_dict()["dataset"]["centre_crop"] == 0.75
 
 
 def test_read_run_and_load_model_use_the_record(tmp_path):

@@ -35,8 +35,9 @@ DEFAULT_RATIOS = (1.0, 0.9375, 0.875, 0.8125, 0.75)
 
 
 def chosen_ratio(val: dict[float, float]) -> float:
-    """The ratio with the best validation accuracy; ties go to the larger ratio (the smaller change), as
-    distill's own choice (leaflens.pipeline.distill.choose_crop) breaks them."""
+    """The ratio with the best validation accuracy; ties go to the larger ratio (the smaller change). (Distill's
+    own choice, leaflens.pipeline.centre_crop.choose_crop, also asks the best crop to beat the whole photo by
+    more than chance; this is the plain rule it was first measured with.)"""
     best = max(val.values())
     return max(r for r, acc in val.items() if acc == best)
 

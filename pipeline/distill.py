@@ -3,9 +3,9 @@
 The model kept is the best on validation of the students and, when the teacher folder holds a servable
 fine-tuned teacher, the teacher, within the serving budget of ``[distill]`` max_params / max_ms
 (leaflens.pipeline.selection); report.json's ``selection`` and report.md's table show every candidate's
-accuracy, size and latency and why one was kept. Each student is judged on the centre crop of the photos it
-does best with on validation (``[distill] centre_crops``; the whole photo when none beats it), which its
-contract then carries to the export and the served photos (leaflens.data_prep.contract).
+accuracy, size and latency and why one was kept. Each student is judged on the whole photos or on a centre
+crop of them when validation shows it significantly better (``[distill] centre_crops``,
+leaflens.pipeline.centre_crop), which its contract then carries to the export and the served photos.
 
 Output folder (written as ``<out>.partial`` and renamed into place when complete; ``--resume``
 continues a partial one):
@@ -37,13 +37,13 @@ from typing import Any
 import numpy as np
 
 from leaflens.cpus import usable_cpus
-from leaflens.data_prep.contract import contract_for_dataset, crop_side, rgb_floats
+from leaflens.data_prep.contract import contract_for_dataset, rgb_floats
 from leaflens.data_prep.data_report import read_data_report
 from leaflens.data_prep.manifest import load_dataset, manifest_sha256
 from leaflens.engine import Tensor, no_grad
 from leaflens.engine.checkpoint import CheckpointError, save_checkpoint
 from leaflens.files import swap_into_place, write_json_atomic, write_text_atomic
-from leaflens.pipeline import ood
+from leaflens.pipeline import centre_crop, ood
 from leaflens.pipeline.config import StageConfig, dump_toml, load_config
 from leaflens.pipeline.hardware import describe_hardware
 from leaflens.pipeline.models.family import Member, escalation_names, members
@@ -223,9 +223,11 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
     evaluated = {name: _evaluate_variant(work / name / BEST, students[name].cfg, ds) for name in results}
     if progress:
         for name, ev in evaluated.items():
-            if ev["centre_crop"] is not None:
-                print(f"{name}: the centre {ev['centre_crop']:g} of each photo, validation "
-                      f"{ev['val_by_crop']['1']:.1%} -> {ev['val_accuracy']:.1%}", file=sys.stderr, flush=True)
+            choice = ev["crop_choice"]
+            if choice.best is not None:
+                kept = "the whole photo" if choice.share is None else f"the centre {choice.share:g} of each photo"
+                print(f"{name}: {kept}, validation {ev['val_accuracy']:.1%} ({choice.why})", file=sys.stderr,
+                      flush=True)
     selection, teacher = _select(ds, cfg, tt, results, evaluated, students, progress)
     best_student = selection.best_student or next(iter(results))  # the best student by the selection's rule
     input_size = students[best_student].input_size
@@ -442,24 +444,11 @@ def _select(ds: Any, cfg: StageConfig, tt: Any, results: Mapping[str, Any], eval
     return selection, teacher
 
 
-def crop_shares(centre_crops: Any, stored: int, input_size: int) -> list[float | None]:
-    """The centre crops a student is scored at, the whole photo (None) first, then the larger shares first (the
-    order ties are broken in); shares that would keep fewer pixels than the input size are left out."""
-    shares = sorted({float(c) for c in centre_crops if crop_side(stored, c) >= input_size}, reverse=True)
-    return [None, *shares]
-
-
-def choose_crop(val_accuracy: Mapping[float | None, float]) -> float | None:
-    """The centre crop with the best validation accuracy; ties go to the one scored first (:func:`crop_shares`'s
-    order: the whole photo, then the larger share, the smaller change)."""
-    best = max(val_accuracy.values())
-    return next(c for c, acc in val_accuracy.items() if acc == best)
-
-
 def _evaluate_variant(best_path: Path, cfg: StageConfig, ds: Any) -> dict[str, Any]:
-    """Reload a variant's best weights, choose its centre crop on validation (``distill.centre_crops``) and score
-    it there and (when present) on test: ``val_probs``, ``val_accuracy``, ``test_*`` at the chosen crop, with
-    ``val_by_crop`` (share -> accuracy, "1" the whole photo), ``test_accuracy_whole`` and the ``contract``."""
+    """Reload a variant's best weights, choose its centre crop on validation (``distill.centre_crops``,
+    leaflens.pipeline.centre_crop) and score it there and (when present) on test: ``val_probs``, ``val_accuracy``,
+    ``test_*`` at the chosen crop, with ``crop_choice``, ``val_by_crop`` (share -> accuracy, "1" the whole
+    photo), ``test_accuracy_whole`` and the ``contract``."""
     # every initial value is replaced by the checkpoint's weights: any generator will do
     model = StudentSpec.from_recipe(cfg.model, ds.num_classes).build(np.random.default_rng(0))
     ck_meta = load_student_weights(model, best_path)
@@ -468,10 +457,11 @@ def _evaluate_variant(best_path: Path, cfg: StageConfig, ds: Any) -> dict[str, A
     size = student_input_size(cfg, ds.image_size)
     y_val = np.asarray(ds["val"].labels)
     val_probs = {c: metrics.softmax(predict_logits(model, ds["val"].images, ds.mean, ds.std, bs, size, c))
-                 for c in crop_shares(cfg.distill.centre_crops, ds.image_size, size)}
+                 for c in centre_crop.crop_shares(cfg.distill.centre_crops, ds.image_size, size)}
+    choice = centre_crop.choose_crop({c: p.argmax(1) == y_val for c, p in val_probs.items()})
+    crop = choice.share
     val_acc = {c: float(np.mean(p.argmax(1) == y_val)) for c, p in val_probs.items()}
-    crop = choose_crop(val_acc)
-    out: dict[str, Any] = {"model": model, "epoch": ck_meta["epoch"], "centre_crop": crop,
+    out: dict[str, Any] = {"model": model, "epoch": ck_meta["epoch"], "centre_crop": crop, "crop_choice": choice,
                            "contract": contract_for_dataset(ds, size, crop), "val_probs": val_probs[crop],
                            "val_accuracy": val_acc[crop],
                            "val_by_crop": {("1" if c is None else f"{c:g}"): acc for c, acc in val_acc.items()}}
@@ -512,6 +502,7 @@ def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold,
                           "train_seconds": round(r.train_seconds, 1), "stopped_early": r.stopped_early,
                           "test_accuracy": None if ts is None else ts["accuracy"],
                           "centre_crop": ev["centre_crop"], "val_by_crop": ev["val_by_crop"],
+                          "crop_choice": ev["crop_choice"].to_dict(),
                           "test_accuracy_whole": ev.get("test_accuracy_whole"),
                           "device": r.device, "mixed_precision": r.mixed_precision}
     gain = None

@@ -10,9 +10,10 @@ noted, and a missing one is written as "not recorded" rather than failing the re
 - ``selection``: :class:`leaflens.pipeline.selection.Selection` as a dict (every candidate's accuracy, size and
   latency, the budget, and why the kept one was kept); the "Kept model" section is left out when absent
 - ``variants`` (or ``candidates``): {"distilled": {"val_accuracy", "test_accuracy", "best_epoch",
-  "epochs_run", "centre_crop", "val_by_crop", "test_accuracy_whole"}, "scratch": {...}}; one entry when only
-  one student was trained (``--no-teacher``); the accuracies are at the student's centre crop (None: the whole
-  photo), chosen on ``val_by_crop`` (share -> validation accuracy, "1" the whole photo)
+  "epochs_run", "centre_crop", "val_by_crop", "crop_choice", "test_accuracy_whole"}, "scratch": {...}}; one
+  entry when only one student was trained (``--no-teacher``); the accuracies are at the student's centre crop
+  (None: the whole photo), chosen on ``val_by_crop`` (share -> validation accuracy, "1" the whole photo) by the
+  rule of leaflens.pipeline.centre_crop (``crop_choice``: its :class:`CropChoice` record, ``why`` in words)
 - ``val_accuracy``, ``test_accuracy``, ``params``, ``train_seconds``: of the kept model (report.json's
   required figures)
 - ``test``: :func:`leaflens.pipeline.report.metrics.evaluation_summary` of the kept model on the test split (accuracy
@@ -229,19 +230,22 @@ def _crop_section(report: Mapping[str, Any]) -> list[str]:
         shares += [k for k in by_crop if k not in shares]
         crop = _float(c.get("centre_crop"))
         whole, test = _float(c.get("test_accuracy_whole")), _float(c.get("test_accuracy"))
+        choice = c.get("crop_choice")
+        why = choice.get("why", "") if isinstance(choice, Mapping) else ""
         rows.append((name, by_crop, "whole photo" if crop is None else f"centre {crop:g}",
-                     "" if whole is None or test is None else f"{_pct(whole)} -> {_pct(test)}"))
+                     "" if whole is None or test is None else f"{_pct(whole)} -> {_pct(test)}", why))
     if not rows:
         return []
     lines = ["## Centre crop", "",
              "Each student was scored on the validation photos whole (1) and on the centre square of a share of "
-             "each photo's side (distill.centre_crops), and keeps the best (ties: the larger share). Its validation "
-             "and test figures above, the answer thresholds and the export use that crop; test accuracy on the "
-             "whole photo is shown for comparison, not used.", ""]
-    table = [[name, *(_pct(by_crop.get(k)) if k in by_crop else "-" for k in shares), chosen, test]
-             for name, by_crop, chosen, test in rows]
-    return lines + _table(["student", *(f"val at {k}" for k in shares), "kept", "test: whole -> kept"], table,
-                          ["l", *(["r"] * len(shares)), "l", "r"]) + [""]
+             "each photo's side (distill.centre_crops). The best crop replaces the whole photo only when it is "
+             "right on significantly more validation photos (sign test on the photos where the two differ, 5 % "
+             "shared by the crops tried). Its validation and test figures above, the answer thresholds and the "
+             "export use what it keeps; test accuracy on the whole photo is shown for comparison, not used.", ""]
+    table = [[name, *(_pct(by_crop.get(k)) if k in by_crop else "-" for k in shares), chosen, test, why]
+             for name, by_crop, chosen, test, why in rows]
+    return lines + _table(["student", *(f"val at {k}" for k in shares), "kept", "test: whole -> kept", "why"],
+                          table, ["l", *(["r"] * len(shares)), "l", "r", "l"]) + [""]
 
 
 def _photos_learned_from(report: Mapping[str, Any]) -> list[str]:

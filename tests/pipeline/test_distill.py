@@ -11,7 +11,7 @@ from pipeline_helpers import class_features, tiny_dataset
 from leaflens.data_prep.manifest import load_dataset
 from leaflens.pipeline.cli import main as cli
 from leaflens.pipeline.config import load_config
-from leaflens.pipeline.distill import choose_crop, crop_shares, run_distill
+from leaflens.pipeline.distill import run_distill
 from leaflens.pipeline.runs import load_model
 from leaflens.pipeline.teachers.artefact import TeacherError, load_teacher
 from leaflens.pipeline.teachers.stage import ArrayEncoder, read_features_source, write_teacher
@@ -88,19 +88,10 @@ def test_the_student_trains_and_is_judged_at_model_input_size(tiny):
     assert big["dataset"]["input_size"] == 16
 
 
-def test_crops_are_tried_whole_first_then_larger_first_and_ties_keep_the_smaller_change():
-    assert crop_shares([0.75, 0.875, 0.9375, 0.875], 128, 64) == [None, 0.9375, 0.875, 0.75]
-    assert crop_shares([0.75, 0.5, 0.4], 128, 64) == [None, 0.75, 0.5]  # 0.4 keeps 51 px < 64: never blown up
-    assert crop_shares([0.9], 64, 64) == [None]  # a student at the stored size has nothing to crop
-    assert crop_shares([], 128, 64) == [None]
-    assert choose_crop({None: 0.8, 0.9375: 0.8, 0.875: 0.8}) is None
-    assert choose_crop({None: 0.8, 0.9375: 0.85, 0.875: 0.85, 0.75: 0.7}) == 0.9375
-    assert choose_crop({None: 0.8, 0.9375: 0.8, 0.75: 0.9}) == 0.75
-
-
-def test_each_student_keeps_the_centre_crop_validation_prefers_and_is_judged_with_it(tiny):
+def test_each_student_is_scored_at_every_centre_crop_and_judged_with_the_one_it_keeps(tiny):
     """Stored 16 px, input 8: every student is scored whole and at each crop on val; the run's figures, its
-    record and the report are at the chosen crop; the whole photo's figure is the training loop's own."""
+    record and the report are at the kept crop (leaflens.pipeline.centre_crop's rule); the whole photo's figure
+    is the training loop's own."""
     from leaflens.data_prep.contract import contract_for_dataset  # noqa: PLC0415
     from leaflens.pipeline.report import metrics  # noqa: PLC0415
     from leaflens.pipeline.train_student import predict_logits  # noqa: PLC0415
@@ -111,11 +102,12 @@ def test_each_student_keeps_the_centre_crop_validation_prefers_and_is_judged_wit
     report = run_distill(ds_dir, tmp / "teacher", out, _cfg(epochs=3, **{"model.input_size": 8}), progress=False)
     for name, v in report["variants"].items():
         assert list(v["val_by_crop"]) == ["1", "0.9375", "0.875", "0.8125", "0.75"]
-        assert v["val_accuracy"] == max(v["val_by_crop"].values())
         kept = "1" if v["centre_crop"] is None else f"{v['centre_crop']:g}"
         assert v["val_by_crop"][kept] == v["val_accuracy"]
-        assert all(acc < v["val_accuracy"] for k, acc in v["val_by_crop"].items()
-                   if list(v["val_by_crop"]).index(k) < list(v["val_by_crop"]).index(kept))  # ties: first tried
+        choice = v["crop_choice"]
+        assert choice["share"] == v["centre_crop"] and choice["why"]
+        assert v["val_by_crop"][f"{choice['best']:g}"] == max(v["val_by_crop"][k] for k in list(v["val_by_crop"])[1:])
+        assert (choice["share"] is not None) == (choice["gained"] > choice["lost"] and choice["p_value"] < 0.0125)
         rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
         assert v["val_by_crop"]["1"] == max(r["val_acc"] for r in rows)  # the loop judged the whole photo
     _, info = load_model(out)
@@ -137,10 +129,11 @@ def test_each_student_keeps_the_centre_crop_validation_prefers_and_is_judged_wit
 
 def test_a_crop_validation_chose_is_the_run_contract(tiny, monkeypatch):
     """Whatever validation prefers, the kept student's record carries it, and its figures are those of the crop."""
-    import leaflens.pipeline.distill as distill  # noqa: PLC0415
+    from leaflens.pipeline import centre_crop  # noqa: PLC0415
 
     tmp, ds_dir = tiny
-    monkeypatch.setattr(distill, "choose_crop", lambda val_accuracy: 0.75)
+    forced = centre_crop.CropChoice(0.75, 0.75, 1, 0, 0.5, 0.0125, "forced by the test")
+    monkeypatch.setattr(centre_crop, "choose_crop", lambda correct: forced)
     report = run_distill(ds_dir, tmp / "teacher", tmp / "forced", _cfg(epochs=1, **{"model.input_size": 8}),
                          progress=False)
     assert all(v["centre_crop"] == 0.75 and v["val_accuracy"] == v["val_by_crop"]["0.75"]

@@ -194,14 +194,16 @@ def test_report_says_what_the_threshold_promises_new_photos(tmp_path: Path) -> N
 
 def test_report_shows_each_students_accuracy_at_every_centre_crop_and_the_one_kept(tmp_path: Path) -> None:
     cands = {"distilled": {"val_accuracy": 0.79, "test_accuracy": 0.807, "centre_crop": 0.75,
-                           "val_by_crop": {"1": 0.757, "0.875": 0.77, "0.75": 0.79}, "test_accuracy_whole": 0.746},
+                           "val_by_crop": {"1": 0.757, "0.875": 0.77, "0.75": 0.79}, "test_accuracy_whole": 0.746,
+                           "crop_choice": {"share": 0.75, "why": "the centre 0.75 gained 9 and lost 3"}},
              "scratch": {"val_accuracy": 0.652, "test_accuracy": 0.652, "centre_crop": None,
                          "val_by_crop": {"1": 0.652, "0.875": 0.64, "0.75": 0.63}, "test_accuracy_whole": 0.652}}
     text = report_md.render_report(tmp_path, report(candidates=cands))
-    assert "## Centre crop" in text
-    assert "| student | val at 1 | val at 0.875 | val at 0.75 | kept | test: whole -> kept |" in text
-    assert "| distilled | 75.7 % | 77.0 % | 79.0 % | centre 0.75 | 74.6 % -> 80.7 % |" in text
-    assert "| scratch | 65.2 % | 64.0 % | 63.0 % | whole photo | 65.2 % -> 65.2 % |" in text
+    assert "## Centre crop" in text and "significantly more validation photos" in text
+    assert "| student | val at 1 | val at 0.875 | val at 0.75 | kept | test: whole -> kept | why |" in text
+    assert ("| distilled | 75.7 % | 77.0 % | 79.0 % | centre 0.75 | 74.6 % -> 80.7 % | the centre 0.75 gained 9 "
+            "and lost 3 |") in text
+    assert "| scratch | 65.2 % | 64.0 % | 63.0 % | whole photo | 65.2 % -> 65.2 % |  |" in text
     # runs from before the crop (or with distill.centre_crops = []) have no such section
     assert "## Centre crop" not in report_md.render_report(tmp_path, report())
     only_whole = {k: {**v, "val_by_crop": {"1": v["val_accuracy"]}} for k, v in cands.items()}

@@ -80,10 +80,10 @@ def choose_crop(correct: Mapping[float | None, np.ndarray]) -> CropChoice:
     if gained <= lost:
         why = f"no centre crop is right on more validation photos than the whole photo (best: {best:g})"
         return CropChoice(None, best, gained, lost, p, level, why)
+    tally = f"the centre {best:g} gained {gained} validation photo{'' if gained == 1 else 's'} and lost {lost}"
     if p >= level:
-        why = (f"the centre {best:g} gained {gained} validation photos and lost {lost}: p = {p:.3f}, not under "
-               f"{level:.4g}, within chance")
-        return CropChoice(None, best, gained, lost, p, level, why)
-    why = f"the centre {best:g} gained {gained} validation photos and lost {lost}: p = {p:.3g} < {level:.4g}"
+        return CropChoice(None, best, gained, lost, p, level, f"{tally}: p = {p:.3f}, not under {level:.4g}, "
+                                                              "within chance")
+    why = f"{tally}: p = {p:.3g} < {level:.4g}"
     return CropChoice(best, best, gained, lost, p, level, why)
 

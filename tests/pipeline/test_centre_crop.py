@@ -44,7 +44,7 @@ def test_a_crop_that_gains_a_photo_or_two_is_chance_and_the_whole_photo_stays():
     assert choice.share is None and choice.best == 0.9375  # best: 121 right, the first tried of the ties
     assert (choice.gained, choice.lost) == (1, 0) and choice.p_value == 0.5
     assert choice.level == pytest.approx(SIGNIFICANCE / 3)
-    assert "gained 1 validation photos and lost 0" in choice.why and "within chance" in choice.why
+    assert "gained 1 validation photo and lost 0" in choice.why and "within chance" in choice.why
 
 
 def test_a_crop_right_on_many_more_photos_replaces_the_whole_photo():

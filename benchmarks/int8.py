@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from leaflens.apps.model_card import ModelCard
 from leaflens.data_prep.manifest import load_dataset
 from leaflens.pipeline.export import parity
 from leaflens.pipeline.export.quantize import (
@@ -90,11 +91,12 @@ class Model:
         self.fp32 = export_dir / "student.onnx"
         report = json.loads((export_dir / "parity.json").read_text(encoding="utf-8"))
         self.ds = load_dataset(report["dataset"]["root"])
-        dims = onnx.load(str(self.fp32)).graph.input[0].type.tensor_type.shape.dim
-        self.size = int(dims[2].dim_value)
+        graph = onnx.load(str(self.fp32))
+        card = ModelCard.from_metadata({p.key: p.value for p in graph.metadata_props}, str(self.fp32))
+        self.size, self.crop = card.input_size, card.contract.centre_crop  # the photos as the model is served them
         self.mean, self.std = np.asarray(self.ds.mean, np.float32), np.asarray(self.ds.std, np.float32)
         self.threads = threads
-        self.splits = {s: parity.at_size(self.ds[s].images, self.size) for s in ("val", "test")}
+        self.splits = {s: parity.at_size(self.ds[s].images, self.size, self.crop) for s in ("val", "test")}
         self.labels = {s: np.asarray(self.ds[s].labels) for s in ("val", "test")}
         sess = parity.cpu_session(self.fp32, threads)
         self.fp32_logits = {s: parity.onnx_logits(sess, x, self.mean, self.std) for s, x in self.splits.items()}
@@ -108,7 +110,8 @@ class Model:
     def quantize(self, recipe: Int8Recipe, out: Path) -> tuple[Path, float]:
         train = self.ds["train"]
         idx = calibration_indices(len(train), recipe.calib_images)
-        q = quantize_int8(self.fp32, out, parity.at_size(train.images, self.size)[idx], self.mean, self.std, recipe)
+        calib = parity.at_size(train.images, self.size, self.crop)[idx]
+        q = quantize_int8(self.fp32, out, calib, self.mean, self.std, recipe)
         return q.path, q.seconds
 
     def measure(self, int8_path: Path, splits: tuple[str, ...]) -> dict[str, float]:

@@ -43,7 +43,7 @@ import numpy as np
 from leaflens.data_prep.decode import DEFAULT_MAX_PIXELS, decode_image, decode_image_at
 from leaflens.records import Record
 
-__all__ = ["ContractError", "PreprocessContract", "area_resize", "centre_crop", "contract_for_dataset",
+__all__ = ["ContractError", "PreprocessContract", "area_resize", "centre_crop", "contract_for_dataset", "crop_side",
            "decode_stored", "normalize", "rgb_floats"]
 
 Source = str | os.PathLike | bytes

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -414,23 +415,30 @@ def test_wrong_dataset_and_foreign_output_are_refused(tiny_run, tmp_path, capsys
     assert code == 1 and "does not exist" in capsys.readouterr().err
 
 
+def _run_at_32(tiny_run, tmp_path: Path, run_id: str, **dataset: Any) -> tuple[Path, Path, Any, nn.Module]:
+    """(run, dataset dir, dataset, model): tiny_run's network recorded as trained at 16 px on photos stored at
+    32 px, with ``dataset`` added to its record (e.g. a centre crop)."""
+    from leaflens.pipeline.runs import load_model  # noqa: PLC0415
+
+    dataset_dir = tmp_path / "dataset32"
+    ingest(_photos(tmp_path / "photos"), dataset_dir, IngestOptions(size=32), workers=1, log=lambda s: None)
+    ds = load_dataset(dataset_dir)
+    model, info = load_model(tiny_run[0])
+    extra = {"model_config": info.model_config.to_dict(), "metrics": info.metrics.to_dict(), "run_id": run_id,
+             "dataset": {"classes": ds.classes, "mean": ds.mean.tolist(), "std": ds.std.tolist(), "image_size": 32,
+                         "input_size": 16, "resize": "crop", "manifest_sha256": manifest_sha256(dataset_dir),
+                         **dataset}}
+    run = tmp_path / run_id
+    save_checkpoint(run / "best.npz", model, epoch=3, step=30, extra=extra)
+    return run, dataset_dir, ds, model
+
+
 def test_a_student_with_a_smaller_input_than_the_stored_images_exports_at_its_input_size(tiny_run, tmp_path):
     """Stored at 32 px, trained at 16 (model.input_size): the ONNX input, metadata and parity are at 16."""
     from leaflens.apps.predictor import Predictor  # noqa: PLC0415
     from leaflens.data_prep.contract import area_resize  # noqa: PLC0415
 
-    run16, _ = tiny_run
-    dataset = tmp_path / "dataset32"
-    ingest(_photos(tmp_path / "photos"), dataset, IngestOptions(size=32), workers=1, log=lambda s: None)
-    ds = load_dataset(dataset)
-    from leaflens.pipeline.runs import load_model  # noqa: PLC0415
-
-    model, info = load_model(run16)
-    extra = {"model_config": info.model_config.to_dict(), "metrics": info.metrics.to_dict(), "run_id": "tiny-run-32",
-             "dataset": {"classes": ds.classes, "mean": ds.mean.tolist(), "std": ds.std.tolist(), "image_size": 32,
-                         "input_size": 16, "resize": "crop", "manifest_sha256": manifest_sha256(dataset)}}
-    run = tmp_path / "student32"
-    save_checkpoint(run / "best.npz", model, epoch=3, step=30, extra=extra)
+    run, dataset, ds, model = _run_at_32(tiny_run, tmp_path, "tiny-run-32")
     out = tmp_path / "export"
     export_run(_opts(run, dataset, out), log=lambda s: None)
     report = json.loads((out / "parity.json").read_text())
@@ -475,19 +483,8 @@ def test_a_student_with_a_centre_crop_is_exported_checked_and_served_with_it(tin
     says so (format 4), and parity, the engine's accuracy, the served check and the Predictor all use the crop."""
     from leaflens.apps.predictor import Predictor  # noqa: PLC0415
     from leaflens.data_prep.contract import area_resize  # noqa: PLC0415
-    from leaflens.pipeline.runs import load_model  # noqa: PLC0415
 
-    run16, _ = tiny_run
-    dataset = tmp_path / "dataset32"
-    ingest(_photos(tmp_path / "photos"), dataset, IngestOptions(size=32), workers=1, log=lambda s: None)
-    ds = load_dataset(dataset)
-    model, info = load_model(run16)
-    extra = {"model_config": info.model_config.to_dict(), "metrics": info.metrics.to_dict(), "run_id": "tiny-crop",
-             "dataset": {"classes": ds.classes, "mean": ds.mean.tolist(), "std": ds.std.tolist(), "image_size": 32,
-                         "input_size": 16, "resize": "crop", "manifest_sha256": manifest_sha256(dataset),
-                         "centre_crop": 0.75}}
-    run = tmp_path / "student_crop"
-    save_checkpoint(run / "best.npz", model, epoch=3, step=30, extra=extra)
+    run, dataset, ds, model = _run_at_32(tiny_run, tmp_path, "tiny-crop", centre_crop=0.75)
     out = tmp_path / "export"
     export_run(_opts(run, dataset, out), log=lambda s: None)
     report = json.loads((out / "parity.json").read_text())

@@ -43,8 +43,8 @@ import numpy as np
 from leaflens.data_prep.decode import DEFAULT_MAX_PIXELS, decode_image, decode_image_at
 from leaflens.records import Record
 
-__all__ = ["ContractError", "PreprocessContract", "area_resize", "centre_crop", "contract_for_dataset", "crop_side",
-           "decode_stored", "normalize", "rgb_floats"]
+__all__ = ["ContractError", "PreprocessContract", "area_resize", "at_input_size", "centre_crop", "contract_for_dataset",
+           "crop_side", "decode_stored", "normalize", "rgb_floats"]
 
 Source = str | os.PathLike | bytes
 
@@ -141,10 +141,15 @@ class PreprocessContract(Record):
         return normalize(self.to_input_size(images), self.mean, self.std)
 
     def to_input_size(self, images: Any) -> np.ndarray:
-        """Step 2 alone: stored-size images -> float32 ``(N, input_size, input_size, C)`` on the 0-255 scale
-        (the centre crop, when the contract has one, then the area resize)."""
-        x = np.asarray(images)
-        return area_resize(x if self.centre_crop is None else centre_crop(x, self.centre_crop), self.input_size)
+        """Step 2 alone: stored-size images -> float32 ``(N, input_size, input_size, C)`` on the 0-255 scale."""
+        return at_input_size(images, self.input_size, self.centre_crop)
+
+
+def at_input_size(images: Any, size: int, crop: float | None = None) -> np.ndarray:
+    """Step 2 of the contract: the centre ``crop`` share of every stored image (None: the whole image), then
+    the area resize to ``size`` px; float32 on the 0-255 scale."""
+    x = np.asarray(images)
+    return area_resize(x if crop is None else centre_crop(x, crop), size)
 
 
 def crop_side(side: int, share: float) -> int:

@@ -234,7 +234,7 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
     student = evaluated[best_student]
     run_meta = students[best_student].meta
     run_meta = dataclasses.replace(run_meta, dataset=dataclasses.replace(run_meta.dataset,
-                                                                         centre_crop=student["centre_crop"]))
+                                                                         centre_crop=student["crop_choice"].share))
     model = student["model"]
     student_threshold = metrics.choose_uncertain_threshold(student["val_probs"], np.asarray(val.labels))
     student_summary = student.get("test_summary")
@@ -458,10 +458,11 @@ def _evaluate_variant(best_path: Path, cfg: StageConfig, ds: Any) -> dict[str, A
     y_val = np.asarray(ds["val"].labels)
     val_probs = {c: metrics.softmax(predict_logits(model, ds["val"].images, ds.mean, ds.std, bs, size, c))
                  for c in centre_crop.crop_shares(cfg.distill.centre_crops, ds.image_size, size)}
-    choice = centre_crop.choose_crop({c: p.argmax(1) == y_val for c, p in val_probs.items()})
+    right = {c: p.argmax(1) == y_val for c, p in val_probs.items()}
+    choice = centre_crop.choose_crop(right)
     crop = choice.share
-    val_acc = {c: float(np.mean(p.argmax(1) == y_val)) for c, p in val_probs.items()}
-    out: dict[str, Any] = {"model": model, "epoch": ck_meta["epoch"], "centre_crop": crop, "crop_choice": choice,
+    val_acc = {c: float(np.mean(r)) for c, r in right.items()}
+    out: dict[str, Any] = {"model": model, "epoch": ck_meta["epoch"], "crop_choice": choice,
                            "contract": contract_for_dataset(ds, size, crop), "val_probs": val_probs[crop],
                            "val_accuracy": val_acc[crop],
                            "val_by_crop": {("1" if c is None else f"{c:g}"): acc for c, acc in val_acc.items()}}
@@ -501,7 +502,7 @@ def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold,
         variants[name] = {"val_accuracy": ev["val_accuracy"], "best_epoch": r.best_epoch, "epochs_run": r.epochs_run,
                           "train_seconds": round(r.train_seconds, 1), "stopped_early": r.stopped_early,
                           "test_accuracy": None if ts is None else ts["accuracy"],
-                          "centre_crop": ev["centre_crop"], "val_by_crop": ev["val_by_crop"],
+                          "centre_crop": ev["crop_choice"].share, "val_by_crop": ev["val_by_crop"],
                           "crop_choice": ev["crop_choice"].to_dict(),
                           "test_accuracy_whole": ev.get("test_accuracy_whole"),
                           "device": r.device, "mixed_precision": r.mixed_precision}

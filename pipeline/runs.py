@@ -57,9 +57,8 @@ class RunDataset(Record):
     centre_crop: float | None = None
 
     def __post_init__(self) -> None:
-        crop = self.centre_crop
-        if crop is not None and (isinstance(crop, bool) or not isinstance(crop, (int, float)) or not 0.0 < crop < 1.0):
-            raise ValueError(f"centre_crop must be a share of the stored side in (0, 1), got {crop!r}")
+        if self.centre_crop is not None:
+            self.contract()  # the contract's own checks: a share in (0, 1) that keeps at least the input size
 
     @property
     def model_input_size(self) -> int:

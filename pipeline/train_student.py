@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from leaflens.data_prep.contract import area_resize, centre_crop, normalize
+from leaflens.data_prep.contract import at_input_size, normalize
 from leaflens.engine import Tensor, no_grad, ops
 from leaflens.engine.backend import array_module, to_device
 from leaflens.engine.data import ArrayDataset, Augment, Batch, DataLoader, apply_view_boxes
@@ -152,10 +152,8 @@ def predict_logits(model: Module, images: Any, mean: np.ndarray, std: np.ndarray
     with no_grad():
         for i in range(0, len(images), batch):
             x = np.asarray(images[i:i + batch])
-            if crop is not None:
-                x = centre_crop(x, crop)
             # never in place: at its own size, x may be a view of the caller's float array
-            x = normalize(x if size is None else area_resize(x, size), mean, std)
+            x = normalize(x if size is None else at_input_size(x, size, crop), mean, std)
             out.append(model(Tensor(to_device(x, device))).numpy())
     model.train(was_training)
     return np.concatenate(out) if out else np.zeros((0, 0), np.float32)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from leaflens.data_prep.contract import area_resize, centre_crop, normalize
+from leaflens.data_prep.contract import at_input_size, normalize
 from leaflens.engine import Tensor, no_grad
 from leaflens.engine.nn import Module
 
@@ -47,7 +47,7 @@ class AtSize:
         x = np.asarray(self.images[idx])
         if x.ndim != 4:
             raise IndexError("AtSize supports slices and index arrays only")
-        return area_resize(x if self.crop is None else centre_crop(x, self.crop), self.size)
+        return at_input_size(x, self.size, self.crop)
 
 
 def at_size(images: Any, size: int, crop: float | None = None) -> Any:

@@ -78,6 +78,7 @@ def test_run_metadata_written_by_the_previous_code_is_read():
     ({"metrics": {"val_acc": 0.9}}, "metrics: unknown key 'val_acc'"),
     ({"schema_version": 2}, "written by a newer leaflens"),
     ({"dataset": {**PREVIOUS_RUN_EXTRA["dataset"], "centre_crop": 1.0}}, "centre_crop must be a share"),
+    ({"dataset": {**PREVIOUS_RUN_EXTRA["dataset"], "centre_crop": 0.25}}, "keeps 8 of the stored 32 px, fewer than"),
 ])
 def test_run_metadata_refusals_name_the_key(change, message):
     with pytest.raises(RecordError) as info:

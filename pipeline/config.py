@@ -100,6 +100,9 @@ class TrainSection(Record):
     device: Literal["auto", "cpu", "cuda"]
     mixed_precision: Literal["auto", "on", "off"]
     outlier_exposure: float = 0.0  # weight of the generated-negatives loss (leaflens.pipeline.negatives); 0: off
+    # a pretrained student's (model.block = "lite0") BatchNorm layers keep their pretrained running statistics
+    # in training too, as the teacher's fine-tune does (teacher.freeze_bn); false in runs recorded before it existed
+    freeze_bn: bool = False
 
 
 @dataclass(frozen=True)

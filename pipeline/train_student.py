@@ -308,6 +308,8 @@ def student_run(cfg: StageConfig, data: TrainData, val_images: Any, val_labels: 
     spec = StudentSpec.from_recipe(cfg.model, num_classes)
     model = spec.build(model_rng, teacher_dim, (tuple(map(float, mean)), tuple(map(float, std))) if spec.pretrained
                        else None, trunk_from=data.trunk_from)
+    if tcfg.freeze_bn and spec.pretrained:
+        model.freeze_trunk_batchnorm()
     if device != "cpu":
         model.to(device)  # before the optimiser and the checkpoint: their state follows the parameters
     dataset = ArrayDataset(data.images, data.labels)

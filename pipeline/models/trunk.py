@@ -125,6 +125,15 @@ class LiteTrunkStudent(nn.Module):
         e = self.embed(x)
         return self.classifier(self.dropout(e)), self.projection(e)
 
+    def freeze_trunk_batchnorm(self) -> int:
+        """Make the stem's and the blocks' BatchNorm layers (those whose statistics come with the pretrained
+        weights) use and keep their running statistics in training too; the new head's still learns its own.
+        Returns how many were frozen."""
+        layers = [m for part in (self.stem_bn, self.blocks) for m in part.modules() if isinstance(m, nn.BatchNorm2d)]
+        for layer in layers:
+            layer.frozen = True
+        return len(layers)
+
     def load_pretrained(self, mean: Sequence[float], std: Sequence[float],
                         weights: str | os.PathLike[str] | None = None) -> str:
         """Replace the stem's and the blocks' weights and BatchNorm statistics by ImageNet Lite0's, and set the

@@ -167,3 +167,35 @@ def test_a_lite_escalation_without_the_weights_is_refused_before_training(tmp_pa
                                          r"leave it out of model.escalate\)"):
         run_distill(ds_dir, None, tmp_path / "run", cfg, no_teacher=True, progress=False)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_train_freeze_bn_keeps_the_pretrained_statistics_and_trains_the_heads(tmp_path, lite0_shaped, monkeypatch,
+                                                                             freeze):
+    """``train.freeze_bn``: after training, the stem's and blocks' BatchNorm running statistics are still the
+    pretrained file's and the new head's have moved; without it all of them move. The weights train either way."""
+    import leaflens.pipeline.train_student as ts  # noqa: PLC0415
+
+    real_find = pretrained.find_lite0_weights
+    monkeypatch.setattr(pretrained, "find_lite0_weights", lambda path=None: real_find(path or lite0_shaped))
+    cfg = load_config(None, ["train.epochs=1", "train.batch_size=8", "train.warmup_epochs=0", "train.device=cpu",
+                             "train.mixed_precision=off", 'model.family=["lite3"]', "model.block=\"lite0\"",
+                             "model.trunk_blocks=3", "model.widths=[16]", "model.input_size=16",
+                             f"train.freeze_bn={str(freeze).lower()}"])
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (24, 16, 16, 3), dtype=np.uint8)
+    labels = np.arange(24) % 3
+    mean, std = np.asarray(MEAN, np.float32), np.asarray(STD, np.float32)
+    task, settings, device = ts.student_run(cfg, ts.TrainData(images, labels), images[:6], labels[:6], mean, std,
+                                            3, progress=False)
+    before = {k: v.copy() for k, v in task.model.state_dict().items()}
+    ts.run_training(tmp_path / "run", task, settings, {}, device=device)
+    after = task.model.state_dict()
+    trunk_stats = [k for k in after if k.startswith(("stem_bn.", "blocks.")) and k.endswith(("running_mean",
+                                                                                              "running_var"))]
+    head_stats = [k for k in after if k.startswith("head_bn.") and k.endswith(("running_mean", "running_var"))]
+    assert trunk_stats and head_stats
+    moved = {k for k in trunk_stats + head_stats if not np.array_equal(before[k], after[k])}
+    assert set(head_stats) <= moved
+    assert moved.isdisjoint(trunk_stats) if freeze else set(trunk_stats) <= moved
+    assert not np.array_equal(before["stem_conv.weight"], after["stem_conv.weight"])  # the trunk still learns

@@ -218,9 +218,17 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
     family = members(cfg.model)
     for member in family:  # one member (the default): the run's folders and names are those of a single student
         train_member(member, "" if len(family) == 1 else f"{member.name}/")
-    escalation = _escalate(ds, cfg, tt, results, train_member, progress)
+    evaluated: dict[str, dict[str, Any]] = {}
 
-    evaluated = {name: _evaluate_variant(work / name / BEST, students[name].cfg, ds) for name in results}
+    def best_student_val() -> float:
+        """The best validation accuracy of the students trained so far, each as it would be kept (its crop)."""
+        for name in results:
+            if name not in evaluated:
+                evaluated[name] = _evaluate_variant(work / name / BEST, students[name].cfg, ds)
+        return max(ev["val_accuracy"] for ev in evaluated.values())
+
+    escalation = _escalate(ds, cfg, tt, best_student_val, train_member, progress)
+    best_student_val()  # the escalated students too
     if progress:
         for name, ev in evaluated.items():
             choice = ev["crop_choice"]
@@ -287,10 +295,11 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
     return report
 
 
-def _escalate(ds: Any, cfg: StageConfig, tt: Any, results: Mapping[str, Any],
+def _escalate(ds: Any, cfg: StageConfig, tt: Any, best_student_val: Callable[[], float],
               train_member: Callable[[Member, str, float, Variant], None], progress: bool) -> dict[str, Any] | None:
     """Train the ``model.escalate`` members (distilled only, at ``model.escalate_lr``), in order, while the
-    teacher's validation accuracy beats the best student's so far by ``distill.teacher_margin`` (the lead at which
+    teacher's validation accuracy beats the best student's so far (``best_student_val``: as each would be kept,
+    centre crop included, the figure the selection weighs) by ``distill.teacher_margin`` (the lead at which
     the teacher would be kept), skipping those over ``distill.max_params``; the record of what was weighed and
     trained (None: nothing to escalate to, or no teacher logits to compare with). Distilled only: they are
     trained because the teacher knows more than the students, and a larger student costs hours on a CPU. The
@@ -302,7 +311,7 @@ def _escalate(ds: Any, cfg: StageConfig, tt: Any, results: Mapping[str, Any],
     margin, max_params = cfg.distill.teacher_margin, cfg.distill.max_params
     steps: list[dict[str, Any]] = []
     for member in members(cfg.model, names):
-        best = max(r.best_val_accuracy for r in results.values())
+        best = best_student_val()
         step: dict[str, Any] = {"member": member.name, "best_student_val": round(best, 4),
                                 "teacher_lead": round(teacher_val - best, 4)}
         if teacher_val - best < margin - 1e-9:

@@ -165,3 +165,25 @@ def test_the_cli_escalate_option(tiny):
     assert cli([*common, "--out", str(tmp / "cli_none"), "--escalate", ""]) == 0
     report = json.loads((tmp / "cli_none" / "report.json").read_text())
     assert report["config"]["model"]["escalate"] == [] and "escalation" not in report
+
+
+def test_the_escalation_weighs_the_students_as_they_would_be_kept(tiny, monkeypatch):
+    """The best student's figure is the crop-aware one the selection weighs, not the training loop's whole-photo
+    one: a student whose kept crop brings it within the margin stops the escalation."""
+    import leaflens.pipeline.distill as distill  # noqa: PLC0415
+
+    tmp, ds_dir, teacher_val = tiny
+    real = distill._evaluate_variant  # noqa: SLF001
+    seen: list[str] = []
+
+    def as_kept(best_path, cfg, ds):
+        out = real(best_path, cfg, ds)
+        seen.append(best_path.parent.name)
+        out["val_accuracy"] = teacher_val  # as if its centre crop made it the teacher's equal
+        return out
+
+    monkeypatch.setattr(distill, "_evaluate_variant", as_kept)
+    report = run_distill(ds_dir, tmp / "teacher", tmp / "as_kept", _cfg(margin=0.01), progress=False)
+    (step,) = report["escalation"]["steps"]
+    assert not step["trained"] and step["best_student_val"] == pytest.approx(teacher_val, abs=1e-4)
+    assert set(report["variants"]) == {"distilled", "scratch"} and sorted(seen) == ["distilled", "scratch"]

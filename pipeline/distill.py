@@ -281,6 +281,8 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
         report["trunk_init"] = trunk_info
     if escalation is not None:
         report["escalation"] = escalation
+    if cfg.train.freeze_bn:  # which students it applied to: the pretrained ones
+        report["freeze_bn"] = [name for name, st in students.items() if st.member.model.block == "lite0"]
     if winner == "teacher":
         assert teacher is not None
         report["out_of_domain"] = teacher["out_of_domain"]

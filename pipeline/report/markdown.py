@@ -26,6 +26,8 @@ noted, and a missing one is written as "not recorded" rather than failing the re
   ``val_accuracy_at_stored_pixels``
 - ``trunk_init``: with a Lite0-trunk student, where the distilled students' stem and blocks started (``asked``,
   ``used``: "imagenet" or "teacher", ``why`` the teacher's could not be used)
+- ``freeze_bn``: with ``train.freeze_bn``, the students whose stem and blocks kept their pretrained BatchNorm
+  statistics (the pretrained ones; an empty list: none was)
 - ``escalation``: with ``model.escalate``, the teacher's validation accuracy, the margin and, per larger member
   weighed, the best student's validation accuracy then, the teacher's lead, whether it was trained and why not
 - ``epochs``, ``best_epoch``: ints (else taken from the kept variant's ``epochs_run``/``best_epoch``)
@@ -390,6 +392,11 @@ def _facts_section(report: Mapping[str, Any]) -> list[str]:
             start = "ImageNet EfficientNet-Lite0's"
         lines.append(f"- Pretrained students: the distilled ones' stem and blocks started from {start}; those trained "
                      "without the teacher from ImageNet's")
+    frozen = report.get("freeze_bn")
+    if isinstance(frozen, list):
+        lines.append("- BatchNorm statistics (train.freeze_bn): " + (
+            f"{', '.join(map(str, frozen))} kept their stem's and blocks' pretrained statistics while training"
+            if frozen else "no student is pretrained, so every one learnt its own"))
     lines.append(f"- Hardware: {hw.get('summary') or 'not recorded'}")
     return lines + [""]
 

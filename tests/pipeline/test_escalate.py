@@ -187,3 +187,13 @@ def test_the_escalation_weighs_the_students_as_they_would_be_kept(tiny, monkeypa
     (step,) = report["escalation"]["steps"]
     assert not step["trained"] and step["best_student_val"] == pytest.approx(teacher_val, abs=1e-4)
     assert set(report["variants"]) == {"distilled", "scratch"} and sorted(seen) == ["distilled", "scratch"]
+
+
+def test_freeze_bn_is_recorded_with_the_students_it_applied_to(tiny):
+    """``train.freeze_bn`` concerns pretrained students only: with the conv family none is named, and report.md
+    says so rather than claiming statistics were kept."""
+    tmp, ds_dir, _ = tiny
+    report = run_distill(ds_dir, tmp / "teacher", tmp / "freeze", _cfg(escalate=(), **{"train.freeze_bn": "true"}),
+                         progress=False)
+    assert report["freeze_bn"] == []
+    assert "no student is pretrained" in (tmp / "freeze" / "report.md").read_text()

@@ -208,3 +208,11 @@ def test_report_shows_each_students_accuracy_at_every_centre_crop_and_the_one_ke
     assert "## Centre crop" not in report_md.render_report(tmp_path, report())
     only_whole = {k: {**v, "val_by_crop": {"1": v["val_accuracy"]}} for k, v in cands.items()}
     assert "## Centre crop" not in report_md.render_report(tmp_path, report(candidates=only_whole))
+
+
+def test_report_names_the_students_whose_batchnorm_statistics_were_kept(tmp_path: Path) -> None:
+    text = report_md.render_report(tmp_path, report(freeze_bn=["distilled", "scratch"]))
+    assert ("- BatchNorm statistics (train.freeze_bn): distilled, scratch kept their stem's and blocks' pretrained "
+            "statistics while training") in text
+    assert "no student is pretrained" in report_md.render_report(tmp_path, report(freeze_bn=[]))
+    assert "train.freeze_bn" not in report_md.render_report(tmp_path, report())  # off: nothing said

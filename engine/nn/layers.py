@@ -84,6 +84,15 @@ class BatchNorm2d(Module):
 BatchNorm1d = BatchNorm2d
 
 
+def freeze_batchnorm(model: Module, frozen: bool = True) -> int:
+    """Make every BatchNorm of ``model`` (itself included) use and keep its running statistics in training mode
+    too (:attr:`BatchNorm2d.frozen`), or learn them again with ``frozen=False``; returns how many there are."""
+    layers = [m for m in model.modules() if isinstance(m, BatchNorm2d)]
+    for layer in layers:
+        layer.frozen = frozen
+    return len(layers)
+
+
 class Dropout(Module):
     """Zero each value with probability ``p`` in training (scaling the rest by 1 / (1 - p)); the masks are
     drawn from ``rng`` (see :func:`set_dropout_generator` to point a built model's dropout elsewhere)."""

@@ -129,10 +129,7 @@ class LiteTrunkStudent(nn.Module):
         """Make the stem's and the blocks' BatchNorm layers (those whose statistics come with the pretrained
         weights) use and keep their running statistics in training too; the new head's still learns its own.
         Returns how many were frozen."""
-        layers = [m for part in (self.stem_bn, self.blocks) for m in part.modules() if isinstance(m, nn.BatchNorm2d)]
-        for layer in layers:
-            layer.frozen = True
-        return len(layers)
+        return nn.freeze_batchnorm(self.stem_bn) + nn.freeze_batchnorm(self.blocks)
 
     def load_pretrained(self, mean: Sequence[float], std: Sequence[float],
                         weights: str | os.PathLike[str] | None = None) -> str:

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from leaflens.engine import Tensor, no_grad, ops
 from leaflens.engine.checkpoint import load_checkpoint
-from leaflens.engine.nn import set_dropout_generator
+from leaflens.engine.nn import freeze_batchnorm, set_dropout_generator
 from leaflens.engine.optim import AdamW, WarmupCosine
 from leaflens.pipeline.config import TeacherSection
 from leaflens.pipeline.models.efficientnet import EfficientNetLite, LiteConfig, normalize_images
@@ -41,7 +41,6 @@ from leaflens.pipeline.teachers.finetune import (
     FreshViewTask,
     PhotoViews,
     PseudoPhotos,
-    freeze_batchnorm,
     logits_of,
     optimizer_groups,
     recipe_record,

@@ -25,7 +25,7 @@ import numpy as np
 from leaflens.data_prep.decode import decode_image_at
 from leaflens.engine import Tensor, no_grad, ops
 from leaflens.engine.data import Augment, apply_view_boxes, sample_view_boxes
-from leaflens.engine.nn import BatchNorm2d, Module, set_dropout_generator
+from leaflens.engine.nn import Module, freeze_batchnorm, set_dropout_generator
 from leaflens.engine.optim import AdamW, WarmupCosine
 from leaflens.pipeline.config import TeacherSection
 from leaflens.pipeline.models.efficientnet import normalize_images
@@ -35,15 +35,6 @@ from leaflens.pipeline.training import BatchLoss, validation_scores
 # Decoded photos are kept in memory up to this many bytes (full iBeans at 160 px: 320 MB); beyond it
 # every epoch decodes them again.
 PHOTO_CACHE_BYTES = 1 << 30
-
-
-def freeze_batchnorm(model: Module, frozen: bool = True) -> int:
-    """Make every BatchNorm of ``model`` use (and keep) its running statistics in training mode too;
-    returns how many there are."""
-    layers = [m for m in model.modules() if isinstance(m, BatchNorm2d)]
-    for layer in layers:
-        layer.frozen = frozen
-    return len(layers)
 
 
 def optimizer_groups(back: Module, teacher: TeacherSection) -> list[dict[str, Any]]:

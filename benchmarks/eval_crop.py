@@ -29,9 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from leaflens.data_prep.contract import centre_crop  # the crop distill chooses and the contract applies
+from leaflens.data_prep.contract import centre_crop  # its checks refuse a ratio outside (0, 1]
+from leaflens.pipeline.config import load_config
 
-DEFAULT_RATIOS = (1.0, 0.9375, 0.875, 0.8125, 0.75)
+DEFAULT_RATIOS = (1.0, *load_config(None, []).distill.centre_crops)  # the whole photo and the crops distill tries
 
 
 def chosen_ratio(val: dict[float, float]) -> float:
@@ -61,8 +62,9 @@ def crop_accuracies(run: Path, ds_dir: Path, ratios: Sequence[float]) -> dict[st
         size = info.dataset.model_input_size
         row: dict[str, Any] = {}
         for split, (images, labels) in splits.items():
-            row[split] = {r: float(np.mean(predict_logits(model, centre_crop(images, r), ds.mean, ds.std,
-                                                          size=size).argmax(1) == labels)) for r in ratios}
+            row[split] = {r: float(np.mean(predict_logits(model, images, ds.mean, ds.std, size=size,
+                                                          crop=None if r == 1.0 else r).argmax(1) == labels))
+                          for r in ratios}
         row["chosen_ratio"] = chosen_ratio(row["val"])
         row["test_gain"] = row["test"][row["chosen_ratio"]] - row["test"][1.0]
         out[student.relative_to(run).as_posix()] = row

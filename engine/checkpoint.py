@@ -1,4 +1,5 @@
-"""Checkpoints: one ``.npz`` with model, optimiser, scheduler, counters and the states of named generators.
+"""Checkpoints: one ``.npz`` with model, optimiser, scheduler, counters, the states of named generators and,
+when the run keeps one, the weight average (:class:`leaflens.engine.optim.ema.ModelEMA`).
 
 The caller names the random generators its run draws from (``generators={"model": rng}``: dropout
 masks, ...) and gets them back in the same state on load, so a resumed run draws exactly the numbers
@@ -23,6 +24,7 @@ import numpy as np
 
 from leaflens.engine import random as erandom
 from leaflens.engine.nn.module import Module
+from leaflens.engine.optim.ema import ModelEMA
 from leaflens.engine.optim.optimizer import Optimizer
 from leaflens.engine.optim.schedulers import Scheduler
 from leaflens.files import write_atomic
@@ -51,9 +53,10 @@ def model_signature(model: Module) -> dict[str, list[int]]:
 def save_checkpoint(path: str | os.PathLike[str], model: Module, optimizer: Optimizer | None = None,
                     scheduler: Scheduler | None = None, epoch: int = 0, step: int = 0,
                     extra: dict[str, Any] | None = None,
-                    generators: Mapping[str, np.random.Generator] | None = None) -> Path:
+                    generators: Mapping[str, np.random.Generator] | None = None,
+                    ema: ModelEMA | None = None) -> Path:
     """Write ``model`` (and whatever else is passed: optimiser, scheduler, the states of ``generators``
-    by name, JSON-able ``extra``) to ``path`` atomically."""
+    by name, JSON-able ``extra``, the weight average ``ema``) to ``path`` atomically."""
     arrays: dict[str, np.ndarray] = {f"model/{k}": v for k, v in model.state_dict().items()}
     meta: dict[str, Any] = {
         "format": FORMAT,
@@ -70,6 +73,10 @@ def save_checkpoint(path: str | os.PathLike[str], model: Module, optimizer: Opti
         arrays.update({f"optim/{k}": v for k, v in osd["arrays"].items()})
     if scheduler is not None:
         meta["scheduler"] = scheduler.state_dict()
+    if ema is not None:
+        esd = ema.state_dict()
+        meta["ema"] = esd["meta"]
+        arrays.update({f"ema/{k}": v for k, v in esd["arrays"].items()})
     arrays["meta"] = np.array(json.dumps(meta))
     # numpy's stub lets a key bind to savez's allow_pickle: bool; ours are model/..., optim/... and meta
     return write_atomic(path, lambda f: np.savez(f, **arrays), fsync=True)  # type: ignore[arg-type]
@@ -97,7 +104,8 @@ def read_checkpoint_arrays(path: str | os.PathLike[str]) -> tuple[dict[str, Any]
 
 def load_checkpoint(path: str | os.PathLike[str], model: Module | None = None, optimizer: Optimizer | None = None,
                     scheduler: Scheduler | None = None,
-                    generators: Mapping[str, np.random.Generator] | None = None) -> Checkpoint:
+                    generators: Mapping[str, np.random.Generator] | None = None,
+                    ema: ModelEMA | None = None) -> Checkpoint:
     """Restore whatever is passed in (``generators`` are put back in their saved states, in place); refuse
     a checkpoint made for a different model, or one lacking a state asked for, naming the file."""
     path = Path(path)
@@ -123,6 +131,14 @@ def load_checkpoint(path: str | os.PathLike[str], model: Module | None = None, o
         if "scheduler" not in meta:
             raise CheckpointError(f"checkpoint {path} holds no scheduler state")
         scheduler.load_state_dict(meta["scheduler"])
+    if ema is not None:
+        if "ema" not in meta:
+            raise CheckpointError(f"checkpoint {path} holds no weight average (it was written by a run without one)")
+        try:
+            ema.load_state_dict({"meta": meta["ema"],
+                                 "arrays": {k[len("ema/"):]: v for k, v in arrays.items() if k.startswith("ema/")}})
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"checkpoint {path}: {exc}") from exc
     saved_generators = meta.get("generators", {})
     if "generators" not in meta and "rng" in meta and generators is not None and len(generators) == 1:
         # Written before generators were named: the run drew from the engine's one stream, whose state

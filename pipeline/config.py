@@ -103,6 +103,13 @@ class TrainSection(Record):
     # a pretrained student's (model.block = "lite0") BatchNorm layers keep their pretrained running statistics
     # in training too, as the teacher's fine-tune does (teacher.freeze_bn); false in runs recorded before it existed
     freeze_bn: bool = False
+    # decay per step of a running average of the weights that validation judges and best.npz keeps
+    # (leaflens.engine.optim.ModelEMA); 0: none, the last step's weights (as in runs recorded before it existed)
+    ema: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ema < 1.0:
+            raise ValueError(f"ema must be in [0, 1) (0: no weight average), got {self.ema}")
 
 
 @dataclass(frozen=True)

@@ -332,7 +332,8 @@ def student_run(cfg: StageConfig, data: TrainData, val_images: Any, val_labels: 
     settings = LoopSettings(epochs=epochs, clip_grad_norm=float(tcfg.clip_grad_norm),
                             max_bad_steps=int(tcfg.max_bad_steps),
                             early_stopping_patience=int(tcfg.early_stopping_patience), mixed_precision=use_amp,
-                            label=label, resumable=resumable, progress=progress)
+                            label=label, resumable=resumable, progress=progress,
+                            ema_decay=float(tcfg.ema))
     return task, settings, device
 
 

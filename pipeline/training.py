@@ -25,6 +25,9 @@ owns the rules that must be the same for all of them:
   accuracy; at equal accuracy, lower validation loss: with ~100 validation photos ties are common and
   the earliest epoch would otherwise always win);
 - early stopping after ``early_stopping_patience`` epochs without a better epoch (0: never);
+- with ``ema_decay`` above 0, a running average of the weights (:class:`leaflens.engine.optim.ModelEMA`)
+  moves after every step; validation, ``best.npz`` and therefore everything downstream use the average,
+  while the optimiser goes on from the live weights (``last.npz`` holds both, to resume exactly);
 - on a GPU a step reads the device once (``train_step``'s verdict: loss, overflow, gradient norm): the
   loss terms and the accuracy counts are summed on the device and read every ``log_every`` steps for
   the progress bar and at the epoch's end (``leaflens.pipeline.host_syncs`` counts this on the CPU).
@@ -36,6 +39,7 @@ recomputing a shuffle order.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -56,6 +60,7 @@ from leaflens.engine.amp import GradScaler, train_step
 from leaflens.engine.checkpoint import CheckpointError, load_checkpoint, read_checkpoint_arrays, save_checkpoint
 from leaflens.engine.deferred import read_floats
 from leaflens.engine.nn import Module
+from leaflens.engine.optim.ema import ModelEMA
 from leaflens.engine.optim.optimizer import Optimizer
 from leaflens.engine.optim.schedulers import Scheduler
 from leaflens.files import write_text_atomic
@@ -148,12 +153,15 @@ class LoopSettings:
     resumable: bool = True            # whether the stage offers --resume (named in messages)
     progress: bool = True
     log_every: int = 50               # steps between reads of the running loss for the progress bar
+    ema_decay: float = 0.0            # weight average's decay per step (0: none; the weights of the last step)
 
     def __post_init__(self) -> None:
         if self.epochs < 0 or self.max_bad_steps < 1 or self.early_stopping_patience < 0 or self.log_every < 1:
             raise ValueError(f"LoopSettings: need epochs >= 0, max_bad_steps >= 1, early_stopping_patience >= 0 "
                              f"and log_every >= 1, got {self.epochs}, {self.max_bad_steps}, "
                              f"{self.early_stopping_patience}, {self.log_every}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"LoopSettings: ema_decay must be in [0, 1), got {self.ema_decay}")
 
 
 @dataclass
@@ -215,10 +223,11 @@ def run_training(run_dir: str | os.PathLike[str], task: TrainingTask, settings: 
     scaler = GradScaler(enabled=settings.mixed_precision)
     state = _State()
     rewind = _RewindPoint(run_dir / REWIND, last)
+    ema = ModelEMA(task.model, settings.ema_decay) if settings.ema_decay else None
 
     def checkpoint_last(epoch_done: int, path: Path = last) -> None:
         save_checkpoint(path, task.model, task.optimizer, task.scheduler, epoch=epoch_done,
-                        step=task.scheduler.last_step, generators=task.generators,
+                        step=task.scheduler.last_step, generators=task.generators, ema=ema,
                         extra={**extra_meta, "train_state": {
                             "history": state.history, "best_acc": state.best_acc, "best_loss": state.best_loss,
                             "best_epoch": state.best_epoch, "train_seconds": state.train_seconds,
@@ -227,7 +236,7 @@ def run_training(run_dir: str | os.PathLike[str], task: TrainingTask, settings: 
 
     start_epoch = 0
     if resume and last.exists():
-        start_epoch = _resume(last, task, scaler, state, run_dir)
+        start_epoch = _resume(last, task, scaler, state, run_dir, ema)
         rewind.resumed(start_epoch - 1, state.bad_streak, _sound_end(state.history))
     else:
         if not resume:
@@ -274,6 +283,8 @@ def run_training(run_dir: str | os.PathLike[str], task: TrainingTask, settings: 
                 state.bad_streak = 0
                 rewind.streak_ended()
             task.scheduler.step()
+            if ema is not None:
+                ema.update(task.model)
             steps += 1
             if settings.progress and epoch == start_epoch and steps == 2:
                 per_step = (time.perf_counter() - t0) / 2
@@ -296,7 +307,8 @@ def run_training(run_dir: str | os.PathLike[str], task: TrainingTask, settings: 
             raise TrainingStopped(f"{settings.label}: the weights became non-finite during epoch {epoch + 1} "
                                   f"({settings.lr_setting} too high?): lower {settings.lr_setting}; "
                                   f"{_resume_hint(rewind.rewind(), last, settings)}")
-        val_acc, val_loss = task.validate()
+        with _evaluated(task.model, ema):
+            val_acc, val_loss = task.validate()
         row: dict[str, Any] = {
             "epoch": epoch + 1, "lr": task.scheduler.get_lr()[0], "val_acc": val_acc, "val_loss": val_loss,
             "images_per_s": seen / elapsed if elapsed else 0.0, "skipped_steps": skipped,
@@ -312,8 +324,9 @@ def run_training(run_dir: str | os.PathLike[str], task: TrainingTask, settings: 
         _append_jsonl(run_dir / METRICS, row)
         if is_better_epoch(val_acc, val_loss, state.best_acc, state.best_loss):
             state.best_acc, state.best_loss, state.best_epoch = val_acc, val_loss, epoch
-            save_checkpoint(run_dir / BEST, task.model, epoch=epoch, step=task.scheduler.last_step,
-                            extra={**extra_meta, "metrics": {"val_accuracy": val_acc}})
+            with _evaluated(task.model, ema):
+                save_checkpoint(run_dir / BEST, task.model, epoch=epoch, step=task.scheduler.last_step,
+                                extra={**extra_meta, "metrics": {"val_accuracy": val_acc}})
         checkpoint_last(epoch)
         rewind.epoch_ended(epoch, state.bad_streak, _sound_end(state.history))
         if settings.progress:
@@ -417,12 +430,18 @@ def _loss_and_parts(task: TrainingTask, batch: Any) -> tuple[Tensor, BatchLoss]:
     return out.loss, out
 
 
-def _resume(last: Path, task: TrainingTask, scaler: GradScaler, state: _State, run_dir: Path) -> int:
+def _evaluated(model: Module, ema: ModelEMA | None) -> contextlib.AbstractContextManager[Module]:
+    """The weights validation judges and ``best.npz`` keeps: the average when the run keeps one."""
+    return ema.applied(model) if ema is not None else contextlib.nullcontext(model)
+
+
+def _resume(last: Path, task: TrainingTask, scaler: GradScaler, state: _State, run_dir: Path,
+            ema: ModelEMA | None = None) -> int:
     """Restore a run from ``last``; returns the first epoch still to run."""
     # The configuration is the authority on resume (it is what the run's config records): a run stopped by
     # non-finite losses is meant to be resumed with a lower learning rate, which the saved groups would undo.
     configured = [(g["initial_lr"], g["weight_decay"]) for g in task.optimizer.param_groups]
-    ck = load_checkpoint(last, task.model, task.optimizer, task.scheduler, generators=task.generators)
+    ck = load_checkpoint(last, task.model, task.optimizer, task.scheduler, generators=task.generators, ema=ema)
     for g, (lr, wd) in zip(task.optimizer.param_groups, configured):
         g["initial_lr"], g["weight_decay"] = lr, wd
     task.scheduler.load_state_dict(task.scheduler.state_dict())  # re-applies the schedule to the configured lr

@@ -114,3 +114,18 @@ def test_the_same_recipe_gives_the_same_student_whatever_ran_before(tmp_path, mo
         assert run.keys() == first.keys()
         for k in first:
             np.testing.assert_array_equal(run[k], first[k], err_msg=k)
+
+
+def test_train_ema_gives_the_run_a_weight_average(tmp_path):
+    """``train.ema``: the student's loop keeps a weight average (saved beside the live weights in last.npz,
+    judged by validation and kept in best.npz); 0, the default, keeps none."""
+    data, xv, yv = _data()
+    mean, std = np.zeros(3, np.float32), np.ones(3, np.float32)
+    for ema, run in ((0.0, "plain"), (0.9, "ema")):
+        task, settings, _ = ts.student_run(_cfg(2, f"train.ema={ema}"), data, xv, yv, mean, std, 3, progress=False)
+        assert settings.ema_decay == ema
+        training.run_training(tmp_path / run, task, settings, {})
+        meta, arrays = training.read_checkpoint_arrays(tmp_path / run / training.LAST)
+        assert any(k.startswith("ema/") for k in arrays) == bool(ema)
+        assert ("ema" in meta) == bool(ema)
+    assert load_config(None, []).train.ema == 0.0

@@ -209,8 +209,9 @@ def test_a_run_killed_inside_a_streak_of_faults_resumes_it_and_still_rewinds_pas
     assert read_checkpoint_arrays(tmp_path / training.LAST)[0]["epoch"] == 0 and "end of epoch 1," in msg
 
 
-def test_resume_continues_exactly(tmp_path, monkeypatch):
-    full = run_training(tmp_path / "full", ToyTask(), _settings(), {})
+@pytest.mark.parametrize("ema_decay", [0.0, 0.9])
+def test_resume_continues_exactly(tmp_path, monkeypatch, ema_decay):
+    full = run_training(tmp_path / "full", ToyTask(), _settings(ema_decay=ema_decay), {})
     real = training.save_checkpoint
     calls = {"n": 0}
 
@@ -223,10 +224,10 @@ def test_resume_continues_exactly(tmp_path, monkeypatch):
 
     monkeypatch.setattr(training, "save_checkpoint", dying_save)
     with pytest.raises(KeyboardInterrupt):
-        run_training(tmp_path / "cut", ToyTask(), _settings(), {})
+        run_training(tmp_path / "cut", ToyTask(), _settings(ema_decay=ema_decay), {})
     monkeypatch.setattr(training, "save_checkpoint", real)
     task = ToyTask()
-    resumed = run_training(tmp_path / "cut", task, _settings(), {}, resume=True)
+    resumed = run_training(tmp_path / "cut", task, _settings(ema_decay=ema_decay), {}, resume=True)
     timing = {"images_per_s", "peak_rss_mb", "epoch_seconds"}
     assert [{k: v for k, v in r.items() if k not in timing} for r in resumed.history] == \
         [{k: v for k, v in r.items() if k not in timing} for r in full.history]
@@ -235,6 +236,38 @@ def test_resume_continues_exactly(tmp_path, monkeypatch):
         tmp_path / "cut" / training.LAST)[1]
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    assert any(k.startswith("ema/") for k in a) == bool(ema_decay)
+
+
+class WatchedTask(ToyTask):
+    """Records the weights each validation judged."""
+
+    def __init__(self) -> None:
+        super().__init__(epochs=4)
+        self.judged: list[dict[str, np.ndarray]] = []
+
+    def validate(self) -> tuple[float, float]:
+        self.judged.append(self.model.state_dict())
+        return super().validate()
+
+
+def test_with_a_weight_average_validation_and_best_judge_it_and_training_goes_on_from_the_live_weights(tmp_path):
+    plain, averaged = WatchedTask(), WatchedTask()
+    run_training(tmp_path / "plain", plain, _settings(), {})
+    result = run_training(tmp_path / "ema", averaged, _settings(ema_decay=0.9), {})
+    best = read_checkpoint_arrays(tmp_path / "ema" / training.BEST)[1]
+    last = read_checkpoint_arrays(tmp_path / "ema" / training.LAST)[1]
+    live = averaged.model.state_dict()
+    for k in live:
+        # the same steps: the live weights are those of the run without an average
+        np.testing.assert_array_equal(live[k], plain.model.state_dict()[k], err_msg=k)
+        np.testing.assert_array_equal(last[f"model/{k}"], live[k], err_msg=k)
+        # what validation judged at the end is the average, saved in last.npz beside the live weights
+        np.testing.assert_array_equal(last[f"ema/{k}"], averaged.judged[-1][k], err_msg=k)
+        assert not np.allclose(averaged.judged[-1][k], live[k]), k
+        assert not np.allclose(averaged.judged[-1][k], averaged.judged[0][k]), k  # the average follows the steps
+        np.testing.assert_array_equal(best[f"model/{k}"], averaged.judged[result.best_epoch - 1][k], err_msg=k)
+    assert not any(k.startswith("ema/") for k in read_checkpoint_arrays(tmp_path / "plain" / training.LAST)[1])
 
 
 # ---- the EfficientNet teacher's fine-tune runs on the same loop ----------------------------------------------

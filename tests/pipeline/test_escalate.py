@@ -9,6 +9,7 @@ import pytest
 from pipeline_helpers import class_features, tiny_dataset
 
 from leaflens.data_prep.manifest import load_dataset
+from leaflens.engine.checkpoint import read_checkpoint_arrays
 from leaflens.pipeline.config import ConfigError, load_config
 from leaflens.pipeline.distill import run_distill
 from leaflens.pipeline.models.family import members
@@ -189,11 +190,20 @@ def test_the_escalation_weighs_the_students_as_they_would_be_kept(tiny, monkeypa
     assert set(report["variants"]) == {"distilled", "scratch"} and sorted(seen) == ["distilled", "scratch"]
 
 
-def test_freeze_bn_is_recorded_with_the_students_it_applied_to(tiny):
+def test_freeze_bn_and_ema_are_recorded(tiny):
     """``train.freeze_bn`` concerns pretrained students only: with the conv family none is named, and report.md
-    says so rather than claiming statistics were kept."""
+    says so rather than claiming statistics were kept. ``train.ema`` is recorded with its decay, and each
+    variant's best.npz holds the average its validation judged."""
     tmp, ds_dir, _ = tiny
-    report = run_distill(ds_dir, tmp / "teacher", tmp / "freeze", _cfg(escalate=(), **{"train.freeze_bn": "true"}),
+    report = run_distill(ds_dir, tmp / "teacher", tmp / "freeze", _cfg(escalate=(), **{"train.freeze_bn": "true",
+                                                                                        "train.ema": "0.9"}),
                          progress=False)
-    assert report["freeze_bn"] == []
-    assert "no student is pretrained" in (tmp / "freeze" / "report.md").read_text()
+    assert report["freeze_bn"] == [] and report["ema"] == 0.9
+    text = (tmp / "freeze" / "report.md").read_text()
+    assert "no student is pretrained" in text and "(train.ema = 0.9)" in text
+    for variant in ("distilled", "scratch"):
+        _, arrays = read_checkpoint_arrays(tmp / "freeze" / variant / "last.npz")
+        best = read_checkpoint_arrays(tmp / "freeze" / variant / "best.npz")[1]
+        averaged = [k for k in arrays if k.startswith("ema/")]
+        assert averaged and not any(k.startswith("ema/") for k in best)
+    assert "ema" not in run_distill(ds_dir, tmp / "teacher", tmp / "plain", _cfg(escalate=()), progress=False)

@@ -11,9 +11,12 @@ import pytest
 from leaflens.pipeline.host_syncs import measure_host_syncs
 
 
-@pytest.mark.parametrize(("optimizer", "mixed_precision"), [("adamw", True), ("sgd", False)])
-def test_a_training_step_reads_the_device_at_most_twice(optimizer, mixed_precision):
-    report = measure_host_syncs(optimizer, mixed_precision, epochs=2, log_every=4, batches_per_epoch=6)
+@pytest.mark.parametrize(("optimizer", "mixed_precision", "overrides"),
+                         [("adamw", True, ()), ("sgd", False, ()), ("adamw", True, ("train.ema=0.9",))])
+def test_a_training_step_reads_the_device_at_most_twice(optimizer, mixed_precision, overrides):
+    """Also with the weight average (train.ema), which moves on the device after every step."""
+    report = measure_host_syncs(optimizer, mixed_precision, epochs=2, log_every=4, batches_per_epoch=6,
+                                overrides=overrides)
     assert len(report.per_step) == 12
     where = "\n".join(f"{n} x {site}" for site, n in report.sites.most_common())
     assert report.max_per_step <= 2, f"host reads per step {report.per_step}:\n{where}"

@@ -84,7 +84,15 @@ def save_checkpoint(path: str | os.PathLike[str], model: Module, optimizer: Opti
 
 def read_checkpoint_arrays(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """(meta, arrays) of a checkpoint file, with clear errors for anything that is not one."""
-    path = Path(path)
+    return _read(Path(path), arrays=True)
+
+
+def checkpoint_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A checkpoint's meta record alone (what it holds: ``"optimizer"``, ``"ema"``, ...), without its arrays."""
+    return _read(Path(path), arrays=False)[0]
+
+
+def _read(path: Path, arrays: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:
@@ -92,14 +100,14 @@ def read_checkpoint_arrays(path: str | os.PathLike[str]) -> tuple[dict[str, Any]
             if "meta" not in data.files:
                 raise CheckpointError(f"{path} is an .npz file but not a leaflens checkpoint (no 'meta' entry)")
             meta = json.loads(str(data["meta"]))
-            arrays = {k: data[k] for k in data.files if k != "meta"}
+            loaded = {k: data[k] for k in data.files if k != "meta"} if arrays else {}
     except CheckpointError:
         raise
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc} (truncated or not a checkpoint?)") from exc
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path} has format {meta.get('format')!r}, expected {FORMAT!r}")
-    return meta, arrays
+    return meta, loaded
 
 
 def load_checkpoint(path: str | os.PathLike[str], model: Module | None = None, optimizer: Optimizer | None = None,

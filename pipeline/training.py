@@ -57,7 +57,13 @@ from tqdm import tqdm
 
 from leaflens.engine import NonFiniteLossError, Tensor, ops
 from leaflens.engine.amp import GradScaler, train_step
-from leaflens.engine.checkpoint import CheckpointError, load_checkpoint, read_checkpoint_arrays, save_checkpoint
+from leaflens.engine.checkpoint import (
+    CheckpointError,
+    checkpoint_meta,
+    load_checkpoint,
+    read_checkpoint_arrays,
+    save_checkpoint,
+)
 from leaflens.engine.deferred import read_floats
 from leaflens.engine.nn import Module
 from leaflens.engine.optim.ema import ModelEMA
@@ -441,7 +447,13 @@ def _resume(last: Path, task: TrainingTask, scaler: GradScaler, state: _State, r
     # The configuration is the authority on resume (it is what the run's config records): a run stopped by
     # non-finite losses is meant to be resumed with a lower learning rate, which the saved groups would undo.
     configured = [(g["initial_lr"], g["weight_decay"]) for g in task.optimizer.param_groups]
-    ck = load_checkpoint(last, task.model, task.optimizer, task.scheduler, generators=task.generators, ema=ema)
+    # a run resumed with a weight average it was not started with begins one from the resumed weights
+    averaged = ema is not None and "ema" in checkpoint_meta(last)
+    ck = load_checkpoint(last, task.model, task.optimizer, task.scheduler, generators=task.generators,
+                         ema=ema if averaged else None)
+    if ema is not None and not averaged:
+        ema.restart(task.model)
+        tqdm.write(f"{last} holds no weight average (the run began without one): it starts from the resumed weights")
     for g, (lr, wd) in zip(task.optimizer.param_groups, configured):
         g["initial_lr"], g["weight_decay"] = lr, wd
     task.scheduler.load_state_dict(task.scheduler.state_dict())  # re-applies the schedule to the configured lr

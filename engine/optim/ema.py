@@ -33,6 +33,12 @@ class ModelEMA:
         self.updates = 0
         self.shadow: dict[str, Any] = {name: array.copy() for name, array in _live(model)}
 
+    def restart(self, model: Module) -> None:
+        """Start the average again from ``model``'s current weights (a run resumed from a checkpoint without one)."""
+        for name, live in _live(model):
+            self.shadow[name][...] = live
+        self.updates = 0
+
     def current_decay(self) -> float:
         """The decay the next :meth:`update` uses."""
         n = self.updates + 1

@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 
 from leaflens.engine import nn
-from leaflens.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from leaflens.engine.checkpoint import (
+    CheckpointError,
+    checkpoint_meta,
+    load_checkpoint,
+    read_checkpoint_arrays,
+    save_checkpoint,
+)
 from leaflens.engine.optim import Adam
 
 SCRIPT = Path(__file__).with_name("_resume_script.py")
@@ -74,6 +80,10 @@ def test_truncated_and_foreign_files_are_refused(tmp_path):
         load_checkpoint(tmp_path / "plain.npz", _model())
     with pytest.raises(CheckpointError, match="does not exist"):
         load_checkpoint(tmp_path / "missing.npz", _model())
+    for bad, why in (("cut.npz", "cut.npz"), ("plain.npz", "not a leaflens checkpoint"), ("missing.npz", "does not")):
+        with pytest.raises(CheckpointError, match=why):
+            checkpoint_meta(tmp_path / bad)
+    assert checkpoint_meta(path) == read_checkpoint_arrays(path)[0]
 
 
 def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):

@@ -96,3 +96,16 @@ def test_checkpoint_round_trip_and_refusals(tmp_path):
 def test_decay_outside_the_open_interval_is_refused(decay):
     with pytest.raises(ValueError, match="decay"):
         ModelEMA(_Net(), decay)
+
+
+def test_restart_begins_again_from_the_model():
+    model, rng = _Net(), np.random.default_rng(4)
+    ema = ModelEMA(model, 0.9)
+    for _ in range(3):
+        _perturb(model, rng)
+        ema.update(model)
+    _perturb(model, rng)
+    ema.restart(model)
+    assert ema.updates == 0
+    for k, v in model.state_dict().items():
+        np.testing.assert_array_equal(ema.shadow[k], v, err_msg=k)

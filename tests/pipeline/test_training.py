@@ -239,6 +239,33 @@ def test_resume_continues_exactly(tmp_path, monkeypatch, ema_decay):
     assert any(k.startswith("ema/") for k in a) == bool(ema_decay)
 
 
+def test_a_run_resumed_with_a_weight_average_it_began_without_starts_one_from_the_resumed_weights(tmp_path,
+                                                                                                   monkeypatch, capsys):
+    real = training.save_checkpoint
+
+    def dying_save(path, *a, **k):
+        real(path, *a, **k)
+        if path.name == training.LAST and k.get("epoch") == 1:
+            raise KeyboardInterrupt("simulated crash after epoch 2")
+
+    monkeypatch.setattr(training, "save_checkpoint", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(tmp_path, ToyTask(), _settings(), {})
+    monkeypatch.setattr(training, "save_checkpoint", real)
+    resumed = read_checkpoint_arrays(tmp_path / training.LAST)[1]
+    task = ToyTask()
+    for g in task.optimizer.param_groups:  # the resumed steps leave the weights where they are
+        g["lr"] = g["initial_lr"] = 0.0
+    run_training(tmp_path, task, _settings(ema_decay=0.9), {}, resume=True)
+    assert "holds no weight average" in capsys.readouterr().out
+    meta, arrays = read_checkpoint_arrays(tmp_path / training.LAST)
+    assert meta["ema"]["updates"] == 2 * task.steps_per_epoch
+    for k in task.model.state_dict():
+        np.testing.assert_array_equal(arrays[f"model/{k}"], resumed[f"model/{k}"], err_msg=k)
+        # an average of the resumed weights alone, not of the run's initial weights
+        np.testing.assert_allclose(arrays[f"ema/{k}"], resumed[f"model/{k}"], rtol=0, atol=1e-6, err_msg=k)
+
+
 class WatchedTask(ToyTask):
     """Records the weights each validation judged."""
 

@@ -46,7 +46,7 @@ import numpy as np
 
 from leaflens.kernels import _cuda
 from leaflens.kernels.activation_grad import activation_grad_cuda
-from leaflens.kernels.fused_optim import adamw_cuda, sgd_momentum_cuda
+from leaflens.kernels.fused_optim import adamw_cuda, ema_cuda, sgd_momentum_cuda
 from leaflens.kernels.im2col import col2im_cuda, im2col_cuda
 from leaflens.kernels.l2norm import l2norm_backward_cuda, l2norm_forward_cuda
 from leaflens.kernels.maxpool import maxpool_backward_cuda, maxpool_forward_cuda
@@ -66,6 +66,7 @@ KERNEL_NAMES = [
     "maxpool",
     "sgd_momentum",
     "adamw",
+    "ema",
 ]
 
 # Problem sizes: "full" for a real GPU, "tiny" for the CPU smoke test of this script (emulated kernels).
@@ -348,6 +349,20 @@ def build_cases(xp: Any, sizes: dict[str, Any]) -> list[Case]:
         return pb
 
     cases.append(Case("adamw", f"{p_n} params", adamw_ours, adamw_theirs, 28.0 * p_n, "GB/s", same))
+    avg_a, avg_b = put(p0), put(p0)
+    live = put(rng.standard_normal(p_n).astype(f32))
+
+    def ema_ours():
+        ema_cuda(avg_a, live, decay=0.99)
+        return avg_a
+
+    def ema_theirs():  # ModelEMA's xp arithmetic
+        avg_b[...] *= 0.99
+        avg_b[...] += 0.01 * live
+        return avg_b
+
+    # bytes: read the average and the weights, write the average
+    cases.append(Case("ema", f"{p_n} params", ema_ours, ema_theirs, 12.0 * p_n, "GB/s", same))
     return cases
 
 

@@ -13,6 +13,7 @@
 //          with step_size = lr / (1 - beta1^t), bias_correction2_sqrt = sqrt(1 - beta2^t), computed by the
 //          caller in float64 for step t.
 // grad_scale folds gradient unscaling (1 / loss_scale) and a clipping factor into the same pass.
+//   EMA:   avg = decay * avg + (1 - decay) * p             (the running average of the weights, ModelEMA)
 #include "common.cuh"
 
 extern "C" __global__ void sgd_momentum_f32(float* __restrict__ p, const float* __restrict__ g,
@@ -41,5 +42,12 @@ extern "C" __global__ void adamw_f32(float* __restrict__ p, const float* __restr
         v[i] = vi;
         const float denom = sqrtf(vi) / bias_correction2_sqrt + eps;
         p[i] = p[i] * decay - step_size * mi / denom;
+    }
+}
+
+extern "C" __global__ void ema_f32(float* __restrict__ avg, const float* __restrict__ p, long long n, float decay) {
+    const float rest = 1.f - decay;
+    for (long long i = grid_start(); i < n; i += grid_stride()) {
+        avg[i] = decay * avg[i] + rest * p[i];
     }
 }

@@ -5,8 +5,8 @@ gradient. AdamW: decoupled weight decay ``p *= 1 - lr*wd`` then Adam with bias c
 ``grad_scale`` multiplies the gradient first, so unscaling a mixed-precision loss scale (1/scale) and a
 gradient-clipping factor cost nothing extra. All updates are in place; nothing is returned.
 
-The maths is defined once, by the engine's ``SGD`` and ``Adam``/``AdamW`` updates
-(:mod:`leaflens.engine.optim`); tests/kernels/test_kernel_launch.py holds these kernels to them.
+The maths is defined once, by the engine's ``SGD`` and ``Adam``/``AdamW`` updates and ``ModelEMA``'s
+average (:mod:`leaflens.engine.optim`); tests/kernels/test_kernel_launch.py holds these kernels to them.
 """
 
 from __future__ import annotations
@@ -114,3 +114,16 @@ def adamw_cuda(
     grid, block = _cuda.grid_1d(n)
     scalars = (lr, beta1, beta2, eps, weight_decay, step_size, bc2_sqrt, grad_scale)
     kernel(grid, block, (param, grad, exp_avg, exp_avg_sq, np.int64(n)) + tuple(np.float32(s) for s in scalars))
+
+
+def ema_cuda(average: Any, param: Any, *, decay: float) -> None:
+    """``average = decay * average + (1 - decay) * param`` in place on flat float32 arrays, one launch."""
+    cp = _cuda.cupy_module()
+    if not 0.0 <= decay <= 1.0:
+        raise ValueError(f"ema: decay must be in [0, 1], got {decay}")
+    n = _check_flat(cp, "ema", average=average, param=param)
+    if n == 0:
+        return
+    kernel = _cuda.load_kernel("fused_optim.cu", "ema_f32")
+    grid, block = _cuda.grid_1d(n)
+    kernel(grid, block, (average, param, np.int64(n), np.float32(decay)))

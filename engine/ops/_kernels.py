@@ -27,7 +27,8 @@ What is dispatched (forward/backward pairs keep what the kernel's backward needs
   column ``(i*kw+j)*C+c``) is exactly the engine's NHWC im2col, so the kernel replaces the strided
   copies one for one; it reads (and col2im drops) the zero padding itself, so no padded copy of the
   activations is made. The matrix products stay on ``cupy.matmul`` (cuBLAS).
-* SGD with momentum (dampening 0) and Adam/AdamW on float32 parameters: ``fused_optim.cu``.
+* SGD with momentum (dampening 0) and Adam/AdamW on float32 parameters, and the running average of the
+  weights (``ModelEMA``): ``fused_optim.cu``.
 
 ``dispatch_counts()`` tells how often each kernel family was chosen (tests use it to prove that a
 comparison really exercised the kernel, and it is handy when profiling).
@@ -48,7 +49,7 @@ import numpy as np
 from leaflens.engine.deferred import require
 from leaflens.kernels import _cuda
 from leaflens.kernels.activation_grad import activation_grad_cuda
-from leaflens.kernels.fused_optim import adamw_cuda, sgd_momentum_cuda
+from leaflens.kernels.fused_optim import adamw_cuda, ema_cuda, sgd_momentum_cuda
 from leaflens.kernels.im2col import col2im_cuda, im2col_cuda
 from leaflens.kernels.l2norm import l2norm_backward_cuda, l2norm_forward_cuda
 from leaflens.kernels.maxpool import maxpool_backward_cuda, maxpool_forward_cuda
@@ -379,4 +380,14 @@ def adam_step(
     adamw_cuda(param.reshape(-1), g.reshape(-1), exp_avg.reshape(-1), exp_avg_sq.reshape(-1), step=int(step),
                lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay if decoupled else 0.0)
     _hit("adamw")
+    return True
+
+
+def ema_update(xp: Any, average: Any, param: Any, decay: float) -> bool:
+    """``average = decay * average + (1 - decay) * param`` in place with ``ema_f32`` (one launch instead of
+    three and a temporary); False (untouched) if it does not apply."""
+    if not active(xp) or average.size == 0 or average.shape != param.shape or not _flat_f32(xp, average, param):
+        return False
+    ema_cuda(average.reshape(-1), param.reshape(-1), decay=decay)
+    _hit("ema")
     return True

@@ -8,7 +8,8 @@ validation sets mostly shows as less luck in which epoch (and which seed) comes 
 after ``n`` updates, so the average follows the fast-moving first steps instead of dragging the initial
 weights along for ``1 / (1 - decay)`` steps. Floating-point buffers (BatchNorm's running statistics) are
 averaged like the parameters, so the averaged weights come with statistics of similar weights; other
-buffers are copied.
+buffers are copied. On CuPy a float32 array's update is one fused kernel launch (``ema_f32`` in
+kernels/fused_optim.cu); this module's NumPy arithmetic defines its maths.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 from leaflens.engine.backend import array_module, to_device
 from leaflens.engine.nn.module import Module
+from leaflens.engine.ops import _kernels as gpu
 
 
 class ModelEMA:
@@ -52,8 +54,9 @@ class ModelEMA:
             if not np.issubdtype(avg.dtype, np.floating):
                 avg[...] = live
                 continue
-            avg *= d
-            avg += (1.0 - d) * live
+            if not gpu.ema_update(array_module(avg), avg, live, d):
+                avg *= d
+                avg += (1.0 - d) * live
         self.updates += 1
 
     @contextmanager

@@ -27,7 +27,7 @@ from leaflens.engine import nn, ops
 from leaflens.engine.backend import to_device
 from leaflens.engine.nn.module import Parameter
 from leaflens.engine.ops import _kernels as gpu
-from leaflens.engine.optim import SGD, Adam, AdamW
+from leaflens.engine.optim import SGD, Adam, AdamW, ModelEMA
 from leaflens.engine.tensor import Tensor
 from leaflens.kernels import _cuda
 
@@ -372,6 +372,27 @@ def test_emulated_fused_optimisers_match_xp_path(emulated, name: str):
     for g, w in zip(got_state, want_state):
         assert np.shape(g) == np.shape(w)
         close(g, w, dict(rtol=1e-5, atol=1e-6))
+
+
+def test_emulated_weight_average_matches_xp_path(emulated):
+    """ModelEMA takes the fused ``ema`` kernel for every float32 array (parameters and BatchNorm statistics)
+    and only then; the averages equal the xp path's."""
+    results = {}
+    for enabled in (True, False):
+        rng = _rng(22)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, rng=rng), nn.BatchNorm2d(4))
+        ema = ModelEMA(model, 0.9)
+        with gpu.use_kernels(enabled):
+            before = gpu.dispatch_counts()
+            for _ in range(3):
+                for p in model.parameters():
+                    p.data += rng.standard_normal(p.data.shape).astype(np.float32)
+                ema.update(model)
+            results[enabled] = ({k: host(v) for k, v in ema.shadow.items()}, gpu.dispatch_counts() - before)
+    (on, hits), (off, none) = results[True], results[False]
+    assert hits["ema"] == 3 * len(on) and not none, (dict(hits), dict(none))
+    for k in on:
+        close(on[k], off[k], dict(rtol=1e-6, atol=1e-7))
 
 
 def _tiny_cnn() -> nn.Module:

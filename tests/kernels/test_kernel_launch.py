@@ -17,14 +17,14 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from leaflens.engine import ops
+from leaflens.engine import nn, ops
 from leaflens.engine.nn.module import Parameter
 from leaflens.engine.ops.conv import col2im, im2col, pad_nhwc
 from leaflens.engine.ops.norm import L2Normalize
-from leaflens.engine.optim import SGD, AdamW
+from leaflens.engine.optim import SGD, AdamW, ModelEMA
 from leaflens.engine.tensor import Tensor
 from leaflens.kernels.activation_grad import activation_grad_cuda
-from leaflens.kernels.fused_optim import adamw_cuda, sgd_momentum_cuda
+from leaflens.kernels.fused_optim import adamw_cuda, ema_cuda, sgd_momentum_cuda
 from leaflens.kernels.im2col import col2im_cuda, conv_output_size, im2col_cuda
 from leaflens.kernels.l2norm import l2norm_backward_cuda, l2norm_forward_cuda
 from leaflens.kernels.maxpool import maxpool_backward_cuda, maxpool_forward_cuda
@@ -469,6 +469,26 @@ def test_adamw_steps(backend, betas, weight_decay):
     close(backend.get(dm), state["exp_avg"])
     close(backend.get(dv), state["exp_avg_sq"], rtol=2e-4)
     close(backend.get(dp), param.data)
+
+
+def test_ema_steps(backend):
+    """The running average of the weights over steps whose decay warms up, against ModelEMA's arithmetic."""
+    rng = np.random.default_rng(7)
+    n = 901
+    model = nn.Linear(n, 1, bias=False, rng=rng)
+    ema = ModelEMA(model, 0.95)
+    avg = backend.put(model.weight.data.reshape(-1).copy())
+    for _ in range(12):
+        model.weight.data += rng.standard_normal(model.weight.data.shape).astype(np.float32)
+        decay = ema.current_decay()
+        with launched(backend, "fused_optim.cu", "ema_f32"):
+            ema_cuda(avg, backend.put(model.weight.data.reshape(-1).copy()), decay=decay)
+        ema.update(model)
+    close(backend.get(avg), ema.shadow["weight"].reshape(-1))
+    with pytest.raises(ValueError, match="param has 901"):
+        ema_cuda(avg, backend.put(np.zeros(3, np.float32)), decay=0.5)
+    with pytest.raises(ValueError, match="decay"):
+        ema_cuda(avg, avg, decay=1.5)
 
 
 def test_grad_scale_equals_prescaled_gradient(backend):

@@ -192,8 +192,13 @@ class TeacherSection(Record):
     self_train: bool
     self_train_target: float
     self_train_epochs: int
+    # decay per step of the fine-tune's running average of the weights (as train.ema); 0: none (as in teachers
+    # recorded before it existed)
+    ema: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.ema < 1.0:
+            raise ValueError(f"ema must be in [0, 1) (0: no weight average), got {self.ema}")
         for name in ("input_size", "epochs", "batch_size", "encode_batch_size", "views", "cnn_epochs",
                      "self_train_epochs"):
             if getattr(self, name) < 1:

@@ -310,7 +310,8 @@ def _fine_tune(back: Any, fronts: dict[str, np.ndarray], mirrored: np.ndarray | 
 def _run_fine_tune(task: Any, back: Any, teacher: TeacherSection, progress: bool, max_bad_steps: int,
                    work_dir: Path, label: str = "teacher fine-tune") -> dict:
     settings = LoopSettings(epochs=teacher.epochs, clip_grad_norm=teacher.clip_grad_norm, max_bad_steps=max_bad_steps,
-                            label=label, lr_setting="teacher.lr", resumable=False, progress=progress)
+                            label=label, lr_setting="teacher.lr", resumable=False, progress=progress,
+                            ema_decay=float(teacher.ema))
     t0 = time.perf_counter()
     result = run_training(work_dir, task, settings, {"teacher": "efficientnet-lite0 fine-tune"})
     load_checkpoint(work_dir / BEST, back)

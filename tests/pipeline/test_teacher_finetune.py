@@ -139,6 +139,24 @@ def test_stage_records_the_recipe_in_teacher_json(tmp_path, tiny_lite0):
     assert logits.shape == (len(ds["test"]), ds.num_classes) and np.isfinite(logits).all()
 
 
+def test_teacher_ema_reaches_the_fine_tune_loop_and_is_recorded(tmp_path, tiny_lite0, monkeypatch):
+    seen: list[float] = []
+    real = effnet.run_training
+
+    def spy(work_dir, task, settings, *args, **kwargs):
+        seen.append(settings.ema_decay)
+        return real(work_dir, task, settings, *args, **kwargs)
+
+    monkeypatch.setattr(effnet, "run_training", spy)
+    ds_dir = tiny_dataset(tmp_path, per_class=8, size=16)
+    cfg = load_config(None, [f"teacher.input_size={SIZE}", "teacher.batch_size=8", "teacher.epochs=1",
+                             "teacher.ema=0.9"])
+    run_teacher_stage(ds_dir, tmp_path / "t", cfg, TeacherChoice(), progress=False)
+    assert seen == [0.9]
+    assert json.loads(Path(tmp_path / "t" / "teacher.json").read_text())["stage"]["recipe"]["ema"] == 0.9
+    assert load_config(None, []).teacher.ema == 0.0
+
+
 def test_cached_mode_still_available(tmp_path, tiny_lite0):
     ds_dir = tiny_dataset(tmp_path, per_class=8, size=16)
     cfg = load_config(None, [f"teacher.input_size={SIZE}", "teacher.batch_size=8", "teacher.epochs=1",

@@ -17,6 +17,7 @@ The teacher (EfficientNet-Lite0, ImageNet weights) is measured frozen (1-NN and 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import multiprocessing
 import os
@@ -25,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -100,10 +102,22 @@ def linear_probe(ds, feats) -> float:
     return best[1]
 
 
-def teacher_recipe(frozen: bool, epochs: int | None) -> TeacherSection:
-    """The default [teacher] recipe, frozen or fine-tuned for ``epochs`` (None: the recipe's)."""
+def teacher_recipe(frozen: bool, epochs: int | None, overrides: Sequence[str] = ()) -> TeacherSection:
+    """The default [teacher] recipe, frozen or fine-tuned for ``epochs`` (None: the recipe's), with the
+    ``teacher.`` settings among ``overrides`` (the command line's ``--set``)."""
     sets = [f"teacher.frozen={'true' if frozen else 'false'}"] + ([f"teacher.epochs={epochs}"] if epochs else [])
-    return load_config(None, sets).teacher
+    return load_config(None, sets + teacher_overrides(overrides)).teacher
+
+
+def teacher_overrides(overrides: Sequence[str]) -> list[str]:
+    return [o for o in overrides if o.strip().startswith("teacher.")]
+
+
+def teacher_tag(overrides: Sequence[str]) -> str:
+    """A suffix for the fine-tuned teachers' folders naming a changed [teacher] recipe, so that ``--reuse``
+    never takes a teacher trained with other settings ("" for the default recipe)."""
+    own = teacher_overrides(overrides)
+    return "_" + hashlib.sha256("\n".join(own).encode()).hexdigest()[:8] if own else ""
 
 
 def student_run(job: tuple) -> dict:
@@ -150,7 +164,8 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=1,
                    help="student runs side by side, each in its own process with its share of the cores "
                         "(2 on a 2-core CPU: about 1.5x the throughput of one run using both cores)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], help="distill config override")
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   help="config override (repeatable); teacher.* settings also change the fine-tuned teachers")
     args = p.parse_args()
     if not (args.data / "train").is_dir():
         sys.exit(f"ibeans.py: {args.data} has no train/ folder (expected the iBeans layout)")
@@ -188,9 +203,9 @@ def main() -> None:
 
     teachers, teacher_acc, pseudo = {}, {}, {}
     for name, ds in (("full", ds_full), ("frac", ds_frac)):
-        tdir = work / f"teacher_{name}_e{args.teacher_epochs}_v{args.teacher_views}{tag}"
+        tdir = work / f"teacher_{name}_e{args.teacher_epochs}_v{args.teacher_views}{tag}{teacher_tag(args.overrides)}"
         if not (args.reuse and (tdir / "teacher.json").is_file()):
-            recipe = teacher_recipe(False, args.teacher_epochs)
+            recipe = teacher_recipe(False, args.teacher_epochs, args.overrides)
             enc, extra = timed(f"teacher_finetune_{name}", build_effnet_teacher, ds, recipe, progress=False)
             # with the served teacher, as `leaflens teacher` writes it: distill may keep it (or start a student
             # from it, or run it in the training loop: --set model.trunk_init=teacher, distill.teacher_online=true)

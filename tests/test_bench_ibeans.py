@@ -57,3 +57,15 @@ def test_ibeans_benchmark_writes_served_teachers_and_runs_the_teacher_in_the_loo
     assert report["teacher_online"]  # the distilled student learned from the teacher run on its own views
     assert report["selection"]["teacher_unavailable"] is None  # the served teacher was a candidate
     assert "teacher" in {row["name"] for row in report["selection"]["candidates"]}
+
+
+def test_teacher_settings_on_the_command_line_change_the_fine_tuned_teachers_and_their_folders():
+    from bench_helpers import load_benchmark
+
+    bench = load_benchmark("ibeans.py")
+    sets = ["train.ema=0.99", "teacher.ema=0.99"]
+    assert bench.teacher_recipe(False, 3, sets).ema == 0.99 and bench.teacher_recipe(False, 3, sets).epochs == 3
+    assert bench.teacher_recipe(False, None, ["train.ema=0.99"]).ema == 0.0
+    assert bench.teacher_tag(["train.ema=0.99"]) == ""  # the default teacher keeps its folder name
+    assert bench.teacher_tag(sets).startswith("_") and bench.teacher_tag(sets) != bench.teacher_tag(
+        ["teacher.ema=0.9"])

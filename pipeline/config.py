@@ -81,6 +81,12 @@ class ModelSection(Record):
             raise ValueError(f"escalate_lr: 0 (train.lr) or a learning rate above 0, got {self.escalate_lr}")
 
 
+def _check_ema(decay: float) -> None:
+    """``train.ema`` and ``teacher.ema``: the weight average's decay per step."""
+    if not 0.0 <= decay < 1.0:
+        raise ValueError(f"ema must be in [0, 1) (0: no weight average), got {decay}")
+
+
 @dataclass(frozen=True)
 class TrainSection(Record):
     """``[train]``: the student's optimisation (also the --train-cnn teacher's)."""
@@ -108,8 +114,7 @@ class TrainSection(Record):
     ema: float = 0.0
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.ema < 1.0:
-            raise ValueError(f"ema must be in [0, 1) (0: no weight average), got {self.ema}")
+        _check_ema(self.ema)
 
 
 @dataclass(frozen=True)
@@ -197,8 +202,7 @@ class TeacherSection(Record):
     ema: float = 0.0
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.ema < 1.0:
-            raise ValueError(f"ema must be in [0, 1) (0: no weight average), got {self.ema}")
+        _check_ema(self.ema)
         for name in ("input_size", "epochs", "batch_size", "encode_batch_size", "views", "cnn_epochs",
                      "self_train_epochs"):
             if getattr(self, name) < 1:

@@ -283,8 +283,6 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
         report["escalation"] = escalation
     if cfg.train.freeze_bn:  # which students it applied to: the pretrained ones
         report["freeze_bn"] = [name for name, st in students.items() if st.member.model.block == "lite0"]
-    if cfg.train.ema:  # every student's validation and kept weights were its running average
-        report["ema"] = float(cfg.train.ema)
     if winner == "teacher":
         assert teacher is not None
         report["out_of_domain"] = teacher["out_of_domain"]

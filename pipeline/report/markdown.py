@@ -28,8 +28,8 @@ noted, and a missing one is written as "not recorded" rather than failing the re
   ``used``: "imagenet" or "teacher", ``why`` the teacher's could not be used)
 - ``freeze_bn``: with ``train.freeze_bn``, the students whose stem and blocks kept their pretrained BatchNorm
   statistics (the pretrained ones; an empty list: none was)
-- ``ema``: with ``train.ema``, its decay: every student's validation and ``best.npz`` weights were a running
-  average of its steps
+- ``config``: the run's recipe (``StageConfig.to_dict()``); ``train.ema`` above 0 is named (every student's
+  validation and ``best.npz`` weights were a running average of its steps)
 - ``escalation``: with ``model.escalate``, the teacher's validation accuracy, the margin and, per larger member
   weighed, the best student's validation accuracy then, the teacher's lead, whether it was trained and why not
 - ``epochs``, ``best_epoch``: ints (else taken from the kept variant's ``epochs_run``/``best_epoch``)
@@ -399,7 +399,8 @@ def _facts_section(report: Mapping[str, Any]) -> list[str]:
         lines.append("- BatchNorm statistics (train.freeze_bn): " + (
             f"{', '.join(map(str, frozen))} kept their stem's and blocks' pretrained statistics while training"
             if frozen else "no student is pretrained, so every one learnt its own"))
-    ema = _float(report.get("ema"))
+    train = (report.get("config") or {}).get("train") or {}
+    ema = _float(train.get("ema"))
     if ema:
         lines.append(f"- Weights (train.ema = {ema:g}): each student was validated, chosen and kept as a running "
                      "average of its training steps' weights, not its last step's")

@@ -33,6 +33,16 @@ def _perturb(model: nn.Module, rng: np.random.Generator) -> None:
     model.count[...] += 1
 
 
+def _averaged(seed: int, decay: float, steps: int) -> tuple[_Net, ModelEMA, np.random.Generator]:
+    """A model trained by ``steps`` random moves, with its average updated after each."""
+    model, rng = _Net(), np.random.default_rng(seed)
+    ema = ModelEMA(model, decay)
+    for _ in range(steps):
+        _perturb(model, rng)
+        ema.update(model)
+    return model, ema, rng
+
+
 def test_update_follows_the_warm_up_then_the_decay():
     model, rng = _Net(), np.random.default_rng(1)
     ema = ModelEMA(model, 0.9)
@@ -52,11 +62,7 @@ def test_update_follows_the_warm_up_then_the_decay():
 
 
 def test_applied_swaps_the_average_in_and_the_live_weights_back():
-    model, rng = _Net(), np.random.default_rng(2)
-    ema = ModelEMA(model, 0.5)
-    for _ in range(5):
-        _perturb(model, rng)
-        ema.update(model)
+    model, ema, rng = _averaged(2, 0.5, 5)
     live = _params(model)
     x = Tensor(rng.standard_normal((2, 4, 4, 2)).astype(np.float32))  # NHWC
     model.eval()
@@ -74,11 +80,7 @@ def test_applied_swaps_the_average_in_and_the_live_weights_back():
 
 
 def test_checkpoint_round_trip_and_refusals(tmp_path):
-    model, rng = _Net(), np.random.default_rng(3)
-    ema = ModelEMA(model, 0.99)
-    for _ in range(3):
-        _perturb(model, rng)
-        ema.update(model)
+    model, ema, rng = _averaged(3, 0.99, 3)
     save_checkpoint(tmp_path / "a.npz", model, ema=ema)
     other = ModelEMA(_Net(seed=5), 0.5)
     load_checkpoint(tmp_path / "a.npz", ema=other)
@@ -99,11 +101,7 @@ def test_decay_outside_the_open_interval_is_refused(decay):
 
 
 def test_restart_begins_again_from_the_model():
-    model, rng = _Net(), np.random.default_rng(4)
-    ema = ModelEMA(model, 0.9)
-    for _ in range(3):
-        _perturb(model, rng)
-        ema.update(model)
+    model, ema, rng = _averaged(4, 0.9, 3)
     _perturb(model, rng)
     ema.restart(model)
     assert ema.updates == 0

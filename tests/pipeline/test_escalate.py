@@ -198,7 +198,7 @@ def test_freeze_bn_and_ema_are_recorded(tiny):
     report = run_distill(ds_dir, tmp / "teacher", tmp / "freeze", _cfg(escalate=(), **{"train.freeze_bn": "true",
                                                                                         "train.ema": "0.9"}),
                          progress=False)
-    assert report["freeze_bn"] == [] and report["ema"] == 0.9
+    assert report["freeze_bn"] == [] and report["config"]["train"]["ema"] == 0.9
     text = (tmp / "freeze" / "report.md").read_text()
     assert "no student is pretrained" in text and "(train.ema = 0.9)" in text
     for variant in ("distilled", "scratch"):
@@ -206,4 +206,6 @@ def test_freeze_bn_and_ema_are_recorded(tiny):
         best = read_checkpoint_arrays(tmp / "freeze" / variant / "best.npz")[1]
         averaged = [k for k in arrays if k.startswith("ema/")]
         assert averaged and not any(k.startswith("ema/") for k in best)
-    assert "ema" not in run_distill(ds_dir, tmp / "teacher", tmp / "plain", _cfg(escalate=()), progress=False)
+    run_distill(ds_dir, tmp / "teacher", tmp / "plain", _cfg(escalate=()), progress=False)
+    assert "train.ema" not in (tmp / "plain" / "report.md").read_text()
+    assert not any(k.startswith("ema/") for k in read_checkpoint_arrays(tmp / "plain" / "distilled" / "last.npz")[1])

@@ -220,5 +220,6 @@ def test_report_names_the_students_whose_batchnorm_statistics_were_kept(tmp_path
 
 def test_report_says_when_the_students_weights_are_a_running_average(tmp_path: Path) -> None:
     assert ("- Weights (train.ema = 0.99): each student was validated, chosen and kept as a running average of its "
-            "training steps' weights") in report_md.render_report(tmp_path, report(ema=0.99))
+            "training steps' weights") in report_md.render_report(tmp_path, report(config={"train": {"ema": 0.99}}))
     assert "train.ema" not in report_md.render_report(tmp_path, report())  # off: nothing said
+    assert "train.ema" not in report_md.render_report(tmp_path, report(config={"train": {"ema": 0.0}}))

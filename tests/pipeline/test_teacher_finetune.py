@@ -173,6 +173,8 @@ def test_cached_mode_still_available(tmp_path, tiny_lite0):
     ("teacher.dropout=1.0", "dropout"),
     ("teacher.finetune_from_block=-1", "finetune_from_block"),
     ("teacher.freeze_bn=\"yes\"", "freeze_bn"),
+    ("teacher.ema=1.0", "ema must be in"),
+    ("train.ema=-0.1", "ema must be in"),
 ])
 def test_teacher_recipe_keys_are_checked(override, message):
     with pytest.raises(ConfigError, match=message) as err:

@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import select
+import shutil
 import struct
 import subprocess
 import sys
@@ -342,27 +343,28 @@ def run_case(case: Case, workdir: Path, predictor) -> dict:
     return rec
 
 
-def worker_main(seed: int, start: int, stop: int) -> None:
-    """Child process: run cases start..stop-1, one JSON line each (plus a 'begin' line before it)."""
+def worker_main(seed: int, start: int, stop: int, tmp: Path) -> None:
+    """Child process: run cases start..stop-1, one JSON line each (plus a 'begin' line before it).
+
+    ``tmp`` is the parent's folder: a worker killed on a hang cannot clean up after itself.
+    """
     import resource
 
     from leaflens.apps.predictor import Predictor
 
     corpus = seed_corpus()
-    with tempfile.TemporaryDirectory(prefix="leaflens-fuzz-") as tmp_s:
-        tmp = Path(tmp_s)
-        predictor = Predictor(tiny_model(tmp / "tiny.onnx", size=SIZE), intra_op_threads=1)
-        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        out = sys.stdout
-        for i in range(start, stop):
-            case = make_case(corpus, seed, i)
-            out.write(json.dumps({"begin": i}) + "\n")
-            out.flush()
-            out.write(json.dumps(run_case(case, tmp, predictor)) + "\n")
-            out.flush()
-        rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        out.write(json.dumps({"end": stop, "maxrss_start_mb": rss0 / 1024.0, "maxrss_end_mb": rss1 / 1024.0}) + "\n")
+    predictor = Predictor(tiny_model(tmp / "tiny.onnx", size=SIZE), intra_op_threads=1)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = sys.stdout
+    for i in range(start, stop):
+        case = make_case(corpus, seed, i)
+        out.write(json.dumps({"begin": i}) + "\n")
         out.flush()
+        out.write(json.dumps(run_case(case, tmp, predictor)) + "\n")
+        out.flush()
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out.write(json.dumps({"end": stop, "maxrss_start_mb": rss0 / 1024.0, "maxrss_end_mb": rss1 / 1024.0}) + "\n")
+    out.flush()
 
 
 # ---------------------------------------------------------------------------- parent (watchdog)
@@ -412,9 +414,9 @@ class FuzzReport:
                 "crash_examples": self.crashes[:5]}
 
 
-def _spawn(seed: int, start: int, stop: int, stderr) -> subprocess.Popen:
+def _spawn(seed: int, start: int, stop: int, stderr, tmp: Path) -> subprocess.Popen:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--seed", str(seed), "--start", str(start),
-           "--stop", str(stop)]
+           "--stop", str(stop), "--tmp", str(tmp)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, env=env, cwd=REPO)
 
@@ -432,7 +434,8 @@ def fuzz(cases: int, seed: int = 0, start: int = 0, case_limit_s: float = 10.0,
     nxt, stop = start, start + cases
     while nxt < stop:
         errlog = tempfile.TemporaryFile()
-        proc = _spawn(seed, nxt, stop, errlog)
+        tmp = tempfile.mkdtemp(prefix="leaflens-fuzz-")
+        proc = _spawn(seed, nxt, stop, errlog, Path(tmp))
         fd = proc.stdout.fileno()
         buf = b""
         current: int | None = None
@@ -479,6 +482,7 @@ def fuzz(cases: int, seed: int = 0, start: int = 0, case_limit_s: float = 10.0,
             proc.wait()
             proc.stdout.close()
             errlog.close()
+            shutil.rmtree(tmp, ignore_errors=True)
     report.cases += len(report.hangs) + len(report.dead)
     report.seconds = time.perf_counter() - t0
     return report
@@ -504,9 +508,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--case-limit", type=float, default=10.0, help="seconds a case may take (default 10)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--stop", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--tmp", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        worker_main(args.seed, args.start, args.stop)
+        worker_main(args.seed, args.start, args.stop, args.tmp)
         return 0
     rep = fuzz(args.cases, args.seed, args.start, args.case_limit).as_dict()
     print(format_report(rep))

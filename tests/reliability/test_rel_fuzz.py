@@ -11,6 +11,7 @@ import json
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 import zlib
 
@@ -40,10 +41,12 @@ def _check(rep: dict, cases: int) -> None:
                                                                                   ["rejected"])
 
 
-def test_fuzz_a_few_hundred_mutated_files_no_crash_no_hang():
+def test_fuzz_a_few_hundred_mutated_files_no_crash_no_hang(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the workers' folders go
     rep = fuzz(300, seed=0, case_limit_s=10.0).as_dict()
     _check(rep, 300)
     assert max(rep["max_ms"].values()) < 10_000
+    assert list(tmp_path.iterdir()) == []  # the cases' files are gone with the worker
 
 
 @pytest.mark.slow
@@ -53,14 +56,18 @@ def test_fuzz_thousands_of_mutated_files_no_crash_no_hang():
 
 
 def test_watchdog_counts_a_hang_and_a_dead_worker(monkeypatch):
-    """The fuzzer's own alarm works: a case that sleeps is a hang, a worker that dies is a crash."""
+    """The fuzzer's own alarm works: a case that sleeps is a hang, a worker that dies is a crash; the
+    folder each worker was given is removed although neither worker could clean up."""
     import fuzz_images
 
     real_spawn = fuzz_images._spawn
+    folders = []
 
-    def spawn(seed, start, stop, stderr):
+    def spawn(seed, start, stop, stderr, tmp):
+        folders.append(tmp)
         code = ("import json,os,sys,time\n"
                 f"s={start}\n"
+                f"open(os.path.join({str(tmp)!r}, 'case'), 'w').close()\n"
                 "print(json.dumps({'begin': s}), flush=True)\n"
                 "time.sleep(30) if s == 0 else os._exit(9)\n")
         return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=stderr)
@@ -69,6 +76,7 @@ def test_watchdog_counts_a_hang_and_a_dead_worker(monkeypatch):
     rep = fuzz_images.fuzz(2, seed=0, case_limit_s=1.0)
     monkeypatch.setattr(fuzz_images, "_spawn", real_spawn)
     assert rep.hangs == [0] and rep.dead == [1] and rep.crash_count == 1
+    assert len(folders) == 2 and not any(f.exists() for f in folders)
 
 
 def test_cases_are_replayable():

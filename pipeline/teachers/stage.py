@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -140,11 +141,12 @@ def write_teacher(out: str | os.PathLike[str], ds: Any, encoder: Encoder, batch:
         for split in ds.splits:
             n = len(ds[split])
             fname, lname = feature_paths(split)
-            fw = NpyRowWriter(tmp / fname, n, (encoder.feature_dim,), dtype)
-            lw = NpyRowWriter(tmp / lname, n, (encoder.num_classes,), np.float32) if encoder.num_classes else None
             if hasattr(encoder, "start"):
                 encoder.start(split)
-            try:
+            # a writer closes with its row count checked, or is aborted when anything fails
+            with (NpyRowWriter(tmp / fname, n, (encoder.feature_dim,), dtype) as fw,
+                  NpyRowWriter(tmp / lname, n, (encoder.num_classes,), np.float32) if encoder.num_classes
+                  else nullcontext() as lw):
                 for chunk in iter_split_images(ds, split, encoder.input_size, shorter_side, batch, from_arrays):
                     f, lg = encoder.encode(chunk)
                     fw.write(f)
@@ -154,14 +156,6 @@ def write_teacher(out: str | os.PathLike[str], ds: Any, encoder: Encoder, batch:
                                                     "classes but returned no logits")
                         lw.write(lg)
                     bar.update(len(chunk))
-            except BaseException:
-                fw.abort()
-                if lw is not None:
-                    lw.abort()
-                raise
-            fw.close()
-            if lw is not None:
-                lw.close()
         bar.close()
         view_info = None
         if views > 1:

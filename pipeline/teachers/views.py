@@ -18,6 +18,7 @@ teacher has logits, ``logits_views_<split>.npy`` (N, K, C).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -64,10 +65,10 @@ def write_view_bank(out: Path, ds: Any, encoder: Any, views: int, aug: Augment, 
         boxes = sample_view_boxes(n, views, aug, np.random.default_rng([seed, si]))
         bname, fname, lname = view_paths(split)
         np.save(out / bname, boxes, allow_pickle=False)
-        fw = NpyRowWriter(out / fname, n, (views, encoder.feature_dim), dtype)
-        lw = NpyRowWriter(out / lname, n, (views, encoder.num_classes), np.float32) if encoder.num_classes else None
         row = 0
-        try:
+        with (NpyRowWriter(out / fname, n, (views, encoder.feature_dim), dtype) as fw,
+              NpyRowWriter(out / lname, n, (views, encoder.num_classes), np.float32) if encoder.num_classes
+              else nullcontext() as lw):
             # shorter_side=size: the whole shorter side, the region the student's array covers
             for chunk in iter_split_images(ds, split, size, size, batch, from_arrays):
                 m = len(chunk)
@@ -85,14 +86,6 @@ def write_view_bank(out: Path, ds: Any, encoder: Any, views: int, aug: Augment, 
                 if lw is not None:
                     lw.write(logits)
                 row += m
-        except BaseException:
-            fw.abort()
-            if lw is not None:
-                lw.abort()
-            raise
-        fw.close()
-        if lw is not None:
-            lw.close()
     bar.close()
     return ViewBankInfo(count=views, splits=tuple(splits), seed=seed, scale=aug.scale, ratio=aug.ratio,
                         hflip=aug.hflip, vflip=aug.vflip, region="whole shorter side (as the student's arrays)")

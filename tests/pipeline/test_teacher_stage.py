@@ -127,6 +127,26 @@ def test_an_encoder_with_classes_but_no_logits_is_refused(ds_dir, tmp_path):
     assert not (tmp_path / "t").exists()
 
 
+def test_an_encoder_that_drops_rows_is_refused(ds_dir, tmp_path):
+    """Fewer feature rows than photos (an encoder with a fixed batch, say): refused when its split's file is
+    closed, and no teacher folder is left behind."""
+
+    class DropsOne:
+        input_size, feature_dim, num_classes = 16, 4, 3
+
+        def encode(self, images):
+            n = len(images) - 1
+            return np.zeros((n, 4), np.float32), np.zeros((n, 3), np.float32)
+
+        def identity(self):
+            return {"kind": "test"}
+
+    with pytest.raises(ValueError, match=r"wrote \d+ rows, expected \d+"):
+        write_teacher(tmp_path / "t", load_dataset(ds_dir), DropsOne(), from_arrays=True, progress=False)
+    assert not (tmp_path / "t").exists()
+    assert [p.name for p in tmp_path.iterdir()] == []  # nor its temporary folder
+
+
 def test_a_broken_teacher_array_is_refused_by_name(ds_dir, tmp_path):
     """Missing, unreadable or misshapen feature and logit files: a TeacherError naming the file."""
     from leaflens.pipeline.teachers.artefact import TeacherError

@@ -237,16 +237,21 @@ def stop_on_sigterm() -> None:
 
 def build(args: argparse.Namespace):
     """(service, demo, config): :func:`prepare`, then the Gradio app (not yet launched), its uploads swept."""
+    service, config = prepare(args)
+    return service, _app(service, config), config
+
+
+def _app(service, config):
+    """The Gradio app over a prepared service, its uploads swept; the service is closed if the app fails."""
     from leaflens.apps.web import build_app
 
-    service, config = prepare(args)
     try:
         demo = build_app(service, config)
     except BaseException:
         service.close()
         raise
     sweep_uploads(service, demo)
-    return service, demo, config
+    return demo
 
 
 def run(args: argparse.Namespace) -> int:
@@ -267,14 +272,9 @@ def run(args: argparse.Namespace) -> int:
     except (UsageError, ModelError, NotesError, FileNotFoundError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
-    from leaflens.apps.web import build_app, launch
+    from leaflens.apps.web import launch
 
-    try:
-        demo = build_app(service, config)
-    except BaseException:
-        service.close()
-        raise
-    sweep_uploads(service, demo)
+    demo = _app(service, config)
     stop_on_sigterm()
     p = service.predictor
     log.info("%s", p.provider_line)

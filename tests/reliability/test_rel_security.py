@@ -248,8 +248,10 @@ def test_live_server_loopback_file_route_and_upload_limit(tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("not for the web")
     port = _free_port()
+    uploads = tmp_path / "uploads"
     cmd = [sys.executable, "-m", "leaflens", "serve", "--model", str(model), "--port", str(port),
-           "--no-examples", "--max-upload-mb", "0.05"]
+           "--no-examples", "--max-upload-mb", "0.05", "--uploads-dir", str(uploads)]
+    # the server gives Gradio its upload folder in place of the one a user's environment names
     env = cli_env() | {"GRADIO_ANALYTICS_ENABLED": "False", "GRADIO_TEMP_DIR": str(tmp_path / "gradio")}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -261,7 +263,7 @@ def test_live_server_loopback_file_route_and_upload_limit(tmp_path):
         addrs = _listening(port)
         assert addrs == ["0100007F"], f"listening on {addrs}, expected only 127.0.0.1"
         base = f"http://127.0.0.1:{port}"
-        for target in (str(secret), "/etc/passwd", str(model), f"{tmp_path}/gradio/../secret.txt"):
+        for target in (str(secret), "/etc/passwd", str(model), f"{uploads}/../secret.txt"):
             for route in ("/gradio_api/file=", "/file="):
                 try:
                     with urllib.request.urlopen(base + route + target, timeout=10) as r:
@@ -273,26 +275,35 @@ def test_live_server_loopback_file_route_and_upload_limit(tmp_path):
         from gradio_client import Client, handle_file
         from rel_helpers import encode, photo
 
+        from leaflens.apps.web_assets import UPLOAD_CAP_FACTOR
+
+        cap = UPLOAD_CAP_FACTOR * 0.05 * 1024 * 1024  # Gradio's own limit (the app answers files up to it)
         big = encode(photo(1, (90, 140, 60), 200, 200), "PNG")
-        assert len(big) > 0.05 * 1024 * 1024
+        assert 0.05 * 1024 * 1024 < len(big) < cap
+        huge = b"\x89PNG\r\n\x1a\n" + os.urandom(int(cap) + 1024)
         # the raw upload route (what any script can call): the size limit holds on the server
-        r = httpx.post(base + "/gradio_api/upload", files={"files": ("big.png", big, "image/png")}, timeout=30)
+        r = httpx.post(base + "/gradio_api/upload", files={"files": ("huge.png", huge, "image/png")}, timeout=30)
         assert r.status_code == 413, (r.status_code, r.text[:200])
-        # an uploaded file name cannot climb out of Gradio's upload folder
+        # an uploaded file name cannot climb out of the server's upload folder
         small = encode(photo(2, (90, 140, 60)), "JPEG")
         r = httpx.post(base + "/gradio_api/upload", files={"files": ("../../../evil.jpg", small, "image/jpeg")},
                        timeout=30)
         assert r.status_code == 200, r.text[:200]
         stored = Path(r.json()[0]).resolve()
-        assert (tmp_path / "gradio").resolve() in stored.parents and not (tmp_path / "evil.jpg").exists()
-        # the API end to end: a good photo is answered, the client refuses the big one before sending it
+        assert uploads.resolve() in stored.parents and not (tmp_path / "evil.jpg").exists()
+        assert not (tmp_path / "gradio").exists()
+        # the API end to end: a good photo is answered, one over the app's limit is refused in the app's words,
+        # and the client refuses one over Gradio's before sending it
         (tmp_path / "big.png").write_bytes(big)
+        (tmp_path / "huge.png").write_bytes(huge)
         (tmp_path / "ok.jpg").write_bytes(small)
         client = Client(base + "/", verbose=False)
-        answer = client.predict([handle_file(str(tmp_path / "ok.jpg"))], api_name="/diagnose")
-        assert answer["photos"][0]["ok"], answer
+        answer = client.predict([handle_file(str(tmp_path / "ok.jpg")), handle_file(str(tmp_path / "big.png"))],
+                                api_name="/diagnose")
+        ok, too_big = answer["photos"]
+        assert ok["ok"] and too_big["error"]["reason"] == "file_too_big", answer
         with pytest.raises(Exception, match="maximum file size"):
-            client.predict([handle_file(str(tmp_path / "big.png"))], api_name="/diagnose")
+            client.predict([handle_file(str(tmp_path / "huge.png"))], api_name="/diagnose")
     finally:
         import signal
 

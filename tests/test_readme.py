@@ -67,3 +67,16 @@ def test_every_subcommand_has_help(sub):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "usage: leaflens" in out.stdout
+
+
+@pytest.mark.parametrize("sub", sorted(SUBCOMMANDS))
+def test_a_subcommand_says_what_leaflens_help_says(sub):
+    """`leaflens --help` lists the one-line helps without importing the stages; each stage's own parser
+    must say the same (they are written twice, and drifted once)."""
+    import argparse
+    import importlib
+
+    module_name, help_text = SUBCOMMANDS[sub]
+    parser = argparse.ArgumentParser(prog="leaflens")
+    importlib.import_module(module_name).add_parser(parser.add_subparsers(metavar="COMMAND"))
+    assert " ".join(help_text.split()) in " ".join(parser.format_help().split())

@@ -13,7 +13,7 @@ from leaflens.pipeline.models.family import family_option
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "distill", help="train the student (distilled and from scratch), keep the best model",
+        "distill", help="students (distilled, from scratch); keep the best model within budget",
         description="Train the small student CNN on a preprocessed dataset, learning from the teacher's features "
                     "(and logits), beside the same student trained from scratch; the best on the validation "
                     "split within the serving budget (--max-params, --max-ms) is kept: a student, or the "

@@ -17,7 +17,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     default = Int8Recipe()
     p = subparsers.add_parser(
         "export",
-        help="student -> ONNX (FP32, FP16, INT8) + Triton repository",
+        help="kept model -> ONNX (FP32, FP16, INT8 within 1 point) + Triton repository",
         description="Export the model the run kept (its student in best.npz, or the fine-tuned teacher when the run "
                     "kept it: teacher_model.npz, served under the same file names) to ONNX (student.onnx FP32, "
                     "student_fp16.onnx, and "

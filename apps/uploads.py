@@ -205,6 +205,8 @@ class UploadFolder:
             for f in self._scan():
                 self._unlink(f.path)
             self._remove_empty_dirs(min_age_s=0.0)
+            if self._created:
+                self._remove_empty_subfolders()
             if self._created and set(os.listdir(self.root)) <= {MARKER}:
                 try:
                     (self.root / MARKER).unlink(missing_ok=True)
@@ -356,6 +358,20 @@ class UploadFolder:
             except Exception:
                 log.exception("upload folder: on_delete failed for %s", path)
         return 1
+
+    def _remove_empty_subfolders(self) -> None:
+        """Remove the empty folders Gradio makes in its temporary folder besides uploads (6.x makes
+        ``vibe_edit_history`` when the app starts), so that a folder :meth:`prepare` made can go too."""
+        try:
+            entries = list(os.scandir(self.root))
+        except OSError:
+            return
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    os.rmdir(entry.path)  # fails, harmlessly, when not empty
+            except OSError:
+                continue
 
     def _remove_empty_dirs(self, min_age_s: float) -> None:
         """Remove hash folders left empty for ``min_age_s`` (a younger one may be receiving an upload)."""

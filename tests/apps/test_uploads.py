@@ -178,8 +178,15 @@ def test_leftovers_temp_files_and_the_cap(tmp_path):
     quiet = UploadFolder(tmp_path / "made-here")
     quiet.prepare()
     upload(quiet.root, seed=60)
+    (quiet.root / "vibe_edit_history").mkdir()  # Gradio 6 makes this empty folder when the app starts
     quiet.close()
     assert not quiet.root.exists()  # a folder it made, left empty: removed with it
+    kept = UploadFolder(tmp_path / "made-here-too")
+    kept.prepare()
+    (kept.root / "notes").mkdir()
+    (kept.root / "notes" / "mine.txt").write_text("not Gradio's")
+    kept.close()
+    assert (kept.root / "notes" / "mine.txt").read_text() == "not Gradio's"  # a folder with a file stays
 
 
 def test_the_folder_stays_bounded_under_many_concurrent_requests(tmp_path, model):
@@ -371,3 +378,4 @@ def test_a_server_stopped_with_sigterm_leaves_no_photo_behind(tmp_path, model):
         if proc.poll() is None:
             proc.kill()
     assert not left.exists() and files_in(root) == []
+    assert not root.exists()  # the folder the server made goes with it (Gradio's own empty folders too)

@@ -26,7 +26,7 @@ from leaflens.apps.providers import add_provider_argument, requested_providers
 from leaflens.data_prep.scan import IMAGE_EXTENSIONS
 from leaflens.files import write_path_atomic
 
-__all__ = ["add_parser", "collect_images", "csv_header", "csv_row", "run", "write_csv"]
+__all__ = ["add_parser", "collect_images", "csv_header", "csv_row", "run", "skipped_note", "write_csv"]
 
 
 class UsageError(ValueError):
@@ -59,8 +59,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def collect_images(args: Sequence[str | os.PathLike]) -> list[str]:
-    """Expand files and folders into a de-duplicated list of image paths, in a stable order.
+def collect_images(args: Sequence[str | os.PathLike], skipped: Counter[str] | None = None) -> list[str]:
+    """Expand files and folders into a de-duplicated list of image paths, in a stable order. Files in the
+    folders whose extension is not an image's are left out and, with ``skipped``, counted by extension
+    (lower case; "" for none), so that the summary can say what was not looked at.
 
     Raises :class:`UsageError` naming a path that does not exist.
     """
@@ -70,10 +72,14 @@ def collect_images(args: Sequence[str | os.PathLike]) -> list[str]:
         if path.is_dir():
             for dirpath, dirnames, filenames in os.walk(path, followlinks=True):
                 dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-                found.extend(
-                    os.path.join(dirpath, name) for name in sorted(filenames)
-                    if not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
-                )
+                for name in sorted(filenames):
+                    if name.startswith("."):
+                        continue
+                    ext = os.path.splitext(name)[1].lower()
+                    if ext in IMAGE_EXTENSIONS:
+                        found.append(os.path.join(dirpath, name))
+                    elif skipped is not None:
+                        skipped[ext] += 1
         elif path.exists():
             found.append(os.fspath(path))
         else:
@@ -86,6 +92,15 @@ def collect_images(args: Sequence[str | os.PathLike]) -> list[str]:
             seen.add(key)
             unique.append(name)
     return unique
+
+
+def skipped_note(skipped: Counter[str]) -> str:
+    """What :func:`collect_images` left out of the folders, e.g. "3 other files in the folders skipped, not
+    images by their extension (.gif 2, .txt 1); name a file to classify it anyway"."""
+    n = sum(skipped.values())
+    kinds = ", ".join(f"{ext or 'no extension'} {k}" for ext, k in sorted(skipped.items(), key=lambda e: (-e[1], e[0])))
+    return (f"{n} other file{'s' if n != 1 else ''} in the folders skipped, not images by their extension "
+            f"({kinds}); name a file to classify it anyway")
 
 
 def verdict_of(p: Prediction) -> str:
@@ -169,9 +184,11 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--threads must be >= 1, got {args.threads}")
         if args.csv and not Path(args.csv).resolve().parent.is_dir():
             raise UsageError(f"{args.csv}: the folder for the CSV file does not exist")
-        files = collect_images(args.images)
+        skipped: Counter[str] = Counter()
+        files = collect_images(args.images, skipped)
         if not files:
-            raise UsageError(f"no image files found in {', '.join(map(str, args.images))}")
+            raise UsageError(f"no image files found in {', '.join(map(str, args.images))}"
+                             + (f" ({skipped_note(skipped)})" if skipped else ""))
         predictor = Predictor(args.model, intra_op_threads=args.threads,
                               providers=requested_providers(getattr(args, "provider", "auto")))
     except (UsageError, ModelError) as exc:
@@ -196,11 +213,14 @@ def run(args: argparse.Namespace) -> int:
 
     counts = Counter(verdict_of(p) for p in results)
     failed = counts["refused"] + counts["error"]
-    summary = (f"{len(results)} images with {predictor.model_path.name} on {predictor.provider}: "
+    images = f"{len(results)} image{'s' if len(results) != 1 else ''}"
+    summary = (f"{images} with {predictor.model_path.name} on {predictor.provider}: "
                + ", ".join(f"{counts[v]} {v.replace('_', ' ') if v != 'error' else 'unreadable'}" for v in
                            ("diagnosis", "ambiguous", "out_of_domain", "refused", "error")))
     if not predictor.has_ood:
         summary += " (this model has no out-of-domain check)"
+    if skipped:
+        summary += f"; {skipped_note(skipped)}"
     if args.csv:
         summary += f"; results in {args.csv}"
     print(summary, file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +55,7 @@ def test_folder_with_one_broken_file(tiny_model, tmp_path, capsys):
         assert row["ood_score"] == ""  # this model has no out-of-domain output
     err = capsys.readouterr().err
     assert "1 unreadable" in err and "no out-of-domain check" in err
+    assert "1 other file in the folders skipped, not images by their extension (.txt 1)" in err
 
 
 def test_all_good_files_exit_zero_and_print_lines(tiny_model, tmp_path, capsys):
@@ -134,11 +136,19 @@ def test_usage_and_model_errors_exit_two(tiny_model, tmp_path, capsys):
     empty = tmp_path / "empty_dir"
     empty.mkdir()
     assert main(["predict", str(empty), "--model", str(model)]) == 2
-    assert "no image files found" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no image files found" in err and "skipped" not in err
+    (empty / "leaf.gif").write_bytes(b"GIF89a")
+    (empty / "README").write_text("no extension")
+    assert main(["predict", str(empty), "--model", str(model)]) == 2
+    assert "(2 other files in the folders skipped, not images by their extension (no extension 1, .gif 1)" \
+        in capsys.readouterr().err
     assert main(["predict", str(photo), "--model", str(model), "--top-k", "0"]) == 2
 
 
 def test_collect_images_order_and_filtering(tmp_path):
     folder = make_folder(tmp_path)
-    names = [p.split("/")[-1] for p in collect_images([folder])]
+    skipped: Counter[str] = Counter()
+    names = [p.split("/")[-1] for p in collect_images([folder], skipped)]
     assert names == ["a.jpg", "broken.jpg", "b.png", "c.JPEG"]  # sorted per folder, subfolders after
+    assert skipped == {".txt": 1}  # hidden files are not counted

@@ -69,6 +69,7 @@ class ModelSection(Record):
             raise ValueError(f"widths: at least one conv block, each at least 1 wide, got {list(self.widths)}")
         if self.input_size < 0:
             raise ValueError(f"input_size: 0 (the dataset's stored size) or a side in pixels, got {self.input_size}")
+        _check_share(self, ("dropout",))
         if not 1 <= self.trunk_blocks <= 16:
             raise ValueError(f"trunk_blocks: 1 to 16 of EfficientNet-Lite0's blocks, got {self.trunk_blocks}")
         check_family(self.family)
@@ -85,6 +86,35 @@ def _check_ema(decay: float) -> None:
     """``train.ema`` and ``teacher.ema``: the weight average's decay per step."""
     if not 0.0 <= decay < 1.0:
         raise ValueError(f"ema must be in [0, 1) (0: no weight average), got {decay}")
+
+
+# Range checks shared by the sections: a value that would train nothing (a learning rate of 0, a clip norm of 0
+# that zeroes every gradient) or fail deep inside a stage is refused when the configuration is read, by name.
+def _check_at_least_one(record: Record, names: Sequence[str]) -> None:
+    for name in names:
+        if getattr(record, name) < 1:
+            raise ValueError(f"{name} must be at least 1, got {getattr(record, name)}")
+
+
+def _check_positive(record: Record, names: Sequence[str], zero: str = "") -> None:
+    """Finite and above 0 (``zero``: also 0, which then means what ``zero`` says)."""
+    for name in names:
+        v = getattr(record, name)
+        if not (math.isfinite(v) and (v > 0 or (zero and v == 0))):
+            raise ValueError(f"{name} must be a finite number above 0{f' (or 0: {zero})' if zero else ''}, got {v}")
+
+
+def _check_share(record: Record, names: Sequence[str]) -> None:
+    """In [0, 1): label smoothing, dropout, a colour jitter's strength."""
+    for name in names:
+        if not 0.0 <= getattr(record, name) < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {getattr(record, name)}")
+
+
+def _check_area(name: str, pair: tuple[float, float]) -> None:
+    lo, hi = pair
+    if not 0.0 < lo <= hi <= 1.0:
+        raise ValueError(f"{name} is the [min, max] area fraction of the crops, 0 < min <= max <= 1, got {list(pair)}")
 
 
 @dataclass(frozen=True)
@@ -115,6 +145,15 @@ class TrainSection(Record):
 
     def __post_init__(self) -> None:
         _check_ema(self.ema)
+        _check_at_least_one(self, ("epochs", "batch_size", "eval_batch_size", "max_bad_steps"))
+        _check_positive(self, ("lr", "clip_grad_norm"))
+        _check_positive(self, ("weight_decay",), zero="no weight decay")
+        _check_positive(self, ("outlier_exposure",), zero="off")
+        _check_share(self, ("label_smoothing",))
+        for name in ("warmup_epochs", "early_stopping_patience"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0{' (0: never stop early)' if 'patience' in name else ''}, "
+                                 f"got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -127,6 +166,10 @@ class AugmentSection(Record):
     scale: tuple[float, float]
     brightness: float
     contrast: float
+
+    def __post_init__(self) -> None:
+        _check_area("scale", self.scale)
+        _check_share(self, ("brightness", "contrast"))
 
 
 @dataclass(frozen=True)
@@ -152,6 +195,10 @@ class DistillSection(Record):
     centre_crops: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
+        _check_positive(self, ("feature_weight", "alpha", "kd_weight"), zero="that loss term off")
+        _check_positive(self, ("temperature",))
+        if self.feature_weight + self.alpha + self.kd_weight == 0:
+            raise ValueError("feature_weight, alpha and kd_weight are all 0: the distilled student would learn nothing")
         bad = [c for c in self.centre_crops if not (isinstance(c, (int, float)) and 0.0 < c < 1.0)]
         if bad:
             raise ValueError(f"centre_crops are shares of the photo's side in (0, 1) (the whole photo is always "
@@ -203,19 +250,20 @@ class TeacherSection(Record):
 
     def __post_init__(self) -> None:
         _check_ema(self.ema)
-        for name in ("input_size", "epochs", "batch_size", "encode_batch_size", "views", "cnn_epochs",
-                     "self_train_epochs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        _check_at_least_one(self, ("input_size", "epochs", "batch_size", "encode_batch_size", "views", "cnn_epochs",
+                                   "self_train_epochs"))
         if self.finetune_from_block < 0:
             raise ValueError(f"finetune_from_block must be >= 0 (0: every block trains), got "
                              f"{self.finetune_from_block}")
-        lo, hi = self.rrc_scale
-        if not 0.0 < lo <= hi <= 1.0:
-            raise ValueError(f"rrc_scale is the [min, max] area fraction of the crops, 0 < min <= max <= 1, got "
-                             f"{list(self.rrc_scale)}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.warmup_epochs < 0:
+            raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
+        _check_positive(self, ("lr", "head_lr", "clip_grad_norm"))
+        _check_positive(self, ("weight_decay",), zero="no weight decay")
+        _check_area("rrc_scale", self.rrc_scale)
+        _check_area("view_scale", self.view_scale)
+        _check_share(self, ("dropout", "label_smoothing"))
+        if not self.cnn_widths or any(w < 1 for w in self.cnn_widths):
+            raise ValueError(f"cnn_widths: at least one conv block, each at least 1 wide, got {list(self.cnn_widths)}")
         if not 0.0 <= self.self_train_target <= 1.0:
             raise ValueError(f"self_train_target is a validation accuracy in [0, 1], got {self.self_train_target}")
 

@@ -108,6 +108,23 @@ def test_layers_user_file_then_overrides(tmp_path):
     (["augment.scale=[0.5]"], "scale: expected 2 values"),
     (["teacher.views=0"], "--set teacher.views=0: teacher: views must be at least 1"),
     (["train.epochs"], "must look like section.key=value"),
+    # values that would train nothing, or fail deep inside a stage, are refused when the recipe is read
+    (["train.lr=0"], "--set train.lr=0: train: lr must be a finite number above 0, got 0.0"),
+    (["train.lr=nan"], "train: lr must be a finite number above 0, got nan"),
+    (["train.epochs=-1"], "train: epochs must be at least 1"),
+    (["train.clip_grad_norm=0"], "train: clip_grad_norm must be a finite number above 0"),
+    (["train.weight_decay=-0.1"], "train: weight_decay must be a finite number above 0 (or 0: no weight decay)"),
+    (["train.label_smoothing=1"], "train: label_smoothing must be in [0, 1)"),
+    (["train.early_stopping_patience=-1"], "early_stopping_patience must be >= 0 (0: never stop early)"),
+    (["augment.scale=[0, 1]"], "augment: scale is the [min, max] area fraction"),
+    (["augment.contrast=1.5"], "augment: contrast must be in [0, 1)"),
+    (["distill.temperature=0"], "distill: temperature must be a finite number above 0"),
+    (["distill.kd_weight=-1"], "distill: kd_weight must be a finite number above 0 (or 0: that loss term off)"),
+    (["distill.feature_weight=0", "distill.alpha=0", "distill.kd_weight=0"], "the distilled student would learn"),
+    (["teacher.head_lr=0"], "teacher: head_lr must be a finite number above 0"),
+    (["teacher.view_scale=[0.5, 2]"], "teacher: view_scale is the [min, max] area fraction"),
+    (["teacher.warmup_epochs=-1"], "teacher: warmup_epochs must be >= 0"),
+    (["model.dropout=1"], "model: dropout must be in [0, 1)"),
 ])
 def test_bad_overrides_are_refused_by_name(overrides, message):
     with pytest.raises(ConfigError) as info:

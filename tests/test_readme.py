@@ -69,6 +69,15 @@ def test_every_subcommand_has_help(sub):
     assert "usage: leaflens" in out.stdout
 
 
+def test_version_is_the_installed_package_version():
+    from importlib.metadata import version
+
+    out = subprocess.run([str(Path(__import__("sys").executable)), "-m", "leaflens", "--version"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"leaflens {version('leaflens')}"
+
+
 @pytest.mark.parametrize("sub", sorted(SUBCOMMANDS))
 def test_a_subcommand_says_what_leaflens_help_says(sub):
     """`leaflens --help` lists the one-line helps without importing the stages; each stage's own parser

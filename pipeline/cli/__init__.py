@@ -37,6 +37,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         prog="leaflens",
         description="Leaf disease and crop pest recognition: preprocess, teacher, distill, export, serve.",
     )
+    from leaflens import __version__
+
+    parser.add_argument("--version", action="version", version=f"leaflens {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         if name != only:

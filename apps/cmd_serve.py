@@ -121,6 +121,9 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--corrections-max-mb must be > 0, got {args.corrections_max_mb}")
     if not args.no_corrections and os.path.exists(args.corrections) and not os.path.isdir(args.corrections):
         raise UsageError(f"--corrections {args.corrections}: exists and is not a folder")
+    if not os.path.isfile(args.model):
+        raise UsageError(f"{args.model}: model file not found (`leaflens export` writes one; another model: "
+                         "--model PATH)")
 
 
 def prepare(args: argparse.Namespace):

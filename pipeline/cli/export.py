@@ -103,6 +103,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"leaflens export: error: {exc}", file=sys.stderr)
         return 2
+    if not (Path(args.run) / "best.npz").is_file():
+        what = "does not exist" if not Path(args.run).exists() else "holds no best.npz"
+        print(f"leaflens export: error: run folder {args.run} {what}: `leaflens distill` trains one "
+              "(another run: --run RUN)", file=sys.stderr)
+        return 1
     opts = ExportOptions(run=args.run, out=args.out, dataset=args.dataset, triton=args.triton, name=args.name,
                          int8=not args.no_int8, triton_variant=args.triton_variant,
                          max_batch_size=args.max_batch_size, queue_delay_us=args.queue_delay_us,

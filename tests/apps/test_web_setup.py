@@ -122,7 +122,7 @@ def test_cli_errors_exit_2_with_a_message(tmp_path, capsys, tiny_model):
     from leaflens.apps import cmd_serve
 
     assert cmd_serve.run(serve_args(model=tmp_path / "missing.onnx")) == 2
-    assert "missing.onnx: model file not found" in capsys.readouterr().err
+    assert "missing.onnx: model file not found (`leaflens export` writes one" in capsys.readouterr().err
     model, _ = tiny_model()
     assert cmd_serve.run(serve_args(model=model, port=0)) == 2
     assert "--port must be 1..65535" in capsys.readouterr().err

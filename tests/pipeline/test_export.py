@@ -412,7 +412,11 @@ def test_wrong_dataset_and_foreign_output_are_refused(tiny_run, tmp_path, capsys
     assert (foreign / "notes.txt").read_text() == "mine"
     code = main(["export", "--run", str(tmp_path / "nowhere"), "--out", str(tmp_path / "e"), "--dataset",
                  str(dataset)])
-    assert code == 1 and "does not exist" in capsys.readouterr().err
+    assert code == 1 and "nowhere does not exist: `leaflens distill` trains one" in capsys.readouterr().err
+    (tmp_path / "empty_run").mkdir()
+    assert main(["export", "--run", str(tmp_path / "empty_run"), "--out", str(tmp_path / "e")]) == 1
+    assert "empty_run holds no best.npz" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
 
 
 def _run_at_32(tiny_run, tmp_path: Path, run_id: str, **dataset: Any) -> tuple[Path, Path, Any, nn.Module]:

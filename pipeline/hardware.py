@@ -29,7 +29,10 @@ def _version(module: str) -> str | None:
 
 def software_facts() -> dict[str, Any]:
     """Versions of the interpreter and the libraries leaflens can use (None = not importable)."""
+    from leaflens import __version__
+
     facts: dict[str, Any] = {
+        "leaflens": __version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "numpy": np.__version__,

@@ -141,6 +141,8 @@ def render(facts: dict[str, Any]) -> str:
     """Human-readable report of :func:`collect`'s facts."""
     sw, cpu, gpu, req = facts["software"], facts["cpu"], facts["gpu"], facts["request"]
     out = _Lines(["leaflens doctor", "software"])
+    if sw.get("leaflens"):  # facts saved before it was recorded have none
+        out.add("leaflens", sw["leaflens"])
     out.add("Python", f"{sw['python']} ({sw['platform']})")
     for key, label in (("numpy", "NumPy"), ("cupy", "CuPy"), ("onnxruntime", "onnxruntime"), ("onnx", "onnx")):
         out.add(label, sw[key] or "not installed")

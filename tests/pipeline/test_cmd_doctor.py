@@ -48,6 +48,9 @@ def test_doctor_json(no_gpu, capsys):
     assert "--no-measure" in facts["cpu_batch_estimate"]["unavailable"]
     assert facts["cpu"]["logical_cores"] >= 1
     assert facts["software"]["numpy"]
+    from importlib.metadata import version
+
+    assert facts["software"]["leaflens"] == version("leaflens")  # bug reports carry it
 
 
 def test_doctor_sizes_a_given_student_on_the_cpu(no_gpu, capsys):

@@ -34,6 +34,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from leaflens import __version__
 from leaflens.engine.backend import to_device
 from leaflens.engine.config import no_grad
 from leaflens.engine.nn.module import Module
@@ -217,7 +218,7 @@ def export_onnx(model: Module, input_shape: Sequence[int], *, input_name: str = 
         b.used_initializers(),
     )
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=ir_version,
-                              producer_name=PRODUCER, producer_version="1")
+                              producer_name=PRODUCER, producer_version=__version__)
     proto.doc_string = doc_string or f"{type(model).__name__} exported by the leaflens engine"
     if metadata:
         helper.set_model_props(proto, {str(k): str(v) for k, v in metadata.items()})

@@ -523,8 +523,11 @@ def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold,
         gain = {"val": distilled["val_accuracy"] - scratch["val_accuracy"],
                 "test": None if scratch["test_accuracy"] is None
                 else distilled["test_accuracy"] - scratch["test_accuracy"]}
+    from leaflens import __version__
+
     return {
         "run_id": run_id,
+        "leaflens_version": __version__,
         "winner": winner,
         "best_student": best_student,
         "test_accuracy": final_metrics["test_accuracy"],

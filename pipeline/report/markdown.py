@@ -405,6 +405,8 @@ def _facts_section(report: Mapping[str, Any]) -> list[str]:
         lines.append(f"- Weights (train.ema = {ema:g}): each student was validated, chosen and kept as a running "
                      "average of its training steps' weights, not its last step's")
     lines.append(f"- Hardware: {hw.get('summary') or 'not recorded'}")
+    if report.get("leaflens_version"):  # runs before it was recorded have none
+        lines.append(f"- Software: leaflens {report['leaflens_version']}")
     return lines + [""]
 
 

@@ -225,6 +225,10 @@ def test_metadata_round_trip_through_onnxruntime():
     proto = export_onnx(StudentCNN(2, widths=(4,)), (3, 16, 16), metadata=meta)
     got = _session(proto).get_modelmeta().custom_metadata_map
     assert {k: got[k] for k in meta} == meta
+    from importlib.metadata import version
+
+    assert (proto.producer_name, proto.producer_version) == ("leaflens-engine", version("leaflens"))
+    assert convert_float16(proto).producer_version == version("leaflens")  # which leaflens made the file
 
 
 def test_fp16_variant_agrees_and_keeps_float32_io():

@@ -39,6 +39,9 @@ def test_distill_writes_run_with_both_variants(tiny):
     report = run_distill(ds_dir, tmp / "teacher", out, _cfg(), progress=False)
     assert set(report["variants"]) == {"distilled", "scratch"}
     assert report["winner"] in report["variants"]
+    from importlib.metadata import version
+
+    assert report["leaflens_version"] == version("leaflens")
     for key in ("test_accuracy", "val_accuracy", "params", "train_seconds"):
         assert report[key] is not None
     for name in ("best.npz", "report.json", "report.md", "curves.png", "confusion.png", "feature_maps.png",

@@ -35,7 +35,7 @@ def report(**over: Any) -> dict[str, Any]:
         "test": summary(),
         "uncertain": {"threshold": 0.61, "coverage": 0.9, "accuracy": 0.97, "kept": 90, "n_val": 100,
                       "target": 0.95, "reached": True, "method": "target"},
-        "hardware": {"summary": "trained on CPU AMD EPYC (2 cores); no GPU"},
+        "hardware": {"summary": "trained on CPU AMD EPYC (2 cores); no GPU"}, "leaflens_version": "0.1.0",
         "epochs": 60, "best_epoch": 47,
     }
     base.update(over)
@@ -54,7 +54,7 @@ def test_report_contains_the_key_figures(tmp_path: Path) -> None:
     assert f"{100 * acc:.1f} %" in text and f"{100 * lo:.1f} % to {100 * hi:.1f} %" in text
     assert "| angular_leaf_spot | 1.000 | 0.925 | 0.961 | 40 |" in text  # per-class P/R/F1/support
     assert "| angular_leaf_spot | 37 | 3 | 0 |" in text  # confusion row
-    assert "391,234" in text and "12 min 34 s" in text and "AMD EPYC" in text
+    assert "391,234" in text and "12 min 34 s" in text and "AMD EPYC" in text and "Software: leaflens 0.1.0" in text
     assert "[Training curves](curves.png)" in text and "![Confusion matrix (test)](confusion.png)" in text
     assert "Not produced in this run: hardest.png, feature_maps.png." in text
     assert "0.610" in text  # the uncertain threshold
@@ -75,6 +75,7 @@ def test_report_without_a_comparison_or_figures_does_not_invent_them(tmp_path: P
     assert "gain from distillation was not measured" in text
     assert "88.0 %" in text and "no confidence interval recorded" in text
     assert "Parameters (inference model): not recorded" in text and "Hardware: not recorded" in text
+    assert "Software:" not in text  # a run recorded before the version was
     assert report_md.NO_GAIN not in text
 
 

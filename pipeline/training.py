@@ -44,8 +44,8 @@ import functools
 import json
 import math
 import os
-import resource
 import shutil
+import sys
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -143,6 +143,16 @@ class TrainingTask(Protocol):
     def restore_position(self, state: dict[str, Any]) -> None:
         """Undo :meth:`position` (refusing a state from other data)."""
         ...
+
+
+def peak_rss_mb() -> float | None:
+    """This process's peak resident memory so far, in MiB; None where the system does not report it (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return round(peak / (1024.0 * 1024.0 if sys.platform == "darwin" else 1024.0), 1)
 
 
 @dataclass(frozen=True)
@@ -318,7 +328,7 @@ def run_training(run_dir: str | os.PathLike[str], task: TrainingTask, settings: 
         row: dict[str, Any] = {
             "epoch": epoch + 1, "lr": task.scheduler.get_lr()[0], "val_acc": val_acc, "val_loss": val_loss,
             "images_per_s": seen / elapsed if elapsed else 0.0, "skipped_steps": skipped,
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
+            "peak_rss_mb": peak_rss_mb(),
             "epoch_seconds": round(elapsed, 2), "amp_skipped_steps": amp_skipped}
         if scaler.enabled:
             row["loss_scale"] = scaler.get_scale()

@@ -122,3 +122,17 @@ def test_serve_runs_on_the_cpu_and_every_gpu_extra_serves_too():
     for name in GPU_NAMES:
         missing = serving - {r.name for r in EXTRAS[name]}
         assert not missing, f"[{name}] lacks {sorted(missing)} that serve installs (a GPU extra replaces serve)"
+
+
+def test_ci_tests_the_oldest_python_and_numpy_that_pyproject_accepts():
+    """.ci/pythons runs the suite on the floor pyproject.toml declares; the two must not drift apart."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    oldest_python = re.fullmatch(r">=\s*(3\.\d+)", project["requires-python"]).group(1)
+    numpy = next(Requirement(r) for r in project["dependencies"] if Requirement(r).name == "numpy")
+    oldest_numpy = re.fullmatch(r">=\s*([\d.]+)", str(numpy.specifier)).group(1)
+    script = (ROOT / ".ci" / "pythons").read_text(encoding="utf-8")
+    floor = re.search(r'^suite (\S+) "numpy==(\S+)"', script, re.M)
+    assert floor is not None, ".ci/pythons no longer pins NumPy for its oldest Python"
+    assert floor.group(1) == oldest_python
+    assert Version(floor.group(2)).release[:2] == Version(oldest_numpy).release[:2]
+    assert "bash .ci/pythons" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")

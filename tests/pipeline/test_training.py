@@ -356,3 +356,26 @@ def test_teacher_stage_reports_a_stopped_training_with_exit_3(tmp_path, capsys):
     assert "leaflens teacher: stopped: teacher: the weights became non-finite" in err and "train.lr" in err
     assert "--resume" not in err and "Traceback" not in err
     assert not (tmp_path / "t").exists()
+
+
+def test_peak_rss_is_in_mib_on_linux_and_macos_and_none_without_resource(monkeypatch):
+    import builtins
+    import resource
+    import types
+
+    usage = types.SimpleNamespace(ru_maxrss=300 * 1024)  # Linux reports KiB
+    monkeypatch.setattr(resource, "getrusage", lambda who: usage)
+    monkeypatch.setattr(training.sys, "platform", "linux")
+    assert training.peak_rss_mb() == 300.0
+    usage.ru_maxrss = 300 * 1024 * 1024  # macOS reports bytes
+    monkeypatch.setattr(training.sys, "platform", "darwin")
+    assert training.peak_rss_mb() == 300.0
+    real_import = builtins.__import__
+
+    def no_resource(name, *args, **kwargs):
+        if name == "resource":
+            raise ImportError("no module named 'resource' (Windows)")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_resource)
+    assert training.peak_rss_mb() is None

@@ -49,6 +49,7 @@ help:
 	@echo "make bench-preprocess | bench-loader | bench-serve | bench-ibeans | bench-ood | bench-insects | bench-gpu"
 	@echo "make lint           ruff, then mypy on the leaflens package (.ci/typecheck)"
 	@echo "make gpu-check      on an NVIDIA machine: install the GPU extra, then doctor, gpu tests, GPU benchmark"
+	@echo "make clean          delete the stages' outputs under $(ART) (the web page's corrections stay)"
 
 # The virtual environment is rebuilt when pyproject.toml changes.
 $(VENV)/.installed: pyproject.toml
@@ -144,5 +145,9 @@ GPU_CHECK_ARGS ?=
 gpu-check:
 	$(PYTHON) .ci/gpu_check.py --venv $(GPU_VENV) $(GPU_CHECK_ARGS)
 
+# The stages' outputs only: photos people corrected on the web page ($(CORRECTIONS)) are their work, not an
+# output, and stay.
+CORRECTIONS := $(ART)/corrections
 clean:
-	rm -rf $(ART) .pytest_cache
+	rm -rf $(SYNTH) $(DATASET) $(TEACHER) $(STUDENT) $(EXPORT) .pytest_cache
+	@if [ -d "$(CORRECTIONS)" ]; then echo "kept $(CORRECTIONS): the photos corrected on the web page (delete it yourself when they are no longer wanted)"; fi

@@ -89,3 +89,20 @@ def test_a_subcommand_says_what_leaflens_help_says(sub):
     parser = argparse.ArgumentParser(prog="leaflens")
     importlib.import_module(module_name).add_parser(parser.add_subparsers(metavar="COMMAND"))
     assert " ".join(help_text.split()) in " ".join(parser.format_help().split())
+
+
+def test_make_clean_deletes_the_stage_outputs_and_keeps_the_corrections(tmp_path):
+    """Corrections are people's work (the web page's "Wrong?"), not a stage output: `make clean` keeps them."""
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    art = tmp_path / "art"
+    for name in ("synthetic", "dataset", "teacher", "student", "export", "corrections/rust"):
+        (art / name).mkdir(parents=True)
+        (art / name / "file").write_text("x")
+    out = subprocess.run(["make", "-s", "clean", f"ART={art}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in art.iterdir()) == ["corrections"]
+    assert (art / "corrections" / "rust" / "file").read_text() == "x"
+    assert f"kept {art}/corrections" in out.stdout

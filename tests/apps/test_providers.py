@@ -280,5 +280,5 @@ def test_gpu_wheel_without_cuda_writes_only_the_provider_line(tiny_model, tmp_pa
     assert cli.returncode == 0, cli.stderr
     err = cli.stderr.splitlines()
     assert len(err) == 2 and err[0].startswith(f"onnxruntime provider: {CPU} ("), cli.stderr
-    assert err[1].startswith("1 images with"), cli.stderr
+    assert err[1].startswith("1 image with"), cli.stderr
     assert cli.stdout.startswith(str(Path(photo))) and len(cli.stdout.splitlines()) == 1, cli.stdout

@@ -129,6 +129,11 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
                 resume: bool = False, progress: bool = True) -> dict[str, Any]:
     out = Path(out_dir)
     work = _partial_dir(out)
+    if resume and not work.exists() and out.exists():
+        # Nothing interrupted to continue: training anew would replace the finished run it was asked to continue.
+        raise ValueError(f"--resume: {out} is a finished run and there is no interrupted one ({work.name}) to "
+                         f"continue; nothing was changed. Without --resume a new run replaces {out} (or give "
+                         "another --out)")
     # Inputs are checked before anything is written (or a resumable partial run is removed).
     ds = load_dataset(dataset_dir)
     for split in ("train", "val", "test"):
@@ -148,6 +153,8 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
         print(f"warning: {few}", file=sys.stderr, flush=True)
     if not resume and work.exists():
         shutil.rmtree(work)
+    elif resume and not work.exists():
+        print(f"note: --resume: no interrupted run at {work}; starting a new one", file=sys.stderr, flush=True)
     work.mkdir(parents=True, exist_ok=True)
     write_text_atomic(work / "config.toml", dump_toml(cfg))
 

@@ -177,6 +177,21 @@ def test_resume_gives_the_same_result_as_an_uninterrupted_run(tiny, monkeypatch)
             np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
+def test_resume_never_replaces_a_finished_run(tiny, capsys):
+    """--resume continues <out>.partial; asked of a finished run it changes nothing (a new run would replace it),
+    and with nothing at all to continue it starts a new run, saying so."""
+    tmp, ds_dir = tiny
+    cfg = _cfg(epochs=1)
+    out = tmp / "finished"
+    run_distill(ds_dir, None, out, cfg, no_teacher=True, resume=True, progress=False)
+    assert "no interrupted run" in capsys.readouterr().err and (out / "best.npz").exists()
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match="is a finished run and there is no interrupted one"):
+        run_distill(ds_dir, None, out, cfg, no_teacher=True, resume=True, progress=False)
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert not (tmp / "finished.partial").exists()
+
+
 def test_features_of_another_dataset_are_refused(tiny, tmp_path):
     tmp, ds_dir = tiny
     other = tiny_dataset(tmp_path, per_class=12, size=16)

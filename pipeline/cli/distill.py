@@ -44,7 +44,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="larger students, comma-separated, each trained (distilled) only while the teacher beats "
                         "every student so far by distill.teacher_margin on validation, e.g. lite16@128 (default none: "
                         "ship the teacher; same as --set model.escalate='[\"lite16@128\"]')")
-    p.add_argument("--resume", action="store_true", help="continue an interrupted run in <out>.partial")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run in <out>.partial (never replaces a finished <out>)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
     return p

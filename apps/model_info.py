@@ -72,6 +72,18 @@ def _get(data: dict[str, Any] | None, *keys: str) -> Any:
     return data
 
 
+def _recorded_dir(recorded: Path, model_dir: Path) -> Path | None:
+    """The folder a record names. A relative path (exports made before they were recorded absolute) was relative
+    to the folder the export ran in, unknown now: it is looked up from here, then from the model's folder and each
+    one above it (``artifacts/student`` from ``.../project/artifacts/export/``)."""
+    if recorded.is_absolute() or recorded.is_dir():
+        return recorded if recorded.is_dir() else None
+    for base in (model_dir, *model_dir.parents):
+        if (base / recorded).is_dir():
+            return base / recorded
+    return None
+
+
 def discover(model_path: str | os.PathLike, run_dir: str | os.PathLike | None = None,
              dataset_root: str | os.PathLike | None = None,
              notes_path: str | os.PathLike | None = None) -> ServeContext:
@@ -91,11 +103,12 @@ def discover(model_path: str | os.PathLike, run_dir: str | os.PathLike | None = 
     if run_dir is not None:
         ctx.run_dir = Path(run_dir)
     elif _get(export, "run", "path"):
-        guess = Path(_get(export, "run", "path")).parent
-        if guess.is_dir():
+        recorded = Path(_get(export, "run", "path")).parent
+        guess = _recorded_dir(recorded, model_dir)
+        if guess is not None:
             ctx.run_dir = guess
         else:
-            ctx.warnings.append(f"{model_dir / EXPORT_REPORT} names run folder {guess}, which is gone")
+            ctx.warnings.append(f"{model_dir / EXPORT_REPORT} names run folder {recorded}, which is gone")
     if ctx.run_dir is not None:
         report_path = ctx.run_dir / RUN_REPORT
         if report_path.is_file():
@@ -107,8 +120,9 @@ def discover(model_path: str | os.PathLike, run_dir: str | os.PathLike | None = 
         ctx.dataset_root = Path(dataset_root)
     else:
         for recorded in (_get(export, "dataset", "root"), _get(ctx.run_report, "dataset", "root")):
-            if recorded and Path(recorded).is_dir():
-                ctx.dataset_root = Path(recorded)
+            found = _recorded_dir(Path(recorded), model_dir) if recorded else None
+            if found is not None:
+                ctx.dataset_root = found
                 break
 
     if notes_path is not None:

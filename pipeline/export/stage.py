@@ -425,12 +425,13 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
         tie16 = 2 * opts.fp16_tolerance * max(1.0, float(np.abs(val["engine"]).max()))
         report: dict[str, Any] = {
             "format": REPORT_FORMAT,
-            "run": {"id": info.run_id, "path": str(info.path), "metrics": info.metrics.to_dict()},
+            # absolute, so that `leaflens serve` finds the run and dataset from any working folder
+            "run": {"id": info.run_id, "path": str(Path(info.path).resolve()), "metrics": info.metrics.to_dict()},
             # what student.onnx is: the run's student, or the teacher the run kept (and its checkpoint)
             "model": {"kind": subject.kind, "source": str(subject.source), "params": card.params,
                       **({"metrics": info.kept_metrics.to_dict()} if subject.kind == "teacher"
                          and info.kept_metrics is not None else {})},
-            "dataset": {"root": str(ds.root), "manifest_sha256": manifest_sha256(ds.root),
+            "dataset": {"root": str(Path(ds.root).resolve()), "manifest_sha256": manifest_sha256(ds.root),
                         "parity_split": split},
             "onnx": {"opset": OPSET, "ir_version": IR_VERSION, "input": proto.graph.input[0].name,
                      "output": proto.graph.output[0].name, "input_shape": ["batch", 3, size, size],

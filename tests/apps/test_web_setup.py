@@ -70,6 +70,28 @@ def test_discover_follows_the_export_records(dataset, tmp_path, tiny_model):
     assert "No training report" in model_markdown(Predictor(bare), ctx, "en")
 
 
+def test_relative_records_of_an_older_export_are_found_from_any_working_folder(tmp_path, tiny_model, monkeypatch):
+    """Exports once recorded the run and dataset as given (``artifacts/student``), relative to wherever the export
+    ran: served from another folder, they are found above the model's folder; a record of nothing is a warning."""
+    project = tmp_path / "project"
+    run = fake_run(project / "artifacts", make_dataset(project / "artifacts", CLASSES, 16))
+    export = project / "artifacts" / "export"
+    export.mkdir()
+    model, _ = tiny_model(classes=CLASSES)
+    model = model.replace(export / "student.onnx")
+    rel_run = run.relative_to(project)
+    (export / "parity.json").write_text(json.dumps({"run": {"path": str(rel_run / "best.npz")},
+                                                    "dataset": {"root": "artifacts/dataset"}}))
+    monkeypatch.chdir(tmp_path)  # not the project folder the export ran in
+    ctx = discover(model)
+    assert ctx.run_dir == project / rel_run and ctx.warnings == []
+    assert ctx.dataset_root == project / "artifacts" / "dataset"
+    (export / "parity.json").write_text(json.dumps({"run": {"path": "artifacts/elsewhere/best.npz"}}))
+    ctx = discover(model)
+    assert ctx.run_dir is None and ctx.warnings == [f"{export / 'parity.json'} names run folder artifacts/elsewhere, "
+                                                    "which is gone"]
+
+
 def test_model_tab_says_how_the_thresholds_were_chosen_and_what_they_cost(tiny_model):
     from leaflens.apps.model_info import ServeContext
     from leaflens.apps.predictor import Predictor

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -107,11 +108,13 @@ def _opts(run: Path, dataset: Path, out: Path, **kw) -> ExportOptions:
     return ExportOptions(run=run, out=out, dataset=dataset, speed_seconds=0.05, threads=1, **kw)
 
 
-def test_export_end_to_end_via_cli(tiny_run, tmp_path, capsys):
+def test_export_end_to_end_via_cli(tiny_run, tmp_path, capsys, monkeypatch):
     run, dataset = tiny_run
     out = tmp_path / "export"
+    monkeypatch.chdir(tmp_path)  # relative paths, as `make export` gives them
+    run_arg, dataset_arg = os.path.relpath(run, tmp_path), os.path.relpath(dataset, tmp_path)
     # --int8-max-drop 1: INT8 is written whatever it loses here (the rule has its own tests below)
-    code = main(["export", "--run", str(run), "--out", str(out), "--dataset", str(dataset), "--speed-seconds",
+    code = main(["export", "--run", run_arg, "--out", "export", "--dataset", dataset_arg, "--speed-seconds",
                  "0.05", "--calib-images", "32", "--threads", "1", "--max-batch-size", "16",
                  "--queue-delay-us", "500", "--int8-max-drop", "1", "--int8-calibration", "entropy"])
     assert code == 0, capsys.readouterr().err
@@ -121,6 +124,8 @@ def test_export_end_to_end_via_cli(tiny_run, tmp_path, capsys):
                      "triton/leaflens_student/labels.txt"]
     report = json.loads((out / "parity.json").read_text())
     assert report["passed"] and not report["failures"]
+    # absolute, so that the server finds them from any working folder
+    assert Path(report["run"]["path"]).is_absolute() and Path(report["dataset"]["root"]).is_absolute()
     fp32, fp16 = report["parity"]["fp32"], report["parity"]["fp16"]
     assert fp32["split"] == "val" and fp32["images"] == len(load_dataset(dataset)["val"])
     assert fp32["max_abs_diff"] <= 1e-4 and fp32["top1_agreement"] == 1.0

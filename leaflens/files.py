@@ -137,6 +137,20 @@ def new_temp_dir(target: PathLike, kind: str = "tmp") -> Path:
     return tmp
 
 
+class NotOurFolderError(ValueError):
+    """An output folder holds something a stage did not write there: it is never replaced."""
+
+
+def check_replaceable(target: PathLike, marker: str, what: str) -> None:
+    """Refuse to replace ``target`` unless it is missing, an empty folder, or a folder holding ``marker`` (the
+    file this kind of folder always has): a mistyped ``--out`` must never delete someone's files. Raises
+    :class:`NotOurFolderError` naming the folder; call it before any work that would end in the swap."""
+    target = Path(target)
+    if target.exists() and (not target.is_dir() or (any(target.iterdir()) and not (target / marker).exists())):
+        raise NotOurFolderError(f"output {target} exists and is not a {what} (no {marker} in it); refusing to "
+                                "replace it: give a new or empty folder")
+
+
 def swap_into_place(tmp: PathLike, target: PathLike, *, replace: bool = True) -> bool:
     """Rename the finished folder ``tmp`` to ``target``; True when it is in place.
 

@@ -42,7 +42,7 @@ from leaflens.data_prep.data_report import read_data_report
 from leaflens.data_prep.manifest import load_dataset, manifest_sha256
 from leaflens.engine import Tensor, no_grad
 from leaflens.engine.checkpoint import CheckpointError, save_checkpoint
-from leaflens.files import swap_into_place, write_json_atomic, write_text_atomic
+from leaflens.files import check_replaceable, swap_into_place, write_json_atomic, write_text_atomic
 from leaflens.pipeline import centre_crop, ood
 from leaflens.pipeline.config import StageConfig, dump_toml, load_config
 from leaflens.pipeline.hardware import describe_hardware
@@ -129,6 +129,8 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
                 resume: bool = False, progress: bool = True) -> dict[str, Any]:
     out = Path(out_dir)
     work = _partial_dir(out)
+    check_replaceable(out, "report.json", "leaflens run folder")
+    check_replaceable(work, "config.toml", "leaflens run folder in progress")
     if resume and not work.exists() and out.exists():
         # Nothing interrupted to continue: training anew would replace the finished run it was asked to continue.
         raise ValueError(f"--resume: {out} is a finished run and there is no interrupted one ({work.name}) to "

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from leaflens.data_prep.arrays import NpyRowWriter
 from leaflens.data_prep.decode import decode_image_at
 from leaflens.data_prep.manifest import load_dataset, manifest_sha256
-from leaflens.files import clean_stale_temps, new_temp_dir, swap_into_place, write_json_atomic
+from leaflens.files import check_replaceable, clean_stale_temps, new_temp_dir, swap_into_place, write_json_atomic
 from leaflens.pipeline.config import StageConfig, dump_toml
 from leaflens.pipeline.teachers.artefact import FORMAT, TEACHER_JSON, TeacherInfo, feature_paths, load_teacher
 
@@ -132,6 +132,7 @@ def write_teacher(out: str | os.PathLike[str], ds: Any, encoder: Encoder, batch:
     teacher) and returns entries added to ``stage``.
     """
     out = Path(out)
+    check_replaceable(out, TEACHER_JSON, "leaflens teacher folder")
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_temps(out)  # folders of killed runs
     tmp = new_temp_dir(out, kind="partial")
@@ -336,6 +337,7 @@ def run_teacher_stage(dataset_dir: str | os.PathLike[str], out: str | os.PathLik
     """
     t0 = time.perf_counter()
     out = Path(out)
+    check_replaceable(out, TEACHER_JSON, "leaflens teacher folder")  # before minutes of fine-tuning
     ds = load_dataset(dataset_dir)
     encoder, made = make_encoder(ds, cfg, choice, out, from_arrays, progress)
     recipe = cfg.teacher

@@ -192,6 +192,23 @@ def test_resume_never_replaces_a_finished_run(tiny, capsys):
     assert not (tmp / "finished.partial").exists()
 
 
+def test_a_folder_distill_did_not_write_is_never_replaced(tiny, tmp_path):
+    """A mistyped --out (or its .partial) that names someone's folder: refused before training, untouched."""
+    _, ds_dir = tiny
+    theirs = tmp_path / "thesis"
+    theirs.mkdir()
+    (theirs / "chapter1.txt").write_text("mine")
+    with pytest.raises(ValueError, match="is not a leaflens run folder .no report.json in it.; refusing"):
+        run_distill(ds_dir, None, theirs, _cfg(epochs=1), no_teacher=True, progress=False)
+    assert [p.name for p in theirs.iterdir()] == ["chapter1.txt"]
+    other = tmp_path / "run.partial"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine too")
+    with pytest.raises(ValueError, match="is not a leaflens run folder in progress"):
+        run_distill(ds_dir, None, tmp_path / "run", _cfg(epochs=1), no_teacher=True, progress=False)
+    assert (other / "notes.txt").read_text() == "mine too" and not (tmp_path / "run").exists()
+
+
 def test_features_of_another_dataset_are_refused(tiny, tmp_path):
     tmp, ds_dir = tiny
     other = tiny_dataset(tmp_path, per_class=12, size=16)

@@ -69,6 +69,22 @@ def test_the_stage_runs_as_a_library_call(ds_dir, tmp_path):
     assert tt.features["train"].dtype == np.float16 and tt.info.stage == {}
 
 
+def test_a_folder_the_stage_did_not_write_is_never_replaced(ds_dir, tmp_path, capsys):
+    """A mistyped --out that names someone's folder: refused before any work, every file left as it was; a
+    teacher folder, or an empty one, is replaced as before."""
+    feats = class_features(ds_dir, tmp_path / "feats", dim=8)
+    theirs = tmp_path / "thesis"
+    theirs.mkdir()
+    (theirs / "chapter1.txt").write_text("mine")
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(theirs), "--features", str(feats), "--quiet"]) == 2
+    assert "is not a leaflens teacher folder (no teacher.json in it); refusing to replace it" in capsys.readouterr().err
+    assert [p.name for p in theirs.iterdir()] == ["chapter1.txt"] and (theirs / "chapter1.txt").read_text() == "mine"
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "empty", tmp_path / "empty"):  # an empty folder, then the teacher folder it became
+        assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(out), "--features", str(feats), "--quiet"]) == 0
+        assert (out / "teacher.json").is_file()
+
+
 def test_misaligned_features_are_refused(ds_dir, tmp_path, capsys):
     feats = class_features(ds_dir, tmp_path / "feats", dim=8)
     np.save(feats / "features_val.npy", np.zeros((3, 8), np.float32))

@@ -189,6 +189,11 @@ def run(args: argparse.Namespace) -> int:
         if not files:
             raise UsageError(f"no image files found in {', '.join(map(str, args.images))}"
                              + (f" ({skipped_note(skipped)})" if skipped else ""))
+        if args.csv and os.path.realpath(args.csv) in {os.path.realpath(f) for f in files}:
+            raise UsageError(f"--csv {args.csv} is one of the photos to classify; writing the results there "
+                             "would replace it (give a .csv path)")
+        if args.csv and os.path.isdir(args.csv):
+            raise UsageError(f"--csv {args.csv} is a folder; give a file path (e.g. {Path(args.csv) / 'results.csv'})")
         predictor = Predictor(args.model, intra_op_threads=args.threads,
                               providers=requested_providers(getattr(args, "provider", "auto")))
     except (UsageError, ModelError) as exc:

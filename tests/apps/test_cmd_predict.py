@@ -144,6 +144,11 @@ def test_usage_and_model_errors_exit_two(tiny_model, tmp_path, capsys):
     assert "(2 other files in the folders skipped, not images by their extension (no extension 1, .gif 1)" \
         in capsys.readouterr().err
     assert main(["predict", str(photo), "--model", str(model), "--top-k", "0"]) == 2
+    before = photo.read_bytes()
+    assert main(["predict", str(tmp_path), "--model", str(model), "--csv", str(photo)]) == 2  # a typo'd --csv
+    assert "is one of the photos to classify" in capsys.readouterr().err and photo.read_bytes() == before
+    assert main(["predict", str(photo), "--model", str(model), "--csv", str(empty)]) == 2
+    assert "is a folder" in capsys.readouterr().err
 
 
 def test_collect_images_order_and_filtering(tmp_path):

@@ -56,6 +56,7 @@ from leaflens.data_prep.split import MIN_PER_CLASS, assign_auto, resolve_given
 from leaflens.files import clean_stale_temps, new_temp_dir, swap_into_place, write_json_atomic
 
 _STAGING = "staging.bin"
+MAX_SIZE = 2048  # stored side in pixels: students train at 64-128 from photos stored at up to twice that
 CLASS_INFO_NAME = "classes.toml"  # optional per-class display names/advice next to the photos
 _CHUNK_ROWS = 256
 CHECK_SIZE = 64  # --check decodes at most at this size (see check_size)
@@ -353,6 +354,18 @@ def _fingerprint(scan: ScanResult, opts: IngestOptions, unlabeled: str | None) -
 
 
 # ---------------------------------------------------------------------------- output folder safety
+def _check_free_space(out: Path, photos: int, size: int) -> None:
+    """Refuse before decoding when the arrays cannot fit: each photo takes size x size x 3 bytes, held twice while
+    the dataset is written (the decoded staging file, then the split arrays)."""
+    need = 2 * photos * size * size * 3
+    free = shutil.disk_usage(out.parent).free
+    if need > free:
+        gb = 1024.0 ** 3
+        raise IngestError(f"{out}: {photos} photos at {size} px need about {need / gb:.1f} GB while the dataset is "
+                          f"written ({size} x {size} x 3 bytes each, twice), and {out.parent} has {free / gb:.1f} GB "
+                          "free: choose a smaller --size or free some space")
+
+
 def _check_out(src: Path, out: Path) -> None:
     if out == src or src in out.parents:
         raise IngestError(f"output folder {out} must not be inside the source folder {src}")
@@ -397,6 +410,9 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: Inges
     opts = options or IngestOptions()
     if opts.size < 8:
         raise IngestError(f"image size {opts.size} is too small (need >= 8)")
+    if opts.size > MAX_SIZE:
+        raise IngestError(f"image size {opts.size} is too large (at most {MAX_SIZE}: every photo is stored as "
+                          f"size x size x 3 bytes; students train at 64-128 px, the teacher reads the original files)")
     src_p = Path(src).resolve()
     scan = scan_source(src_p, unlabeled, also)
     if scan.also:
@@ -424,6 +440,7 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: Inges
 
     out_p.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_temps(out_p)
+    _check_free_space(out_p, len(scan.files), opts.size)
     tmp = new_temp_dir(out_p)
     try:
         decoded = _decode_all(scan.files, opts, tmp / _STAGING, workers, progress)

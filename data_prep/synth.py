@@ -668,8 +668,9 @@ def generate(out: str | os.PathLike, options: SynthOptions | None = None, *, wor
     from tqdm import tqdm
 
     opts = options or SynthOptions()
-    if opts.per_class < 1 or opts.size < 32:
-        raise ValueError(f"need per_class >= 1 and size >= 32, got {opts.per_class}, {opts.size}")
+    if opts.per_class < 1 or not 32 <= opts.size <= 4096:  # 4096: a phone photo's side; far beyond, one image
+        # alone would take gigabytes to draw
+        raise ValueError(f"need per_class >= 1 and a size of 32 to 4096 px, got {opts.per_class}, {opts.size}")
     if not 0.0 <= opts.unlabeled_fraction < 1.0:
         raise ValueError(f"unlabeled_fraction must be at least 0 and below 1, got {opts.unlabeled_fraction}")
     if unlabeled_counts(opts) >= opts.per_class:

@@ -33,8 +33,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "earliest split (train, val, test); a photo filed under two classes loses every copy. "
                         "data_report.json lists what was removed")
     p.add_argument("--size", type=int, default=IngestOptions.size,
-                   help="square output size in pixels (default 128: twice the student's 64 px input, so its "
-                        "training crops are cut from a sharper image; see model.input_size)")
+                   help="square output size in pixels, 8 to 2048 (default 128: twice the student's 64 px input, "
+                        "so its training crops are cut from a sharper image; see model.input_size)")
     p.add_argument("--resize", choices=("crop", "pad"), default="crop",
                    help="centre crop (default) or letterbox pad to a square")
     p.add_argument("--split", default="70/15/15",

@@ -278,6 +278,19 @@ def test_unsafe_outputs_refused(class_folders, tmp_path):
     assert (other / "thesis.tex").read_text() == "precious"
 
 
+def test_sizes_that_cannot_be_stored_are_refused_before_any_work(class_folders, tmp_path, monkeypatch):
+    """A typo such as --size 100000 would have decoded every photo to 30 GB; a size that fits the rules but not
+    the disk is refused before decoding, with what it needs and what is free; nothing is left behind."""
+    with pytest.raises(IngestError, match="image size 100000 is too large .at most 2048"):
+        ingest(class_folders, tmp_path / "big", IngestOptions(size=100000), workers=1, **QUIET)
+    free = 10 * 1024 ** 2  # 10 MiB: 60 photos at 512 px need 2 x 60 x 512 x 512 x 3 bytes = 90 MiB
+    monkeypatch.setattr(ingest_mod.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(free, 0, free))
+    with pytest.raises(IngestError, match=r"60 photos at 512 px need about 0\.1 GB .* has 0\.0 GB free: choose a"):
+        ingest(class_folders, tmp_path / "ds", IngestOptions(size=512), workers=1, **QUIET)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["photos"]  # no dataset, no temporary folder
+    ingest(class_folders, tmp_path / "ds", IngestOptions(size=16), workers=1, **QUIET)  # 16 px fits
+
+
 SHARED_IBEANS = REPO / ".." / "shared" / "data" / "ibeans"
 
 

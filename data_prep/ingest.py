@@ -53,7 +53,14 @@ from leaflens.data_prep.near_dup import HASH_CROPS, NearGroup, near_duplicate_gr
 from leaflens.data_prep.scan import NOT_A_LEAF, SPLITS, UNLABELED, ScanResult, SourceFile, scan_source
 from leaflens.data_prep.shortcut import PhotoMeta, photo_meta
 from leaflens.data_prep.split import MIN_PER_CLASS, assign_auto, resolve_given
-from leaflens.files import clean_stale_temps, new_temp_dir, swap_into_place, write_json_atomic
+from leaflens.files import (
+    NotOurFolderError,
+    check_replaceable,
+    clean_stale_temps,
+    new_temp_dir,
+    swap_into_place,
+    write_json_atomic,
+)
 
 _STAGING = "staging.bin"
 MAX_SIZE = 2048  # stored side in pixels: students train at 64-128 from photos stored at up to twice that
@@ -369,8 +376,10 @@ def _check_free_space(out: Path, photos: int, size: int) -> None:
 def _check_out(src: Path, out: Path) -> None:
     if out == src or src in out.parents:
         raise IngestError(f"output folder {out} must not be inside the source folder {src}")
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST_NAME).exists())):
-        raise IngestError(f"output {out} exists and is not a leaflens dataset folder; refusing to replace it")
+    try:
+        check_replaceable(out, MANIFEST_NAME, "leaflens dataset folder")
+    except NotOurFolderError as exc:
+        raise IngestError(str(exc)) from None
 
 
 def _up_to_date(out: Path, fingerprint: str) -> bool:

@@ -43,7 +43,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
 from leaflens.cpus import usable_cpus
-from leaflens.files import new_temp_dir, swap_into_place
+from leaflens.files import check_replaceable, new_temp_dir, swap_into_place
 from leaflens.records import Record
 
 CLASS_INFO: dict[str, dict[str, str]] = {
@@ -681,9 +681,7 @@ def generate(out: str | os.PathLike, options: SynthOptions | None = None, *, wor
     if existing is not None:
         log(f"{out_p}: synthetic dataset up to date (same options); nothing to do")
         return existing
-    if out_p.exists() and any(out_p.iterdir()) and not (out_p / SYNTH_META).exists():
-        raise ValueError(f"output {out_p} exists and is not a synthetic dataset folder; "
-                         "refusing to replace it")
+    check_replaceable(out_p, SYNTH_META, "synthetic dataset folder")
     t0 = time.perf_counter()
     out_p.parent.mkdir(parents=True, exist_ok=True)
     tmp = new_temp_dir(out_p)

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from leaflens import __version__
 from leaflens.cpus import usable_cpus
 from leaflens.data_prep.contract import contract_for_dataset, rgb_floats
 from leaflens.data_prep.data_report import read_data_report
@@ -532,8 +533,6 @@ def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold,
         gain = {"val": distilled["val_accuracy"] - scratch["val_accuracy"],
                 "test": None if scratch["test_accuracy"] is None
                 else distilled["test_accuracy"] - scratch["test_accuracy"]}
-    from leaflens import __version__
-
     return {
         "run_id": run_id,
         "leaflens_version": __version__,

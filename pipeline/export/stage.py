@@ -53,7 +53,14 @@ from leaflens.data_prep.arrays import sha256_file
 from leaflens.data_prep.manifest import Dataset, load_dataset, manifest_sha256
 from leaflens.engine.nn import Module
 from leaflens.engine.onnx_export import IR_VERSION, OPSET, convert_float16, export_onnx, save_onnx
-from leaflens.files import clean_stale_temps, new_temp_dir, swap_into_place, write_json_atomic
+from leaflens.files import (
+    NotOurFolderError,
+    check_replaceable,
+    clean_stale_temps,
+    new_temp_dir,
+    swap_into_place,
+    write_json_atomic,
+)
 from leaflens.pipeline import ood as ood_check
 from leaflens.pipeline.evaluate import PhotosUnavailable, dataset_photo_files, evaluate_files
 from leaflens.pipeline.export import parity, triton
@@ -151,8 +158,10 @@ def _pick_split(ds: Dataset, preferred: str) -> str:
 
 
 def _check_out(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / REPORT).exists())):
-        raise ExportFailed(f"output {out} exists and is not a leaflens export folder; refusing to replace it")
+    try:
+        check_replaceable(out, REPORT, "leaflens export folder")
+    except NotOurFolderError as exc:
+        raise ExportFailed(str(exc)) from None
 
 
 def _gates(report: dict[str, Any], opts: ExportOptions) -> list[str]:

@@ -9,6 +9,7 @@ SHA-256 and class (a copy under another class is a label conflict, reported rath
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
 
@@ -20,14 +21,24 @@ MIN_PER_CLASS = 3
 
 
 def parse_ratios(text: str) -> tuple[float, float, float]:
-    """'70/15/15', '0.7,0.15,0.15' -> fractions summing to 1."""
-    parts = [p for p in text.replace("/", ",").replace(":", ",").split(",") if p.strip()]
+    """'70/15/15' (percentages) or '0.7,0.15,0.15' (fractions) -> fractions summing to 1.
+
+    Shares that add up to neither 100 nor 1 are refused rather than rescaled: '70/20/20' is a typo
+    more often than a wish for 63.6/18.2/18.2.
+    """
+    parts = [p.strip() for p in text.replace("/", ",").replace(":", ",").split(",") if p.strip()]
     if len(parts) != 3:
-        raise ValueError(f"split ratios need three numbers train,val,test; got {text!r}")
-    vals = [float(p) for p in parts]
-    if any(v < 0 for v in vals) or sum(vals) <= 0 or vals[0] <= 0:
-        raise ValueError(f"split ratios must be non-negative with train > 0; got {text!r}")
+        raise ValueError(f"--split needs three shares train/val/test, e.g. 70/15/15; got {text!r}")
+    try:
+        vals = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"--split needs three numbers train/val/test, e.g. 70/15/15; got {text!r}") from None
+    if not all(math.isfinite(v) and v >= 0 for v in vals) or vals[0] <= 0:
+        raise ValueError(f"--split shares must be 0 or more, with train above 0; got {text!r}")
     total = sum(vals)
+    if not (math.isclose(total, 100, abs_tol=1) or math.isclose(total, 1, abs_tol=0.01)):
+        raise ValueError(f"--split shares must add up to 100 (percentages) or 1 (fractions); {text!r} adds up to "
+                         f"{total:g}")
     return (vals[0] / total, vals[1] / total, vals[2] / total)
 
 

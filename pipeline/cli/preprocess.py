@@ -38,7 +38,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--resize", choices=("crop", "pad"), default="crop",
                    help="centre crop (default) or letterbox pad to a square")
     p.add_argument("--split", default="70/15/15",
-                   help="train/val/test percentages for ROOT/<class>/ layouts (default 70/15/15)")
+                   help="train/val/test shares for ROOT/<class>/ layouts: percentages adding up to 100, or fractions "
+                        "adding up to 1 (default 70/15/15)")
     p.add_argument("--seed", type=int, default=0, help="seed of the automatic split (default 0)")
     p.add_argument("--unlabeled", default=None, help="extra folder of unlabelled photos (split 'unlabeled')")
     p.add_argument("--also", action="append", default=[], metavar="DIR",

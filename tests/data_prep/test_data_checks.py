@@ -14,13 +14,47 @@ from dp_helpers import make_class_folders
 
 from leaflens.data_prep.ingest import IngestError, IngestOptions, ingest
 from leaflens.data_prep.manifest import load_dataset
-from leaflens.data_prep.split import MIN_PER_CLASS, assign_auto
+from leaflens.data_prep.split import MIN_PER_CLASS, assign_auto, parse_ratios
 
 
 def _ingest(src: Path, out: Path, ratios=(0.7, 0.15, 0.15), **kw):
     messages: list[str] = []
     report = ingest(src, out, IngestOptions(size=16, ratios=ratios), workers=1, log=messages.append, **kw)
     return report, messages
+
+
+@pytest.mark.parametrize("text", ["70/15/15", "0.7,0.15,0.15", "70:15:15", "33/33/33", "80/0/20"])
+def test_split_shares_in_percentages_or_fractions_are_read(text):
+    ratios = parse_ratios(text)
+    assert sum(ratios) == pytest.approx(1.0)
+    assert ratios[0] > ratios[2] or text == "33/33/33"
+
+
+@pytest.mark.parametrize("text, says", [
+    ("70/20/20", "adds up to 110"),  # a typo, not a wish for 63.6/18.2/18.2
+    ("0.7,0.2,0.2", "adds up to 1.1"),
+    ("60/20/10", "adds up to 90"),
+    ("70/30", "three shares"),
+    ("70/x/15", "three numbers"),
+    ("0/50/50", "train above 0"),
+    ("nan/15/15", "0 or more"),
+    ("110/-5/-5", "0 or more"),
+])
+def test_split_shares_that_do_not_add_up_are_refused_naming_the_sum(text, says):
+    with pytest.raises(ValueError, match="--split") as err:
+        parse_ratios(text)
+    assert says in str(err.value) and text in str(err.value)
+
+
+def test_preprocess_refuses_a_split_that_does_not_add_up_before_writing(tmp_path, capsys):
+    from leaflens.pipeline.cli import main
+
+    src = make_class_folders(tmp_path / "photos", per_class=6)
+    out = tmp_path / "ds"
+    assert main(["preprocess", "--src", str(src), "--out", str(out), "--split", "70/20/20", "--workers", "1",
+                 "--no-progress"]) == 1
+    assert "adds up to 110" in capsys.readouterr().err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("n", range(MIN_PER_CLASS, 12))

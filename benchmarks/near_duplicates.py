@@ -2,13 +2,16 @@
 
 For a folder of photos (any layout; every image file under it): (a) the hash distance of every pair of
 different files: how many pairs fall within each threshold (false matches, unless a pair really is the
-same picture: the closest ones are listed to look at); (b) for a sample of photos, the distance to
-their own altered copies: resized, re-encoded, saved as PNG, brightened, centre-cropped 1-10 % per side,
-cropped on one side, cropped + resized + re-encoded; (c) the distance between the hashes of the stored
+same picture: the closest ones are listed to look at), and the colour distance of the pairs within the
+threshold (copies when within ``COLOUR_THRESHOLD``, look-alikes otherwise); (b) for a sample of photos,
+the hash and colour distances to their own altered copies: resized, re-encoded, saved as PNG, brightened,
+centre-cropped 1-10 % per side, cropped on one side, cropped + resized + re-encoded, and the share found
+as copies (both within their thresholds); (c) the distance between the hashes of the stored
 pixels and those `leaflens preprocess --check` computes from its smaller decode; (d) the pair search's
 time on 20,000 random hashes.
 
     python benchmarks/near_duplicates.py /work/shared/data/ibeans [--size 128] [--sample 150]
+    python benchmarks/near_duplicates.py artifacts/synthetic --labelled-only   # the demo's photos (make data)
 
 The last line of output is a JSON object.
 """
@@ -24,11 +27,21 @@ import time
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 from leaflens.data_prep.contract import decode_stored
 from leaflens.data_prep.ingest import check_size
-from leaflens.data_prep.near_dup import HASH_CROPS, NEAR_THRESHOLD, hamming, near_pairs, photo_hashes
+from leaflens.data_prep.near_dup import (
+    COLOUR_THRESHOLD,
+    HASH_CROPS,
+    NEAR_THRESHOLD,
+    colour_distance,
+    colour_signatures,
+    find_copies,
+    hamming,
+    near_pairs,
+    photo_hashes,
+)
 from leaflens.data_prep.scan import IMAGE_EXTENSIONS
 
 
@@ -77,43 +90,77 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", type=Path, help="folder of photos")
     p.add_argument("--size", type=int, default=128, help="stored size the hashes are taken at (default 128)")
-    p.add_argument("--sample", type=int, default=150, help="photos altered in (b) and (c)")
+    p.add_argument("--sample", type=int, default=150, help="photos altered in (b) and (c) (default 150)")
     p.add_argument("--closest", type=int, default=6, help="closest different-photo pairs to list")
+    p.add_argument("--labelled-only", action="store_true",
+                   help="leave out photos under an 'unlabeled' folder (preprocess checks the labelled ones)")
     args = p.parse_args()
 
-    files = sorted(f for f in args.src.rglob("*") if f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file())
-    datas = [f.read_bytes() for f in files]
-    hashes = np.stack([photo_hashes(decode_stored(d, args.size, "crop")) for d in datas])
+    files, datas, stored = [], [], []
+    skipped = 0
+    for f in sorted(args.src.rglob("*")):
+        if f.suffix.lower() not in IMAGE_EXTENSIONS or not f.is_file():
+            continue
+        if args.labelled_only and "unlabeled" in f.relative_to(args.src).parts:
+            continue
+        data = f.read_bytes()
+        try:
+            px = decode_stored(data, args.size, "crop")
+        except Exception:  # a broken file (data synth makes some): preprocess rejects it too
+            skipped += 1
+            continue
+        files.append(f)
+        datas.append(data)
+        stored.append(px)
+    if skipped:
+        print(f"{skipped} files could not be decoded: left out")
+    hashes = np.stack([photo_hashes(px) for px in stored])
+    colours = np.stack([colour_signatures(px) for px in stored])
     n = len(files)
     i, j, d = near_pairs(hashes, threshold=16)
     pairs_total = n * (n - 1) // 2
     within = {t: int((d <= t).sum()) for t in range(0, 17, 2)}
     print(f"{n} photos, {pairs_total:,} pairs of different photos; pairs within t bits: {within}")
     order = np.argsort(d, kind="stable")[: args.closest]
-    closest = [(str(files[i[k]].relative_to(args.src)), str(files[j[k]].relative_to(args.src)), int(d[k]))
-               for k in order]
-    for a, b, dist in closest:
-        print(f"  {dist:2d} bits: {a}  {b}")
+    colour = colour_distance(colours[i], colours[j]) if len(i) else np.zeros(0, np.float32)
+    closest = [(str(files[i[k]].relative_to(args.src)), str(files[j[k]].relative_to(args.src)), int(d[k]),
+                round(float(colour[k]), 1)) for k in order]
+    for a, b, dist, c in closest:
+        print(f"  {dist:2d} bits, colour {c:5.1f}: {a}  {b}")
+    near = d <= NEAR_THRESHOLD
+    found = find_copies(hashes, colours)
+    print(f"pairs within {NEAR_THRESHOLD} bits: {int(near.sum())}, of them within {COLOUR_THRESHOLD:g} grey levels "
+          f"in colour (copies): {int((near & (colour <= COLOUR_THRESHOLD)).sum())}, look-alikes: "
+          f"{found.look_alike_pairs}; colour distances of the pairs within {NEAR_THRESHOLD} bits: "
+          f"{sorted(round(float(c), 1) for c in colour[near])}")
 
     rng = np.random.default_rng(0)
     sample = rng.choice(n, min(args.sample, n), replace=False)
     altered: dict[str, list[int]] = {name: [] for name in ALTERATIONS}
+    altered_colour: dict[str, list[float]] = {name: [] for name in ALTERATIONS}
     check: list[int] = []
     small = check_size(args.size)
     for k in sample:
-        im = Image.open(io.BytesIO(datas[k])).convert("RGB")
+        im = ImageOps.exif_transpose(Image.open(io.BytesIO(datas[k]))).convert("RGB")  # as decode_stored turns it
         for name, alter in ALTERATIONS.items():
-            altered[name].append(pair_distance(hashes[k], photo_hashes(decode_stored(alter(im), args.size, "crop"))))
+            px = decode_stored(alter(im), args.size, "crop")
+            altered[name].append(pair_distance(hashes[k], photo_hashes(px)))
+            altered_colour[name].append(float(colour_distance(colours[k], colour_signatures(px))))
         check.append(int(hamming(hashes[k], photo_hashes(decode_stored(datas[k], small, "crop"))).max()))
     print(f"\n{'altered copy (' + str(len(sample)) + ' photos)':<34}{'max':>5}{'p95':>6}{'mean':>6}"
-          f"{'within ' + str(NEAR_THRESHOLD):>10}")
+          f"{'within ' + str(NEAR_THRESHOLD):>10}{'colour p99':>11}{'max':>6}{'found':>7}")
     summary = {}
     for name, dists in altered.items():
         a = np.array(dists)
+        c = np.array(altered_colour[name])
+        copies = (a <= NEAR_THRESHOLD) & (c <= COLOUR_THRESHOLD)
         summary[name] = {"max": int(a.max()), "mean": round(float(a.mean()), 2),
-                         "matched": round(float((a <= NEAR_THRESHOLD).mean()), 3)}
+                         "matched": round(float((a <= NEAR_THRESHOLD).mean()), 3),
+                         "colour_p99": round(float(np.percentile(c, 99)), 2), "colour_max": round(float(c.max()), 2),
+                         "found": round(float(copies.mean()), 3)}
         print(f"{name:<34}{a.max():>5}{np.percentile(a, 95):>6.1f}{a.mean():>6.2f}"
-              f"{100 * (a <= NEAR_THRESHOLD).mean():>9.0f}%")
+              f"{100 * (a <= NEAR_THRESHOLD).mean():>9.0f}%{np.percentile(c, 99):>11.1f}{c.max():>6.1f}"
+              f"{100 * copies.mean():>6.0f}%")
     c = np.array(check)
     print(f"\n--check decodes at {small} px: largest per-hash distance to the {args.size} px hashes: max {c.max()}, "
           f"mean {c.mean():.2f}")
@@ -124,7 +171,9 @@ def main() -> int:
     search_s = time.perf_counter() - t0
     print(f"pair search, 20,000 random photos: {search_s:.2f} s")
     print(json.dumps({"photos": n, "pairs": pairs_total, "threshold": NEAR_THRESHOLD,
-                      "pairs_within": within,
+                      "colour_threshold": COLOUR_THRESHOLD, "pairs_within": within,
+                      "pairs_within_threshold_copies": int((near & (colour <= COLOUR_THRESHOLD)).sum()),
+                      "look_alike_pairs": found.look_alike_pairs,
                       "within_threshold_per_pair": within.get(NEAR_THRESHOLD, 0) / max(pairs_total, 1),
                       "closest": closest, "altered": summary, "check_mode_max_distance": int(c.max()),
                       "search_20k_seconds": round(search_s, 2)}))

@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from leaflens.data_prep.near_dup import NEAR_THRESHOLD, NearGroup
+from leaflens.data_prep.near_dup import COLOUR_GRID, COLOUR_THRESHOLD, NEAR_THRESHOLD, NearGroup
 from leaflens.data_prep.shortcut import FEATURES, PhotoMeta, ShortcutResult, check_shortcuts
 from leaflens.data_prep.split import SPLIT_ORDER
 from leaflens.records import Record, RecordError
@@ -67,6 +67,16 @@ class DuplicateGroup(Record):
 
 
 @dataclass(frozen=True)
+class LookAlikePair(Record):
+    """Two photos alike in grey shapes (``bits`` apart) but not in colour (``colour`` grey levels apart):
+    counted as different photos, listed for a look (a copy edited in colour would be one)."""
+
+    photos: tuple[DuplicatePhoto, DuplicatePhoto]
+    bits: int
+    colour: float
+
+
+@dataclass(frozen=True)
 class DuplicateFindings(Record):
     """Duplicate groups among the dataset's labelled photos (before ``--dedupe`` removed any)."""
 
@@ -79,6 +89,9 @@ class DuplicateFindings(Record):
     leakage: dict[str, int]  # "train-val" etc.: photos of the later split with a copy in the earlier one
     exact_dropped_across_splits: int  # byte-identical copies already left out of later given splits
     groups: tuple[DuplicateGroup, ...]
+    colour_threshold: float | None = None  # None: grey shapes alone (reports written before the colour check)
+    look_alike_pairs: int = 0  # pairs within the bits whose colours differ: not copies
+    look_alikes: tuple[LookAlikePair, ...] = ()  # the first of them
 
 
 @dataclass(frozen=True)
@@ -310,21 +323,31 @@ def _warnings(d: DuplicateFindings, balance: ClassBalance, shortcut: ShortcutChe
 
 def run_checks(photos: CheckedPhotos, linked: Sequence[NearGroup], classes: Sequence[str], *,
                dedupe: bool, seed: int, source: str, layout: str, mode: Literal["preprocess", "check"],
-               decode_size: int, exact_dropped: int = 0) -> tuple[DataReport, list[int]]:
+               decode_size: int, exact_dropped: int = 0,
+               look_alikes: Sequence[tuple[int, int, int, float]] = (),
+               look_alike_pairs: int = 0) -> tuple[DataReport, list[int]]:
     """The data report of ``photos`` (``linked``: their groups of exact or near copies, from
-    :func:`leaflens.data_prep.near_dup.near_duplicate_groups`) and, with ``dedupe``, the rows to remove.
-    ``seconds`` is left 0 for the caller to fill."""
+    :func:`leaflens.data_prep.near_dup.find_copies`; ``look_alikes``: its look-alike pairs as rows of
+    ``photos``, bits and colour distance, ``look_alike_pairs`` how many there are in all) and, with
+    ``dedupe``, the rows to remove. ``seconds`` is left 0 for the caller to fill."""
     groups = _groups(photos, linked, classes)
     plain = [g for _, g in groups]
+
+    def shown(k: int) -> DuplicatePhoto:
+        return DuplicatePhoto(photos.files[k], classes[int(photos.labels[k])], photos.splits[k])
+
     findings = DuplicateFindings(
         method=f"pHash of the decoded {decode_size} px photo (and of its centre cropped 3 and 6 % per side); "
-               f"near: within {NEAR_THRESHOLD} of 64 bits",
+               f"near: within {NEAR_THRESHOLD} of 64 bits and, in colour ({COLOUR_GRID}x{COLOUR_GRID} grid), "
+               f"within {COLOUR_THRESHOLD:g} grey levels",
         threshold=NEAR_THRESHOLD,
         within_split=sum(1 for g in plain if g.scope == "within_split"),
         across_splits=sum(1 for g in plain if g.scope == "across_splits"),
         label_conflicts=sum(1 for g in plain if g.scope == "across_classes"),
         extra_copies=sum(len(g.photos) - 1 for g in plain if g.scope == "within_split"),
-        leakage=_leakage(groups), exact_dropped_across_splits=exact_dropped, groups=tuple(plain))
+        leakage=_leakage(groups), exact_dropped_across_splits=exact_dropped, groups=tuple(plain),
+        colour_threshold=COLOUR_THRESHOLD, look_alike_pairs=look_alike_pairs,
+        look_alikes=tuple(LookAlikePair((shown(a), shown(b)), bits, colour) for a, b, bits, colour in look_alikes))
     removals = _dedupe(photos, groups, classes) if dedupe else []
     keep = np.ones(len(photos), bool)
     keep[[k for k, _ in removals]] = False
@@ -362,10 +385,18 @@ def format_data_report(report: DataReport) -> str:
     lines = [f"data checks on {report.photos} labelled photos ({report.seconds:.1f} s):",
              f"  photos per class: {per_class} ({ratio})"]
     leak = ", ".join(f"{k} {v}" for k, v in d.leakage.items()) or "none"
-    lines.append(f"  duplicates (exact or within {d.threshold} bits): {_n(d.within_split, 'group')} within a split, "
-                 f"{d.across_splits} across splits, {_n(d.label_conflicts, 'label conflict')}; leakage per split "
-                 f"pair: {leak}" + (f"; {d.exact_dropped_across_splits} exact copies in later splits already left out"
-                                    if d.exact_dropped_across_splits else ""))
+    alike = " and alike in colour" if d.colour_threshold is not None else ""
+    lines.append(f"  duplicates (exact or within {d.threshold} bits{alike}): {_n(d.within_split, 'group')} within "
+                 f"a split, {d.across_splits} across splits, {_n(d.label_conflicts, 'label conflict')}; leakage per "
+                 f"split pair: {leak}"
+                 + (f"; {d.exact_dropped_across_splits} exact copies in later splits already left out"
+                    if d.exact_dropped_across_splits else ""))
+    if d.look_alike_pairs:
+        first = d.look_alikes[0] if d.look_alikes else None
+        example = f", e.g. {first.photos[0].file} ~ {first.photos[1].file}" if first else ""
+        lines.append(f"  look-alikes: {_n(d.look_alike_pairs, 'pair')} of photos alike in grey shapes but not in colour"
+                     f"{example}: counted as different photos (a copy edited in colour would be one: "
+                     f"{DATA_REPORT_NAME} lists them)")
     if s.skipped:
         lines.append(f"  shortcut check: skipped ({s.skipped})")
     else:

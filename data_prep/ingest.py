@@ -49,7 +49,14 @@ from leaflens.data_prep.manifest import (
     load_dataset,
     split_paths,
 )
-from leaflens.data_prep.near_dup import HASH_CROPS, NearGroup, near_duplicate_groups, photo_hashes
+from leaflens.data_prep.near_dup import (
+    COLOUR_GRID,
+    HASH_CROPS,
+    NearGroup,
+    colour_signatures,
+    find_copies,
+    photo_hashes,
+)
 from leaflens.data_prep.scan import NOT_A_LEAF, SPLITS, UNLABELED, ScanResult, SourceFile, scan_source
 from leaflens.data_prep.shortcut import PhotoMeta, photo_meta
 from leaflens.data_prep.split import MIN_PER_CLASS, assign_auto, resolve_given
@@ -129,12 +136,14 @@ def _decode_task(task: tuple[int, str, int, str, int]) -> tuple[int, bytes | Non
 
 
 def _checked_task(task: tuple[int, str, int, str, int, bool]) -> tuple[
-        int, bytes | None, np.ndarray | None, str | None, str | None, np.ndarray | None, PhotoMeta | None, float]:
+        int, bytes | None, np.ndarray | None, str | None, str | None, tuple[np.ndarray, np.ndarray] | None,
+        PhotoMeta | None, float]:
     """Worker of preprocess and --check: :func:`_decode_task` plus the data checks' share of the work on a
-    kept photo: its perceptual hashes (from the decoded pixels) and metadata (from the header the decoder read).
+    kept photo: its perceptual hashes and colour signatures (from the decoded pixels) and metadata (from the
+    header the decoder read).
 
-    Returns (index, sha256, pixels or None when ``keep_pixels`` is false, reason, detail, hashes, metadata,
-    seconds spent on the checks: everything with --check, the hashes and metadata otherwise)."""
+    Returns (index, sha256, pixels or None when ``keep_pixels`` is false, reason, detail, (hashes, colours),
+    metadata, seconds spent on the checks: everything with --check, the hashes and metadata otherwise)."""
     index, path, size, resize, max_pixels, keep_pixels = task
     t0 = time.perf_counter()
     header: dict = {}
@@ -142,7 +151,7 @@ def _checked_task(task: tuple[int, str, int, str, int, bool]) -> tuple[
     t1 = time.perf_counter()
     hashes = meta = None
     if pixels is not None:
-        hashes = photo_hashes(pixels)
+        hashes = (photo_hashes(pixels), colour_signatures(pixels))
         meta = photo_meta(header, path)
     seconds = time.perf_counter() - (t0 if not keep_pixels else t1)
     return index, digest, pixels if keep_pixels else None, reason, detail, hashes, meta, seconds
@@ -150,11 +159,13 @@ def _checked_task(task: tuple[int, str, int, str, int, bool]) -> tuple[
 
 @dataclass
 class _Decoded:
-    """What the decode pass gives: kept source indices, their sha256, hashes and metadata, the rejects."""
+    """What the decode pass gives: kept source indices, their sha256, hashes, colour signatures and
+    metadata, the rejects."""
 
     kept: list[int]
     digests: list[bytes]
     hashes: np.ndarray  # (len(kept), len(HASH_CROPS)) uint64
+    colours: np.ndarray  # (len(kept), len(HASH_CROPS), COLOUR_GRID**2 * 3) uint8
     metas: list[PhotoMeta]
     rejects: list[dict]
     worker_check_seconds: float
@@ -170,6 +181,7 @@ def _decode_all(files: list[SourceFile], opts: IngestOptions, staging: Path | No
     kept: list[int] = []
     digests: list[bytes] = []
     hashes: list[np.ndarray] = []
+    colours: list[np.ndarray] = []
     metas: list[PhotoMeta] = []
     rejects: list[dict] = []
     check_seconds = 0.0
@@ -199,7 +211,8 @@ def _decode_all(files: list[SourceFile], opts: IngestOptions, staging: Path | No
                             out.write(pixels.tobytes())
                         kept.append(index)
                         digests.append(digest)
-                        hashes.append(hash_row)
+                        hashes.append(hash_row[0])
+                        colours.append(hash_row[1])
                         metas.append(meta)
                     bar.update(1)
     finally:
@@ -208,7 +221,9 @@ def _decode_all(files: list[SourceFile], opts: IngestOptions, staging: Path | No
             pool.terminate()
             pool.join()
     hash_array = np.stack(hashes) if hashes else np.zeros((0, len(HASH_CROPS)), np.uint64)
-    return _Decoded(kept, digests, hash_array, metas, rejects, check_seconds)
+    colour_array = (np.stack(colours) if colours else
+                    np.zeros((0, len(HASH_CROPS), COLOUR_GRID * COLOUR_GRID * 3), np.uint8))
+    return _Decoded(kept, digests, hash_array, colour_array, metas, rejects, check_seconds)
 
 
 # ---------------------------------------------------------------------------- splitting
@@ -539,9 +554,10 @@ def _split_and_check(scan: ScanResult, decoded: _Decoded, opts: IngestOptions, w
     t_start = time.perf_counter()
     files, kept = scan.files, decoded.kept
     lab_rows = [r for r, i in enumerate(kept) if files[i].label >= 0]
-    linked = near_duplicate_groups(decoded.hashes[lab_rows])
+    copies = find_copies(decoded.hashes[lab_rows], decoded.colours[lab_rows])
+    linked = copies.groups
     units: list[Hashable] = [decoded.digests[r] for r in range(len(kept))]
-    for g, group in enumerate(linked):
+    for g, group in enumerate(copies.shape_groups):  # look-alikes too: see near_dup.Copies
         for k in group.members:
             units[lab_rows[k]] = ("group", g)
     t_split = time.perf_counter()
@@ -562,9 +578,12 @@ def _split_and_check(scan: ScanResult, decoded: _Decoded, opts: IngestOptions, w
                            labels=np.array([files[kept[r]].label for r in rows], np.int64),
                            splits=[str(assigned[r]) for r in rows], digests=[decoded.digests[r] for r in rows],
                            metas=[decoded.metas[r] for r in rows])
+    look_alikes = [(position[lab_rows[p.a]], position[lab_rows[p.b]], p.bits, p.colour) for p in copies.look_alikes
+                   if lab_rows[p.a] in position and lab_rows[p.b] in position]
     data, removed = run_checks(photos, kept_groups, scan.classes, dedupe=bool(opts.dedupe),
                                seed=opts.seed, source=scan.root, layout=scan.layout, mode=mode,
-                               decode_size=decode_size, exact_dropped=exact_dropped)
+                               decode_size=decode_size, exact_dropped=exact_dropped, look_alikes=look_alikes,
+                               look_alike_pairs=copies.look_alike_pairs)
     for k in removed:
         r = rows[k]
         f = files[kept[r]]

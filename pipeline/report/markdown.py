@@ -427,10 +427,15 @@ def _data_section(report: Mapping[str, Any]) -> list[str]:
     dup = data.get("duplicates") or {}
     if dup:
         leak = ", ".join(f"{k} {v}" for k, v in (dup.get("leakage") or {}).items()) or "none"
-        lines.append(f"- Duplicates (exact, or within {dup.get('threshold', '?')} bits of a perceptual hash): "
+        colour = (f" and within {float(dup['colour_threshold']):g} grey levels in colour"
+                  if _float(dup.get("colour_threshold")) is not None else "")
+        lines.append(f"- Duplicates (exact, or within {dup.get('threshold', '?')} bits of a perceptual hash{colour}): "
                      f"{dup.get('within_split', 0)} groups within a split, {dup.get('across_splits', 0)} across "
                      f"splits, {dup.get('label_conflicts', 0)} label conflicts; photos with a copy in an earlier "
                      f"split: {leak}")
+        if dup.get("look_alike_pairs"):
+            lines.append(f"- Look-alikes (alike in grey shapes, not in colour; counted as different photos): "
+                         f"{dup['look_alike_pairs']} pairs, listed in the dataset's data_report.json")
     shortcut = data.get("shortcut") or {}
     if shortcut.get("skipped"):
         lines.append(f"- Shortcut check: skipped ({shortcut['skipped']})")

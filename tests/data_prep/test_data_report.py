@@ -18,7 +18,16 @@ from leaflens.data_prep import near_dup
 from leaflens.data_prep.data_report import DATA_REPORT_NAME, DataReport, read_data_report
 from leaflens.data_prep.ingest import IngestError, IngestOptions, ingest
 from leaflens.data_prep.manifest import load_dataset
-from leaflens.data_prep.near_dup import hamming, near_duplicate_groups, near_pairs, photo_hashes
+from leaflens.data_prep.near_dup import (
+    COLOUR_THRESHOLD,
+    colour_distance,
+    colour_signatures,
+    find_copies,
+    hamming,
+    near_duplicate_groups,
+    near_pairs,
+    photo_hashes,
+)
 from leaflens.data_prep.shortcut import PhotoMeta, check_shortcuts
 
 SIZE = 32  # stored size; --check decodes at the same size, so its hashes equal a build's
@@ -93,6 +102,76 @@ def test_pair_search_in_blocks_finds_what_a_full_comparison_finds(monkeypatch):
     groups = near_duplicate_groups(hashes)
     assert [g.members for g in groups] == [(3, 250), (5, 77), (10, 11, *range(300, 350)), (120, 299)]
     assert [g.distance for g in groups] == [3, 1, 3, 3]
+
+
+def tinted(seed: int, tint: tuple[float, float, float], w: int = 96, h: int = 72) -> Image.Image:
+    """The grey shapes of ``scene(seed)`` in the colour ``tint``: two tints share their perceptual hash."""
+    grey = np.asarray(scene(seed, w, h).convert("L"), np.float32)[..., None]
+    return Image.fromarray(np.clip(grey * np.array(tint, np.float32), 0, 255).astype(np.uint8))
+
+
+RED, BLUE = (1.25, 0.8, 0.45), (0.5, 0.85, 1.3)
+
+
+def test_colour_signature_is_the_grid_mean_colour_and_a_brightened_copy_stays_close():
+    original = scene(3, 160, 120)
+    px = np.asarray(original.resize((SIZE, SIZE)))
+    sig = colour_signatures(px)
+    assert sig.shape == (3, 27) and sig.dtype == np.uint8
+    square = np.asarray(original.resize((30, 30)), np.float64)  # 3x3 cells of 10x10 pixels
+    want = square.reshape(3, 10, 3, 10, 3).mean(axis=(1, 3)).reshape(-1)
+    assert np.abs(colour_signatures(square.astype(np.uint8))[0] - want).max() <= 0.5
+    brighter = np.clip(px.astype(np.int16) + 12, 0, 255).astype(np.uint8)
+    cropped = np.asarray(original.crop((5, 4, 155, 116)).resize((SIZE, SIZE)))
+    assert colour_distance(sig, colour_signatures(brighter)) < 1.5
+    assert colour_distance(sig, colour_signatures(cropped)) < COLOUR_THRESHOLD / 2
+    assert colour_distance(sig, colour_signatures(np.ascontiguousarray(px[..., ::-1]))) > 2 * COLOUR_THRESHOLD
+
+
+def test_photos_alike_in_grey_shapes_but_not_in_colour_are_look_alikes_not_copies():
+    red, blue = (np.asarray(tinted(5, t, SIZE, SIZE)) for t in (RED, BLUE))
+    copy = np.asarray(tinted(5, RED, 160, 120).resize((SIZE, SIZE)))  # the red one, resized
+    other = np.asarray(scene(6, SIZE, SIZE))
+    pixels = [red, blue, copy, other]
+    hashes = np.stack([photo_hashes(p) for p in pixels])
+    colours = np.stack([colour_signatures(p) for p in pixels])
+    assert int(hamming(hashes[0, 0], hashes[1, 0])) <= 2  # one grey picture
+    found = find_copies(hashes, colours)
+    assert [g.members for g in found.groups] == [(0, 2)]
+    assert found.look_alike_pairs == 2 and [(p.a, p.b) for p in found.look_alikes] == [(0, 1), (1, 2)]
+    assert all(p.colour > COLOUR_THRESHOLD and p.bits <= 8 for p in found.look_alikes)
+    assert [g.members for g in found.shape_groups] == [(0, 1, 2)]
+    assert [g.members for g in near_duplicate_groups(hashes)] == [(0, 1, 2)]  # grey shapes alone
+
+
+def test_look_alikes_across_classes_are_listed_not_warned_and_kept_in_one_split(tmp_path):
+    src = tmp_path / "photos"
+    for c, cls in enumerate(("blight", "rust")):
+        for i in range(10):
+            save(scene(100 * c + i), src / cls / f"p{i}.jpg")
+    save(tinted(999, RED), src / "blight" / "leaf_red.jpg")
+    save(tinted(999, BLUE), src / "rust" / "leaf_blue.jpg")
+    for seed in range(3):
+        report, messages = run(src, tmp_path / f"ds{seed}", opts=IngestOptions(size=SIZE, seed=seed))
+        d = report.data.duplicates
+        assert (d.label_conflicts, d.within_split, d.across_splits) == (0, 0, 0) and warnings_of(messages) == []
+        (pair,) = d.look_alikes
+        assert d.look_alike_pairs == 1 and {p.file for p in pair.photos} == {"blight/leaf_red.jpg",
+                                                                            "rust/leaf_blue.jpg"}
+        assert "look-alikes: 1 pair of photos alike in grey shapes but not in colour" in "\n".join(messages)
+        ds = load_dataset(report.out)
+        where = {f: s for s in ("train", "val", "test") for f in ds[s].files}
+        assert where["blight/leaf_red.jpg"] == where["rust/leaf_blue.jpg"]
+        on_disk = DataReport.from_dict(json.loads((report.out / DATA_REPORT_NAME).read_text()))
+        assert on_disk.duplicates == d and on_disk.duplicates.colour_threshold == COLOUR_THRESHOLD
+
+
+def test_a_data_report_written_before_the_colour_check_still_reads(tmp_path):
+    report, _ = run(make_class_folders(tmp_path / "photos", per_class=6), tmp_path / "ds")
+    old = report.data.to_dict()
+    for key in ("colour_threshold", "look_alike_pairs", "look_alikes"):
+        del old["duplicates"][key]
+    assert DataReport.from_dict(old).duplicates.look_alike_pairs == 0
 
 
 def test_near_copies_across_given_splits_are_counted_per_split_pair(tmp_path):
@@ -301,12 +380,16 @@ def test_the_run_report_shows_the_data_section(tmp_path):
 
     src = make_class_folders(tmp_path / "photos", per_class=8)
     (src / "rust" / "which_one.jpg").write_bytes((src / "healthy" / "img_05.jpg").read_bytes())
+    save(tinted(999, RED), src / "blight" / "leaf_red.jpg")
+    save(tinted(999, BLUE), src / "healthy" / "leaf_blue.jpg")
     report, _ = run(src, tmp_path / "ds")
     data = read_data_report(report.out)
     text = render_report(tmp_path, {"data": data})
     assert "## Data checks (preprocess)" in text
-    assert "- Photos per class: blight 8, healthy 8, rust 9 (largest/smallest 1.12)" in text
+    assert "- Photos per class: blight 9, healthy 9, rust 9 (largest/smallest 1)" in text
+    assert "within 8 bits of a perceptual hash and within 5 grey levels in colour" in text
     assert "0 groups within a split, 0 across splits, 1 label conflicts" in text
+    assert "- Look-alikes (alike in grey shapes, not in colour; counted as different photos): 1 pairs" in text
     assert "- label conflict: 1 photo filed under different classes" in text
     assert "## Data checks" not in render_report(tmp_path, {"data": None})
     (report.out / DATA_REPORT_NAME).write_text("{")

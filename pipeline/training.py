@@ -270,7 +270,9 @@ def run_training(run_dir: str | os.PathLike[str], task: TrainingTask, settings: 
         t0 = time.perf_counter()
         sums = _DeviceSums()  # loss terms, correct and labelled counts: summed on the device, read rarely
         seen = steps = skipped = amp_skipped = 0
-        bar = tqdm(task.batches(epoch), total=task.steps_per_epoch, leave=False, disable=not settings.progress,
+        # disable=None: tqdm draws the bar on a terminal only; a log file gets the epoch lines below, not redraws
+        bar = tqdm(task.batches(epoch), total=task.steps_per_epoch, leave=False,
+                   disable=None if settings.progress else True,
                    desc=f"{settings.label} epoch {epoch + 1}/{settings.epochs}", unit="batch")
         for batch in bar:
             buffers = [b for _, b in task.model.named_buffers()]

@@ -46,7 +46,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "ship the teacher; same as --set model.escalate='[\"lite16@128\"]')")
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted run in <out>.partial (never replaces a finished <out>)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bars or epoch lines (bars are drawn only when stderr is a terminal)")
     p.set_defaults(func=run)
     return p
 

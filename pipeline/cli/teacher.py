@@ -64,7 +64,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "that round only if it is not worse on val (teacher.self_train; default on, it runs when the "
                         "dataset has unlabelled photos)")
     p.add_argument("--fp16", action="store_true", help="store features as float16 (half the disk)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bars or epoch lines (bars are drawn only when stderr is a terminal)")
     p.set_defaults(func=run)
     return p
 

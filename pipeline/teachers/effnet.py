@@ -159,7 +159,7 @@ def build_effnet_teacher(ds: Any, teacher: TeacherSection, weights_file: str | P
     mirror = teacher.mirror and not frozen
     total = sum(len(ds[s]) * (2 if (s == "train" and mirror) else 1) for s in ds.splits)
     bar = tqdm(total=total, desc=f"teacher: EfficientNet-Lite0 blocks 0-{k - 1} (frozen)", unit="img",
-               disable=not progress)
+               disable=None if progress else True)
     fronts: dict[str, np.ndarray] = {}
     mirrored = None
     for split in ds.splits:
@@ -219,7 +219,7 @@ def _fresh_view_teacher(net: EfficientNetLite, front: FrontRunner, back: Any, ds
     encoder = EffnetImageEncoder(front, back, cfg.normalization, net.feature_dim, ds.num_classes, fp16_front=False)
     t0 = time.perf_counter()
     bar = tqdm(total=sum(len(ds[s]) for s in ds.splits), desc="teacher: fine-tuned EfficientNet-Lite0", unit="img",
-               disable=not progress)
+               disable=None if progress else True)
     feats: dict[str, np.ndarray] = {}
     logits: dict[str, np.ndarray] = {}
     for split in ds.splits:
@@ -328,7 +328,7 @@ def _self_train_fresh_views(task: FreshViewTask, front: FrontRunner, back: Any, 
 
     def unlabeled_logits() -> np.ndarray:
         bar = tqdm(total=len(ds["unlabeled"]), desc="teacher: labelling the unlabelled photos", unit="img",
-                   disable=not progress)
+                   disable=None if progress else True)
         parts = []
         for chunk in iter_split_images(ds, "unlabeled", size, shorter_side(size), batch, from_arrays):
             parts.append(logits_of(front, back, chunk, cfg.normalization, batch))

@@ -138,7 +138,7 @@ def write_teacher(out: str | os.PathLike[str], ds: Any, encoder: Encoder, batch:
     tmp = new_temp_dir(out, kind="partial")
     try:
         total = sum(len(ds[s]) for s in ds.splits)
-        bar = tqdm(total=total, desc="teacher features", unit="img", disable=not progress)
+        bar = tqdm(total=total, desc="teacher features", unit="img", disable=None if progress else True)
         for split in ds.splits:
             n = len(ds[split])
             fname, lname = feature_paths(split)

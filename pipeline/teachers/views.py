@@ -59,7 +59,7 @@ def write_view_bank(out: Path, ds: Any, encoder: Any, views: int, aug: Augment, 
     splits = [s for s in VIEW_SPLITS if s in ds.splits and len(ds[s])]
     size = int(encoder.input_size)
     bar = tqdm(total=sum(len(ds[s]) for s in splits) * views, desc=f"teacher: {views} views per photo",
-               unit="img", disable=not progress)
+               unit="img", disable=None if progress else True)
     for si, split in enumerate(splits):
         n = len(ds[split])
         boxes = sample_view_boxes(n, views, aug, np.random.default_rng([seed, si]))

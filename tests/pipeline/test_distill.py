@@ -229,6 +229,16 @@ def test_cli_distill_reports_and_refuses_unknown_settings(tiny, capsys):
     assert "unknown key 'train.epoks'" in capsys.readouterr().err
 
 
+def test_a_log_file_gets_the_epoch_lines_without_progress_bar_redraws(tiny, capsys):
+    tmp, ds_dir = tiny  # capsys's stderr is no terminal, like `leaflens distill ... 2> log.txt`
+    assert cli(["distill", "--dataset", str(ds_dir), "--teacher", str(tmp / "teacher"), "--out", str(tmp / "log"),
+                "--set", "train.epochs=2", "--set", "model.widths=[8]"]) == 0
+    captured = capsys.readouterr()
+    err = captured.out + captured.err
+    assert "distilled epoch 2/2: loss" in err and "scratch epoch 2/2: loss" in err
+    assert "\r" not in err and "batch/s" not in err
+
+
 def test_equal_val_accuracy_is_broken_by_the_lower_val_loss():
     from leaflens.pipeline.training import is_better_epoch  # noqa: PLC0415
 

@@ -2,7 +2,9 @@
 
 ``leaflens serve --model artifacts/export/student.onnx`` should need nothing else, so
 :func:`discover` follows the artefacts' own records: the export folder's ``parity.json`` names the
-run (``run.path``) and the dataset (``dataset.root``); the run's ``report.json`` holds the test
+run (``run.path``) and the dataset (``dataset.root``), found again after the project folder was moved or
+renamed when the folder that takes their place is the same run (its ``run_id``) or the same dataset (its
+manifest's SHA-256); the run's ``report.json`` holds the test
 accuracy with its confidence interval, and ``curves.png`` / ``confusion.png`` sit beside it; the
 dataset folder carries ``classes.toml``. Explicit ``--run`` / ``--dataset`` / ``--classes-notes``
 win. Anything missing is reported as a warning and simply not shown.
@@ -20,9 +22,10 @@ module reads JSON only (no engine import).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,16 +75,57 @@ def _get(data: dict[str, Any] | None, *keys: str) -> Any:
     return data
 
 
-def _recorded_dir(recorded: Path, model_dir: Path) -> Path | None:
+_MOVED_DEPTH = 4  # trailing parts of a gone absolute record tried under the model's folder and those above it
+
+
+def _recorded_dir(recorded: Path, model_dir: Path, same: Callable[[Path], bool] | None = None) -> Path | None:
     """The folder a record names. A relative path (exports made before they were recorded absolute) was relative
     to the folder the export ran in, unknown now: it is looked up from here, then from the model's folder and each
-    one above it (``artifacts/student`` from ``.../project/artifacts/export/``)."""
-    if recorded.is_absolute() or recorded.is_dir():
-        return recorded if recorded.is_dir() else None
-    for base in (model_dir, *model_dir.parents):
-        if (base / recorded).is_dir():
-            return base / recorded
+    one above it (``artifacts/student`` from ``.../project/artifacts/export/``). An absolute path that is gone (the
+    project was moved or renamed) is looked up the same way by its last parts (``artifacts/student`` of
+    ``/old/project/artifacts/student``), taken only when ``same`` confirms it is the recorded folder."""
+    if recorded.is_dir():
+        return recorded
+    if not recorded.is_absolute():
+        tails = [recorded]
+    elif same is not None:
+        parts = recorded.parts[1:]
+        tails = [Path(*parts[-k:]) for k in range(1, min(_MOVED_DEPTH, len(parts)) + 1)]
+    else:
+        return None
+    for tail in tails:
+        for base in (model_dir, *model_dir.parents):
+            found = base / tail
+            if found.is_dir() and (same is None or same(found)):
+                return found
     return None
+
+
+def _is_run(run_id: Any) -> Callable[[Path], bool] | None:
+    """Whether a folder is the run ``run_id`` (its report.json says so); None without an id to compare."""
+    if not isinstance(run_id, str) or not run_id:
+        return None
+
+    def same(folder: Path) -> bool:
+        try:
+            return json.loads((folder / RUN_REPORT).read_text(encoding="utf-8")).get("run_id") == run_id
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            return False
+    return same
+
+
+def _is_dataset(manifest_sha256: Any) -> Callable[[Path], bool] | None:
+    """Whether a folder is the dataset whose manifest.json hashes to ``manifest_sha256``; None without one."""
+    if not isinstance(manifest_sha256, str) or not manifest_sha256:
+        return None
+    want = manifest_sha256.removeprefix("sha256:")
+
+    def same(folder: Path) -> bool:
+        try:
+            return hashlib.sha256((folder / "manifest.json").read_bytes()).hexdigest() == want
+        except OSError:
+            return False
+    return same
 
 
 def discover(model_path: str | os.PathLike, run_dir: str | os.PathLike | None = None,
@@ -104,7 +148,7 @@ def discover(model_path: str | os.PathLike, run_dir: str | os.PathLike | None = 
         ctx.run_dir = Path(run_dir)
     elif _get(export, "run", "path"):
         recorded = Path(_get(export, "run", "path")).parent
-        guess = _recorded_dir(recorded, model_dir)
+        guess = _recorded_dir(recorded, model_dir, _is_run(_get(export, "run", "id")))
         if guess is not None:
             ctx.run_dir = guess
         else:
@@ -119,8 +163,10 @@ def discover(model_path: str | os.PathLike, run_dir: str | os.PathLike | None = 
     if dataset_root is not None:
         ctx.dataset_root = Path(dataset_root)
     else:
-        for recorded in (_get(export, "dataset", "root"), _get(ctx.run_report, "dataset", "root")):
-            found = _recorded_dir(Path(recorded), model_dir) if recorded else None
+        for record in (_get(export, "dataset"), _get(ctx.run_report, "dataset")):
+            recorded = _get(record, "root")
+            found = (_recorded_dir(Path(recorded), model_dir, _is_dataset(_get(record, "manifest_sha256")))
+                     if recorded else None)
             if found is not None:
                 ctx.dataset_root = found
                 break

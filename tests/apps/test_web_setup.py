@@ -92,6 +92,41 @@ def test_relative_records_of_an_older_export_are_found_from_any_working_folder(t
                                                     "which is gone"]
 
 
+def test_a_moved_project_is_found_again_by_the_run_id_and_the_manifest_hash(tmp_path, tiny_model):
+    """parity.json records absolute paths: after the project folder is moved or renamed, the run and the
+    dataset are looked up above the model's folder by their last parts, and taken only when they are the
+    recorded run (report.json's run_id) and dataset (manifest.json's SHA-256)."""
+    import hashlib
+    import shutil
+
+    old = tmp_path / "old" / "project" / "artifacts"
+    dataset = make_dataset(old, CLASSES, 16)
+    run = fake_run(old, dataset)
+    report = json.loads((run / "report.json").read_text())
+    (run / "report.json").write_text(json.dumps({**report, "run_id": "r7"}))
+    export = old / "export"
+    export.mkdir()
+    model, _ = tiny_model(classes=CLASSES)
+    model = model.replace(export / "student.onnx")
+    sha = hashlib.sha256((dataset / "manifest.json").read_bytes()).hexdigest()
+    (export / "parity.json").write_text(json.dumps({"run": {"id": "r7", "path": str(run / "best.npz")},
+                                                    "dataset": {"root": str(dataset), "manifest_sha256": sha}}))
+    new = tmp_path / "new home"
+    shutil.move(tmp_path / "old", new)
+    artifacts = new / "project" / "artifacts"
+    ctx = discover(artifacts / "export" / "student.onnx")
+    assert ctx.run_dir == artifacts / "student" and ctx.dataset_root == artifacts / "dataset"
+    assert ctx.warnings == [] and ctx.run_report["run_id"] == "r7"
+
+    # another run and another dataset in their places are not taken for the recorded ones
+    (artifacts / "student" / "report.json").write_text(json.dumps({**report, "run_id": "r8"}))
+    manifest = artifacts / "dataset" / "manifest.json"
+    manifest.write_text(manifest.read_text() + " ")
+    ctx = discover(artifacts / "export" / "student.onnx")
+    assert ctx.run_dir is None and ctx.dataset_root is None
+    assert ctx.warnings == [f"{artifacts / 'export' / 'parity.json'} names run folder {run}, which is gone"]
+
+
 def test_model_tab_says_how_the_thresholds_were_chosen_and_what_they_cost(tiny_model):
     from leaflens.apps.model_info import ServeContext
     from leaflens.apps.predictor import Predictor

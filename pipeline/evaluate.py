@@ -30,7 +30,7 @@ from leaflens.apps.diagnosis import REFUSAL_REASONS
 from leaflens.apps.predictor import Prediction, Predictor
 from leaflens.data_prep.scan import UNLABELED, ScanError, scan_source
 from leaflens.pipeline.report import metrics
-from leaflens.pipeline.teachers.stage import split_source_dir
+from leaflens.pipeline.teachers.stage import split_photo_paths
 from leaflens.records import Record
 
 __all__ = ["EvaluationError", "PhotoEvaluation", "PhotosUnavailable", "RefusedPhoto", "UnreadablePhoto",
@@ -125,10 +125,9 @@ def class_folder_photos(root: str | os.PathLike[str], classes: Sequence[str]) ->
 def dataset_photo_files(ds: Any, split: str) -> tuple[Path, list[str]]:
     """The source folder a dataset split came from (as its manifest records it) and the original photo
     file of every row; :class:`PhotosUnavailable` when the folder or any file is no longer there."""
-    root = split_source_dir(ds, split)
+    root, paths = split_photo_paths(ds, split)
     if root is None:
         raise PhotosUnavailable(f"dataset {ds.root} does not record where the photos of split '{split}' came from")
-    paths = [root / rel for rel in ds[split].files]
     missing = [p for p in paths if not p.is_file()]
     if missing:
         raise PhotosUnavailable(f"{len(missing)} of the {len(paths)} original photos of split '{split}' are no "

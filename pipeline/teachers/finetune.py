@@ -29,7 +29,7 @@ from leaflens.engine.nn import Module, freeze_batchnorm, set_dropout_generator
 from leaflens.engine.optim import AdamW, WarmupCosine
 from leaflens.pipeline.config import TeacherSection
 from leaflens.pipeline.models.efficientnet import normalize_images
-from leaflens.pipeline.teachers.stage import TeacherStageError, iter_split_images, split_source_dir
+from leaflens.pipeline.teachers.stage import TeacherStageError, iter_split_images, split_photo_paths
 from leaflens.pipeline.training import BatchLoss, validation_scores
 
 # Decoded photos are kept in memory up to this many bytes (full iBeans at 160 px: 320 MB); beyond it
@@ -56,13 +56,13 @@ class PhotoViews:
         n = len(self.arrays)
         self.paths: list[Path] | None = None
         if not from_arrays and ds.image_size < self.source_side:
-            src = split_source_dir(ds, split)
+            src, paths = split_photo_paths(ds, split)
             if src is None or not src.is_dir():
                 raise TeacherStageError(
                     f"the original photos of split '{split}' are not at {src}: the teacher's fresh crops are cut "
                     f"from them. Pass --from-arrays to cut them from the stored {ds.image_size}x{ds.image_size} "
                     "arrays instead, or set teacher.augment = \"cached\".")
-            self.paths = [src / f for f in ds[split].files]
+            self.paths = paths
             missing = [p for p in self.paths if not p.is_file()]
             if missing:
                 raise TeacherStageError(f"{len(missing)} original photos of split '{split}' are missing, first "

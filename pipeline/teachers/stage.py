@@ -61,13 +61,90 @@ class Encoder(Protocol):
         """What teacher.json records about this encoder (name, weights, preprocessing)."""
 
 
+_MOVED_DEPTH = 4  # trailing parts of a gone source folder tried under the dataset's folder and those above it
+_moved_sources: dict[tuple[str, str, str], Path | None] = {}
+
+
 def split_source_dir(ds: Any, split: str) -> Path | None:
     """Where the original photos of a split live (None when the manifest does not say). Unlabelled photos
     come from a folder passed on their own (``unlabeled_source``, files recorded relative to it) or from the
-    source's own ``unlabeled/`` folder (files recorded relative to the source, like the labelled ones)."""
+    source's own ``unlabeled/`` folder (files recorded relative to the source, like the labelled ones).
+
+    The manifest records the folder by absolute path. When that is gone, the project was likely moved or
+    renamed (copied to a GPU machine, say) with the photos beside the dataset: the folder is looked up above
+    the dataset's folder by its last parts (``photos`` of ``/old/project/photos`` as ``/new/project/photos``)
+    and taken only when the split's first and last photos there decode to exactly the stored pixels."""
     m = ds.manifest
     root = (m.unlabeled_source or m.source_root) if split == "unlabeled" else m.source_root
-    return Path(root) if root else None
+    if not root:
+        return None
+    recorded = Path(root)
+    if (recorded.is_dir() or not recorded.is_absolute() or getattr(ds, "root", None) is None
+            or split not in ds or not len(ds[split])):
+        return recorded
+    key = (str(Path(ds.root).resolve()), split, str(recorded))
+    if key not in _moved_sources:
+        _moved_sources[key] = _moved_source(ds, split, recorded)
+    return _moved_sources[key] or recorded
+
+
+def split_photo_paths(ds: Any, split: str) -> tuple[Path | None, list[Path]]:
+    """The folder of a split's original photos (:func:`split_source_dir`) and the path of every row's photo.
+    Rows recorded by absolute path (a separate ``--unlabeled`` folder, ``--also`` folders) move with the
+    folder: ``/old/project/corrections/x.jpg`` becomes ``/new/project/corrections/x.jpg``."""
+    root = split_source_dir(ds, split)
+    if root is None:
+        return None, []
+    m = ds.manifest
+    recorded = Path((m.unlabeled_source or m.source_root) if split == "unlabeled" else m.source_root)
+    return root, [_rebased(f, recorded, root) for f in ds[split].files]
+
+
+def _rebased(file: str, recorded: Path, root: Path) -> Path:
+    """``file`` (relative to the source folder, or absolute) when the folder recorded at ``recorded`` is
+    ``root`` now: an absolute path under the part of ``recorded`` that changed is moved the same way."""
+    path = Path(file)
+    if not path.is_absolute():
+        return root / path
+    if root == recorded:
+        return path
+    same = 0  # trailing parts the two folders share: what is left before them is the part that moved
+    while same < min(len(recorded.parts), len(root.parts)) - 1 and \
+            recorded.parts[-1 - same] == root.parts[-1 - same]:
+        same += 1
+    old, new = Path(*recorded.parts[:len(recorded.parts) - same]), Path(*root.parts[:len(root.parts) - same])
+    try:
+        return new / path.relative_to(old)
+    except ValueError:
+        return path
+
+
+def _moved_source(ds: Any, split: str, recorded: Path) -> Path | None:
+    here = Path(ds.root).resolve()
+    parts = recorded.parts[1:]
+    for k in range(1, min(_MOVED_DEPTH, len(parts)) + 1):
+        tail = Path(*parts[-k:])
+        for base in (here, *here.parents):
+            if (base / tail).is_dir() and _same_photos(ds, split, base / tail, recorded):
+                return base / tail
+    return None
+
+
+def _same_photos(ds: Any, split: str, folder: Path, recorded: Path) -> bool:
+    """Whether ``folder`` holds the split's photos: its first and last decode to the stored pixels."""
+    from leaflens.data_prep.contract import decode_stored  # noqa: PLC0415
+
+    files, images = ds[split].files, ds[split].images
+    for row in sorted({0, len(files) - 1}):
+        try:
+            pixels = decode_stored(_rebased(files[row], recorded, folder).read_bytes(), ds.image_size,
+                                   ds.manifest.resize,
+                                   max_pixels=ds.manifest.options.max_pixels)
+        except Exception:  # missing, unreadable or not the same kind of file: not this folder
+            return False
+        if pixels.shape != images[row].shape or not np.array_equal(pixels, images[row]):
+            return False
+    return True
 
 
 def iter_split_images(ds: Any, split: str, size: int, shorter_side: int | None, batch: int,
@@ -94,13 +171,11 @@ def iter_split_images(ds: Any, split: str, size: int, shorter_side: int | None, 
             yield np.stack([np.asarray(Image.fromarray(im).resize((size, size), Image.Resampling.BICUBIC))
                             for im in chunk])
         return
-    src = split_source_dir(ds, split)
-    files = ds[split].files
+    src, paths = split_photo_paths(ds, split)
     if src is None or not src.is_dir():
         raise TeacherStageError(
             f"the original photos of split '{split}' are not at {src}: the teacher needs them at {size}x{size}. "
             f"Pass --from-arrays to upsample the stored {ds.image_size}x{ds.image_size} arrays instead.")
-    paths = [src / f for f in files]
     missing = [p for p in paths if not p.is_file()]
     if missing:
         raise TeacherStageError(f"{len(missing)} original photos of split '{split}' are missing, first {missing[0]}; "

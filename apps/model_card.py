@@ -164,16 +164,19 @@ class TrainedOn(Record):
         return self.kind == "synthetic"
 
 
-def trained_on(manifest: Manifest, cwd: str | os.PathLike | None = None) -> TrainedOn:
+def trained_on(manifest: Manifest, cwd: str | os.PathLike | None = None,
+               source_root: str | os.PathLike | None = None) -> TrainedOn:
     """What a dataset was made from, by its manifest: "synthetic" when the folder `leaflens preprocess` read
-    (``source_root``, relative to ``cwd``) holds the ``synth.json`` that `leaflens data synth` writes there,
+    (``source_root``, relative to ``cwd``; the argument, where the caller found the folder after a move,
+    wins over the manifest's record) holds the ``synth.json`` that `leaflens data synth` writes there,
     "photos" when that folder is there without one, "unknown" when it is gone."""
     from leaflens.data_prep.synth import SYNTH_META, SynthInfo
 
     photos = sum(s.count for s in manifest.splits.values() if s.labels == "present")
-    if not manifest.source_root:
+    recorded = source_root or manifest.source_root
+    if not recorded:
         return TrainedOn(kind="unknown", photos=photos)
-    source = Path(manifest.source_root)
+    source = Path(recorded)
     if not source.is_absolute() and cwd is not None:
         source = Path(cwd) / source
     meta = source / SYNTH_META

@@ -57,7 +57,7 @@ from leaflens.data_prep.near_dup import (
     find_copies,
     photo_hashes,
 )
-from leaflens.data_prep.scan import NOT_A_LEAF, SPLITS, UNLABELED, ScanResult, SourceFile, scan_source
+from leaflens.data_prep.scan import NOT_A_LEAF, SPLITS, UNLABELED, ScanResult, SourceFile, relative_to, scan_source
 from leaflens.data_prep.shortcut import PhotoMeta, photo_meta
 from leaflens.data_prep.split import MIN_PER_CLASS, assign_auto, resolve_given
 from leaflens.files import (
@@ -366,11 +366,21 @@ def _mean_std(hist: np.ndarray) -> tuple[tuple[float, float, float], tuple[float
     return (m[0], m[1], m[2]), (s[0], s[1], s[2])
 
 
-def _fingerprint(scan: ScanResult, opts: IngestOptions, unlabeled: str | None) -> str:
-    fields = {"format_version": FORMAT_VERSION, "options": opts.to_dict(), "root": scan.root,
-              "unlabeled": unlabeled, "classes": scan.classes, "files": scan.stats_digest}
+def _fingerprint(scan: ScanResult, opts: IngestOptions, unlabeled: str | None, out: Path | None = None) -> str:
+    """What the dataset was made from: options, classes, every source file's path, size and time stamp. With
+    ``out``, every folder and file is named relative to the dataset folder, so a project moved or renamed as a
+    whole (photos and dataset together) is still up to date; without, the absolute form of the datasets built
+    before (still accepted: see :func:`_up_to_date`)."""
+    def where(path: str) -> str:
+        return relative_to(path, out) if out is not None else path
+
+    fields = {"format_version": FORMAT_VERSION, "options": opts.to_dict(), "root": where(scan.root),
+              "unlabeled": where(unlabeled) if unlabeled is not None else None, "classes": scan.classes,
+              "files": scan.stats_digest_relative if out is not None else scan.stats_digest}
     if scan.also:  # only when given, so datasets built without --also keep their fingerprint
-        fields["also"] = scan.also
+        fields["also"] = [where(a) for a in scan.also]
+    if out is not None:
+        fields["paths"] = "relative to the dataset folder"
     payload = json.dumps(fields, sort_keys=True)
     return "sha256:" + hashlib.sha256(payload.encode()).hexdigest()
 
@@ -397,10 +407,10 @@ def _check_out(src: Path, out: Path) -> None:
         raise IngestError(str(exc)) from None
 
 
-def _up_to_date(out: Path, fingerprint: str) -> bool:
+def _up_to_date(out: Path, fingerprints: Sequence[str]) -> bool:
     try:
         manifest = json.loads((out / MANIFEST_NAME).read_text(encoding="utf-8"))
-        if manifest.get("input_fingerprint") != fingerprint:
+        if manifest.get("input_fingerprint") not in fingerprints:
             return False
         load_dataset(out, verify=False)
     except (OSError, ValueError, DatasetError):
@@ -457,8 +467,8 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: Inges
     out_p = Path(out).resolve()
     _check_out(src_p, out_p)
     unl = str(Path(unlabeled).resolve()) if unlabeled is not None else None
-    fingerprint = _fingerprint(scan, opts, unl)
-    if not force and _up_to_date(out_p, fingerprint):
+    fingerprint = _fingerprint(scan, opts, unl, out_p)
+    if not force and _up_to_date(out_p, (fingerprint, _fingerprint(scan, opts, unl))):
         log(f"{out_p}: up to date ({len(scan.files)} source files unchanged, same options); nothing to do")
         return IngestReport(out_p, True, scan.classes, seconds=time.perf_counter() - t0)
 

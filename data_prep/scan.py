@@ -54,6 +54,8 @@ class ScanResult:
     files: list[SourceFile]
     ignored: dict[str, int] = field(default_factory=dict)
     stats_digest: str = ""  # SHA-256 over (path, size, mtime_ns, label, split) of every file, in order
+    # the same with every path relative to ``root`` (``../corrections/x.jpg``): unchanged when the project moves
+    stats_digest_relative: str = ""
     also: list[str] = field(default_factory=list)  # extra labelled folders merged in (resolved paths)
     also_files: int = 0  # photos found in them (excluding not_a_leaf/)
 
@@ -189,8 +191,22 @@ def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = N
         for full, rel in _walk_images(udir, root_p, ignored):
             files.append(SourceFile(full, rel, -1, UNLABELED))
 
-    digest = hashlib.sha256()
+    digest, relative = hashlib.sha256(), hashlib.sha256()
     for f in files:  # hashed as we go: no per-file list kept in memory
         st = os.stat(f.path)
-        digest.update(f"{f.rel}\0{st.st_size}\0{st.st_mtime_ns}\0{f.label}\0{f.split}\n".encode())
-    return ScanResult(str(root_p), layout, classes, files, ignored, digest.hexdigest(), also_roots, also_files)
+        stats = f"\0{st.st_size}\0{st.st_mtime_ns}\0{f.label}\0{f.split}\n"
+        digest.update(f"{f.rel}{stats}".encode())
+        relative.update(f"{relative_to(f.rel, root_p)}{stats}".encode())
+    return ScanResult(str(root_p), layout, classes, files, ignored, digest.hexdigest(), relative.hexdigest(),
+                      also_roots, also_files)
+
+
+def relative_to(path: str | os.PathLike, base: str | os.PathLike) -> str:
+    """``path`` relative to the folder ``base`` (``..`` where needed) when it is absolute, as given otherwise;
+    as given too where no relative path exists (another drive)."""
+    if not os.path.isabs(path):
+        return os.fspath(path)
+    try:
+        return Path(os.path.relpath(path, base)).as_posix()
+    except ValueError:
+        return os.fspath(path)

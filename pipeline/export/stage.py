@@ -73,6 +73,7 @@ from leaflens.pipeline.export.quantize import (
 )
 from leaflens.pipeline.report import metrics
 from leaflens.pipeline.runs import RunInfo, RunMetrics, load_model
+from leaflens.pipeline.teachers.stage import split_source_dir
 
 FP32_FILE, FP16_FILE, INT8_FILE = "student.onnx", "student_fp16.onnx", "student_int8.onnx"
 REPORT = "parity.json"
@@ -341,7 +342,8 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
     if subject.kind == "teacher":
         log(f"run {info.run_id} kept the fine-tuned teacher ({info.teacher_model.name}): exporting it as "
             f"{FP32_FILE}, the served model")
-    card = replace(card, trained_on=trained_on(ds.manifest))  # drawn demo leaves or photos: the app says which
+    # drawn demo leaves or photos: the app says which (the source folder found again if the project moved)
+    card = replace(card, trained_on=trained_on(ds.manifest, source_root=split_source_dir(ds, "train")))
     mean, std = np.asarray(card.mean, np.float32), np.asarray(card.std, np.float32)
     size = card.input_size
 

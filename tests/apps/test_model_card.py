@@ -181,3 +181,7 @@ def test_trained_on_tells_drawn_leaves_from_photos_by_the_source_folder(tmp_path
     assert trained_on(read_manifest(ds)).kind == "synthetic"
     shutil.rmtree(tmp_path / "real" / "photos")  # the source is gone: cannot tell
     assert trained_on(read_manifest(photos)) == TrainedOn(kind="unknown", photos=8)
+    moved = tmp_path / "moved synth"  # the project moved: where the caller found the folder wins over the record
+    shutil.move(tmp_path / "synth", moved)
+    assert trained_on(read_manifest(ds)).kind == "unknown"
+    assert trained_on(read_manifest(ds), source_root=moved).kind == "synthetic"

@@ -117,3 +117,41 @@ def test_cli_also_is_repeatable_and_errors_name_the_folder(tmp_path, capsys):
     assert total == 18 + 5
     assert main(["preprocess", "--src", str(src), "--out", str(out), "--also", str(tmp_path / "none")]) == 1
     assert "--also folder" in capsys.readouterr().err
+
+
+def test_a_project_moved_as_a_whole_stays_up_to_date_and_datasets_of_before_are_not_rebuilt(tmp_path):
+    """The fingerprint names the photos relative to the dataset folder: a project moved or renamed with its
+    photos (copied to a GPU machine) is still up to date, so `make` does not retrain everything after it; a
+    dataset fingerprinted the old way (absolute paths) is still up to date where it was built."""
+    import shutil
+
+    from leaflens.data_prep.ingest import _fingerprint
+    from leaflens.data_prep.manifest import manifest_self_digest
+
+    old = tmp_path / "old" / "project"
+    src = make_class_folders(old / "photos", per_class=6)
+    extra = corrections_folder(old / "corrections", {"rust": 2})
+    unl = make_class_folders(old / "unlabelled", per_class=1, seed=9)
+    opts = IngestOptions(size=16)
+    out = old / "dataset"
+    ingest(src, out, opts, workers=1, also=[extra], unlabeled=unl, log=lambda s: None)
+    written = (out / "manifest.json").read_bytes()
+    shutil.move(tmp_path / "old", tmp_path / "new home")
+    new = tmp_path / "new home" / "project"
+    said: list[str] = []
+    again = ingest(new / "photos", new / "dataset", opts, workers=1, also=[new / "corrections"],
+                   unlabeled=new / "unlabelled", log=said.append)
+    assert again.up_to_date and (new / "dataset" / "manifest.json").read_bytes() == written
+    assert any("up to date" in m for m in said)
+    (new / "corrections" / "rust" / "20261204-000000-feedbeef.jpg").write_bytes(encode(photo(77, COLOURS["rust"])))
+    assert not ingest(new / "photos", new / "dataset", opts, workers=1, also=[new / "corrections"],
+                      unlabeled=new / "unlabelled", log=lambda s: None).up_to_date
+
+    # a dataset of an earlier version, fingerprinted with absolute paths, where it was built
+    scan = scan_source(new / "photos", new / "unlabelled", [new / "corrections"])
+    manifest = json.loads((new / "dataset" / "manifest.json").read_text())
+    manifest["input_fingerprint"] = _fingerprint(scan, opts, str((new / "unlabelled").resolve()))
+    manifest["manifest_sha256"] = manifest_self_digest(manifest)
+    (new / "dataset" / "manifest.json").write_text(json.dumps(manifest))
+    assert ingest(new / "photos", new / "dataset", opts, workers=1, also=[new / "corrections"],
+                  unlabeled=new / "unlabelled", log=lambda s: None).up_to_date

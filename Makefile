@@ -51,12 +51,22 @@ help:
 	@echo "make gpu-check      on an NVIDIA machine: install the GPU extra, then doctor, gpu tests, GPU benchmark"
 	@echo "make clean          delete the stages' outputs under $(ART) (the web page's corrections stay)"
 
-# The virtual environment is rebuilt when pyproject.toml changes.
-$(VENV)/.installed: pyproject.toml
+# The virtual environment is rebuilt when pyproject.toml changes, and when the project folder was moved or
+# renamed: its stamp names the folder it was made in, and the editable install of leaflens points there
+# (moved, \`python -m leaflens\` failed with "No module named 'leaflens.pipeline'").
+VENV_MADE_IN := $(strip $(shell cat $(VENV)/.installed 2>/dev/null))
+VENV_MOVED :=
+ifneq ($(VENV_MADE_IN),)
+ifneq ($(VENV_MADE_IN),$(CURDIR))
+VENV_MOVED := FORCE
+endif
+endif
+$(VENV)/.installed: pyproject.toml $(VENV_MOVED)
+	$(if $(VENV_MOVED),@echo "$(VENV) was made in $(VENV_MADE_IN): installing leaflens again for $(CURDIR)")
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
-	touch $@
+	echo "$(CURDIR)" > $@
 
 venv: $(VENV)/.installed
 

@@ -106,3 +106,32 @@ def test_make_clean_deletes_the_stage_outputs_and_keeps_the_corrections(tmp_path
     assert sorted(p.name for p in art.iterdir()) == ["corrections"]
     assert (art / "corrections" / "rust" / "file").read_text() == "x"
     assert f"kept {art}/corrections" in out.stdout
+
+
+def test_make_installs_leaflens_again_in_a_venv_made_in_another_folder(tmp_path):
+    """A venv's editable install points at the folder it was made in: after the project is moved or renamed,
+    `make` installs leaflens again (it failed with "No module named 'leaflens.pipeline'"); where it was made,
+    and for the empty stamps of earlier versions, nothing is done."""
+    import os
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    stamp = venv / ".installed"
+
+    def dry_run(made_in: str | None) -> str:
+        stamp.write_text("" if made_in is None else made_in + "\n")
+        newer = (ROOT / "pyproject.toml").stat().st_mtime + 10
+        os.utime(stamp, (newer, newer))
+        out = subprocess.run(["make", "-n", "venv", f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    moved = dry_run("/old/place/of/the project")
+    assert "was made in /old/place/of/the project: installing leaflens again" in moved
+    assert "pip install" in moved and f'echo "{ROOT}" > {stamp}' in moved
+    assert "pip install" not in dry_run(str(ROOT))
+    assert "pip install" not in dry_run(None)

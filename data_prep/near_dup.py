@@ -59,6 +59,7 @@ NEAR_THRESHOLD = 8  # bits; see the module docstring for the measurements behind
 COLOUR_GRID = 3  # cells per side of the colour signature
 COLOUR_THRESHOLD = 5.0  # grey levels; see the module docstring for the measurements behind it
 _LOOK_ALIKES_KEPT = 1000  # look-alike pairs listed (all are counted)
+_COLOUR_PAIRS = 1 << 14  # pairs whose colours are compared at once (a few MB)
 _FREQS = 8  # 8x8 lowest frequencies -> 64 bits
 _BLOCK_ELEMENTS = 1 << 18  # pairs compared at once (2 MB of XOR, fits a CPU cache)
 
@@ -257,7 +258,9 @@ def find_copies(hashes: np.ndarray, colours: np.ndarray | None = None, threshold
     for block_i, block_j, block_d in _near_blocks(unique, threshold):
         shapes.link(block_i, block_j, block_d)
         if unique_colours is not None and len(block_i):
-            colour = colour_distance(unique_colours[block_i], unique_colours[block_j])
+            pieces = range(0, len(block_i), _COLOUR_PAIRS)  # a folder of re-encoded copies links all their pairs
+            colour = np.concatenate([colour_distance(unique_colours[block_i[k:k + _COLOUR_PAIRS]],
+                                                     unique_colours[block_j[k:k + _COLOUR_PAIRS]]) for k in pieces])
             alike = colour > colour_threshold
             look_alike_pairs += int(alike.sum())
             for a, b, d, c in zip(block_i[alike].tolist(), block_j[alike].tolist(), block_d[alike].tolist(),

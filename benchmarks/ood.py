@@ -386,14 +386,15 @@ def export_run(work: Path, run: Path, ds: Path, export: Path, extra: Sequence[st
 
 
 def test_split(ds_dir: Path) -> tuple[list[Path], list[str]]:
-    """A dataset's test photos as files (under the manifest's source folder) and their class names."""
+    """A dataset's test photos as files (under the manifest's source folder, found again if the project moved)
+    and their class names."""
     from leaflens.data_prep.manifest import load_dataset  # noqa: PLC0415
+    from leaflens.pipeline.teachers.stage import split_photo_paths  # noqa: PLC0415
 
     ds = load_dataset(ds_dir, verify=False)
-    source = ds.manifest.source_root
-    if "test" not in ds or ds["test"].labels is None or not source:
+    if "test" not in ds or ds["test"].labels is None or not ds.manifest.source_root:
         sys.exit(f"ood.py: dataset {ds_dir} has no labelled test split with source files")
-    files = [Path(source) / f for f in ds["test"].files]
+    _, files = split_photo_paths(ds, "test")
     return files, [ds.classes[int(y)] for y in ds["test"].labels]
 
 

@@ -62,6 +62,8 @@ class Encoder(Protocol):
 
 
 _MOVED_DEPTH = 4  # trailing parts of a gone source folder tried under the dataset's folder and those above it
+EFFNET_MIN_SIZE, EFFNET_MAX_SIZE = 32, 1024  # teacher.input_size of the EfficientNet teacher (`--input-size 16`
+# for 160 trained a teacher at chance accuracy; 1024 px is 20 times the default's work per photo)
 _moved_sources: dict[tuple[str, str, str], Path | None] = {}
 
 
@@ -381,6 +383,11 @@ def make_encoder(ds: Any, cfg: StageConfig, choice: TeacherChoice, out: Path, fr
         return train_cnn_teacher(ds, cfg, out.with_name(f".{out.name}.cnn-work"), progress)
     from leaflens.pipeline.teachers.effnet import build_effnet_teacher  # noqa: PLC0415
 
+    if not EFFNET_MIN_SIZE <= cfg.teacher.input_size <= EFFNET_MAX_SIZE:
+        raise TeacherStageError(
+            f"teacher.input_size {cfg.teacher.input_size}: EfficientNet-Lite0 takes {EFFNET_MIN_SIZE} to "
+            f"{EFFNET_MAX_SIZE} px (it halves its input 5 times: below {EFFNET_MIN_SIZE} its last blocks see less "
+            "than a pixel); the default is 160, ImageNet's own 224")
     return build_effnet_teacher(ds, cfg.teacher, choice.weights, from_arrays, progress,
                                 max_bad_steps=cfg.train.max_bad_steps)
 

@@ -57,6 +57,16 @@ def test_frozen_teacher_has_no_logits(tmp_path):
     assert not tt.has_logits and not tt.info.teacher["fine_tuned"]
 
 
+@pytest.mark.parametrize("size", ["16", "7", "2048"])
+def test_an_input_size_efficientnet_cannot_use_is_refused_before_any_work(tmp_path, capsys, size):
+    ds_dir = tiny_dataset(tmp_path, per_class=6, size=16)  # `--input-size 16` for 160 trained a chance-level teacher
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--input-size", size,
+                "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"teacher.input_size {size}: EfficientNet-Lite0 takes 32 to 1024 px" in err and "160" in err
+    assert not (tmp_path / "t").exists()
+
+
 def test_fine_tuned_teacher_does_not_depend_on_what_ran_before(tmp_path, monkeypatch):
     """The fine-tune's generators (new head, dropout, batch order) come from the recipe's seed: the same
     teacher, bit for bit, whatever drew from NumPy's or the engine's streams or trained earlier."""

@@ -20,7 +20,7 @@ from leaflens.pipeline.teachers.finetune import FreshViewTask
 from leaflens.pipeline.teachers.stage import TeacherChoice, TeacherStageError, run_teacher_stage
 from leaflens.pipeline.training import LoopSettings, run_training
 
-SIZE = 24
+SIZE = 32
 
 
 def tiny_net(config: LiteConfig | None = None) -> EfficientNetLite:

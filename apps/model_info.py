@@ -22,7 +22,6 @@ module reads JSON only (no engine import).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -32,6 +31,7 @@ from typing import Any
 
 from leaflens.apps.i18n import t
 from leaflens.apps.notes import find_notes
+from leaflens.files import find_moved
 
 __all__ = ["EXPORT_REPORT", "RUN_REPORT", "ServeContext", "demo_banner", "discover", "model_markdown",
            "reliability_lines", "run_images"]
@@ -75,9 +75,6 @@ def _get(data: dict[str, Any] | None, *keys: str) -> Any:
     return data
 
 
-_MOVED_DEPTH = 4  # trailing parts of a gone absolute record tried under the model's folder and those above it
-
-
 def _recorded_dir(recorded: Path, model_dir: Path, same: Callable[[Path], bool] | None = None) -> Path | None:
     """The folder a record names. A relative path (exports made before they were recorded absolute) was relative
     to the folder the export ran in, unknown now: it is looked up from here, then from the model's folder and each
@@ -86,18 +83,11 @@ def _recorded_dir(recorded: Path, model_dir: Path, same: Callable[[Path], bool] 
     ``/old/project/artifacts/student``), taken only when ``same`` confirms it is the recorded folder."""
     if recorded.is_dir():
         return recorded
-    if not recorded.is_absolute():
-        tails = [recorded]
-    elif same is not None:
-        parts = recorded.parts[1:]
-        tails = [Path(*parts[-k:]) for k in range(1, min(_MOVED_DEPTH, len(parts)) + 1)]
-    else:
-        return None
-    for tail in tails:
-        for base in (model_dir, *model_dir.parents):
-            found = base / tail
-            if found.is_dir() and (same is None or same(found)):
-                return found
+    if recorded.is_absolute():
+        return find_moved(recorded, model_dir, same) if same is not None else None
+    for base in (model_dir, *model_dir.parents):
+        if (base / recorded).is_dir():
+            return base / recorded
     return None
 
 
@@ -118,11 +108,13 @@ def _is_dataset(manifest_sha256: Any) -> Callable[[Path], bool] | None:
     """Whether a folder is the dataset whose manifest.json hashes to ``manifest_sha256``; None without one."""
     if not isinstance(manifest_sha256, str) or not manifest_sha256:
         return None
+    from leaflens.data_prep.manifest import manifest_sha256 as digest  # noqa: PLC0415
+
     want = manifest_sha256.removeprefix("sha256:")
 
     def same(folder: Path) -> bool:
         try:
-            return hashlib.sha256((folder / "manifest.json").read_bytes()).hexdigest() == want
+            return digest(folder) == want
         except OSError:
             return False
     return same

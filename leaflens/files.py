@@ -141,6 +141,23 @@ class NotOurFolderError(ValueError):
     """An output folder holds something a stage did not write there: it is never replaced."""
 
 
+MOVED_DEPTH = 4  # trailing parts of a gone absolute path that find_moved tries
+
+
+def find_moved(recorded: PathLike, start: PathLike, same: Callable[[Path], bool]) -> Path | None:
+    """Where the folder recorded by absolute path ``recorded``, now gone, is after its project was moved or
+    renamed: its last parts (``photos``, then ``project/photos``... up to ``MOVED_DEPTH``) under ``start`` and
+    each folder above it, the first that ``same`` confirms is the recorded folder; None when none is."""
+    parts = Path(recorded).parts[1:]
+    here = Path(start).resolve()
+    for k in range(1, min(MOVED_DEPTH, len(parts)) + 1):
+        tail = Path(*parts[-k:])
+        for base in (here, *here.parents):
+            if (base / tail).is_dir() and same(base / tail):
+                return base / tail
+    return None
+
+
 def check_replaceable(target: PathLike, marker: str, what: str) -> None:
     """Refuse to replace ``target`` unless it is missing, an empty folder, or a folder holding ``marker`` (the
     file this kind of folder always has): a mistyped ``--out`` must never delete someone's files. Raises

@@ -32,7 +32,14 @@ from tqdm import tqdm
 from leaflens.data_prep.arrays import NpyRowWriter
 from leaflens.data_prep.decode import decode_image_at
 from leaflens.data_prep.manifest import load_dataset, manifest_sha256
-from leaflens.files import check_replaceable, clean_stale_temps, new_temp_dir, swap_into_place, write_json_atomic
+from leaflens.files import (
+    check_replaceable,
+    clean_stale_temps,
+    find_moved,
+    new_temp_dir,
+    swap_into_place,
+    write_json_atomic,
+)
 from leaflens.pipeline.config import StageConfig, dump_toml
 from leaflens.pipeline.teachers.artefact import FORMAT, TEACHER_JSON, TeacherInfo, feature_paths, load_teacher
 
@@ -61,7 +68,6 @@ class Encoder(Protocol):
         """What teacher.json records about this encoder (name, weights, preprocessing)."""
 
 
-_MOVED_DEPTH = 4  # trailing parts of a gone source folder tried under the dataset's folder and those above it
 EFFNET_MIN_SIZE, EFFNET_MAX_SIZE = 32, 1024  # teacher.input_size of the EfficientNet teacher (`--input-size 16`
 # for 160 trained a teacher at chance accuracy; 1024 px is 20 times the default's work per photo)
 _moved_sources: dict[tuple[str, str, str], Path | None] = {}
@@ -86,7 +92,7 @@ def split_source_dir(ds: Any, split: str) -> Path | None:
         return recorded
     key = (str(Path(ds.root).resolve()), split, str(recorded))
     if key not in _moved_sources:
-        _moved_sources[key] = _moved_source(ds, split, recorded)
+        _moved_sources[key] = find_moved(recorded, ds.root, lambda folder: _same_photos(ds, split, folder, recorded))
     return _moved_sources[key] or recorded
 
 
@@ -119,17 +125,6 @@ def _rebased(file: str, recorded: Path, root: Path) -> Path:
         return new / path.relative_to(old)
     except ValueError:
         return path
-
-
-def _moved_source(ds: Any, split: str, recorded: Path) -> Path | None:
-    here = Path(ds.root).resolve()
-    parts = recorded.parts[1:]
-    for k in range(1, min(_MOVED_DEPTH, len(parts)) + 1):
-        tail = Path(*parts[-k:])
-        for base in (here, *here.parents):
-            if (base / tail).is_dir() and _same_photos(ds, split, base / tail, recorded):
-                return base / tail
-    return None
 
 
 def _same_photos(ds: Any, split: str, folder: Path, recorded: Path) -> bool:

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["COLOUR_GRID", "COLOUR_THRESHOLD", "HASH_CROPS", "HASH_GRID", "NEAR_THRESHOLD", "Copies", "LookAlike",
-           "NearGroup", "colour_distance", "colour_signatures", "find_copies", "hamming", "near_duplicate_groups",
+           "NearGroup", "colour_distance", "colour_signatures", "find_copies", "hamming",
            "near_pairs", "photo_hashes"]
 
 HASH_GRID = 32  # grey grid the DCT is taken on
@@ -184,7 +184,7 @@ def near_pairs(hashes: np.ndarray, threshold: int = NEAR_THRESHOLD) -> tuple[np.
 
     ``hashes`` is ``(n, len(HASH_CROPS))`` from :func:`photo_hashes`; the distance is the smallest of
     plain-vs-plain and plain-vs-cropped either way round. All pairs are returned at once (a folder of
-    many copies of one photo has many): :func:`near_duplicate_groups` is the flat-memory way to group them.
+    many copies of one photo has many): :func:`find_copies` is the flat-memory way to group them.
     """
     found = list(_near_blocks(_check_hashes(hashes), threshold))
     if not found:
@@ -302,9 +302,3 @@ class _Links:
         for photo, u in enumerate(inverse.tolist()):
             members.setdefault(self.root(u), []).append(photo)
         return [NearGroup(tuple(m), self.largest[r]) for r, m in members.items() if len(m) > 1]
-
-
-def near_duplicate_groups(hashes: np.ndarray, threshold: int = NEAR_THRESHOLD) -> list[NearGroup]:
-    """The groups (of 2 or more) of photos within ``threshold`` bits of another one, by grey shapes alone
-    (:func:`find_copies` without colours), ordered by first member."""
-    return find_copies(hashes, None, threshold).groups

@@ -24,7 +24,6 @@ from leaflens.data_prep.near_dup import (
     colour_signatures,
     find_copies,
     hamming,
-    near_duplicate_groups,
     near_pairs,
     photo_hashes,
 )
@@ -79,7 +78,7 @@ def test_altered_copies_are_near_and_different_photos_are_not():
                       + [photo_hashes(np.asarray(scene(s, 160, 120).resize((SIZE, SIZE)))) for s in range(2, 40)])
     i, j, d = near_pairs(hashes)
     assert {(int(a), int(b)) for a, b in zip(i, j)} == {(0, 1), (0, 2), (1, 2)}
-    (group,) = near_duplicate_groups(hashes)
+    (group,) = find_copies(hashes).groups
     assert group.members == (0, 1, 2) and group.distance == max(int(x) for x in d)
 
 
@@ -99,7 +98,7 @@ def test_pair_search_in_blocks_finds_what_a_full_comparison_finds(monkeypatch):
     assert {(int(a), int(b)) for a, b in zip(i, j)} == want
     assert {(3, 250), (10, 11), (120, 299), (5, 77)} <= want
     hashes = np.concatenate([hashes, hashes[[10] * 50]])  # 50 more identical copies: merged before the search
-    groups = near_duplicate_groups(hashes)
+    groups = find_copies(hashes).groups
     assert [g.members for g in groups] == [(3, 250), (5, 77), (10, 11, *range(300, 350)), (120, 299)]
     assert [g.distance for g in groups] == [3, 1, 3, 3]
 
@@ -141,7 +140,7 @@ def test_photos_alike_in_grey_shapes_but_not_in_colour_are_look_alikes_not_copie
     assert found.look_alike_pairs == 2 and [(p.a, p.b) for p in found.look_alikes] == [(0, 1), (1, 2)]
     assert all(p.colour > COLOUR_THRESHOLD and p.bits <= 8 for p in found.look_alikes)
     assert [g.members for g in found.shape_groups] == [(0, 1, 2)]
-    assert [g.members for g in near_duplicate_groups(hashes)] == [(0, 1, 2)]  # grey shapes alone
+    assert [g.members for g in find_copies(hashes).groups] == [(0, 1, 2)]  # grey shapes alone
 
 
 def test_look_alikes_across_classes_are_listed_not_warned_and_kept_in_one_split(tmp_path):

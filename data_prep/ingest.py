@@ -641,6 +641,41 @@ def _refuse_unusable(src_p: Path, scan: ScanResult, opts: IngestOptions, counts:
                           "is chosen on val and reported on test. Add photos (at least "
                           f"{MIN_PER_CLASS} per class) or, for train/val/test folders, put some in "
                           f"{' and '.join(empty)}/; with class folders, --split must give val and test a share")
+    _check_each_class_split(src_p, scan, counts, asked_none, log)
+
+
+def _check_each_class_split(src_p: Path, scan: ScanResult, counts: dict[str, dict[str, int]], asked_none: list[str],
+                            log: Callable[[str], None]) -> None:
+    """Refuse a class with photos but none to train on; warn about a class of ``MIN_PER_CLASS`` photos or
+    more with none in val or test (classes smaller than that are warned about by their size)."""
+    def per_split(c: str) -> str:
+        return ", ".join(f"{s} {counts[s][c]}" for s in SPLITS)
+
+    given = scan.layout == "split_folders"
+    no_train = [c for c in scan.classes if counts["train"][c] == 0 and counts["val"][c] + counts["test"][c] > 0]
+    if no_train:
+        listed = "; ".join(f"{c!r} ({per_split(c)})" for c in no_train)
+        where = (f"put some of its photos in {src_p / 'train' / _one_or_placeholder(no_train)}/" if given else
+                 "its photos are one group of copies or look-alikes (data_report.json), so they stay together")
+        raise IngestError(f"{src_p}: no training photo for {listed}: the model could never answer "
+                          f"{'these classes' if len(no_train) > 1 else 'it'}; {where}, or leave the class out")
+    for s in ("val", "test"):
+        if s in asked_none:
+            continue
+        missing = [c for c in scan.classes
+                   if counts[s][c] == 0 and sum(counts[x][c] for x in SPLITS) >= MIN_PER_CLASS]
+        if not missing:
+            continue
+        listed = "; ".join(f"{c!r} ({per_split(c)})" for c in missing)
+        why = (f"put some of its photos in {src_p / s / _one_or_placeholder(missing)}/" if given else
+               "its photos are copies or look-alikes of each other, kept in one split so none leaks "
+               "(data_report.json lists them): add different photos of it")
+        use = "the model is chosen without it" if s == "val" else "the report cannot say how the model does on it"
+        log(f"warning: no {s} photo for {listed}: {use}; {why}")
+
+
+def _one_or_placeholder(classes: list[str]) -> str:
+    return classes[0] if len(classes) == 1 else "<class>"
 
 
 def _report(out: Path, scan: ScanResult, info: dict[str, SplitInfo], rejects: list[dict]) -> IngestReport:

@@ -47,7 +47,9 @@ def assign_auto(labels: Sequence[int], hashes: Sequence[Hashable], ratios: tuple
     """Split per class with a seeded shuffle of duplicate groups; returns one split name per item.
 
     A class of ``MIN_PER_CLASS`` photos or more gets at least one validation and one test photo (when
-    their ratios are not 0) and always keeps one for training; a smaller class stays in train.
+    their ratios are not 0 and its groups allow it) and always keeps one for training; a smaller class
+    stays in train. A group goes to test or val only while that brings the split nearer its share, so
+    one large group of look-alike photos cannot take a whole class out of training: it stays in train.
     """
     groups: dict[Hashable, list[int]] = defaultdict(list)
     for i, h in enumerate(hashes):
@@ -71,17 +73,18 @@ def assign_auto(labels: Sequence[int], hashes: Sequence[Hashable], ratios: tuple
                 n_val -= 1
         rng = np.random.default_rng([seed, cls])
         order = rng.permutation(len(units))
-        got = {"test": 0, "val": 0}
+        want = {"test": n_test, "val": n_val}
+        got = {"test": 0, "val": 0, "train": 0}
+        left = n
         for k in order:
             unit = units[k]
-            if got["test"] < n_test:
-                split = "test"
-            elif got["val"] < n_val:
-                split = "val"
-            else:
-                split = "train"
-            if split != "train":
-                got[split] += len(unit)
+            left -= len(unit)
+            split = "train"
+            if left > 0 or got["train"] > 0:  # the last group goes to train if train has none yet
+                # nearer its share with the group than without: a single photo or a pair always is
+                split = next((s for s in ("test", "val") if got[s] < want[s] and len(unit) <= 2 * (want[s] - got[s])),
+                             "train")
+            got[split] += len(unit)
             for i in unit:
                 out[i] = split
     return out

@@ -72,6 +72,65 @@ def test_a_class_of_two_stays_in_train_and_explicit_zero_ratios_are_kept():
     assert splits == ["train"] * 5
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_large_group_of_look_alikes_stays_in_train_and_does_not_empty_it(seed):
+    # 11 of a class's 15 photos hashed into one group: before, a shuffle that drew the group first sent all
+    # 11 to test and left the class 0 training photos, without a word
+    labels = [0] * 15 + [1] * 15
+    hashes = ["big"] * 11 + list(range(4)) + list(range(100, 115))
+    splits = assign_auto(labels, hashes, (0.7, 0.15, 0.15), seed=seed)
+    got = Counter(s for s, y in zip(splits, labels) if y == 0)
+    assert {splits[i] for i in range(11)} == {"train"}
+    assert got["train"] == 11 + (4 - got["val"] - got["test"]) and got["val"] + got["test"] == 4
+    assert got["val"] >= 1 and got["test"] >= 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_last_group_goes_to_train_when_train_has_none(seed):
+    splits = assign_auto([0] * 4, ["a", "a", "b", "b"], (0.7, 0.15, 0.15), seed=seed)
+    assert splits.count("train") == 2
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_pair_of_copies_still_fills_the_last_place_of_val_and_test(seed):
+    # 3 val and 3 test photos wanted: two pairs each (4, one over) rather than one pair (2, one under), as
+    # before groups were weighed, so datasets of single photos and pairs keep their splits
+    hashes = [i // 2 for i in range(20)]
+    got = Counter(assign_auto([0] * 20, hashes, (0.7, 0.15, 0.15), seed=seed))
+    assert got == {"train": 12, "val": 4, "test": 4}
+
+
+def _given_split_folders(root: Path, leave_out: dict[str, str]) -> Path:
+    """ROOT/{train,val,test}/<class>/ of distinct photos, without the (split -> class) folders named."""
+    src = make_class_folders(tmp := root / "flat", per_class=9)
+    for c in sorted(p.name for p in tmp.iterdir()):
+        for k, f in enumerate(sorted((tmp / c).iterdir())):
+            split = ("train", "train", "train", "train", "train", "val", "val", "test", "test")[k]
+            if leave_out.get(split) == c:
+                continue
+            (root / "given" / split / c).mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, root / "given" / split / c / f.name)
+    shutil.rmtree(src)
+    return root / "given"
+
+
+def test_a_class_with_no_training_photo_is_refused_naming_it_and_where_to_put_photos(tmp_path):
+    src = _given_split_folders(tmp_path, {"train": "rust"})
+    with pytest.raises(IngestError, match=r"no training photo for 'rust' \(train 0, val 2, test 2\)") as err:
+        _ingest(src, tmp_path / "ds")
+    assert str(src / "train" / "rust") in str(err.value)
+    assert not (tmp_path / "ds").exists()
+
+
+def test_a_class_with_no_val_photo_is_warned_about_naming_it(tmp_path):
+    src = _given_split_folders(tmp_path, {"val": "blight"})
+    _, messages = _ingest(src, tmp_path / "ds")
+    warned = [m for m in messages if m.startswith("warning: no val photo")]
+    assert len(warned) == 1 and "'blight' (train 5, val 0, test 2)" in warned[0]
+    assert str(src / "val" / "blight") in warned[0]
+    assert not any(m.startswith("warning: no test photo") for m in messages)
+
+
 def test_one_class_is_refused_with_what_to_do(tmp_path):
     src = make_class_folders(tmp_path / "photos", per_class=5)
     for extra in ("healthy", "rust"):

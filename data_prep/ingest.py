@@ -91,6 +91,7 @@ class IngestReport:
     rejected: dict[str, int] = field(default_factory=dict)  # class (or "unlabeled") -> rejected
     rejected_reasons: dict[str, int] = field(default_factory=dict)
     ignored: dict[str, int] = field(default_factory=dict)
+    not_image_extensions: dict[str, int] = field(default_factory=dict)  # of ignored["not_image"]
     seconds: float = 0.0
     data: DataReport | None = None  # the data checks' report
     checks_seconds: float = 0.0  # what the checks cost of ``seconds`` (see DataReport.seconds)
@@ -541,7 +542,8 @@ def _check_only(src_p: Path, scan: ScanResult, opts: IngestOptions, workers: int
     decoded = _decode_all(scan.files, opts, None, workers, progress, decode_size=check_size(opts.size))
     assigned, data = _split_and_check(scan, decoded, opts, workers, "check", check_size(opts.size), log)
     counts = _split_counts(scan, decoded.kept, assigned)
-    report = IngestReport(Path(src_p), False, scan.classes, counts, ignored=dict(scan.ignored), data=data,
+    report = IngestReport(Path(src_p), False, scan.classes, counts, ignored=dict(scan.ignored),
+                          not_image_extensions=dict(scan.not_image_extensions), data=data,
                           checks_seconds=data.seconds)
     for rec in decoded.rejects:
         key = scan.classes[rec["label"]] if rec["label"] >= 0 else UNLABELED
@@ -688,7 +690,16 @@ def _report(out: Path, scan: ScanResult, info: dict[str, SplitInfo], rejects: li
         key = scan.classes[rec["label"]] if rec["label"] >= 0 else UNLABELED
         rejected[key] = rejected.get(key, 0) + 1
         reasons[rec["reason"]] = reasons.get(rec["reason"], 0) + 1
-    return IngestReport(out, False, scan.classes, counts, rejected, reasons, dict(scan.ignored))
+    return IngestReport(out, False, scan.classes, counts, rejected, reasons, dict(scan.ignored),
+                        dict(scan.not_image_extensions))
+
+
+def _ignored_cell(report: IngestReport, kind: str, n: int) -> str:
+    """'not_image: 5 (.gif 3, .txt 2)': which extensions were taken for other files, so a photo format we
+    do not read is seen rather than silently left out."""
+    ext = report.not_image_extensions if kind == "not_image" else {}
+    listed = ", ".join(f"{e} {k}" for e, k in sorted(ext.items(), key=lambda item: (-item[1], item[0])))
+    return f"{kind}: {n}" + (f" ({listed})" if listed else "")
 
 
 def format_summary(report: IngestReport) -> str:
@@ -705,7 +716,7 @@ def format_summary(report: IngestReport) -> str:
     lines.append(f"kept {report.kept_total}, rejected {report.rejected_total}"
                  + (f" ({', '.join(f'{r}: {n}' for r, n in sorted(report.rejected_reasons.items()))})"
                     if report.rejected_reasons else "")
-                 + (f", ignored {', '.join(f'{k}: {n}' for k, n in sorted(report.ignored.items()))}"
+                 + (f", ignored {', '.join(_ignored_cell(report, k, n) for k, n in sorted(report.ignored.items()))}"
                     if report.ignored else "")
                  + f"; {report.seconds:.1f} s -> {report.out}")
     return "\n".join(lines)

@@ -58,14 +58,18 @@ class ScanResult:
     stats_digest_relative: str = ""
     also: list[str] = field(default_factory=list)  # extra labelled folders merged in (resolved paths)
     also_files: int = 0  # photos found in them (excluding not_a_leaf/)
+    # extension -> files counted in ignored["not_image"] (".gif": 2), so a format we skip can be named
+    not_image_extensions: dict[str, int] = field(default_factory=dict)
 
 
 def _visible_dirs(path: Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
-def _walk_images(folder: Path, root: Path, ignored: dict[str, int]) -> list[tuple[str, str]]:
-    """(absolute path, recorded path) of every image under ``folder``, sorted; counts what is skipped."""
+def _walk_images(folder: Path, root: Path, ignored: dict[str, int],
+                 extensions: dict[str, int] | None = None) -> list[tuple[str, str]]:
+    """(absolute path, recorded path) of every image under ``folder``, sorted; counts what is skipped (the
+    extensions of the files that are not images in ``extensions``)."""
     found: list[tuple[str, str]] = []
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
         hidden_dirs = [d for d in dirnames if d.startswith(".")]
@@ -76,8 +80,11 @@ def _walk_images(folder: Path, root: Path, ignored: dict[str, int]) -> list[tupl
             if name.startswith("."):
                 ignored["hidden"] = ignored.get("hidden", 0) + 1
                 continue
-            if os.path.splitext(name)[1].lower() not in IMAGE_EXTENSIONS:
+            ext = os.path.splitext(name)[1].lower()
+            if ext not in IMAGE_EXTENSIONS:
                 ignored["not_image"] = ignored.get("not_image", 0) + 1
+                if extensions is not None:
+                    extensions[ext or "no extension"] = extensions.get(ext or "no extension", 0) + 1
                 continue
             full = os.path.join(dirpath, name)
             try:
@@ -95,7 +102,7 @@ def _count_loose_files(path: Path, ignored: dict[str, int]) -> None:
 
 
 def _scan_also(folder: str | os.PathLike, root: Path, classes: list[str], split: str | None,
-               ignored: dict[str, int]) -> list[tuple[str, str | None, str, str]]:
+               ignored: dict[str, int], extensions: dict[str, int]) -> list[tuple[str, str | None, str, str]]:
     """(class, split, abs, rel) of the photos of one extra labelled folder (see the module docstring)."""
     d = Path(folder).resolve()
     if not d.is_dir():
@@ -115,7 +122,7 @@ def _scan_also(folder: str | os.PathLike, root: Path, classes: list[str], split:
         if name not in classes:
             unknown.append(name)
             continue
-        found.extend((name, split, full, rel) for full, rel in _walk_images(cdir, root, ignored))
+        found.extend((name, split, full, rel) for full, rel in _walk_images(cdir, root, ignored, extensions))
     if unknown:
         raise ScanError(f"--also folder {d}: class folder(s) {', '.join(repr(u) for u in unknown)} are not classes "
                         f"of the source {root} ({', '.join(classes)}). Rename them to one of those, or add the "
@@ -134,6 +141,7 @@ def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = N
     if not root_p.is_dir():
         raise ScanError(f"source folder {root_p} does not exist or is not a folder")
     ignored: dict[str, int] = {}
+    extensions: dict[str, int] = {}
     top = _visible_dirs(root_p)
     _count_loose_files(root_p, ignored)
     split_dirs = {d: _SPLIT_ALIASES[d.name.lower()] for d in top if d.name.lower() in _SPLIT_ALIASES}
@@ -156,12 +164,12 @@ def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = N
         for d, split in sorted(split_dirs.items(), key=lambda kv: SPLITS.index(kv[1])):
             _count_loose_files(d, ignored)
             for cdir in _visible_dirs(d):
-                for full, rel in _walk_images(cdir, root_p, ignored):
+                for full, rel in _walk_images(cdir, root_p, ignored, extensions):
                     per_class.append((cdir.name, split, full, rel))
     else:
         layout = "class_folders"
         for cdir in others:
-            for full, rel in _walk_images(cdir, root_p, ignored):
+            for full, rel in _walk_images(cdir, root_p, ignored, extensions):
                 per_class.append((cdir.name, None, full, rel))
 
     classes = sorted({c for c, _, _, _ in per_class})
@@ -175,7 +183,8 @@ def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = N
         d = Path(folder).resolve()
         if any(d == Path(a) or Path(a) in d.parents or d in Path(a).parents for a in also_roots):
             raise ScanError(f"--also folder {d} is given twice, or inside another --also folder")
-        labelled = _scan_also(folder, root_p, classes, "train" if layout == "split_folders" else None, ignored)
+        labelled = _scan_also(folder, root_p, classes, "train" if layout == "split_folders" else None, ignored,
+                               extensions)
         also_roots.append(str(d))
         also_files += len(labelled)
         files.extend(SourceFile(full, rel, index[c], split) for c, split, full, rel in labelled)
@@ -188,7 +197,7 @@ def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = N
         if u not in extra:
             extra.append(u)
     for udir in extra:
-        for full, rel in _walk_images(udir, root_p, ignored):
+        for full, rel in _walk_images(udir, root_p, ignored, extensions):
             files.append(SourceFile(full, rel, -1, UNLABELED))
 
     digest, relative = hashlib.sha256(), hashlib.sha256()
@@ -198,7 +207,7 @@ def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = N
         digest.update(f"{f.rel}{stats}".encode())
         relative.update(f"{relative_to(f.rel, root_p)}{stats}".encode())
     return ScanResult(str(root_p), layout, classes, files, ignored, digest.hexdigest(), relative.hexdigest(),
-                      also_roots, also_files)
+                      also_roots, also_files, extensions)
 
 
 def relative_to(path: str | os.PathLike, base: str | os.PathLike) -> str:

@@ -60,6 +60,18 @@ def test_broken_files_rejected_with_reason_rest_kept(class_folders, tmp_path):
         assert len(files) == len(ds[s]) and not any(Path(f).name.startswith(("empty", "bomb")) for f in files)
 
 
+def test_the_summary_names_the_extensions_of_the_files_left_out_as_not_images(class_folders, tmp_path):
+    Image.new("RGB", (40, 40), (10, 200, 10)).save(class_folders / "rust" / "leaf.gif")  # a format not read
+    Image.new("RGB", (40, 40), (10, 200, 10)).save(class_folders / "blight" / "leaf2.gif")
+    (class_folders / "rust" / "notes.txt").write_text("hello")
+    (class_folders / "healthy" / "README").write_text("no extension")
+    messages: list[str] = []
+    report = ingest(class_folders, tmp_path / "ds", IngestOptions(size=16), workers=1, log=messages.append)
+    assert report.ignored == {"not_image": 4}
+    assert "ignored not_image: 4 (.gif 2, .txt 1, no extension 1)" in messages[-1]
+    assert load_dataset(tmp_path / "ds").manifest.ignored == {"not_image": 4}  # the manifest's record is as before
+
+
 def test_stratified_split_and_labels_match_folders(class_folders, tmp_path):
     ds = load_dataset(ingest(class_folders, tmp_path / "ds", IngestOptions(size=16), workers=1, **QUIET).out)
     assert ds.classes == sorted(COLOURS)

@@ -106,18 +106,9 @@ def _is_run(run_id: Any) -> Callable[[Path], bool] | None:
 
 def _is_dataset(manifest_sha256: Any) -> Callable[[Path], bool] | None:
     """Whether a folder is the dataset whose manifest.json hashes to ``manifest_sha256``; None without one."""
-    if not isinstance(manifest_sha256, str) or not manifest_sha256:
-        return None
-    from leaflens.data_prep.manifest import manifest_sha256 as digest  # noqa: PLC0415
+    from leaflens.data_prep.manifest import is_dataset  # noqa: PLC0415
 
-    want = manifest_sha256.removeprefix("sha256:")
-
-    def same(folder: Path) -> bool:
-        try:
-            return digest(folder) == want
-        except OSError:
-            return False
-    return same
+    return is_dataset(manifest_sha256)
 
 
 def discover(model_path: str | os.PathLike, run_dir: str | os.PathLike | None = None,

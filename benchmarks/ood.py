@@ -755,10 +755,11 @@ def main() -> None:
         if not args.run:
             sys.exit("ood.py: --branch-sweep needs --run (and --dataset when the run does not name it)")
         from leaflens.cpus import usable_cpus  # noqa: PLC0415
+        from leaflens.pipeline.export.stage import run_dataset  # noqa: PLC0415
         from leaflens.pipeline.ood import DEFAULT_BUDGET  # noqa: PLC0415
         from leaflens.pipeline.runs import read_run  # noqa: PLC0415
 
-        sweep_ds = args.dataset or Path(read_run(args.run).dataset.root)
+        sweep_ds = args.dataset or run_dataset(read_run(args.run), args.run)
         print(json.dumps(branch_sweep(args.run, sweep_ds, DEFAULT_BUDGET, usable_cpus())))
         return
     work = args.work
@@ -781,14 +782,18 @@ def main() -> None:
             leaflens("preprocess", "--src", str(mode_work / "synthetic"), "--out", str(ds), "--size", "128",
                      *([] if progress else ["--no-progress"]))
     elif args.run:
+        from leaflens.pipeline.export.stage import ExportFailed, run_dataset  # noqa: PLC0415
         from leaflens.pipeline.runs import read_run  # noqa: PLC0415
 
         run = args.run
         if ds is None:
-            root = read_run(run).dataset.root
-            if not root:
+            info = read_run(run)
+            if not info.dataset.root:
                 sys.exit(f"ood.py: {run}/best.npz names no dataset folder: pass --dataset")
-            ds = Path(root)
+            try:
+                ds = run_dataset(info, Path(run))
+            except ExportFailed as exc:
+                sys.exit(f"ood.py: {exc}")
         model = export_run(mode_work, run, ds, mode_work / ("export_run_own" if args.no_ood_branch else "export_run"),
                            ["--no-ood-branch"] if args.no_ood_branch else [])
     else:

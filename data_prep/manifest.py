@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Final, Literal
@@ -52,6 +53,21 @@ def manifest_sha256(root: str | os.PathLike) -> str:
     manifest holds every array's checksum, so any change to the dataset changes this digest.
     """
     return sha256_file(Path(root) / MANIFEST_NAME).removeprefix("sha256:")
+
+
+def is_dataset(digest: str | None) -> Callable[[Path], bool] | None:
+    """Whether a folder is the dataset whose ``manifest.json`` hashes to ``digest`` (:func:`manifest_sha256`,
+    with or without its "sha256:" prefix); None without a digest to compare."""
+    if not isinstance(digest, str) or not digest:
+        return None
+    want = digest.removeprefix("sha256:")
+
+    def same(folder: Path) -> bool:
+        try:
+            return manifest_sha256(folder) == want
+        except OSError:
+            return False
+    return same
 
 
 def manifest_self_digest(manifest: dict[str, Any]) -> str:

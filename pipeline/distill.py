@@ -171,7 +171,7 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
         dataset=RunDataset(classes=tuple(ds.classes), mean=rgb_floats(mean, f"{ds.root}: the dataset's mean"),
                            std=rgb_floats(std, f"{ds.root}: the dataset's std"), image_size=ds.image_size,
                            input_size=input_size, resize=ds.manifest.resize,
-                           manifest_sha256=manifest_sha256(ds.root), root=str(ds.root)),
+                           manifest_sha256=manifest_sha256(ds.root), root=str(Path(ds.root).resolve())),
         run_id=run_id)
     write_json_atomic(work / "run_id.json", {"run_id": run_id})  # a resume reads it back
 

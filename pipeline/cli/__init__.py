@@ -4,6 +4,13 @@ Each subcommand lives in its own module, which exposes ``add_parser(subparsers)`
 parser it added, and sets ``func`` (taking the parsed namespace, returning an exit code) on it.
 Modules are imported only when their subcommand is named, so ``leaflens --help`` stays fast and a
 stage's optional dependencies (onnxruntime, gradio) are needed only by that stage.
+
+Exit codes of the stages (data, preprocess, teacher, distill, export): ``EXIT_OK``; ``EXIT_REFUSED`` when the
+input was refused or the job failed (a dataset, teacher, run or file that cannot be used, with the reason);
+``EXIT_USAGE`` for options or configuration that cannot be run (argparse's own code for a bad flag);
+``EXIT_STOPPED`` when training stopped on repeated numerical faults (resumable); 130 on Ctrl-C. The
+commands that classify photos (predict, evaluate, serve) use 2 for anything that stops them starting and 1
+when some photos could not be read.
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ import importlib
 import sys
 
 from leaflens.pipeline.cli.runtime import configure_process
+
+EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 3
 
 # subcommand -> (module, one-line help). Keep alphabetical within each group.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {

@@ -6,6 +6,8 @@ import argparse
 import sys
 
 from leaflens.data_prep.synth import SynthOptions, generate
+from leaflens.files import NotOurFolderError
+from leaflens.pipeline.cli import EXIT_REFUSED, EXIT_USAGE
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -43,7 +45,10 @@ def run(args: argparse.Namespace) -> int:
                         exif_fraction=args.exif_fraction, unlabeled_fraction=args.unlabeled_fraction)
     try:
         generate(args.out, opts, workers=args.workers, force=args.force, progress=sys.stderr.isatty())
-    except ValueError as exc:
+    except NotOurFolderError as exc:  # --out names a folder of someone else's files
         print(f"leaflens data synth: error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_REFUSED
+    except ValueError as exc:  # the options
+        print(f"leaflens data synth: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     return 0

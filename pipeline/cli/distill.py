@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from leaflens.pipeline.cli import EXIT_REFUSED, EXIT_STOPPED, EXIT_USAGE
 from leaflens.pipeline.config import DEFAULT_CONFIG, ConfigError, load_config
 from leaflens.pipeline.models.family import family_option
 
@@ -76,21 +77,21 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, overrides)
     except ConfigError as exc:
         print(f"leaflens distill: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     teacher = None if args.no_teacher else args.teacher
     if teacher is not None and not (teacher / "teacher.json").exists():
         print(f"leaflens distill: no teacher at {teacher} (run `leaflens teacher` first, or pass --no-teacher)",
               file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     try:
         report = run_distill(args.dataset, teacher, args.out, cfg, no_teacher=args.no_teacher,
                              resume=args.resume, progress=not args.quiet)
     except (DatasetError, TeacherError, CheckpointError, ValueError) as exc:
         print(f"leaflens distill: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     except TrainingStopped as exc:
         print(f"leaflens distill: stopped: {exc}", file=sys.stderr)
-        return 3
+        return EXIT_STOPPED
     v = report["variants"]
     if report.get("selection"):
         v = {c["name"]: c for c in report["selection"]["candidates"]}

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from leaflens.pipeline.cli import EXIT_REFUSED, EXIT_USAGE
+
 if TYPE_CHECKING:
     from leaflens.pipeline.export.quantize import Int8Recipe
 
@@ -31,9 +33,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="trained run folder holding best.npz (default artifacts/student)")
     p.add_argument("--out", type=Path, default=Path("artifacts/export"),
                    help="output folder, replaced atomically (default artifacts/export)")
-    p.add_argument("--dataset", type=Path, default=Path("artifacts/dataset"),
-                   help="the dataset the run was trained on, for calibration and parity "
-                        "(default artifacts/dataset)")
+    p.add_argument("--dataset", type=Path, default=None,
+                   help="the dataset the run was trained on, for calibration and parity (default: the one the "
+                        "run's best.npz names, confirmed by its manifest's SHA-256, also after the project "
+                        "folder was moved)")
     p.add_argument("--triton", type=Path, default=None,
                    help="Triton model repository to write <name>/ into (default OUT/triton)")
     p.add_argument("--name", default="leaflens_student", help="Triton model name (default leaflens_student)")
@@ -102,12 +105,12 @@ def run(args: argparse.Namespace) -> int:
         recipes = int8_recipes(args)
     except ValueError as exc:
         print(f"leaflens export: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     if not (Path(args.run) / "best.npz").is_file():
         what = "does not exist" if not Path(args.run).exists() else "holds no best.npz"
         print(f"leaflens export: error: run folder {args.run} {what}: `leaflens distill` trains one "
               "(another run: --run RUN)", file=sys.stderr)
-        return 1
+        return EXIT_REFUSED
     opts = ExportOptions(run=args.run, out=args.out, dataset=args.dataset, triton=args.triton, name=args.name,
                          int8=not args.no_int8, triton_variant=args.triton_variant,
                          max_batch_size=args.max_batch_size, queue_delay_us=args.queue_delay_us,
@@ -123,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         report = export_run(opts, log=log)
     except (ExportFailed, ExportError, TritonConfigError, CheckpointError, DatasetError) as exc:
         print(f"leaflens export: error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_REFUSED
     print(summary(report))
     print(f"wrote {Path(args.out) / 'parity.json'}")
     return 0

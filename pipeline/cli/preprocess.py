@@ -9,6 +9,7 @@ from leaflens.data_prep.decode import DEFAULT_MAX_PIXELS
 from leaflens.data_prep.ingest import IngestError, IngestOptions, ingest
 from leaflens.data_prep.scan import ScanError
 from leaflens.data_prep.split import parse_ratios
+from leaflens.pipeline.cli import EXIT_OK, EXIT_REFUSED, EXIT_USAGE
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -64,10 +65,14 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--out is required (or --check to run the data checks alone)")
         opts = IngestOptions(size=args.size, resize=args.resize, ratios=parse_ratios(args.split),
                              seed=args.seed, max_pixels=args.max_pixels, dedupe=args.dedupe or None)
+    except ValueError as exc:
+        print(f"leaflens preprocess: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
         ingest(args.src, None if args.check else args.out, opts, unlabeled=args.unlabeled, workers=args.workers,
                progress=not args.no_progress and sys.stderr.isatty(), force=args.force,
                strict=args.strict, check=args.check, report_path=args.report, also=args.also)
     except (IngestError, ScanError, ValueError) as exc:
         print(f"leaflens preprocess: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+        return EXIT_REFUSED
+    return EXIT_OK

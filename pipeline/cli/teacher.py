@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from leaflens.pipeline.cli import EXIT_REFUSED, EXIT_STOPPED, EXIT_USAGE
 from leaflens.pipeline.config import ConfigError, load_config
 
 
@@ -64,6 +65,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "that round only if it is not worse on val (teacher.self_train; default on, it runs when the "
                         "dataset has unlabelled photos)")
     p.add_argument("--fp16", action="store_true", help="store features as float16 (half the disk)")
+    p.add_argument("--json", action="store_true",
+                   help="print the summary as one JSON object (teacher, feature_dim, seconds, served, knn_test_acc, "
+                        "test_acc) instead of sentences")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bars or epoch lines (bars are drawn only when stderr is a terminal)")
     p.set_defaults(func=run)
@@ -95,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, [*args.overrides, *flag_overrides(args)])
     except ConfigError as exc:
         print(f"leaflens teacher: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     choice = TeacherChoice(features=args.features, onnx=args.onnx, onnx_input_size=args.input_size,
                            onnx_layout=args.layout, onnx_mean=args.mean, onnx_std=args.std, onnx_output=args.output,
                            train_cnn=args.train_cnn, weights=args.weights)
@@ -104,9 +108,39 @@ def run(args: argparse.Namespace) -> int:
                                     progress=not args.quiet)
     except (DatasetError, TeacherError, TeacherStageError, FileNotFoundError, ValueError) as exc:
         print(f"leaflens teacher: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     except TrainingStopped as exc:  # the fine-tune or the CNN teacher's training hit repeated numerical faults
         print(f"leaflens teacher: stopped: {exc}", file=sys.stderr)
-        return 3
-    print(json.dumps(summary))
+        return EXIT_STOPPED
+    print(json.dumps(summary) if args.json else summary_text(summary, args.out))
     return 0
+
+
+def summary_text(summary: dict[str, Any], out: Path) -> str:
+    """What the teacher stage made, in a few lines a person reads (``--json`` gives the figures as JSON)."""
+    teacher = summary.get("teacher") or {}
+    kind = teacher.get("kind", "teacher")
+    how = []
+    if teacher.get("fine_tuned"):
+        how.append(f"fine-tuned from block {teacher.get('split_block', 0)}")
+    if teacher.get("input_size"):
+        how.append(f"{teacher['input_size']} px")
+    lines = [f"teacher: {kind}{' (' + ', '.join(how) + ')' if how else ''}, {summary.get('feature_dim')} features, "
+             f"{summary.get('seconds')} s -> {out}"]
+    scores = []
+    if summary.get("test_acc") is not None:
+        scores.append(f"test accuracy {100 * summary['test_acc']:.1f} %")
+    if summary.get("knn_test_acc") is not None:
+        scores.append(f"nearest training photo by features {100 * summary['knn_test_acc']:.1f} %")
+    if scores:
+        lines.append("  " + "; ".join(scores))
+    served = summary.get("served")
+    if served:
+        if served.get("written"):
+            params = served.get("params")
+            lines.append(f"  served as {served.get('onnx')}"
+                         + (f" ({params / 1e6:.2f} M parameters)" if params else "")
+                         + ": distill can keep it when no student comes close")
+        else:
+            lines.append(f"  not written as ONNX: {served.get('reason')}")
+    return "\n".join(lines)

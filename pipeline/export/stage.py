@@ -50,13 +50,14 @@ from leaflens.apps.model_card import ModelCard, trained_on
 from leaflens.apps.predictor import Predictor
 from leaflens.cpus import usable_cpus
 from leaflens.data_prep.arrays import sha256_file
-from leaflens.data_prep.manifest import Dataset, load_dataset, manifest_sha256
+from leaflens.data_prep.manifest import MANIFEST_NAME, Dataset, is_dataset, load_dataset, manifest_sha256
 from leaflens.engine.nn import Module
 from leaflens.engine.onnx_export import IR_VERSION, OPSET, convert_float16, export_onnx, save_onnx
 from leaflens.files import (
     NotOurFolderError,
     check_replaceable,
     clean_stale_temps,
+    find_moved,
     new_temp_dir,
     swap_into_place,
     write_json_atomic,
@@ -88,7 +89,7 @@ class ExportFailed(RuntimeError):
 class ExportOptions:
     run: Path
     out: Path
-    dataset: Path = Path("artifacts/dataset")
+    dataset: Path | None = None  # None: the dataset the run records (run_dataset)
     triton: Path | None = None  # default: <out>/triton
     name: str = "leaflens_student"
     int8: bool = True
@@ -109,6 +110,27 @@ class ExportOptions:
     ood_branch: bool = True  # a student's score also reads the frozen EfficientNet-Lite0 branch (GenericBranch)
     ood_budget: float = ood_check.DEFAULT_BUDGET  # share of genuine new photos it may flag (with 0.9 confidence)
     ood_tolerance: float = 1e-3  # FP32 ONNX vs engine score, relative to max(1, |score|)
+
+
+def run_dataset(info: RunInfo, run_dir: Path) -> Path:
+    """The dataset folder run ``info`` was trained on: the folder its best.npz names (recorded relative to the
+    folder distill ran in by runs before they recorded it absolute: tried from here and beside the run folder),
+    or where it went when the project folder was moved or renamed; confirmed by the manifest's SHA-256. A run
+    that names none falls back to ``artifacts/dataset`` (checked like any --dataset)."""
+    recorded = info.dataset.root
+    if not recorded:
+        return Path("artifacts/dataset")
+    same = is_dataset(info.dataset.manifest_sha256) or (lambda d: (d / MANIFEST_NAME).is_file())
+    run_dir = run_dir.resolve()
+    tried = [Path(recorded)] if Path(recorded).is_absolute() else [Path.cwd() / recorded, run_dir.parent / recorded]
+    for folder in tried:
+        if folder.is_dir() and same(folder):
+            return folder
+    moved = find_moved(tried[0], run_dir, same)
+    if moved is None:
+        raise ExportFailed(f"the dataset run {info.run_id} was trained on ({recorded}, named in {info.path}) is not "
+                           "there any more, and no folder near the run holds it; pass its folder with --dataset")
+    return moved
 
 
 def _check_dataset(info: RunInfo, ds: Dataset, opts: ExportOptions) -> list[str]:
@@ -331,7 +353,7 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
     triton_inside = triton_root == out or out in triton_root.parents
     _check_out(out)
     model, info = load_model(opts.run)
-    ds = load_dataset(opts.dataset)
+    ds = load_dataset(opts.dataset if opts.dataset is not None else run_dataset(info, Path(opts.run)))
     warnings = _check_dataset(info, ds, opts)
     for w in warnings:
         log(f"warning: {w}")

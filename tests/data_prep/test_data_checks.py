@@ -52,7 +52,7 @@ def test_preprocess_refuses_a_split_that_does_not_add_up_before_writing(tmp_path
     src = make_class_folders(tmp_path / "photos", per_class=6)
     out = tmp_path / "ds"
     assert main(["preprocess", "--src", str(src), "--out", str(out), "--split", "70/20/20", "--workers", "1",
-                 "--no-progress"]) == 1
+                 "--no-progress"]) == 2  # a usage error, like a bad flag
     assert "adds up to 110" in capsys.readouterr().err
     assert not out.exists()
 

@@ -129,7 +129,7 @@ def test_cli_synth_and_errors(tmp_path, capsys):
     assert cli_main(["data", "synth", "--out", str(blocker), "--per-class", "1", "--workers", "1"]) == 1
     assert "refusing" in capsys.readouterr().err
     for size in ("16", "100000"):  # 100000: gigabytes per drawn image
-        assert cli_main(["data", "synth", "--out", str(tmp_path / "big"), "--size", size, "--workers", "1"]) == 1
+        assert cli_main(["data", "synth", "--out", str(tmp_path / "big"), "--size", size, "--workers", "1"]) == 2
         assert "a size of 32 to 4096 px" in capsys.readouterr().err and not (tmp_path / "big").exists()
     with pytest.raises(ValueError):
         render("sunburn", 64, np.random.default_rng(0))

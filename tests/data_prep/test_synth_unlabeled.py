@@ -91,7 +91,7 @@ def test_a_new_fraction_makes_the_folder_again(tmp_path):
 def test_a_fraction_that_leaves_no_labels_is_refused(tmp_path, capsys, fraction, message):
     out = tmp_path / "cli"
     assert cli_main(["data", "synth", "--out", str(out), "--per-class", "8", "--unlabeled-fraction",
-                     str(fraction), "--workers", "1"]) == 1
+                     str(fraction), "--workers", "1"]) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
 

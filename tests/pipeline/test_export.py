@@ -424,6 +424,37 @@ def test_wrong_dataset_and_foreign_output_are_refused(tiny_run, tmp_path, capsys
     assert not (tmp_path / "e").exists()
 
 
+def _info(root: str | None, digest: str | None) -> Any:
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    return SimpleNamespace(run_id="r1", path=Path("run/best.npz"),
+                           dataset=SimpleNamespace(root=root, manifest_sha256=digest))
+
+
+def test_without_dataset_the_run_s_own_dataset_is_found_by_its_manifest(tiny_run, tmp_path, monkeypatch):
+    """`leaflens export --run R` alone: the dataset its best.npz names, from any folder, beside the run when it
+    was recorded relative (runs before they recorded it absolute), and after the project folder was moved."""
+    _, dataset = tiny_run
+    digest = manifest_sha256(dataset)
+    project = tmp_path / "project"
+    (project / "artifacts").mkdir(parents=True)
+    ds = project / "artifacts" / "dataset"
+    import shutil  # noqa: PLC0415
+
+    shutil.copytree(dataset, ds)
+    run_dir = project / "artifacts" / "student"
+    monkeypatch.chdir(tmp_path)
+    assert stage.run_dataset(_info(str(ds), digest), run_dir) == ds
+    assert stage.run_dataset(_info("dataset", digest), run_dir) == ds  # relative, recorded in artifacts/
+    moved = tmp_path / "renamed"
+    project.rename(moved)
+    found = stage.run_dataset(_info(str(ds), digest), moved / "artifacts" / "student")
+    assert found == moved / "artifacts" / "dataset"
+    with pytest.raises(ExportFailed, match=r"dataset run r1 was trained on .* is not there any more.*--dataset"):
+        stage.run_dataset(_info(str(ds), "0" * 64), moved / "artifacts" / "student")  # a different manifest
+    assert stage.run_dataset(_info(None, None), run_dir) == Path("artifacts/dataset")  # runs that name none
+
+
 def _run_at_32(tiny_run, tmp_path: Path, run_id: str, **dataset: Any) -> tuple[Path, Path, Any, nn.Module]:
     """(run, dataset dir, dataset, model): tiny_run's network recorded as trained at 16 px on photos stored at
     32 px, with ``dataset`` added to its record (e.g. a centre crop)."""

@@ -49,9 +49,15 @@ def _tiny_encoder(path, size=16, dim=6):
 def test_features_file_is_imported_and_tied_to_the_dataset(ds_dir, tmp_path, capsys):
     feats = class_features(ds_dir, tmp_path / "feats", dim=8)
     assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--features", str(feats),
-                "--quiet"]) == 0
+                "--quiet", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["feature_dim"] == 8 and summary["knn_test_acc"] > 0.9
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--features", str(feats),
+                "--quiet"]) == 0
+    said = capsys.readouterr().out  # without --json: sentences with the same figures
+    assert said.startswith("teacher: features-file, 8 features, ") and f"-> {tmp_path / 't'}" in said
+    assert f"test accuracy {100 * summary['test_acc']:.1f} %" in said
+    assert f"nearest training photo by features {100 * summary['knn_test_acc']:.1f} %" in said
     ds = load_dataset(ds_dir)
     tt = load_teacher(tmp_path / "t", ds)
     np.testing.assert_allclose(tt.features["val"], np.load(feats / "features_val.npy"))
@@ -76,7 +82,7 @@ def test_a_folder_the_stage_did_not_write_is_never_replaced(ds_dir, tmp_path, ca
     theirs = tmp_path / "thesis"
     theirs.mkdir()
     (theirs / "chapter1.txt").write_text("mine")
-    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(theirs), "--features", str(feats), "--quiet"]) == 2
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(theirs), "--features", str(feats), "--quiet"]) == 1
     assert "is not a leaflens teacher folder (no teacher.json in it); refusing to replace it" in capsys.readouterr().err
     assert [p.name for p in theirs.iterdir()] == ["chapter1.txt"] and (theirs / "chapter1.txt").read_text() == "mine"
     (tmp_path / "empty").mkdir()
@@ -88,7 +94,7 @@ def test_a_folder_the_stage_did_not_write_is_never_replaced(ds_dir, tmp_path, ca
 def test_misaligned_features_are_refused(ds_dir, tmp_path, capsys):
     feats = class_features(ds_dir, tmp_path / "feats", dim=8)
     np.save(feats / "features_val.npy", np.zeros((3, 8), np.float32))
-    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--features", str(feats)]) == 2
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--features", str(feats)]) == 1
     assert "aligned with the manifest" in capsys.readouterr().err
     assert not (tmp_path / "t").exists()
 
@@ -107,7 +113,7 @@ def test_onnx_encoder_teacher(ds_dir, tmp_path, capsys):
 def test_not_an_onnx_file_is_refused(ds_dir, tmp_path, capsys):
     bad = tmp_path / "bad.onnx"
     bad.write_text("not a model")
-    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--onnx", str(bad)]) == 2
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--onnx", str(bad)]) == 1
     assert "bad.onnx" in capsys.readouterr().err
 
 

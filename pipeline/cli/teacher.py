@@ -92,7 +92,12 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from leaflens.data_prep.manifest import DatasetError  # noqa: PLC0415
     from leaflens.pipeline.teachers.artefact import TeacherError  # noqa: PLC0415
-    from leaflens.pipeline.teachers.stage import TeacherChoice, TeacherStageError, run_teacher_stage  # noqa: PLC0415
+    from leaflens.pipeline.teachers.stage import (  # noqa: PLC0415
+        TeacherChoice,
+        TeacherSettingError,
+        TeacherStageError,
+        run_teacher_stage,
+    )
     from leaflens.pipeline.training import TrainingStopped  # noqa: PLC0415
 
     try:
@@ -106,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         summary = run_teacher_stage(args.dataset, args.out, cfg, choice, from_arrays=args.from_arrays, fp16=args.fp16,
                                     progress=not args.quiet)
+    except TeacherSettingError as exc:
+        print(f"leaflens teacher: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except (DatasetError, TeacherError, TeacherStageError, FileNotFoundError, ValueError) as exc:
         print(f"leaflens teacher: {exc}", file=sys.stderr)
         return EXIT_REFUSED

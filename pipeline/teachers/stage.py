@@ -48,6 +48,10 @@ class TeacherStageError(ValueError):
     """The teacher stage cannot run as asked (the message says why and what to do)."""
 
 
+class TeacherSettingError(TeacherStageError):
+    """A setting the chosen teacher cannot run with (a usage error, not a refused input)."""
+
+
 class Encoder(Protocol):
     """What the stage needs of a teacher (read-only, so an encoder that always has logits, with an ``int``
     ``num_classes``, is one too)."""
@@ -379,7 +383,7 @@ def make_encoder(ds: Any, cfg: StageConfig, choice: TeacherChoice, out: Path, fr
     from leaflens.pipeline.teachers.effnet import build_effnet_teacher  # noqa: PLC0415
 
     if not EFFNET_MIN_SIZE <= cfg.teacher.input_size <= EFFNET_MAX_SIZE:
-        raise TeacherStageError(
+        raise TeacherSettingError(
             f"teacher.input_size {cfg.teacher.input_size}: EfficientNet-Lite0 takes {EFFNET_MIN_SIZE} to "
             f"{EFFNET_MAX_SIZE} px (it halves its input 5 times: below {EFFNET_MIN_SIZE} its last blocks see less "
             "than a pixel); the default is 160, ImageNet's own 224")

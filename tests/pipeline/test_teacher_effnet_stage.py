@@ -27,7 +27,7 @@ def test_effnet_teacher_fine_tunes_and_writes_features_and_logits(tmp_path, caps
     ds_dir = tiny_dataset(tmp_path, per_class=10, size=16)
     # 32x32 input keeps the test fast; the original photos are decoded again at that size
     code = cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--epochs", "2",
-                "--input-size", "32", "--views", "2", "--quiet"])
+                "--input-size", "32", "--views", "2", "--quiet", "--json"])
     assert code == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     ds = load_dataset(ds_dir)

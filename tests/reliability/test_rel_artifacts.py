@@ -78,10 +78,10 @@ def test_truncated_npy_in_the_dataset(staged, tmp_path, capsys):
     victim = ds / "val_images.npy"
     victim.write_bytes(victim.read_bytes()[:-100])  # an interrupted copy
     _refused(capsys, ["teacher", "--dataset", str(ds), "--out", str(tmp_path / "t"), "--train-cnn", "--quiet"],
-             2, victim, "truncated")
+             1, victim, "truncated")
     _nothing_written(tmp_path, "t")
     _refused(capsys, ["distill", "--dataset", str(ds), "--teacher", str(staged / "teacher"), "--out",
-                      str(tmp_path / "s"), "--quiet"], 2, victim, "truncated")
+                      str(tmp_path / "s"), "--quiet"], 1, victim, "truncated")
     _nothing_written(tmp_path, "s")
     _refused(capsys, ["export", "--run", str(staged / "student"), "--dataset", str(ds), "--out",
                       str(tmp_path / "e")], 1, victim, "truncated")
@@ -101,10 +101,10 @@ def test_edited_manifest(staged, tmp_path, capsys, edit):
         m["splits"]["val"]["count"] -= 1
     path.write_text(json.dumps(m, indent=2))
     _refused(capsys, ["teacher", "--dataset", str(ds), "--out", str(tmp_path / "t"), "--train-cnn", "--quiet"],
-             2, path, "edited")
+             1, path, "edited")
     _nothing_written(tmp_path, "t")
     _refused(capsys, ["distill", "--dataset", str(ds), "--no-teacher", "--out", str(tmp_path / "s"), "--quiet"],
-             2, path, "edited")
+             1, path, "edited")
     _nothing_written(tmp_path, "s")
 
 
@@ -113,7 +113,7 @@ def test_truncated_teacher_features(staged, tmp_path, capsys):
     victim = teacher / "features_train.npy"
     victim.write_bytes(victim.read_bytes()[:-64])
     _refused(capsys, ["distill", "--dataset", str(staged / "ds"), "--teacher", str(teacher), "--out",
-                      str(tmp_path / "s"), "--quiet"], 2, victim)
+                      str(tmp_path / "s"), "--quiet"], 1, victim)
     _nothing_written(tmp_path, "s")
 
 
@@ -121,7 +121,7 @@ def test_features_of_another_dataset(staged, tmp_path, capsys):
     other = ingest(class_folders(tmp_path / "photos", per_class=11, seed=7), tmp_path / "other", IngestOptions(size=16),
                    workers=1, log=lambda *_: None).out
     _refused(capsys, ["distill", "--dataset", str(other), "--teacher", str(staged / "teacher"), "--out",
-                      str(tmp_path / "s"), "--quiet"], 2, staged / "teacher", "another dataset")
+                      str(tmp_path / "s"), "--quiet"], 1, staged / "teacher", "another dataset")
     _nothing_written(tmp_path, "s")
     # a features folder computed elsewhere for the other dataset, imported for this one
     feats = tmp_path / "feats"
@@ -129,7 +129,7 @@ def test_features_of_another_dataset(staged, tmp_path, capsys):
     for split, f in _features(other).items():
         np.save(feats / f"features_{split}.npy", f)
     _refused(capsys, ["teacher", "--dataset", str(staged / "ds"), "--features", str(feats), "--out",
-                      str(tmp_path / "t"), "--quiet"], 2, feats, "rows")
+                      str(tmp_path / "t"), "--quiet"], 1, feats, "rows")
     _nothing_written(tmp_path, "t")
 
 
@@ -165,11 +165,11 @@ def test_resume_from_a_checkpoint_of_another_model(staged, tmp_path, capsys):
     shutil.move(out, partial)  # as if killed after the training
     last = partial / "scratch" / "last.npz"
     before = last.read_bytes()
-    _refused(capsys, args + sets + ["--set", "model.widths=[16]", "--resume"], 2, last, "different model")
+    _refused(capsys, args + sets + ["--set", "model.widths=[16]", "--resume"], 1, last, "different model")
     assert last.read_bytes() == before
     data = before[: len(before) // 3]
     last.write_bytes(data)
-    _refused(capsys, args + sets + ["--resume"], 2, last, "truncated")
+    _refused(capsys, args + sets + ["--resume"], 1, last, "truncated")
 
 
 def test_onnx_file_that_is_not_a_model(staged, tmp_path, capsys):
@@ -179,7 +179,7 @@ def test_onnx_file_that_is_not_a_model(staged, tmp_path, capsys):
     _refused(capsys, ["predict", "--model", str(fake), str(photo_dir), "--no-progress"], 2, fake,
              "cannot load")
     _refused(capsys, ["teacher", "--dataset", str(staged / "ds"), "--onnx", str(fake), "--out",
-                      str(tmp_path / "t"), "--quiet"], 2, fake)
+                      str(tmp_path / "t"), "--quiet"], 1, fake)
     _nothing_written(tmp_path, "t")
     # a valid ONNX graph that is not a leaflens model (no model card in its metadata)
     import onnx

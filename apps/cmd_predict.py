@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from leaflens.apps.diagnosis import REFUSAL_REASONS
+from leaflens.apps.model_arg import add_model_argument, missing_model
 from leaflens.apps.model_card import ModelError
 from leaflens.apps.predictor import Prediction, Predictor
 from leaflens.apps.providers import add_provider_argument, requested_providers
@@ -47,7 +48,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "model error.",
     )
     p.add_argument("images", nargs="+", metavar="IMAGES", help="image files and/or folders")
-    p.add_argument("--model", required=True, help="exported model (.onnx with leaflens metadata)")
+    add_model_argument(p)
     p.add_argument("--csv", default=None, help="write the results to this CSV file (written atomically)")
     p.add_argument("--top-k", type=int, default=3, help="classes to report per image (default 3)")
     p.add_argument("--batch-size", type=int, default=32, help="images per model call (default 32)")
@@ -194,6 +195,8 @@ def run(args: argparse.Namespace) -> int:
                              "would replace it (give a .csv path)")
         if args.csv and os.path.isdir(args.csv):
             raise UsageError(f"--csv {args.csv} is a folder; give a file path (e.g. {Path(args.csv) / 'results.csv'})")
+        if (missing := missing_model(args.model)) is not None:
+            raise UsageError(missing)
         predictor = Predictor(args.model, intra_op_threads=args.threads,
                               providers=requested_providers(getattr(args, "provider", "auto")))
     except (UsageError, ModelError) as exc:

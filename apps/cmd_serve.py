@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 
+from leaflens.apps.model_arg import add_model_argument, missing_model
 from leaflens.apps.providers import add_provider_argument, requested_providers
 
 __all__ = ["add_parser", "build", "prepare", "run"]
@@ -43,8 +44,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Start the leaflens web page: drop leaf photos, get ranked diagnoses (English/中文). "
                     "Also an API endpoint /diagnose for gradio_client scripts.",
     )
-    p.add_argument("--model", default="artifacts/export/student.onnx",
-                   help="exported model (.onnx with leaflens metadata; default %(default)s)")
+    add_model_argument(p)
     p.add_argument("--run", default=None,
                    help="training run folder (report.json, curves.png, confusion.png) for the Model tab; "
                         "default: the run named in the export's parity.json")
@@ -121,9 +121,8 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--corrections-max-mb must be > 0, got {args.corrections_max_mb}")
     if not args.no_corrections and os.path.exists(args.corrections) and not os.path.isdir(args.corrections):
         raise UsageError(f"--corrections {args.corrections}: exists and is not a folder")
-    if not os.path.isfile(args.model):
-        raise UsageError(f"{args.model}: model file not found (`leaflens export` writes one; another model: "
-                         "--model PATH)")
+    if (missing := missing_model(args.model)) is not None:
+        raise UsageError(missing)
 
 
 def prepare(args: argparse.Namespace):

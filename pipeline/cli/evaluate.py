@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from leaflens.apps.model_arg import add_model_argument, missing_model
 from leaflens.apps.providers import add_provider_argument, requested_providers
 
 
@@ -23,7 +24,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "accuracy, a per-class table and the confusion matrix. Exit code 0: all photos evaluated; "
                     "1: some photos could not be read; 2: usage or model error.",
     )
-    p.add_argument("--model", required=True, type=Path, help="exported model (.onnx with leaflens metadata)")
+    add_model_argument(p)
     p.add_argument("--photos", required=True, type=Path, help="folder of class folders: PHOTOS/<class>/*.jpg")
     p.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file (atomically)")
     p.add_argument("--batch-size", type=int, default=32, help="photos per model call (default 32)")
@@ -48,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
             raise EvaluationError(f"--threads must be >= 1, got {args.threads}")
         if args.json is not None and not args.json.resolve().parent.is_dir():
             raise EvaluationError(f"{args.json}: the folder for the JSON file does not exist")
+        if (missing := missing_model(args.model)) is not None:
+            raise EvaluationError(missing)
         predictor = Predictor(args.model, intra_op_threads=args.threads,
                               providers=requested_providers(getattr(args, "provider", "auto")))
         print(predictor.provider_line, file=sys.stderr)

@@ -151,6 +151,26 @@ def test_usage_and_model_errors_exit_two(tiny_model, tmp_path, capsys):
     assert "is a folder" in capsys.readouterr().err
 
 
+def test_without_model_the_export_s_file_is_used_as_by_serve(tiny_model, tmp_path, capsys, monkeypatch):
+    """`leaflens predict photo.jpg` and `leaflens evaluate --photos P` in the project folder after an export."""
+    import shutil  # noqa: PLC0415
+
+    model, _ = tiny_model()
+    photo = write_photo(tmp_path / "a.png")
+    project = tmp_path / "project"
+    project.mkdir()
+    monkeypatch.chdir(project)
+    assert main(["predict", str(photo)]) == 2
+    assert ("artifacts/export/student.onnx: model file not found (`leaflens export` writes one; another model: "
+            "--model PATH)") in capsys.readouterr().err
+    assert main(["evaluate", "--photos", str(tmp_path)]) == 2
+    assert "artifacts/export/student.onnx: model file not found" in capsys.readouterr().err
+    (project / "artifacts" / "export").mkdir(parents=True)
+    shutil.copyfile(model, project / "artifacts" / "export" / "student.onnx")
+    assert main(["predict", str(photo), "--no-progress"]) == 0
+    assert capsys.readouterr().out.startswith(str(photo))
+
+
 def test_collect_images_order_and_filtering(tmp_path):
     folder = make_folder(tmp_path)
     skipped: Counter[str] = Counter()

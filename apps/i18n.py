@@ -199,6 +199,9 @@ STRINGS: dict[str, dict[str, str]] = {
         # model tab in plain words (leaflens.apps.model_info)
         "m_demo_banner": ("**Demo model: trained on drawn leaves, not real photos.** Its answers about a real leaf "
                           "mean nothing: train a model on photos of your own crop before using it in the field."),
+        "m_chance_banner": ("**On its validation photos this model could not be told apart from guessing.** Its "
+                            "answers may mean nothing yet, however sure they look: train it again (more epochs, more "
+                            "photos, photos in the right class folders) before relying on it."),
         "m_knows": "What it recognises",
         "m_knows_value": "{n} classes: {names}",
         "m_crops": "Crops",
@@ -380,6 +383,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "privacy_no_corrections": "不会保存任何照片用于训练。",
         "m_demo_banner": ("**演示模型：用程序绘制的叶片训练，不是真实照片。** 它对真实叶片给出的结果没有意义："
                           "在田间使用之前，请用您自己作物的照片训练模型。"),
+        "m_chance_banner": ("**在验证照片上，此模型的表现与猜测无法区分。** 无论看起来多么确定，它的回答目前可能都没有"
+                            "意义：请重新训练（更多轮次、更多照片、照片放在正确的类别文件夹中）后再使用。"),
         "m_knows": "能识别",
         "m_knows_value": "{n} 类：{names}",
         "m_crops": "作物",

@@ -33,7 +33,7 @@ from leaflens.apps.i18n import t
 from leaflens.apps.notes import find_notes
 from leaflens.files import find_moved
 
-__all__ = ["EXPORT_REPORT", "RUN_REPORT", "ServeContext", "demo_banner", "discover", "model_markdown",
+__all__ = ["EXPORT_REPORT", "RUN_REPORT", "ServeContext", "demo_banner", "discover", "model_markdown", "page_banner",
            "reliability_lines", "run_images"]
 
 EXPORT_REPORT = "parity.json"  # written by `leaflens export` next to student.onnx
@@ -217,6 +217,16 @@ def demo_banner(card: Any, lang: str) -> str:
     return t("m_demo_banner", lang) if trained is not None and trained.synthetic else ""
 
 
+def page_banner(card: Any, ctx: ServeContext, lang: str) -> str:
+    """What the page says above everything about the model's answers (Markdown, "" for none): the demo banner,
+    and a model whose run found it no better than guessing on validation (report.json's
+    ``no_better_than_chance``, leaflens.pipeline.chance)."""
+    said = [demo_banner(card, lang)]
+    if _get(ctx.run_report, "no_better_than_chance") is True:
+        said.append(t("m_chance_banner", lang))
+    return "\n\n".join(s for s in said if s)
+
+
 def _names(classes: Sequence[str], notes: Any, lang: str) -> list[str]:
     return [notes.name(c, lang) if notes is not None else c for c in classes]
 
@@ -302,7 +312,7 @@ def model_markdown(predictor: Any, ctx: ServeContext, lang: str, notes: Any = No
     names = _names(card.classes, notes, lang)
     classes = ", ".join(n if n == c else f"{n} (`{c}`)" for n, c in zip(names, card.classes))
     lines = [t("model_heading", lang), ""]
-    banner = demo_banner(card, lang)
+    banner = page_banner(card, ctx, lang)
     if banner:
         lines += [f"> {banner}", ""]
     words = [

@@ -37,7 +37,7 @@ import gradio as gr
 
 from leaflens.apps.diagnosis import PhotoOutcome, photo_caption, render, summarise
 from leaflens.apps.i18n import LANG_CHOICES, lang_from_choice, t
-from leaflens.apps.model_info import demo_banner, model_markdown, run_images
+from leaflens.apps.model_info import model_markdown, page_banner, run_images
 from leaflens.apps.privacy import privacy_markdown
 from leaflens.apps.service import DiagnosisService
 from leaflens.apps.web_assets import (
@@ -87,9 +87,9 @@ def build_app(service: DiagnosisService, config: AppConfig | None = None) -> gr.
 
     with gr.Blocks(title="leaflens", analytics_enabled=False) as demo:
         title = gr.Markdown(t("title", lang0))
-        # "demo model: trained on drawn leaves" above everything, when it is (leaflens.apps.model_info)
-        banner = gr.Markdown(demo_banner(predictor.card, lang0), visible=bool(demo_banner(predictor.card, lang0)),
-                             elem_id="demo-banner")
+        # "demo model: trained on drawn leaves" or "no better than guessing" above everything (leaflens.apps.model_info)
+        banner = gr.Markdown(page_banner(predictor.card, cfg.context, lang0),
+                             visible=bool(page_banner(predictor.card, cfg.context, lang0)), elem_id="demo-banner")
         with gr.Row():
             intro = gr.Markdown(t("intro", lang0), elem_id="intro")
             lang_radio = gr.Radio([(label, code) for code, label in LANG_CHOICES.items()], value=lang0,
@@ -222,7 +222,8 @@ def build_app(service: DiagnosisService, config: AppConfig | None = None) -> gr.
 
         def page_words(choice: str) -> tuple[str, str]:
             lang = lang_from_choice(choice)
-            return demo_banner(predictor.card, lang), privacy_markdown(service.uploads, kept_for_training, lang)
+            return (page_banner(predictor.card, cfg.context, lang),
+                    privacy_markdown(service.uploads, kept_for_training, lang))
 
         lang_radio.change(page_words, inputs=[lang_radio], outputs=[banner, privacy], api_visibility="private",
                           queue=False)

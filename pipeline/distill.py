@@ -45,6 +45,7 @@ from leaflens.engine import Tensor, no_grad
 from leaflens.engine.checkpoint import CheckpointError, save_checkpoint
 from leaflens.files import check_replaceable, swap_into_place, write_json_atomic, write_text_atomic
 from leaflens.pipeline import centre_crop, ood
+from leaflens.pipeline.chance import chance_warning
 from leaflens.pipeline.config import StageConfig, dump_toml, load_config
 from leaflens.pipeline.hardware import describe_hardware
 from leaflens.pipeline.models.family import Member, escalation_names, members
@@ -299,6 +300,11 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
     else:
         report["out_of_domain"] = out_of_domain_summary(model, ds, student["contract"], threshold)
     report["data"] = read_data_report(ds.root)  # preprocess's data checks, for report.md (None: not recorded)
+    learnt = chance_warning(kept_val, np.asarray(ds["val"].labels))
+    report["warnings"] = [learnt] if learnt else []
+    report["no_better_than_chance"] = learnt is not None  # the web page's banner (leaflens.apps.model_info)
+    if learnt:
+        print(f"warning: {learnt}", file=sys.stderr, flush=True)
     _write_visuals(work, ds, results, chosen, model, student["contract"])
     write_json_atomic(work / "report.json", report)
     write_report(work, report)
@@ -567,7 +573,8 @@ def _write_visuals(work: Path, ds, results, chosen, model, contract) -> None:
     cm = metrics.confusion_matrix(y, pred, ds.num_classes)
     plots.plot_confusion(cm, ds.classes, work / "confusion.png", title=f"Confusion matrix ({split} split)")
     hardest = metrics.hardest_misclassified(probs, y, k=24)
-    caps = [f"{ds.classes[y[i]]} -> {ds.classes[pred[i]]} ({probs[i, pred[i]]:.2f})" for i in hardest]
+    names = plots.class_labels(ds.classes)  # "class <i>" for a name no installed font can draw
+    caps = [f"{names[y[i]]} -> {names[pred[i]]} ({probs[i, pred[i]]:.2f})" for i in hardest]
     rows = np.asarray(ds[split].images[np.sort(hardest)])[np.argsort(np.argsort(hardest))] if len(hardest) \
         else np.zeros((0, ds.image_size, ds.image_size, 3), np.uint8)
     plots.contact_sheet(rows, caps, work / "hardest.png")

@@ -63,6 +63,7 @@ from leaflens.files import (
     write_json_atomic,
 )
 from leaflens.pipeline import ood as ood_check
+from leaflens.pipeline.chance import chance_warning
 from leaflens.pipeline.evaluate import PhotosUnavailable, dataset_photo_files, evaluate_files
 from leaflens.pipeline.export import parity, triton
 from leaflens.pipeline.export.quantize import (
@@ -355,6 +356,11 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
     model, info = load_model(opts.run)
     ds = load_dataset(opts.dataset if opts.dataset is not None else run_dataset(info, Path(opts.run)))
     warnings = _check_dataset(info, ds, opts)
+    kept_val = (info.kept_metrics or info.metrics).val_accuracy
+    if kept_val is not None and "val" in ds and ds["val"].labels is not None:
+        learnt = chance_warning(kept_val, np.asarray(ds["val"].labels), f"the {info.kept or 'student'} of run "
+                                f"{info.run_id}")
+        warnings += [learnt] if learnt else []
     for w in warnings:
         log(f"warning: {w}")
     threads = opts.threads or usable_cpus()

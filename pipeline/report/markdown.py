@@ -133,7 +133,8 @@ def _kept_section(report: Mapping[str, Any]) -> list[str]:
     limits = [f"at most {int(budget['max_params']):,} parameters" if budget.get("max_params") else "any size",
               f"at most {float(budget['max_ms']):g} ms per photo" if budget.get("max_ms") else "any latency"]
     timing = sel.get("timing") or {}
-    lines = ["## Kept model", "",
+    warned = [f"**Warning:** {_cell(w)}." for w in report.get("warnings") or []]  # e.g. no better than chance
+    lines = ["## Kept model", "", *warned, *([""] if warned else []),
              f"**{sel.get('kept')}** is kept: {sel.get('why', 'no reason recorded')}.", "",
              f"Serving budget: {', '.join(limits)}; the teacher must gain at least "
              f"{100 * float(budget.get('teacher_margin', 0)):g} points of validation accuracy over the best student. "

@@ -54,13 +54,56 @@ _GRID = "#e2e2e2"
 
 
 # ---- shared helpers ------------------------------------------------------------------------------------
+# Fonts tried after DejaVu Sans for characters it lacks (matplotlib falls back glyph by glyph), so class names
+# in Chinese, Japanese or Korean are drawn where the system has such a font: Linux (Noto, WenQuanYi,
+# Droid), Windows (Microsoft YaHei, SimHei), macOS (PingFang, Hiragino, Arial Unicode).
+FALLBACK_FONTS = ("Noto Sans CJK SC", "Noto Sans CJK JP", "Noto Sans SC", "Source Han Sans SC", "WenQuanYi Zen Hei",
+                  "WenQuanYi Micro Hei", "Droid Sans Fallback", "Microsoft YaHei", "SimHei", "PingFang SC",
+                  "Hiragino Sans GB", "Arial Unicode MS")
+
+
+@functools.lru_cache(maxsize=1)
+def _font_families() -> tuple[str, ...]:
+    """DejaVu Sans, then the installed fonts of :data:`FALLBACK_FONTS`."""
+    from matplotlib import font_manager
+
+    installed = {f.name for f in font_manager.fontManager.ttflist}
+    return ("DejaVu Sans", *(f for f in FALLBACK_FONTS if f in installed))
+
+
+@functools.lru_cache(maxsize=4096)
+def _has_glyph(char: str) -> bool:
+    """Whether one of :func:`_font_families` draws ``char`` (no empty box)."""
+    from matplotlib import font_manager
+    from matplotlib.ft2font import FT2Font
+
+    for family in _font_families():
+        path = font_manager.findfont(font_manager.FontProperties(family=family), fallback_to_default=False)
+        if FT2Font(path).get_char_index(ord(char)):
+            return True
+    return False
+
+
+def drawable(text: str) -> bool:
+    """Whether every character of ``text`` can be drawn with the fonts on this machine."""
+    return all(ch.isspace() or _has_glyph(ch) for ch in text)
+
+
+def class_labels(classes: Sequence[str]) -> list[str]:
+    """The class names as drawn: a name this machine has no font for (e.g. Chinese without a CJK font) becomes
+    "class <i>", its place in the class order (report.md's tables), rather than a row of empty boxes."""
+    return [str(name) if drawable(str(name)) else f"class {i}" for i, name in enumerate(classes)]
+
+
 @contextlib.contextmanager
 def _default_style() -> Iterator[None]:
     """matplotlib's default style for the duration of a figure's build and save, so that a user's style
-    sheet cannot restyle (or resize the text of) a run's figures; the caller's rcParams are restored."""
+    sheet cannot restyle (or resize the text of) a run's figures; the caller's rcParams are restored. The
+    sans-serif font list gains the installed :data:`FALLBACK_FONTS`."""
+    import matplotlib
     import matplotlib.style
 
-    with matplotlib.style.context("default"):
+    with matplotlib.style.context("default"), matplotlib.rc_context({"font.sans-serif": list(_font_families())}):
         yield
 
 
@@ -364,7 +407,7 @@ def confusion_figure(cm: Any, classes: Sequence[str], title: str = "Confusion ma
     label_px = float(min(15, max(9, cell * 0.5)))
     digits = len(str(int(m.max())))
     count_px = min(18.0, cell * 0.42, cell * 0.85 / (0.62 * digits))
-    names = [_ellipsize(str(n), max_label_chars) for n in classes]
+    names = [_ellipsize(n, max_label_chars) for n in class_labels(classes)]
     name_w = max(_text_size(n, label_px)[0] for n in names)
     name_h = _text_size("Ag", label_px)[1]
     # Column names: across the cell when they fit, else at 45 degrees (few classes) or vertical (many).

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from leaflens.apps.model_info import ServeContext, demo_banner, model_markdown, reliability_lines
+from leaflens.apps.model_info import ServeContext, demo_banner, model_markdown, page_banner, reliability_lines
 from leaflens.apps.notes import ClassNotes
 
 CLASSES = ["aphids", "healthy", "leaf_miner", "rust"]
@@ -90,6 +90,23 @@ def test_a_photo_model_has_no_banner_and_names_its_crops(tiny_model):
     assert "**Crops:** Bean, Tomato" in md and "**Trained on:** 1,034 photos" in md
     assert "No per-class test results were found" in md and "No training report was found" in md
     assert "**作物:** 菜豆、Tomato" in model_markdown(predictor, ServeContext(), "zh", notes)
+
+
+def test_a_model_its_run_found_no_better_than_guessing_says_so_above_everything(tiny_model):
+    photos = json.dumps({"kind": "photos", "photos": 60})
+    predictor = served(tiny_model, **{"leaflens.dataset": photos})
+    guessed = ServeContext(run_report={**report(), "no_better_than_chance": True})
+    banner = page_banner(predictor.card, guessed, "en")
+    assert banner.startswith("**On its validation photos this model could not be told apart from guessing.**")
+    md = model_markdown(predictor, guessed, "en", NOTES)
+    assert md.index(banner) < md.index("**What it recognises:**")
+    assert "与猜测无法区分" in page_banner(predictor.card, guessed, "zh")
+    assert page_banner(predictor.card, ServeContext(run_report=report()), "en") == ""  # a run that learnt
+    assert page_banner(predictor.card, ServeContext(), "en") == ""  # no run found: nothing invented
+    synthetic = json.dumps({"kind": "synthetic", "photos": 2400, "generator": "leaflens data synth"})
+    demo = served(tiny_model, **{"leaflens.dataset": synthetic})
+    both = page_banner(demo.card, guessed, "en")
+    assert both.startswith("**Demo model") and "could not be told apart from guessing" in both
 
 
 def test_an_older_model_says_its_training_data_is_not_recorded(tiny_model):

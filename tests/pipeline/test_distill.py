@@ -44,6 +44,7 @@ def test_distill_writes_run_with_both_variants(tiny):
     assert report["leaflens_version"] == version("leaflens")
     for key in ("test_accuracy", "val_accuracy", "params", "train_seconds"):
         assert report[key] is not None
+    assert report["no_better_than_chance"] is False and report["warnings"] == []  # it learnt the colours
     for name in ("best.npz", "report.json", "report.md", "curves.png", "confusion.png", "feature_maps.png",
                  "config.toml", "distilled/metrics.jsonl", "scratch/metrics.jsonl"):
         assert (out / name).exists(), name
@@ -266,3 +267,27 @@ def test_few_validation_photos_are_named_until_the_out_of_domain_check_has_enoug
     said = few_validation_photos(75)
     assert said is not None and said.startswith("only 75 validation photos") and "1.3 points" in said
     assert "needs 76" in few_validation_photos(1)
+
+
+def test_a_run_on_photos_that_do_not_show_their_classes_says_its_model_learnt_nothing(tmp_path, capsys):
+    """Every class folder holds the same kind of noise: whatever is kept, its validation accuracy cannot be
+    told apart from guessing, and the run says so (stderr, report.json, report.md) instead of a quiet "kept"."""
+    from PIL import Image  # noqa: PLC0415
+
+    from leaflens.data_prep.ingest import IngestOptions, ingest  # noqa: PLC0415
+
+    rng = np.random.default_rng(5)
+    for cls in ("a", "b", "c"):
+        (tmp_path / "photos" / cls).mkdir(parents=True)
+        for i in range(20):
+            Image.fromarray(rng.integers(0, 256, (20, 20, 3), dtype=np.uint8)).save(tmp_path / "photos" / cls /
+                                                                                    f"{i}.png")
+    ingest(tmp_path / "photos", tmp_path / "ds", IngestOptions(size=16), workers=1, log=lambda s: None)
+    report = run_distill(tmp_path / "ds", None, tmp_path / "run", _cfg(epochs=2), no_teacher=True, progress=False)
+    assert report["no_better_than_chance"] is True
+    assert report["warnings"] and "validation photos" in report["warnings"][0]
+    assert "could not be told apart" not in report["warnings"][0]  # the page's words, not the run's
+    assert "warning: the kept model is right on" in capsys.readouterr().err
+    assert f"**Warning:** {report['warnings'][0]}." in (tmp_path / "run" / "report.md").read_text(encoding="utf-8")
+    saved = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert saved["no_better_than_chance"] is True

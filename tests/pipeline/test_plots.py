@@ -178,6 +178,19 @@ def test_confusion_writes_counts_names_and_a_colour_bar() -> None:
     assert ax.get_xticklabels()[0].get_rotation() == 45  # "angular_leaf_spot" does not fit across a cell
 
 
+def test_a_class_name_no_installed_font_can_draw_becomes_its_number_not_boxes(tmp_path: Path) -> None:
+    undrawable = "rust \U0010fffd"  # a private-use character: no font draws it
+    names = ["santé", undrawable, "healthy"]
+    assert plots.drawable("santé") and not plots.drawable(undrawable)
+    assert plots.class_labels(names) == ["santé", "class 1", "healthy"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "Glyph ... missing from font(s)" would fail here
+        fig = plots.confusion_figure(np.eye(3, dtype=int) * 4, names)
+        plots.plot_confusion(np.eye(3, dtype=int) * 4, names, tmp_path / "cm.png")
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["santé", "class 1", "healthy"]
+    assert "DejaVu Sans" == plots._font_families()[0]  # the fallback fonts come after the default one
+
+
 def test_confusion_with_40_long_class_names_stays_bounded(tmp_path: Path) -> None:
     rng = np.random.default_rng(1)
     c = 40

@@ -224,3 +224,16 @@ def test_report_says_when_the_students_weights_are_a_running_average(tmp_path: P
             "training steps' weights") in report_md.render_report(tmp_path, report(config={"train": {"ema": 0.99}}))
     assert "train.ema" not in report_md.render_report(tmp_path, report())  # off: nothing said
     assert "train.ema" not in report_md.render_report(tmp_path, report(config={"train": {"ema": 0.0}}))
+
+
+def test_a_warning_about_the_kept_model_comes_first_in_its_section(tmp_path: Path) -> None:
+    from leaflens.pipeline.chance import chance_warning  # noqa: PLC0415
+    from leaflens.pipeline.selection import Budget, Candidate, choose  # noqa: PLC0415
+
+    sel = choose([Candidate("distilled", "student", 0.34, 0.33, 1000, 1.0),
+                  Candidate("scratch", "student", 0.33, 0.33, 1000, 1.0)], Budget())
+    said = chance_warning(0.34, np.repeat([0, 1, 2], 40))
+    text = report_md.render_report(tmp_path, report(selection=sel.to_dict(), warnings=[said]))
+    assert f"**Warning:** {said}." in text
+    assert text.index("## Kept model") < text.index("**Warning:**") < text.index("**distilled** is kept")
+    assert "**Warning:**" not in report_md.render_report(tmp_path, report(selection=sel.to_dict(), warnings=[]))

@@ -116,8 +116,9 @@ class ExportOptions:
 def run_dataset(info: RunInfo, run_dir: Path) -> Path:
     """The dataset folder run ``info`` was trained on: the folder its best.npz names (recorded relative to the
     folder distill ran in by runs before they recorded it absolute: tried from here and beside the run folder),
-    or where it went when the project folder was moved or renamed; confirmed by the manifest's SHA-256. A run
-    that names none falls back to ``artifacts/dataset`` (checked like any --dataset)."""
+    or where it went when the project folder was moved or renamed; confirmed by the manifest's SHA-256. A
+    dataset rebuilt in place since is returned as it is, for the dataset check to refuse; a run that names
+    none falls back to ``artifacts/dataset`` (checked like any --dataset)."""
     recorded = info.dataset.root
     if not recorded:
         return Path("artifacts/dataset")
@@ -128,10 +129,13 @@ def run_dataset(info: RunInfo, run_dir: Path) -> Path:
         if folder.is_dir() and same(folder):
             return folder
     moved = find_moved(tried[0], run_dir, same)
-    if moved is None:
-        raise ExportFailed(f"the dataset run {info.run_id} was trained on ({recorded}, named in {info.path}) is not "
-                           "there any more, and no folder near the run holds it; pass its folder with --dataset")
-    return moved
+    if moved is not None:
+        return moved
+    changed = next((f for f in tried if (f / MANIFEST_NAME).is_file()), None)
+    if changed is not None:  # rebuilt since: the dataset check says so (or goes on with --allow-dataset-mismatch)
+        return changed
+    raise ExportFailed(f"the dataset run {info.run_id} was trained on ({recorded}, named in {info.path}) is not "
+                       "there any more, and no folder near the run holds it; pass its folder with --dataset")
 
 
 def _check_dataset(info: RunInfo, ds: Dataset, opts: ExportOptions) -> list[str]:

@@ -450,8 +450,10 @@ def test_without_dataset_the_run_s_own_dataset_is_found_by_its_manifest(tiny_run
     project.rename(moved)
     found = stage.run_dataset(_info(str(ds), digest), moved / "artifacts" / "student")
     assert found == moved / "artifacts" / "dataset"
+    rebuilt = moved / "artifacts" / "dataset"  # preprocessed again in place: the dataset check will refuse it
+    assert stage.run_dataset(_info(str(rebuilt), "0" * 64), moved / "artifacts" / "student") == rebuilt
     with pytest.raises(ExportFailed, match=r"dataset run r1 was trained on .* is not there any more.*--dataset"):
-        stage.run_dataset(_info(str(ds), "0" * 64), moved / "artifacts" / "student")  # a different manifest
+        stage.run_dataset(_info(str(tmp_path / "gone"), digest), tmp_path / "elsewhere" / "student")
     assert stage.run_dataset(_info(None, None), run_dir) == Path("artifacts/dataset")  # runs that name none
 
 

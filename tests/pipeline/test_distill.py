@@ -44,7 +44,13 @@ def test_distill_writes_run_with_both_variants(tiny):
     assert report["leaflens_version"] == version("leaflens")
     for key in ("test_accuracy", "val_accuracy", "params", "train_seconds"):
         assert report[key] is not None
-    assert report["no_better_than_chance"] is False and report["warnings"] == []  # it learnt the colours
+    # 4 epochs on 6 validation photos may or may not be told apart from guessing (CI's BLAS once got 4 of 6):
+    # whichever it is, the report's flag and warning follow the kept model's own validation accuracy
+    from leaflens.pipeline.chance import chance_warning  # noqa: PLC0415
+
+    said = chance_warning(report["val_accuracy"], load_dataset(ds_dir)["val"].labels)
+    assert report["no_better_than_chance"] is (said is not None)
+    assert report["warnings"] == ([] if said is None else [said])
     for name in ("best.npz", "report.json", "report.md", "curves.png", "confusion.png", "feature_maps.png",
                  "config.toml", "distilled/metrics.jsonl", "scratch/metrics.jsonl"):
         assert (out / name).exists(), name

@@ -247,9 +247,14 @@ class TeacherSection(Record):
     # decay per step of the fine-tune's running average of the weights (as train.ema); 0: none (as in teachers
     # recorded before it existed)
     ema: float = 0.0
+    # the fewest optimiser steps of the first fine-tune: with few labelled photos ``epochs`` is raised to reach
+    # them (pipeline/teachers/finetune.py epochs_for); 0: epochs as given (as in teachers recorded before it)
+    min_steps: int = 0
 
     def __post_init__(self) -> None:
         _check_ema(self.ema)
+        if self.min_steps < 0:
+            raise ValueError(f"min_steps must be >= 0 (0: epochs as given), got {self.min_steps}")
         _check_at_least_one(self, ("input_size", "epochs", "batch_size", "encode_batch_size", "views", "cnn_epochs",
                                    "self_train_epochs"))
         if self.finetune_from_block < 0:

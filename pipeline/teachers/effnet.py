@@ -21,6 +21,8 @@ is the ``[teacher]`` section of the stage config, recorded whole in teacher.json
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -41,6 +43,7 @@ from leaflens.pipeline.teachers.finetune import (
     FreshViewTask,
     PhotoViews,
     PseudoPhotos,
+    epochs_for,
     logits_of,
     optimizer_groups,
     recipe_record,
@@ -144,7 +147,9 @@ def build_effnet_teacher(ds: Any, teacher: TeacherSection, weights_file: str | P
     if k > net.num_blocks:
         raise TeacherStageError(f"teacher.finetune_from_block = {k}, but EfficientNet-Lite0 has {net.num_blocks} "
                                 f"blocks: use 0 (every block trains) to {net.num_blocks} (only the head)")
+    raised_from = None
     if not frozen:
+        teacher, raised_from = _enough_steps(teacher, len(ds["train"]))
         # A generator of its own from the recipe's seed, not a stream shared with whatever ran before in this
         # process: the new head's initial weights alone moved the fine-tuned teacher's iBeans test accuracy
         # by several points.
@@ -153,8 +158,11 @@ def build_effnet_teacher(ds: Any, teacher: TeacherSection, weights_file: str | P
     size = teacher.input_size
     front = FrontRunner(front_module.eval(), size)
     if not frozen and teacher.augment == "rrc":
-        return _fresh_view_teacher(net, front, back, ds, teacher, weights, cfg, from_arrays, progress,
-                                   max_bad_steps, work_dir)
+        fresh = _fresh_view_teacher(net, front, back, ds, teacher, weights, cfg, from_arrays, progress,
+                                    max_bad_steps, work_dir)
+        if raised_from is not None:
+            fresh[1]["epochs_raised_from"] = raised_from
+        return fresh
     t0 = time.perf_counter()
     mirror = teacher.mirror and not frozen
     total = sum(len(ds[s]) * (2 if (s == "train" and mirror) else 1) for s in ds.splits)
@@ -174,6 +182,8 @@ def build_effnet_teacher(ds: Any, teacher: TeacherSection, weights_file: str | P
                              "front_seconds": round(front_seconds, 1), "fine_tuned": not frozen}
     if not frozen:
         extra["recipe"] = recipe_record(teacher)
+        if raised_from is not None:
+            extra["epochs_raised_from"] = raised_from
     identity = _identity(weights, not frozen, k, size, cfg)
     if frozen:
         feats = {s: _back_outputs(back, h)[0] for s, h in fronts.items()}
@@ -192,6 +202,19 @@ def build_effnet_teacher(ds: Any, teacher: TeacherSection, weights_file: str | P
     if not frozen:  # the whole fine-tuned network, which the stage saves and serves (pipeline/teachers/served.py)
         enc.network = net
     return enc, extra
+
+
+def _enough_steps(teacher: TeacherSection, num_train: int) -> tuple[TeacherSection, int | None]:
+    """The recipe with its epochs raised to ``teacher.min_steps`` optimiser steps for ``num_train`` labelled
+    photos, and the epochs it asked for (None when they were enough)."""
+    epochs = epochs_for(teacher, num_train)
+    if epochs == teacher.epochs:
+        return teacher, None
+    print(f"note: {num_train} labelled training photos make {max(num_train // teacher.batch_size, 1)} steps an "
+          f"epoch; the fine-tune runs {epochs} epochs instead of {teacher.epochs} to take at least "
+          f"teacher.min_steps = {teacher.min_steps} steps (--set teacher.min_steps=0: as given)",
+          file=sys.stderr, flush=True)
+    return dataclasses.replace(teacher, epochs=epochs), teacher.epochs
 
 
 def _identity(weights: Path, fine_tuned: bool, k: int, size: int, cfg: LiteConfig) -> dict[str, Any]:

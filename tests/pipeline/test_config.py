@@ -153,7 +153,7 @@ def test_the_demo_recipe_shortens_the_teacher_too():
     demo = load_config(DEFAULT_CONFIG.parent / "distill_demo.toml")
     assert (demo.teacher.epochs, demo.teacher.input_size, demo.teacher.augment) == (3, 160, "cached")
     default = load_config().teacher
-    own = ("epochs", "input_size", "augment", "finetune_from_block", "freeze_bn", "batch_size", "lr")
+    own = ("epochs", "input_size", "augment", "finetune_from_block", "freeze_bn", "batch_size", "lr", "min_steps")
     assert dataclasses.replace(demo.teacher, **{k: getattr(default, k) for k in own}) == default
 
 
@@ -199,7 +199,7 @@ def test_effnet_teacher_takes_its_recipe_from_the_teacher_section(tmp_path):
     except pretrained.WeightsNotFoundError as exc:
         pytest.skip(f"EfficientNet-Lite0 weights not installed: {exc}")
     ds = load_dataset(tiny_dataset(tmp_path, per_class=6, size=16))
-    recipe: TeacherSection = load_config(None, ["teacher.epochs=2", "teacher.input_size=32",
+    recipe: TeacherSection = load_config(None, ["teacher.epochs=2", "teacher.min_steps=0", "teacher.input_size=32",
                                                 "teacher.finetune_from_block=15", "teacher.batch_size=4"]).teacher
     enc, extra = build_effnet_teacher(ds, recipe, progress=False)
     assert extra["split_block"] == 15 and len(extra["fine_tune_history"]) == 2

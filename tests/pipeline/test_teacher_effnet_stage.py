@@ -27,7 +27,7 @@ def test_effnet_teacher_fine_tunes_and_writes_features_and_logits(tmp_path, caps
     ds_dir = tiny_dataset(tmp_path, per_class=10, size=16)
     # 32x32 input keeps the test fast; the original photos are decoded again at that size
     code = cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--epochs", "2",
-                "--input-size", "32", "--views", "2", "--quiet", "--json"])
+                "--input-size", "32", "--views", "2", "--set", "teacher.min_steps=0", "--quiet", "--json"])
     assert code == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     ds = load_dataset(ds_dir)
@@ -81,7 +81,7 @@ def test_fine_tuned_teacher_does_not_depend_on_what_ran_before(tmp_path, monkeyp
 
     _weights_or_skip()
     ds = load_dataset(tiny_dataset(tmp_path, per_class=6, size=16))
-    recipe = load_config(None, ["teacher.epochs=2", "teacher.input_size=32"]).teacher
+    recipe = load_config(None, ["teacher.epochs=2", "teacher.min_steps=0", "teacher.input_size=32"]).teacher
 
     def teacher() -> tuple[dict[str, np.ndarray], np.ndarray]:
         enc, _ = build_effnet_teacher(ds, recipe, progress=False)

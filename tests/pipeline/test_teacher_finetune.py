@@ -16,7 +16,7 @@ from leaflens.engine.nn import BatchNorm2d
 from leaflens.pipeline.config import ConfigError, load_config
 from leaflens.pipeline.models.efficientnet import BlockSpec, EfficientNetLite, LiteConfig
 from leaflens.pipeline.teachers import effnet
-from leaflens.pipeline.teachers.finetune import FreshViewTask
+from leaflens.pipeline.teachers.finetune import FreshViewTask, epochs_for
 from leaflens.pipeline.teachers.stage import TeacherChoice, TeacherStageError, run_teacher_stage
 from leaflens.pipeline.training import LoopSettings, run_training
 
@@ -44,7 +44,7 @@ def tiny_lite0(monkeypatch, tmp_path):
 
 def recipe(*overrides: str):
     return load_config(None, [f"teacher.input_size={SIZE}", "teacher.batch_size=8", "teacher.epochs=2",
-                              *overrides]).teacher
+                             "teacher.min_steps=0", *overrides]).teacher
 
 
 def make_task(ds, teacher, k: int = 1) -> tuple[FreshViewTask, EfficientNetLite]:
@@ -124,6 +124,7 @@ def test_pretrained_layers_and_new_head_get_their_own_learning_rates(tmp_path):
 def test_stage_records_the_recipe_in_teacher_json(tmp_path, tiny_lite0):
     ds_dir = tiny_dataset(tmp_path, per_class=8, size=16)
     cfg = load_config(None, [f"teacher.input_size={SIZE}", "teacher.batch_size=8", "teacher.epochs=2",
+                             "teacher.min_steps=0",
                              "teacher.finetune_from_block=0", "teacher.rrc_scale=[0.3, 0.9]", "teacher.dropout=0.1"])
     summary = run_teacher_stage(ds_dir, tmp_path / "t", cfg, TeacherChoice(), progress=False)
     info = json.loads(Path(tmp_path / "t" / "teacher.json").read_text())
@@ -150,6 +151,7 @@ def test_teacher_ema_reaches_the_fine_tune_loop_and_is_recorded(tmp_path, tiny_l
     monkeypatch.setattr(effnet, "run_training", spy)
     ds_dir = tiny_dataset(tmp_path, per_class=8, size=16)
     cfg = load_config(None, [f"teacher.input_size={SIZE}", "teacher.batch_size=8", "teacher.epochs=1",
+                             "teacher.min_steps=0",
                              "teacher.ema=0.9"])
     run_teacher_stage(ds_dir, tmp_path / "t", cfg, TeacherChoice(), progress=False)
     assert seen == [0.9]
@@ -157,9 +159,37 @@ def test_teacher_ema_reaches_the_fine_tune_loop_and_is_recorded(tmp_path, tiny_l
     assert load_config(None, []).teacher.ema == 0.99  # the default recipe's, chosen on validation (README)
 
 
+def test_few_labelled_photos_raise_the_epochs_to_the_fewest_steps():
+    teacher = load_config(None, ["teacher.epochs=8", "teacher.batch_size=16", "teacher.min_steps=128"]).teacher
+    assert epochs_for(teacher, 42) == 64  # 2 steps an epoch
+    assert epochs_for(teacher, 5) == 128  # fewer photos than a batch: one step an epoch
+    assert epochs_for(teacher, 100) == 22  # 6 steps an epoch: ceil(128 / 6)
+    assert epochs_for(teacher, 256) == 8 and epochs_for(teacher, 1034) == 8  # enough steps: as given
+    unraised = load_config(None, ["teacher.epochs=8", "teacher.batch_size=16", "teacher.min_steps=0"]).teacher
+    assert epochs_for(unraised, 42) == 8
+    assert load_config(None, []).teacher.min_steps == 128  # the default recipe's (README)
+    with pytest.raises(ConfigError, match="min_steps"):
+        load_config(None, ["teacher.min_steps=-1"])
+
+
+@pytest.mark.parametrize("augment", ["rrc", "cached"])
+def test_the_stage_raises_the_epochs_says_so_and_records_it(tmp_path, tiny_lite0, capsys, augment):
+    ds_dir = tiny_dataset(tmp_path, per_class=8, size=16)
+    steps = max(len(load_dataset(ds_dir)["train"]) // 8, 1)
+    cfg = load_config(None, [f"teacher.input_size={SIZE}", "teacher.batch_size=8", "teacher.epochs=1",
+                             f"teacher.min_steps={3 * steps}", f"teacher.augment=\"{augment}\"",
+                             "teacher.finetune_from_block=2", "teacher.self_train=false"])
+    run_teacher_stage(ds_dir, tmp_path / "t", cfg, TeacherChoice(), progress=False)
+    stage = json.loads(Path(tmp_path / "t" / "teacher.json").read_text())["stage"]
+    assert stage["recipe"]["epochs"] == 3 and stage["epochs_raised_from"] == 1
+    assert len(stage["fine_tune_history"]) == 3
+    assert "the fine-tune runs 3 epochs instead of 1" in capsys.readouterr().err
+
+
 def test_cached_mode_still_available(tmp_path, tiny_lite0):
     ds_dir = tiny_dataset(tmp_path, per_class=8, size=16)
     cfg = load_config(None, [f"teacher.input_size={SIZE}", "teacher.batch_size=8", "teacher.epochs=1",
+                             "teacher.min_steps=0",
                              "teacher.augment=\"cached\"", "teacher.finetune_from_block=2"])
     run_teacher_stage(ds_dir, tmp_path / "t", cfg, TeacherChoice(), progress=False)
     info = json.loads(Path(tmp_path / "t" / "teacher.json").read_text())

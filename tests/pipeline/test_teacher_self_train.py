@@ -130,6 +130,7 @@ def leaf_dataset_with_unlabelled_leaves(tmp: Path, per_class: int = 8) -> Path:
 
 def _stage(tmp_path: Path, ds_dir: Path, *sets: str) -> dict:
     cfg = load_config(None, [f"teacher.input_size={SIZE}", "teacher.batch_size=8", "teacher.epochs=1",
+                             "teacher.min_steps=0",
                              "teacher.self_train_epochs=1", "teacher.finetune_from_block=2", *sets])
     run_teacher_stage(ds_dir, tmp_path / "t", cfg, TeacherChoice(), progress=False)
     return json.loads(Path(tmp_path / "t" / "teacher.json").read_text())["stage"]

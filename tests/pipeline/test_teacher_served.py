@@ -63,7 +63,7 @@ def teacher(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("served")
     ingest(_stripes(tmp / "photos"), tmp / "dataset", IngestOptions(size=16), workers=1, log=lambda s: None)
     assert cli(["teacher", "--dataset", str(tmp / "dataset"), "--out", str(tmp / "t"), "--input-size", str(SIZE),
-                "--epochs", "4", "--set", "teacher.batch_size=8",
+                "--epochs", "4", "--set", "teacher.batch_size=8", "--set", "teacher.min_steps=0",
                 # the cached last-blocks fine-tune: the default trains every block, 4x the CPU, for nothing here
                 "--set", "teacher.augment=cached", "--set", "teacher.finetune_from_block=14", "--quiet"]) == 0
     return tmp
@@ -237,7 +237,7 @@ def test_a_teacher_onnx_that_cannot_be_made_leaves_the_features_and_says_why(tmp
     monkeypatch.setattr(onnx_export, "export_onnx", refuse_served)
     ds_dir = tiny_dataset(tmp_path, per_class=8, size=16)
     assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--epochs", "1", "--input-size",
-                "32", "--quiet"]) == 0
+                "32", "--set", "teacher.min_steps=0", "--quiet"]) == 0
     tt = load_teacher(tmp_path / "t", load_dataset(ds_dir))
     info = served.read_served(tt.info.stage, "teacher.json")
     assert info is not None and not info.written and "ExportError: no converter for this test" in info.reason

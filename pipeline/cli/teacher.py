@@ -64,6 +64,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "(threshold chosen on val) and fine-tune again on labelled + pseudo-labelled photos, keeping "
                         "that round only if it is not worse on val (teacher.self_train; default on, it runs when the "
                         "dataset has unlabelled photos)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted or stopped EfficientNet fine-tune from its checkpoints (kept in "
+                        ".<out>.finetune-work beside --out until the teacher is written); same dataset and recipe, "
+                        "the learning rates may change")
     p.add_argument("--fp16", action="store_true", help="store features as float16 (half the disk)")
     p.add_argument("--json", action="store_true",
                    help="print the summary as one JSON object (teacher, feature_dim, seconds, served, knn_test_acc, "
@@ -96,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         TeacherChoice,
         TeacherSettingError,
         TeacherStageError,
+        finetune_work_dir,
         run_teacher_stage,
     )
     from leaflens.pipeline.training import TrainingStopped  # noqa: PLC0415
@@ -110,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
                            train_cnn=args.train_cnn, weights=args.weights)
     try:
         summary = run_teacher_stage(args.dataset, args.out, cfg, choice, from_arrays=args.from_arrays, fp16=args.fp16,
-                                    progress=not args.quiet)
+                                    progress=not args.quiet, resume=args.resume)
     except TeacherSettingError as exc:
         print(f"leaflens teacher: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -120,6 +125,13 @@ def run(args: argparse.Namespace) -> int:
     except TrainingStopped as exc:  # the fine-tune or the CNN teacher's training hit repeated numerical faults
         print(f"leaflens teacher: stopped: {exc}", file=sys.stderr)
         return EXIT_STOPPED
+    except KeyboardInterrupt:
+        work = finetune_work_dir(args.out)
+        if (work / "last.npz").exists():
+            print(f"interrupted: the fine-tune's checkpoints are kept in {work}; the same command with --resume "
+                  "continues it from the last finished epoch", file=sys.stderr)
+            return 130
+        raise
     print(json.dumps(summary) if args.json else summary_text(summary, args.out))
     return 0
 

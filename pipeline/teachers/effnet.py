@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
 import tempfile
 import time
@@ -48,7 +49,7 @@ from leaflens.pipeline.teachers.finetune import (
     optimizer_groups,
     recipe_record,
 )
-from leaflens.pipeline.teachers.self_train import PseudoLabels, run_self_training
+from leaflens.pipeline.teachers.self_train import PseudoLabels, RunFineTune, run_self_training
 from leaflens.pipeline.teachers.stage import ArrayEncoder, TeacherStageError, iter_split_images
 from leaflens.pipeline.training import BEST, BatchLoss, LoopSettings, run_training, validation_scores
 
@@ -137,7 +138,9 @@ def build_effnet_teacher(ds: Any, teacher: TeacherSection, weights_file: str | P
     ``frozen`` (or the dataset has no labelled train split); ``weights_file`` None: the installed weights.
 
     The fine-tune stops after ``max_bad_steps`` consecutive non-finite steps (the recipe's
-    ``train.max_bad_steps``); its checkpoints and metrics go to ``work_dir`` (None: a temporary folder).
+    ``train.max_bad_steps``); its checkpoints and metrics go to ``work_dir`` (None: a temporary folder). A
+    ``work_dir`` that holds an interrupted fine-tune's checkpoints (``last.npz``, each round's) is continued
+    from them: the caller makes sure they are this dataset's and recipe's (pipeline/teachers/stage.py).
     """
     cfg = LiteConfig(padding="same", bn_eps=1e-3, normalization="tf", dropout=teacher.dropout)
     weights = find_lite0_weights(weights_file)
@@ -159,7 +162,7 @@ def build_effnet_teacher(ds: Any, teacher: TeacherSection, weights_file: str | P
     front = FrontRunner(front_module.eval(), size)
     if not frozen and teacher.augment == "rrc":
         fresh = _fresh_view_teacher(net, front, back, ds, teacher, weights, cfg, from_arrays, progress,
-                                    max_bad_steps, work_dir)
+                                    max_bad_steps, work_dir, resumable=work_dir is not None)
         if raised_from is not None:
             fresh[1]["epochs_raised_from"] = raised_from
         return fresh
@@ -192,9 +195,10 @@ def build_effnet_teacher(ds: Any, teacher: TeacherSection, weights_file: str | P
         with contextlib.ExitStack() as stack:
             where = Path(work_dir) if work_dir is not None else Path(stack.enter_context(
                 tempfile.TemporaryDirectory(prefix="leaflens-finetune-")))
-            extra.update(_fine_tune(back, fronts, mirrored, ds, teacher, progress, max_bad_steps, where))
+            run = functools.partial(_run_fine_tune, resumable=work_dir is not None)
+            extra.update(_fine_tune(back, fronts, mirrored, ds, teacher, progress, max_bad_steps, where, run))
             extra["self_train"] = _self_train_cached(back, fronts, mirrored, ds, teacher, extra, progress,
-                                                     max_bad_steps, where)
+                                                     max_bad_steps, where, run)
         outs = {s: _back_outputs(back, h) for s, h in fronts.items()}
         enc = ArrayEncoder({s: o[0] for s, o in outs.items()}, {s: o[1] for s, o in outs.items()}, weights,
                            ds.image_size, identity)
@@ -225,7 +229,7 @@ def _identity(weights: Path, fine_tuned: bool, k: int, size: int, cfg: LiteConfi
 
 def _fresh_view_teacher(net: EfficientNetLite, front: FrontRunner, back: Any, ds: Any, teacher: TeacherSection,
                         weights: Path, cfg: LiteConfig, from_arrays: bool, progress: bool, max_bad_steps: int,
-                        work_dir: str | Path | None) -> tuple[ArrayEncoder, dict]:
+                        work_dir: str | Path | None, resumable: bool = False) -> tuple[ArrayEncoder, dict]:
     """``teacher.augment = "rrc"``: fine-tune on fresh crops (pipeline/teachers/finetune.py), then encode
     every split with the whole network, a chunk at a time (the front's output of early blocks is too big
     to cache)."""
@@ -236,9 +240,10 @@ def _fresh_view_teacher(net: EfficientNetLite, front: FrontRunner, back: Any, ds
     with contextlib.ExitStack() as stack:
         where = Path(work_dir) if work_dir is not None else Path(stack.enter_context(
             tempfile.TemporaryDirectory(prefix="leaflens-finetune-")))
-        extra.update(_run_fine_tune(task, back, teacher, progress, max_bad_steps, where))
+        run = functools.partial(_run_fine_tune, resumable=resumable)
+        extra.update(run(task, back, teacher, progress, max_bad_steps, where))
         extra["self_train"] = _self_train_fresh_views(task, front, back, ds, teacher, cfg, extra, from_arrays, progress,
-                                                      max_bad_steps, where)
+                                                      max_bad_steps, where, run)
     encoder = EffnetImageEncoder(front, back, cfg.normalization, net.feature_dim, ds.num_classes, fp16_front=False)
     t0 = time.perf_counter()
     bar = tqdm(total=sum(len(ds[s]) for s in ds.splits), desc="teacher: fine-tuned EfficientNet-Lite0", unit="img",
@@ -322,21 +327,24 @@ class FineTuneTask:
 
 
 def _fine_tune(back: Any, fronts: dict[str, np.ndarray], mirrored: np.ndarray | None, ds: Any,
-               teacher: TeacherSection, progress: bool, max_bad_steps: int, work_dir: Path) -> dict:
+               teacher: TeacherSection, progress: bool, max_bad_steps: int, work_dir: Path,
+               run: RunFineTune | None = None) -> dict:
     """Train the back on cached front outputs of the train split with the pipeline's training loop, then
     load the best epoch's weights (best on val: accuracy, then loss)."""
     task = FineTuneTask(back, fronts, mirrored, np.asarray(ds["train"].labels), np.asarray(ds["val"].labels),
                         teacher)
-    return _run_fine_tune(task, back, teacher, progress, max_bad_steps, work_dir)
+    return (run or _run_fine_tune)(task, back, teacher, progress, max_bad_steps, work_dir)
 
 
 def _run_fine_tune(task: Any, back: Any, teacher: TeacherSection, progress: bool, max_bad_steps: int,
-                   work_dir: Path, label: str = "teacher fine-tune") -> dict:
+                   work_dir: Path, label: str = "teacher fine-tune", resumable: bool = False) -> dict:
+    """One round of the fine-tune in ``work_dir``, continued from its ``last.npz`` when there is one (a fresh
+    or temporary folder has none); ``resumable``: the folder outlives the process, so a stop says --resume."""
     settings = LoopSettings(epochs=teacher.epochs, clip_grad_norm=teacher.clip_grad_norm, max_bad_steps=max_bad_steps,
-                            label=label, lr_setting="teacher.lr", resumable=False, progress=progress,
+                            label=label, lr_setting="teacher.lr", resumable=resumable, progress=progress,
                             ema_decay=float(teacher.ema))
     t0 = time.perf_counter()
-    result = run_training(work_dir, task, settings, {"teacher": "efficientnet-lite0 fine-tune"})
+    result = run_training(work_dir, task, settings, {"teacher": "efficientnet-lite0 fine-tune"}, resume=True)
     load_checkpoint(work_dir / BEST, back)
     return {"fine_tune_history": result.history, "fine_tune_best_epoch": result.best_epoch,
             "fine_tune_val_acc": result.best_val_accuracy, "fine_tune_seconds": round(time.perf_counter() - t0, 1)}
@@ -344,7 +352,7 @@ def _run_fine_tune(task: Any, back: Any, teacher: TeacherSection, progress: bool
 
 def _self_train_fresh_views(task: FreshViewTask, front: FrontRunner, back: Any, ds: Any, teacher: TeacherSection,
                             cfg: LiteConfig, first_round: dict, from_arrays: bool, progress: bool, max_bad_steps: int,
-                            work_dir: Path) -> dict:
+                            work_dir: Path, run: RunFineTune) -> dict:
     """Self-training after the fresh-view fine-tune (pipeline/teachers/self_train.py): the unlabelled photos
     are labelled on their plain centre crop, and the pseudo-labelled ones are shown as fresh crops too."""
     size, batch = teacher.input_size, teacher.encode_batch_size
@@ -373,12 +381,12 @@ def _self_train_fresh_views(task: FreshViewTask, front: FrontRunner, back: Any, 
 
     val_logits = logits_of(front, back, task.val_images, cfg.normalization, batch)
     return run_self_training(back, ds, teacher, first_round, val_logits, unlabeled_logits, make_task,
-                             _run_fine_tune, work_dir, progress, max_bad_steps, test_accuracy)
+                             run, work_dir, progress, max_bad_steps, test_accuracy)
 
 
 def _self_train_cached(back: Any, fronts: dict[str, np.ndarray], mirrored: np.ndarray | None, ds: Any,
                        teacher: TeacherSection, first_round: dict, progress: bool, max_bad_steps: int,
-                       work_dir: Path) -> dict:
+                       work_dir: Path, run: RunFineTune) -> dict:
     """Self-training on cached fronts: the unlabelled photos' fronts are already cached (plain only), so the
     pseudo-labelled photos' noise is the dropout alone (their mirrored fronts are not computed)."""
 
@@ -396,5 +404,5 @@ def _self_train_cached(back: Any, fronts: dict[str, np.ndarray], mirrored: np.nd
 
     val_logits = _back_outputs(back, fronts["val"])[1]
     return run_self_training(back, ds, teacher, first_round, val_logits,
-                             lambda: _back_outputs(back, fronts["unlabeled"])[1], make_task, _run_fine_tune,
+                             lambda: _back_outputs(back, fronts["unlabeled"])[1], make_task, run,
                              work_dir, progress, max_bad_steps, test_accuracy)

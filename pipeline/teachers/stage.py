@@ -364,8 +364,70 @@ class TeacherChoice:
     weights: Path | None = None
 
 
+# [teacher] settings that do not shape the fine-tune: changed, an interrupted fine-tune still continues. The
+# learning rates are among them: a fine-tune stopped on numerical faults is meant to go on at a lower one.
+NOT_IN_FINE_TUNE = ("lr", "head_lr", "encode_batch_size", "views", "view_scale", "cnn_widths", "cnn_epochs")
+RESUME_RECORD = "resume.json"
+
+
+def finetune_work_dir(out: Path) -> Path:
+    """Where the EfficientNet fine-tune keeps its checkpoints until the teacher folder is written: beside
+    ``out`` (``.<name>.finetune-work``), so that an interrupted or stopped fine-tune goes on with --resume."""
+    return out.with_name(f".{out.name}.finetune-work")
+
+
+def fine_tunes(cfg: StageConfig, choice: TeacherChoice) -> bool:
+    """Whether the chosen teacher is the EfficientNet-Lite0 fine-tune (the only teacher stage that resumes)."""
+    return (choice.features is None and choice.onnx is None and not choice.train_cnn
+            and not cfg.teacher.frozen)
+
+
+def resume_record(ds: Any, cfg: StageConfig, choice: TeacherChoice, from_arrays: bool) -> dict[str, Any]:
+    """What an interrupted fine-tune must share with the run that continues it: the dataset (its manifest's
+    SHA-256), the weights it started from and the recipe (but :data:`NOT_IN_FINE_TUNE`)."""
+    from leaflens.pipeline.teachers.finetune import recipe_record  # noqa: PLC0415
+
+    recipe = {k: v for k, v in recipe_record(cfg.teacher).items() if k not in NOT_IN_FINE_TUNE}
+    return {"dataset_manifest_sha256": manifest_sha256(ds.root),
+            "weights": str(choice.weights) if choice.weights is not None else "installed",
+            "from_arrays": from_arrays, "recipe": recipe}
+
+
+def prepare_work_dir(work: Path, out: Path, record: dict[str, Any], resume: bool) -> bool:
+    """Make ``work`` ready for the fine-tune: emptied for a new one, or checked against ``record`` to go on
+    with an interrupted one (``resume``). True when it continues one. Refuses (TeacherStageError) a --resume
+    of another dataset's or recipe's fine-tune, and one with nothing to continue beside a finished ``out``."""
+    import json  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+
+    saved_path = work / RESUME_RECORD
+    if resume and work.is_dir():
+        try:
+            saved = json.loads(saved_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            raise TeacherStageError(f"--resume: {work} holds no readable {RESUME_RECORD} (not an interrupted "
+                                    "fine-tune this version can continue); run without --resume to start over"
+                                    ) from None
+        if saved != record:
+            what = sorted({k for k in record if saved.get(k) != record[k] and k != "recipe"}
+                          | {f"teacher.{k}" for k, v in record["recipe"].items()
+                             if (saved.get("recipe") or {}).get(k) != v})
+            raise TeacherStageError(f"--resume: the interrupted fine-tune in {work} was made with another "
+                                    f"{', '.join(what) or 'setting'}; continue it with the same dataset and recipe, "
+                                    "or run without --resume to start over (its checkpoints are then removed)")
+        return True
+    if resume and (out / TEACHER_JSON).exists():
+        raise TeacherStageError(f"--resume: {out} is a finished teacher and there is no interrupted fine-tune "
+                                f"({work.name}) to continue; nothing was changed. Without --resume a new teacher "
+                                f"replaces {out} (or give another --out)")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    write_json_atomic(saved_path, record)
+    return False
+
+
 def make_encoder(ds: Any, cfg: StageConfig, choice: TeacherChoice, out: Path, from_arrays: bool,
-                 progress: bool) -> tuple[Encoder, dict[str, Any]]:
+                 progress: bool, work_dir: Path | None = None) -> tuple[Encoder, dict[str, Any]]:
     """The chosen teacher as an encoder, and what making it recorded (its training, for teacher.json)."""
     if choice.features is not None:
         feats, logits = read_features_source(choice.features, ds)
@@ -388,7 +450,7 @@ def make_encoder(ds: Any, cfg: StageConfig, choice: TeacherChoice, out: Path, fr
             f"{EFFNET_MAX_SIZE} px (it halves its input 5 times: below {EFFNET_MIN_SIZE} its last blocks see less "
             "than a pixel); the default is 160, ImageNet's own 224")
     return build_effnet_teacher(ds, cfg.teacher, choice.weights, from_arrays, progress,
-                                max_bad_steps=cfg.train.max_bad_steps)
+                                max_bad_steps=cfg.train.max_bad_steps, work_dir=work_dir)
 
 
 def served_teacher_writer(network: Any, ds: Any, identity: dict[str, Any], from_arrays: bool = False,
@@ -407,11 +469,15 @@ def served_teacher_writer(network: Any, ds: Any, identity: dict[str, Any], from_
 
 def run_teacher_stage(dataset_dir: str | os.PathLike[str], out: str | os.PathLike[str], cfg: StageConfig,
                       choice: TeacherChoice = TeacherChoice(), *, from_arrays: bool = False, fp16: bool = False,
-                      progress: bool = True) -> dict[str, Any]:
+                      progress: bool = True, resume: bool = False) -> dict[str, Any]:
     """``leaflens teacher``: make the chosen teacher, write its folder for every split of the dataset
     (float16 features with ``fp16``), read it back as distill will, and return a summary: the teacher's
     identity, its feature width, the seconds taken and, with a labelled test split, the 1-nearest-neighbour
     test accuracy of its features (``knn_test_acc``) and, with logits, its own test accuracy (``test_acc``).
+
+    The EfficientNet fine-tune keeps its checkpoints in :func:`finetune_work_dir` until the folder is written:
+    interrupted or stopped, it goes on from them with ``resume`` (same dataset and recipe; the learning rates
+    may change). Without ``resume`` a new fine-tune starts and an old one's checkpoints are removed.
 
     Raises DatasetError, TeacherStageError/TeacherError, FileNotFoundError or ValueError for inputs it
     cannot use, and TrainingStopped when a teacher's training hits repeated numerical faults.
@@ -420,7 +486,15 @@ def run_teacher_stage(dataset_dir: str | os.PathLike[str], out: str | os.PathLik
     out = Path(out)
     check_replaceable(out, TEACHER_JSON, "leaflens teacher folder")  # before minutes of fine-tuning
     ds = load_dataset(dataset_dir)
-    encoder, made = make_encoder(ds, cfg, choice, out, from_arrays, progress)
+    work = None
+    if fine_tunes(cfg, choice):
+        work = finetune_work_dir(out)
+        if prepare_work_dir(work, out, resume_record(ds, cfg, choice, from_arrays), resume) and progress:
+            print(f"teacher: continuing the interrupted fine-tune in {work}", file=sys.stderr, flush=True)
+    elif resume:
+        raise TeacherSettingError("--resume continues an interrupted EfficientNet fine-tune; this teacher "
+                                  "(features, ONNX encoder, --train-cnn or --frozen) starts anew: run without it")
+    encoder, made = make_encoder(ds, cfg, choice, out, from_arrays, progress, work)
     recipe = cfg.teacher
     network = getattr(encoder, "network", None)
     finish = None
@@ -434,6 +508,10 @@ def run_teacher_stage(dataset_dir: str | os.PathLike[str], out: str | os.PathLik
                   from_arrays=from_arrays, dtype=np.float16 if fp16 else np.float32, stage=made,
                   seconds=round(time.perf_counter() - t0, 1), progress=progress, views=recipe.views,
                   view_scale=recipe.view_scale, view_seed=recipe.seed, config=cfg, finish=finish)
+    if work is not None:
+        import shutil  # noqa: PLC0415
+
+        shutil.rmtree(work, ignore_errors=True)  # the teacher is written: nothing left to resume
     tt = load_teacher(out, ds)
     summary: dict[str, Any] = {"teacher": tt.info.teacher, "feature_dim": tt.feature_dim,
                                "seconds": round(time.perf_counter() - t0)}

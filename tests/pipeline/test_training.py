@@ -342,7 +342,7 @@ def test_fine_tune_stops_on_repeated_non_finite_batches(tmp_path):
 
 def test_teacher_stage_reports_a_stopped_training_with_exit_3(tmp_path, capsys):
     """The --train-cnn teacher trains on the same loop; a divergence ends the stage with exit 3 and advice
-    that fits it (no --resume: the teacher stage has none), never a traceback."""
+    that fits it (no --resume: only the EfficientNet fine-tune has one), never a traceback."""
     from pipeline_helpers import tiny_dataset  # noqa: PLC0415
 
     from leaflens.pipeline.cli import main as cli  # noqa: PLC0415

@@ -25,7 +25,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "1: some photos could not be read; 2: usage or model error.",
     )
     add_model_argument(p)
-    p.add_argument("--photos", required=True, type=Path, help="folder of class folders: PHOTOS/<class>/*.jpg")
+    p.add_argument("folder", nargs="?", type=Path, metavar="PHOTOS",
+                   help="folder of class folders: PHOTOS/<class>/*.jpg (or --photos PHOTOS)")
+    p.add_argument("--photos", type=Path, default=None, help="the same folder, named as an option")
     p.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file (atomically)")
     p.add_argument("--batch-size", type=int, default=32, help="photos per model call (default 32)")
     p.add_argument("--threads", type=int, default=None,
@@ -42,6 +44,11 @@ def run(args: argparse.Namespace) -> int:
     from leaflens.pipeline.evaluate import EvaluationError, evaluate_photos, format_evaluation  # noqa: PLC0415
 
     prog = "leaflens evaluate"
+    if (args.folder is None) == (args.photos is None):
+        print(f"{prog}: error: give the folder of class folders once: leaflens evaluate PHOTOS (or --photos PHOTOS)"
+              + (f", not both {args.folder} and {args.photos}" if args.folder is not None else ""), file=sys.stderr)
+        return 2
+    photos = args.folder if args.folder is not None else args.photos
     try:
         if args.batch_size < 1:
             raise EvaluationError(f"--batch-size must be >= 1, got {args.batch_size}")
@@ -54,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         predictor = Predictor(args.model, intra_op_threads=args.threads,
                               providers=requested_providers(getattr(args, "provider", "auto")))
         print(predictor.provider_line, file=sys.stderr)
-        evaluation = evaluate_photos(predictor, args.photos, batch_size=args.batch_size)
+        evaluation = evaluate_photos(predictor, photos, batch_size=args.batch_size)
     except (EvaluationError, ModelError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2

@@ -210,6 +210,19 @@ def test_evaluate_usage_errors_exit_2(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["evaluate", "--model", str(tmp_path / "none.onnx"), "--photos", str(split / "test")]) == 2
     assert "model file not found" in capsys.readouterr().err
+    assert main(["evaluate", "--model", str(model)]) == 2  # no folder
+    assert "give the folder of class folders once" in capsys.readouterr().err
+    assert main(["evaluate", "--model", str(model), str(split / "test"), "--photos", str(split / "test")]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def test_evaluate_takes_the_folder_as_an_argument_as_predict_does(tmp_path, capsys):
+    model = _tiny_model(tmp_path, tiny_weights(3, seed=2))
+    photos = _photos(tmp_path / "photos", per_class=3)
+    assert main(["evaluate", "--model", str(model), "--photos", str(photos), "--json", str(tmp_path / "a.json")]) == 0
+    assert main(["evaluate", str(photos), "--model", str(model), "--json", str(tmp_path / "b.json")]) == 0
+    a, b = (json.loads((tmp_path / f"{x}.json").read_text()) for x in "ab")
+    assert a["summary"] == b["summary"] and a["summary"]["n"] == 9
 
 
 def test_evaluate_counts_verdicts_and_the_photos_the_app_would_refuse(tmp_path, capsys):

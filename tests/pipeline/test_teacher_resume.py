@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from pipeline_helpers import tiny_dataset
 from test_teacher_finetune import SIZE, tiny_net
+from test_teacher_self_train import leaf_dataset_with_unlabelled_leaves
 
 from leaflens.pipeline.cli import main as cli
 from leaflens.pipeline.config import load_config
@@ -165,3 +166,37 @@ def test_a_fine_tune_stopped_on_faults_goes_on_at_a_lower_rate(tmp_path, tiny_li
     stage = json.loads((tmp_path / "t" / "teacher.json").read_text())["stage"]
     history = stage["fine_tune_history"]  # resumed from the rewound sound state: every kept epoch finite
     assert [row["epoch"] for row in history][-1] == 3 and np.isfinite(history[-1]["val_loss"])
+
+
+def test_a_fine_tune_interrupted_in_its_self_training_round_resumes_there(tmp_path, tiny_lite0, monkeypatch):
+    ds_dir = leaf_dataset_with_unlabelled_leaves(tmp_path)
+    cfg = load_config(None, [*SETS, "teacher.self_train=true", "teacher.self_train_target=0.0",
+                             "teacher.self_train_epochs=2"])
+    run_teacher_stage(ds_dir, tmp_path / "whole", cfg, progress=False)
+    record = json.loads((tmp_path / "whole" / "teacher.json").read_text())["stage"]["self_train"]
+    assert record["ran"], record
+    out = tmp_path / "t"
+    real = effnet.run_training
+
+    def second_round_stops(work_dir, task, settings, *args, **kwargs):
+        if Path(work_dir).name == "self_train":  # the second round: Ctrl-C as its second epoch is validated
+            validate, calls = task.validate, []
+
+            def validate_then_stop():
+                calls.append(1)
+                if len(calls) == 2:
+                    raise KeyboardInterrupt
+                return validate()
+
+            task.validate = validate_then_stop
+        return real(work_dir, task, settings, *args, **kwargs)
+
+    monkeypatch.setattr(effnet, "run_training", second_round_stops)
+    with pytest.raises(KeyboardInterrupt):
+        run_teacher_stage(ds_dir, out, cfg, progress=False)
+    validated = count_validations(monkeypatch)
+    run_teacher_stage(ds_dir, out, cfg, progress=False, resume=True)
+    assert validated == [0, 1]  # the first round was finished, the second goes on from its first epoch
+    mine, whole = features(out), features(tmp_path / "whole")
+    for name in whole:
+        np.testing.assert_array_equal(mine[name], whole[name], err_msg=name)

@@ -264,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("leaflens").addHandler(handler)
         logging.getLogger("leaflens").setLevel(logging.INFO)
     if importlib.util.find_spec("gradio") is None:
-        print(f"{prog}: error: gradio is not installed; pip install 'leaflens[serve-cpu]'", file=sys.stderr)
+        print(f"{prog}: error: gradio is not installed; pip install 'leaflens[serve]'", file=sys.stderr)
         return 2
     from leaflens.apps.model_card import ModelError
     from leaflens.apps.notes import NotesError

@@ -136,3 +136,33 @@ def test_ci_tests_the_oldest_python_and_numpy_that_pyproject_accepts():
     assert floor.group(1) == oldest_python
     assert Version(floor.group(2)).release[:2] == Version(oldest_numpy).release[:2]
     assert "bash .ci/pythons" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+
+
+BLOCK_SERVE_EXTRA = """
+import sys
+for name in ("onnx", "onnxruntime", "gradio", "gradio_client"):
+    sys.modules[name] = None  # as on an install without the serve extra: importing them fails
+from leaflens.pipeline.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize(("args", "module"), [
+    (["predict", "--model", "{model}", "{photo}"], "onnxruntime"),
+    (["evaluate", "--model", "{model}", "{tmp}"], "onnxruntime"),
+    (["export", "--run", "{tmp}/run", "--out", "{tmp}/export"], "onnx"),
+])
+def test_a_command_without_the_serve_extra_names_the_extra_to_install(tmp_path, args, module):
+    """`pip install leaflens` alone trains; predict, evaluate and export need the serve extra, and say so
+    (they ended in a ModuleNotFoundError traceback)."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    (tmp_path / "m.onnx").write_bytes(b"")
+    (tmp_path / "leaf.jpg").write_bytes(b"")
+    filled = [a.format(model=tmp_path / "m.onnx", photo=tmp_path / "leaf.jpg", tmp=tmp_path) for a in args]
+    out = subprocess.run([sys.executable, "-c", BLOCK_SERVE_EXTRA, *filled], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert f"needs {module}, which is not installed: pip install 'leaflens[serve]'" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -23,6 +23,21 @@ from leaflens.pipeline.cli.runtime import configure_process
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 3
 
+# Optional dependencies a command may need, and the extra of pyproject.toml that installs each on the CPU (on
+# an NVIDIA machine the GPU extra that `leaflens doctor` names brings them too).
+OPTIONAL_MODULES = {"onnx": "serve", "onnxruntime": "serve", "gradio": "serve", "gradio_client": "serve"}
+
+
+def missing_optional(exc: ModuleNotFoundError, command: str) -> str | None:
+    """What to say when ``command`` stopped on an optional dependency that is not installed; None for any
+    other missing module (a broken install, which the traceback shows best)."""
+    top = (exc.name or "").split(".")[0]
+    extra = OPTIONAL_MODULES.get(top)
+    if extra is None:
+        return None
+    return (f"leaflens {command}: needs {top}, which is not installed: pip install 'leaflens[{extra}]' (on an NVIDIA "
+            "machine, the GPU extra that `leaflens doctor` names instead)")
+
 # subcommand -> (module, one-line help). Keep alphabetical within each group.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "data": ("leaflens.pipeline.cli.data", "built-in datasets (synthetic leaves)"),
@@ -82,4 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except ModuleNotFoundError as exc:
+        said = missing_optional(exc, args.command)
+        if said is None:
+            raise
+        print(said, file=sys.stderr)
+        return EXIT_USAGE
 

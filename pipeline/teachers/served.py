@@ -315,7 +315,7 @@ def write_served_teacher(folder: Path, net: EfficientNetLite, ds: Any, identity:
         import onnx  # noqa: F401, PLC0415
         import onnxruntime  # noqa: F401, PLC0415
     except ImportError as exc:
-        return not_written(f"{exc.name or 'onnx'} is not installed (pip install 'leaflens[serve-cpu]')")
+        return not_written(f"{exc.name or 'onnx'} is not installed (pip install 'leaflens[serve]')")
 
     try:
         return _write_onnx(folder, net, ds, contract, params, batch, log, t0)

@@ -301,7 +301,8 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
         report["out_of_domain"] = out_of_domain_summary(model, ds, student["contract"], threshold)
     report["data"] = read_data_report(ds.root)  # preprocess's data checks, for report.md (None: not recorded)
     learnt = chance_warning(kept_val, np.asarray(ds["val"].labels))
-    report["warnings"] = [learnt] if learnt else []
+    # the report's own record of what the run warned about (report.md shows them above the kept model)
+    report["warnings"] = [w for w in (learnt, few_validation_photos(len(ds["val"]))) if w]
     report["no_better_than_chance"] = learnt is not None  # the web page's banner (leaflens.apps.model_info)
     if learnt:
         print(f"warning: {learnt}", file=sys.stderr, flush=True)

@@ -292,7 +292,9 @@ def _accuracy_section(report: Mapping[str, Any]) -> list[str]:
         capped = "" if cap is None else f" while leaving at most {_pct(cap)} of them unanswered"
         how = {"target": f"chosen on validation to keep {_pct(unc.get('target'), 0)} accuracy{capped}",
                "best_effort": f"the {_pct(unc.get('target'), 0)} target was not reachable on validation{capped}",
-               "budget": f"the least confident {_pct(unc.get('max_flagged'))} of the validation photos",
+               "budget": (f"the least confident {_pct(unc.get('max_flagged'))} of the validation photos"
+                          + (f": none of the {int(unc['n_val'])} here, too few for that share"
+                             if unc.get("kept") is not None and unc.get("kept") == unc.get("n_val") else "")),
                "default": "default: too few validation images to choose one"}.get(str(unc.get("method")), "")
         lines.append(f"- \"Ambiguous\" below a top probability of {float(unc['threshold']):.3f} ({how}; on "
                      f"validation it keeps {_pct(unc.get('coverage'))} of the images at "

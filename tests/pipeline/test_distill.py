@@ -50,7 +50,11 @@ def test_distill_writes_run_with_both_variants(tiny):
 
     said = chance_warning(report["val_accuracy"], load_dataset(ds_dir)["val"].labels)
     assert report["no_better_than_chance"] is (said is not None)
-    assert report["warnings"] == ([] if said is None else [said])
+    from leaflens.pipeline.distill import few_validation_photos  # noqa: PLC0415
+
+    few = few_validation_photos(len(load_dataset(ds_dir)["val"]))  # 6 photos: too few, and the report says so
+    assert few is not None and report["warnings"] == ([] if said is None else [said]) + [few]
+    assert f"**Warning:** {few}." in (out / "report.md").read_text(encoding="utf-8")
     for name in ("best.npz", "report.json", "report.md", "curves.png", "confusion.png", "feature_maps.png",
                  "config.toml", "distilled/metrics.jsonl", "scratch/metrics.jsonl"):
         assert (out / name).exists(), name

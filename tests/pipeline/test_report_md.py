@@ -237,3 +237,14 @@ def test_a_warning_about_the_kept_model_comes_first_in_its_section(tmp_path: Pat
     assert f"**Warning:** {said}." in text
     assert text.index("## Kept model") < text.index("**Warning:**") < text.index("**distilled** is kept")
     assert "**Warning:**" not in report_md.render_report(tmp_path, report(selection=sel.to_dict(), warnings=[]))
+
+
+def test_the_ambiguous_line_says_when_the_budget_is_less_than_one_validation_photo(tmp_path: Path) -> None:
+    from leaflens.pipeline.report.metrics import choose_uncertain_threshold  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    for n, none_flagged in ((36, True), (400, False)):  # 1.5 % of 36 photos is half a photo; of 400, six
+        probs = rng.dirichlet(np.ones(3), size=n)
+        choice = choose_uncertain_threshold(probs, rng.integers(0, 3, n))
+        text = report_md.render_report(tmp_path, report(threshold_choice=choice))
+        assert (f"none of the {n} here, too few for that share" in text) is none_flagged, choice

@@ -17,6 +17,7 @@ configuration is saved beside each stage's outputs (``config.toml``) so a run ca
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -309,7 +310,9 @@ def overlay(base: dict[str, Any], top: dict[str, Any], where: str, record: type[
     for key, value in top.items():
         dotted = prefix + key
         if key not in names:
-            raise ConfigError(f"{where}: unknown key {dotted!r} (known: {', '.join(prefix + n for n in names)})")
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"did you mean {prefix + close[0]!r}? " if close else ""
+            raise ConfigError(f"{where}: unknown key {dotted!r} ({hint}known: {', '.join(prefix + n for n in names)})")
         section = _section_type(hints[key])
         if section is None:
             out[key] = value

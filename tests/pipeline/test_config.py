@@ -100,7 +100,9 @@ def test_layers_user_file_then_overrides(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["train.epoch=3"], "--set train.epoch=3: unknown key 'train.epoch'"),
     (["trian.lr=1"], "--set trian.lr=1: unknown key 'trian'"),
-    (["teacher.epoch=3"], "unknown key 'teacher.epoch'"),
+    (["teacher.epoch=3"], "unknown key 'teacher.epoch' (did you mean 'teacher.epochs'?"),
+    (["trian.lr=1"], "unknown key 'trian' (did you mean 'train'?"),
+    (["teacher.zzz=1"], "unknown key 'teacher.zzz' (known: teacher.frozen"),  # nothing close: the list alone
     (["train=3"], "'train' is a section"),
     (["train.lr=fast"], "--set train.lr=fast: train: lr: expected a number"),
     (["train.optimizer=adam"], "optimizer: 'adam' is not one of 'adamw', 'sgd'"),

@@ -90,6 +90,43 @@ def _without_missing_weights(cfg: StageConfig) -> StageConfig:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, family=("m",)))
 
 
+RUN_INPUTS = "inputs.json"  # in <out>.partial: the dataset and teacher an interrupted run was training on
+
+
+def run_inputs(ds: Any, tt: Any) -> dict[str, Any]:
+    """What a resumed run must still be training on: the dataset (its manifest's SHA-256) and the teacher
+    (its teacher.json's, which changes whenever the teacher is made again). The recipe may change on resume
+    (a lower learning rate after a stop, no early stopping): it is the configuration's to say."""
+    import hashlib  # noqa: PLC0415
+
+    teacher = None if tt is None else hashlib.sha256((Path(tt.root) / "teacher.json").read_bytes()).hexdigest()
+    return {"dataset_manifest_sha256": manifest_sha256(ds.root), "teacher_json_sha256": teacher}
+
+
+def check_run_inputs(work: Path, inputs: dict[str, Any]) -> None:
+    """Refuse to resume the interrupted run in ``work`` on another dataset or teacher than it began with: its
+    students would go on training on photos or targets their first epochs never saw, and the report would
+    name only the new ones. A run begun before the record existed is resumed with a warning."""
+    try:
+        saved = json.loads((work / RUN_INPUTS).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        print(f"warning: --resume: {work} records no dataset or teacher (begun by an earlier version): resuming "
+              "it unchecked", file=sys.stderr, flush=True)
+        return
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--resume: {work / RUN_INPUTS} cannot be read ({exc}); run without --resume to start "
+                         "over") from None
+    changed = [what for key, what in (("dataset_manifest_sha256", "dataset"), ("teacher_json_sha256", "teacher"))
+               if saved.get(key) != inputs[key]]
+    if changed:
+        began = ("without a teacher" if saved.get("teacher_json_sha256") is None and "teacher" in changed else None)
+        raise ValueError(f"--resume: the interrupted run in {work} began on another {' and '.join(changed)}"
+                         + (f" ({began})" if began else "")
+                         + " (preprocess or teacher was run again since): resuming would train its students on "
+                         "data their first epochs never saw. Run without --resume to start over (its checkpoints "
+                         "are then removed), or with the dataset and teacher it began on")
+
+
 def few_validation_photos(n_val: int) -> str | None:
     """Why ``n_val`` validation photos are too few to lean on (None when they are enough): said before training
     starts, so photos can be added first, rather than only by the export (its out-of-domain confidence)."""
@@ -155,11 +192,15 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
     few = few_validation_photos(counts["val"])
     if few:
         print(f"warning: {few}", file=sys.stderr, flush=True)
+    inputs = run_inputs(ds, tt)
+    if resume and work.exists():
+        check_run_inputs(work, inputs)  # before anything in it changes
     if not resume and work.exists():
         shutil.rmtree(work)
     elif resume and not work.exists():
         print(f"note: --resume: no interrupted run at {work}; starting a new one", file=sys.stderr, flush=True)
     work.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(work / RUN_INPUTS, inputs)
     write_text_atomic(work / "config.toml", dump_toml(cfg))
 
     train, val = ds["train"], ds["val"]

@@ -188,6 +188,56 @@ def test_resume_gives_the_same_result_as_an_uninterrupted_run(tiny, monkeypatch)
             np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
+def test_resume_refuses_a_run_begun_on_another_dataset_or_teacher(tmp_path, monkeypatch):
+    """A dataset preprocessed again (same photo count, other photos) or a teacher made again since the run
+    was interrupted: resuming would train its students on data their first epochs never saw."""
+    import shutil  # noqa: PLC0415
+
+    import leaflens.pipeline.training as training  # noqa: PLC0415
+
+    ds_dir = tiny_dataset(tmp_path / "a", per_class=10, size=16)
+    ds = load_dataset(ds_dir)
+    feats, logits = read_features_source(class_features(ds_dir, tmp_path / "feats"), ds)
+    write_teacher(tmp_path / "teacher", ds, ArrayEncoder(feats, logits, tmp_path / "feats", ds.image_size),
+                  progress=False)
+    cfg = _cfg(epochs=3, **{"distill.compare_scratch": "false"})
+    real = training.save_checkpoint
+
+    def dying_save(path, *a, **k):
+        real(path, *a, **k)
+        if path.name == "last.npz":
+            raise KeyboardInterrupt("simulated crash after epoch 1")
+
+    monkeypatch.setattr(training, "save_checkpoint", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        run_distill(ds_dir, tmp_path / "teacher", tmp_path / "run", cfg, progress=False)
+    monkeypatch.setattr(training, "save_checkpoint", real)
+    partial = tmp_path / "run.partial"
+    before = {p.relative_to(partial): p.read_bytes() for p in partial.rglob("*") if p.is_file()}
+    assert (partial / "inputs.json").exists()
+
+    # the teacher made again (same features, a new teacher.json)
+    shutil.rmtree(tmp_path / "teacher")
+    write_teacher(tmp_path / "teacher", ds, ArrayEncoder(feats, logits, tmp_path / "feats", ds.image_size),
+                  progress=False, seconds=1.0)
+    with pytest.raises(ValueError, match="began on another teacher"):
+        run_distill(ds_dir, tmp_path / "teacher", tmp_path / "run", cfg, resume=True, progress=False)
+    record = partial / "inputs.json"  # as if the run had begun with --no-teacher
+    saved = record.read_bytes()
+    record.write_text(json.dumps({**json.loads(saved), "teacher_json_sha256": None}))
+    with pytest.raises(ValueError, match=r"began on another teacher \(without a teacher\)"):
+        run_distill(ds_dir, tmp_path / "teacher", tmp_path / "run", cfg, resume=True, progress=False)
+    record.write_bytes(saved)
+    # the dataset preprocessed again from other photos of the same count
+    other = tiny_dataset(tmp_path / "b", per_class=10, size=16)
+    shutil.rmtree(ds_dir)
+    shutil.copytree(other, ds_dir)
+    with pytest.raises(ValueError, match="began on another dataset"):
+        run_distill(ds_dir, None, tmp_path / "run", cfg, no_teacher=True, resume=True, progress=False)
+    after = {p.relative_to(partial): p.read_bytes() for p in partial.rglob("*") if p.is_file()}
+    assert after == before  # refused: nothing in the interrupted run changed
+
+
 def test_resume_never_replaces_a_finished_run(tiny, capsys):
     """--resume continues <out>.partial; asked of a finished run it changes nothing (a new run would replace it),
     and with nothing at all to continue it starts a new run, saying so."""
@@ -301,3 +351,13 @@ def test_a_run_on_photos_that_do_not_show_their_classes_says_its_model_learnt_no
     assert f"**Warning:** {report['warnings'][0]}." in (tmp_path / "run" / "report.md").read_text(encoding="utf-8")
     saved = json.loads((tmp_path / "run" / "report.json").read_text())
     assert saved["no_better_than_chance"] is True
+
+
+def test_a_run_interrupted_before_its_inputs_were_recorded_resumes_with_a_warning(tmp_path, capsys):
+    from leaflens.pipeline.distill import check_run_inputs  # noqa: PLC0415
+
+    check_run_inputs(tmp_path, {"dataset_manifest_sha256": "a", "teacher_json_sha256": None})
+    assert "records no dataset or teacher" in capsys.readouterr().err
+    (tmp_path / "inputs.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot be read"):
+        check_run_inputs(tmp_path, {"dataset_manifest_sha256": "a", "teacher_json_sha256": None})

@@ -160,5 +160,6 @@ gpu-check:
 CORRECTIONS := $(ART)/corrections
 clean:
 	rm -rf $(SYNTH) $(DATASET) $(TEACHER) $(STUDENT) $(EXPORT) .pytest_cache
-	rm -rf $(dir $(TEACHER)).$(notdir $(TEACHER)).finetune-work $(STUDENT).partial  # interrupted runs' checkpoints
+	rm -rf $(dir $(TEACHER)).$(notdir $(TEACHER)).finetune-work $(dir $(TEACHER)).$(notdir $(TEACHER)).cnn-work \
+		$(STUDENT).partial  # interrupted runs' checkpoints
 	@if [ -d "$(CORRECTIONS)" ]; then echo "kept $(CORRECTIONS): the photos corrected on the web page (delete it yourself when they are no longer wanted)"; fi

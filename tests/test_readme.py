@@ -99,7 +99,7 @@ def test_make_clean_deletes_the_stage_outputs_and_keeps_the_corrections(tmp_path
         pytest.skip("no make on this machine")
     art = tmp_path / "art"
     for name in ("synthetic", "dataset", "teacher", "student", "export", "corrections/rust", ".teacher.finetune-work",
-                 "student.partial"):  # the last two: interrupted runs' checkpoints
+                 ".teacher.cnn-work", "student.partial"):  # the last three: interrupted runs' checkpoints
         (art / name).mkdir(parents=True)
         (art / name / "file").write_text("x")
     out = subprocess.run(["make", "-s", "clean", f"ART={art}"], cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -65,9 +65,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "that round only if it is not worse on val (teacher.self_train; default on, it runs when the "
                         "dataset has unlabelled photos)")
     p.add_argument("--resume", action="store_true",
-                   help="continue an interrupted or stopped EfficientNet fine-tune from its checkpoints (kept in "
-                        ".<out>.finetune-work beside --out until the teacher is written); same dataset and recipe, "
-                        "the learning rates may change")
+                   help="continue an interrupted or stopped teacher training (the EfficientNet fine-tune, or "
+                        "--train-cnn) from its checkpoints (kept in .<out>.finetune-work or .<out>.cnn-work beside "
+                        "--out until the teacher is written); same dataset and recipe, the learning rates may change")
     p.add_argument("--fp16", action="store_true", help="store features as float16 (half the disk)")
     p.add_argument("--json", action="store_true",
                    help="print the summary as one JSON object (teacher, feature_dim, seconds, served, knn_test_acc, "
@@ -126,10 +126,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"leaflens teacher: stopped: {exc}", file=sys.stderr)
         return EXIT_STOPPED
     except KeyboardInterrupt:
-        work = finetune_work_dir(args.out)
+        work = finetune_work_dir(args.out, train_cnn=args.train_cnn)
         if (work / "last.npz").exists():
-            print(f"interrupted: the fine-tune's checkpoints are kept in {work}; the same command with --resume "
-                  "continues it from the last finished epoch", file=sys.stderr)
+            print(f"interrupted: the teacher's training checkpoints are kept in {work}; the same command with "
+                  "--resume continues it from the last finished epoch", file=sys.stderr)
             return 130
         raise
     print(json.dumps(summary) if args.json else summary_text(summary, args.out))

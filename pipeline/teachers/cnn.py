@@ -41,10 +41,12 @@ class EngineCnnEncoder:
         return {"kind": "train-cnn", "widths": list(self.widths), "params": self.model.num_parameters()}
 
 
-def train_cnn_teacher(ds: Any, cfg: StageConfig, work_dir: Path,
-                      progress: bool = True) -> tuple[EngineCnnEncoder, dict[str, Any]]:
+def train_cnn_teacher(ds: Any, cfg: StageConfig, work_dir: Path, progress: bool = True,
+                      resumable: bool = False) -> tuple[EngineCnnEncoder, dict[str, Any]]:
     """Train a wide CNN (``teacher.cnn_widths``, ``teacher.cnn_epochs``, the rest of ``[train]``) on the
-    labelled train split, select on val, return it as an encoder."""
+    labelled train split, select on val, return it as an encoder. Training goes on from ``work_dir``'s
+    ``last.npz`` when there is one (the stage checks it is this dataset's and recipe's); ``resumable``: a stop
+    says --resume."""
     widths = cfg.teacher.cnn_widths
     # the teacher sees the images at the full stored size (input_size 0)
     tcfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, widths=widths, input_size=0),
@@ -52,7 +54,7 @@ def train_cnn_teacher(ds: Any, cfg: StageConfig, work_dir: Path,
     train = ds["train"]
     result = train_run(work_dir, tcfg, TrainData(train.images, np.asarray(train.labels)), ds["val"].images,
                        np.asarray(ds["val"].labels), ds.mean, ds.std, ds.num_classes, {"teacher": "train-cnn"},
-                       label="teacher", progress=progress, resumable=False)
+                       label="teacher", progress=progress, resume=resumable, resumable=resumable)
     # every initial value is replaced by the checkpoint's weights: any generator will do
     model = StudentSpec.from_recipe(tcfg.model, ds.num_classes).build(np.random.default_rng(0))
     load_student_weights(model, Path(work_dir) / BEST)

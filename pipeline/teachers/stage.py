@@ -364,31 +364,42 @@ class TeacherChoice:
     weights: Path | None = None
 
 
-# [teacher] settings that do not shape the fine-tune: changed, an interrupted fine-tune still continues. The
-# learning rates are among them: a fine-tune stopped on numerical faults is meant to go on at a lower one.
+# [teacher] settings that do not shape the EfficientNet fine-tune: changed, an interrupted fine-tune still
+# continues. The learning rates are among them: a fine-tune stopped on numerical faults is meant to go on at a
+# lower one (``train.lr`` likewise for the --train-cnn teacher).
 NOT_IN_FINE_TUNE = ("lr", "head_lr", "encode_batch_size", "views", "view_scale", "cnn_widths", "cnn_epochs")
 RESUME_RECORD = "resume.json"
 
 
-def finetune_work_dir(out: Path) -> Path:
-    """Where the EfficientNet fine-tune keeps its checkpoints until the teacher folder is written: beside
-    ``out`` (``.<name>.finetune-work``), so that an interrupted or stopped fine-tune goes on with --resume."""
-    return out.with_name(f".{out.name}.finetune-work")
+def finetune_work_dir(out: Path, train_cnn: bool = False) -> Path:
+    """Where a teacher the stage trains keeps its checkpoints until the teacher folder is written: beside
+    ``out`` (``.<name>.finetune-work``, or ``.<name>.cnn-work`` for --train-cnn), so that an interrupted or
+    stopped training goes on with --resume."""
+    return out.with_name(f".{out.name}.{'cnn' if train_cnn else 'finetune'}-work")
 
 
-def fine_tunes(cfg: StageConfig, choice: TeacherChoice) -> bool:
-    """Whether the chosen teacher is the EfficientNet-Lite0 fine-tune (the only teacher stage that resumes)."""
-    return (choice.features is None and choice.onnx is None and not choice.train_cnn
-            and not cfg.teacher.frozen)
+def trains(cfg: StageConfig, choice: TeacherChoice) -> bool:
+    """Whether the chosen teacher is trained by the stage (the EfficientNet fine-tune, --train-cnn): the
+    teachers that resume."""
+    return choice.features is None and choice.onnx is None and (choice.train_cnn or not cfg.teacher.frozen)
+
+
+def _dotted(section: str, record: Any, leave_out: Sequence[str] = ()) -> dict[str, Any]:
+    return {f"{section}.{k}": (list(v) if isinstance(v, tuple) else v) for k, v in record.to_dict().items()
+            if k not in leave_out}
 
 
 def resume_record(ds: Any, cfg: StageConfig, choice: TeacherChoice, from_arrays: bool) -> dict[str, Any]:
-    """What an interrupted fine-tune must share with the run that continues it: the dataset (its manifest's
-    SHA-256), the weights it started from and the recipe (but :data:`NOT_IN_FINE_TUNE`)."""
-    from leaflens.pipeline.teachers.finetune import recipe_record  # noqa: PLC0415
-
-    recipe = {k: v for k, v in recipe_record(cfg.teacher).items() if k not in NOT_IN_FINE_TUNE}
-    return {"dataset_manifest_sha256": manifest_sha256(ds.root),
+    """What an interrupted training must share with the run that continues it: the dataset (its manifest's
+    SHA-256), the weights it started from and the recipe that shapes it (not the learning rates)."""
+    if choice.train_cnn:
+        recipe = {"teacher.cnn_widths": list(cfg.teacher.cnn_widths), "teacher.cnn_epochs": cfg.teacher.cnn_epochs,
+                  **_dotted("model", cfg.model, ("widths", "input_size")), **_dotted("train", cfg.train, ("lr",)),
+                  **_dotted("augment", cfg.augment)}
+    else:
+        recipe = _dotted("teacher", cfg.teacher, NOT_IN_FINE_TUNE)
+    return {"teacher": "train-cnn" if choice.train_cnn else "efficientnet-lite0",
+            "dataset_manifest_sha256": manifest_sha256(ds.root),
             "weights": str(choice.weights) if choice.weights is not None else "installed",
             "from_arrays": from_arrays, "recipe": recipe}
 
@@ -410,8 +421,7 @@ def prepare_work_dir(work: Path, out: Path, record: dict[str, Any], resume: bool
                                     ) from None
         if saved != record:
             what = sorted({k for k in record if saved.get(k) != record[k] and k != "recipe"}
-                          | {f"teacher.{k}" for k, v in record["recipe"].items()
-                             if (saved.get("recipe") or {}).get(k) != v})
+                          | {k for k, v in record["recipe"].items() if (saved.get("recipe") or {}).get(k) != v})
             raise TeacherStageError(f"--resume: the interrupted fine-tune in {work} was made with another "
                                     f"{', '.join(what) or 'setting'}; continue it with the same dataset and recipe, "
                                     "or run without --resume to start over (its checkpoints are then removed)")
@@ -441,7 +451,8 @@ def make_encoder(ds: Any, cfg: StageConfig, choice: TeacherChoice, out: Path, fr
     if choice.train_cnn:
         from leaflens.pipeline.teachers.cnn import train_cnn_teacher  # noqa: PLC0415
 
-        return train_cnn_teacher(ds, cfg, out.with_name(f".{out.name}.cnn-work"), progress)
+        return train_cnn_teacher(ds, cfg, work_dir or finetune_work_dir(out, train_cnn=True), progress,
+                                 resumable=work_dir is not None)
     from leaflens.pipeline.teachers.effnet import build_effnet_teacher  # noqa: PLC0415
 
     if not EFFNET_MIN_SIZE <= cfg.teacher.input_size <= EFFNET_MAX_SIZE:
@@ -475,7 +486,7 @@ def run_teacher_stage(dataset_dir: str | os.PathLike[str], out: str | os.PathLik
     identity, its feature width, the seconds taken and, with a labelled test split, the 1-nearest-neighbour
     test accuracy of its features (``knn_test_acc``) and, with logits, its own test accuracy (``test_acc``).
 
-    The EfficientNet fine-tune keeps its checkpoints in :func:`finetune_work_dir` until the folder is written:
+    A teacher the stage trains keeps its checkpoints in :func:`finetune_work_dir` until the folder is written:
     interrupted or stopped, it goes on from them with ``resume`` (same dataset and recipe; the learning rates
     may change). Without ``resume`` a new fine-tune starts and an old one's checkpoints are removed.
 
@@ -487,13 +498,14 @@ def run_teacher_stage(dataset_dir: str | os.PathLike[str], out: str | os.PathLik
     check_replaceable(out, TEACHER_JSON, "leaflens teacher folder")  # before minutes of fine-tuning
     ds = load_dataset(dataset_dir)
     work = None
-    if fine_tunes(cfg, choice):
-        work = finetune_work_dir(out)
+    if trains(cfg, choice):
+        work = finetune_work_dir(out, choice.train_cnn)
         if prepare_work_dir(work, out, resume_record(ds, cfg, choice, from_arrays), resume) and progress:
-            print(f"teacher: continuing the interrupted fine-tune in {work}", file=sys.stderr, flush=True)
+            print(f"teacher: continuing the interrupted training in {work}", file=sys.stderr, flush=True)
     elif resume:
-        raise TeacherSettingError("--resume continues an interrupted EfficientNet fine-tune; this teacher "
-                                  "(features, ONNX encoder, --train-cnn or --frozen) starts anew: run without it")
+        raise TeacherSettingError("--resume continues an interrupted teacher training (the EfficientNet fine-tune "
+                                  "or --train-cnn); this teacher (features, ONNX encoder or --frozen) is not "
+                                  "trained: run without it")
     encoder, made = make_encoder(ds, cfg, choice, out, from_arrays, progress, work)
     recipe = cfg.teacher
     network = getattr(encoder, "network", None)

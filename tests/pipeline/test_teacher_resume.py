@@ -126,8 +126,9 @@ def test_resume_of_a_finished_teacher_changes_nothing_and_a_new_run_starts_over(
     with pytest.raises(TeacherStageError, match="finished teacher"):
         run_teacher_stage(ds_dir, out, cfg, progress=False, resume=True)
     assert (out / "teacher.json").read_bytes() == written
-    with pytest.raises(TeacherSettingError, match="--resume"):
-        run_teacher_stage(ds_dir, out, cfg, TeacherChoice(train_cnn=True), progress=False, resume=True)
+    with pytest.raises(TeacherSettingError, match="--resume"):  # a frozen teacher is not trained
+        run_teacher_stage(ds_dir, out, load_config(None, [*SETS, "teacher.frozen=true"]), progress=False,
+                          resume=True)
     # an interrupted fine-tune's checkpoints are dropped by a run without --resume, which trains from epoch 1
     interrupt_in_epoch(monkeypatch, 3)
     with pytest.raises(KeyboardInterrupt):
@@ -197,6 +198,48 @@ def test_a_fine_tune_interrupted_in_its_self_training_round_resumes_there(tmp_pa
     validated = count_validations(monkeypatch)
     run_teacher_stage(ds_dir, out, cfg, progress=False, resume=True)
     assert validated == [0, 1]  # the first round was finished, the second goes on from its first epoch
+    mine, whole = features(out), features(tmp_path / "whole")
+    for name in whole:
+        np.testing.assert_array_equal(mine[name], whole[name], err_msg=name)
+
+
+def test_an_interrupted_train_cnn_teacher_resumes_to_the_same_teacher(tmp_path, monkeypatch):
+    import leaflens.pipeline.training as training  # noqa: PLC0415
+
+    ds_dir = tiny_dataset(tmp_path, per_class=8, size=16)
+    cfg = load_config(None, ["teacher.cnn_epochs=3", "teacher.cnn_widths=[8, 16]", "train.batch_size=4"])
+    run_teacher_stage(ds_dir, tmp_path / "whole", cfg, TeacherChoice(train_cnn=True), progress=False)
+    real, saved = training.save_checkpoint, []
+
+    def dying_save(path, *a, **k):
+        real(path, *a, **k)
+        if Path(path).name == "last.npz":
+            saved.append(path)
+            if len(saved) == 1:  # Ctrl-C once epoch 1 is checkpointed
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(training, "save_checkpoint", dying_save)
+    out = tmp_path / "t"
+    with pytest.raises(KeyboardInterrupt):
+        run_teacher_stage(ds_dir, out, cfg, TeacherChoice(train_cnn=True), progress=False)
+    monkeypatch.setattr(training, "save_checkpoint", real)
+    work = finetune_work_dir(out, train_cnn=True)
+    assert (work / "last.npz").exists()
+    with pytest.raises(TeacherStageError, match=r"another teacher\.cnn_widths"):
+        run_teacher_stage(ds_dir, out, load_config(None, ["teacher.cnn_epochs=3", "teacher.cnn_widths=[8, 32]",
+                                                          "train.batch_size=4"]),
+                          TeacherChoice(train_cnn=True), progress=False, resume=True)
+    resumed_at: list[int] = []
+    real_resume = training._resume
+
+    def spy_resume(*args, **kwargs):
+        resumed_at.append(real_resume(*args, **kwargs))
+        return resumed_at[-1]
+
+    monkeypatch.setattr(training, "_resume", spy_resume)
+    run_teacher_stage(ds_dir, out, cfg, TeacherChoice(train_cnn=True), progress=False, resume=True)
+    assert resumed_at == [1]  # went on at epoch 2 (0-based 1): epoch 1 was not trained again
+    assert not work.exists()
     mine, whole = features(out), features(tmp_path / "whole")
     for name in whole:
         np.testing.assert_array_equal(mine[name], whole[name], err_msg=name)

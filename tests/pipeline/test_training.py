@@ -342,7 +342,7 @@ def test_fine_tune_stops_on_repeated_non_finite_batches(tmp_path):
 
 def test_teacher_stage_reports_a_stopped_training_with_exit_3(tmp_path, capsys):
     """The --train-cnn teacher trains on the same loop; a divergence ends the stage with exit 3 and advice
-    that fits it (no --resume: only the EfficientNet fine-tune has one), never a traceback."""
+    that fits it (a lower train.lr, then --resume), never a traceback; resumed at a sane rate, it finishes."""
     from pipeline_helpers import tiny_dataset  # noqa: PLC0415
 
     from leaflens.pipeline.cli import main as cli  # noqa: PLC0415
@@ -354,8 +354,12 @@ def test_teacher_stage_reports_a_stopped_training_with_exit_3(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 3, err
     assert "leaflens teacher: stopped: teacher: the weights became non-finite" in err and "train.lr" in err
-    assert "--resume" not in err and "Traceback" not in err
+    assert "rerun with --resume" in err and "Traceback" not in err
     assert not (tmp_path / "t").exists()
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--train-cnn", "--quiet",
+                "--set", "train.lr=0.01", "--set", "train.batch_size=4", "--set", "teacher.cnn_epochs=3",
+                "--set", "teacher.cnn_widths=[8, 16]", "--resume"]) == 0
+    assert (tmp_path / "t" / "teacher.json").exists() and not (tmp_path / ".t.cnn-work").exists()
 
 
 def test_peak_rss_is_in_mib_on_linux_and_macos_and_none_without_resource(monkeypatch):

@@ -143,9 +143,14 @@ class TrainSection(Record):
     # decay per step of a running average of the weights that validation judges and best.npz keeps
     # (leaflens.engine.optim.ModelEMA); 0: none, the last step's weights (as in runs recorded before it existed)
     ema: float = 0.0
+    # the fewest optimiser steps a student takes: with few training photos ``epochs`` (and the early-stopping
+    # patience with them) is raised to reach them (leaflens.pipeline.training.epochs_for_steps); 0: as given
+    min_steps: int = 0
 
     def __post_init__(self) -> None:
         _check_ema(self.ema)
+        if self.min_steps < 0:
+            raise ValueError(f"min_steps must be >= 0 (0: epochs as given), got {self.min_steps}")
         _check_at_least_one(self, ("epochs", "batch_size", "eval_batch_size", "max_bad_steps"))
         _check_positive(self, ("lr", "clip_grad_norm"))
         _check_positive(self, ("weight_decay",), zero="no weight decay")

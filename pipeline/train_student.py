@@ -24,6 +24,7 @@ loop computes exactly what it computed before either existed.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -40,7 +41,14 @@ from leaflens.engine.optim import SGD, AdamW, Optimizer, WarmupCosine
 from leaflens.pipeline.config import DistillSection, StageConfig
 from leaflens.pipeline.models.student import StudentCNN, StudentSpec
 from leaflens.pipeline.negatives import make_negatives
-from leaflens.pipeline.training import BatchLoss, LoopSettings, RunResult, run_training, validation_scores
+from leaflens.pipeline.training import (
+    BatchLoss,
+    LoopSettings,
+    RunResult,
+    epochs_for_steps,
+    run_training,
+    validation_scores,
+)
 
 
 class ConcatImages:
@@ -318,6 +326,15 @@ def student_run(cfg: StageConfig, data: TrainData, val_images: Any, val_labels: 
     loader = DataLoader(dataset, int(tcfg.batch_size), shuffle=True, drop_last=len(dataset) > tcfg.batch_size,
                         seed=seed, mean=mean, std=std, augment=augment, prefetch=3, num_threads=1)
     epochs, steps_per_epoch = int(tcfg.epochs), len(loader)
+    patience = int(tcfg.early_stopping_patience)
+    raised = epochs_for_steps(epochs, steps_per_epoch, int(tcfg.min_steps))
+    if raised > epochs:
+        patience = -(-patience * raised // epochs)  # the same share of the run without a better epoch
+        print(f"note: {label}: {len(dataset)} training photos make {steps_per_epoch} step"
+              f"{'s' if steps_per_epoch > 1 else ''} an epoch; it trains {raised} epochs instead of {epochs} "
+              f"(early stopping after {patience} without a better one) to take at least train.min_steps = "
+              f"{tcfg.min_steps} steps (--set train.min_steps=0: as given)", file=sys.stderr, flush=True)
+        epochs = raised
     opt: Optimizer
     if tcfg.optimizer == "adamw":
         opt = AdamW(model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay)
@@ -331,7 +348,7 @@ def student_run(cfg: StageConfig, data: TrainData, val_images: Any, val_labels: 
                        size, val_images, val_labels, mean, std)
     settings = LoopSettings(epochs=epochs, clip_grad_norm=float(tcfg.clip_grad_norm),
                             max_bad_steps=int(tcfg.max_bad_steps),
-                            early_stopping_patience=int(tcfg.early_stopping_patience), mixed_precision=use_amp,
+                            early_stopping_patience=patience, mixed_precision=use_amp,
                             label=label, resumable=resumable, progress=progress,
                             ema_decay=float(tcfg.ema))
     return task, settings, device

@@ -229,6 +229,14 @@ class _State:
     bad_streak: int = 0   # consecutive non-finite steps so far (a streak may span epochs)
 
 
+def epochs_for_steps(epochs: int, steps_per_epoch: int, min_steps: int) -> int:
+    """``epochs``, raised until a run of ``steps_per_epoch`` steps an epoch takes at least ``min_steps`` steps.
+
+    An epoch is one pass over the training photos: with few of them it is a handful of optimiser steps, too
+    few for a network to learn the task in the epochs a recipe sized for hundreds of photos gives."""
+    return max(int(epochs), -(-int(min_steps) // max(int(steps_per_epoch), 1)))
+
+
 def run_training(run_dir: str | os.PathLike[str], task: TrainingTask, settings: LoopSettings,
                  extra_meta: dict[str, Any], resume: bool = False, device: str = "cpu") -> RunResult:
     """Train ``task`` for ``settings.epochs`` epochs in ``run_dir``; resumes from ``last.npz`` when ``resume``

@@ -30,7 +30,7 @@ from leaflens.engine.optim import AdamW, WarmupCosine
 from leaflens.pipeline.config import TeacherSection
 from leaflens.pipeline.models.efficientnet import normalize_images
 from leaflens.pipeline.teachers.stage import TeacherStageError, iter_split_images, split_photo_paths
-from leaflens.pipeline.training import BatchLoss, validation_scores
+from leaflens.pipeline.training import BatchLoss, epochs_for_steps, validation_scores
 
 # Decoded photos are kept in memory up to this many bytes (full iBeans at 160 px: 320 MB); beyond it
 # every epoch decodes them again.
@@ -219,8 +219,7 @@ def epochs_for(teacher: TeacherSection, num_train: int) -> int:
     With few labels an epoch is a handful of steps (42 photos at batch 16: 2), too few for the new classifier
     and the blocks to learn the task; measured on validation (README), 14 iBeans photos per class reached 77 %
     in 8 epochs and 83 % in 64."""
-    steps_per_epoch = max(num_train // teacher.batch_size, 1)
-    return max(teacher.epochs, -(-teacher.min_steps // steps_per_epoch))
+    return epochs_for_steps(teacher.epochs, num_train // teacher.batch_size, teacher.min_steps)
 
 
 def recipe_record(teacher: TeacherSection) -> dict[str, Any]:

@@ -129,3 +129,21 @@ def test_train_ema_gives_the_run_a_weight_average(tmp_path):
         assert any(k.startswith("ema/") for k in arrays) == bool(ema)
         assert ("ema" in meta) == bool(ema)
     assert load_config(None, []).train.ema == 0.0
+
+
+def test_few_training_photos_raise_the_epochs_and_the_patience_to_the_fewest_steps(capsys):
+    """40 photos at batch 8 are 5 steps an epoch: train.min_steps = 23 asks for 5 epochs where 2 were given, and
+    the early-stopping patience grows with them; enough steps, or 0, leave the recipe as given."""
+    data, xv, yv = _data()
+    mean, std = np.zeros(3, np.float32), np.ones(3, np.float32)
+    _, settings, _ = ts.student_run(_cfg(2, "train.min_steps=23", "train.early_stopping_patience=3"), data, xv, yv,
+                                    mean, std, 3, label="scratch", progress=False)
+    assert (settings.epochs, settings.early_stopping_patience) == (5, 8)  # ceil(23 / 5); ceil(3 * 5 / 2)
+    err = capsys.readouterr().err
+    assert "scratch: 40 training photos make 5 steps an epoch; it trains 5 epochs instead of 2" in err
+    for given in ("train.min_steps=10", "train.min_steps=0"):
+        _, settings, _ = ts.student_run(_cfg(2, given, "train.early_stopping_patience=3"), data, xv, yv, mean, std,
+                                        3, progress=False)
+        assert (settings.epochs, settings.early_stopping_patience) == (2, 3)
+    assert "train.min_steps" not in capsys.readouterr().err
+    assert training.epochs_for_steps(8, 0, 128) == 128  # fewer photos than a batch: one step an epoch

@@ -302,7 +302,8 @@ def main() -> None:
 
     sets = list(args.overrides)
     if args.quick:
-        sets = [f"teacher.epochs={QUICK_TEACHER_EPOCHS}", "teacher.min_steps=0", f"train.epochs={QUICK_EPOCHS}", *sets]
+        sets = [f"teacher.epochs={QUICK_TEACHER_EPOCHS}", "teacher.min_steps=0", f"train.epochs={QUICK_EPOCHS}",
+                "train.min_steps=0", *sets]
     cfg = load_config(None, sets)  # refuses a bad override before anything runs
     default_size = load_config(None, []).model.input_size
     # [teacher] settings go to the teacher stage, the rest to distill: a student override never retrains the teacher

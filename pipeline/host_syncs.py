@@ -98,7 +98,9 @@ def measure_host_syncs(optimizer: str = "adamw", mixed_precision: bool = True, e
     """
     classes, dim = 3, 6
     data, val_images, val_labels = _tiny_data(batch_size * batches_per_epoch, 8, classes, dim)
-    cfg = load_config(None, [f"train.epochs={epochs}", f"train.batch_size={batch_size}", "model.widths=[4, 8]",
+    # exactly ``epochs`` of ``batches_per_epoch`` steps: the count is per step (no raise to train.min_steps)
+    cfg = load_config(None, [f"train.epochs={epochs}", "train.min_steps=0", f"train.batch_size={batch_size}",
+                             "model.widths=[4, 8]",
                              "train.warmup_epochs=0", f"train.optimizer={optimizer}", "train.clip_grad_norm=1.0",
                              f"train.mixed_precision={'on' if mixed_precision else 'off'}",
                              "distill.kd_weight=1.0", "distill.alpha=1.0", *overrides])

@@ -41,7 +41,8 @@ def test_ibeans_benchmark_writes_served_teachers_and_runs_the_teacher_in_the_loo
     # the teacher in the loop needs the teacher's network (model.npz) beside its features: the run fails without it
     out = subprocess.run([sys.executable, str(BENCH), "--data", str(data), "--seeds", "1", "--epochs", "1",
                           "--teacher-epochs", "1", "--settings", "full", "--work", str(work),
-                          "--set", "distill.teacher_online=true", "--set", "teacher.min_steps=0"],
+                          "--set", "distill.teacher_online=true", "--set", "teacher.min_steps=0",
+                          "--set", "train.min_steps=0"],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     figures = json.loads(out.stdout.strip().splitlines()[-1])

@@ -222,7 +222,8 @@ def _tiny_data(n_train: int = 48, n_val: int = 12, size: int = 12):
 
 
 def _amp_cfg(epochs: int, **extra):
-    sets = [f"train.epochs={epochs}", "train.batch_size=8", "model.widths=[8, 16]", "train.warmup_epochs=0",
+    sets = [f"train.epochs={epochs}", "train.min_steps=0",
+            "train.batch_size=8", "model.widths=[8, 16]", "train.warmup_epochs=0",
             "train.lr=0.01", "train.device=cpu", "train.mixed_precision=on", "model.dropout=0.0"]
     return load_config(None, sets + [f"{k}={v}" for k, v in extra.items()])
 

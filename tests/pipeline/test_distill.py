@@ -18,7 +18,8 @@ from leaflens.pipeline.teachers.stage import ArrayEncoder, read_features_source,
 
 
 def _cfg(epochs=4, **extra):
-    sets = [f"train.epochs={epochs}", "train.batch_size=8", "model.widths=[8, 16]", "train.warmup_epochs=1",
+    sets = [f"train.epochs={epochs}", "train.min_steps=0",
+            "train.batch_size=8", "model.widths=[8, 16]", "train.warmup_epochs=1",
             "train.lr=0.01"] + [f"{k}={v}" for k, v in extra.items()]
     return load_config(None, sets)
 
@@ -280,7 +281,7 @@ def test_features_of_another_dataset_are_refused(tiny, tmp_path):
 def test_cli_distill_reports_and_refuses_unknown_settings(tiny, capsys):
     tmp, ds_dir = tiny
     code = cli(["distill", "--dataset", str(ds_dir), "--teacher", str(tmp / "teacher"), "--out", str(tmp / "cli"),
-                "--set", "train.epochs=1", "--set", "model.widths=[8]", "--quiet"])
+                "--set", "train.epochs=1", "--set", "train.min_steps=0", "--set", "model.widths=[8]", "--quiet"])
     assert code == 0
     out = capsys.readouterr()
     assert "kept:" in out.out
@@ -293,7 +294,7 @@ def test_cli_distill_reports_and_refuses_unknown_settings(tiny, capsys):
 def test_a_log_file_gets_the_epoch_lines_without_progress_bar_redraws(tiny, capsys):
     tmp, ds_dir = tiny  # capsys's stderr is no terminal, like `leaflens distill ... 2> log.txt`
     assert cli(["distill", "--dataset", str(ds_dir), "--teacher", str(tmp / "teacher"), "--out", str(tmp / "log"),
-                "--set", "train.epochs=2", "--set", "model.widths=[8]"]) == 0
+                "--set", "train.epochs=2", "--set", "train.min_steps=0", "--set", "model.widths=[8]"]) == 0
     captured = capsys.readouterr()
     err = captured.out + captured.err
     assert "distilled epoch 2/2: loss" in err and "scratch epoch 2/2: loss" in err

@@ -18,7 +18,8 @@ from leaflens.pipeline.teachers.stage import ArrayEncoder, read_features_source,
 
 
 def _cfg(escalate=("m",), margin=0.0, **extra):
-    sets = ["train.epochs=2", "train.batch_size=8", "model.widths=[8, 16]", "train.warmup_epochs=1", "train.lr=0.01",
+    sets = ["train.epochs=2", "train.min_steps=0",
+            "train.batch_size=8", "model.widths=[8, 16]", "train.warmup_epochs=1", "train.lr=0.01",
             'model.family=["s"]', f"model.escalate={json.dumps(list(escalate))}", f"distill.teacher_margin={margin}",
             *(f"{k}={v}" for k, v in extra.items())]
     return load_config(None, sets)
@@ -158,7 +159,8 @@ def test_the_cli_escalate_option(tiny):
 
     tmp, ds_dir, _ = tiny
     common = ["distill", "--dataset", str(ds_dir), "--teacher", str(tmp / "teacher"), "--family", "s", "--quiet",
-              "--set", "train.epochs=1", "--set", "train.batch_size=8", "--set", "model.widths=[8, 16]",
+              "--set", "train.epochs=1", "--set", "train.min_steps=0",
+              "--set", "train.batch_size=8", "--set", "model.widths=[8, 16]",
               "--set", "distill.teacher_margin=0", "--set", "distill.compare_scratch=false"]
     assert cli([*common, "--out", str(tmp / "cli_m"), "--escalate", "m"]) == 0
     report = json.loads((tmp / "cli_m" / "report.json").read_text())

@@ -21,7 +21,8 @@ from leaflens.pipeline.teachers.stage import ArrayEncoder, read_features_source,
 
 
 def _cfg(epochs=2, family=None, **extra):
-    sets = [f"train.epochs={epochs}", "train.batch_size=8", "model.widths=[8, 16]", "train.warmup_epochs=1",
+    sets = [f"train.epochs={epochs}", "train.min_steps=0",
+            "train.batch_size=8", "model.widths=[8, 16]", "train.warmup_epochs=1",
             "train.lr=0.01"] + [f"{k}={v}" for k, v in extra.items()]
     if family is not None:
         sets.append(f"model.family={json.dumps(family)}")

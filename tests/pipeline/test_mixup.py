@@ -150,7 +150,8 @@ def test_mixed_training_is_deterministic(tmp_path):
                         labels=np.where(np.arange(n) % 3 == 0, -1, np.arange(n) % C),
                         features=rng.normal(size=(n, D)).astype(np.float32),
                         logits=rng.normal(size=(n, C)).astype(np.float32))
-    cfg = load_config(None, ["train.epochs=2", "train.batch_size=8", "model.widths=[4]", "train.warmup_epochs=0",
+    cfg = load_config(None, ["train.epochs=2", "train.min_steps=0",
+                             "train.batch_size=8", "model.widths=[4]", "train.warmup_epochs=0",
                              "train.device=cpu", "train.mixed_precision=off", "distill.mixup=0.4"])
     runs = []
     for k in range(2):

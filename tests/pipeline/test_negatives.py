@@ -67,7 +67,8 @@ def test_a_run_with_outlier_exposure_trains_and_logs_the_term(tmp_path):
     rng = np.random.default_rng(0)
     images = rng.integers(0, 255, (24, 8, 8, 3), dtype=np.uint8)
     labels = (np.arange(24) % 3).astype(np.int64)
-    cfg = load_config(None, ["train.epochs=1", "train.batch_size=8", "model.widths=[4]", "train.warmup_epochs=0",
+    cfg = load_config(None, ["train.epochs=1", "train.min_steps=0",
+                             "train.batch_size=8", "model.widths=[4]", "train.warmup_epochs=0",
                              "train.device=cpu", "train.mixed_precision=off", "train.outlier_exposure=0.5"])
     result = ts.train_run(tmp_path / "run", cfg, ts.TrainData(images, labels), images[:6], labels[:6],
                           np.full(3, 0.5, np.float32), np.full(3, 0.25, np.float32), 3, {}, progress=False)

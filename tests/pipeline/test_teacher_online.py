@@ -127,7 +127,7 @@ def tiny(tmp_path_factory):
 
 
 def _cfg(epochs: int = 3):
-    return load_config(None, [f"train.epochs={epochs}", "train.batch_size=8", 'model.family=["m"]',
+    return load_config(None, [f"train.epochs={epochs}", "train.min_steps=0", "train.batch_size=8", 'model.family=["m"]',
                               "model.widths=[8, 16]", "train.warmup_epochs=1", "distill.compare_scratch=false",
                               "distill.teacher_online=true", "distill.mixup=0.2"])
 
@@ -182,7 +182,7 @@ def test_online_targets_differ_from_the_cached_ones(tiny):
     """The run really learns from the network: its feature loss is not the cached targets' loss."""
     tmp, ds_dir = tiny
     online = run_distill(ds_dir, tmp / "teacher", tmp / "on", _cfg(1), progress=False)
-    cached_cfg = load_config(None, ["train.epochs=1", "train.batch_size=8", 'model.family=["m"]',
+    cached_cfg = load_config(None, ["train.epochs=1", "train.min_steps=0", "train.batch_size=8", 'model.family=["m"]',
                                     "model.widths=[8, 16]", "train.warmup_epochs=1", "distill.compare_scratch=false",
                                     "distill.mixup=0.2"])
     cached = run_distill(ds_dir, tmp / "teacher", tmp / "off", cached_cfg, progress=False)

@@ -37,7 +37,7 @@ from leaflens.pipeline.teachers.stage import iter_split_images  # noqa: E402
 
 CLASSES = ("checks", "horizontal", "vertical")
 SIZE = 64  # the teacher's input
-FAST = ["--set", "train.epochs=2", "--set", "model.widths=[8]", "--quiet"]
+FAST = ["--set", "train.epochs=2", "--set", "train.min_steps=0", "--set", "model.widths=[8]", "--quiet"]
 
 
 def _stripes(root: Path, per_class: int = 20) -> Path:
@@ -210,7 +210,7 @@ def test_distill_says_why_a_teacher_without_a_served_model_is_no_candidate(tmp_p
     feats, logits = read_features_source(class_features(ds_dir, tmp_path / "feats"), ds)
     write_teacher(tmp_path / "t", ds, ArrayEncoder(feats, logits, tmp_path / "feats", ds.image_size), progress=False)
     assert cli(["distill", "--dataset", str(ds_dir), "--teacher", str(tmp_path / "t"), "--out", str(tmp_path / "r"),
-                "--set", "train.epochs=1", "--set", "model.widths=[4]", "--quiet"]) == 0
+                "--set", "train.epochs=1", "--set", "train.min_steps=0", "--set", "model.widths=[4]", "--quiet"]) == 0
     sel = json.loads((tmp_path / "r" / "report.json").read_text())["selection"]
     assert [c["name"] for c in sel["candidates"]] == ["distilled", "scratch"]
     assert "holds no servable teacher" in sel["teacher_unavailable"]

@@ -119,7 +119,7 @@ def test_not_an_onnx_file_is_refused(ds_dir, tmp_path, capsys):
 
 def test_train_cnn_teacher_learns_the_classes(ds_dir, tmp_path, capsys):
     assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--train-cnn", "--epochs", "6",
-                "--quiet"]) == 0
+                "--set", "train.min_steps=0", "--quiet"]) == 0
     ds = load_dataset(ds_dir)
     tt = load_teacher(tmp_path / "t", ds)
     assert tt.has_logits and tt.info.teacher["kind"] == "train-cnn"

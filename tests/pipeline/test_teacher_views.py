@@ -78,7 +78,7 @@ def test_teacher_writes_a_view_bank_that_distill_learns_from(ds_dir, tmp_path, c
         np.testing.assert_allclose(feats[:5, v], encoder.encode(cut)[0], rtol=1e-5, atol=1e-5)
     assert not np.allclose(feats[:, 1], feats[:, 2])  # the views differ
 
-    cfg = load_config(None, ["train.epochs=3", "train.batch_size=8", "model.widths=[8, 16]",
+    cfg = load_config(None, ["train.epochs=3", "train.min_steps=0", "train.batch_size=8", "model.widths=[8, 16]",
                                                      "train.warmup_epochs=1", "train.lr=0.01"])
     report = run_distill(ds_dir, tmp_path / "t", tmp_path / "run", cfg, progress=False)
     assert report["variants"]["distilled"]["val_accuracy"] is not None

@@ -17,7 +17,8 @@ REAL_LOSS = ts.distill_loss
 
 
 def _cfg(epochs: int = 2, *extra: str):
-    sets = [f"train.epochs={epochs}", "train.batch_size=8", "model.widths=[4]", "train.warmup_epochs=0",
+    sets = [f"train.epochs={epochs}", "train.min_steps=0",
+            "train.batch_size=8", "model.widths=[4]", "train.warmup_epochs=0",
             "train.lr=0.01", "train.device=cpu", "train.mixed_precision=off", "augment.brightness=0.0",
             "augment.contrast=0.0", "distill.kd_weight=1.0"]
     return load_config(None, sets + list(extra))
@@ -147,3 +148,7 @@ def test_few_training_photos_raise_the_epochs_and_the_patience_to_the_fewest_ste
         assert (settings.epochs, settings.early_stopping_patience) == (2, 3)
     assert "train.min_steps" not in capsys.readouterr().err
     assert training.epochs_for_steps(8, 0, 128) == 128  # fewer photos than a batch: one step an epoch
+    from leaflens.pipeline.config import DEFAULT_CONFIG  # noqa: PLC0415
+
+    assert load_config(None, []).train.min_steps == 240  # the recipe's: 60 epochs of 256 photos (README)
+    assert load_config(DEFAULT_CONFIG.parent / "distill_demo.toml").train.min_steps == 0  # the demo's time budget

@@ -97,7 +97,8 @@ def run_setup(tmp_path, imagenet_stand_in, monkeypatch):
 
 def _cfg(trunk_init: str):
     # a learning rate too small to move a weight by 1e-6: the checkpoints hold the weights the students started from
-    return load_config(None, ["train.epochs=1", "train.batch_size=8", "train.warmup_epochs=0", "train.lr=1e-9",
+    return load_config(None, ["train.epochs=1", "train.min_steps=0",
+                              "train.batch_size=8", "train.warmup_epochs=0", "train.lr=1e-9",
                               'model.family=["lite3"]', f"model.trunk_init={json.dumps(trunk_init)}"])
 
 
@@ -144,6 +145,7 @@ def test_imagenet_asked_is_imagenet_and_a_run_without_a_trunk_records_nothing(ru
     assert report["trunk_init"] == {"asked": "imagenet", "used": "imagenet"}
     imagenet = pretrained.load_efficientnet_lite0(imagenet_stand_in).stem_conv.weight.data
     np.testing.assert_allclose(_stem(tmp / "run" / "distilled" / "last.npz"), imagenet, atol=1e-6)
-    cfg = load_config(None, ["train.epochs=1", "train.batch_size=8", 'model.family=["s"]', "model.widths=[4, 8]",
+    cfg = load_config(None, ["train.epochs=1", "train.min_steps=0",
+                             "train.batch_size=8", 'model.family=["s"]', "model.widths=[4, 8]",
                              'model.trunk_init="teacher"'])
     assert "trunk_init" not in run_distill(ds_dir, tmp / "teacher", tmp / "conv", cfg, progress=False)

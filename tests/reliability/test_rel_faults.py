@@ -26,7 +26,8 @@ from leaflens.pipeline.teachers.stage import ArrayEncoder, write_teacher
 # the faults are induced on purpose: NumPy's overflow/invalid-value warnings are the expected symptoms
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-SETS = ["--set", "train.epochs=3", "--set", "train.batch_size=4", "--set", "model.widths=[8, 16]",
+SETS = ["--set", "train.epochs=3", "--set", "train.min_steps=0",
+        "--set", "train.batch_size=4", "--set", "model.widths=[8, 16]",
         "--set", "train.warmup_epochs=0", "--set", "train.lr=0.01", "--set", "distill.compare_scratch=false",
         "--quiet"]
 POISONED = (2, 17)
@@ -151,7 +152,7 @@ def test_resume_uses_the_configured_learning_rate(data, tmp_path):
     ds = load_dataset(ds_dir)
 
     def cfg(lr: float, epochs: int):
-        return load_config(None, [f"train.lr={lr}", f"train.epochs={epochs}",
+        return load_config(None, [f"train.lr={lr}", f"train.epochs={epochs}", "train.min_steps=0",
                                                           "train.warmup_epochs=0", "train.batch_size=8",
                                                           "model.widths=[8]"])
 

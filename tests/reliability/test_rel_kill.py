@@ -28,7 +28,8 @@ from rel_helpers import class_folders, encode, kill9, photo, run_cli, start_cli,
 
 from leaflens.data_prep.manifest import load_dataset
 
-DISTILL_SETS = ["--set", "train.epochs=5", "--set", "train.batch_size=16", "--set", "model.widths=[8, 16]",
+DISTILL_SETS = ["--set", "train.epochs=5", "--set", "train.min_steps=0",
+                "--set", "train.batch_size=16", "--set", "model.widths=[8, 16]",
                 "--set", "train.warmup_epochs=1", "--set", "train.lr=0.01", "--seed", "3"]
 
 

@@ -33,15 +33,6 @@ def tiny_net(config: LiteConfig | None = None) -> EfficientNetLite:
     return with_moved_bn_stats(net)
 
 
-@pytest.fixture
-def tiny_lite0(monkeypatch, tmp_path):
-    """The teacher stage builds the tiny network in place of the ImageNet EfficientNet-Lite0."""
-    weights = tmp_path / "tiny.pth"
-    weights.write_bytes(b"")
-    monkeypatch.setattr(effnet, "find_lite0_weights", lambda path=None: weights)
-    monkeypatch.setattr(effnet, "load_efficientnet_lite0", lambda path, cfg: tiny_net(cfg))
-
-
 def recipe(*overrides: str):
     return load_config(None, [f"teacher.input_size={SIZE}", "teacher.batch_size=8", "teacher.epochs=2",
                              "teacher.min_steps=0", *overrides]).teacher

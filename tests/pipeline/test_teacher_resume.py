@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from pipeline_helpers import tiny_dataset
-from test_teacher_finetune import SIZE, tiny_net
+from test_teacher_finetune import SIZE
 from test_teacher_self_train import leaf_dataset_with_unlabelled_leaves
 
 from leaflens.pipeline.cli import main as cli
@@ -25,14 +25,6 @@ from leaflens.pipeline.teachers.stage import (
 
 SETS = [f"teacher.input_size={SIZE}", "teacher.batch_size=8", "teacher.epochs=3", "teacher.min_steps=0",
         "teacher.finetune_from_block=2"]
-
-
-@pytest.fixture
-def tiny_lite0(monkeypatch, tmp_path):
-    weights = tmp_path / "tiny.pth"
-    weights.write_bytes(b"")
-    monkeypatch.setattr(effnet, "find_lite0_weights", lambda path=None: weights)
-    monkeypatch.setattr(effnet, "load_efficientnet_lite0", lambda path, cfg: tiny_net(cfg))
 
 
 def interrupt_in_epoch(monkeypatch, epoch: int) -> None:

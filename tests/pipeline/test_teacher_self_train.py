@@ -20,7 +20,6 @@ from leaflens.engine.checkpoint import save_checkpoint
 from leaflens.pipeline.cli import build_parser
 from leaflens.pipeline.cli.teacher import flag_overrides
 from leaflens.pipeline.config import ConfigError, load_config
-from leaflens.pipeline.teachers import effnet
 from leaflens.pipeline.teachers.self_train import (
     choose_threshold,
     pseudo_labels,
@@ -30,14 +29,6 @@ from leaflens.pipeline.teachers.self_train import (
 )
 from leaflens.pipeline.teachers.stage import TeacherChoice, run_teacher_stage
 from leaflens.pipeline.training import BEST
-
-
-@pytest.fixture
-def tiny_lite0(monkeypatch, tmp_path):
-    weights = tmp_path / "tiny.pth"
-    weights.write_bytes(b"")
-    monkeypatch.setattr(effnet, "find_lite0_weights", lambda path=None: weights)
-    monkeypatch.setattr(effnet, "load_efficientnet_lite0", lambda path, cfg: tiny_net(cfg))
 
 
 def test_threshold_is_the_lowest_confidence_whose_val_predictions_reach_the_target():

@@ -87,6 +87,9 @@ class PhotoEvaluation(Record):
     ambiguous: int = 0
     out_of_domain: int = 0
     refused: list[RefusedPhoto] = field(default_factory=list)
+    # --not-known: photos of no class of the model and what it answered them (:func:`evaluate_not_known`'s
+    # record; None when not asked)
+    not_known: dict[str, Any] | None = None
     schema_version: int = 2
 
     @classmethod
@@ -195,6 +198,50 @@ def evaluate_photos(model: str | os.PathLike[str] | Predictor, photos: str | os.
     return evaluate_files(predictor, files, labels, str(Path(photos).resolve()), batch_size)
 
 
+def evaluate_not_known(predictor: Predictor, folder: str | os.PathLike[str], batch_size: int = 32) -> dict[str, Any]:
+    """What the model answers photos it has no business judging (other crops, insects, anything that is none
+    of its classes), every image file under ``folder``: how many it calls "not a photo this model knows",
+    "unsure", turns away before the model (too small, blank), or gives a diagnosis they should not get (and
+    which). The app's own checks run as they do for a user."""
+    from leaflens.apps.cmd_predict import collect_images  # noqa: PLC0415
+
+    root = Path(folder)
+    if not root.is_dir():
+        raise EvaluationError(f"--not-known {folder}: not a folder")
+    files = collect_images([root])
+    if not files:
+        raise EvaluationError(f"--not-known {folder}: no photos in it")
+    counts = {"out_of_domain": 0, "ambiguous": 0, "refused": 0, "diagnosis": 0}
+    diagnoses: Counter[str] = Counter()
+    unreadable = []
+    for answer in predictor.iter_predict_files(files, top_k=2, batch_size=batch_size):
+        if _refusal(answer):
+            counts["refused"] += 1
+        elif not answer.ok:
+            unreadable.append({"file": answer.source, "error": str(answer.error)})
+        else:
+            counts[answer.verdict] += 1
+            if answer.verdict == "diagnosis":
+                diagnoses[str(answer.label)] += 1
+    n = sum(counts.values())
+    return {"photos": str(root.resolve()), "n": n, **counts, "diagnosed_share": counts["diagnosis"] / n if n else 0.0,
+            "diagnoses": dict(diagnoses.most_common()), "unreadable": unreadable}
+
+
+def format_not_known(nk: dict[str, Any]) -> list[str]:
+    """The --not-known lines of :func:`format_evaluation`."""
+    n = max(int(nk["n"]), 1)
+    given = ", ".join(f"{c} {k}" for c, k in nk["diagnoses"].items())
+    rows = [("not a photo this model knows", nk["out_of_domain"]), ("unsure between classes", nk["ambiguous"]),
+            ("turned away before the model", nk["refused"]), ("given a diagnosis", nk["diagnosis"])]
+    lines = ["", f"photos of no class of the model: {nk['n']} in {nk['photos']}"]
+    lines += [f"  {what:<30} {k:>6} ({k / n:.1%})" + (f": {given}" if what == "given a diagnosis" and given else "")
+              for what, k in rows]
+    if nk["unreadable"]:
+        lines.append(f"  {len(nk['unreadable'])} could not be read and are not counted")
+    return lines
+
+
 def format_evaluation(ev: PhotoEvaluation) -> str:
     """A readable report: accuracy, verdict counts, photos the app would refuse, per-class table, confusion
     matrix (rows = true), unreadable files."""
@@ -226,5 +273,7 @@ def format_evaluation(ev: PhotoEvaluation) -> str:
         lines += [f"  {u.error}" for u in ev.unreadable[:20]]
         if len(ev.unreadable) > 20:
             lines.append(f"  ... and {len(ev.unreadable) - 20} more (see --json)")
+    if ev.not_known is not None:
+        lines += format_not_known(ev.not_known)
     return "\n".join(lines)
 

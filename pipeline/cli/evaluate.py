@@ -7,6 +7,7 @@ Exit code: 0 every photo evaluated; 1 some photos could not be read (the figures
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -28,6 +29,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("folder", nargs="?", type=Path, metavar="PHOTOS",
                    help="folder of class folders: PHOTOS/<class>/*.jpg (or --photos PHOTOS)")
     p.add_argument("--photos", type=Path, default=None, help="the same folder, named as an option")
+    p.add_argument("--not-known", type=Path, default=None, metavar="FOLDER",
+                   help="also photos of no class of the model (other crops, insects, anything): how many it calls "
+                        "'not a photo this model knows' or 'unsure', and how many get a diagnosis they should not")
     p.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file (atomically)")
     p.add_argument("--batch-size", type=int, default=32, help="photos per model call (default 32)")
     p.add_argument("--threads", type=int, default=None,
@@ -41,7 +45,12 @@ def run(args: argparse.Namespace) -> int:
     from leaflens.apps.model_card import ModelError  # noqa: PLC0415
     from leaflens.apps.predictor import Predictor  # noqa: PLC0415
     from leaflens.files import write_json_atomic  # noqa: PLC0415
-    from leaflens.pipeline.evaluate import EvaluationError, evaluate_photos, format_evaluation  # noqa: PLC0415
+    from leaflens.pipeline.evaluate import (  # noqa: PLC0415
+        EvaluationError,
+        evaluate_not_known,
+        evaluate_photos,
+        format_evaluation,
+    )
 
     prog = "leaflens evaluate"
     if (args.folder is None) == (args.photos is None):
@@ -62,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
                               providers=requested_providers(getattr(args, "provider", "auto")))
         print(predictor.provider_line, file=sys.stderr)
         evaluation = evaluate_photos(predictor, photos, batch_size=args.batch_size)
+        if args.not_known is not None:
+            evaluation = dataclasses.replace(evaluation, not_known=evaluate_not_known(predictor, args.not_known,
+                                                                                      args.batch_size))
     except (EvaluationError, ModelError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2

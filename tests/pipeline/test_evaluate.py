@@ -267,3 +267,43 @@ def test_a_version_1_evaluation_file_is_still_read():
            "uncertain": 2, "summary": {"accuracy": 0.5}, "schema_version": 1}
     ev = PhotoEvaluation.from_dict(old)
     assert ev.uncertain == 2 and ev.refused == [] and ev.diagnosed == 0 and ev.schema_version == 2
+
+
+def test_not_known_photos_are_counted_by_what_the_model_answers_them(tmp_path, capsys):
+    """--not-known: photos of no class of the model; each counted once as out of domain, ambiguous, turned away
+    by the app's checks or given a diagnosis (named), as the reference computes them; broken files apart."""
+    from apps_helpers import ood_metadata, reference_ood, write_grey_noise
+
+    weights = tiny_weights(3, seed=1)
+    meta = leaflens_metadata(CLASSES, 16, **ood_metadata(-0.05, 32), **{"leaflens.uncertain_threshold": "0.6"})
+    model = build_tiny_model(tmp_path / "ood.onnx", weights, 16, meta, ood=True)
+    photos = _photos(tmp_path / "photos", per_class=2)
+    other = tmp_path / "other" / "sub"
+    other.mkdir(parents=True)
+    for i, cls in enumerate(CLASSES * 2):  # photos the model may well take for its own
+        (other / f"{cls}{i}.jpg").write_bytes(_jpeg(cls, 50 + i))
+    write_grey_noise(other / "grey.png")
+    Image.new("RGB", (1, 1), COLOURS["rust"]).save(other / "dot.png")
+    Image.new("RGB", (90, 70), COLOURS["healthy"]).save(other / "flat.png")
+    (other / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    code = main(["evaluate", str(photos), "--model", str(model), "--not-known", str(tmp_path / "other"),
+                 "--json", str(tmp_path / "e.json")])
+    out = capsys.readouterr().out
+    assert code == 0
+    nk = PhotoEvaluation.from_dict(json.loads((tmp_path / "e.json").read_text())).not_known
+    answered = sorted(f for f in other.glob("*.*") if f.name not in ("dot.png", "flat.png", "broken.jpg"))
+    small = np.clip(area_resize(np.stack([decode_image(f, 32, "crop") for f in answered]), 16), 0, 255)
+    probs, ood = reference_probs(small, weights), reference_ood(small)
+    outside = ood > -0.05
+    ambiguous = ~outside & (probs.max(1) < 0.6)
+    diagnosed = ~outside & ~ambiguous
+    assert (nk["out_of_domain"], nk["ambiguous"], nk["diagnosis"], nk["refused"]) == (
+        outside.sum(), ambiguous.sum(), diagnosed.sum(), 2)
+    assert nk["n"] == len(answered) + 2 and [Path(u["file"]).name for u in nk["unreadable"]] == ["broken.jpg"]
+    named = np.array(CLASSES)[probs.argmax(1)[diagnosed]]
+    assert nk["diagnoses"] == {c: int((named == c).sum()) for c in set(named)}
+    assert nk["diagnosed_share"] == pytest.approx(diagnosed.sum() / nk["n"])
+    assert outside.any() and diagnosed.any()  # precondition: both kinds of answer are counted
+    assert f"photos of no class of the model: {nk['n']} in" in out and "turned away before the model" in out
+    assert main(["evaluate", str(photos), "--model", str(model), "--not-known", str(tmp_path / "nowhere")]) == 2
+    assert "--not-known" in capsys.readouterr().err

@@ -29,6 +29,9 @@ TEACHER_ARGS ?=
 DISTILL_ARGS ?=
 endif
 EXPORT_ARGS ?=
+# RESUME=1: the teacher and distill stages go on from an interrupted run's checkpoints (--resume) instead of
+# starting over; they refuse, and say why, when there is none or it was for other data.
+RESUME ?=
 SERVE_ARGS ?=
 EXTRAS ?= dev,serve-cpu,teacher
 
@@ -95,12 +98,13 @@ $(DATASET)/manifest.json: FORCE $(if $(filter $(SYNTH),$(DATA)),$(SYNTH)/classes
 preprocess: $(DATASET)/manifest.json
 
 $(TEACHER)/teacher.json: $(DATASET)/manifest.json
-	$(LEAFLENS) teacher --dataset $(DATASET) --out $(TEACHER) $(TEACHER_ARGS)
+	$(LEAFLENS) teacher --dataset $(DATASET) --out $(TEACHER) $(if $(RESUME),--resume) $(TEACHER_ARGS)
 
 teacher: $(TEACHER)/teacher.json
 
 $(STUDENT)/best.npz: $(TEACHER)/teacher.json
-	$(LEAFLENS) distill --dataset $(DATASET) --teacher $(TEACHER) --out $(STUDENT) $(DISTILL_ARGS)
+	$(LEAFLENS) distill --dataset $(DATASET) --teacher $(TEACHER) --out $(STUDENT) $(if $(RESUME),--resume) \
+		$(DISTILL_ARGS)
 
 distill: $(STUDENT)/best.npz
 

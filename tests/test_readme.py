@@ -109,6 +109,23 @@ def test_make_clean_deletes_the_stage_outputs_and_keeps_the_corrections(tmp_path
     assert f"kept {art}/corrections" in out.stdout
 
 
+def test_make_resume_passes_resume_to_the_training_stages_only_when_asked(tmp_path):
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+
+    def commands(*extra: str) -> list[str]:
+        out = subprocess.run(["make", "-n", "export", f"ART={tmp_path}", *extra], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return [line for line in out.stdout.replace("\\\n", " ").splitlines() if " -m leaflens " in line]
+
+    resumed = {line.split(" -m leaflens ")[1].split()[0] for line in commands("RESUME=1") if "--resume" in line}
+    assert resumed == {"teacher", "distill"}
+    assert not any("--resume" in line for line in commands())
+
+
 def test_make_installs_leaflens_again_in_a_venv_made_in_another_folder(tmp_path):
     """A venv's editable install points at the folder it was made in: after the project is moved or renamed,
     `make` installs leaflens again (it failed with "No module named 'leaflens.pipeline'"); where it was made,

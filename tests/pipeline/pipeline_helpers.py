@@ -74,3 +74,22 @@ def with_moved_bn_stats(net, seed: int = 2):
             m.running_mean[...] = rng.normal(0, 0.2, m.num_features)
             m.running_var[...] = rng.uniform(0.5, 2.0, m.num_features)
     return net.eval()
+
+
+def crash_after_checkpoints(monkeypatch, n: int) -> list[Path]:
+    """Ctrl-C, once, right after the training loop has saved its ``n``-th ``last.npz`` (the end of an epoch),
+    as a killed run would stop; returns the list of every ``last.npz`` saved from now on, in order."""
+    import leaflens.pipeline.training as training  # noqa: PLC0415
+
+    real, saved, crashed = training.save_checkpoint, [], []
+
+    def save(path, *args, **kwargs):
+        real(path, *args, **kwargs)
+        if Path(path).name == "last.npz":
+            saved.append(Path(path))
+            if len(saved) == n and not crashed:
+                crashed.append(True)
+                raise KeyboardInterrupt(f"simulated crash after checkpoint {n}")
+
+    monkeypatch.setattr(training, "save_checkpoint", save)
+    return saved

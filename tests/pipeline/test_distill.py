@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from pipeline_helpers import class_features, tiny_dataset
+from pipeline_helpers import class_features, crash_after_checkpoints, tiny_dataset
 
 from leaflens.data_prep.manifest import load_dataset
 from leaflens.pipeline.cli import main as cli
@@ -162,22 +162,9 @@ def test_resume_gives_the_same_result_as_an_uninterrupted_run(tiny, monkeypatch)
     cfg = _cfg(epochs=3, **{"distill.compare_scratch": "false"})
     full = run_distill(ds_dir, tmp / "teacher", tmp / "full", cfg, progress=False)
 
-    import leaflens.pipeline.training as training
-
-    calls = {"n": 0}
-    real = training.save_checkpoint
-
-    def dying_save(path, *a, **k):
-        real(path, *a, **k)
-        if path.name == "last.npz":
-            calls["n"] += 1
-            if calls["n"] == 2:
-                raise KeyboardInterrupt("simulated crash after epoch 2")
-
-    monkeypatch.setattr(training, "save_checkpoint", dying_save)
+    crash_after_checkpoints(monkeypatch, 2)  # after epoch 2
     with pytest.raises(KeyboardInterrupt):
         run_distill(ds_dir, tmp / "teacher", tmp / "cut", cfg, progress=False)
-    monkeypatch.setattr(training, "save_checkpoint", real)
     assert (tmp / "cut.partial" / "distilled" / "last.npz").exists()
     resumed = run_distill(ds_dir, tmp / "teacher", tmp / "cut", cfg, resume=True, progress=False)
     assert resumed["variants"]["distilled"]["val_accuracy"] == full["variants"]["distilled"]["val_accuracy"]
@@ -194,25 +181,15 @@ def test_resume_refuses_a_run_begun_on_another_dataset_or_teacher(tmp_path, monk
     was interrupted: resuming would train its students on data their first epochs never saw."""
     import shutil  # noqa: PLC0415
 
-    import leaflens.pipeline.training as training  # noqa: PLC0415
-
     ds_dir = tiny_dataset(tmp_path / "a", per_class=10, size=16)
     ds = load_dataset(ds_dir)
     feats, logits = read_features_source(class_features(ds_dir, tmp_path / "feats"), ds)
     write_teacher(tmp_path / "teacher", ds, ArrayEncoder(feats, logits, tmp_path / "feats", ds.image_size),
                   progress=False)
     cfg = _cfg(epochs=3, **{"distill.compare_scratch": "false"})
-    real = training.save_checkpoint
-
-    def dying_save(path, *a, **k):
-        real(path, *a, **k)
-        if path.name == "last.npz":
-            raise KeyboardInterrupt("simulated crash after epoch 1")
-
-    monkeypatch.setattr(training, "save_checkpoint", dying_save)
+    crash_after_checkpoints(monkeypatch, 1)  # after epoch 1
     with pytest.raises(KeyboardInterrupt):
         run_distill(ds_dir, tmp_path / "teacher", tmp_path / "run", cfg, progress=False)
-    monkeypatch.setattr(training, "save_checkpoint", real)
     partial = tmp_path / "run.partial"
     before = {p.relative_to(partial): p.read_bytes() for p in partial.rglob("*") if p.is_file()}
     assert (partial / "inputs.json").exists()

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from pipeline_helpers import class_features, tiny_dataset
+from pipeline_helpers import class_features, crash_after_checkpoints, tiny_dataset
 
 from leaflens.data_prep.manifest import load_dataset
 from leaflens.engine.checkpoint import read_checkpoint_arrays
@@ -97,25 +97,18 @@ def test_a_run_stopped_in_the_larger_student_resumes_to_the_same_result(tiny, mo
     tmp, ds_dir, _ = tiny
     cfg = _cfg(**{"distill.compare_scratch": "false"})
     full = run_distill(ds_dir, tmp / "teacher", tmp / "esc_full", cfg, progress=False)
-    import leaflens.pipeline.training as training
 
-    saves: list[str] = []
-    real = training.save_checkpoint
+    saves = crash_after_checkpoints(monkeypatch, 3)  # the small student finished (2 epochs), m after its first
 
-    def dying_save(path, *a, **k):
-        real(path, *a, **k)
-        if path.name == "last.npz":
-            saves.append(str(path.parent.relative_to(tmp / "esc_cut.partial")))
-            if len(saves) == 3:  # the small student finished (2 epochs), m stopped after its first
-                raise KeyboardInterrupt("simulated crash in the larger student")
+    def students() -> list[str]:
+        return [str(p.parent.relative_to(tmp / "esc_cut.partial")) for p in saves]
 
-    monkeypatch.setattr(training, "save_checkpoint", dying_save)
     with pytest.raises(KeyboardInterrupt):
         run_distill(ds_dir, tmp / "teacher", tmp / "esc_cut", cfg, progress=False)
-    assert saves == ["distilled", "distilled", "m/distilled"]
+    assert students() == ["distilled", "distilled", "m/distilled"]
     saves.clear()
     resumed = run_distill(ds_dir, tmp / "teacher", tmp / "esc_cut", cfg, resume=True, progress=False)
-    assert saves == ["m/distilled"]  # the same decision from the small student's checkpoint; m's missing epoch
+    assert students() == ["m/distilled"]  # the same decision from the small student's checkpoint; m's missing epoch
     assert resumed["escalation"] == full["escalation"]
     for name in ("distilled", "m/distilled"):
         assert resumed["variants"][name]["val_accuracy"] == full["variants"][name]["val_accuracy"]

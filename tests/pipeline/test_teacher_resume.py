@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pipeline_helpers import tiny_dataset
+from pipeline_helpers import crash_after_checkpoints, tiny_dataset
 from test_teacher_finetune import SIZE
 from test_teacher_self_train import leaf_dataset_with_unlabelled_leaves
 
@@ -201,20 +201,10 @@ def test_an_interrupted_train_cnn_teacher_resumes_to_the_same_teacher(tmp_path, 
     ds_dir = tiny_dataset(tmp_path, per_class=8, size=16)
     cfg = load_config(None, ["teacher.cnn_epochs=3", "teacher.cnn_widths=[8, 16]", "train.batch_size=4"])
     run_teacher_stage(ds_dir, tmp_path / "whole", cfg, TeacherChoice(train_cnn=True), progress=False)
-    real, saved = training.save_checkpoint, []
-
-    def dying_save(path, *a, **k):
-        real(path, *a, **k)
-        if Path(path).name == "last.npz":
-            saved.append(path)
-            if len(saved) == 1:  # Ctrl-C once epoch 1 is checkpointed
-                raise KeyboardInterrupt
-
-    monkeypatch.setattr(training, "save_checkpoint", dying_save)
+    crash_after_checkpoints(monkeypatch, 1)  # Ctrl-C once epoch 1 is checkpointed
     out = tmp_path / "t"
     with pytest.raises(KeyboardInterrupt):
         run_teacher_stage(ds_dir, out, cfg, TeacherChoice(train_cnn=True), progress=False)
-    monkeypatch.setattr(training, "save_checkpoint", real)
     work = finetune_work_dir(out, train_cnn=True)
     assert (work / "last.npz").exists()
     with pytest.raises(TeacherStageError, match=r"another teacher\.cnn_widths"):

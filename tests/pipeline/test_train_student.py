@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from pipeline_helpers import crash_after_checkpoints
 
 import leaflens.pipeline.train_student as ts
 import leaflens.pipeline.training as training
@@ -64,17 +65,9 @@ def test_teacher_targets_belong_to_the_images_they_are_paired_with(tmp_path, mon
 
 def test_resumed_run_pairs_targets_with_images_too(tmp_path, monkeypatch):
     full = _run(tmp_path / "full", monkeypatch)
-    real_save = training.save_checkpoint
-
-    def dying_save(path, *a, **k):
-        real_save(path, *a, **k)
-        if path.name == "last.npz":
-            raise KeyboardInterrupt("simulated crash after epoch 1")
-
-    monkeypatch.setattr(training, "save_checkpoint", dying_save)
+    crash_after_checkpoints(monkeypatch, 1)  # after epoch 1
     with pytest.raises(KeyboardInterrupt):
         _run(tmp_path / "cut", monkeypatch)
-    monkeypatch.setattr(training, "save_checkpoint", real_save)
     resumed = _run(tmp_path / "cut", monkeypatch, resume=True)
     assert len(resumed) == N // 8  # only the second epoch ran again
     for a, b in zip(full[N // 8:], resumed):

@@ -149,8 +149,7 @@ class TrainSection(Record):
 
     def __post_init__(self) -> None:
         _check_ema(self.ema)
-        if self.min_steps < 0:
-            raise ValueError(f"min_steps must be >= 0 (0: epochs as given), got {self.min_steps}")
+        _check_positive(self, ("min_steps",), zero="epochs as given")
         _check_at_least_one(self, ("epochs", "batch_size", "eval_batch_size", "max_bad_steps"))
         _check_positive(self, ("lr", "clip_grad_norm"))
         _check_positive(self, ("weight_decay",), zero="no weight decay")
@@ -259,8 +258,7 @@ class TeacherSection(Record):
 
     def __post_init__(self) -> None:
         _check_ema(self.ema)
-        if self.min_steps < 0:
-            raise ValueError(f"min_steps must be >= 0 (0: epochs as given), got {self.min_steps}")
+        _check_positive(self, ("min_steps",), zero="epochs as given")
         _check_at_least_one(self, ("input_size", "epochs", "batch_size", "encode_batch_size", "views", "cnn_epochs",
                                    "self_train_epochs"))
         if self.finetune_from_block < 0:

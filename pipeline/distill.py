@@ -24,6 +24,7 @@ continues a partial one):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -97,8 +98,6 @@ def run_inputs(ds: Any, tt: Any) -> dict[str, Any]:
     """What a resumed run must still be training on: the dataset (its manifest's SHA-256) and the teacher
     (its teacher.json's, which changes whenever the teacher is made again). The recipe may change on resume
     (a lower learning rate after a stop, no early stopping): it is the configuration's to say."""
-    import hashlib  # noqa: PLC0415
-
     teacher = None if tt is None else hashlib.sha256((Path(tt.root) / "teacher.json").read_bytes()).hexdigest()
     return {"dataset_manifest_sha256": manifest_sha256(ds.root), "teacher_json_sha256": teacher}
 

@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         TeacherStageError,
         finetune_work_dir,
         run_teacher_stage,
+        trains,
     )
     from leaflens.pipeline.training import TrainingStopped  # noqa: PLC0415
 
@@ -127,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_STOPPED
     except KeyboardInterrupt:
         work = finetune_work_dir(args.out, train_cnn=args.train_cnn)
-        if (work / "last.npz").exists():
+        if trains(cfg, choice) and (work / "last.npz").exists():
             print(f"interrupted: the teacher's training checkpoints are kept in {work}; the same command with "
                   "--resume continues it from the last finished epoch", file=sys.stderr)
             return 130

@@ -162,7 +162,7 @@ def build_effnet_teacher(ds: Any, teacher: TeacherSection, weights_file: str | P
     front = FrontRunner(front_module.eval(), size)
     if not frozen and teacher.augment == "rrc":
         fresh = _fresh_view_teacher(net, front, back, ds, teacher, weights, cfg, from_arrays, progress,
-                                    max_bad_steps, work_dir, resumable=work_dir is not None)
+                                    max_bad_steps, work_dir)
         if raised_from is not None:
             fresh[1]["epochs_raised_from"] = raised_from
         return fresh
@@ -229,7 +229,7 @@ def _identity(weights: Path, fine_tuned: bool, k: int, size: int, cfg: LiteConfi
 
 def _fresh_view_teacher(net: EfficientNetLite, front: FrontRunner, back: Any, ds: Any, teacher: TeacherSection,
                         weights: Path, cfg: LiteConfig, from_arrays: bool, progress: bool, max_bad_steps: int,
-                        work_dir: str | Path | None, resumable: bool = False) -> tuple[ArrayEncoder, dict]:
+                        work_dir: str | Path | None) -> tuple[ArrayEncoder, dict]:
     """``teacher.augment = "rrc"``: fine-tune on fresh crops (pipeline/teachers/finetune.py), then encode
     every split with the whole network, a chunk at a time (the front's output of early blocks is too big
     to cache)."""
@@ -240,7 +240,7 @@ def _fresh_view_teacher(net: EfficientNetLite, front: FrontRunner, back: Any, ds
     with contextlib.ExitStack() as stack:
         where = Path(work_dir) if work_dir is not None else Path(stack.enter_context(
             tempfile.TemporaryDirectory(prefix="leaflens-finetune-")))
-        run = functools.partial(_run_fine_tune, resumable=resumable)
+        run = functools.partial(_run_fine_tune, resumable=work_dir is not None)  # a folder that outlives us
         extra.update(run(task, back, teacher, progress, max_bad_steps, where))
         extra["self_train"] = _self_train_fresh_views(task, front, back, ds, teacher, cfg, extra, from_arrays, progress,
                                                       max_bad_steps, where, run)

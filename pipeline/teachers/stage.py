@@ -16,7 +16,9 @@ and ``teacher.onnx`` to serve it (pipeline/teachers/served.py). :func:`run_teach
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -258,8 +260,6 @@ def write_teacher(out: str | os.PathLike[str], ds: Any, encoder: Encoder, batch:
             (tmp / "config.toml").write_text(dump_toml(config), encoding="utf-8")
         swap_into_place(tmp, out)
     except BaseException:
-        import shutil  # noqa: PLC0415
-
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
@@ -408,9 +408,6 @@ def prepare_work_dir(work: Path, out: Path, record: dict[str, Any], resume: bool
     """Make ``work`` ready for the fine-tune: emptied for a new one, or checked against ``record`` to go on
     with an interrupted one (``resume``). True when it continues one. Refuses (TeacherStageError) a --resume
     of another dataset's or recipe's fine-tune, and one with nothing to continue beside a finished ``out``."""
-    import json  # noqa: PLC0415
-    import shutil  # noqa: PLC0415
-
     saved_path = work / RESUME_RECORD
     if resume and work.is_dir():
         try:
@@ -521,8 +518,6 @@ def run_teacher_stage(dataset_dir: str | os.PathLike[str], out: str | os.PathLik
                   seconds=round(time.perf_counter() - t0, 1), progress=progress, views=recipe.views,
                   view_scale=recipe.view_scale, view_seed=recipe.seed, config=cfg, finish=finish)
     if work is not None:
-        import shutil  # noqa: PLC0415
-
         shutil.rmtree(work, ignore_errors=True)  # the teacher is written: nothing left to resume
     tt = load_teacher(out, ds)
     summary: dict[str, Any] = {"teacher": tt.info.teacher, "feature_dim": tt.feature_dim,

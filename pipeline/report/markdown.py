@@ -293,14 +293,23 @@ def _accuracy_section(report: Mapping[str, Any]) -> list[str]:
         how = {"target": f"chosen on validation to keep {_pct(unc.get('target'), 0)} accuracy{capped}",
                "best_effort": f"the {_pct(unc.get('target'), 0)} target was not reachable on validation{capped}",
                "budget": (f"the least confident {_pct(unc.get('max_flagged'))} of the validation photos"
-                          + (f": none of the {int(unc['n_val'])} here, too few for that share"
-                             if unc.get("kept") is not None and unc.get("kept") == unc.get("n_val") else "")),
+                          + _budget_words(unc)),
                "default": "default: too few validation images to choose one"}.get(str(unc.get("method")), "")
         lines.append(f"- \"Ambiguous\" below a top probability of {float(unc['threshold']):.3f} ({how}; on "
                      f"validation it keeps {_pct(unc.get('coverage'))} of the images at "
                      f"{_pct(unc.get('accuracy'))} accuracy)")
     lines += _out_of_domain_lines(report.get("out_of_domain") or {})
     return lines + [""]
+
+
+def _budget_words(unc: Mapping[str, Any]) -> str:
+    """What the "ambiguous" budget came to on a validation split too small for its share of one photo."""
+    n, kept, cap = unc.get("n_val"), unc.get("kept"), _float(unc.get("max_flagged"))
+    if n is None or kept is None or cap is None or cap * int(n) >= 1:
+        return ""
+    if kept == n:
+        return f": none of the {int(n)} here, too few for that share"
+    return f", at least one: {int(n) - int(kept)} of the {int(n)} here"
 
 
 def _out_of_domain_lines(ood: Mapping[str, Any]) -> list[str]:

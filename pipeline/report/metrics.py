@@ -197,6 +197,11 @@ def choose_uncertain_threshold(
       third of the photos unanswered to reach a target, and a strong one still names its coin flips;
       the least confident photos are where its mistakes gather, so the answered ones are at least as
       accurate as all of them. ``reached`` says whether the kept ones reach ``target_precision``.
+      At least one photo is flagged when the share is under one photo (fewer than 67 validation photos
+      at 1.5 %): otherwise a model trained on a small dataset would never say "unsure", where it is
+      most often wrong (few-label teachers, small validation splits drawn from their validation photos:
+      the photos it leaves unanswered among the rest were wrong answers 50-87 % of the time, against
+      14-24 % of all of them; ``benchmarks/ambiguous_small_val.py``).
     - ``max_flagged=None`` (``"target"``): among the cuts that keep at least ``min_kept`` predictions and
       whose kept predictions are at least ``target_precision`` accurate, take the one that keeps the
       most (highest coverage). The threshold is then placed midway between the least
@@ -247,7 +252,8 @@ def choose_uncertain_threshold(
     if max_flagged is not None:
         if not 0 <= max_flagged < 1:
             raise ValueError(f"max_flagged must be in [0, 1), got {max_flagged}")
-        allowed = valid & (n - kept_count <= np.floor(max_flagged * n + 1e-9))
+        flags = max(1.0, np.floor(max_flagged * n + 1e-9)) if max_flagged > 0 else 0.0
+        allowed = valid & (n - kept_count <= flags)
         k = int(np.flatnonzero(allowed)[0]) if allowed.any() else n - 1  # the most flagged within the budget
         below = conf_sorted[k + 1] if k + 1 < n else 1.0 / num_classes
         threshold = (conf_sorted[k] + min(below, conf_sorted[k])) / 2

@@ -191,15 +191,19 @@ def test_the_budget_rule_flags_the_least_confident_share() -> None:
     assert out["method"] == "budget" and out["kept"] == 38 and out["max_flagged"] == 0.05  # 2 of 40 flagged
     assert out["threshold"] == pytest.approx((conf[37] + conf[38]) / 2)
     assert out["accuracy"] == pytest.approx(34 / 38) and not out["reached"]
-    # a budget below one photo flags none: the threshold sits under the least confident prediction
-    none = metrics.choose_uncertain_threshold(probs, y, max_flagged=0.01)
+    # a budget below one photo still flags the least confident one (else a small validation split would
+    # never give "ambiguous"); a budget of 0 flags none: the threshold sits under the least confident prediction
+    one = metrics.choose_uncertain_threshold(probs, y, max_flagged=0.01)
+    assert one["kept"] == 39 and one["threshold"] == pytest.approx((conf[38] + conf[39]) / 2)
+    none = metrics.choose_uncertain_threshold(probs, y, max_flagged=0.0)
     assert none["kept"] == 40 and 1 / 3 < none["threshold"] <= conf[-1]
     # ties are flagged or kept together, never beyond the budget
     tied = probs_from([0.9] * 20 + [0.6] * 20, [True] * 40, [i % 3 for i in range(40)])
     assert metrics.choose_uncertain_threshold(tied, [i % 3 for i in range(40)], max_flagged=0.1)["kept"] == 40
     # the default budget is the module's AMBIGUOUS_BUDGET
     default = metrics.choose_uncertain_threshold(probs, y)
-    assert default["n_val"] - default["kept"] == np.floor(metrics.AMBIGUOUS_BUDGET * 40)
+    assert default["max_flagged"] == metrics.AMBIGUOUS_BUDGET
+    assert default["n_val"] - default["kept"] == max(1, np.floor(metrics.AMBIGUOUS_BUDGET * 40))
     with pytest.raises(ValueError, match="max_flagged"):
         metrics.choose_uncertain_threshold(probs, y, max_flagged=1.0)
 

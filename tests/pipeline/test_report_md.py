@@ -243,8 +243,13 @@ def test_the_ambiguous_line_says_when_the_budget_is_less_than_one_validation_pho
     from leaflens.pipeline.report.metrics import choose_uncertain_threshold  # noqa: PLC0415
 
     rng = np.random.default_rng(0)
-    for n, none_flagged in ((36, True), (400, False)):  # 1.5 % of 36 photos is half a photo; of 400, six
+    for n, small in ((36, True), (400, False)):  # 1.5 % of 36 photos is half a photo; of 400, six
         probs = rng.dirichlet(np.ones(3), size=n)
         choice = choose_uncertain_threshold(probs, rng.integers(0, 3, n))
         text = report_md.render_report(tmp_path, report(threshold_choice=choice))
-        assert (f"none of the {n} here, too few for that share" in text) is none_flagged, choice
+        assert (f"at least one: 1 of the {n} here" in text) is small, choice
+        assert "too few for that share" not in text
+    # a record where none was flagged (a run before the at-least-one rule, or ties at the cut) says so
+    old = dict(choose_uncertain_threshold(rng.dirichlet(np.ones(3), size=36), rng.integers(0, 3, 36)), kept=36)
+    assert "none of the 36 here, too few for that share" in report_md.render_report(tmp_path,
+                                                                                     report(threshold_choice=old))

@@ -1,0 +1,97 @@
+"""The "ambiguous" rule on small validation splits: what it leaves unanswered and which mistakes it catches.
+
+The rule flags the least confident 1.5 % of the validation photos. Under 67 photos that share is less than
+one photo; the rule then flags the least confident one (before: none, so a model trained on a small dataset
+never said "unsure"). This script measures both on validation photos only: a teacher's cached validation
+logits (``logits_val.npy`` of ``leaflens teacher``) are split at random into a small "validation" split of
+``n`` photos, on which the threshold is chosen, and the remaining photos, which play the new photos.
+For comparison: the accuracy-target rule (flag until the answered reach 95 %) and the fixed default 0.5.
+
+    python benchmarks/ambiguous_small_val.py --case T DS [--case T2 DS2 ...] [--sizes 24,36] [--draws 300]
+
+Last line: one JSON object, per case and size the rules' ``unanswered``, ``accuracy_answered``,
+``mistakes_caught`` (share of the wrong answers left unanswered) and ``flagged_wrong`` (share of the
+unanswered photos that were wrong answers).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from leaflens.pipeline.report import metrics
+
+Rule = Callable[[np.ndarray, np.ndarray], float]
+
+
+def _before(p: np.ndarray, y: np.ndarray) -> float:
+    small = len(y) * metrics.AMBIGUOUS_BUDGET < 1
+    return metrics.choose_uncertain_threshold(p, y, max_flagged=0.0 if small else metrics.AMBIGUOUS_BUDGET)["threshold"]
+
+
+RULES: dict[str, Rule] = {
+    "before (none under one photo)": _before,
+    "now (at least one)": lambda p, y: metrics.choose_uncertain_threshold(p, y)["threshold"],
+    "95 % target": lambda p, y: metrics.choose_uncertain_threshold(p, y, max_flagged=None)["threshold"],
+    "fixed 0.5": lambda p, y: 0.5,
+}
+
+
+def measure(probs: np.ndarray, labels: np.ndarray, n: int, draws: int, seed: int) -> dict[str, dict[str, float]]:
+    """Each rule's figures on the photos left out, averaged over ``draws`` random small splits of ``n``."""
+    rng = np.random.default_rng(seed)
+    sums = {r: np.zeros(4) for r in RULES}
+    for _ in range(draws):
+        order = rng.permutation(len(labels))
+        chosen, new = order[:n], order[n:]
+        conf, right = probs[new].max(1), probs[new].argmax(1) == labels[new]
+        for name, rule in RULES.items():
+            answered = conf >= rule(probs[chosen], labels[chosen])
+            sums[name] += (np.sum(~answered), np.sum(right & answered), np.sum(~right & ~answered), np.sum(~right))
+    out = {}
+    for name, (unanswered, right_answered, caught, wrong) in sums.items():
+        total = draws * (len(labels) - n)
+        out[name] = {"unanswered": unanswered / total,
+                     "accuracy_answered": right_answered / max(1.0, total - unanswered),
+                     "mistakes_caught": caught / max(1.0, wrong), "flagged_wrong": caught / max(1.0, unanswered)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--case", nargs=2, action="append", metavar=("TEACHER", "DATASET"), required=True,
+                    help="a teacher folder (its logits_val.npy) and the dataset it was made on (val_labels.npy)")
+    ap.add_argument("--sizes", default="24,36,48", help="small validation split sizes (default 24,36,48)")
+    ap.add_argument("--draws", type=int, default=300, help="random splits per size (default 300)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    results: dict[str, dict[str, object]] = {}
+    print(f"{'case':<28} {'n':>3} {'rule':<30} {'unanswered':>10} {'acc answered':>12} {'caught':>7} "
+          f"{'flagged wrong':>13}")
+    for teacher, dataset in args.case:
+        probs = metrics.softmax(np.load(Path(teacher) / "logits_val.npy", allow_pickle=False))
+        labels = np.load(Path(dataset) / "val_labels.npy", allow_pickle=False).astype(np.int64)
+        if len(labels) != len(probs):
+            raise SystemExit(f"{teacher}: {len(probs)} validation logits but {dataset} has {len(labels)} labels")
+        name = Path(teacher).name
+        case: dict[str, object] = {"val_photos": len(labels), "classes": probs.shape[1],
+                                   "accuracy": float(np.mean(probs.argmax(1) == labels))}
+        for n in sizes:
+            if n > len(labels) - 10:
+                continue
+            figures = measure(probs, labels, n, args.draws, args.seed)
+            case[str(n)] = figures
+            for rule, f in figures.items():
+                print(f"{name:<28} {n:>3} {rule:<30} {f['unanswered']:>10.3f} {f['accuracy_answered']:>12.3f} "
+                      f"{f['mistakes_caught']:>7.2f} {f['flagged_wrong']:>13.2f}")
+        results[name] = case
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -18,7 +18,10 @@ Rules, because the bytes come from strangers' uploads:
   so this holds across server restarts, as long as the earlier file is still there);
 - the folder is capped (``max_mb``, all files in it counted, the log included): when a photo does not fit,
   :class:`CorrectionError` with reason ``full`` says so and nothing is written;
-- the folder is created on the first save only, so a server nobody corrects leaves no trace.
+- the folder is created on the first save only, so a server nobody corrects leaves no trace;
+- a photo is saved only when the server answered its very bytes and the model analysed it, and its log line
+  says what the server answered (:class:`leaflens.apps.answered.AnsweredPhotos`), never what the client's
+  copy of the answer claims.
 
 The log is appended to (one ``write`` per line, under a lock), not rewritten: an append cannot lose the
 lines already there, which a rewrite interrupted half-way could. A line is written after its photo, so a
@@ -41,9 +44,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from leaflens.apps.answered import AnsweredPhotos
 from leaflens.apps.diagnosis import md_escape
 from leaflens.apps.i18n import t
 from leaflens.apps.notes import ClassNotes
+from leaflens.data_prep.arrays import sha256_file
 from leaflens.files import clean_stale_temps, temp_path
 
 __all__ = ["DEFAULT_DIR", "DEFAULT_MAX_MB", "LOG_NAME", "NOT_A_LEAF", "REASONS", "REQUEST_REASONS", "CorrectionError",
@@ -313,17 +318,23 @@ def _copy_hashing(src: Path, tmp: Path) -> str:
 # ----------------------------------------------------------------------------- one correction from the page
 # Why nothing (or not everything) was saved, besides REASONS: no answer to correct; no class chosen; the
 # photo number is not one of the answer's; the photos are not those of the answer; the model did not
-# analyse the photo (refused or unreadable), so there is nothing to correct.
-REQUEST_REASONS = ("no_answer", "no_choice", "bad_photo", "photos_changed", "not_analysed")
+# analyse the photo (refused or unreadable), so there is nothing to correct; this server never answered
+# these bytes (a changed file, or a server restarted since).
+REQUEST_REASONS = ("no_answer", "no_choice", "bad_photo", "photos_changed", "not_analysed", "not_diagnosed")
 
 
 def apply_correction(store: CorrectionStore, files: Sequence[str | os.PathLike] | None,
-                     answer: Mapping[str, Any] | None, which: str | int | None, chosen: str | None) -> dict[str, Any]:
+                     answer: Mapping[str, Any] | None, which: str | int | None, chosen: str | None,
+                     answered: AnsweredPhotos | None = None) -> dict[str, Any]:
     """Save the photos of ``answer`` (what /diagnose returned for ``files``) as ``chosen``, as JSON.
 
     ``which``: "all" (or empty) for every photo the model analysed, else the photo's number (1-based, the
     per-photo table's #). ``files`` must be the files the answer was given for, in the same order (their
     base names are checked against the answer's photo names: a correction never lands on another photo).
+    ``answered``: the server's own record of what it answered (the web app always gives it). Then a photo
+    is saved only when its bytes are ones the server answered, and whether the model analysed it and what
+    it predicted are taken from that record, never from the client's ``answer``, which may have been edited
+    or belong to other bytes of the same name.
     Returns ``ok`` (at least one photo saved or already there), ``reason`` (None, or why nothing was saved:
     :data:`REQUEST_REASONS` or :data:`REASONS`), ``chosen``, ``saved`` (``photo``, ``file``, ``duplicate``)
     and ``skipped`` (``photo``, ``reason``, ``message``).
@@ -334,8 +345,10 @@ def apply_correction(store: CorrectionStore, files: Sequence[str | os.PathLike] 
         out["reason"] = reason
         return out
 
-    photos = list((answer or {}).get("photos") or [])
-    if not photos:
+    if not isinstance(answer, Mapping):
+        return refuse("no_answer")
+    photos = answer.get("photos")
+    if not isinstance(photos, list) or not photos or not all(isinstance(p, Mapping) for p in photos):
         return refuse("no_answer")
     if not chosen:
         return refuse("no_choice")
@@ -355,9 +368,22 @@ def apply_correction(store: CorrectionStore, files: Sequence[str | os.PathLike] 
     if any(i >= len(paths) or Path(paths[i]).name != photos[i].get("name") for i in picked):
         return refuse("photos_changed")
     full = False
+    told = answer.get("answer") if isinstance(answer.get("answer"), Mapping) else None
     for i in picked:
-        photo = photos[i]
+        photo, said = photos[i], told
         name = str(photo.get("name"))
+        if answered is not None:
+            try:
+                known = answered.lookup(sha256_file(paths[i]))
+            except OSError:
+                out["skipped"].append({"photo": name, "reason": "gone", "message": f"{name}: the uploaded file is "
+                                       "no longer on the server; upload the photo again"})
+                continue
+            if known is None:
+                out["skipped"].append({"photo": name, "reason": "not_diagnosed",
+                                       "message": f"{name}: this server has no answer for these bytes"})
+                continue
+            photo, said = {**known["photo"], "name": name}, known["answer"]
         if not photo.get("ok"):
             out["skipped"].append({"photo": name, "reason": "not_analysed",
                                    "message": f"{name}: the model did not analyse it ({photo.get('verdict')})"})
@@ -366,8 +392,7 @@ def apply_correction(store: CorrectionStore, files: Sequence[str | os.PathLike] 
             out["skipped"].append({"photo": name, "reason": "full", "message": f"{name}: the folder is full"})
             continue
         try:
-            saved = store.save(paths[i], chosen, photo_name=name, predicted=photo,
-                               answer=(answer or {}).get("answer"))
+            saved = store.save(paths[i], chosen, photo_name=name, predicted=photo, answer=said)
         except CorrectionError as exc:
             full = exc.reason == "full"
             out["skipped"].append({"photo": name, "reason": exc.reason, "message": str(exc)})

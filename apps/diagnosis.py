@@ -65,6 +65,7 @@ class PhotoOutcome:
     values: dict[str, object] | None = None  # placeholders of the friendly message (e.g. sizes)
     verdict: str | None = None
     ood_score: float | None = None
+    sha256: str | None = None  # the file's bytes (``sha256:<hex>``): the same photo sent twice is one vote
 
     @property
     def ok(self) -> bool:
@@ -175,8 +176,10 @@ def summarise(outcomes: Sequence[PhotoOutcome], classes: Sequence[str], threshol
     - ``verdict``: the request's verdict, one of :data:`ANSWER_VERDICTS` (None when no file was given);
     - ``photos``: one entry per file, in upload order: ``name``, ``ok`` (the model saw it), ``verdict``,
       ``label``, ``confidence``, ``uncertain`` (verdict is not ``diagnosis``), ``top``, ``candidates``
-      (the two classes an ``ambiguous`` photo is torn between), ``ood_score`` and ``error`` (``reason``,
-      ``message``, ``detail``, ``values``). An ``out_of_domain`` photo names no class (label None, top []);
+      (the two classes an ``ambiguous`` photo is torn between), ``ood_score``, ``error`` (``reason``,
+      ``message``, ``detail``, ``values``) and ``duplicate_of`` (the name of an earlier photo of the request
+      with the same bytes, which alone takes part in the vote; else None). An ``out_of_domain`` photo names
+      no class (label None, top []);
     - ``answer``: None when the model saw no photo; else ``verdict``, ``label``, ``confidence``,
       ``uncertain``, ``top``, ``candidates``, ``photos_used`` (photos in the vote), ``agree`` (how many of
       them have ``label`` first; None for ``disagree``, where each photo's own answer is the answer) and
@@ -187,10 +190,14 @@ def summarise(outcomes: Sequence[PhotoOutcome], classes: Sequence[str], threshol
     classes = list(classes)
     photos: list[dict[str, Any]] = []
     voters: list[tuple[dict[str, Any], np.ndarray]] = []
+    first_of: dict[str, str] = {}  # the bytes' digest -> the first photo with them
     for o in outcomes:
         entry, probs = _photo_entry(o, classes, threshold, top_k)
+        entry["duplicate_of"] = first_of.get(o.sha256) if o.sha256 else None
+        if o.sha256:
+            first_of.setdefault(o.sha256, o.name)
         photos.append(entry)
-        if probs is not None:
+        if probs is not None and entry["duplicate_of"] is None:  # a copy is not a second opinion
             voters.append((entry, probs))
     outside = [p["name"] for p in photos if p["verdict"] == "out_of_domain"]
     answer: dict[str, Any] | None = None
@@ -273,7 +280,7 @@ def _verdict(answer: dict[str, Any], photos: list[dict[str, Any]], classes: Sequ
         return t(key, lang, n=seen, known=_known(classes, notes, lang))
     if verdict == "disagree":
         answers = "; ".join(f"{md_escape(p['name'])}: {md_escape(photo_caption(p, notes, lang))}"
-                            for p in photos if p["verdict"] in _VOTING)
+                            for p in photos if p["verdict"] in _VOTING and not p.get("duplicate_of"))
         return t("verdict_disagree", lang, n=used, answers=answers)
     if verdict == "ambiguous":
         a, b = _between(answer["candidates"], notes, lang)
@@ -359,6 +366,10 @@ def render(result: dict[str, Any] | None, lang: str, notes: ClassNotes | None = 
         if left_out and answer["verdict"] != "out_of_domain":
             lines.append(t("left_out_ood", lang, k=len(left_out), n=len(photos),
                            names=", ".join(md_escape(n) for n in left_out)))
+        copies = [p for p in photos if p.get("duplicate_of")]
+        if copies:
+            lines.append(t("duplicates", lang, k=len(copies), names=", ".join(
+                f"{md_escape(p['name'])} = {md_escape(str(p['duplicate_of']))}" for p in copies)))
         if failed:
             lines.append(t("skipped_some", lang, k=failed, n=len(photos)))
         if answer["verdict"] == "diagnosis":

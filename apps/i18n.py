@@ -70,6 +70,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "combined": "**Combined vote of {n} photos** (probabilities averaged): ",
         "agreement": "{k} of {n} photos have this as their first answer.",
         "skipped_some": "{k} of {n} files could not be used (see below).",
+        "duplicates": "{k} photo(s) are the same file as another photo here and were counted once ({names}).",
         "no_photos": "No photo was given: drop one or more leaf photos and press **Diagnose**.",
         "all_failed": "None of the files could be read as a photo. See the message for each file below.",
         "all_refused": "None of the photos could be analysed. See the message for each photo below.",
@@ -168,6 +169,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "correct_unknown_class": "That answer is not one this model knows; choose one from the list.",
         "correct_skipped": "**{photo}** was not saved: {why}",
         "correct_why_not_analysed": "the model did not analyse it, so there is nothing to correct.",
+        "correct_why_not_diagnosed": ("this server has no answer for this photo (it was changed, or diagnosed "
+                                      "before a restart); press **Diagnose** again, then correct it."),
         "correct_why_full": ("the corrections folder on this server is full. Whoever runs the server can move the "
                              "saved photos into the training data, or allow it more space."),
         "correct_why_gone": "the photo is no longer on the server; upload it again and press **Diagnose**.",
@@ -270,6 +273,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "combined": "**{n} 张照片的综合判断**（概率取平均）：",
         "agreement": "{n} 张照片中有 {k} 张的首选结果与此相同。",
         "skipped_some": "{n} 个文件中有 {k} 个无法使用（见下文）。",
+        "duplicates": "有 {k} 张照片与这里的另一张是同一个文件，只计算一次（{names}）。",
         "no_photos": "没有收到照片：请放入一张或多张叶片照片，然后点击 **诊断**。",
         "all_failed": "所有文件都无法作为照片读取。请查看下面每个文件的说明。",
         "all_refused": "所有照片都无法分析。请查看下面每张照片的说明。",
@@ -359,6 +363,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "correct_unknown_class": "本模型不认识这个答案，请从列表中选择。",
         "correct_skipped": "**{photo}** 未保存：{why}",
         "correct_why_not_analysed": "模型没有分析这张照片，因此无需更正。",
+        "correct_why_not_diagnosed": ("本服务器没有这张照片的诊断结果（照片已更改，或在重启前诊断）；"
+                                      "请再次点击 **诊断**，然后更正。"),
         "correct_why_full": "本服务器上的更正文件夹已满。服务器管理员可以把已保存的照片移入训练数据，或增加空间。",
         "correct_why_gone": "照片已不在服务器上；请重新上传并点击 **诊断**。",
         "correct_why_format": "它不是 JPEG、PNG、WebP、BMP、TIFF 或 HEIC 照片，无法用于重新训练。",

@@ -36,12 +36,14 @@ from typing import Any
 
 import numpy as np
 
+from leaflens.apps.answered import AnsweredPhotos
 from leaflens.apps.batcher import BatcherBusy, BatcherClosed, DynamicBatcher
 from leaflens.apps.diagnosis import REFUSAL_REASONS, PhotoOutcome, summarise
 from leaflens.apps.notes import ClassNotes
 from leaflens.apps.predictor import Predictor
 from leaflens.apps.uploads import UploadFolder
 from leaflens.cpus import usable_cpus
+from leaflens.data_prep.arrays import sha256_file
 from leaflens.data_prep.decode import ImageDecodeError
 from leaflens.data_prep.quality import PhotoRefused
 
@@ -83,11 +85,22 @@ class DiagnosisService:
                                       timeout_s=opts.request_timeout_s, num_workers=opts.batch_workers,
                                       name="leaflens-serve")
         self._pool = ThreadPoolExecutor(opts.decode_workers or usable_cpus(), thread_name_prefix="leaflens-decode")
+        self.answered = AnsweredPhotos()  # what a correction is checked against (leaflens.apps.answered)
 
     # ----------------------------------------------------------------------------- one file
-    def _start(self, path: str, name: str) -> PhotoOutcome | Future:
-        """Check and decode one file, then hand it to the batcher: a future, or a failed outcome
-        (``refused`` for a photo the quality checks turned away, else ``error``)."""
+    def _start(self, path: str, name: str) -> tuple[str | None, PhotoOutcome | Future]:
+        """Hash, check and decode one file, then hand it to the batcher: the bytes' ``sha256:<hex>`` (None
+        when unread) and a future, or a failed outcome (``refused`` for a photo the quality checks turned
+        away, else ``error``)."""
+        digest = None
+        try:
+            if os.path.getsize(path) <= self.max_upload_bytes:
+                digest = sha256_file(path)
+        except OSError:
+            pass  # _decode meets the same failure and names it
+        return digest, self._decode(path, name)
+
+    def _decode(self, path: str, name: str) -> PhotoOutcome | Future:
         try:
             size = os.path.getsize(path)
             if size > self.max_upload_bytes:
@@ -107,14 +120,17 @@ class DiagnosisService:
             log.exception("unexpected failure reading %s", name)
             return PhotoOutcome(name, reason="internal", detail=f"{type(exc).__name__}: {exc}")
 
-    def _finish(self, name: str, started: PhotoOutcome | Future) -> PhotoOutcome:
+    def _finish(self, name: str, begun: tuple[str | None, PhotoOutcome | Future]) -> PhotoOutcome:
         """Wait for the photo's row of :meth:`Predictor.score_arrays` and judge it as the Predictor does."""
+        digest, started = begun
         if isinstance(started, PhotoOutcome):
+            started.sha256 = digest
             return started
         try:
             row = np.asarray(started.result())
             judged = self.predictor.judge(row, top_k=1, source=name)
-            return PhotoOutcome(name, probs=row["probs"], verdict=judged.verdict, ood_score=judged.ood_score)
+            return PhotoOutcome(name, probs=row["probs"], verdict=judged.verdict, ood_score=judged.ood_score,
+                                sha256=digest)
         except (TimeoutError, BatcherBusy, BatcherClosed) as exc:
             return PhotoOutcome(name, reason="busy", detail=str(exc))
         except Exception as exc:
@@ -146,6 +162,7 @@ class DiagnosisService:
                            given=len(paths), notes=self.notes,
                            ood_threshold=card.ood.threshold if card.ood is not None else None)
         elapsed_ms = (time.perf_counter() - t0) * 1000.0
+        self.answered.record([o.sha256 for o in outcomes], result)
         result["server_ms"] = round(elapsed_ms, 2)
         result["model"] = self.predictor.model_path.name
         ok = sum(o.ok for o in outcomes)

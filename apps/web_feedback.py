@@ -170,7 +170,7 @@ def wire_feedback(fb: Feedback, service: DiagnosisService, cfg: AppConfig, *, fi
                     label: str | None) -> dict[str, Any]:
             """Save the diagnosed photos (all, or the one numbered ``photo``) as class ``label`` (or
             "not_a_leaf") in the server's corrections folder, for the next training run."""
-            return apply_correction(store, photos, diagnosis, photo, label)
+            return apply_correction(store, photos, diagnosis, photo, label, answered=service.answered)
 
         def said(result: dict[str, Any] | None, lang_choice: str) -> str:
             return render_correction(result, notes, lang_from_choice(lang_choice))

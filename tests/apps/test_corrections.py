@@ -15,6 +15,7 @@ import pytest
 from PIL import Image
 
 from leaflens.apps import corrections as corr
+from leaflens.apps.answered import AnsweredPhotos
 from leaflens.apps.corrections import (
     LOG_NAME,
     NOT_A_LEAF,
@@ -25,6 +26,7 @@ from leaflens.apps.corrections import (
     sniff_extension,
 )
 from leaflens.apps.notes import ClassNotes
+from leaflens.data_prep.arrays import sha256_file
 
 CLASSES = ["early_blight", "healthy", "rust"]
 MB = 1024 * 1024
@@ -265,6 +267,70 @@ def test_apply_refuses_photos_that_are_not_the_answers(tmp_path):
     res = apply_correction(store_at(root), [], answer_for([a], ["diagnosis"]), "all", "rust")
     assert res["reason"] == "photos_changed"
     assert apply_correction(store_at(root), [a], None, "all", "rust")["reason"] == "no_answer"
+
+
+def answered_for(paths: list[Path], answer: dict) -> AnsweredPhotos:
+    """The server's record of having given ``answer`` for ``paths``."""
+    record = AnsweredPhotos()
+    record.record([sha256_file(p) for p in paths], answer)
+    return record
+
+
+def test_apply_checks_the_bytes_and_the_verdict_against_what_the_server_answered(tmp_path):
+    root = tmp_path / "corrections"
+    store = store_at(root)
+    a = upload(tmp_path / "up", "a.jpg", photo_bytes(31))
+    tiny = upload(tmp_path / "up", "tiny.jpg", photo_bytes(32, size=(8, 8)))
+    told = answer_for([a, tiny], ["diagnosis", "refused"])
+    server = answered_for([a, tiny], told)
+    # another photo under the answered name: not saved
+    other = upload(tmp_path / "up", "a.jpg", photo_bytes(33))
+    res = apply_correction(store, [other], answer_for([other], ["diagnosis"]), "all", "rust", answered=server)
+    assert (res["ok"], res["reason"]) == (False, "not_diagnosed") and not root.exists()
+    assert "Diagnose" in render_correction(res, None, "en") and render_correction(res, None, "zh")
+    # an answer edited to call the refused photo diagnosed: the server's record says refused
+    forged = answer_for([a, tiny], ["diagnosis", "diagnosis"])
+    res = apply_correction(store, [a, tiny], forged, "all", "rust", answered=server)
+    assert [s["photo"] for s in res["saved"]] == ["a.jpg"] and res["skipped"][0]["reason"] == "not_analysed"
+    # what is logged is the server's prediction, not the client's
+    a2 = upload(tmp_path / "up", "a2.jpg", photo_bytes(34))
+    server.record([sha256_file(a2)], {"verdict": "ambiguous", "photos": [
+        {"name": "a2.jpg", "ok": True, "verdict": "ambiguous", "label": "rust", "confidence": 0.41,
+         "candidates": ["rust", "healthy"]}], "answer": {"verdict": "ambiguous", "label": "rust"}})
+    lying = answer_for([a2], ["diagnosis"])  # says "healthy 0.9"
+    res = apply_correction(store, [a2], lying, "1", "early_blight", answered=server)
+    assert res["ok"]
+    rec = log_lines(root)[-1]
+    assert rec["predicted"] == {"verdict": "ambiguous", "label": "rust", "confidence": 0.41,
+                                "candidates": ["rust", "healthy"]}
+    assert rec["answer"] == {"verdict": "ambiguous", "label": "rust"}
+    # a file gone since is said so
+    gone = upload(tmp_path / "up", "gone.jpg", photo_bytes(35))
+    record = answered_for([gone], answer_for([gone], ["diagnosis"]))
+    gone.unlink()
+    res = apply_correction(store, [gone], answer_for([gone], ["diagnosis"]), "all", "rust", answered=record)
+    assert res["reason"] == "gone"
+
+
+@pytest.mark.parametrize("junk", [{"photos": ["a.jpg"]}, {"photos": "abc"}, "garbage", 7, {"photos": [None]}])
+def test_apply_refuses_a_malformed_answer(tmp_path, junk):
+    a = upload(tmp_path / "up", "a.jpg", photo_bytes(36))
+    res = apply_correction(store_at(tmp_path / "corrections"), [a], junk, "all", "rust")
+    assert (res["ok"], res["reason"]) == (False, "no_answer")
+
+
+def test_answered_photos_forget_the_oldest_beyond_their_capacity():
+    record = AnsweredPhotos(capacity=2)
+    answer = {"verdict": "diagnosis", "answer": {"verdict": "diagnosis", "label": "rust"},
+              "photos": [{"name": "x", "ok": True, "verdict": "diagnosis", "label": "rust", "confidence": 0.8}]}
+    for d in ("sha256:a", "sha256:b", "sha256:c"):
+        record.record([d], answer)
+    assert record.lookup("sha256:a") is None and record.lookup("sha256:c")["photo"]["label"] == "rust"
+    assert len(record) == 2
+    record.record([None], answer)  # unread bytes are not recorded
+    assert len(record) == 2
+    with pytest.raises(ValueError, match="capacity"):
+        AnsweredPhotos(capacity=0)
 
 
 def test_apply_stops_at_a_full_folder_and_says_so(tmp_path):

@@ -121,6 +121,23 @@ def test_correction_through_the_api_lands_in_the_folder_and_the_next_dataset(app
     other = write_leaf(tmp_path / "another.jpg", seed=99, fmt="JPEG")
     wrong = client.predict([handle_file(str(other))], res, "all", right, api_name="/correct")
     assert not wrong["ok"] and wrong["reason"] == "photos_changed"
+    # ... also under the answered photo's name: the server checks the bytes against what it answered
+    swapped = tmp_path / "swapped" / leaf.name
+    swapped.parent.mkdir()
+    swapped.write_bytes(other.read_bytes())
+    wrong = client.predict([handle_file(str(swapped))], res, "all", right, api_name="/correct")
+    assert not wrong["ok"] and wrong["reason"] == "not_diagnosed" and len(log_records(app)) == before + 1
+    # an answer edited to say a refused photo was diagnosed saves nothing
+    tiny = write_leaf(tmp_path / "tiny.png", (8, 8), seed=3, fmt="PNG")
+    res_tiny = client.predict([handle_file(str(tiny))], api_name="/diagnose")
+    assert res_tiny["photos"][0]["verdict"] == "refused"
+    res_tiny["photos"][0].update(ok=True, verdict="diagnosis", label=right, confidence=0.99)
+    forged = client.predict([handle_file(str(tiny))], res_tiny, "all", right, api_name="/correct")
+    assert not forged["ok"] and forged["reason"] == "not_analysed" and len(log_records(app)) == before + 1
+    # a malformed answer is refused with a reason, not an exception
+    for junk in ({"photos": [leaf.name]}, {"photos": "abc"}, "garbage"):
+        out_junk = client.predict([handle_file(str(leaf))], junk, "all", right, api_name="/correct")
+        assert out_junk["reason"] == "no_answer" and not out_junk["ok"]
     # "not a leaf" for a photo of something else
     noise = write_grey_noise(tmp_path / "noise.png")
     res2 = client.predict([handle_file(str(noise))], api_name="/diagnose")

@@ -296,6 +296,39 @@ def encoded(im: Image.Image, fmt: str, **kw) -> bytes:
     return buf.getvalue()
 
 
+def test_the_same_photo_twice_is_one_vote_and_said_so():
+    a, b = [0.1, 0.7, 0.2], [0.6, 0.3, 0.1]
+    same = "sha256:" + "1" * 64
+    res = summarise([PhotoOutcome("a.jpg", probs=np.array(a), sha256=same),
+                     PhotoOutcome("b.jpg", probs=np.array(b), sha256="sha256:" + "2" * 64),
+                     PhotoOutcome("copy of a.jpg", probs=np.array(a), sha256=same)], CLASSES, threshold=0.5)
+    assert [p["duplicate_of"] for p in res["photos"]] == [None, None, "a.jpg"]
+    ans = res["answer"]  # a and b disagree; the copy of a is not a third opinion
+    assert ans["verdict"] == "disagree" and ans["photos_used"] == 2
+    verdict = render(res, "en", NOTES)[1]
+    assert "**The 2 photos disagree**" in verdict and "copy of a" not in verdict.split("\n")[0]
+    assert "1 photo(s) are the same file as another photo here and were counted once (copy of a\\.jpg = a\\.jpg)" \
+        in verdict
+    twice = summarise([PhotoOutcome("a.jpg", probs=np.array(a), sha256=same),
+                       PhotoOutcome("a2.jpg", probs=np.array(a), sha256=same)], CLASSES, threshold=0.5)
+    assert twice["answer"]["photos_used"] == 1 and twice["answer"]["agree"] == 1
+    assert "同一个文件" in render(twice, "zh", NOTES)[1]
+    # without digests (callers that have none) every photo votes, as before
+    plain = summarise([outcome("a.jpg", a), outcome("a2.jpg", a)], CLASSES, threshold=0.5)
+    assert plain["answer"]["photos_used"] == 2 and all(p["duplicate_of"] is None for p in plain["photos"])
+
+
+def test_service_counts_a_file_sent_twice_once_and_remembers_what_it_answered(service, tmp_path):
+    path = write_photo(tmp_path / "p.png", (40, 32), seed=5)
+    res = service.diagnose([path, path])
+    assert res["answer"]["photos_used"] == 1 and res["photos"][1]["duplicate_of"] == "p.png"
+    from leaflens.data_prep.arrays import sha256_file  # noqa: PLC0415
+
+    known = service.answered.lookup(sha256_file(path))
+    assert known["photo"]["label"] == res["photos"][0]["label"] and known["photo"]["ok"] is True
+    assert known["answer"] == {"verdict": res["answer"]["verdict"], "label": res["answer"]["label"]}
+
+
 def test_service_matches_the_reference_network_and_votes(service, tmp_path):
     paths = [write_photo(tmp_path / f"p{i}.png", (40, 32), seed=i) for i in range(3)]
     res = service.diagnose(paths)

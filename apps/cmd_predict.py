@@ -25,7 +25,7 @@ from leaflens.apps.model_card import ModelError
 from leaflens.apps.predictor import Prediction, Predictor
 from leaflens.apps.providers import add_provider_argument, requested_providers
 from leaflens.data_prep.scan import IMAGE_EXTENSIONS
-from leaflens.files import write_path_atomic
+from leaflens.files import results_file_problem, write_path_atomic
 
 __all__ = ["add_parser", "collect_images", "csv_header", "csv_row", "run", "skipped_note", "write_csv"]
 
@@ -183,8 +183,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
         if args.threads is not None and args.threads < 1:
             raise UsageError(f"--threads must be >= 1, got {args.threads}")
-        if args.csv and not Path(args.csv).resolve().parent.is_dir():
-            raise UsageError(f"{args.csv}: the folder for the CSV file does not exist")
+        if args.csv and (problem := results_file_problem(args.csv, {"the model": args.model}, "results.csv")):
+            raise UsageError(f"--csv {problem}")
         skipped: Counter[str] = Counter()
         files = collect_images(args.images, skipped)
         if not files:
@@ -193,8 +193,6 @@ def run(args: argparse.Namespace) -> int:
         if args.csv and os.path.realpath(args.csv) in {os.path.realpath(f) for f in files}:
             raise UsageError(f"--csv {args.csv} is one of the photos to classify; writing the results there "
                              "would replace it (give a .csv path)")
-        if args.csv and os.path.isdir(args.csv):
-            raise UsageError(f"--csv {args.csv} is a folder; give a file path (e.g. {Path(args.csv) / 'results.csv'})")
         if (missing := missing_model(args.model)) is not None:
             raise UsageError(missing)
         predictor = Predictor(args.model, intra_op_threads=args.threads,

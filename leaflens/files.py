@@ -158,6 +158,29 @@ def find_moved(recorded: PathLike, start: PathLike, same: Callable[[Path], bool]
     return None
 
 
+def results_file_problem(target: PathLike, inputs: dict[str, PathLike], example: str = "results.json") -> str | None:
+    """Why a command's results file (``--csv``, ``--json``) cannot go to ``target``, checked before the work;
+    None when it can. ``inputs`` names what the command reads (``{"the model": path, "the photos": folder}``):
+    a results file must never replace the model, or a photo inside a folder it reads."""
+    target = Path(target)
+    if target.is_dir():
+        return f"{target} is a folder; give a file path (e.g. {target / example})"
+    parent = target.resolve().parent
+    if not parent.is_dir():
+        return f"{target}: the folder {parent} does not exist"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{target}: cannot write in the folder {parent} (permission denied)"
+    if target.exists():
+        real = Path(os.path.realpath(target))
+        own_kind = real.suffix.lower() == Path(example).suffix.lower()  # an earlier results file may be replaced
+        for what, source in inputs.items():
+            src = Path(os.path.realpath(source))
+            if real == src or (src.is_dir() and src in real.parents and not own_kind):
+                return (f"{target} is {what}" if real == src else f"{target} is a file in {what} ({source})") + \
+                    "; writing the results there would replace it: give a new file path"
+    return None
+
+
 def check_replaceable(target: PathLike, marker: str, what: str) -> None:
     """Refuse to replace ``target`` unless it is missing, an empty folder, or a folder holding ``marker`` (the
     file this kind of folder always has): a mistyped ``--out`` must never delete someone's files. Raises

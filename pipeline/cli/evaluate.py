@@ -44,7 +44,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from leaflens.apps.model_card import ModelError  # noqa: PLC0415
     from leaflens.apps.predictor import Predictor  # noqa: PLC0415
-    from leaflens.files import write_json_atomic  # noqa: PLC0415
+    from leaflens.files import results_file_problem, write_json_atomic  # noqa: PLC0415
     from leaflens.pipeline.evaluate import (  # noqa: PLC0415
         EvaluationError,
         evaluate_not_known,
@@ -63,8 +63,10 @@ def run(args: argparse.Namespace) -> int:
             raise EvaluationError(f"--batch-size must be >= 1, got {args.batch_size}")
         if args.threads is not None and args.threads < 1:
             raise EvaluationError(f"--threads must be >= 1, got {args.threads}")
-        if args.json is not None and not args.json.resolve().parent.is_dir():
-            raise EvaluationError(f"{args.json}: the folder for the JSON file does not exist")
+        read = {"the model": args.model, "the photos": photos,
+                **({"the not-known photos": args.not_known} if args.not_known is not None else {})}
+        if args.json is not None and (problem := results_file_problem(args.json, read)):
+            raise EvaluationError(f"--json {problem}")
         if (missing := missing_model(args.model)) is not None:
             raise EvaluationError(missing)
         predictor = Predictor(args.model, intra_op_threads=args.threads,

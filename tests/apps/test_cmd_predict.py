@@ -149,6 +149,9 @@ def test_usage_and_model_errors_exit_two(tiny_model, tmp_path, capsys):
     assert "is one of the photos to classify" in capsys.readouterr().err and photo.read_bytes() == before
     assert main(["predict", str(photo), "--model", str(model), "--csv", str(empty)]) == 2
     assert "is a folder" in capsys.readouterr().err
+    model_bytes = model.read_bytes()
+    assert main(["predict", str(photo), "--model", str(model), "--csv", str(model)]) == 2
+    assert "is the model" in capsys.readouterr().err and model.read_bytes() == model_bytes
 
 
 def test_without_model_the_export_s_file_is_used_as_by_serve(tiny_model, tmp_path, capsys, monkeypatch):

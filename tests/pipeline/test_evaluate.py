@@ -214,6 +214,18 @@ def test_evaluate_usage_errors_exit_2(tmp_path, capsys):
     assert "give the folder of class folders once" in capsys.readouterr().err
     assert main(["evaluate", "--model", str(model), str(split / "test"), "--photos", str(split / "test")]) == 2
     assert "not both" in capsys.readouterr().err
+    # --json never replaces the model or a photo, and a bad path is said before the work
+    model_bytes = model.read_bytes()
+    photo = next((split / "test").rglob("*.jpg"))
+    photo_bytes = photo.read_bytes()
+    for target, words in ((model, "is the model"), (photo, "is a file in the photos"), (split, "is a folder"),
+                          (tmp_path / "no" / "x.json", "does not exist")):
+        assert main(["evaluate", str(split / "test"), "--model", str(model), "--json", str(target)]) == 2
+        assert words in capsys.readouterr().err
+    assert model.read_bytes() == model_bytes and photo.read_bytes() == photo_bytes
+    earlier = split / "test" / "eval.json"  # an earlier results file in the photo folder may be replaced
+    for _ in range(2):
+        assert main(["evaluate", str(split / "test"), "--model", str(model), "--json", str(earlier)]) == 0
 
 
 def test_evaluate_takes_the_folder_as_an_argument_as_predict_does(tmp_path, capsys):

@@ -24,7 +24,7 @@ from leaflens.apps.model_arg import add_model_argument, missing_model
 from leaflens.apps.model_card import ModelError
 from leaflens.apps.predictor import Prediction, Predictor
 from leaflens.apps.providers import add_provider_argument, requested_providers
-from leaflens.data_prep.scan import IMAGE_EXTENSIONS
+from leaflens.data_prep.scan import IMAGE_EXTENSIONS, ScanError, walk_folder
 from leaflens.files import results_file_problem, write_path_atomic
 
 __all__ = ["add_parser", "collect_images", "csv_header", "csv_row", "run", "skipped_note", "write_csv"]
@@ -65,13 +65,26 @@ def collect_images(args: Sequence[str | os.PathLike], skipped: Counter[str] | No
     folders whose extension is not an image's are left out and, with ``skipped``, counted by extension
     (lower case; "" for none), so that the summary can say what was not looked at.
 
-    Raises :class:`UsageError` naming a path that does not exist.
+    Raises :class:`UsageError` naming a path that does not exist or a folder that cannot be read.
     """
+    try:
+        return _collect(args, skipped)
+    except ScanError as exc:
+        raise UsageError(shown(str(exc))) from exc
+
+
+def shown(text: str) -> str:
+    """``text`` as it can be printed and written to a UTF-8 file: a file name in another encoding keeps its
+    bytes as ``\\udcXX`` escapes instead of failing the output after every photo was classified."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _collect(args: Sequence[str | os.PathLike], skipped: Counter[str] | None) -> list[str]:
     found: list[str] = []
     for arg in args:
         path = Path(arg)
         if path.is_dir():
-            for dirpath, dirnames, filenames in os.walk(path, followlinks=True):
+            for dirpath, dirnames, filenames in walk_folder(path):
                 dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
                 for name in sorted(filenames):
                     if name.startswith("."):
@@ -84,7 +97,7 @@ def collect_images(args: Sequence[str | os.PathLike], skipped: Counter[str] | No
         elif path.exists():
             found.append(os.fspath(path))
         else:
-            raise UsageError(f"{os.fspath(path)}: no such file or folder")
+            raise UsageError(f"{shown(os.fspath(path))}: no such file or folder")
     seen: set[str] = set()
     unique = []
     for name in found:
@@ -125,12 +138,12 @@ def csv_row(p: Prediction, top_k: int) -> list[str | None]:
     row: list[str | None]
     if p.ok:
         named = p.verdict != "out_of_domain"  # no class is named for a photo unlike the training photos
-        row = [p.source, p.verdict, p.label if named else "",
+        row = [shown(p.source), p.verdict, p.label if named else "",
                "" if p.confidence is None or not named else f"{p.confidence:.6f}",
                str(p.uncertain).lower(), "" if p.ood_score is None else f"{p.ood_score:.6g}"]
         ranked = [v for cls, prob in p.top[:top_k] for v in (cls, f"{prob:.6f}")] if named else []
         return row + ranked + [""] * (2 * top_k - len(ranked)) + [""]
-    return [p.source, verdict_of(p), "", "", "", "", *[""] * (2 * top_k), p.error]
+    return [shown(p.source), verdict_of(p), "", "", "", "", *[""] * (2 * top_k), p.error]
 
 
 def write_csv(path: str | os.PathLike, predictions: Iterable[Prediction], top_k: int) -> None:
@@ -161,7 +174,7 @@ def _line(p: Prediction, top_k: int) -> str:
     refused or unreadable one."""
     verdict = verdict_of(p)
     if not p.ok:
-        return f"{p.source}\t{verdict}\t{p.reason}\t{p.error}"
+        return f"{shown(p.source)}\t{verdict}\t{p.reason}\t{p.error}"
     if verdict == "ambiguous":
         answer = " or ".join(cls for cls, _ in p.top[:2])
     elif verdict == "out_of_domain":
@@ -171,7 +184,7 @@ def _line(p: Prediction, top_k: int) -> str:
     ranked = ", ".join(f"{cls} {prob:.3f}" for cls, prob in p.top[:top_k]) if verdict != "out_of_domain" else ""
     if p.ood_score is not None:
         ranked += f"{'; ' if ranked else ''}ood_score {p.ood_score:.3g}"
-    return f"{p.source}\t{verdict}\t{answer}\t{ranked}"
+    return f"{shown(p.source)}\t{verdict}\t{answer}\t{ranked}"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,12 +66,55 @@ def _visible_dirs(path: Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
+def walk_folder(folder: str | os.PathLike, ignored: dict[str, int] | None = None
+                ) -> Iterator[tuple[str, list[str], list[str]]]:
+    """``os.walk(folder, followlinks=True)`` without its two traps: a folder it cannot read is a
+    :class:`ScanError` naming it (``os.walk`` leaves it out without a word, and with it a whole class), and a
+    linked folder already walked or above the current one (a link loop: ``ln -s .. up``) is not entered
+    (counted in ``ignored["link_loop"]``), where ``os.walk`` would go round until the path is too long."""
+    top = os.fspath(folder)
+
+    def unreadable(err: OSError) -> None:
+        inside = os.path.realpath(str(err.filename)) != os.path.realpath(top)
+        raise ScanError(f"cannot read the folder {err.filename}: {err.strerror or err}; fix its permissions"
+                        + (f" (or move it out of {top})" if inside else ""))
+
+    seen: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=True, onerror=unreadable):
+        real = os.path.realpath(dirpath)
+        seen.add(real)
+        keep = []
+        for d in dirnames:
+            target = os.path.realpath(os.path.join(dirpath, d))
+            if target in seen or real == target or real.startswith(target.rstrip(os.sep) + os.sep):
+                if ignored is not None:
+                    ignored["link_loop"] = ignored.get("link_loop", 0) + 1
+                continue
+            keep.append(d)
+        dirnames[:] = keep
+        yield dirpath, dirnames, filenames
+
+
+def _usable_name(full: str, ignored: dict[str, int]) -> bool:
+    """Whether an image file found by a walk can be recorded: not a link to nothing, and a name that is text
+    (a file name in another encoding than UTF-8 cannot be written to the dataset's file lists)."""
+    if not os.path.exists(full):
+        ignored["broken_link"] = ignored.get("broken_link", 0) + 1
+        return False
+    try:
+        full.encode("utf-8")
+    except UnicodeEncodeError:
+        ignored["name_not_utf8"] = ignored.get("name_not_utf8", 0) + 1
+        return False
+    return True
+
+
 def _walk_images(folder: Path, root: Path, ignored: dict[str, int],
                  extensions: dict[str, int] | None = None) -> list[tuple[str, str]]:
     """(absolute path, recorded path) of every image under ``folder``, sorted; counts what is skipped (the
     extensions of the files that are not images in ``extensions``)."""
     found: list[tuple[str, str]] = []
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+    for dirpath, dirnames, filenames in walk_folder(folder, ignored):
         hidden_dirs = [d for d in dirnames if d.startswith(".")]
         if hidden_dirs:
             ignored["hidden"] = ignored.get("hidden", 0) + len(hidden_dirs)
@@ -87,6 +130,8 @@ def _walk_images(folder: Path, root: Path, ignored: dict[str, int],
                     extensions[ext or "no extension"] = extensions.get(ext or "no extension", 0) + 1
                 continue
             full = os.path.join(dirpath, name)
+            if not _usable_name(full, ignored):
+                continue
             try:
                 rel = Path(full).relative_to(root).as_posix()
             except ValueError:

@@ -18,6 +18,7 @@ import the training engine.
 from __future__ import annotations
 
 import os
+import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -104,6 +105,11 @@ class PhotoEvaluation(Record):
         return float(self.summary["accuracy"])
 
 
+# What a scan leaves out that a person should hear about (leaflens.data_prep.scan.walk_folder)
+LEFT_OUT = {"broken_link": "link(s) to a missing file", "name_not_utf8": "file name(s) not in UTF-8 (rename them)",
+            "link_loop": "folder link(s) back to a folder already searched"}
+
+
 def class_folder_photos(root: str | os.PathLike[str], classes: Sequence[str]) -> tuple[list[str], np.ndarray]:
     """The photos under ``root/<class>/`` (image files, searched recursively, hidden ones skipped) and their
     labels as indices into ``classes``; a folder whose name is not one of ``classes`` is refused."""
@@ -120,6 +126,10 @@ def class_folder_photos(root: str | os.PathLike[str], classes: Sequence[str]) ->
             f"{scan.root}: folder(s) {', '.join(repr(c) for c in unknown)} name no class the model knows; "
             f"its classes are {', '.join(repr(c) for c in classes)} (rename the folder, or use the model "
             "trained on those classes)")
+    left = {k: n for k, n in scan.ignored.items() if k in LEFT_OUT}
+    if left:
+        print(f"note: left out of {scan.root}: " + ", ".join(f"{n} {LEFT_OUT[k]}" for k, n in left.items()),
+              file=sys.stderr)
     index = {c: classes.index(c) for c in scan.classes}
     labelled = [f for f in scan.files if f.split != UNLABELED]
     return [f.path for f in labelled], np.array([index[scan.classes[f.label]] for f in labelled], np.int64)

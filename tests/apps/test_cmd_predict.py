@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import os
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -180,3 +182,27 @@ def test_collect_images_order_and_filtering(tmp_path):
     names = [p.split("/")[-1] for p in collect_images([folder], skipped)]
     assert names == ["a.jpg", "broken.jpg", "b.png", "c.JPEG"]  # sorted per folder, subfolders after
     assert skipped == {".txt": 1}  # hidden files are not counted
+
+
+def test_odd_folders_are_said_not_tracebacks(tiny_model, tmp_path, capsys, monkeypatch):
+    """A file name not in UTF-8 is classified and written escaped; a folder that cannot be read is named."""
+    model, _ = tiny_model()
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    write_photo(folder / "a.png")
+    if sys.platform.startswith("linux"):
+        os.rename(write_photo(tmp_path / "b.png"), os.fsencode(folder) + b"/caf\xe9.png")
+        out = tmp_path / "r.csv"
+        assert main(["predict", str(folder), "--model", str(model), "--csv", str(out)]) == 0
+        rows = list(csv.reader(out.open(encoding="utf-8")))
+        assert len(rows) == 3 and any(r[0].endswith("caf\\udce9.png") for r in rows)  # was a UnicodeEncodeError
+    real_scandir = os.scandir
+
+    def scandir(path=".", *a, **kw):
+        if os.fspath(path) == os.fspath(folder):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_scandir(path, *a, **kw)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    assert main(["predict", str(folder), "--model", str(model)]) == 2
+    assert f"cannot read the folder {folder}: Permission denied" in capsys.readouterr().err

@@ -1,0 +1,59 @@
+"""Walking a photo folder (leaflens.data_prep.scan.walk_folder and scan_source): a folder that cannot be read is
+an error naming it, a folder link back up (a loop) is not followed, a link to nothing and a file name that is
+not UTF-8 are counted and left out, never a traceback; `leaflens predict` and `evaluate` say the same."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from dp_helpers import encode, photo
+
+from leaflens.data_prep.scan import ScanError, scan_source, walk_folder
+
+
+def _photos(root: Path, classes: tuple[str, ...] = ("healthy", "rust"), n: int = 2) -> Path:
+    for ci, cls in enumerate(classes):
+        (root / cls).mkdir(parents=True)
+        for i in range(n):
+            (root / cls / f"{cls}_{i}.jpg").write_bytes(encode(photo(10 * ci + i, (40 + 90 * ci, 150, 60))))
+    return root
+
+
+def test_an_unreadable_class_folder_is_an_error_naming_it(tmp_path, monkeypatch):
+    root = _photos(tmp_path / "src")
+    real_scandir = os.scandir
+
+    def scandir(path=".", *a, **kw):  # chmod 000 does not stop root, so the refusal is simulated
+        if os.fspath(path).endswith("rust"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_scandir(path, *a, **kw)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.raises(ScanError, match=r"cannot read the folder .*rust: Permission denied; fix its permissions"):
+        scan_source(root)  # before: the rust class was left out without a word
+
+
+def test_a_folder_link_back_up_is_not_followed(tmp_path):
+    root = _photos(tmp_path / "src")
+    (root / "rust" / "up").symlink_to("..")  # rust/up/rust/up/... and rust/up/healthy: healthy labelled rust
+    scan = scan_source(root)
+    assert sorted(Path(f.path).name for f in scan.files) == ["healthy_0.jpg", "healthy_1.jpg", "rust_0.jpg",
+                                                            "rust_1.jpg"]
+    assert scan.ignored["link_loop"] == 1
+    seen = [d for d, _, _ in walk_folder(root)]
+    assert len(seen) == 3  # root, healthy, rust: up/ not entered
+
+
+def test_a_link_to_nothing_and_a_name_not_in_utf8_are_counted_and_left_out(tmp_path):
+    root = _photos(tmp_path / "src")
+    (root / "rust" / "gone.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    if sys.platform.startswith("linux"):
+        with open(os.fsencode(root / "rust") + b"/caf\xe9.jpg", "wb") as fh:
+            fh.write(encode(photo(99, (30, 160, 40))))
+    scan = scan_source(root)  # before: FileNotFoundError / UnicodeEncodeError tracebacks
+    assert len(scan.files) == 4 and scan.ignored["broken_link"] == 1
+    if sys.platform.startswith("linux"):
+        assert scan.ignored["name_not_utf8"] == 1

@@ -181,11 +181,26 @@ def results_file_problem(target: PathLike, inputs: dict[str, PathLike], example:
     return None
 
 
+# The files that mark a folder some stage replaces whole when it runs again (a dataset, a teacher, a run, an
+# export, synthetic photos): an output inside one would be deleted by that stage's next run.
+_STAGE_FOLDERS = ((("manifest.json", "train_files.txt"), "dataset", "leaflens preprocess"),
+                  (("teacher.json", "features_train.npy"), "teacher", "leaflens teacher"),
+                  (("report.json", "run_id.json"), "run", "leaflens distill"),
+                  (("parity.json", "student.onnx"), "export", "leaflens export"),
+                  (("synth.json",), "synthetic photos", "leaflens data synth"))
+
+
 def check_replaceable(target: PathLike, marker: str, what: str) -> None:
     """Refuse to replace ``target`` unless it is missing, an empty folder, or a folder holding ``marker`` (the
-    file this kind of folder always has): a mistyped ``--out`` must never delete someone's files. Raises
+    file this kind of folder always has): a mistyped ``--out`` must never delete someone's files. Refuse as well
+    a ``target`` inside another stage's folder, which that stage's next run would delete with it. Raises
     :class:`NotOurFolderError` naming the folder; call it before any work that would end in the swap."""
     target = Path(target)
+    for parent in Path(os.path.abspath(target)).parents:
+        for markers, kind, stage in _STAGE_FOLDERS:
+            if all((parent / m).is_file() for m in markers):
+                raise NotOurFolderError(f"output {target} is inside the {kind} folder {parent}, which `{stage}` "
+                                        "replaces whole when it runs again: give a folder outside it")
     if target.exists() and (not target.is_dir() or (any(target.iterdir()) and not (target / marker).exists())):
         raise NotOurFolderError(f"output {target} exists and is not a {what} (no {marker} in it); refusing to "
                                 "replace it: give a new or empty folder")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -246,6 +247,10 @@ def test_a_folder_distill_did_not_write_is_never_replaced(tiny, tmp_path):
     with pytest.raises(ValueError, match="is not a leaflens run folder in progress"):
         run_distill(ds_dir, None, tmp_path / "run", _cfg(epochs=1), no_teacher=True, progress=False)
     assert (other / "notes.txt").read_text() == "mine too" and not (tmp_path / "run").exists()
+    # a run inside the dataset folder would be deleted by the next `leaflens preprocess` of it: refused
+    with pytest.raises(ValueError, match=r"is inside the dataset folder .*`leaflens preprocess` replaces whole"):
+        run_distill(ds_dir, None, Path(ds_dir) / "run", _cfg(epochs=1), no_teacher=True, progress=False)
+    assert not (Path(ds_dir) / "run").exists() and not (Path(ds_dir) / "run.partial").exists()
 
 
 def test_features_of_another_dataset_are_refused(tiny, tmp_path):

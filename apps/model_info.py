@@ -80,9 +80,10 @@ def _recorded_dir(recorded: Path, model_dir: Path, same: Callable[[Path], bool] 
     to the folder the export ran in, unknown now: it is looked up from here, then from the model's folder and each
     one above it (``artifacts/student`` from ``.../project/artifacts/export/``). An absolute path that is gone (the
     project was moved or renamed) is looked up the same way by its last parts (``artifacts/student`` of
-    ``/old/project/artifacts/student``), taken only when ``same`` confirms it is the recorded folder."""
+    ``/old/project/artifacts/student``), taken only when ``same`` confirms it is the recorded folder. A folder
+    that is there but is no longer the recorded one (the run trained again since the export) is not taken."""
     if recorded.is_dir():
-        return recorded
+        return recorded if same is None or same(recorded) else None
     if recorded.is_absolute():
         return find_moved(recorded, model_dir, same) if same is not None else None
     for base in (model_dir, *model_dir.parents):
@@ -134,6 +135,10 @@ def discover(model_path: str | os.PathLike, run_dir: str | os.PathLike | None = 
         guess = _recorded_dir(recorded, model_dir, _is_run(_get(export, "run", "id")))
         if guess is not None:
             ctx.run_dir = guess
+        elif recorded.is_dir():
+            ctx.warnings.append(f"{model_dir / EXPORT_REPORT} names run folder {recorded}, which now holds another "
+                                "run (trained again since this export): its figures and plots are not shown; "
+                                "export the new run, or pass --run")
         else:
             ctx.warnings.append(f"{model_dir / EXPORT_REPORT} names run folder {recorded}, which is gone")
     if ctx.run_dir is not None:

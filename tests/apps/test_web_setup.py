@@ -126,6 +126,13 @@ def test_a_moved_project_is_found_again_by_the_run_id_and_the_manifest_hash(tmp_
     assert ctx.run_dir is None and ctx.dataset_root is None
     assert ctx.warnings == [f"{artifacts / 'export' / 'parity.json'} names run folder {run}, which is gone"]
 
+    # the recorded folder itself, trained again since the export: its figures are not this model's
+    (artifacts / "export" / "parity.json").write_text(json.dumps({"run": {"id": "r7", "path": str(
+        artifacts / "student" / "best.npz")}, "dataset": {"root": str(artifacts / "dataset"), "manifest_sha256": sha}}))
+    ctx = discover(artifacts / "export" / "student.onnx")
+    assert ctx.run_dir is None and ctx.run_report is None and ctx.dataset_root is None
+    assert "now holds another run (trained again since this export)" in ctx.warnings[0]
+
 
 def test_model_tab_says_how_the_thresholds_were_chosen_and_what_they_cost(tiny_model):
     from leaflens.apps.model_info import ServeContext

@@ -420,6 +420,17 @@ def _up_to_date(out: Path, fingerprints: Sequence[str]) -> bool:
 
 
 # ---------------------------------------------------------------------------- main entry
+def check_options(opts: IngestOptions) -> None:
+    """IngestError naming the option that cannot work (checked before anything is read)."""
+    if opts.size < 8:
+        raise IngestError(f"image size {opts.size} is too small (need >= 8)")
+    if opts.size > MAX_SIZE:
+        raise IngestError(f"image size {opts.size} is too large (at most {MAX_SIZE}: every photo is stored as "
+                          f"size x size x 3 bytes; students train at 64-128 px, the teacher reads the original files)")
+    if not 0 <= opts.seed < 2**32:
+        raise IngestError(f"seed must be a whole number from 0 to {2**32 - 1}, got {opts.seed}")
+
+
 def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: IngestOptions | None = None, *,
            unlabeled: str | os.PathLike | None = None, workers: int | None = None, progress: bool = False,
            force: bool = False, strict: bool = False, check: bool = False,
@@ -443,11 +454,7 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: Inges
     """
     t0 = time.perf_counter()
     opts = options or IngestOptions()
-    if opts.size < 8:
-        raise IngestError(f"image size {opts.size} is too small (need >= 8)")
-    if opts.size > MAX_SIZE:
-        raise IngestError(f"image size {opts.size} is too large (at most {MAX_SIZE}: every photo is stored as "
-                          f"size x size x 3 bytes; students train at 64-128 px, the teacher reads the original files)")
+    check_options(opts)
     src_p = Path(src).resolve()
     scan = scan_source(src_p, unlabeled, also)
     if scan.also:

@@ -97,6 +97,11 @@ def _check_at_least_one(record: Record, names: Sequence[str]) -> None:
             raise ValueError(f"{name} must be at least 1, got {getattr(record, name)}")
 
 
+def _check_seed(seed: int) -> None:
+    if not 0 <= seed < 2**32:  # NumPy's generators take 0 to 2**32 - 1
+        raise ValueError(f"seed must be a whole number from 0 to {2**32 - 1}, got {seed}")
+
+
 def _check_positive(record: Record, names: Sequence[str], zero: str = "") -> None:
     """Finite and above 0 (``zero``: also 0, which then means what ``zero`` says)."""
     for name in names:
@@ -149,6 +154,7 @@ class TrainSection(Record):
 
     def __post_init__(self) -> None:
         _check_ema(self.ema)
+        _check_seed(self.seed)
         _check_positive(self, ("min_steps",), zero="epochs as given")
         _check_at_least_one(self, ("epochs", "batch_size", "eval_batch_size", "max_bad_steps"))
         _check_positive(self, ("lr", "clip_grad_norm"))
@@ -258,6 +264,7 @@ class TeacherSection(Record):
 
     def __post_init__(self) -> None:
         _check_ema(self.ema)
+        _check_seed(self.seed)
         _check_positive(self, ("min_steps",), zero="epochs as given")
         _check_at_least_one(self, ("input_size", "epochs", "batch_size", "encode_batch_size", "views", "cnn_epochs",
                                    "self_train_epochs"))

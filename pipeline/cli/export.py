@@ -111,13 +111,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"leaflens export: error: run folder {args.run} {what}: `leaflens distill` trains one "
               "(another run: --run RUN)", file=sys.stderr)
         return EXIT_REFUSED
-    opts = ExportOptions(run=args.run, out=args.out, dataset=args.dataset, triton=args.triton, name=args.name,
-                         int8=not args.no_int8, triton_variant=args.triton_variant,
-                         max_batch_size=args.max_batch_size, queue_delay_us=args.queue_delay_us,
-                         int8_max_drop=args.int8_max_drop, int8_recipes=recipes,
-                         speed_seconds=args.speed_seconds, threads=args.threads,
-                         allow_dataset_mismatch=args.allow_dataset_mismatch, ood=not args.no_ood,
-                         ood_branch=not args.no_ood_branch, ood_budget=args.ood_budget)
+    try:
+        opts = ExportOptions(run=args.run, out=args.out, dataset=args.dataset, triton=args.triton, name=args.name,
+                             int8=not args.no_int8, triton_variant=args.triton_variant,
+                             max_batch_size=args.max_batch_size, queue_delay_us=args.queue_delay_us,
+                             int8_max_drop=args.int8_max_drop, int8_recipes=recipes,
+                             speed_seconds=args.speed_seconds, threads=args.threads,
+                             allow_dataset_mismatch=args.allow_dataset_mismatch, ood=not args.no_ood,
+                             ood_branch=not args.no_ood_branch, ood_budget=args.ood_budget)
+    except ValueError as exc:
+        print(f"leaflens export: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from leaflens.data_prep.decode import DEFAULT_MAX_PIXELS
-from leaflens.data_prep.ingest import IngestError, IngestOptions, ingest
+from leaflens.data_prep.ingest import IngestError, IngestOptions, check_options, ingest
 from leaflens.data_prep.scan import ScanError
 from leaflens.data_prep.split import parse_ratios
 from leaflens.pipeline.cli import EXIT_OK, EXIT_REFUSED, EXIT_USAGE
@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--out is required (or --check to run the data checks alone)")
         opts = IngestOptions(size=args.size, resize=args.resize, ratios=parse_ratios(args.split),
                              seed=args.seed, max_pixels=args.max_pixels, dedupe=args.dedupe or None)
-    except ValueError as exc:
+        check_options(opts)
+    except (ValueError, IngestError) as exc:
         print(f"leaflens preprocess: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:

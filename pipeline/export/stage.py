@@ -112,6 +112,23 @@ class ExportOptions:
     ood_budget: float = ood_check.DEFAULT_BUDGET  # share of genuine new photos it may flag (with 0.9 confidence)
     ood_tolerance: float = 1e-3  # FP32 ONNX vs engine score, relative to max(1, |score|)
 
+    def __post_init__(self) -> None:
+        """ValueError naming the option that cannot work, before minutes of checks end in it."""
+        if self.max_batch_size < 1:
+            raise ValueError(f"--max-batch-size must be at least 1, got {self.max_batch_size}")
+        if self.queue_delay_us < 0:
+            raise ValueError(f"--queue-delay-us must be 0 or more, got {self.queue_delay_us}")
+        if not 0 <= self.int8_max_drop <= 1:
+            raise ValueError(f"--int8-max-drop is a share of accuracy from 0 to 1, got {self.int8_max_drop}")
+        if not 0 < self.ood_budget < 0.5:
+            raise ValueError(f"--ood-budget is a share of genuine photos above 0 and under 0.5, got {self.ood_budget}")
+        if not self.speed_seconds > 0:
+            raise ValueError(f"--speed-seconds must be above 0, got {self.speed_seconds}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {self.threads}")
+        if self.triton is not None and self.triton.exists() and not self.triton.is_dir():
+            raise ValueError(f"--triton {self.triton} is a file; give a folder for the Triton model repository")
+
 
 def run_dataset(info: RunInfo, run_dir: Path) -> Path:
     """The dataset folder run ``info`` was trained on: the folder its best.npz names (recorded relative to the

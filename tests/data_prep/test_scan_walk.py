@@ -57,3 +57,14 @@ def test_a_link_to_nothing_and_a_name_not_in_utf8_are_counted_and_left_out(tmp_p
     assert len(scan.files) == 4 and scan.ignored["broken_link"] == 1
     if sys.platform.startswith("linux"):
         assert scan.ignored["name_not_utf8"] == 1
+
+
+@pytest.mark.parametrize("option,value,words", [("--seed", "-1", "seed must be a whole number from 0"),
+                                                ("--size", "4", "image size 4 is too small"),
+                                                ("--size", "4000", "image size 4000 is too large")])
+def test_preprocess_option_errors_are_usage_errors(tmp_path, capsys, option, value, words):
+    from leaflens.pipeline.cli import main  # noqa: PLC0415
+
+    src = _photos(tmp_path / "src")
+    assert main(["preprocess", "--src", str(src), "--out", str(tmp_path / "ds"), option, value]) == 2
+    assert words in capsys.readouterr().err and not (tmp_path / "ds").exists()

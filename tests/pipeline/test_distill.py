@@ -247,6 +247,10 @@ def test_a_folder_distill_did_not_write_is_never_replaced(tiny, tmp_path):
     with pytest.raises(ValueError, match="is not a leaflens run folder in progress"):
         run_distill(ds_dir, None, tmp_path / "run", _cfg(epochs=1), no_teacher=True, progress=False)
     assert (other / "notes.txt").read_text() == "mine too" and not (tmp_path / "run").exists()
+    # a negative seed is a usage error naming the setting, before anything is written
+    neg = ["distill", "--dataset", str(ds_dir), "--no-teacher", "--out", str(tmp_path / "neg"), "--seed", "-1"]
+    assert cli(neg) == 2
+    assert not (tmp_path / "neg").exists() and not (tmp_path / "neg.partial").exists()
     # a run inside the dataset folder would be deleted by the next `leaflens preprocess` of it: refused
     with pytest.raises(ValueError, match=r"is inside the dataset folder .*`leaflens preprocess` replaces whole"):
         run_distill(ds_dir, None, Path(ds_dir) / "run", _cfg(epochs=1), no_teacher=True, progress=False)

@@ -174,6 +174,21 @@ def _verdicts_follow_the_accuracies(i8: dict, max_drop: float) -> None:
     assert all(a["validation"]["split"] == "val" for a in i8["attempts"])
 
 
+@pytest.mark.parametrize("option,value,words", [("--max-batch-size", "0", "--max-batch-size must be at least 1"),
+                                                ("--queue-delay-us", "-5", "--queue-delay-us must be 0 or more"),
+                                                ("--ood-budget", "2", "--ood-budget is a share"),
+                                                ("--int8-max-drop", "-1", "--int8-max-drop is a share"),
+                                                ("--triton", "FILE", "is a file; give a folder")])
+def test_bad_options_are_refused_before_any_work(tiny_run, tmp_path, capsys, option, value, words):
+    run, dataset = tiny_run
+    if value == "FILE":
+        value = str(tmp_path / "repo")
+        (tmp_path / "repo").write_text("mine")
+    code = main(["export", "--run", str(run), "--out", str(tmp_path / "export"), "--dataset", str(dataset),
+                 option, value])
+    assert code == 2 and words in capsys.readouterr().err and not (tmp_path / "export").exists()
+
+
 def test_int8_rule_with_the_default_drop_matches_the_file_and_the_report(tiny_run, tmp_path):
     """The default rule (1 point on val) and ladder (fast recipe, then the first conv in float): the file
     is there exactly when parity.json says it was written, and each verdict follows from its accuracies."""

@@ -141,6 +141,10 @@ class NotOurFolderError(ValueError):
     """An output folder holds something a stage did not write there: it is never replaced."""
 
 
+class OutputNotWritableError(NotOurFolderError):
+    """An output folder cannot be written where it is asked for (said before the work, not after it)."""
+
+
 MOVED_DEPTH = 4  # trailing parts of a gone absolute path that find_moved tries
 
 
@@ -196,6 +200,12 @@ def check_replaceable(target: PathLike, marker: str, what: str) -> None:
     a ``target`` inside another stage's folder, which that stage's next run would delete with it. Raises
     :class:`NotOurFolderError` naming the folder; call it before any work that would end in the swap."""
     target = Path(target)
+    here = Path(os.path.abspath(target)).parent  # the folder is built beside the target, then renamed
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    if not here.is_dir() or not os.access(here, os.W_OK | os.X_OK):
+        raise OutputNotWritableError(f"output {target} cannot be written: {here} is not a folder you can write in "
+                                     "(permission denied); give another --out")
     for parent in Path(os.path.abspath(target)).parents:
         for markers, kind, stage in _STAGE_FOLDERS:
             if all((parent / m).is_file() for m in markers):

@@ -179,3 +179,15 @@ def test_clean_stale_temps_removes_only_dead_processes_leftovers(tmp_path: Path)
     removed = files.clean_stale_temps(out)
     assert sorted(removed) == sorted([stale_dir, stale_old, stale_file])
     assert live.is_dir() and mine.is_dir() and other.is_dir()
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_the_work(tmp_path: Path, monkeypatch) -> None:
+    from leaflens.files import OutputNotWritableError, check_replaceable  # noqa: PLC0415
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == locked else real_access(p, mode))
+    with pytest.raises(OutputNotWritableError, match=r"locked is not a folder you can write in"):
+        check_replaceable(locked / "run" / "deeper", "report.json", "leaflens run folder")
+    check_replaceable(tmp_path / "free" / "run", "report.json", "leaflens run folder")  # a folder to create: fine

@@ -206,3 +206,13 @@ def test_effnet_teacher_takes_its_recipe_from_the_teacher_section(tmp_path):
     enc, extra = build_effnet_teacher(ds, recipe, progress=False)
     assert extra["split_block"] == 15 and len(extra["fine_tune_history"]) == 2
     assert enc.identity()["input_size"] == 32 and enc.view_encoder.input_size == 32
+
+
+def test_a_config_that_is_a_folder_or_not_utf8_is_named_not_a_traceback(tmp_path):
+    (tmp_path / "cfg").mkdir()
+    with pytest.raises(ConfigError, match=r"config file .*cfg is a folder; give a .toml file"):
+        load_config(tmp_path / "cfg")
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes(b"\xff\xfe[train]\n")
+    with pytest.raises(ConfigError, match=r"latin1.toml is not UTF-8 text \(byte 0\)"):
+        load_config(bad)

@@ -268,6 +268,21 @@ def _check_array(root: Path, name: str, shape: tuple[int, ...], dtype: np.dtype,
     return np.load(path, mmap_mode="r", allow_pickle=False)
 
 
+def require_labelled_splits(ds: Dataset, why: str) -> None:
+    """DatasetError unless ``ds`` has labelled train, val and test photos, naming the empty splits and ``why``
+    the stage needs them (a --split 100/0/0 dataset is built with a warning; the stages refuse it plainly)."""
+    for split in ("train", "val", "test"):
+        if split not in ds or ds[split].labels is None:
+            raise DatasetError(f"dataset {ds.root} has no labelled '{split}' split")
+    counts = {split: len(ds[split]) for split in ("train", "val", "test")}
+    empty = [split for split, n in counts.items() if n == 0]
+    if empty:
+        are = "s are" if len(empty) > 1 else " is"
+        raise DatasetError(f"dataset {ds.root}: the {' and '.join(empty)} split{are} empty (train {counts['train']}, "
+                           f"val {counts['val']}, test {counts['test']} photos): {why}; preprocess again with at "
+                           "least 3 photos per class (or a --split that gives val and test a share)")
+
+
 def load_dataset(root: str | os.PathLike, verify: bool = True) -> Dataset:
     """Open a dataset folder, refusing a missing, truncated or (with ``verify``) altered file.
 

@@ -41,7 +41,7 @@ from leaflens import __version__
 from leaflens.cpus import usable_cpus
 from leaflens.data_prep.contract import contract_for_dataset, rgb_floats
 from leaflens.data_prep.data_report import read_data_report
-from leaflens.data_prep.manifest import load_dataset, manifest_sha256
+from leaflens.data_prep.manifest import load_dataset, manifest_sha256, require_labelled_splits
 from leaflens.engine import Tensor, no_grad
 from leaflens.engine.checkpoint import CheckpointError, save_checkpoint
 from leaflens.files import check_replaceable, swap_into_place, write_json_atomic, write_text_atomic
@@ -176,16 +176,8 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
                          "another --out)")
     # Inputs are checked before anything is written (or a resumable partial run is removed).
     ds = load_dataset(dataset_dir)
-    for split in ("train", "val", "test"):
-        if split not in ds or ds[split].labels is None:
-            raise ValueError(f"dataset {ds.root} has no labelled '{split}' split")
+    require_labelled_splits(ds, "a student is chosen on val and reported on test")
     counts = {split: len(ds[split]) for split in ("train", "val", "test")}
-    empty = [split for split, n in counts.items() if n == 0]
-    if empty:
-        raise ValueError(f"dataset {ds.root}: the {' and '.join(empty)} split{'s are' if len(empty) > 1 else ' is'} "
-                         f"empty (train {counts['train']}, val {counts['val']}, test {counts['test']} photos): "
-                         "a student is chosen on val and reported on test; preprocess again with at least 3 "
-                         "photos per class (or a --split that gives val and test a share)")
     tt = load_teacher(teacher_dir, ds) if teacher_dir is not None and not no_teacher else None
     cfg = _without_missing_weights(cfg)
     few = few_validation_photos(counts["val"])

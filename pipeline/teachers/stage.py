@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from leaflens.data_prep.arrays import NpyRowWriter
 from leaflens.data_prep.decode import decode_image_at
-from leaflens.data_prep.manifest import load_dataset, manifest_sha256
+from leaflens.data_prep.manifest import load_dataset, manifest_sha256, require_labelled_splits
 from leaflens.files import (
     check_replaceable,
     clean_stale_temps,
@@ -494,6 +494,8 @@ def run_teacher_stage(dataset_dir: str | os.PathLike[str], out: str | os.PathLik
     out = Path(out)
     check_replaceable(out, TEACHER_JSON, "leaflens teacher folder")  # before minutes of fine-tuning
     ds = load_dataset(dataset_dir)
+    require_labelled_splits(ds, "a teacher's epoch and out-of-domain threshold are chosen on val, and distill "
+                                "reports on test")
     work = None
     if trains(cfg, choice):
         work = finetune_work_dir(out, choice.train_cnn)

@@ -190,3 +190,9 @@ def test_a_split_asked_to_be_empty_is_a_warning_and_distill_names_it(tmp_path):
     with pytest.raises(ValueError, match=r"the val split is empty \(train 1[0-9], val 0, test [0-9] photos\)"):
         run_distill(report.out, None, tmp_path / "run", load_config(), no_teacher=True, progress=False)
     assert not (tmp_path / "run").exists()
+    # the teacher says the same, before any work (it ended in "need at least one array to concatenate")
+    from leaflens.pipeline.teachers.stage import TeacherChoice, run_teacher_stage
+
+    with pytest.raises(ValueError, match=r"the val split is empty .*chosen on val"):
+        run_teacher_stage(report.out, tmp_path / "t", load_config(), TeacherChoice(train_cnn=True), progress=False)
+    assert not (tmp_path / "t").exists()

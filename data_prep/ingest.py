@@ -268,6 +268,11 @@ def _check_class_sizes(scan: ScanResult, kept: list[int], assigned: list[str | N
     for i, split in zip(kept, assigned):
         if split is not None and split != UNLABELED:
             counts[scan.classes[scan.files[i].label]] += 1
+    none = sorted(c for c, n in counts.items() if n == 0)
+    if none:  # the model would have an output for a class it never saw
+        raise IngestError(f"{scan.root}: no usable photo in {', '.join(repr(c) for c in none)} (every file there was "
+                          "rejected: see the list above or rejected.jsonl); add photos the class folder can use, or "
+                          "move the folder out of the source")
     small = {c: n for c, n in counts.items() if n < MIN_PER_CLASS}
     if not small:
         return
@@ -457,6 +462,10 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: Inges
     check_options(opts)
     src_p = Path(src).resolve()
     scan = scan_source(src_p, unlabeled, also)
+    if scan.empty_folders:
+        names = ", ".join(repr(c) for c in scan.empty_folders)
+        log(f"warning: {names} hold{'s' if len(scan.empty_folders) == 1 else ''} no photo (JPEG, PNG, WebP, BMP, "
+            "TIFF, HEIC), so not a class: add its photos, or remove the folder")
     if scan.also:
         log(f"--also: {scan.also_files} labelled photo(s) from {', '.join(scan.also)} added to their classes")
     if scan.ignored.get(NOT_A_LEAF):

@@ -60,6 +60,8 @@ class ScanResult:
     also_files: int = 0  # photos found in them (excluding not_a_leaf/)
     # extension -> files counted in ignored["not_image"] (".gif": 2), so a format we skip can be named
     not_image_extensions: dict[str, int] = field(default_factory=dict)
+    # class folders (ROOT/<class>/ layout) with no image file in them: not classes, said by preprocess
+    empty_folders: list[str] = field(default_factory=list)
 
 
 def _visible_dirs(path: Path) -> list[Path]:
@@ -194,6 +196,7 @@ def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = N
     others = [d for d in top if d not in split_dirs and d.name.lower() != UNLABELED]
 
     per_class: list[tuple[str, str | None, str, str]] = []  # (class, split, abs, rel)
+    empty: list[str] = []
     if split_dirs:
         if others:
             raise ScanError(
@@ -214,8 +217,10 @@ def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = N
     else:
         layout = "class_folders"
         for cdir in others:
-            for full, rel in _walk_images(cdir, root_p, ignored, extensions):
-                per_class.append((cdir.name, None, full, rel))
+            found = _walk_images(cdir, root_p, ignored, extensions)
+            if not found:
+                empty.append(cdir.name)
+            per_class.extend((cdir.name, None, full, rel) for full, rel in found)
 
     classes = sorted({c for c, _, _, _ in per_class})
     if not classes:
@@ -252,7 +257,7 @@ def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = N
         digest.update(f"{f.rel}{stats}".encode())
         relative.update(f"{relative_to(f.rel, root_p)}{stats}".encode())
     return ScanResult(str(root_p), layout, classes, files, ignored, digest.hexdigest(), relative.hexdigest(),
-                      also_roots, also_files, extensions)
+                      also_roots, also_files, extensions, empty)
 
 
 def relative_to(path: str | os.PathLike, base: str | os.PathLike) -> str:

@@ -68,3 +68,19 @@ def test_preprocess_option_errors_are_usage_errors(tmp_path, capsys, option, val
     src = _photos(tmp_path / "src")
     assert main(["preprocess", "--src", str(src), "--out", str(tmp_path / "ds"), option, value]) == 2
     assert words in capsys.readouterr().err and not (tmp_path / "ds").exists()
+
+
+def test_an_empty_class_folder_is_said_and_a_class_without_a_usable_photo_refused(tmp_path, capsys):
+    from leaflens.pipeline.cli import main  # noqa: PLC0415
+
+    src = _photos(tmp_path / "src", ("healthy", "rust", "aphids"), n=4)
+    (src / "mildew").mkdir()  # nothing in it
+    assert scan_source(src).empty_folders == ["mildew"]
+    assert main(["preprocess", "--src", str(src), "--out", str(tmp_path / "ds"), "--size", "16", "--workers", "1",
+                 "--no-progress"]) == 0
+    assert "'mildew' holds no photo" in "".join(capsys.readouterr())
+    (src / "broken").mkdir()
+    (src / "broken" / "x.jpg").write_bytes(b"")  # a class whose every file is rejected
+    assert main(["preprocess", "--src", str(src), "--out", str(tmp_path / "ds2"), "--size", "16", "--workers", "1",
+                 "--no-progress"]) == 1
+    assert "no usable photo in 'broken'" in "".join(capsys.readouterr()) and not (tmp_path / "ds2").exists()

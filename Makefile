@@ -12,6 +12,11 @@ LEAFLENS := $(PY) -m leaflens
 ART ?= artifacts
 SYNTH := $(ART)/synthetic
 UNLABELED_FRACTION ?= 0.5
+# The photos of the last preprocess (DATA, SIZE, EXTRA), remembered so that `make teacher`, `make distill`...
+# after `make preprocess DATA=photos` go on with those photos instead of preprocessing the synthetic demo's
+# over them; DATA=... on the command line wins, and `make clean` forgets them.
+REMEMBERED := $(ART)/.make-data.mk
+-include $(REMEMBERED)
 DATA ?= $(SYNTH)
 SIZE ?= 128
 # Extra folders of labelled photos merged into DATA's classes (e.g. the web app's corrections folder).
@@ -94,6 +99,7 @@ data: $(SYNTH)/classes.toml
 # nothing changed), so later stages re-run only when the dataset really changed.
 $(DATASET)/manifest.json: FORCE $(if $(filter $(SYNTH),$(DATA)),$(SYNTH)/classes.toml) | $(VENV)/.installed
 	$(LEAFLENS) preprocess --src $(DATA) --out $(DATASET) --size $(SIZE) $(foreach d,$(EXTRA),--also $(d))
+	@printf 'DATA ?= %s\nSIZE ?= %s\nEXTRA ?= %s\n' '$(DATA)' '$(SIZE)' '$(EXTRA)' > $(REMEMBERED)
 
 preprocess: $(DATASET)/manifest.json
 
@@ -163,7 +169,7 @@ gpu-check:
 # output, and stay.
 CORRECTIONS := $(ART)/corrections
 clean:
-	rm -rf $(SYNTH) $(DATASET) $(TEACHER) $(STUDENT) $(EXPORT) .pytest_cache
+	rm -rf $(SYNTH) $(DATASET) $(TEACHER) $(STUDENT) $(EXPORT) $(REMEMBERED) .pytest_cache
 	rm -rf $(dir $(TEACHER)).$(notdir $(TEACHER)).finetune-work $(dir $(TEACHER)).$(notdir $(TEACHER)).cnn-work \
 		$(STUDENT).partial  # interrupted runs' checkpoints
 	@if [ -d "$(CORRECTIONS)" ]; then echo "kept $(CORRECTIONS): the photos corrected on the web page (delete it yourself when they are no longer wanted)"; fi

@@ -126,6 +126,34 @@ def test_make_resume_passes_resume_to_the_training_stages_only_when_asked(tmp_pa
     assert not any("--resume" in line for line in commands())
 
 
+def test_make_goes_on_with_the_photos_of_the_last_preprocess(tmp_path):
+    """`make preprocess DATA=photos` then `make teacher`: the teacher stage's preprocess re-run is of the user's
+    photos, not the synthetic demo's over them (it was, with the demo's recipe); DATA= on the line wins and
+    `make clean` forgets them."""
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+
+    def commands(target: str, *extra: str) -> list[str]:
+        out = subprocess.run(["make", "-n", target, f"ART={tmp_path}", *extra], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.replace("\\\n", " ").splitlines()
+        return [line for line in lines if "leaflens " in line or "printf" in line]
+
+    first = commands("preprocess", "DATA=photos", "SIZE=96")
+    assert any("preprocess --src photos" in c for c in first) and any(".make-data.mk" in c for c in first)
+    (tmp_path / ".make-data.mk").write_text("DATA ?= photos\nSIZE ?= 96\nEXTRA ?= \n")  # what that recipe writes
+    later = commands("teacher")
+    assert any("preprocess --src photos" in c and "--size 96" in c for c in later)
+    assert not any("synthetic" in c or "distill_demo.toml" in c for c in later)
+    assert any("preprocess --src other" in c for c in commands("teacher", "DATA=other"))
+    subprocess.run(["make", "-s", "clean", f"ART={tmp_path}"], cwd=ROOT, capture_output=True, timeout=60)
+    assert not (tmp_path / ".make-data.mk").exists()
+    assert any("synthetic" in c for c in commands("teacher"))
+
+
 def test_make_installs_leaflens_again_in_a_venv_made_in_another_folder(tmp_path):
     """A venv's editable install points at the folder it was made in: after the project is moved or renamed,
     `make` installs leaflens again (it failed with "No module named 'leaflens.pipeline'"); where it was made,

@@ -49,7 +49,7 @@ def test_require_gpu_names_a_missing_cuda_library(fresh, monkeypatch, capsys):
     captured = capsys.readouterr()
     assert re.search(r"\n +missing +libcublas\.so\.13\n", captured.out)  # the report's gpu stacks section
     assert captured.err.strip() == (f"doctor: --require-gpu: no usable GPU: {reason} (missing: libcublas.so.13); "
-                                    "for this driver: pip install 'leaflens[gpu]'")
+                                    "for this driver: pip install 'leaflens[gpu,teacher]'")
 
 
 def test_a_usable_gpu_passes():

@@ -41,7 +41,7 @@ def ort(package: str = "onnxruntime", major: int | None = None, *others: str) ->
 def test_the_extra_for_the_driver(facts, extra):
     advice = gpu_stacks.recommend(facts, cupy(None), ort())
     assert advice["extra"] == extra
-    assert advice["command"] == f"pip install 'leaflens[{extra or 'serve'}]'"
+    assert advice["command"] == f"pip install 'leaflens[{extra or 'serve'},teacher]'"
     assert advice["warnings"] == []
 
 
@@ -55,7 +55,7 @@ def test_mismatched_stacks_are_named():
     # The report: onnxruntime-gpu for CUDA 13 beside cupy-cuda12x.
     warnings = gpu_stacks.recommend(driver("13.0", "9.0"), cupy(12), ort("onnxruntime-gpu", 13))["warnings"]
     assert warnings == ["the GPU stacks are built for different CUDA majors (CuPy for CUDA 12, onnxruntime-gpu for "
-                        "CUDA 13): install one GPU extra (pip install 'leaflens[gpu]')"]
+                        "CUDA 13): install one GPU extra (pip install 'leaflens[gpu,teacher]')"]
     newer = gpu_stacks.recommend(driver("12.4"), cupy(13), ort("onnxruntime-gpu", 13))["warnings"]
     assert len(newer) == 2 and all("newer than the driver's CUDA 12.4" in w for w in newer)
     both = gpu_stacks.recommend(driver(None), cupy(None), ort("onnxruntime-gpu", 13, "onnxruntime"))["warnings"]
@@ -93,12 +93,12 @@ def test_doctor_reports_the_gpu_stacks(no_gpu, monkeypatch, capsys):
     assert main(["doctor", "--json", "--no-measure", "--no-bandwidth"]) == 0
     stacks = json.loads(capsys.readouterr().out)["gpu_stacks"]
     assert stacks["driver"]["cuda_version"] is None
-    assert stacks["install"]["command"] == "pip install 'leaflens[serve]'"
+    assert stacks["install"]["command"] == "pip install 'leaflens[serve,teacher]'"
     assert set(stacks) == {"driver", "cupy", "onnxruntime", "install"}
     assert main(["doctor", "--no-measure", "--no-bandwidth"]) == 0
     out = capsys.readouterr().out
     assert "gpu stacks" in out and "NVIDIA driver          none (libcuda.so.1 not found)" in out
-    assert "install                pip install 'leaflens[serve]'" in out
+    assert "install                pip install 'leaflens[serve,teacher]'" in out
 
 
 def test_render_names_what_each_stack_misses():
@@ -111,12 +111,12 @@ def test_render_names_what_each_stack_misses():
                         "cuda": "13.0", "cuda_major": 13,
                         "providers": {providers.CUDA: {"starts": False, "reason": "libcublasLt.so.13 not found",
                                                        "missing": ["libcublasLt.so.13"]}}},
-        "install": {"extra": "gpu", "command": "pip install 'leaflens[gpu]'", "why": "the driver supports CUDA 13.0",
-                    "warnings": []},
+        "install": {"extra": "gpu", "command": "pip install 'leaflens[gpu,teacher]'",
+                    "why": "the driver supports CUDA 13.0", "warnings": []},
     })
     text = "\n".join(lines.rows)
     assert "NVIDIA driver          supports CUDA 13.0 (GPU, driver 580.65, compute capability 9.0)" in text
     assert "cupy-cuda13x 14.2.0 for CUDA 13: cannot start: CuPy failed to load libnvrtc.so.13" in text
     assert "  missing              libnvrtc.so.13" in text
     assert "onnxruntime-gpu 1.31.1 for CUDA 13.0" in text and "CUDA provider        cannot start" in text
-    assert "install                pip install 'leaflens[gpu]' (the driver supports CUDA 13.0)" in text
+    assert "install                pip install 'leaflens[gpu,teacher]' (the driver supports CUDA 13.0)" in text

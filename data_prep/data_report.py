@@ -110,7 +110,7 @@ class ClassBalance(Record):
 class ShortcutCheck(Record):
     """How well the metadata alone predicts the class (see leaflens.data_prep.shortcut)."""
 
-    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"skipped"})
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"skipped", "one_class"})
     features: tuple[str, ...]
     balanced_accuracy: float | None = None
     chance: float | None = None
@@ -122,6 +122,7 @@ class ShortcutCheck(Record):
     evidence: dict[str, str] | None = None
     formats: dict[str, dict[str, int]] | None = None  # class -> decoded format -> photos
     skipped: str | None = None
+    one_class: str | None = None  # the metadata tells this class from the rest (scored as two labels)
 
 
 @dataclass(frozen=True)
@@ -253,7 +254,8 @@ def _shortcut(photos: CheckedPhotos, keep: np.ndarray, classes: Sequence[str], s
 def _from_result(r: ShortcutResult, formats: dict[str, dict[str, int]]) -> ShortcutCheck:
     return ShortcutCheck(FEATURES, r.balanced_accuracy, r.chance, r.warn_at, r.null_sd,
                          r.per_feature or None, r.flagged, r.folds,
-                         {k: v for k, v in r.evidence.items() if k in r.flagged} or None, formats)
+                         {k: v for k, v in r.evidence.items() if k in r.flagged} or None, formats,
+                         one_class=r.one_class)
 
 
 def _names(photos: Sequence[DuplicatePhoto], limit: int = _LISTED) -> str:
@@ -270,6 +272,12 @@ _SHORTCUT_ADVICE = {
     "aspect ratio": "the photos are framed differently per class: crop them alike",
     "EXIF": "take camera originals (or copies) alike for every class: removing the EXIF would hide the "
             "difference, not fix it",
+    "camera": "photograph every class with the same phones or cameras (or mix them alike across the classes)",
+    "EXIF orientation": "hold the phone alike for every class, or rotate the photos to upright and save them "
+                        "without the orientation tag",
+    "colour mode": "save every photo in colour (RGB)",
+    "JPEG quality": "re-save every photo at one JPEG quality, so that compression artefacts do not tell the "
+                    "classes apart",
 }
 
 
@@ -314,7 +322,9 @@ def _warnings(d: DuplicateFindings, balance: ClassBalance, shortcut: ShortcutChe
         found = shortcut.evidence or {}
         evidence = "; ".join(found[f] for f in shortcut.flagged if f in found)
         advice = "; ".join(_SHORTCUT_ADVICE[f] for f in shortcut.flagged)
-        out.append(f"shortcut: {' and '.join(shortcut.flagged)} alone predict the class (balanced accuracy "
+        told = "the class" if shortcut.one_class is None else f"'{shortcut.one_class}' from the other classes"
+        verb = "predicts" if len(shortcut.flagged) == 1 else "predict"
+        out.append(f"shortcut: {' and '.join(shortcut.flagged)} alone {verb} {told} (balanced accuracy "
                    f"{shortcut.balanced_accuracy:.2f} against {shortcut.chance:.2f} by chance): the model may learn "
                    f"the source of the photos instead of the disease. {evidence}. What to do: {advice}; or gather "
                    "the photos of every class from the same sources and cameras")
@@ -400,8 +410,10 @@ def format_data_report(report: DataReport) -> str:
     if s.skipped:
         lines.append(f"  shortcut check: skipped ({s.skipped})")
     else:
-        lines.append(f"  shortcut check (size, aspect, format, EXIF alone): balanced accuracy "
-                     f"{s.balanced_accuracy:.2f}, chance {s.chance:.2f}, warning from {s.warn_at:.2f}")
+        which = "" if s.one_class is None else f" of '{s.one_class}' against the other classes"
+        lines.append(f"  shortcut check (size, aspect, format, EXIF, camera, colour mode, JPEG quality alone): "
+                     f"balanced accuracy{which} {s.balanced_accuracy:.2f}, chance {s.chance:.2f}, warning from "
+                     f"{s.warn_at:.2f}")
     if report.dedupe:
         dup = sum(1 for r in report.removed if r.reason == "duplicate")
         lines.append(f"  --dedupe {'would remove' if report.mode == 'check' else 'removed'} {_n(dup, 'duplicate')} "

@@ -172,6 +172,22 @@ def _orientation(im: Image.Image) -> int:
     return value if isinstance(value, int) else 1
 
 
+def _camera(im: Image.Image) -> str:
+    """The EXIF Make and Model ("" without them): photos of a class from one phone share them."""
+    try:
+        exif = im.getexif()
+        return " ".join(str(exif.get(tag, "")).strip("\x00 ") for tag in (0x010F, 0x0110)).strip()[:64]
+    except Exception:  # malformed EXIF: as if absent
+        return ""
+
+
+def _jpeg_quantisation(im: Image.Image) -> int:
+    """Mean of a JPEG's luminance quantisation table (0 for other formats): lower is a higher quality."""
+    tables = getattr(im, "quantization", None) or {}
+    table = tables.get(0) if isinstance(tables, dict) else None
+    return int(round(sum(table) / len(table))) if table else 0
+
+
 def _load(im: Image.Image, name: str) -> None:
     try:
         im.load()
@@ -250,10 +266,11 @@ def _decode(src: Source, size: int, resize: str, max_pixels: int, shorter_side: 
     name = _source_name(src)
     data = read_source(src)
     im = _open(data, name, max_pixels)
+    orientation = _orientation(im)
     if header is not None:  # what the file says about itself, read from the header already parsed
         header.update(format=im.format or "unknown", width=im.size[0], height=im.size[1],
-                      exif=bool(im.info.get("exif")))
-    orientation = _orientation(im)
+                      exif=bool(im.info.get("exif")), mode=im.mode, camera=_camera(im), orientation=orientation,
+                      jpeg_q=_jpeg_quantisation(im))
     if min_side:
         _check_min_side(im, orientation, min_side, name)
     if im.format == "JPEG":
@@ -294,8 +311,9 @@ def decode_image(
     ``resize="pad"`` scales the longer side to ``size`` and letterboxes with ``PAD_VALUE``.
     ``min_side`` > 0 refuses (reason "too_small") an image whose width or height after EXIF rotation
     is under ``min_side`` pixels; the default 0 accepts any size. A ``header`` dict receives the file's
-    real ``format``, declared ``width`` and ``height`` (before EXIF rotation) and whether it carries ``exif``
-    (preprocess's data checks; no second parse of the file).
+    real ``format``, declared ``width`` and ``height`` (before EXIF rotation), whether it carries ``exif``, its
+    colour ``mode``, EXIF ``camera`` (make and model) and ``orientation``, and ``jpeg_q``, the mean of a JPEG's
+    luminance quantisation table (preprocess's data checks; no second parse of the file).
     Raises :class:`ImageDecodeError` (with ``reason``) for files that cannot be decoded and
     ``ValueError`` for bad arguments.
     """

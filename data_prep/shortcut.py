@@ -1,4 +1,5 @@
-"""The shortcut check: can the file's metadata alone (size, aspect, format, EXIF) tell the classes apart?
+"""The shortcut check: can the file's metadata alone (size, aspect, format, EXIF, camera, colour mode, JPEG
+quality) tell the classes apart?
 
 When each class comes from a different source (one phone, one web site, one colleague's scanner), the
 photos of a class share a size, a format, EXIF or none, and a model can learn the source instead of the
@@ -18,6 +19,12 @@ balanced accuracy, on 45 photos) above chance, never 5; tests/data_prep/test_dat
 labels of a real shortcut and of random metadata and expects no warning. When the warning is due, each
 feature group is scored alone against the same threshold, so the warning names the ones that carry the
 signal, with what differs between the classes.
+
+A source behind ONE class of many hides in that score: when the metadata tells one class from the rest and
+nothing else, the balanced accuracy rises to about 2/K, under the threshold once K is large or the classes
+small (8 classes, one of them all PNG: 0.25 against a threshold of 0.26). So each class is also scored
+against the rest (the same classifier on two labels, chance 0.5, the same 5 ``null_sd`` rule for those two
+groups), and the class that stands out most is named.
 """
 
 from __future__ import annotations
@@ -37,13 +44,15 @@ _EXTENSIONS = {"JPEG": {".jpg", ".jpeg", ".jfif", ".jpe"}, "MPO": {".jpg", ".jpe
                "WEBP": {".webp"}, "BMP": {".bmp"}, "TIFF": {".tif", ".tiff"}, "HEIF": {".heic", ".heif"},
                "AVIF": {".avif", ".heic", ".heif"}}
 # Feature groups, as warnings name them.
-FEATURES = ("image size", "aspect ratio", "file format", "format vs extension", "EXIF")
+FEATURES = ("image size", "aspect ratio", "file format", "format vs extension", "EXIF", "camera",
+            "EXIF orientation", "colour mode", "JPEG quality")
 MIN_MARGIN = 0.10  # balanced accuracy above chance, at the least, before a warning
 NULL_SIGMAS = 5.0  # ... and by this many null_sd (see the module docstring)
 FOLDS = 5
 _MAX_CATEGORIES = 12  # a numeric feature with more distinct values is cut into quantile bins
 _QUANTILE_BINS = 8
 MIN_PHOTOS = 10
+MIN_PER_SIDE = 5  # photos a class (and the rest) needs for its one-against-the-rest score
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,10 @@ class PhotoMeta:
     format: str
     ext_matches: bool
     exif: bool
+    mode: str = "RGB"  # Pillow's colour mode as stored (L, RGB, RGBA, P, CMYK...)
+    camera: str = ""  # EXIF make and model
+    orientation: int = 1  # EXIF orientation tag
+    jpeg_q: int = 0  # mean of the luminance quantisation table (0: not a JPEG); lower is a higher quality
 
 
 def photo_meta(header: Mapping[str, Any], path: str) -> PhotoMeta:
@@ -64,7 +77,9 @@ def photo_meta(header: Mapping[str, Any], path: str) -> PhotoMeta:
     fmt = str(header.get("format") or "unknown").upper()
     ext = os.path.splitext(path)[1].lower()
     return PhotoMeta(int(header.get("width", 0)), int(header.get("height", 0)), fmt,
-                     ext in _EXTENSIONS.get(fmt, {ext}), bool(header.get("exif")))
+                     ext in _EXTENSIONS.get(fmt, {ext}), bool(header.get("exif")), str(header.get("mode") or "RGB"),
+                     str(header.get("camera") or ""), int(header.get("orientation") or 1),
+                     int(header.get("jpeg_q") or 0))
 
 
 @dataclass(frozen=True)
@@ -79,6 +94,7 @@ class ShortcutResult:
     flagged: tuple[str, ...]
     folds: int
     evidence: dict[str, str]
+    one_class: str | None = None  # the class told from the rest, when the check found one (not all at once)
 
     @property
     def warns(self) -> bool:
@@ -94,6 +110,24 @@ def _codes(values: np.ndarray) -> np.ndarray:
     return np.searchsorted(edges, values, side="right").astype(np.int64)
 
 
+def _categories(values: Sequence[str]) -> np.ndarray:
+    """Codes of a categorical feature: its most common values, the rarest lumped together beyond
+    ``_MAX_CATEGORIES``."""
+    uniq, inverse, counts = np.unique(np.asarray(values), return_inverse=True, return_counts=True)
+    if len(uniq) <= _MAX_CATEGORIES:
+        return inverse.astype(np.int64)
+    rank = np.empty(len(uniq), np.int64)
+    rank[np.argsort(-counts, kind="stable")] = np.arange(len(uniq))
+    return np.minimum(rank[inverse], _MAX_CATEGORIES - 1).astype(np.int64)
+
+
+def _jpeg_only(q: np.ndarray) -> np.ndarray:
+    """The JPEG quantisation column with the other formats' photos at the JPEGs' median, so that it tells
+    qualities apart, not formats ("file format" does that)."""
+    jpeg = q > 0
+    return np.where(jpeg, q, np.median(q[jpeg]) if jpeg.any() else 0.0)
+
+
 def _feature_columns(metas: Sequence[PhotoMeta]) -> dict[str, np.ndarray]:
     """Feature group -> (n, columns) int codes."""
     w = np.array([m.width for m in metas], np.float64)
@@ -105,6 +139,10 @@ def _feature_columns(metas: Sequence[PhotoMeta]) -> dict[str, np.ndarray]:
         "file format": _codes(fmt)[:, None],
         "format vs extension": np.array([[0 if m.ext_matches else 1] for m in metas], np.int64),
         "EXIF": np.array([[1 if m.exif else 0] for m in metas], np.int64),
+        "camera": _categories([m.camera for m in metas])[:, None],
+        "EXIF orientation": _categories([str(m.orientation) for m in metas])[:, None],
+        "colour mode": _categories([m.mode for m in metas])[:, None],
+        "JPEG quality": _codes(_jpeg_only(np.array([m.jpeg_q for m in metas], np.float64)))[:, None],
     }
 
 
@@ -186,7 +224,31 @@ def _evidence(metas: Sequence[PhotoMeta], y: np.ndarray, classes: Sequence[str])
     name, a, b = _share_gap(np.array([m.exif for m in metas]), y, classes)
     if name:
         out["EXIF"] = f"{100 * a:.0f} % of the '{name}' photos carry EXIF against {100 * b:.0f} % of the others"
+    for feature, values, what in (("camera", [m.camera or "no camera" for m in metas], "come from"),
+                                  ("EXIF orientation", [f"orientation {m.orientation}" for m in metas], "have"),
+                                  ("colour mode", [f"mode {m.mode}" for m in metas], "are stored in")):
+        found = _value_gap(np.asarray(values), y, classes)
+        if found is not None:
+            name, value, a, b = found
+            out[feature] = (f"{100 * a:.0f} % of the '{name}' photos {what} {value} against {100 * b:.0f} % of "
+                            "the others")
+    q = np.array([m.jpeg_q for m in metas], np.float64)
+    if (q > 0).any():
+        jpegs = [(c, q[(y == c) & (q > 0)]) for c in present]
+        medians = [f"'{classes[c]}' {np.median(v):.0f}" for c, v in jpegs if len(v)]
+        out["JPEG quality"] = "median JPEG quantisation step (lower is a higher quality): " + ", ".join(medians)
     return out
+
+
+def _value_gap(values: np.ndarray, y: np.ndarray, classes: Sequence[str]) -> tuple[str, str, float, float] | None:
+    """(class, value, its share of the class, of the others) for the value whose share differs most."""
+    best: tuple[str, str, float, float] | None = None
+    for v in np.unique(values):
+        name, a, b = _share_gap(values == v, y, classes)
+        # the largest gap; on a tie, the value the class has rather than the one it lacks
+        if name and (best is None or (abs(a - b), a > b) > (abs(best[2] - best[3]), best[2] > best[3])):
+            best = (name, str(v), a, b)
+    return best
 
 
 def check_shortcuts(metas: Sequence[PhotoMeta], labels: Sequence[int] | np.ndarray, classes: Sequence[str],
@@ -211,6 +273,11 @@ def check_shortcuts(metas: Sequence[PhotoMeta], labels: Sequence[int] | np.ndarr
     x_all = x_all[:, x_all.max(axis=0) > 0]  # a feature with one value for every photo tells nothing
     # the same metadata on every photo cannot predict anything: no need to fit
     real = _cv_balanced_accuracy(x_all, y, n_classes, k, seed) if x_all.shape[1] else chance
+    one_class, y_all = None, y
+    if real < warn_at and n_classes > 2 and x_all.shape[1]:  # one class told from the rest (module docstring)
+        stood_out = _one_against_the_rest(x_all, y, names, seed)
+        if stood_out is not None:
+            one_class, y, n_classes, k, real, chance, warn_at, sd = stood_out
     per_feature: dict[str, float] = {}
     flagged: tuple[str, ...] = ()
     if real >= warn_at:  # name the features that carry the signal, each scored alone
@@ -221,4 +288,24 @@ def check_shortcuts(metas: Sequence[PhotoMeta], labels: Sequence[int] | np.ndarr
             flagged = tuple(sorted(FEATURES, key=lambda n: -per_feature[n])[:2])
     return ShortcutResult(round(real, 4), round(chance, 4), round(warn_at, 4), round(sd, 4),
                           {n: round(v, 4) for n, v in per_feature.items()}, flagged, k,
-                          _evidence(metas, y, names) if flagged else {})
+                          _evidence(metas, y_all, names) if flagged else {}, one_class)
+
+
+def _one_against_the_rest(x: np.ndarray, y: np.ndarray, names: Sequence[str], seed: int
+                          ) -> tuple[str, np.ndarray, int, int, float, float, float, float] | None:
+    """The class the metadata tells from all the others, scored as a two-label problem: (its name, the two
+    labels (1: the class), 2, folds, balanced accuracy, chance 0.5, threshold, null_sd) for the class furthest
+    above its threshold, or None when none reaches it."""
+    best = None
+    for c, name in enumerate(names):
+        mine = y == c
+        n_c, n_rest = int(mine.sum()), int((~mine).sum())
+        if min(n_c, n_rest) < MIN_PER_SIDE:
+            continue
+        k = int(min(FOLDS, n_c, n_rest))
+        sd = null_sd([n_rest, n_c])
+        warn_at = 0.5 + max(MIN_MARGIN, NULL_SIGMAS * sd)
+        score = _cv_balanced_accuracy(x, mine.astype(np.int64), 2, k, seed)
+        if score >= warn_at and (best is None or score - warn_at > best[4] - best[6]):
+            best = (name, mine.astype(np.int64), 2, k, score, 0.5, warn_at, sd)
+    return best

@@ -3,6 +3,7 @@ class balance, the metadata shortcut check, --dedupe and --check, on tiny photo 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import subprocess
@@ -261,12 +262,41 @@ def test_classes_that_differ_only_by_size_or_format_warn_naming_the_feature(tmp_
     assert s.flagged == (feature,), s
     assert s.balanced_accuracy >= s.warn_at > s.chance
     (warned,) = warnings_of(messages)
-    assert warned.startswith(f"warning: shortcut: {feature} alone predict the class")
+    assert warned.startswith(f"warning: shortcut: {feature} alone predicts the class")
     if kind == "format":
         assert "100 % of the 'rust' photos are PNG against 0 % of the others" in warned
         assert "re-save every photo in one format" in warned
     else:
         assert "'blight' 64x48, 'rust' 96x72" in warned
+
+
+def test_one_class_from_another_source_among_many_is_named():
+    """A class told apart from the rest and nothing else scores about 2/K on all classes at once, under the
+    threshold with many classes: it is found by scoring each class against the rest."""
+    rng = np.random.default_rng(3)
+    labels = np.repeat(np.arange(8), 40)
+    metas = [PhotoMeta(int(rng.integers(300, 3000)), int(rng.integers(300, 3000)), "PNG" if y == 5 else "JPEG",
+                     True, bool(rng.random() < 0.5)) for y in labels]
+    result = check_shortcuts(metas, labels, [f"insect{i}" for i in range(8)])
+    assert result.warns and result.one_class == "insect5" and result.chance == 0.5
+    assert result.flagged == ("file format",)
+    assert "100 % of the 'insect5' photos are PNG against 0 % of the others" in result.evidence["file format"]
+
+
+@pytest.mark.parametrize("field,values,feature,words", [
+    ("camera", ("PhoneX", "PhoneY"), "camera", "come from PhoneX"),
+    ("orientation", (6, 1), "EXIF orientation", "have orientation 6"),
+    ("mode", ("L", "RGB"), "colour mode", "are stored in mode L"),
+    ("jpeg_q", (40, 3), "JPEG quality", "'a' 40")])
+def test_camera_orientation_colour_mode_and_jpeg_quality_are_checked(field, values, feature, words):
+    rng = np.random.default_rng(4)
+    labels = np.repeat(np.arange(3), 30)
+    metas = [dataclasses.replace(PhotoMeta(int(rng.integers(300, 3000)), int(rng.integers(300, 3000)), "JPEG",
+                                           True, True, jpeg_q=int(rng.integers(3, 5))),
+                                 **{field: values[0] if y == 0 else values[1]}) for y in labels]
+    result = check_shortcuts(metas, labels, ["a", "b", "c"])
+    assert result.warns and feature in result.flagged, result
+    assert words in result.evidence[feature]
 
 
 def test_shuffled_labels_never_warn():
@@ -275,7 +305,9 @@ def test_shuffled_labels_never_warn():
         n, k = int(rng.integers(20, 200)), int(rng.integers(2, 6))
         metas = [PhotoMeta(int(rng.integers(100, 4000)), int(rng.integers(100, 3000)),
                            ["JPEG", "PNG", "WEBP"][int(rng.integers(0, 3))], bool(rng.random() < 0.9),
-                           bool(rng.random() < 0.5)) for _ in range(n)]
+                           bool(rng.random() < 0.5), ["RGB", "L"][int(rng.random() < 0.1)],
+                           ["", "PhoneX", "PhoneY"][int(rng.integers(0, 3))], int(rng.choice([1, 6])),
+                           int(rng.integers(2, 40))) for _ in range(n)]
         result = check_shortcuts(metas, rng.integers(0, k, n), [f"c{i}" for i in range(k)], seed=trial)
         assert not isinstance(result, str) and not result.warns, (trial, result)
     # a real shortcut, its labels shuffled: no warning either

@@ -178,3 +178,23 @@ def test_error_survives_pickling():
 
     err = pickle.loads(pickle.dumps(ImageDecodeError("truncated", "a.jpg", "cut")))
     assert err.reason == "truncated" and "a.jpg" in str(err)
+
+
+def test_the_header_says_mode_camera_orientation_and_jpeg_quality(tmp_path):
+    """What preprocess's shortcut check reads about a file, from the parse the decode makes anyway."""
+    exif = Image.Exif()
+    exif[0x010F], exif[0x0110], exif[0x0112] = "Acme", "PhoneX", 6
+    fine, coarse, grey = tmp_path / "fine.jpg", tmp_path / "coarse.jpg", tmp_path / "grey.png"
+    rgb = Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 60, 3), dtype=np.uint8))
+    rgb.save(fine, quality=95, exif=exif)
+    rgb.save(coarse, quality=40)
+    rgb.convert("L").save(grey)
+    headers = []
+    for path in (fine, coarse, grey):
+        header: dict = {}
+        decode_image(path, 16, header=header)
+        headers.append(header)
+    assert headers[0]["camera"] == "Acme PhoneX" and headers[0]["orientation"] == 6 and headers[0]["mode"] == "RGB"
+    assert 0 < headers[0]["jpeg_q"] < headers[1]["jpeg_q"]  # quality 95 quantises finer than 40
+    assert headers[1]["camera"] == "" and headers[1]["orientation"] == 1
+    assert headers[2]["mode"] == "L" and headers[2]["jpeg_q"] == 0

@@ -156,6 +156,8 @@ class DataReport(Record):
     removed: tuple[Removal, ...]
     warnings: tuple[str, ...]
     seconds: float  # what the checks cost (see leaflens.data_prep.ingest: checks_seconds)
+    # unlabelled photos that are copies of validation or test photos ("unlabelled = held-out (split)")
+    unlabeled_copies: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------------------- the checks

@@ -612,6 +612,7 @@ def _split_and_check(scan: ScanResult, decoded: _Decoded, opts: IngestOptions, w
                                seed=opts.seed, source=scan.root, layout=scan.layout, mode=mode,
                                decode_size=decode_size, exact_dropped=exact_dropped, look_alikes=look_alikes,
                                look_alike_pairs=copies.look_alike_pairs)
+    data = _unlabeled_copies(scan, decoded, assigned, bool(opts.dedupe), data)
     for k in removed:
         r = rows[k]
         f = files[kept[r]]
@@ -626,6 +627,42 @@ def _split_and_check(scan: ScanResult, decoded: _Decoded, opts: IngestOptions, w
     data = dataclasses.replace(data, seconds=round(main_seconds + worker_share, 3))
     log(format_data_report(data))
     return assigned, data
+
+
+def _unlabeled_copies(scan: ScanResult, decoded: _Decoded, assigned: list[str | None], dedupe: bool,
+                      data: DataReport) -> DataReport:
+    """Unlabelled photos that are copies of validation or test photos (exact or near, as the labelled
+    check finds them): the teacher self-trains on the unlabelled photos, so its validation and test figures
+    would credit it with photos it has seen. Warned about; with ``dedupe`` the copies are left out (their
+    rows' split set to None, listed in rejected.jsonl)."""
+    held = [r for r, split in enumerate(assigned) if split in ("val", "test")]
+    unl = [r for r, split in enumerate(assigned) if split == UNLABELED]
+    if not held or not unl:
+        return data
+    rows = held + unl
+    copies = find_copies(decoded.hashes[rows], decoded.colours[rows])
+    found: list[tuple[int, int]] = []  # (unlabelled row, held-out row it copies)
+    for group in copies.groups:
+        members = [rows[k] for k in group.members]
+        ours = [r for r in members if assigned[r] in ("val", "test")]
+        if ours:
+            found.extend((r, ours[0]) for r in members if assigned[r] == UNLABELED)
+    if not found:
+        return data
+    files, kept = scan.files, decoded.kept
+    pairs = tuple(f"{files[kept[u]].rel} = {files[kept[h]].rel} ({assigned[h]})" for u, h in found)
+    for u, h in found:
+        if dedupe:
+            assigned[u] = None
+            decoded.rejects.append({"path": files[kept[u]].rel, "label": -1, "split": files[kept[u]].split,
+                                    "reason": "duplicate",
+                                    "detail": f"removed by --dedupe: a copy of {files[kept[h]].rel} ({assigned[h]})"})
+    what = ("left out by --dedupe" if dedupe else
+            "remove them from the unlabelled folder, or run with --dedupe")
+    warning = (f"leakage: {len(found)} unlabelled photo{'s are copies' if len(found) > 1 else ' is a copy'} of "
+               f"validation or test photos (e.g. {pairs[0]}): the teacher learns from the unlabelled photos, so "
+               f"its validation and test figures would count photos it has seen; {what}")
+    return dataclasses.replace(data, warnings=(*data.warnings, warning), unlabeled_copies=pairs)
 
 
 def _split_counts(scan: ScanResult, kept: list[int], assigned: list[str | None]) -> dict[str, dict[str, int]]:

@@ -64,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.out is None and not args.check:
             raise ValueError("--out is required (or --check to run the data checks alone)")
+        if args.out is not None and args.check:
+            raise ValueError("--check writes no dataset: leave out --out (or --check, to build it)")
         opts = IngestOptions(size=args.size, resize=args.resize, ratios=parse_ratios(args.split),
                              seed=args.seed, max_pixels=args.max_pixels, dedupe=args.dedupe or None)
         check_options(opts)

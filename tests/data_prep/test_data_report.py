@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +68,26 @@ def run(src: Path, out: Path | None, **kw):
 
 def warnings_of(messages: list[str]) -> list[str]:
     return [m for m in "\n".join(messages).splitlines() if m.startswith("warning:")]
+
+
+def test_unlabelled_copies_of_validation_or_test_photos_are_leakage(tmp_path):
+    """The teacher self-trains on the unlabelled photos: a copy of a val or test photo among them would be
+    learnt and then scored. Warned about; --dedupe leaves the copies out (they were not even compared)."""
+    src = given_splits(tmp_path / "photos")
+    unl = src / "unlabeled"
+    unl.mkdir()
+    for i in range(4):
+        save(scene(50_000 + i), unl / f"own_{i}.jpg")  # unlabelled photos of their own
+    shutil.copy(src / "val" / "rust" / "val_0.jpg", unl / "u1.jpg")  # an exact copy
+    scene(10_000 * 2 + 1).resize((80, 60)).save(unl / "u2.jpg", quality=70)  # test/blight/test_1.jpg, resized
+    report, messages = run(src, tmp_path / "ds")
+    (warned,) = [w for w in warnings_of(messages) if "unlabelled" in w]
+    assert warned.startswith("warning: leakage: 2 unlabelled photos are copies of validation or test photos")
+    assert sorted(report.data.unlabeled_copies) == ["unlabeled/u1.jpg = val/rust/val_0.jpg (val)",
+                                                    "unlabeled/u2.jpg = test/blight/test_1.jpg (test)"]
+    assert len(load_dataset(tmp_path / "ds")["unlabeled"]) == 6
+    report, messages = run(src, tmp_path / "dd", opts=IngestOptions(size=SIZE, dedupe=True))
+    assert len(load_dataset(tmp_path / "dd")["unlabeled"]) == 4 and "left out by --dedupe" in "\n".join(messages)
 
 
 # ---------------------------------------------------------------------------- near duplicates
@@ -403,6 +424,10 @@ def test_check_exits_1_when_preprocess_would_refuse_the_data(tmp_path):
     assert "data checks on 16 labelled photos" in res.stdout  # the report comes first
     with pytest.raises(IngestError, match="no output folder"):
         run(src, None)
+    # --check writes nothing: an --out beside it is a usage error, not silently ignored
+    res = subprocess.run([sys.executable, "-m", "leaflens", "preprocess", "--src", str(src), "--check", "--out",
+                          str(tmp_path / "ds"), "--no-progress"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "--check writes no dataset" in res.stderr and not (tmp_path / "ds").exists()
 
 
 # ---------------------------------------------------------------------------- the run report

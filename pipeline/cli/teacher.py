@@ -111,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"leaflens teacher: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if args.std is not None and not all(v > 0 for v in args.std):
+        print(f"leaflens teacher: --std must be 3 numbers above 0, got {args.std}", file=sys.stderr)
+        return EXIT_USAGE
     choice = TeacherChoice(features=args.features, onnx=args.onnx, onnx_input_size=args.input_size,
                            onnx_layout=args.layout, onnx_mean=args.mean, onnx_std=args.std, onnx_output=args.output,
                            train_cnn=args.train_cnn, weights=args.weights)

@@ -16,11 +16,13 @@ and ``teacher.onnx`` to serve it (pipeline/teachers/served.py). :func:`run_teach
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import sys
 import time
+import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -31,7 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 from tqdm import tqdm
 
-from leaflens.data_prep.arrays import NpyRowWriter
+from leaflens.data_prep.arrays import NpyRowWriter, sha256_file
 from leaflens.data_prep.decode import decode_image_at
 from leaflens.data_prep.manifest import load_dataset, manifest_sha256, require_labelled_splits
 from leaflens.files import (
@@ -192,6 +194,30 @@ def iter_split_images(ds: Any, split: str, size: int, shorter_side: int | None, 
             yield np.stack(list(pool.map(load, paths[i:i + batch])))
 
 
+def _source_of(encoder: Any) -> str:
+    """The teacher's source, for a message: the ONNX model or features file it reads, else its kind."""
+    ident = encoder.identity() if hasattr(encoder, "identity") else {}
+    where = ident.get("path") if isinstance(ident, dict) else None
+    return f"teacher {where}" if where else f"{type(encoder).__name__} teacher"
+
+
+def _finite(values: Any, dtype: Any, what: str, split: str, encoder: Any) -> np.ndarray:
+    """``values`` as stored (``dtype``), refused when a value is NaN or inf there (an encoder's NaN output, or a
+    float64 1e300 that becomes inf as float32): training on them fails far from the cause."""
+    stored = np.asarray(values)
+    if stored.ndim != 2:
+        raise TeacherStageError(f"the {_source_of(encoder)} gives {what} of shape {stored.shape} for '{split}', "
+                                "expected one row per photo")
+    with np.errstate(over="ignore", invalid="ignore"):
+        stored = stored.astype(dtype, copy=False)
+    if not np.isfinite(stored).all():
+        bad = int((~np.isfinite(stored)).any(axis=1).sum())
+        raise TeacherStageError(f"the {_source_of(encoder)} gives {what} that are NaN or inf as {np.dtype(dtype).name} "
+                                f"for {bad} '{split}' photo(s): check the model's output (or the file's values) "
+                                "before using it as a teacher")
+    return stored
+
+
 def write_teacher(out: str | os.PathLike[str], ds: Any, encoder: Encoder, batch: int = 32,
                   shorter_side: int | None = None, from_arrays: bool = False, dtype: Any = np.float32,
                   stage: dict[str, Any] | None = None, seconds: float | None = None, progress: bool = True,
@@ -213,6 +239,12 @@ def write_teacher(out: str | os.PathLike[str], ds: Any, encoder: Encoder, batch:
     check_replaceable(out, TEACHER_JSON, "leaflens teacher folder")
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_temps(out)  # folders of killed runs
+    if encoder.feature_dim < 1:
+        raise TeacherStageError(f"the {_source_of(encoder)} gives 0 features a photo: a teacher needs at least one")
+    if encoder.num_classes and encoder.num_classes != ds.num_classes:
+        raise TeacherStageError(f"the {_source_of(encoder)} gives logits for {encoder.num_classes} classes, the "
+                                f"dataset has {ds.num_classes} ({', '.join(ds.classes)}): leave the logits out, or "
+                                "make them for this dataset's classes")
     tmp = new_temp_dir(out, kind="partial")
     try:
         total = sum(len(ds[s]) for s in ds.splits)
@@ -228,12 +260,12 @@ def write_teacher(out: str | os.PathLike[str], ds: Any, encoder: Encoder, batch:
                   else nullcontext() as lw):
                 for chunk in iter_split_images(ds, split, encoder.input_size, shorter_side, batch, from_arrays):
                     f, lg = encoder.encode(chunk)
-                    fw.write(f)
+                    fw.write(_finite(f, dtype, "features", split, encoder))
                     if lw is not None:
                         if lg is None:
                             raise TeacherStageError(f"the {type(encoder).__name__} teacher has {encoder.num_classes} "
                                                     "classes but returned no logits")
-                        lw.write(lg)
+                        lw.write(_finite(lg, np.float32, "logits", split, encoder))
                     bar.update(len(chunk))
         bar.close()
         view_info = None
@@ -303,11 +335,51 @@ class ArrayEncoder:
         assert self._split is not None
         a, b = self._row, self._row + len(images)
         self._row = b
-        lg = None if not self.logits else np.asarray(self.logits[self._split][a:b], np.float32)
-        return np.asarray(self.features[self._split][a:b], np.float32), lg
+        with np.errstate(over="ignore"):  # a value beyond float32 becomes inf, which write_teacher refuses
+            lg = None if not self.logits else np.asarray(self.logits[self._split][a:b], np.float32)
+            return np.asarray(self.features[self._split][a:b], np.float32), lg
 
     def identity(self) -> dict[str, Any]:
         return self._identity
+
+
+def _why(exc: BaseException) -> str:
+    text = str(exc)
+    if "pickle" in text.lower() or "object" in text.lower():
+        return "it is not a file of numeric .npy arrays, or it holds Python objects"
+    return text or type(exc).__name__
+
+
+def _load_array(path: Path) -> np.ndarray:
+    """A ``.npy`` file memory-mapped, never unpickled; TeacherStageError naming it when it cannot be."""
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise TeacherStageError(f"{path} cannot be read as a .npy array of numbers ({_why(exc)}): save it with "
+                                "numpy.save (no Python objects)") from None
+
+
+def _teacher_dataset(folder: Path) -> str | None:
+    """The manifest checksum a teacher folder's teacher.json records (None: not a teacher folder)."""
+    try:
+        data = json.loads((folder / TEACHER_JSON).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = data.get("dataset_manifest_sha256") if isinstance(data, dict) else None
+    return str(value) if value else None
+
+
+def _features_digest(path: Path, ds: Any) -> str:
+    """``sha256:<hex>`` of what ``--features`` read: the .npz file, or the folder's features and logits files of
+    the dataset's splits in order (teacher.json pins the content, not only the path)."""
+    if not path.is_dir():
+        return sha256_file(path)
+    h = hashlib.sha256()
+    for split in ds.splits:
+        for name in feature_paths(split):
+            if (path / name).is_file():
+                h.update(f"{name}\0{sha256_file(path / name)}\n".encode())
+    return "sha256:" + h.hexdigest()
 
 
 def read_features_source(path: Path, ds: Any) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
@@ -315,31 +387,46 @@ def read_features_source(path: Path, ds: Any) -> tuple[dict[str, np.ndarray], di
     feats: dict[str, np.ndarray] = {}
     logits: dict[str, np.ndarray] = {}
     if path.is_dir():
+        made_for = _teacher_dataset(path)
+        if made_for is not None and made_for != manifest_sha256(ds.root):
+            raise TeacherStageError(f"--features {path} is a teacher folder made for another dataset (manifest "
+                                    f"checksum {made_for[:12]}... against {ds.root}'s): its rows are another "
+                                    "dataset's photos; make the teacher for this dataset")
         for split in ds.splits:
             fname, lname = feature_paths(split)
             if not (path / fname).is_file():
                 raise TeacherStageError(f"{path} has no {fname} for split '{split}'")
-            feats[split] = np.load(path / fname, mmap_mode="r", allow_pickle=False)
+            feats[split] = _load_array(path / fname)
             if (path / lname).is_file():
-                logits[split] = np.load(path / lname, mmap_mode="r", allow_pickle=False)
+                logits[split] = _load_array(path / lname)
     elif path.suffix == ".npz" and path.is_file():
-        with np.load(path, allow_pickle=False) as z:
-            for split in ds.splits:
-                key = f"features_{split}"
-                if key not in z.files:
-                    raise TeacherStageError(f"{path} has no array '{key}' (has: {', '.join(z.files)})")
-                feats[split] = z[key]
-                if f"logits_{split}" in z.files:
-                    logits[split] = z[f"logits_{split}"]
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                for split in ds.splits:
+                    key = f"features_{split}"
+                    if key not in z.files:
+                        raise TeacherStageError(f"{path} has no array '{key}' (has: {', '.join(z.files)})")
+                    feats[split] = z[key]
+                    if f"logits_{split}" in z.files:
+                        logits[split] = z[f"logits_{split}"]
+        except (OSError, ValueError, TypeError, zipfile.BadZipFile, AttributeError) as exc:
+            if isinstance(exc, TeacherStageError):
+                raise
+            raise TeacherStageError(f"--features {path} cannot be read as an .npz of numeric arrays ({_why(exc)}): "
+                                    "save it with numpy.savez (no Python objects)") from None
     else:
         raise TeacherStageError(f"--features {path}: expected a folder of features_<split>.npy or an .npz file")
-    for split, f in feats.items():
-        n = len(ds[split])
-        if f.ndim != 2 or f.shape[0] != n:
-            raise TeacherStageError(f"{path}: features for '{split}' have shape {f.shape}, the dataset has {n} rows "
-                                    "(features must be aligned with the manifest's row order)")
-        if not np.isfinite(np.asarray(f)).all():
-            raise TeacherStageError(f"{path}: features for '{split}' contain NaN or inf")
+    for kind, arrays in (("features", feats), ("logits", logits)):
+        for split, f in arrays.items():
+            n = len(ds[split])
+            if f.dtype.kind not in "fiu":
+                raise TeacherStageError(f"{path}: {kind} for '{split}' are {f.dtype} values; a teacher's are real "
+                                        "numbers (float32)")
+            if f.ndim != 2 or f.shape[0] != n:
+                raise TeacherStageError(f"{path}: {kind} for '{split}' have shape {f.shape}, the dataset has {n} rows "
+                                        f"({kind} must be a 2-D array aligned with the manifest's row order)")
+            if not np.isfinite(np.asarray(f)).all():
+                raise TeacherStageError(f"{path}: {kind} for '{split}' contain NaN or inf")
     if logits and set(logits) != set(feats):
         raise TeacherStageError(f"{path}: logits are given for some splits only ({sorted(logits)})")
     return feats, (logits or None)
@@ -438,7 +525,9 @@ def make_encoder(ds: Any, cfg: StageConfig, choice: TeacherChoice, out: Path, fr
     """The chosen teacher as an encoder, and what making it recorded (its training, for teacher.json)."""
     if choice.features is not None:
         feats, logits = read_features_source(choice.features, ds)
-        return ArrayEncoder(feats, logits, choice.features, ds.image_size), {}
+        identity = {"kind": "features-file", "path": str(Path(choice.features).resolve()),
+                    "sha256": _features_digest(Path(choice.features), ds)}
+        return ArrayEncoder(feats, logits, choice.features, ds.image_size, identity), {}
     if choice.onnx is not None:
         from leaflens.pipeline.teachers.onnx_encoder import OnnxEncoder  # noqa: PLC0415
 

@@ -29,16 +29,19 @@ def ds_dir(tmp_path_factory):
     return tiny_dataset(tmp_path_factory.mktemp("teacher"), per_class=12, size=16)
 
 
-def _tiny_encoder(path, size=16, dim=6):
-    """NCHW conv encoder: 3 -> dim channels, global average pool, flatten."""
+def _tiny_encoder(path, size=16, dim=6, batch="batch", channels=3, tail=()):
+    """NCHW conv encoder: 3 -> dim channels, global average pool, flatten (then ``tail``'s ops, e.g. "Log")."""
     rng = np.random.default_rng(0)
-    w = helper.make_tensor("w", TensorProto.FLOAT, [dim, 3, 3, 3], rng.standard_normal((dim, 3, 3, 3)).ravel())
+    w = helper.make_tensor("w", TensorProto.FLOAT, [dim, channels, 3, 3],
+                           rng.standard_normal((dim, channels, 3, 3)).ravel())
     nodes = [helper.make_node("Conv", ["input", "w"], ["c"], pads=[1, 1, 1, 1]),
              helper.make_node("Relu", ["c"], ["r"]),
              helper.make_node("GlobalAveragePool", ["r"], ["g"]),
-             helper.make_node("Flatten", ["g"], ["features"])]
+             helper.make_node("Flatten", ["g"], ["features" if not tail else "f0"])]
+    for i, op in enumerate(tail):
+        nodes.append(helper.make_node(op, [f"f{i}"], ["features" if i == len(tail) - 1 else f"f{i + 1}"]))
     graph = helper.make_graph(nodes, "enc", [helper.make_tensor_value_info("input", TensorProto.FLOAT,
-                                                                           ["batch", 3, size, size])],
+                                                                           [batch, channels, size, size])],
                               [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", dim])], [w])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
@@ -108,6 +111,62 @@ def test_onnx_encoder_teacher(ds_dir, tmp_path, capsys):
     assert tt.feature_dim == 6 and not tt.has_logits
     assert tt.info.teacher["kind"] == "onnx" and tt.info.input_size == 16
     assert np.isfinite(np.asarray(tt.features["train"])).all()
+
+
+def test_onnx_encoders_that_cannot_teach_are_refused_by_name(ds_dir, tmp_path, capsys):
+    """NaN features (they made distill stop on "non-finite losses", pointing at the learning rate), a grey
+    model, and a zero std are said in one line naming the model; a graph with a fixed batch of 1 runs."""
+    nan = _tiny_encoder(tmp_path / "nan.onnx", tail=("Neg", "Log"))  # log of minus a mean of ReLUs: NaN or -inf
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--onnx", str(nan), "--quiet"]) == 1
+    assert "nan.onnx gives features that are NaN or inf as float32" in capsys.readouterr().err
+    grey = _tiny_encoder(tmp_path / "grey.onnx", channels=1)
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--onnx", str(grey)]) == 1
+    assert "its input has 1 channel(s)" in capsys.readouterr().err
+    enc = _tiny_encoder(tmp_path / "enc.onnx")
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--onnx", str(enc), "--std", "0",
+                "0", "0"]) == 2
+    assert "--std must be 3 numbers above 0" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()
+    one = _tiny_encoder(tmp_path / "one.onnx", batch=1)  # exported for one photo at a time
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t1"), "--onnx", str(one),
+                "--quiet"]) == 0
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t2"), "--onnx", str(enc),
+                "--quiet"]) == 0
+    ds = load_dataset(ds_dir)
+    np.testing.assert_allclose(load_teacher(tmp_path / "t1", ds).features["val"],
+                               load_teacher(tmp_path / "t2", ds).features["val"], rtol=1e-5, atol=1e-6)
+
+
+def test_features_files_that_cannot_teach_are_refused_by_name(ds_dir, tmp_path, capsys):
+    """Logits for another class count, a pickled .npz (never loaded), values that overflow float32, and a
+    teacher folder made for another dataset (its rows are other photos); the identity pins the content."""
+    ds = load_dataset(ds_dir)
+
+    def refused(source, words: str) -> None:
+        assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--features",
+                    str(source)]) == 1
+        assert words in capsys.readouterr().err and not (tmp_path / "t").exists()
+
+    feats = class_features(ds_dir, tmp_path / "five", dim=8)
+    for split in ds.splits:
+        np.save(feats / f"logits_{split}.npy", np.zeros((len(ds[split]), ds.num_classes + 2), np.float32))
+    refused(feats, f"gives logits for {ds.num_classes + 2} classes, the dataset has {ds.num_classes}")
+    marker = tmp_path / "pwned"
+    np.savez(tmp_path / "evil.npz", **{f"features_{s}": np.array([object()] * len(ds[s])) for s in ds.splits})
+    refused(tmp_path / "evil.npz", "cannot be read as an .npz of numeric arrays")
+    assert not marker.exists()
+    big = class_features(ds_dir, tmp_path / "big", dim=8)
+    np.save(big / "features_train.npy", np.full((len(ds["train"]), 8), 1e300))  # finite in float64, inf as float32
+    refused(big, "gives features that are NaN or inf as float32")
+    ok = class_features(ds_dir, tmp_path / "ok", dim=8)
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "made"), "--features", str(ok),
+                "--quiet"]) == 0
+    identity = load_teacher(tmp_path / "made", ds).info.teacher
+    assert identity["kind"] == "features-file" and identity["sha256"].startswith("sha256:")
+    other = tiny_dataset(tmp_path / "other_ds", per_class=13, size=16)
+    assert cli(["teacher", "--dataset", str(other), "--out", str(tmp_path / "t"), "--features",
+                str(tmp_path / "made")]) == 1
+    assert "is a teacher folder made for another dataset" in capsys.readouterr().err
 
 
 def test_not_an_onnx_file_is_refused(ds_dir, tmp_path, capsys):

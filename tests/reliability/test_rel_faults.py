@@ -34,21 +34,22 @@ POISONED = (2, 17)
 
 
 def _write_teacher(ds_dir: Path, out: Path, poison: str | tuple[int, ...] = ()) -> Path:
-    """Class-prototype features (a good teacher), stored as float16; ``poison`` rows of train (or "all")
-    are set to 1e6, which float16 stores as inf."""
+    """Class-prototype features (a good teacher), stored as float16; then ``poison`` rows of train (or "all")
+    are overwritten with inf in the file. The teacher stage refuses to write such a file (since 2026-12-04 it
+    checks what it stores), so the poison is put in afterwards: distill must still cope with a teacher folder
+    made by an older version, or edited."""
     ds = load_dataset(ds_dir)
     rng = np.random.default_rng(0)
     protos = rng.standard_normal((ds.num_classes, 12))
     feats = {}
     for split in ds.splits:
         f = protos[np.asarray(ds[split].labels)] + 0.3 * rng.standard_normal((len(ds[split]), 12))
-        if split == "train":
-            f[:] = 1e6 if poison == "all" else f
-            if poison != "all":
-                f[list(poison)] = 1e6
         feats[split] = f.astype(np.float32)
-    with np.errstate(over="ignore"):
-        write_teacher(out, ds, ArrayEncoder(feats, None, out, ds.image_size), dtype=np.float16, progress=False)
+    write_teacher(out, ds, ArrayEncoder(feats, None, out, ds.image_size), dtype=np.float16, progress=False)
+    stored = np.load(out / "features_train.npy", mmap_mode="r+")
+    stored[slice(None) if poison == "all" else list(poison)] = np.inf
+    stored.flush()
+    del stored
     return out
 
 

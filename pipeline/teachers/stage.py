@@ -582,6 +582,9 @@ def run_teacher_stage(dataset_dir: str | os.PathLike[str], out: str | os.PathLik
     t0 = time.perf_counter()
     out = Path(out)
     check_replaceable(out, TEACHER_JSON, "leaflens teacher folder")  # before minutes of fine-tuning
+    if choice.features is not None and cfg.teacher.views > 1:
+        raise TeacherSettingError("--views needs a teacher that can look at images; precomputed features "
+                                  "(--features) cannot be recomputed on augmented views: leave out --views")
     ds = load_dataset(dataset_dir)
     require_labelled_splits(ds, "a teacher's epoch and out-of-domain threshold are chosen on val, and distill "
                                 "reports on test")

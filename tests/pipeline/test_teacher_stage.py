@@ -151,6 +151,9 @@ def test_features_files_that_cannot_teach_are_refused_by_name(ds_dir, tmp_path, 
     for split in ds.splits:
         np.save(feats / f"logits_{split}.npy", np.zeros((len(ds[split]), ds.num_classes + 2), np.float32))
     refused(feats, f"gives logits for {ds.num_classes + 2} classes, the dataset has {ds.num_classes}")
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--features",
+                str(class_features(ds_dir, tmp_path / "plain", dim=8)), "--views", "2"]) == 2  # a usage error
+    assert "cannot be recomputed on augmented views" in capsys.readouterr().err
     marker = tmp_path / "pwned"
     np.savez(tmp_path / "evil.npz", **{f"features_{s}": np.array([object()] * len(ds[s])) for s in ds.splits})
     refused(tmp_path / "evil.npz", "cannot be read as an .npz of numeric arrays")

@@ -252,6 +252,15 @@ class StepResult:
     grad_norm: float | None = None  # the gradients' global norm before clipping (None: not clipped)
 
 
+def _any_nonfinite(params: list[Any]) -> Any:
+    """Whether any gradient holds inf/NaN, as a 0-d boolean array on the gradients' device (False: none)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return False
+    xp = array_module(grads[0])
+    return ~xp.stack([xp.isfinite(g).all() for g in grads]).all()
+
+
 def train_step(optimizer: Any, scaler: GradScaler, compute_loss: Callable[[], Any],
                clip_grad_norm: float | None = None) -> StepResult:
     """One optimiser step, in float32 or mixed precision as ``scaler.enabled`` says.
@@ -290,6 +299,8 @@ def train_step(optimizer: Any, scaler: GradScaler, compute_loss: Callable[[], An
                 scaler.scale(loss).backward(check_finite=on_host)
             found_inf = scaler.unscale_on_device_(params)  # true gradients before clipping
             norm = None if clip_grad_norm is None else clip_grad_norm_(params, float(clip_grad_norm))
+            if not scaler.enabled and norm is None:  # float32 without clipping: nothing above looked at them
+                found_inf = _any_nonfinite(params)
         # The step's one host read: the loss (finite?), the overflow flag, the gradient norm, the input checks.
         loss_value, found, norm_value, *checks = read_floats(
             [loss.data, found_inf, 0.0 if norm is None else norm, *(flag for flag, _, _ in pending)])
@@ -298,11 +309,12 @@ def train_step(optimizer: Any, scaler: GradScaler, compute_loss: Callable[[], An
             raise NonFiniteLossError(f"loss is {loss_value}: a non-finite loss, the step is left out (check the "
                                      "learning rate, the inputs and the labels)")
         scaler.set_found_inf(bool(found))
-        if found:  # inf/NaN gradients: only with mixed precision
-            if scaler.get_scale() > 1.0:
+        if found:  # inf/NaN gradients
+            if scaler.enabled and scaler.get_scale() > 1.0:
                 scaler.update()
                 return StepResult(loss, output, stepped=False, overflow=True)
-            raise NonFiniteLossError("gradients are not finite even with the loss scale at 1")
+            raise NonFiniteLossError("gradients are not finite even with the loss scale at 1" if scaler.enabled
+                                     else "gradients are not finite (in float32, with a finite loss)")
         grad_norm = None if norm is None else norm_value
         if grad_norm is not None and not math.isfinite(grad_norm):
             raise NonFiniteLossError(f"gradient norm is {grad_norm}")

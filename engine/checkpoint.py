@@ -118,6 +118,30 @@ def load_checkpoint(path: str | os.PathLike[str], model: Module | None = None, o
     a checkpoint made for a different model, or one lacking a state asked for, naming the file."""
     path = Path(path)
     meta, arrays = read_checkpoint_arrays(path)
+    for wanted, key, what in ((optimizer, "optimizer", "no optimiser state"),
+                              (scheduler, "scheduler", "no scheduler state"),
+                              (ema, "ema", "no weight average (it was written by a run without one)")):
+        if wanted is not None and key not in meta:
+            raise CheckpointError(f"checkpoint {path} holds {what}")
+    # all or nothing: a state that fails to load puts back what was loaded before it
+    before = (None if model is None else model.state_dict(),
+              None if optimizer is None else optimizer.state_dict(),
+              None if scheduler is None else scheduler.state_dict())
+    try:
+        return _load_into(path, meta, arrays, model, optimizer, scheduler, generators, ema)
+    except BaseException:
+        if model is not None and before[0] is not None:
+            model.load_state_dict(before[0])
+        if optimizer is not None and before[1] is not None:
+            optimizer.load_state_dict(before[1])
+        if scheduler is not None and before[2] is not None:
+            scheduler.load_state_dict(before[2])
+        raise
+
+
+def _load_into(path: Path, meta: dict[str, Any], arrays: dict[str, np.ndarray], model: Module | None,
+               optimizer: Optimizer | None, scheduler: Scheduler | None,
+               generators: Mapping[str, np.random.Generator] | None, ema: ModelEMA | None) -> Checkpoint:
     if model is not None:
         saved_sig = meta.get("model_signature", {})
         own_sig = model_signature(model)
@@ -130,18 +154,15 @@ def load_checkpoint(path: str | os.PathLike[str], model: Module | None = None, o
                 f"model {own_sig.get(first)}")
         model.load_state_dict({k[len("model/"):]: v for k, v in arrays.items() if k.startswith("model/")})
     if optimizer is not None:
-        if "optimizer" not in meta:
-            raise CheckpointError(f"checkpoint {path} holds no optimiser state")
-        optimizer.load_state_dict({"meta": meta["optimizer"],
-                                   "arrays": {k[len("optim/"):]: v for k, v in arrays.items()
-                                              if k.startswith("optim/")}})
+        try:
+            optimizer.load_state_dict({"meta": meta["optimizer"],
+                                       "arrays": {k[len("optim/"):]: v for k, v in arrays.items()
+                                                  if k.startswith("optim/")}})
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"checkpoint {path}: {exc}") from exc
     if scheduler is not None:
-        if "scheduler" not in meta:
-            raise CheckpointError(f"checkpoint {path} holds no scheduler state")
         scheduler.load_state_dict(meta["scheduler"])
     if ema is not None:
-        if "ema" not in meta:
-            raise CheckpointError(f"checkpoint {path} holds no weight average (it was written by a run without one)")
         try:
             ema.load_state_dict({"meta": meta["ema"],
                                  "arrays": {k[len("ema/"):]: v for k, v in arrays.items() if k.startswith("ema/")}})

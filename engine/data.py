@@ -453,6 +453,10 @@ class DataLoader:
                           ("shuffle", self.shuffle), ("drop_last", self.drop_last)):
             if state.get(key) != mine:
                 raise ValueError(f"loader state has {key}={state.get(key)!r}, this loader has {mine!r}")
+        mine_aug = _jsonish(asdict(self.augment)) if self.augment is not None else None
+        if "augment" in state and _jsonish(state["augment"]) != mine_aug:
+            raise ValueError(f"loader state was saved with augment={state['augment']!r}, this loader has "
+                             f"{mine_aug!r}: resuming would change the training data mid-run")
         seed, epoch, done = int(state["seed"]), int(state["epoch"]), int(state["batches_done"])
         if not 0 <= done <= len(self):
             raise ValueError(f"loader state batches_done={done} is outside 0..{len(self)}")

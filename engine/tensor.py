@@ -52,6 +52,9 @@ class Tensor:
         if isinstance(data, Tensor):
             data = data.data
         self.data = _as_array(data, dtype)
+        if requires_grad and self.data.dtype.kind not in "fc":
+            raise TypeError(f"only floating-point tensors can require grad, got {self.data.dtype} (a gradient "
+                            "would be truncated to it): cast with .astype(np.float32) first")
         self.grad: Any = None
         self.requires_grad = bool(requires_grad)
         self.creator: Function | None = None
@@ -296,12 +299,17 @@ def _raw(x: Any) -> Any:
 
 
 def as_tensor(x: Any, like: Tensor | None = None) -> Tensor:
-    """Wrap ``x`` as a Tensor; Python scalars take the dtype and device of ``like``."""
+    """Wrap ``x`` as a Tensor; Python scalars take the dtype and device of ``like``, except a fractional
+    scalar beside an integer or boolean ``like``, which becomes float32 (uint8 pixels * (1 / 255) must not be
+    truncated to 0)."""
     if isinstance(x, Tensor):
         return x
     if like is not None and np.isscalar(x):
         xp = array_module(like.data)
-        return Tensor(xp.asarray(x, dtype=like.dtype))
+        dtype = like.dtype
+        if dtype.kind not in "fc" and isinstance(x, (float, complex, np.inexact)):
+            dtype = np.dtype(np.float32)
+        return Tensor(xp.asarray(x, dtype=dtype))
     return Tensor(x)
 
 
@@ -324,7 +332,8 @@ class Function:
         self.recording = record
         ys = self.forward(*[t.data for t in tensors])
         single = not isinstance(ys, tuple)
-        outputs = [Tensor(y, requires_grad=record) for y in ((ys,) if single else ys)]
+        # an integer output (a cast to int) has no gradient, even from inputs that have one
+        outputs = [Tensor(y, requires_grad=record and y.dtype.kind in "fc") for y in ((ys,) if single else ys)]
         if record:
             self.inputs = tensors
             self.outputs = [weakref.ref(o) for o in outputs]

@@ -112,7 +112,7 @@ __device__ __forceinline__ void xent_soft_forward(const T* __restrict__ logits, 
         const float w = qr[c];
         online_add(m, s, v);
         qsum += w;
-        qz += w * v;
+        if (w != 0.f) qz += w * v;  // a masked class (logit -inf) without target mass adds 0, not NaN
     }
     const float lse = block_logsumexp(m, s, sm, ss);
     qsum = block_sum(qsum, sq);

@@ -48,7 +48,7 @@ def _count(cp: Any, kind: str, stats: Any, n: int, ignore_index: int | None) -> 
     """The mean's row count: rows not ignored (a device scalar, at least 1) or simply N."""
     if kind == "hard" and ignore_index is not None:
         return cp.maximum(stats[:, 1].sum(), np.float32(1))
-    return np.float32(n)
+    return np.float32(max(n, 1))  # an empty batch's mean is 0, as in the engine
 
 
 def _check_reduction(name: str, reduction: str) -> None:

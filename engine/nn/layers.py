@@ -122,6 +122,8 @@ class ReLU6(Module):
 class LeakyReLU(Module):
     def __init__(self, negative_slope: float = 0.01):
         super().__init__()
+        if not 0 <= negative_slope < 1:
+            raise ValueError(f"LeakyReLU: negative_slope must be in [0, 1), got {negative_slope}")
         self.negative_slope = negative_slope
 
     def forward(self, x: Any) -> Any:

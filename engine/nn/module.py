@@ -90,9 +90,15 @@ class Module:
 
     # ---- walking the tree ---------------------------------------------------------------------
     def named_modules(self, prefix: str = "") -> Iterator[tuple[str, Module]]:
+        """Every module once, under the first name it is reached by (a module used twice, as in weight tying,
+        is one module: its parameters and buffers have one name in the state dict)."""
         stack: list[tuple[str, Module]] = [(prefix, self)]
+        seen: set[int] = set()
         while stack:
             name, mod = stack.pop()
+            if id(mod) in seen:
+                continue
+            seen.add(id(mod))
             yield name, mod
             children = [(f"{name}.{k}" if name else k, m) for k, m in mod._modules.items()]
             stack.extend(reversed(children))
@@ -163,9 +169,12 @@ class Module:
         Returns the names that were not loaded (only possible with strict=False).
         """
         own: dict[str, tuple[Module, str, str]] = {}
+        seen: set[int] = set()  # a parameter shared by two modules has the one name state_dict() gives it
         for prefix, mod in self.named_modules():
-            for k in mod._parameters:
-                own[f"{prefix}.{k}" if prefix else k] = (mod, k, "param")
+            for k, p in mod._parameters.items():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    own[f"{prefix}.{k}" if prefix else k] = (mod, k, "param")
             for k in mod._buffers:
                 own[f"{prefix}.{k}" if prefix else k] = (mod, k, "buffer")
         missing = [k for k in own if k not in state]

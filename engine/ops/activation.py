@@ -203,6 +203,10 @@ def relu(x: Any) -> Tensor:
 
 
 def leaky_relu(x: Any, slope: float = 0.01) -> Tensor:
+    """max(x, 0) + slope * min(x, 0) for a slope in [0, 1): the backward reads its mask from the output's
+    sign (as the GPU kernel does), which a negative slope would flip."""
+    if not 0 <= slope < 1:
+        raise ValueError(f"leaky_relu: slope must be in [0, 1), got {slope}")
     return LeakyReLU(slope)(x)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from leaflens.engine.backend import array_module
-from leaflens.engine.tensor import Function, Tensor, sum_to
+from leaflens.engine.tensor import Function, Tensor, as_tensor, sum_to
 
 
 def _check_broadcast(op: str, a: Any, b: Any) -> None:
@@ -81,6 +81,8 @@ class Pow(Function):
         return x ** self.p
 
     def backward(self, gy):
+        if self.p == 0:  # x ** 0 is constant: 0 * x ** -1 would be NaN at x = 0
+            return gy * gy.dtype.type(0)
         return gy * self.p * self.x ** (self.p - 1)
 
 
@@ -194,20 +196,32 @@ class Cast(Function):
         return gy.astype(self.src, copy=False)
 
 
+def _promoted(a: Any, b: Any) -> tuple[Tensor, Tensor]:
+    """The two operands of an elementwise op, an integer or boolean one cast to the other's float dtype
+    (as PyTorch does): NumPy would make int64 * float32 float64, which the next float32 op refuses."""
+    like = a if isinstance(a, Tensor) else b if isinstance(b, Tensor) else None
+    ta, tb = as_tensor(a, like), as_tensor(b, like)
+    if ta.dtype.kind == "f" and tb.dtype.kind in "biu":
+        tb = Tensor(tb.data.astype(ta.dtype))
+    elif tb.dtype.kind == "f" and ta.dtype.kind in "biu":
+        ta = Tensor(ta.data.astype(tb.dtype))
+    return ta, tb
+
+
 def add(a: Any, b: Any) -> Tensor:
-    return Add()(a, b)
+    return Add()(*_promoted(a, b))
 
 
 def sub(a: Any, b: Any) -> Tensor:
-    return Sub()(a, b)
+    return Sub()(*_promoted(a, b))
 
 
 def mul(a: Any, b: Any) -> Tensor:
-    return Mul()(a, b)
+    return Mul()(*_promoted(a, b))
 
 
 def div(a: Any, b: Any) -> Tensor:
-    return Div()(a, b)
+    return Div()(*_promoted(a, b))
 
 
 def neg(x: Any) -> Tensor:
@@ -241,11 +255,11 @@ def clip(x: Any, lo: float | None, hi: float | None) -> Tensor:
 
 
 def maximum(a: Any, b: Any) -> Tensor:
-    return Maximum()(a, b)
+    return Maximum()(*_promoted(a, b))
 
 
 def minimum(a: Any, b: Any) -> Tensor:
-    return Minimum()(a, b)
+    return Minimum()(*_promoted(a, b))
 
 
 def cast(x: Any, dtype: Any) -> Tensor:

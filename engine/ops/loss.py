@@ -59,8 +59,9 @@ class CrossEntropy(Function):
                 raise ValueError(f"cross_entropy: soft targets of shape {tuple(t.shape)} for logits of shape "
                                  f"{tuple(logits.shape)}")
             q = t.astype(logits.dtype, copy=False)
-            count = logits.dtype.type(n)
-        per_row = -(q * logp).sum(axis=1)
+            count = logits.dtype.type(max(n, 1))  # an empty batch: 0, as for class indices
+        # a class with no target mass adds nothing, even at a logit of -inf (masked out): 0 * -inf would be NaN
+        per_row = -(q * xp.where(q != 0, logp, 0)).sum(axis=1)
         self.q, self.logp, self.count = q, logp, count
         if self.reduction == "none":
             return per_row
@@ -83,7 +84,8 @@ class CrossEntropy(Function):
 
 def cross_entropy(logits: Any, target: Any, label_smoothing: float = 0.0, ignore_index: int | None = None,
                   reduction: str = "mean") -> Tensor:
-    """Softmax cross-entropy of (N, C) logits against class indices (N,) or probabilities (N, C)."""
+    """Softmax cross-entropy of (N, C) logits against class indices (N,) or probabilities (N, C);
+    ``label_smoothing`` eps mixes either target with the uniform one: (1 - eps) * q + eps / C."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if not 0.0 <= label_smoothing < 1.0:
@@ -91,6 +93,10 @@ def cross_entropy(logits: Any, target: Any, label_smoothing: float = 0.0, ignore
     t = target.data if isinstance(target, Tensor) else target
     if not hasattr(t, "dtype"):
         t = array_module(logits.data if isinstance(logits, Tensor) else logits).asarray(t)
+    if label_smoothing and t.dtype.kind not in "iu" and t.ndim == 2:  # soft targets are smoothed the same way
+        c = t.shape[1]
+        t = t * t.dtype.type(1 - label_smoothing) + t.dtype.type(label_smoothing / c)
+        label_smoothing = 0.0
     return CrossEntropy(t, label_smoothing, ignore_index, reduction)(amp.float_input(logits))
 
 

@@ -68,8 +68,9 @@ PIECE = 256
 
 def applies(x: Any, w: Any, stride: tuple[int, int], pads: tuple[int, int, int, int], groups: int) -> bool:
     """Whether the Winograd path serves this convolution: NumPy float32/64, 3x3, stride 1, pad 1 on every
-    side, groups 1, an even output height and width, and at least MIN_CHANNELS input channels."""
+    side, groups 1, an even output height and width, at least MIN_CHANNELS input channels and one image."""
     return (isinstance(x, np.ndarray) and x.dtype in (np.float32, np.float64) and x.dtype == w.dtype
+            and x.shape[0] > 0
             and w.shape[2:] == (3, 3) and stride == (1, 1) and pads == (1, 1, 1, 1) and groups == 1
             and x.shape[1] % 2 == 0 and x.shape[2] % 2 == 0 and x.shape[3] >= MIN_CHANNELS)
 

@@ -76,17 +76,20 @@ class Optimizer:
             raise ValueError(f"optimiser state is for {meta.get('type')}, not {type(self).__name__}")
         if [g["num_params"] for g in meta["groups"]] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError("optimiser state has a different number of parameters per group than this optimiser")
-        for g, saved in zip(self.param_groups, meta["groups"]):
-            g.update({k: v for k, v in saved.items() if k != "num_params"})
         params = list(self._all_params())
-        self.state = {}
+        loaded: dict[int, dict[str, Any]] = {}  # built whole before anything changes: a bad state changes nothing
         for key, value in arrays.items():
             index, name = key.split(".", 1)
+            if not index.isdigit() or int(index) >= len(params):
+                raise ValueError(f"optimiser state {key!r} names no parameter of this optimiser ({len(params)})")
             p = params[int(index)]
             if name != "step" and value.shape != p.data.shape:
                 raise ValueError(f"optimiser state {key!r} has shape {value.shape}, parameter has {p.data.shape}")
             if name == "step":  # a step counter stays on the host (see Adam.update)
-                self.state.setdefault(id(p), {})[name] = int(value)
+                loaded.setdefault(id(p), {})[name] = int(value)
                 continue
             xp = array_module(p.data)
-            self.state.setdefault(id(p), {})[name] = xp.asarray(value).copy()
+            loaded.setdefault(id(p), {})[name] = xp.asarray(value).copy()
+        for g, saved in zip(self.param_groups, meta["groups"]):
+            g.update({k: v for k, v in saved.items() if k != "num_params"})
+        self.state = loaded

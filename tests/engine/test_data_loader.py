@@ -136,9 +136,13 @@ def test_resume_mid_epoch_reproduces_the_rest_of_the_run():
     assert fresh.epoch == 2
     bad = dict(state, num_samples=44)
     with pytest.raises(ValueError, match="num_samples"):
-        DataLoader(ds, 6).load_state_dict(bad)
+        DataLoader(ds, 6, augment=aug).load_state_dict(bad)
     with pytest.raises(ValueError, match="rng"):
-        DataLoader(ds, 6).load_state_dict(dict(state, epoch=0))
+        DataLoader(ds, 6, augment=aug).load_state_dict(dict(state, epoch=0))
+    with pytest.raises(ValueError, match="augment"):  # other augmentation: the rest of the run would differ
+        DataLoader(ds, 6, augment=Augment(crop="pad", pad=3)).load_state_dict(state)
+    with pytest.raises(ValueError, match="augment"):
+        DataLoader(ds, 6).load_state_dict(state)
 
 
 def test_break_restarts_the_same_epoch():

@@ -194,6 +194,17 @@ def test_softmax_xent_soft_targets(backend, dtype):
     close(backend.get(d), want_d.astype(dtype), dtype)
 
 
+def test_softmax_xent_soft_targets_with_a_masked_class(backend):
+    logits = np.array([[-np.inf, 0.0, 0.0], [1.0, -np.inf, 2.0]], np.float32)  # a class masked out per row
+    q = np.array([[0.0, 1.0, 0.0], [0.5, 0.0, 0.5]], np.float32)  # no target mass on the masked classes
+    loss, stats = softmax_xent_forward_cuda(backend.put(logits), backend.put(q))
+    want_loss, want_d = engine_xent(logits, q, 0.0, 1.0)
+    assert np.isfinite(want_loss)
+    close(float(backend.get(loss)), want_loss)
+    d = softmax_xent_backward_cuda(backend.put(logits), backend.put(q), stats, 1.0)
+    close(backend.get(d), want_d)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("ignore_index,smoothing", [(-1, 0.0), (-1, 0.1), (2, 0.05)])

@@ -1,0 +1,173 @@
+"""Edge cases of the engine's semantics a user of the library meets: integer tensors beside floats, shared
+modules in the state dict, non-finite float32 gradients, masked logits, smoothing of soft targets, empty
+batches, and states that fail to load leaving everything as it was."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from leaflens.engine import NonFiniteLossError, Tensor, nn, ops
+from leaflens.engine.amp import GradScaler, train_step
+from leaflens.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from leaflens.engine.nn import Parameter
+from leaflens.engine.optim import SGD, Adam
+
+
+# ---- integers beside floats ------------------------------------------------------------------------------
+def test_a_fractional_scalar_beside_an_integer_tensor_is_not_truncated():
+    pixels = Tensor(np.array([[200, 100]], np.uint8))
+    np.testing.assert_allclose((pixels * (1 / 255)).data, [[200 / 255, 100 / 255]], rtol=1e-6)
+    np.testing.assert_allclose((pixels - 127.5).data, [[72.5, -27.5]])  # no wrap-around in uint8
+    assert (pixels * (1 / 255)).dtype == np.float32  # the engine's float, as for Tensor(0.5)
+    counts = Tensor(np.array([1, 2, 3]))
+    np.testing.assert_allclose((counts + 0.5).data, [1.5, 2.5, 3.5])
+    np.testing.assert_allclose((0.5 * counts).data, [0.5, 1.0, 1.5])
+    assert (counts + 1).dtype == counts.dtype  # integers stay integers
+
+
+def test_an_integer_tensor_takes_the_float_dtype_of_the_other_operand():
+    w = Tensor(np.array([0.5, 2.0], np.float32), requires_grad=True)
+    y = Tensor(np.array([1, 2])) * w
+    assert y.dtype == np.float32  # not NumPy's float64, which the next float32 op would refuse
+    (y + w).sum().backward()
+    np.testing.assert_allclose(w.grad, [2.0, 3.0])
+    assert ops.maximum(Tensor(np.array([1, 5])), w).dtype == np.float32
+
+
+def test_only_float_tensors_can_require_grad():
+    with pytest.raises(TypeError, match="floating-point"):
+        Tensor(np.array([1, 2, 3]), requires_grad=True)
+    x = Tensor(np.array([1.5, 2.5], np.float32), requires_grad=True)
+    assert not ops.cast(x, np.int32).requires_grad  # a cast to int has no gradient
+
+
+# ---- shared modules ----------------------------------------------------------------------------------------
+class _Tied(nn.Module):
+    def __init__(self, seed: int):
+        super().__init__()
+        self.enc = nn.Linear(4, 4, rng=np.random.default_rng(seed))
+        self.dec = self.enc  # the same module twice
+        self.bn = nn.BatchNorm2d(2)
+        self.bn_again = self.bn
+
+
+class _TiedWeight(nn.Module):
+    def __init__(self, seed: int):
+        super().__init__()
+        self.enc = nn.Linear(4, 4, rng=np.random.default_rng(seed))
+        self.dec = nn.Linear(4, 4, rng=np.random.default_rng(seed + 1))
+        self.dec.weight = self.enc.weight  # one parameter in two modules
+
+
+@pytest.mark.parametrize("cls", [_Tied, _TiedWeight])
+def test_a_model_with_shared_parts_loads_its_own_state(cls, tmp_path):
+    saved = cls(0)
+    state = saved.state_dict()
+    assert len(state) == len(set(id(p) for p in saved.parameters())) + len(list(saved.named_buffers()))
+    fresh = cls(5)
+    fresh.load_state_dict(state)
+    for (name, a), (_, b) in zip(saved.named_parameters(), fresh.named_parameters()):
+        np.testing.assert_array_equal(a.data, b.data, err_msg=name)
+    assert fresh.dec.weight is fresh.enc.weight  # still shared after loading
+    save_checkpoint(tmp_path / "t.npz", saved)
+    load_checkpoint(tmp_path / "t.npz", cls(7))
+
+
+# ---- non-finite float32 gradients --------------------------------------------------------------------------
+def test_float32_step_without_clipping_refuses_non_finite_gradients():
+    p = Parameter(np.array([0.0, 1.0], np.float32))
+    before = p.data.copy()
+    with np.errstate(divide="ignore"), pytest.raises(NonFiniteLossError, match="not finite"):
+        train_step(SGD([p], lr=0.1), GradScaler(enabled=False), lambda: ops.sqrt(p).sum())  # d/dp at 0 is inf
+    np.testing.assert_array_equal(p.data, before)  # the optimiser was not touched
+    q = Parameter(np.array([1.0, 4.0], np.float32))
+    result = train_step(SGD([q], lr=0.1), GradScaler(enabled=False), lambda: ops.sqrt(q).sum())
+    assert result.stepped
+    np.testing.assert_allclose(q.data, [1.0 - 0.05, 4.0 - 0.025])
+
+
+# ---- cross-entropy -----------------------------------------------------------------------------------------
+def test_cross_entropy_with_a_masked_class_is_finite():
+    z = Tensor(np.array([[-np.inf, 0.0, 0.0]], np.float32), requires_grad=True)
+    loss = ops.cross_entropy(z, np.array([1]))
+    np.testing.assert_allclose(loss.item(), np.log(2), rtol=1e-6)
+    soft = ops.cross_entropy(z, np.array([[0.0, 0.5, 0.5]], np.float32))
+    np.testing.assert_allclose(soft.item(), np.log(2), rtol=1e-6)
+    soft.backward()
+    np.testing.assert_allclose(z.grad, [[0.0, 0.0, 0.0]], atol=1e-7)
+    # target mass on the masked class: the loss is infinite, as it should be
+    with np.errstate(invalid="ignore"):
+        assert np.isinf(ops.cross_entropy(z, np.array([0])).item())
+
+
+def test_label_smoothing_applies_to_soft_targets():
+    z = Tensor(np.array([[2.0, 0.0, -1.0]], np.float32))
+    onehot = np.array([[1.0, 0.0, 0.0]], np.float32)
+    smoothed_by_hand = onehot * 0.7 + 0.1
+    assert ops.cross_entropy(z, onehot, label_smoothing=0.3).item() == pytest.approx(
+        ops.cross_entropy(z, smoothed_by_hand).item(), rel=1e-6)
+    assert ops.cross_entropy(z, onehot, label_smoothing=0.3).item() == pytest.approx(
+        ops.cross_entropy(z, np.array([0]), label_smoothing=0.3).item(), rel=1e-6)
+
+
+def test_empty_batches():
+    z = Tensor(np.zeros((0, 3), np.float32), requires_grad=True)
+    assert ops.cross_entropy(z, np.zeros((0, 3), np.float32)).item() == 0.0
+    assert ops.cross_entropy(z, np.zeros(0, np.int64)).item() == 0.0
+    x = Tensor(np.zeros((0, 4, 4, 16), np.float32), requires_grad=True)  # 16 channels: the Winograd size
+    w = Tensor(np.ones((4, 16, 3, 3), np.float32), requires_grad=True)
+    y = ops.conv2d(x, w, padding=1)
+    assert y.shape == (0, 4, 4, 4)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and not w.grad.any()
+
+
+# ---- small gradients ----------------------------------------------------------------------------------------
+def test_gradient_of_x_to_the_zero_is_zero_at_zero():
+    x = Tensor(np.array([0.0, 2.0]), requires_grad=True)
+    (x ** 0).sum().backward()
+    np.testing.assert_array_equal(x.grad, [0.0, 0.0])
+
+
+def test_leaky_relu_refuses_a_slope_its_backward_cannot_follow():
+    with pytest.raises(ValueError, match="slope"):
+        ops.leaky_relu(Tensor(np.ones(2, np.float32)), -0.5)
+    with pytest.raises(ValueError, match="negative_slope"):
+        nn.LeakyReLU(1.5)
+
+
+# ---- failed loads change nothing ---------------------------------------------------------------------------
+def test_an_optimiser_state_that_fails_to_load_changes_nothing():
+    params = [Parameter(np.ones(2, np.float32)), Parameter(np.ones(3, np.float32))]
+    opt = Adam(params, lr=1e-3)
+    for p in params:
+        p.grad = np.ones_like(p.data)
+    opt.step()
+    good = opt.state_dict()
+    bad = {"meta": {**good["meta"], "groups": [dict(g, lr=123.0) for g in good["meta"]["groups"]]},
+           "arrays": {**good["arrays"], "1.exp_avg": np.zeros(5, np.float32)}}
+    with pytest.raises(ValueError, match="shape"):
+        opt.load_state_dict(bad)
+    assert opt.param_groups[0]["lr"] == 1e-3
+    after = opt.state_dict()
+    assert sorted(after["arrays"]) == sorted(good["arrays"])
+    for k, v in good["arrays"].items():
+        np.testing.assert_array_equal(after["arrays"][k], v)
+
+
+def test_a_checkpoint_that_fails_to_load_leaves_the_model_as_it_was(tmp_path):
+    src = nn.Linear(3, 2, rng=np.random.default_rng(0))
+    save_checkpoint(tmp_path / "no_optim.npz", src)  # no optimiser state in it
+    target = nn.Linear(3, 2, rng=np.random.default_rng(1))
+    before = target.state_dict()
+    with pytest.raises(CheckpointError, match="no optimiser state"):
+        load_checkpoint(tmp_path / "no_optim.npz", target, optimizer=SGD(target.parameters(), lr=0.1))
+    for k, v in before.items():
+        np.testing.assert_array_equal(target.state_dict()[k], v)
+    other_opt = Adam(nn.Linear(3, 2).parameters(), lr=1e-3)  # Adam state for an SGD optimiser: refused
+    save_checkpoint(tmp_path / "adam.npz", src, optimizer=other_opt)
+    with pytest.raises(CheckpointError, match="Adam"):
+        load_checkpoint(tmp_path / "adam.npz", target, optimizer=SGD(target.parameters(), lr=0.1))
+    for k, v in before.items():
+        np.testing.assert_array_equal(target.state_dict()[k], v)

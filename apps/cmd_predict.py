@@ -25,7 +25,7 @@ from leaflens.apps.model_card import ModelError
 from leaflens.apps.predictor import Prediction, Predictor
 from leaflens.apps.providers import add_provider_argument, requested_providers
 from leaflens.data_prep.scan import IMAGE_EXTENSIONS, ScanError, walk_folder
-from leaflens.files import results_file_problem, write_path_atomic
+from leaflens.files import csv_starting, results_file_problem, write_path_atomic
 
 __all__ = ["add_parser", "collect_images", "csv_header", "csv_row", "run", "skipped_note", "write_csv"]
 
@@ -79,8 +79,27 @@ def shown(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+# control characters in a file name would split a line of the tab-separated output: written as escapes
+_CONTROL = {c: f"\\x{c:02x}" for c in range(32)} | {9: "\\t", 10: "\\n", 13: "\\r", 127: "\\x7f"}
+
+
+def shown_on_a_line(text: str) -> str:
+    """:func:`shown`, with tabs, newlines and other control characters escaped (one photo, one line)."""
+    return shown(text).translate(_CONTROL)
+
+
+def csv_text(text: str | None) -> str | None:
+    """A text cell as a spreadsheet cannot run it: one starting with = + - @ (or a tab or carriage return) is a
+    formula to Excel and LibreOffice, so it gets a leading apostrophe (file and class names come from users,
+    and the web page's uploads from anyone)."""
+    if text and text[0] in "=+-@\t\r":
+        return "'" + text
+    return text
+
+
 def _collect(args: Sequence[str | os.PathLike], skipped: Counter[str] | None) -> list[str]:
     found: list[str] = []
+    passed_over: dict[str, str] = {}  # real path -> extension of each file the folders' walk skipped
     for arg in args:
         path = Path(arg)
         if path.is_dir():
@@ -92,8 +111,8 @@ def _collect(args: Sequence[str | os.PathLike], skipped: Counter[str] | None) ->
                     ext = os.path.splitext(name)[1].lower()
                     if ext in IMAGE_EXTENSIONS:
                         found.append(os.path.join(dirpath, name))
-                    elif skipped is not None:
-                        skipped[ext] += 1
+                    else:
+                        passed_over[os.path.realpath(os.path.join(dirpath, name))] = ext
         elif path.exists():
             found.append(os.fspath(path))
         else:
@@ -105,6 +124,8 @@ def _collect(args: Sequence[str | os.PathLike], skipped: Counter[str] | None) ->
         if key not in seen:
             seen.add(key)
             unique.append(name)
+    if skipped is not None:  # a file the walk passed over but that was also named is not skipped
+        skipped.update(ext for real, ext in passed_over.items() if real not in seen)
     return unique
 
 
@@ -138,12 +159,13 @@ def csv_row(p: Prediction, top_k: int) -> list[str | None]:
     row: list[str | None]
     if p.ok:
         named = p.verdict != "out_of_domain"  # no class is named for a photo unlike the training photos
-        row = [shown(p.source), p.verdict, p.label if named else "",
+        row = [csv_text(shown(p.source)), p.verdict, csv_text(p.label) if named else "",
                "" if p.confidence is None or not named else f"{p.confidence:.6f}",
                str(p.uncertain).lower(), "" if p.ood_score is None else f"{p.ood_score:.6g}"]
-        ranked = [v for cls, prob in p.top[:top_k] for v in (cls, f"{prob:.6f}")] if named else []
+        ranked = [v for cls, prob in p.top[:top_k] for v in (csv_text(cls), f"{prob:.6f}")] if named else []
         return row + ranked + [""] * (2 * top_k - len(ranked)) + [""]
-    return [shown(p.source), verdict_of(p), "", "", "", "", *[""] * (2 * top_k), p.error]
+    return [csv_text(shown(p.source)), verdict_of(p), "", "", "", "", *[""] * (2 * top_k),
+            csv_text(None if p.error is None else shown(p.error))]
 
 
 def write_csv(path: str | os.PathLike, predictions: Iterable[Prediction], top_k: int) -> None:
@@ -174,7 +196,7 @@ def _line(p: Prediction, top_k: int) -> str:
     refused or unreadable one."""
     verdict = verdict_of(p)
     if not p.ok:
-        return f"{shown(p.source)}\t{verdict}\t{p.reason}\t{p.error}"
+        return f"{shown_on_a_line(p.source)}\t{verdict}\t{p.reason}\t{shown_on_a_line(str(p.error))}"
     if verdict == "ambiguous":
         answer = " or ".join(cls for cls, _ in p.top[:2])
     elif verdict == "out_of_domain":
@@ -184,7 +206,7 @@ def _line(p: Prediction, top_k: int) -> str:
     ranked = ", ".join(f"{cls} {prob:.3f}" for cls, prob in p.top[:top_k]) if verdict != "out_of_domain" else ""
     if p.ood_score is not None:
         ranked += f"{'; ' if ranked else ''}ood_score {p.ood_score:.3g}"
-    return f"{shown(p.source)}\t{verdict}\t{answer}\t{ranked}"
+    return f"{shown_on_a_line(p.source)}\t{verdict}\t{shown_on_a_line(answer)}\t{shown_on_a_line(ranked)}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -196,7 +218,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
         if args.threads is not None and args.threads < 1:
             raise UsageError(f"--threads must be >= 1, got {args.threads}")
-        if args.csv and (problem := results_file_problem(args.csv, {"the model": args.model}, "results.csv")):
+        if args.csv and (problem := results_file_problem(args.csv, {"the model": args.model}, "results.csv",
+                                                            ours=csv_starting(csv_header(0)[:2]))):
             raise UsageError(f"--csv {problem}")
         skipped: Counter[str] = Counter()
         files = collect_images(args.images, skipped)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 import warnings
 import zlib
 
@@ -37,6 +38,8 @@ __all__ = [
 
 # 120 megapixels: admits 108 MP phone sensors, refuses absurd declared sizes before decoding.
 DEFAULT_MAX_PIXELS = 120_000_000
+# the most bytes read from one file: 120 M pixels of 16-bit RGB uncompressed is 720 MB, far beyond any photo
+MAX_FILE_BYTES = 1 << 30
 # Letterbox fill for resize="pad" (black, like the borders of a photo print scan).
 PAD_VALUE = 0
 # Antialiasing filter for the final resize. BOX (exact area average) and LANCZOS differ by well
@@ -84,17 +87,24 @@ def _source_name(src: Source) -> str:
     return "<bytes>" if isinstance(src, (bytes, bytearray, memoryview)) else os.fspath(src)
 
 
-def read_source(src: Source) -> bytes:
-    """Return the encoded bytes of ``src`` (a path or bytes); refuse empty or unreadable files."""
+def read_source(src: Source, max_bytes: int = MAX_FILE_BYTES) -> bytes:
+    """Return the encoded bytes of ``src`` (a path or bytes); refuse empty or unreadable files, anything but a
+    regular file (a pipe would wait for a writer forever, /dev/zero never ends) and files over ``max_bytes``."""
     name = _source_name(src)
     if isinstance(src, (bytes, bytearray, memoryview)):
         data = bytes(src)
     else:
         try:
-            with open(src, "rb") as fh:
-                data = fh.read()
+            # non-blocking, so that opening a named pipe returns at once and can be refused
+            fd = os.open(src, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+            with open(fd, "rb", closefd=True) as fh:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise ImageDecodeError("unreadable", name, "not a regular file (a pipe, device or socket)")
+                data = fh.read(max_bytes + 1)
         except OSError as exc:
             raise ImageDecodeError("unreadable", name, exc.strerror or str(exc)) from exc
+        if len(data) > max_bytes:
+            raise ImageDecodeError("too_large", name, f"the file is over {max_bytes / 2**20:.0f} MB")
     if not data:
         raise ImageDecodeError("empty", name, "the file has 0 bytes")
     return data

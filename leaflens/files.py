@@ -18,7 +18,7 @@ import json
 import os
 import secrets
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -162,10 +162,39 @@ def find_moved(recorded: PathLike, start: PathLike, same: Callable[[Path], bool]
     return None
 
 
-def results_file_problem(target: PathLike, inputs: dict[str, PathLike], example: str = "results.json") -> str | None:
+def csv_starting(columns: Sequence[str]) -> Callable[[Path], bool]:
+    """A test for :func:`results_file_problem`: does the file's first line start with these CSV columns?"""
+    want = ",".join(columns)
+
+    def test(path: Path) -> bool:
+        try:
+            with open(path, encoding="utf-8-sig", errors="replace", newline="") as fh:
+                return fh.readline(4096).startswith(want)
+        except OSError:
+            return False
+    return test
+
+
+def json_with(keys: Sequence[str]) -> Callable[[Path], bool]:
+    """A test for :func:`results_file_problem`: is the file a JSON object (at most 64 MB) with these keys?"""
+    def test(path: Path) -> bool:
+        try:
+            if path.stat().st_size > 64 * 2**20:
+                return False
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return False
+        return isinstance(data, dict) and all(k in data for k in keys)
+    return test
+
+
+def results_file_problem(target: PathLike, inputs: dict[str, PathLike], example: str = "results.json",
+                         ours: Callable[[Path], bool] | None = None) -> str | None:
     """Why a command's results file (``--csv``, ``--json``) cannot go to ``target``, checked before the work;
     None when it can. ``inputs`` names what the command reads (``{"the model": path, "the photos": folder}``):
-    a results file must never replace the model, or a photo inside a folder it reads."""
+    a results file must never replace the model, or a photo inside a folder it reads. ``ours`` tells an earlier
+    results file of the same command (:func:`csv_starting`, :func:`json_with`): with it, an existing file that
+    is anything else (a model, a report of another stage, a photo) is not replaced either."""
     target = Path(target)
     if target.is_dir():
         return f"{target} is a folder; give a file path (e.g. {target / example})"
@@ -182,6 +211,11 @@ def results_file_problem(target: PathLike, inputs: dict[str, PathLike], example:
             if real == src or (src.is_dir() and src in real.parents and not own_kind):
                 return (f"{target} is {what}" if real == src else f"{target} is a file in {what} ({source})") + \
                     "; writing the results there would replace it: give a new file path"
+        if not real.is_file():
+            return f"{target} is not a regular file; give a file path (e.g. {example})"
+        if ours is not None and not ours(real):
+            return (f"{target} exists and is not an earlier results file of this command; writing the results "
+                    "there would replace it: give a new file path (or delete that file first)")
     return None
 
 
@@ -192,6 +226,16 @@ _STAGE_FOLDERS = ((("manifest.json", "train_files.txt"), "dataset", "leaflens pr
                   (("report.json", "run_id.json"), "run", "leaflens distill"),
                   (("parity.json", "student.onnx"), "export", "leaflens export"),
                   (("synth.json",), "synthetic photos", "leaflens data synth"))
+
+
+def stage_folder_above(target: PathLike) -> tuple[Path, str, str] | None:
+    """The nearest folder above ``target`` that a stage replaces whole when it runs again, as (folder, kind,
+    command); None when there is none."""
+    for parent in Path(os.path.abspath(target)).parents:
+        for markers, kind, stage in _STAGE_FOLDERS:
+            if all((parent / m).is_file() for m in markers):
+                return parent, kind, stage
+    return None
 
 
 def check_replaceable(target: PathLike, marker: str, what: str) -> None:
@@ -206,11 +250,10 @@ def check_replaceable(target: PathLike, marker: str, what: str) -> None:
     if not here.is_dir() or not os.access(here, os.W_OK | os.X_OK):
         raise OutputNotWritableError(f"output {target} cannot be written: {here} is not a folder you can write in "
                                      "(permission denied); give another --out")
-    for parent in Path(os.path.abspath(target)).parents:
-        for markers, kind, stage in _STAGE_FOLDERS:
-            if all((parent / m).is_file() for m in markers):
-                raise NotOurFolderError(f"output {target} is inside the {kind} folder {parent}, which `{stage}` "
-                                        "replaces whole when it runs again: give a folder outside it")
+    if (above := stage_folder_above(target)) is not None:
+        parent, kind, stage = above
+        raise NotOurFolderError(f"output {target} is inside the {kind} folder {parent}, which `{stage}` "
+                                "replaces whole when it runs again: give a folder outside it")
     if target.exists() and (not target.is_dir() or (any(target.iterdir()) and not (target / marker).exists())):
         raise NotOurFolderError(f"output {target} exists and is not a {what} (no {marker} in it); refusing to "
                                 "replace it: give a new or empty folder")

@@ -18,10 +18,19 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 from leaflens.pipeline.cli.runtime import configure_process
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 3
+
+
+def path_arg(text: str) -> Path:
+    """``type=`` for a path option: an empty one (an unset shell variable) is a usage error, not the current
+    folder that ``Path("")`` would make of it."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; give a file or folder")
+    return Path(text)
 
 # Optional dependencies a command may need, and the extra of pyproject.toml that installs each on the CPU (on
 # an NVIDIA machine the GPU extra that `leaflens doctor` names brings them too).
@@ -85,7 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     configure_process(engine=command in ENGINE_COMMANDS)
     parser = build_parser(only=command if command in SUBCOMMANDS else None)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said with the subcommand's own usage line, not the top-level one
+        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        owner = subparsers.choices.get(args.command, parser) if args.command else parser
+        owner.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return 2

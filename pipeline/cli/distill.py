@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from leaflens.pipeline.cli import EXIT_REFUSED, EXIT_STOPPED, EXIT_USAGE
+from leaflens.pipeline.cli import EXIT_REFUSED, EXIT_STOPPED, EXIT_USAGE, path_arg
 from leaflens.pipeline.config import DEFAULT_CONFIG, ConfigError, load_config
 from leaflens.pipeline.models.family import family_option
 
@@ -21,10 +21,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "fine-tuned teacher when it serves (teacher.onnx) and beats the best student by "
                     "distill.teacher_margin. Writes checkpoints, metrics.jsonl, curves.png, confusion.png, "
                     f"report.json and report.md. Defaults: pipeline/{DEFAULT_CONFIG.name}.")
-    p.add_argument("--dataset", type=Path, default=Path("artifacts/dataset"), help="preprocessed dataset folder")
-    p.add_argument("--teacher", type=Path, default=Path("artifacts/teacher"), help="teacher folder (features)")
-    p.add_argument("--out", type=Path, default=Path("artifacts/student"), help="run folder to write")
-    p.add_argument("--config", type=Path, help="TOML file overriding the defaults")
+    p.add_argument("--dataset", type=path_arg, default=Path("artifacts/dataset"), help="preprocessed dataset folder")
+    p.add_argument("--teacher", type=path_arg, default=Path("artifacts/teacher"), help="teacher folder (features)")
+    p.add_argument("--out", type=path_arg, default=Path("artifacts/student"), help="run folder to write")
+    p.add_argument("--config", type=path_arg, help="TOML file overriding the defaults")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one setting, e.g. --set train.epochs=10 (repeatable)")
     p.add_argument("--no-teacher", action="store_true", help="train from scratch only (cross-entropy alone)")

@@ -18,10 +18,10 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from leaflens.cpus import THREADS_ENV
+from leaflens.pipeline.cli import path_arg
 from leaflens.pipeline.doctor import (
     MemberSpec,
     ModelSpec,
@@ -283,7 +283,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--classes", type=int, default=None, help="number of classes (default: 10, or the run's)")
     parser.add_argument("--mixed-precision", choices=("auto", "on", "off"), default=None,
                         help="size for float16 training (auto: on with a GPU; default: the recipe's setting)")
-    parser.add_argument("--run", type=Path, default=None,
+    parser.add_argument("--run", type=path_arg, default=None,
                         help="a trained run folder (leaflens distill --out): size its student and image size")
     parser.add_argument("--json", action="store_true", help="print the facts as one JSON object")
     parser.add_argument("--no-bandwidth", action="store_true", help="skip the host-to-device bandwidth measurement")

@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from pathlib import Path
 
 from leaflens.apps.model_arg import add_model_argument, missing_model
 from leaflens.apps.providers import add_provider_argument, requested_providers
+from leaflens.pipeline.cli import path_arg
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -26,13 +26,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "1: some photos could not be read; 2: usage or model error.",
     )
     add_model_argument(p)
-    p.add_argument("folder", nargs="?", type=Path, metavar="PHOTOS",
+    p.add_argument("folder", nargs="?", type=path_arg, metavar="PHOTOS",
                    help="folder of class folders: PHOTOS/<class>/*.jpg (or --photos PHOTOS)")
-    p.add_argument("--photos", type=Path, default=None, help="the same folder, named as an option")
-    p.add_argument("--not-known", type=Path, default=None, metavar="FOLDER",
+    p.add_argument("--photos", type=path_arg, default=None, help="the same folder, named as an option")
+    p.add_argument("--not-known", type=path_arg, default=None, metavar="FOLDER",
                    help="also photos of no class of the model (other crops, insects, anything): how many it calls "
                         "'not a photo this model knows' or 'unsure', and how many get a diagnosis they should not")
-    p.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file (atomically)")
+    p.add_argument("--json", type=path_arg, default=None, help="also write the figures to this JSON file (atomically)")
     p.add_argument("--batch-size", type=int, default=32, help="photos per model call (default 32)")
     p.add_argument("--threads", type=int, default=None,
                    help="onnxruntime intra-op threads (default: the CPUs this process may use)")
@@ -44,7 +44,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from leaflens.apps.model_card import ModelError  # noqa: PLC0415
     from leaflens.apps.predictor import Predictor  # noqa: PLC0415
-    from leaflens.files import results_file_problem, write_json_atomic  # noqa: PLC0415
+    from leaflens.files import json_with, results_file_problem, write_json_atomic  # noqa: PLC0415
     from leaflens.pipeline.evaluate import (  # noqa: PLC0415
         EvaluationError,
         evaluate_not_known,
@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
             raise EvaluationError(f"--threads must be >= 1, got {args.threads}")
         read = {"the model": args.model, "the photos": photos,
                 **({"the not-known photos": args.not_known} if args.not_known is not None else {})}
-        if args.json is not None and (problem := results_file_problem(args.json, read)):
+        if args.json is not None and (problem := results_file_problem(args.json, read, ours=json_with(
+                ("model", "photos", "summary")))):
             raise EvaluationError(f"--json {problem}")
         if (missing := missing_model(args.model)) is not None:
             raise EvaluationError(missing)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from leaflens.pipeline.cli import EXIT_REFUSED, EXIT_USAGE
+from leaflens.pipeline.cli import EXIT_REFUSED, EXIT_USAGE, path_arg
 
 if TYPE_CHECKING:
     from leaflens.pipeline.export.quantize import Int8Recipe
@@ -29,15 +29,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "model repository. Fails (exit 1, nothing replaced) when FP32/FP16 parity does not hold "
                     "or the served test accuracy is more than 0.5 points from the engine's.",
     )
-    p.add_argument("--run", type=Path, default=Path("artifacts/student"),
+    p.add_argument("--run", type=path_arg, default=Path("artifacts/student"),
                    help="trained run folder holding best.npz (default artifacts/student)")
-    p.add_argument("--out", type=Path, default=Path("artifacts/export"),
+    p.add_argument("--out", type=path_arg, default=Path("artifacts/export"),
                    help="output folder, replaced atomically (default artifacts/export)")
-    p.add_argument("--dataset", type=Path, default=None,
+    p.add_argument("--dataset", type=path_arg, default=None,
                    help="the dataset the run was trained on, for calibration and parity (default: the one the "
                         "run's best.npz names, confirmed by its manifest's SHA-256, also after the project "
                         "folder was moved)")
-    p.add_argument("--triton", type=Path, default=None,
+    p.add_argument("--triton", type=path_arg, default=None,
                    help="Triton model repository to write <name>/ into (default OUT/triton)")
     p.add_argument("--name", default="leaflens_student", help="Triton model name (default leaflens_student)")
     p.add_argument("--triton-variant", choices=("fp32", "fp16", "int8"), default="fp32",

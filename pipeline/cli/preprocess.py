@@ -9,7 +9,7 @@ from leaflens.data_prep.decode import DEFAULT_MAX_PIXELS
 from leaflens.data_prep.ingest import IngestError, IngestOptions, check_options, ingest
 from leaflens.data_prep.scan import ScanError
 from leaflens.data_prep.split import parse_ratios
-from leaflens.files import results_file_problem
+from leaflens.files import json_with, results_file_problem
 from leaflens.pipeline.cli import EXIT_OK, EXIT_REFUSED, EXIT_USAGE
 
 
@@ -69,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
         opts = IngestOptions(size=args.size, resize=args.resize, ratios=parse_ratios(args.split),
                              seed=args.seed, max_pixels=args.max_pixels, dedupe=args.dedupe or None)
         check_options(opts)
-        if args.report and (problem := results_file_problem(args.report, {"the photos": args.src})):
+        if args.report and (problem := results_file_problem(args.report, {"the photos": args.src},
+                                                                ours=json_with(("source", "layout", "decode_size")))):
             raise ValueError(f"--report {problem}")
     except (ValueError, IngestError) as exc:
         print(f"leaflens preprocess: error: {exc}", file=sys.stderr)

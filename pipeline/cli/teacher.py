@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from leaflens.pipeline.cli import EXIT_REFUSED, EXIT_STOPPED, EXIT_USAGE
+from leaflens.pipeline.cli import EXIT_REFUSED, EXIT_STOPPED, EXIT_USAGE, path_arg
 from leaflens.pipeline.config import ConfigError, load_config
 
 
@@ -26,19 +26,19 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "the dataset by the engine (use --frozen to skip fine-tuning). Alternatives: --onnx, "
                     "--features, --train-cnn. The recipe is the [teacher] section of pipeline/distill_default.toml "
                     "(--config, --set teacher.key=value); the flags below that name a setting override it.")
-    p.add_argument("--config", type=Path, help="TOML file overriding the default recipe (its [teacher] section)")
+    p.add_argument("--config", type=path_arg, help="TOML file overriding the default recipe (its [teacher] section)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one setting, e.g. --set teacher.epochs=4 (repeatable)")
-    p.add_argument("--dataset", type=Path, default=Path("artifacts/dataset"), help="preprocessed dataset folder")
-    p.add_argument("--out", type=Path, default=Path("artifacts/teacher"), help="teacher folder to write")
+    p.add_argument("--dataset", type=path_arg, default=Path("artifacts/dataset"), help="preprocessed dataset folder")
+    p.add_argument("--out", type=path_arg, default=Path("artifacts/teacher"), help="teacher folder to write")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--onnx", type=Path, metavar="MODEL", help="use this ONNX image encoder")
-    src.add_argument("--features", type=Path, metavar="PATH",
+    src.add_argument("--onnx", type=path_arg, metavar="MODEL", help="use this ONNX image encoder")
+    src.add_argument("--features", type=path_arg, metavar="PATH",
                      help="import precomputed features: a folder of features_<split>.npy or an .npz")
     src.add_argument("--train-cnn", action="store_true", help="train a wide CNN teacher on the dataset itself")
     p.add_argument("--frozen", action="store_true",
                    help="EfficientNet: use the ImageNet features as they are (teacher.frozen = true)")
-    p.add_argument("--weights", type=Path, help="EfficientNet-Lite0 .pth file (default: the installed package's)")
+    p.add_argument("--weights", type=path_arg, help="EfficientNet-Lite0 .pth file (default: the installed package's)")
     p.add_argument("--epochs", type=int, help="fine-tuning (teacher.epochs) or --train-cnn (teacher.cnn_epochs) epochs")
     p.add_argument("--finetune-from-block", type=int, metavar="K",
                    help="EfficientNet: blocks before K (of 16) stay frozen (cached), the rest is trained "

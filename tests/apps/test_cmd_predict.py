@@ -148,7 +148,7 @@ def test_usage_and_model_errors_exit_two(tiny_model, tmp_path, capsys):
     assert main(["predict", str(photo), "--model", str(model), "--top-k", "0"]) == 2
     before = photo.read_bytes()
     assert main(["predict", str(tmp_path), "--model", str(model), "--csv", str(photo)]) == 2  # a typo'd --csv
-    assert "is one of the photos to classify" in capsys.readouterr().err and photo.read_bytes() == before
+    assert "is not an earlier results file" in capsys.readouterr().err and photo.read_bytes() == before
     assert main(["predict", str(photo), "--model", str(model), "--csv", str(empty)]) == 2
     assert "is a folder" in capsys.readouterr().err
     model_bytes = model.read_bytes()
@@ -206,3 +206,63 @@ def test_odd_folders_are_said_not_tracebacks(tiny_model, tmp_path, capsys, monke
     monkeypatch.setattr(os, "scandir", scandir)
     assert main(["predict", str(folder), "--model", str(model)]) == 2
     assert f"cannot read the folder {folder}: Permission denied" in capsys.readouterr().err
+
+
+def test_csv_replaces_only_an_earlier_results_file(tiny_model, tmp_path, capsys):
+    model, _ = tiny_model()
+    photo = write_photo(tmp_path / "a.png")
+    for name, content in (("parity.json", b'{"passed": true}'), ("victim.jpg", photo.read_bytes()),
+                          ("notes.csv", b"name,comment\nx,y\n")):
+        other = tmp_path / name
+        other.write_bytes(content)
+        assert main(["predict", str(photo), "--model", str(model), "--csv", str(other), "--no-progress"]) == 2
+        assert "is not an earlier results file" in capsys.readouterr().err
+        assert other.read_bytes() == content
+    out = tmp_path / "results.csv"
+    for _ in range(2):  # written, then replaced: it is our own
+        assert main(["predict", str(photo), "--model", str(model), "--csv", str(out), "--no-progress"]) == 0
+    assert out.read_text(encoding="utf-8").startswith("path,verdict,")
+
+
+def test_pipes_and_devices_are_unreadable_rows_not_hangs(tiny_model, tmp_path, capsys):
+    model, _ = tiny_model()
+    photo = write_photo(tmp_path / "a.png")
+    fifo = tmp_path / "pipe.jpg"
+    os.mkfifo(fifo)
+    code = main(["predict", str(fifo), str(photo), os.devnull, "--model", str(model), "--no-progress"])
+    assert code == 1
+    out = capsys.readouterr().out
+    assert "pipe.jpg\terror\tunreadable\t" in out and "not a regular file" in out
+    assert f"{os.devnull}\terror\tunreadable" in out and "a.png\t" in out
+
+
+def test_names_cannot_break_lines_or_run_in_a_spreadsheet(tiny_model, tmp_path, capsys, monkeypatch):
+    model, _ = tiny_model()
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    write_photo(folder / "new\nline.png", seed=1)
+    write_photo(folder / "tab\tname.png", seed=2)
+    write_photo(folder / "=HYPERLINK(1)+cmd.png", seed=3)
+    assert main(["predict", str(folder), "--model", str(model), "--no-progress"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 3 and all(len(line.split("\t")) == 4 for line in lines)
+    assert any("new\\nline.png\t" in line for line in lines) and any("tab\\tname.png\t" in line for line in lines)
+    monkeypatch.chdir(folder)  # the names alone, as a spreadsheet would read them
+    out = tmp_path / "r.csv"
+    assert main(["predict", "=HYPERLINK(1)+cmd.png", "--model", str(model), "--csv", str(out),
+                 "--no-progress"]) == 0
+    rows = list(csv.DictReader(out.open(encoding="utf-8", newline="")))
+    assert rows[0]["path"] == "'=HYPERLINK(1)+cmd.png"
+
+
+def test_a_named_file_is_not_counted_as_skipped(tiny_model, tmp_path, capsys):
+    model, _ = tiny_model()
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    write_photo(folder / "a.png", seed=1)
+    Image.new("RGB", (64, 64), (30, 120, 40)).save(folder / "palette.gif")
+    (folder / "notes.txt").write_text("x")
+    main(["predict", str(folder), str(folder / "palette.gif"), "--model", str(model), "--no-progress"])
+    captured = capsys.readouterr()
+    assert "palette.gif\t" in captured.out
+    assert "(.txt 1)" in captured.err and ".gif" not in captured.err

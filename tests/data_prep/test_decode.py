@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import struct
 import time
 import zlib
@@ -198,3 +199,20 @@ def test_the_header_says_mode_camera_orientation_and_jpeg_quality(tmp_path):
     assert 0 < headers[0]["jpeg_q"] < headers[1]["jpeg_q"]  # quality 95 quantises finer than 40
     assert headers[1]["camera"] == "" and headers[1]["orientation"] == 1
     assert headers[2]["mode"] == "L" and headers[2]["jpeg_q"] == 0
+
+
+def test_read_source_refuses_what_is_not_a_regular_file_and_caps_the_bytes(tmp_path):
+    from leaflens.data_prep.decode import read_source
+
+    fifo = tmp_path / "pipe.jpg"
+    os.mkfifo(fifo)
+    for special in (fifo, os.devnull, "/dev/zero"):  # a pipe would wait for a writer forever, /dev/zero never ends
+        with pytest.raises(ImageDecodeError, match="not a regular file") as refused:
+            read_source(special)
+        assert refused.value.reason == "unreadable"
+    big = tmp_path / "big.jpg"
+    big.write_bytes(b"\xff\xd8\xff" + bytes(2000))
+    assert len(read_source(big, max_bytes=2003)) == 2003
+    with pytest.raises(ImageDecodeError, match="over") as refused:
+        read_source(big, max_bytes=2002)
+    assert refused.value.reason == "too_large"

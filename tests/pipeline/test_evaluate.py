@@ -218,11 +218,15 @@ def test_evaluate_usage_errors_exit_2(tmp_path, capsys):
     model_bytes = model.read_bytes()
     photo = next((split / "test").rglob("*.jpg"))
     photo_bytes = photo.read_bytes()
+    report = tmp_path / "parity.json"  # an existing file that is not an earlier evaluation is not replaced
+    report.write_text('{"passed": true}')
     for target, words in ((model, "is the model"), (photo, "is a file in the photos"), (split, "is a folder"),
-                          (tmp_path / "no" / "x.json", "does not exist")):
+                          (tmp_path / "no" / "x.json", "does not exist"),
+                          (report, "is not an earlier results file")):
         assert main(["evaluate", str(split / "test"), "--model", str(model), "--json", str(target)]) == 2
         assert words in capsys.readouterr().err
     assert model.read_bytes() == model_bytes and photo.read_bytes() == photo_bytes
+    assert report.read_text() == '{"passed": true}'
     earlier = split / "test" / "eval.json"  # an earlier results file in the photo folder may be replaced
     for _ in range(2):
         assert main(["evaluate", str(split / "test"), "--model", str(model), "--json", str(earlier)]) == 0

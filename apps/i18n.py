@@ -110,6 +110,9 @@ STRINGS: dict[str, dict[str, str]] = {
         "err_low_texture": ("this picture is too blurred or too smooth to show any detail of a leaf. Hold the "
                             "phone steady, tap the leaf to focus, and take the photo close up in good light, "
                             "with the leaf filling most of the frame."),
+        "err_no_colour": ("this is a black-and-white picture, and this model learnt from colour photos only: "
+                          "many signs of disease are colours (rust, yellowing, mildew). Send a colour photo "
+                          "(turn off the camera's black-and-white or mono filter)."),
         # model tab
         "model_heading": "### The model",
         "m_file": "File",
@@ -307,6 +310,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "err_uniform": "这张图片几乎只有一种颜色，没有可以检查的叶片。请重新拍摄，让叶片占满画面的大部分。",
         "err_low_texture": ("这张图片太模糊或太平滑，看不到叶片的任何细节。请拿稳手机，点按叶片对焦，"
                             "在光线充足处靠近拍摄，让叶片占满画面的大部分。"),
+        "err_no_colour": ("这是一张黑白图片，而本模型只用彩色照片训练过：许多病害的迹象是颜色（锈斑、发黄、白粉）。"
+                          "请发送彩色照片（关闭相机的黑白或单色滤镜）。"),
         "model_heading": "### 模型",
         "m_file": "文件",
         "m_run": "训练记录",

@@ -29,6 +29,9 @@ leaflens.val_ambiguous          no         float, share of validation photos bel
 leaflens.dataset                no         JSON :class:`TrainedOn`: what the model was trained on (drawn
                                            leaves of `leaflens data synth`, or photos), from the dataset's
                                            manifest; absent in files exported before it was recorded
+leaflens.grey_share             no         float, share of the training photos without colour
+                                           (leaflens.data_prep.quality); 0: a photo without colour is
+                                           refused ("no_colour"); absent: not recorded, nothing refused
 leaflens.run_id                 no         training run id
 leaflens.accuracy               no         float, test accuracy of that run
 leaflens.params                 no         int, parameter count
@@ -195,7 +198,7 @@ class ModelCard(Record):
     """What a leaflens ONNX model says about itself (see the module docstring for the keys)."""
 
     SCHEMA_VERSION: ClassVar[int | None] = int(FORMAT_VERSION)
-    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"trained_on"})  # as cards were before it existed
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"trained_on", "grey_share"})  # as cards were before them
 
     classes: tuple[str, ...]
     contract: PreprocessContract
@@ -208,6 +211,7 @@ class ModelCard(Record):
     ood: OODCheck | None = None  # None: the model has no out-of-domain output (format <= 2, or not fitted)
     val_ambiguous: float | None = None
     trained_on: TrainedOn | None = None  # None: not recorded (exported before leaflens.dataset existed)
+    grey_share: float | None = None  # share of training photos without colour; None: not recorded
     schema_version: int = int(FORMAT_VERSION)
 
     def __post_init__(self) -> None:
@@ -278,7 +282,14 @@ class ModelCard(Record):
             meta["val_ambiguous"] = repr(float(self.val_ambiguous))
         if self.trained_on is not None:
             meta["dataset"] = json.dumps(self.trained_on.to_dict())
+        if self.grey_share is not None:
+            meta["grey_share"] = repr(float(self.grey_share))
         return {PREFIX + k: v for k, v in meta.items()}
+
+    @property
+    def refuses_grey(self) -> bool:
+        """Whether a photo without colour is refused: the training photos all had colour."""
+        return self.grey_share == 0.0
 
     @classmethod
     def _upgrade(cls, data: dict[str, Any], version: int, where: str) -> dict[str, Any]:
@@ -349,6 +360,10 @@ class ModelCard(Record):
         data["accuracy"] = number("accuracy", float) if PREFIX + "accuracy" in meta else None
         data["params"] = number("params", int) if PREFIX + "params" in meta else None
         data["val_ambiguous"] = number("val_ambiguous", float) if PREFIX + "val_ambiguous" in meta else None
+        if PREFIX + "grey_share" in meta:
+            data["grey_share"] = number("grey_share", float)
+            if not 0.0 <= data["grey_share"] <= 1.0:
+                raise fail("grey_share", f"must be a share from 0 to 1, got {data['grey_share']}")
         if PREFIX + "dataset" in meta:
             try:
                 data["trained_on"] = TrainedOn.from_dict(json_value("dataset"), f"{source} metadata '{PREFIX}dataset'")

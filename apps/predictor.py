@@ -52,7 +52,7 @@ from leaflens.apps.model_card import ModelCard, ModelError
 from leaflens.apps.providers import CPU, CUDA, TENSORRT, Probe, ProviderChoice, probe, provider_name
 from leaflens.cpus import usable_cpus
 from leaflens.data_prep.decode import ImageDecodeError
-from leaflens.data_prep.quality import PhotoRefused, check_photo
+from leaflens.data_prep.quality import PhotoRefused, check_colour, check_photo
 
 # What decode_image accepts: a path or the encoded bytes of a photo.
 Source = str | os.PathLike | bytes
@@ -344,7 +344,8 @@ class Predictor:
 
         Raises :class:`leaflens.data_prep.decode.ImageDecodeError` for unreadable images and, unless
         ``refuse`` is False, its subclass :class:`leaflens.data_prep.quality.PhotoRefused` for a photo
-        smaller than :data:`MIN_SIDE` px on a side, near-uniform or too flat to judge.
+        smaller than :data:`MIN_SIDE` px on a side, near-uniform or too flat to judge, or without colour
+        where the model learnt from colour photos only (``card.refuses_grey``).
         """
         try:
             pixels = self.card.contract.decode(src, min_side=MIN_SIDE if refuse else 0)
@@ -353,7 +354,10 @@ class Predictor:
                 raise PhotoRefused(exc.reason, exc.source, exc.detail) from exc
             raise
         if refuse:
-            check_photo(pixels, "<bytes>" if isinstance(src, (bytes, bytearray, memoryview)) else os.fspath(src))
+            name = "<bytes>" if isinstance(src, (bytes, bytearray, memoryview)) else os.fspath(src)
+            check_photo(pixels, name)
+            if self.card.refuses_grey:
+                check_colour(pixels, name)
         return pixels
 
     @staticmethod

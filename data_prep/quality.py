@@ -55,6 +55,17 @@ Strong random noise (detail_share 1.0) and checkerboards of 1 to 8 px squares (0
 are no photos of a leaf either, but judging that is the model's out-of-domain score, not this filter's.
 A checkerboard of 16 px squares at 128 px is an 8x8 image blown up, and is refused like one.
 
+One more refusal depends on the model: **"no_colour"**, a black-and-white photo shown to a model that never
+saw one. ``chroma`` is the mean over the pixels of (largest - smallest RGB value), in grey levels: a greyscale
+photo measures 0 (saved as PNG, as a greyscale JPEG or as an RGB JPEG at quality 50 to 95: 40 iBeans and
+insect photos made grey each way, decoded at 128 px), a colour photo far more (iBeans, 1,295 photos: at least
+23.4; the demo's synthetic leaves: 9.4). The export records the share of training photos under
+:data:`GREY_CHROMA` in the model file (``leaflens.grey_share``); when it is 0, the model learnt from colour
+photos only, where rust, yellowing and mildew are colours, and a photo without colour is refused instead of
+answered (the demo model gave 23 of 31 greyscale test photos a diagnosis, 4 of them right). A model whose
+training photos include some without colour (the insect photos hold 5 of 1,920 under the limit: two grey
+photos at 0, three weevils at 1.5-1.6) takes them as any other photo.
+
 This module must not import the engine or onnxruntime: serving uses it without either.
 """
 
@@ -68,17 +79,23 @@ __all__ = [
     "ANALYSIS_SIZE",
     "CELL",
     "DETAIL_LEVEL",
+    "GREY_CHROMA",
     "MIN_DETAIL_SHARE",
     "UNIFORM_STD",
     "PhotoRefused",
+    "check_colour",
     "check_photo",
+    "chroma",
+    "grey_share",
     "photo_stats",
     "refusal_reason",
 ]
 
 # Largest per-channel standard deviation (grey levels) of a "uniform" photo.
 # The reasons a photo is refused before the model (PhotoRefused.reason); "too_small" comes from the decoder.
-REFUSAL_REASONS = frozenset({"too_small", "uniform", "low_texture"})
+REFUSAL_REASONS = frozenset({"too_small", "uniform", "low_texture", "no_colour"})
+# Mean (largest - smallest channel) in grey levels under which a photo has no colour (see the module docstring).
+GREY_CHROMA = 2.0
 UNIFORM_STD = 5.0
 # Grey levels a pixel must differ from the mean of its 8 neighbours, in some channel, to count as detail.
 DETAIL_LEVEL = 2.0
@@ -190,3 +207,31 @@ def check_photo(pixels: np.ndarray, source: str) -> None:
     if found is not None:
         reason, stats = found
         raise PhotoRefused(reason, source, _describe(reason, stats))
+
+
+def chroma(pixels: np.ndarray) -> float:
+    """Mean over the pixels of (largest - smallest RGB value), in grey levels: 0 for a greyscale photo."""
+    arr = _validate(pixels)
+    return float((arr.max(axis=2) - arr.min(axis=2)).mean())  # uint8: max >= min, no wrap-around
+
+
+def grey_share(images: np.ndarray, chunk: int = 256) -> float:
+    """Share of the photos of ``images`` (uint8 ``[N, H, W, 3]``, a memory map is read in chunks) that have no
+    colour (:func:`chroma` under :data:`GREY_CHROMA`); 0.0 for no photos."""
+    n = len(images)
+    grey = 0
+    for start in range(0, n, chunk):
+        block = np.asarray(images[start:start + chunk])
+        spread = (block.max(axis=3) - block.min(axis=3)).reshape(len(block), -1).mean(axis=1)
+        grey += int((spread < GREY_CHROMA).sum())
+    return grey / n if n else 0.0
+
+
+def check_colour(pixels: np.ndarray, source: str) -> None:
+    """Raise :class:`PhotoRefused` ("no_colour") naming ``source`` when ``pixels`` has no colour: for a model
+    whose training photos all had colour (the caller knows: ``leaflens.grey_share`` is 0)."""
+    value = chroma(pixels)
+    if value < GREY_CHROMA:
+        raise PhotoRefused("no_colour", source, f"a photo without colour (mean channel spread {value:.1f} grey "
+                                                f"levels, below {GREY_CHROMA:g}), and this model learnt from "
+                                                "colour photos only")

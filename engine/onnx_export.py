@@ -242,30 +242,51 @@ def _to_fp16(arr: np.ndarray, name: str) -> np.ndarray:
     return out
 
 
-def convert_float16(model: onnx.ModelProto, check: bool = True) -> onnx.ModelProto:
+def _float32_only_nodes(g: onnx.GraphProto, keep: set[str]) -> set[int]:
+    """Indices of the nodes that compute only the graph outputs in ``keep``: those outputs' ancestors that no
+    other output depends on."""
+    producer = {out: i for i, node in enumerate(g.node) for out in node.output}
+
+    def ancestors(names: Sequence[str]) -> set[int]:
+        seen: set[int] = set()
+        stack = [producer[n] for n in names if n in producer]
+        while stack:
+            i = stack.pop()
+            if i not in seen:
+                seen.add(i)
+                stack.extend(producer[n] for n in g.node[i].input if n in producer)
+        return seen
+
+    return ancestors([o.name for o in g.output if o.name in keep]) - \
+        ancestors([o.name for o in g.output if o.name not in keep])
+
+
+def convert_float16(model: onnx.ModelProto, check: bool = True,
+                    keep_float32: Sequence[str] = ()) -> onnx.ModelProto:
     """A copy of ``model`` computing in float16, with its float32 inputs/outputs kept.
 
     Float initialisers become float16, Cast nodes are inserted after each float32 graph input and
     before each float32 graph output, and Cast nodes inside the graph that produced float32 now
     produce float16. Refuses (naming the initialiser) weights outside float16's range.
+
+    ``keep_float32`` names graph outputs computed in float32 from where they leave the other outputs'
+    computation (its float16 tensors are cast up there): a score that sums squared distances overflows
+    float16's 65,504 for the photos it exists to flag (the out-of-domain score).
     """
     m = onnx.ModelProto()
     m.CopyFrom(model)
     g = m.graph
-    for init in g.initializer:
-        if init.data_type == TensorProto.FLOAT:
-            half_values = _to_fp16(numpy_helper.to_array(init), init.name)
-            init.CopyFrom(numpy_helper.from_array(half_values, init.name))
-    for node in g.node:
-        if node.op_type == "Cast":
-            for attr in node.attribute:
-                if attr.name == "to" and attr.i == TensorProto.FLOAT:
-                    attr.i = TensorProto.FLOAT16
-        elif node.op_type == "Constant":
-            for attr in node.attribute:
-                if attr.name == "value" and attr.t.data_type == TensorProto.FLOAT:
-                    half_values = _to_fp16(numpy_helper.to_array(attr.t), node.name)
-                    attr.t.CopyFrom(numpy_helper.from_array(half_values, attr.t.name))
+    keep = set(keep_float32)
+    unknown = keep - {o.name for o in g.output}
+    if unknown:
+        raise ExportError(f"FP16 conversion: no graph output named {sorted(unknown)} to keep in float32")
+    wide = _float32_only_nodes(g, keep) if keep else set()
+    float_tensors: set[str] = set()
+    if wide:  # which tensors a float32 node reads are floats (a shape or an index must not be cast)
+        typed = onnx.shape_inference.infer_shapes(model)
+        float_tensors = {v.name for v in (*typed.graph.value_info, *typed.graph.input, *typed.graph.output)
+                         if v.type.tensor_type.elem_type == TensorProto.FLOAT}
+        float_tensors |= {i.name for i in g.initializer if i.data_type == TensorProto.FLOAT}
     taken = {n for node in g.node for n in (*node.input, *node.output)} | {i.name for i in g.initializer}
 
     def fresh(base: str) -> str:
@@ -276,34 +297,87 @@ def convert_float16(model: onnx.ModelProto, check: bool = True) -> onnx.ModelPro
         taken.add(name)
         return name
 
+    narrow_users = {n for i, node in enumerate(g.node) if i not in wide for n in node.input}
+    wide_users = {n for i, node in enumerate(g.node) if i in wide for n in node.input}
+    extra_inits: list[onnx.TensorProto] = []
+    renamed_for_wide: dict[str, str] = {}
+    for init in g.initializer:
+        if init.data_type != TensorProto.FLOAT or init.name not in narrow_users:
+            continue  # only float32 nodes read it (or it is no float): it stays as it is
+        values = numpy_helper.to_array(init)
+        if init.name in wide_users:  # read by both: the float32 nodes get a float32 copy
+            copy = fresh(f"{init.name}_fp32")
+            extra_inits.append(numpy_helper.from_array(values, copy))
+            renamed_for_wide[init.name] = copy
+        init.CopyFrom(numpy_helper.from_array(_to_fp16(values, init.name), init.name))
+    g.initializer.extend(extra_inits)
+    for i, node in enumerate(g.node):
+        if i in wide:
+            continue
+        if node.op_type == "Cast":
+            for attr in node.attribute:
+                if attr.name == "to" and attr.i == TensorProto.FLOAT:
+                    attr.i = TensorProto.FLOAT16
+        elif node.op_type == "Constant":
+            for attr in node.attribute:
+                if attr.name == "value" and attr.t.data_type == TensorProto.FLOAT:
+                    half_values = _to_fp16(numpy_helper.to_array(attr.t), node.name)
+                    attr.t.CopyFrom(numpy_helper.from_array(half_values, attr.t.name))
+
     head: list[onnx.NodeProto] = []
     for inp in g.input:
         if inp.type.tensor_type.elem_type != TensorProto.FLOAT:
             continue
         half = fresh(f"{inp.name}_fp16")
-        for node in g.node:
-            for i, name in enumerate(node.input):
+        for i, node in enumerate(g.node):
+            if i in wide:
+                continue  # float32 nodes read the float32 input itself
+            for k, name in enumerate(node.input):
                 if name == inp.name:
-                    node.input[i] = half
+                    node.input[k] = half
         head.append(helper.make_node("Cast", [inp.name], [half], to=TensorProto.FLOAT16,
                                      name=fresh(f"/Cast_{inp.name}_to_fp16")))
+    # float16 tensors a float32 node reads: cast up once, right after the node that makes them
+    graph_inputs = {inp.name for inp in g.input}
+    narrow_outputs = {n for i, node in enumerate(g.node) if i not in wide for n in node.output}
+    up: dict[str, str] = {}
+    for i in sorted(wide):
+        node = g.node[i]
+        for k, name in enumerate(node.input):
+            if name in renamed_for_wide:
+                node.input[k] = renamed_for_wide[name]
+            elif name in narrow_outputs and name in float_tensors and name not in graph_inputs:
+                if name not in up:
+                    up[name] = fresh(f"{name}_fp32")
+                node.input[k] = up[name]
     tail: list[onnx.NodeProto] = []
     for out in g.output:
-        if out.type.tensor_type.elem_type != TensorProto.FLOAT:
+        if out.type.tensor_type.elem_type != TensorProto.FLOAT or out.name in keep:
             continue
         half = fresh(f"{out.name}_fp16")
         for node in g.node:
             for seq in (node.input, node.output):
-                for i, name in enumerate(seq):
+                for k, name in enumerate(seq):
                     if name == out.name:
-                        seq[i] = half
+                        seq[k] = half
+        for src in list(up):  # an output another float32 node also reads is cast from its new name
+            if src == out.name:
+                up[half] = up.pop(src)
         tail.append(helper.make_node("Cast", [half], [out.name], to=TensorProto.FLOAT,
                                      name=fresh(f"/Cast_{out.name}_to_fp32")))
-    nodes = head + list(g.node) + tail
+    nodes = list(head)
+    for node in g.node:
+        nodes.append(node)
+        for name in node.output:
+            if name in up:
+                nodes.append(helper.make_node("Cast", [name], [up[name]], to=TensorProto.FLOAT,
+                                              name=fresh(f"/Cast_{name}_to_fp32")))
+    nodes += tail
     del g.node[:]
     g.node.extend(nodes)
     del g.value_info[:]
-    m.doc_string = (m.doc_string + " (float16 weights and compute, float32 input/output)").strip()
+    kept = f", {', '.join(sorted(keep))} in float32" if keep else ""
+    m.doc_string = (m.doc_string + f" (float16 weights and compute{kept}, float32 input/output)").strip()
     if check:
         onnx.checker.check_model(m, full_check=True)
     return m

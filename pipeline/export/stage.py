@@ -49,6 +49,7 @@ import onnx
 from leaflens.apps.model_card import ModelCard, trained_on
 from leaflens.apps.predictor import Predictor
 from leaflens.cpus import usable_cpus
+from leaflens.data_prep import quality
 from leaflens.data_prep.arrays import sha256_file
 from leaflens.data_prep.manifest import MANIFEST_NAME, Dataset, is_dataset, load_dataset, manifest_sha256
 from leaflens.engine.nn import Module
@@ -59,6 +60,7 @@ from leaflens.files import (
     clean_stale_temps,
     find_moved,
     new_temp_dir,
+    stage_folder_above,
     swap_into_place,
     write_json_atomic,
 )
@@ -128,6 +130,18 @@ class ExportOptions:
             raise ValueError(f"--threads must be at least 1, got {self.threads}")
         if self.triton is not None and self.triton.exists() and not self.triton.is_dir():
             raise ValueError(f"--triton {self.triton} is a file; give a folder for the Triton model repository")
+        if not str(self.out).strip():
+            raise ValueError("--out is empty; give the export folder (e.g. artifacts/export)")
+        if self.triton is not None and not str(self.triton).strip():
+            raise ValueError("--triton is empty; give a folder for the Triton model repository")
+        if self.triton_variant not in ("fp32", "fp16", "int8"):
+            raise ValueError(f"--triton-variant must be fp32, fp16 or int8, got {self.triton_variant!r}")
+        if self.triton_variant == "int8" and not self.int8:
+            raise ValueError("--triton-variant int8 needs the INT8 model (drop --no-int8)")
+        try:
+            triton.check_model_name(self.name)  # it becomes a folder
+        except triton.TritonConfigError as exc:
+            raise ValueError(f"--name: {exc}") from None
 
 
 def run_dataset(info: RunInfo, run_dir: Path) -> Path:
@@ -353,6 +367,26 @@ def _teacher(info: RunInfo, ds: Dataset, threads: int, stack: contextlib.ExitSta
                     f"leaflens teacher (EfficientNet-Lite0 fine-tuned), kept by run {info.run_id}")
 
 
+def _check_triton_target(root: Path, name: str) -> None:
+    """Refuse, before any work, a Triton repository that another stage's next run would delete, and a model
+    folder there holding what this export would delete with it: versions other than the 1 it writes (Triton
+    serves the highest version, so an older copy there would have been served instead of this one anyway)."""
+    if (above := stage_folder_above(root / name)) is not None:
+        parent, kind, stage = above
+        raise ExportFailed(f"--triton {root} is inside the {kind} folder {parent}, which `{stage}` replaces whole "
+                           "when it runs again: give a folder outside it")
+    existing = root / name
+    if not existing.is_dir():
+        return
+    if not (existing / "config.pbtxt").exists():
+        raise ExportFailed(f"{existing} exists and is not a Triton model folder; refusing to replace it")
+    ours = {"1", "config.pbtxt", triton.LABELS}
+    others = sorted(p.name for p in existing.iterdir() if p.name not in ours and not p.name.startswith("."))
+    if others:
+        raise ExportFailed(f"{existing} holds {', '.join(others)}, which this export would delete (it writes version "
+                           "1 and its config); move them out of the folder, or give another --name")
+
+
 def export_run(opts: ExportOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the export stage (see the module docstring); returns the parity report."""
     with contextlib.ExitStack() as stack:  # the teacher's decoded photos live until the export ends
@@ -374,6 +408,8 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
     triton_root = Path(opts.triton).resolve() if opts.triton is not None else out / "triton"
     triton_inside = triton_root == out or out in triton_root.parents
     _check_out(out)
+    if not triton_inside:
+        _check_triton_target(triton_root, opts.name)
     model, info = load_model(opts.run)
     ds = load_dataset(opts.dataset if opts.dataset is not None else run_dataset(info, Path(opts.run)))
     warnings = _check_dataset(info, ds, opts)
@@ -392,7 +428,10 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
         log(f"run {info.run_id} kept the fine-tuned teacher ({info.teacher_model.name}): exporting it as "
             f"{FP32_FILE}, the served model")
     # drawn demo leaves or photos: the app says which (the source folder found again if the project moved)
-    card = replace(card, trained_on=trained_on(ds.manifest, source_root=split_source_dir(ds, "train")))
+    card = replace(card, trained_on=trained_on(ds.manifest, source_root=split_source_dir(ds, "train")),
+                   grey_share=_grey_share(ds))
+    if card.refuses_grey:
+        log("the training photos all have colour: a photo without colour will be refused (\"no_colour\")")
     mean, std = np.asarray(card.mean, np.float32), np.asarray(card.std, np.float32)
     size = card.input_size
 
@@ -443,7 +482,9 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
         f"{size}x{size} input, outputs {', '.join(outputs)})")
     proto = export_onnx(exported, (3, size, size), output_name=outputs, metadata=card.to_metadata(),
                         graph_name=opts.name, doc_string=subject.doc)
-    proto16 = convert_float16(proto)
+    # the out-of-domain score sums squared distances: in float16 a photo far from the training photos, the very
+    # one it must flag, overflows 65,504 (inf, or NaN through a spatial mean): it is computed in float32
+    proto16 = convert_float16(proto, keep_float32=[o for o in outputs if o == ood_check.OOD_OUTPUT])
 
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_temps(out)  # folders of killed runs
@@ -479,6 +520,12 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
             if "int8" in paths:
                 val_ood["int8"] = parity.onnx_scores(sessions["int8"], split_images, mean, std, opts.batch)
             ood_report = _ood_variants(card, paths, val_ood)
+        acc = {split: {k: parity.accuracy(v, split_labels) for k, v in val.items()}}
+        if split != "test" and "test" in ds and len(ds["test"]) and ds["test"].labels is not None:
+            test = parity.engine_and_onnx_logits(model, sessions, subject.images("test"), mean, std, opts.batch)
+            acc["test"] = {k: parity.accuracy(v, ds["test"].labels) for k, v in test.items()}
+        acc_split = "test" if "test" in acc else split
+        own_cards = _own_cards(card, paths, val, split_labels if split == "val" else None, acc[acc_split], ood_report)
         tie = 2 * opts.fp32_tolerance
         # FP16 keeps ~3 significant digits: a photo whose two best logits are closer than twice its rounding
         # error (a few ulps of the largest logit) may flip without anything being wrong with the file
@@ -506,12 +553,8 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
             "warnings": warnings,
             "options": options_dict(opts),
         }
-        acc = {split: {k: parity.accuracy(v, split_labels) for k, v in val.items()}}
-        if split != "test" and "test" in ds and len(ds["test"]) and ds["test"].labels is not None:
-            test = parity.engine_and_onnx_logits(model, sessions, subject.images("test"), mean, std, opts.batch)
-            acc["test"] = {k: parity.accuracy(v, ds["test"].labels) for k, v in test.items()}
         report["accuracy"] = acc
-        acc_split = "test" if "test" in acc else split
+        report["variants"] = own_cards
         if int8 is not None:
             report["int8"] = int8
         if int8 is not None and int8["written"]:
@@ -587,27 +630,65 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
     return report
 
 
-def _ood_variants(card: ModelCard, paths: dict[str, Path], val_ood: dict[str, np.ndarray]) -> dict[str, Any]:
-    """Each file's own out-of-domain threshold: FP16 and INT8 compute the score with their own rounding, so
-    their thresholds are chosen again on their own validation scores (same budget and confidence) and written into their
-    metadata. Returns parity.json's "ood" entry: the check, and per file the threshold, the share of
-    validation photos flagged, the score's difference from the engine's and the flags' agreement."""
-    check = card.ood
-    assert check is not None
-    engine = val_ood["engine"].astype(np.float64)
-    variants: dict[str, Any] = {}
+def _grey_share(ds: Dataset) -> float | None:
+    """Share of the photos the model learnt from (train, and unlabelled ones) without colour; None when the
+    dataset stores no uint8 RGB photos to measure."""
+    sets = [ds[s].images for s in ("train", "unlabeled") if s in ds and len(ds[s])]
+    if not sets or any(a.dtype != np.uint8 or a.ndim != 4 or a.shape[-1] != 3 for a in sets):
+        return None
+    total = sum(len(a) for a in sets)
+    return sum(quality.grey_share(a) * len(a) for a in sets) / total
+
+
+def _own_cards(card: ModelCard, paths: dict[str, Path], val_logits: dict[str, np.ndarray], val_labels: Any,
+               accuracy: dict[str, float], ood_report: dict[str, Any] | None) -> dict[str, Any]:
+    """Write into the FP16 and INT8 files their own figures, which their own rounding moves: the "ambiguous"
+    threshold chosen again by the same rule on their own validation probabilities (when the parity split is the
+    validation split; else FP32's stays), the share of validation photos it flags, the accuracy (test, when the
+    dataset has a labelled test split) and the out-of-domain threshold of ``ood_report``. Returns parity.json's
+    "variants" entry: per file, what its metadata says."""
+    out: dict[str, Any] = {}
     for k, path in paths.items():
-        scores = val_ood[k].astype(np.float64)
-        confidence = ood_check.DEFAULT_CONFIDENCE if check.confidence is None else check.confidence
-        threshold = check.threshold if k == "fp32" else ood_check.threshold_for(scores, check.budget, confidence)
+        own = card
         if k != "fp32":
-            own = replace(check, threshold=threshold, val_flagged=float(np.mean(scores > threshold)))
+            probs = metrics.softmax(val_logits[k])
+            threshold = card.uncertain_threshold
+            if val_labels is not None and card.threshold_from_model:
+                choice = metrics.choose_uncertain_threshold(probs, np.asarray(val_labels))
+                if choice["method"] != "default":
+                    threshold = float(choice["threshold"])
+            own = replace(card, uncertain_threshold=threshold, accuracy=float(accuracy[k]),
+                          val_ambiguous=float(np.mean(probs.max(1) < threshold)))
+            if card.ood is not None and ood_report is not None:
+                flagged = ood_report["variants"][k]
+                own = replace(own, ood=replace(card.ood, threshold=flagged["threshold"],
+                                               val_flagged=flagged["val_flagged"]))
             model = onnx.load(str(path))
-            meta = replace(card, ood=own).to_metadata()
+            meta = own.to_metadata()
             for prop in model.metadata_props:
                 if prop.key in meta:
                     prop.value = meta[prop.key]
             save_onnx(model, path)
+        out[k] = {"accuracy": own.accuracy, "uncertain_threshold": own.uncertain_threshold,
+                  "val_ambiguous": own.val_ambiguous,
+                  "ood_threshold": None if own.ood is None else own.ood.threshold}
+    return out
+
+
+def _ood_variants(card: ModelCard, paths: dict[str, Path], val_ood: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Each file's own out-of-domain threshold: FP16 and INT8 compute the score with their own rounding, so
+    their thresholds are chosen again on their own validation scores (same budget and confidence), and written
+    into their metadata by :func:`_own_cards`. Returns parity.json's "ood" entry: the check, and per file the
+    threshold, the share of validation photos flagged, the score's difference from the engine's and the flags'
+    agreement."""
+    check = card.ood
+    assert check is not None
+    engine = val_ood["engine"].astype(np.float64)
+    variants: dict[str, Any] = {}
+    for k in paths:
+        scores = val_ood[k].astype(np.float64)
+        confidence = ood_check.DEFAULT_CONFIDENCE if check.confidence is None else check.confidence
+        threshold = check.threshold if k == "fp32" else ood_check.threshold_for(scores, check.budget, confidence)
         diff = np.abs(scores - engine)
         variants[k] = {"threshold": threshold, "val_flagged": float(np.mean(scores > threshold)),
                        "max_abs_diff": float(diff.max()),

@@ -57,9 +57,12 @@ def check_model_name(name: str) -> None:
 
 
 def config_text(model: onnx.ModelProto, name: str, max_batch_size: int = 64, queue_delay_us: int = 2000,
-                labels: bool = True, comment: str = "") -> str:
+                labels: bool = True, comment: str = "", parameters: bool = True) -> str:
     """config.pbtxt for serving ``model`` (one input, its outputs, symbolic batch) under ``name``; the class
-    labels go with the first output (the logits)."""
+    labels go with the first output (the logits). With ``parameters``, the model file's own ``leaflens.*``
+    metadata (its thresholds, input size, resize rule, normalisation...) is repeated as the config's
+    ``parameters``: Triton does not show ONNX metadata, but a client reads these from the model's config
+    (``GET v2/models/<name>/config``)."""
     check_model_name(name)
     if max_batch_size < 1:
         raise TritonConfigError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -106,7 +109,26 @@ def config_text(model: onnx.ModelProto, name: str, max_batch_size: int = 64, que
         f"  max_queue_delay_microseconds: {int(queue_delay_us)}",
         "}",
     ]
+    if parameters:
+        for prop in model.metadata_props:
+            if prop.key.startswith("leaflens."):
+                lines += ["parameters {", f"  key: {_quoted(prop.key)}",
+                          f"  value: {{ string_value: {_quoted(prop.value)} }}", "}"]
     return "\n".join(lines) + "\n"
+
+
+def _quoted(text: str) -> str:
+    """A protobuf text-format string literal."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def config_parameters(config: dict[str, list[Any]]) -> dict[str, str]:
+    """The ``parameters`` of a parsed config.pbtxt, as key -> string value."""
+    out = {}
+    for entry in config.get("parameters", []):
+        value = _one(entry, "value", "a parameter")
+        out[str(_one(entry, "key", "a parameter"))] = str(_one(value, "string_value", "a parameter's value"))
+    return out
 
 
 def write_model_dir(root: str | os.PathLike[str], model_bytes: bytes, config: str,

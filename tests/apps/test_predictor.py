@@ -165,3 +165,23 @@ def test_model_file_is_self_describing(tiny_model, tmp_path: Path):
     copy = tmp_path / "copy.onnx"
     onnx.save(model, str(copy))
     assert Predictor(copy).card == card
+
+
+def test_a_photo_without_colour_is_refused_only_by_a_model_that_learnt_from_colour(tiny_model, tmp_path):
+    from apps_helpers import write_grey_noise
+
+    grey = write_grey_noise(tmp_path / "grey.png")
+    colour = write_photo(tmp_path / "colour.png", seed=3)
+    colour_only, _ = tiny_model(name="colour.onnx", **{"leaflens.grey_share": "0.0"})
+    pred = Predictor(colour_only, intra_op_threads=1)
+    assert pred.card.refuses_grey
+    refused = pred.predict_image(grey)
+    assert refused.verdict == "refused" and refused.reason == "no_colour" and "without colour" in refused.error
+    assert pred.predict_image(colour).ok
+    for share in ("0.004", None):  # some training photos without colour, or not recorded: judged as usual
+        extra = {} if share is None else {"leaflens.grey_share": share}
+        model, _ = tiny_model(name=f"m{share}.onnx", **extra)
+        assert Predictor(model, intra_op_threads=1).predict_image(grey).ok
+    bad, _ = tiny_model(name="bad.onnx", **{"leaflens.grey_share": "1.5"})
+    with pytest.raises(ModelError, match="grey_share"):
+        Predictor(bad)

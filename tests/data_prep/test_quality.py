@@ -282,3 +282,21 @@ def test_default_min_side_keeps_todays_behaviour(tmp_path):
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="min_side"):
             decode_image(one, 32, min_side=bad)
+
+
+def test_chroma_tells_photos_without_colour():
+    from leaflens.data_prep.quality import GREY_CHROMA, PhotoRefused, check_colour, chroma, grey_share
+
+    rng = np.random.default_rng(0)
+    grey = np.repeat(rng.integers(0, 256, (64, 64, 1), dtype=np.uint8), 3, axis=2)
+    colour = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    assert chroma(grey) == 0.0 and chroma(colour) > 50
+    tinted = grey.copy()
+    tinted[..., 0] = np.minimum(tinted[..., 0].astype(np.int16) + 1, 255)  # under one grey level of tint
+    assert chroma(tinted) < GREY_CHROMA
+    check_colour(colour, "c.jpg")
+    with pytest.raises(PhotoRefused, match="g.jpg: not analysed \\(no_colour\\)") as refused:
+        check_colour(grey, "g.jpg")
+    assert refused.value.reason == "no_colour"
+    stack = np.stack([grey, colour, colour, colour])
+    assert grey_share(stack, chunk=3) == 0.25 and grey_share(stack[1:]) == 0.0 and grey_share(stack[:0]) == 0.0

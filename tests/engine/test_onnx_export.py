@@ -320,3 +320,43 @@ def test_a_tuple_forward_gives_one_named_output_each():
     logits, score = _session(proto).run(None, {"input": x})
     assert logits.shape == (2, 3)
     np.testing.assert_allclose(score, (x * x).sum(1), rtol=1e-6)
+
+
+def _two_output_graph() -> onnx.ModelProto:
+    """x -> h = Relu(x * 1) -> logits = h @ W; score = sum((h * 300)^2) (a squared distance that float16
+    cannot hold for inputs of a few units); h is shared, the rest belongs to one output each."""
+    from onnx import TensorProto, helper, numpy_helper  # noqa: PLC0415
+
+    w = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(4, 3) / 10, "W")
+    one = numpy_helper.from_array(np.ones(4, np.float32), "one")  # read by the shared node only
+    scale = numpy_helper.from_array(np.full(4, 300.0, np.float32), "scale")
+    axes = numpy_helper.from_array(np.array([1], np.int64), "axes")
+    nodes = [helper.make_node("Mul", ["x", "one"], ["x1"]), helper.make_node("Relu", ["x1"], ["h"]),
+             helper.make_node("MatMul", ["h", "W"], ["logits"]), helper.make_node("Mul", ["h", "scale"], ["big"]),
+             helper.make_node("ReduceSumSquare", ["big", "axes"], ["score"], keepdims=0)]
+    graph = helper.make_graph(nodes, "two", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", 3]),
+                               helper.make_tensor_value_info("score", TensorProto.FLOAT, ["n"])],
+                              [w, one, scale, axes])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_float16_keeps_a_named_output_in_float32_where_it_would_overflow():
+    from onnx.reference import ReferenceEvaluator  # noqa: PLC0415  (computes float16 in float16)
+
+    proto = _two_output_graph()
+    x = np.array([[1.0, 2.0, -1.0, 0.5], [0.1, 0.2, 0.3, 0.4]], np.float32)
+    logits32, score32 = ReferenceEvaluator(proto).run(None, {"x": x})
+    with np.errstate(over="ignore"):
+        _, score16 = ReferenceEvaluator(convert_float16(proto)).run(None, {"x": x})
+    assert np.isinf(score16[0])  # 300^2 * 5.25 = 472,500: beyond float16
+    kept = convert_float16(proto, keep_float32=["score"])
+    logits, score = ReferenceEvaluator(kept).run(None, {"x": x})
+    np.testing.assert_allclose(score, score32, rtol=2e-3)  # only h's float16 rounding
+    np.testing.assert_allclose(logits, logits32, rtol=2e-3, atol=1e-3)
+    by_name = {i.name: i.data_type for i in kept.graph.initializer}
+    assert by_name["scale"] == onnx.TensorProto.FLOAT and by_name["W"] == onnx.TensorProto.FLOAT16
+    assert by_name["one"] == onnx.TensorProto.FLOAT16  # the shared part runs in float16
+    assert "score in float32" in kept.doc_string
+    with pytest.raises(ExportError, match="no graph output named"):
+        convert_float16(proto, keep_float32=["nope"])

@@ -178,15 +178,50 @@ def _verdicts_follow_the_accuracies(i8: dict, max_drop: float) -> None:
                                                 ("--queue-delay-us", "-5", "--queue-delay-us must be 0 or more"),
                                                 ("--ood-budget", "2", "--ood-budget is a share"),
                                                 ("--int8-max-drop", "-1", "--int8-max-drop is a share"),
-                                                ("--triton", "FILE", "is a file; give a folder")])
+                                                ("--triton", "FILE", "is a file; give a folder"),
+                                                ("--name", "../evil", "--name: Triton model name"),
+                                                ("--name", "", "--name: Triton model name"),
+                                                ("--triton-variant", "int8 --no-int8", "needs the INT8 model"),
+                                                ("--triton", "", "an empty path")])
 def test_bad_options_are_refused_before_any_work(tiny_run, tmp_path, capsys, option, value, words):
     run, dataset = tiny_run
     if value == "FILE":
         value = str(tmp_path / "repo")
         (tmp_path / "repo").write_text("mine")
-    code = main(["export", "--run", str(run), "--out", str(tmp_path / "export"), "--dataset", str(dataset),
-                 option, value])
+    args = ["export", "--run", str(run), "--out", str(tmp_path / "export"), "--dataset", str(dataset), option,
+            *(value.split(" ") if value else [value])]
+    try:
+        code = main(args)
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code
     assert code == 2 and words in capsys.readouterr().err and not (tmp_path / "export").exists()
+
+
+def test_an_empty_out_or_an_unknown_option_is_said_with_the_export_usage(tiny_run, capsys):
+    run, dataset = tiny_run
+    for extra in (["--out", ""], ["--bogus"]):
+        with pytest.raises(SystemExit) as stopped:
+            main(["export", "--run", str(run), "--dataset", str(dataset), *extra])
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and "usage: leaflens export" in err
+        assert ("an empty path" if extra[0] == "--out" else "unrecognized arguments: --bogus") in err
+
+
+def test_the_triton_repository_keeps_what_it_does_not_own(tiny_run, tmp_path, capsys):
+    """A repository inside another stage's folder (deleted by that stage's next run) and a model folder holding
+    other versions (deleted with it, silently) are refused before any work."""
+    run, dataset = tiny_run
+    args = ["export", "--run", str(run), "--out", str(tmp_path / "export"), "--dataset", str(dataset)]
+    assert main([*args, "--triton", str(dataset / "repo")]) == 1
+    assert "inside the dataset folder" in capsys.readouterr().err and not (dataset / "repo").exists()
+    repo = tmp_path / "repo"
+    (repo / "leaflens_student" / "2").mkdir(parents=True)
+    (repo / "leaflens_student" / "config.pbtxt").write_text('name: "leaflens_student"\n')
+    (repo / "leaflens_student" / "2" / "model.onnx").write_bytes(b"v2")
+    assert main([*args, "--triton", str(repo)]) == 1
+    assert "holds 2, which this export would delete" in capsys.readouterr().err
+    assert (repo / "leaflens_student" / "2" / "model.onnx").read_bytes() == b"v2"
+    assert not (tmp_path / "export").exists()
 
 
 def test_int8_rule_with_the_default_drop_matches_the_file_and_the_report(tiny_run, tmp_path):
@@ -299,20 +334,30 @@ def test_exported_model_is_what_the_predictor_serves(tiny_run, tmp_path):
 
     run, dataset = tiny_run
     out = tmp_path / "export"
-    export_run(_opts(run, dataset, out, int8_max_drop=1.0), log=lambda s: None)
+    report = export_run(_opts(run, dataset, out, int8_max_drop=1.0), log=lambda s: None)
     ds = load_dataset(dataset)
     model, _ = load_model(run)
     want = engine_and_onnx_logits(model, {}, ds["test"].images, ds.mean, ds.std)["engine"]
-    for name in ("student.onnx", "student_fp16.onnx", "student_int8.onnx"):
+    for name, kind in (("student.onnx", "fp32"), ("student_fp16.onnx", "fp16"), ("student_int8.onnx", "int8")):
         pred = Predictor(out / name, intra_op_threads=1)
         card = pred.card
         assert card.classes == tuple(CLASSES) and card.input_size == SIZE and card.resize == "crop"
-        assert card.run_id == "tiny-run-1" and card.accuracy == 0.875
-        assert card.params == model.num_parameters()
+        assert card.run_id == "tiny-run-1" and card.params == model.num_parameters()
         # photo folders (no synth.json where they came from): the app says "photos", with their count
         assert card.trained_on is not None and card.trained_on.kind == "photos"
         assert card.trained_on.photos == sum(len(ds[s]) for s in ("train", "val", "test"))
-        assert card.threshold_from_model and card.uncertain_threshold == 0.55
+        assert card.threshold_from_model
+        from leaflens.data_prep.quality import grey_share  # noqa: PLC0415
+        assert card.grey_share == grey_share(ds["train"].images)  # the photos it learnt from, measured
+        # each file says its own figures: FP16's and INT8's rounding moves accuracy and thresholds
+        own = report["variants"][kind]
+        assert (card.accuracy, card.uncertain_threshold, card.val_ambiguous) == \
+            (own["accuracy"], own["uncertain_threshold"], own["val_ambiguous"])
+        if kind == "fp32":
+            assert card.accuracy == 0.875 and card.uncertain_threshold == 0.55  # the run's, as recorded
+        else:
+            assert card.accuracy == report["accuracy"]["test"][kind]
+            assert card.ood is not None and card.ood.threshold == report["ood"]["variants"][kind]["threshold"]
         np.testing.assert_allclose(card.mean, ds.mean, rtol=1e-6)
         got = pred.logits_arrays(np.asarray(ds["test"].images))
         if name == "student.onnx":
@@ -342,6 +387,10 @@ def test_triton_config_matches_the_graph(tiny_run, tmp_path):
     assert outp["name"] == [graph.graph.output[0].name] == ["logits"]
     assert outp["data_type"] == ["TYPE_FP32"] and outp["dims"] == [len(CLASSES)]
     assert (model_dir / "labels.txt").read_text().split() == CLASSES
+    # the served file's own metadata (its own out-of-domain threshold...) for clients of Triton's config API
+    params = triton.config_parameters(config)
+    assert params == {p.key: p.value for p in graph.metadata_props if p.key.startswith("leaflens.")}
+    assert json.loads(params["leaflens.ood"])["threshold"] > 0 and json.loads(params["leaflens.classes"]) == CLASSES
     triton.check_model_dir(model_dir)
     # the checker notices a config that does not match its model
     text = (model_dir / "config.pbtxt").read_text()

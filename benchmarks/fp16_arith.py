@@ -1,0 +1,87 @@
+"""The FP16 model under float16 arithmetic, against the FP32 one.
+
+onnxruntime on the CPU, where `leaflens export` checks ``student_fp16.onnx``, computes a float16 graph in
+float32 (it inserts casts), so the export's parity measures the float16 weights' rounding, not float16
+arithmetic, which is what a GPU does with the file. ONNX's reference evaluator computes float16 operators in
+float16; it is slow (pure NumPy), so this runs it on a few validation photos, and on generated photos the
+out-of-domain score must flag (noise, a checkerboard, stripes: their scores are in the tens of thousands,
+beyond float16's 65,504 once squared and summed in float16).
+
+    python benchmarks/fp16_arith.py --export artifacts/export --dataset artifacts/dataset [--photos 8]
+
+Last line: one JSON object: ``photos``, ``top1_agreement`` (FP16 under float16 arithmetic vs FP32 on
+onnxruntime), ``max_logit_diff``, ``max_ood_rel_diff`` (relative to max(1, |score|)), ``ood_finite`` (every
+score finite, generated photos included), ``generated_flagged`` (how many of them the FP16 file's own
+threshold flags) and ``whole_fp16_nonfinite``: scores that are inf or NaN when the whole graph, the score
+included, computes in float16 (as the FP16 file did before the score was kept in float32).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx.reference import ReferenceEvaluator
+
+from leaflens.apps.model_card import ModelCard
+from leaflens.engine.onnx_export import convert_float16
+
+
+def generated(size: int, seed: int = 0) -> np.ndarray:
+    """uint8 [3, size, size, 3]: noise, a 1 px checkerboard, red/blue stripes."""
+    rng = np.random.default_rng(seed)
+    noise = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+    checker = np.repeat((np.indices((size, size)).sum(0) % 2 * 255).astype(np.uint8)[..., None], 3, axis=2)
+    stripes = np.zeros((size, size, 3), np.uint8)
+    stripes[:, ::2, 0] = 255
+    stripes[:, 1::2, 2] = 255
+    return np.stack([noise, checker, stripes])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--export", type=Path, required=True, help="export folder (student.onnx, student_fp16.onnx)")
+    ap.add_argument("--dataset", type=Path, required=True, help="the dataset folder it was exported from")
+    ap.add_argument("--photos", type=int, default=8, help="validation photos to run (default 8)")
+    args = ap.parse_args()
+    fp16 = onnx.load(str(args.export / "student_fp16.onnx"))
+    card = ModelCard.from_metadata({p.key: p.value for p in fp16.metadata_props}, "student_fp16.onnx")
+    stored = np.load(args.dataset / "val_images.npy", mmap_mode="r")[: args.photos]
+    made = generated(card.stored_size)
+    x = card.contract.prepare(np.concatenate([np.asarray(stored), made])).transpose(0, 3, 1, 2).copy()
+    n = len(stored)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        half = ReferenceEvaluator(fp16).run(None, {"input": x})
+        seconds = time.perf_counter() - t0
+        # before the score was kept in float32: the same FP32 file converted whole
+        whole = ReferenceEvaluator(convert_float16(onnx.load(str(args.export / "student.onnx")))).run(
+            None, {"input": x})
+    full = ort.InferenceSession(str(args.export / "student.onnx"), providers=["CPUExecutionProvider"]).run(
+        None, {"input": x})
+    agree = float(np.mean(half[0][:n].argmax(1) == full[0][:n].argmax(1)))
+    logit_diff = float(np.abs(half[0][:n] - full[0][:n]).max())
+    result = {"photos": n, "top1_agreement": agree, "max_logit_diff": logit_diff, "seconds": round(seconds, 1)}
+    if len(half) > 1 and card.ood is not None:
+        s16, s32, sw = (a[1].astype(np.float64) for a in (half, full, whole))
+        rel = np.abs(s16 - s32) / np.maximum(1.0, np.abs(s32))
+        result.update(max_ood_rel_diff=float(rel.max()), ood_finite=bool(np.isfinite(s16).all()),
+                      generated_flagged=int(np.sum(s16[n:] > card.ood.threshold)), generated=len(made),
+                      whole_fp16_nonfinite=int(np.sum(~np.isfinite(sw))))
+        print(f"{'photo':<12}{'ood fp32':>14}{'fp16 file':>14}{'all in fp16':>14}")
+        names = [f"val {i}" for i in range(n)] + ["noise", "checkerboard", "stripes"]
+        for name, a, b, c in zip(names, s32, s16, sw):
+            print(f"{name:<12}{a:>14.2f}{b:>14.2f}{c:>14.2f}")
+    print(f"{n} validation photos: top-1 agreement {agree:.3f}, max logit difference {logit_diff:.4f} "
+          f"({seconds:.1f} s in the reference evaluator)")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -21,8 +21,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import math
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 from leaflens.apps.model_arg import add_model_argument, missing_model
 from leaflens.apps.providers import add_provider_argument, requested_providers
@@ -104,6 +107,14 @@ class UsageError(ValueError):
 def _check(args: argparse.Namespace) -> None:
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be 1..65535, got {args.port}")
+    for name in ("max_upload_mb", "max_wait_ms", "keep_uploads_minutes", "uploads_max_mb", "corrections_max_mb"):
+        value = getattr(args, name)
+        if value is not None and not math.isfinite(value):  # nan passes every comparison; inf breaks timers
+            raise UsageError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+    for name in ("uploads_dir", "corrections", "examples_cache"):
+        value = getattr(args, name)
+        if value is not None and not str(value).strip():  # an unset shell variable: not the current folder
+            raise UsageError(f"--{name.replace('_', '-')} is empty; give a folder")
     for name in ("max_upload_mb", "max_photos", "top_k", "queue_size", "max_batch_size"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
@@ -119,10 +130,60 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--uploads-max-mb must be > 0, got {args.uploads_max_mb}")
     if not args.corrections_max_mb > 0:
         raise UsageError(f"--corrections-max-mb must be > 0, got {args.corrections_max_mb}")
-    if not args.no_corrections and os.path.exists(args.corrections) and not os.path.isdir(args.corrections):
-        raise UsageError(f"--corrections {args.corrections}: exists and is not a folder")
+    if not args.no_corrections:
+        _check_corrections_folder(args)
     if (missing := missing_model(args.model)) is not None:
         raise UsageError(missing)
+
+
+def check_listen(host: str, port: int) -> bool:
+    """Refuse, before anything is prepared, an address this server cannot listen on (one line naming the
+    option: unknown host, IPv6, port taken); returns whether only this computer can reach it (loopback)."""
+    import errno
+    import ipaddress
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise UsageError(f"--host {host}: not an address or name this computer knows ({exc}); use 127.0.0.1 "
+                         "(this computer only) or 0.0.0.0 (every network it is on)") from None
+    family, _, _, _, address = infos[0]
+    if family != socket.AF_INET:  # Gradio builds its own URL from the host and fails on an IPv6 one
+        raise UsageError(f"--host {host}: IPv6 addresses cannot be served (the web framework cannot); use "
+                         "127.0.0.1 (this computer only) or 0.0.0.0")
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise UsageError(f"--port {port}: already in use on {host} (another server?); give another "
+                                 "--port, or stop the program that uses it") from None
+            raise UsageError(f"--host {host}: cannot listen there ({exc.strerror or exc}); use 127.0.0.1 or "
+                             "an address of this computer") from None
+    return ipaddress.ip_address(address[0]).is_loopback
+
+
+def _check_corrections_folder(args: argparse.Namespace) -> None:
+    """The corrections folder must be one this server can create and write, apart from the upload folder
+    (uploads inside it would become a class folder of the next `leaflens preprocess --also`)."""
+    folder = Path(args.corrections)
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"--corrections {folder}: exists and is not a folder")
+    here = folder
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    try:  # a real try, as root passes os.access() where mkdir fails (/proc); nothing is left behind
+        os.rmdir(tempfile.mkdtemp(prefix=".leaflens-probe-", dir=here))
+    except OSError as exc:
+        raise UsageError(f"--corrections {folder}: cannot be created or written ({here}: {exc.strerror or exc}); "
+                         "give another folder, or --no-corrections") from None
+    if args.uploads_dir is not None:
+        a, b = Path(os.path.abspath(args.uploads_dir)), Path(os.path.abspath(folder))
+        if a == b or b in a.parents or a in b.parents:
+            raise UsageError(f"--uploads-dir {args.uploads_dir} and --corrections {folder} overlap; give them "
+                             "separate folders (uploads in the corrections folder would become a class of the "
+                             "next training run)")
 
 
 def prepare(args: argparse.Namespace):
@@ -171,8 +232,6 @@ def prepare(args: argparse.Namespace):
 def upload_folder(args: argparse.Namespace):
     """The server's own upload folder, ready (leftovers of an earlier server deleted), with ``GRADIO_TEMP_DIR``
     pointing at it for the Gradio app built next. Raises UsageError naming the folder."""
-    import tempfile
-
     from leaflens.apps.uploads import UploadFolder, UploadFolderError, UploadFolderInUse, UploadPolicy, default_folder
 
     policy = UploadPolicy(keep_s=60.0 * args.keep_uploads_minutes, max_mb=args.uploads_max_mb)
@@ -183,7 +242,8 @@ def upload_folder(args: argparse.Namespace):
         if args.uploads_dir is not None:
             raise UsageError(f"--uploads-dir: {exc}") from exc
         # the default folder of this port is another running process's (a server or a test on the same port)
-        uploads = UploadFolder(tempfile.mkdtemp(prefix=f"{default_folder(args.port).name}-"), policy)
+        uploads = UploadFolder(tempfile.mkdtemp(prefix=f"{default_folder(args.port).name}-"), policy,
+                               made_for_it=True)  # removed again when the server stops
         uploads.prepare()
     except UploadFolderError as exc:
         raise UsageError(f"--uploads-dir: {exc}") from exc
@@ -270,6 +330,7 @@ def run(args: argparse.Namespace) -> int:
     from leaflens.apps.notes import NotesError
 
     try:
+        local = check_listen(args.host, args.port)
         service, config = prepare(args)
     except (UsageError, ModelError, NotesError, FileNotFoundError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
@@ -283,14 +344,15 @@ def run(args: argparse.Namespace) -> int:
     log.info("model %s: %d classes, %dx%d input; notes: %s; examples: %d; run: %s",
              p.model_path, len(p.classes), p.card.input_size, p.card.input_size,
              service.notes.source or "none", len(config.examples), config.context.run_dir or "none")
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
+    if not local:
         log.warning("listening on %s: other computers on the network can use this app", args.host)
     try:
         launch(demo, service, config, host=args.host, port=args.port, share=args.share, block=True)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM before Gradio's own wait could take it: a normal stop
         demo.close()
-    except OSError as exc:  # port in use, address not available
-        print(f"{prog}: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+    except OSError as exc:  # taken in the moment since check_listen, or an address Gradio cannot use
+        print(f"{prog}: error: cannot listen on {args.host}:{args.port} ({str(exc).split('. ')[0]}); give "
+              "another --port, or stop the program that uses it", file=sys.stderr)
         return 2
     finally:
         service.close()

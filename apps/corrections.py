@@ -14,10 +14,14 @@ Rules, because the bytes come from strangers' uploads:
   file's own magic bytes): the uploaded name never becomes a path;
 - nothing is ever overwritten: the bytes are copied to a hidden temporary name in the class folder and
   hard-linked to the new name, which fails rather than replace an existing file;
-- the same bytes saved twice under the same class are written once (the log is read back on first use,
-  so this holds across server restarts, as long as the earlier file is still there);
-- the folder is capped (``max_mb``, all files in it counted, the log included): when a photo does not fit,
-  :class:`CorrectionError` with reason ``full`` says so and nothing is written;
+- the same bytes saved twice under the same class are written once (the log is read back at each save, so
+  this holds across server restarts and between servers sharing the folder, as long as the earlier file is
+  still there), and a photo saved before is "already saved", never "full";
+- the folder is capped (``max_mb``, all files in it counted, the log included, counted again at each save, so
+  photos moved out free their room at once): when a photo does not fit, :class:`CorrectionError` with reason
+  ``full`` says so and nothing is written;
+- a save holds an exclusive lock on ``<root>/.lock`` (``fcntl.flock`` where the system has it): two servers
+  given one folder take turns, and neither saves a photo the other just saved;
 - the folder is created on the first save only, so a server nobody corrects leaves no trace;
 - a photo is saved only when the server answered its very bytes and the model analysed it, and its log line
   says what the server answered (:class:`leaflens.apps.answered.AnsweredPhotos`), never what the client's
@@ -32,6 +36,7 @@ No Gradio here: the page (leaflens.apps.web_feedback) and the tests use this cla
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -51,6 +56,11 @@ from leaflens.apps.notes import ClassNotes
 from leaflens.data_prep.arrays import sha256_file
 from leaflens.files import clean_stale_temps, temp_path
 
+try:
+    import fcntl
+except ImportError:  # Windows: one server per folder
+    fcntl = None  # type: ignore[assignment]
+
 __all__ = ["DEFAULT_DIR", "DEFAULT_MAX_MB", "LOG_NAME", "NOT_A_LEAF", "REASONS", "REQUEST_REASONS", "CorrectionError",
            "CorrectionStore", "Saved", "apply_correction", "render_correction", "sniff_extension"]
 
@@ -68,6 +78,8 @@ _INCOMING = "incoming"  # temporary files are ".incoming.tmp-<pid>-<random>" in 
 _CHUNK = 1024 * 1024
 _NAME_TRIES = 8
 _LINE_ROOM = 4096  # room kept for a photo's log line when checking the cap
+_LOCK_NAME = ".lock"  # flock()ed by a save (see the module docstring)
+_COUNT_AGE_S = 5.0  # is_full() counts the folder again after this many seconds
 
 
 class CorrectionError(Exception):
@@ -135,8 +147,7 @@ class CorrectionStore:
         self.max_bytes = int(max_mb * MB)
         self._clock = clock
         self._lock = threading.Lock()
-        self._used: int | None = None  # bytes in the folder, counted on first use
-        self._saved: dict[tuple[str, str], str] | None = None  # (class, sha256) -> file, from the log
+        self._used: tuple[float, int] | None = None  # (when, bytes in the folder): what is_full() last counted
         self._model_sha: str | None = None
 
     # ----------------------------------------------------------------------------- what it offers
@@ -149,15 +160,19 @@ class CorrectionStore:
     def log_path(self) -> Path:
         return self.root / LOG_NAME
 
-    def used_bytes(self) -> int:
-        """Bytes in the folder now (every file, the log included)."""
+    def used_bytes(self, max_age_s: float = 0.0) -> int:
+        """Bytes in the folder (every file, the log included), counted again unless the last count is at most
+        ``max_age_s`` old (the page asks after every answer; a save always counts afresh)."""
         with self._lock:
-            return self._usage()
+            now = time.monotonic()
+            if self._used is None or now - self._used[0] > max_age_s:
+                self._used = (now, self._usage())
+            return self._used[1]
 
     def is_full(self) -> bool:
         """Whether the folder is at its cap: not even one more log line fits (a photo may not fit sooner:
-        :meth:`save` says so for that photo)."""
-        return self.used_bytes() + _LINE_ROOM > self.max_bytes
+        :meth:`save` says so for that photo). Counted at most every few seconds."""
+        return self.used_bytes(max_age_s=_COUNT_AGE_S) + _LINE_ROOM > self.max_bytes
 
     # ----------------------------------------------------------------------------- saving
     def save(self, source: str | os.PathLike, chosen: str, *, photo_name: str,
@@ -184,24 +199,30 @@ class CorrectionStore:
         if ext is None:
             raise CorrectionError("format", f"{photo_name}: not a JPEG, PNG, WebP, BMP, TIFF or HEIC photo, so a "
                                             "retrain could not read it; not saved")
-        with self._lock:
-            saved = self._index()
+        try:
+            first = sha256_file(src)
+        except OSError as exc:
+            raise CorrectionError("gone", f"{photo_name}: the uploaded file is no longer on the server "
+                                          f"({exc.strerror or exc}); upload the photo again") from exc
+        with self._lock, self._folder_lock():
+            earlier = self._index().get((chosen, first))
+            if earlier is not None and (self.root / earlier).is_file():  # saved before: no room needed
+                return Saved(earlier, first, size, duplicate=True)
             folder = self.root / chosen
             used = self._usage()
             if used + size + _LINE_ROOM > self.max_bytes:
-                raise CorrectionError("full", f"the corrections folder {self.root} is full ({used / MB:.1f} MB of "
-                                              f"{self.max_bytes / MB:g} MB); {photo_name} was not saved. Move the "
-                                              "saved photos into the training data, or start the server with a "
-                                              "larger --corrections-max-mb")
+                raise CorrectionError("full", f"the corrections folder {self.root} is full ({_amount(used)} of "
+                                              f"{_amount(self.max_bytes)}); {photo_name} ({_amount(size)}) was not "
+                                              "saved. Move the saved photos into the training data, or start the "
+                                              "server with a larger --corrections-max-mb")
             folder.mkdir(parents=True, exist_ok=True)
             clean_stale_temps(folder / _INCOMING)
             tmp = temp_path(folder / _INCOMING)
             try:
                 digest = _copy_hashing(src, tmp)
-                key = (chosen, digest)
-                earlier = saved.get(key)
-                if earlier is not None and (self.root / earlier).is_file():
-                    return Saved(earlier, digest, size, duplicate=True)
+                if digest != first:
+                    raise CorrectionError("gone", f"{photo_name}: the uploaded file changed while it was saved; "
+                                                  "upload the photo again")
                 now = self._clock()
                 final = self._link_new(tmp, folder, now, ext)
             finally:
@@ -211,8 +232,7 @@ class CorrectionStore:
                               ensure_ascii=False) + "\n"
             with open(self.log_path, "a", encoding="utf-8") as fh:
                 fh.write(line)
-            saved[key] = rel
-            self._used = used + size + len(line.encode("utf-8"))
+            self._used = (time.monotonic(), used + size + len(line.encode("utf-8")))
         log.info("correction saved: %s as %s (predicted %s)", rel, chosen,
                  (predicted or {}).get("label") or (predicted or {}).get("verdict") or "-")
         return Saved(rel, digest, size)
@@ -238,35 +258,46 @@ class CorrectionStore:
                 return final
         raise CorrectionError("full", f"{folder}: no free file name after {_NAME_TRIES} tries")
 
+    @contextlib.contextmanager
+    def _folder_lock(self) -> Any:
+        """Exclusive use of the folder against other processes (other servers given the same folder)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / _LOCK_NAME, "a+b") as fh:
+            if fcntl is not None:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                if fcntl is not None:
+                    fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
     def _usage(self) -> int:
-        if self._used is None:
-            total = 0
-            if self.root.is_dir():
-                for dirpath, _, filenames in os.walk(self.root):
-                    for name in filenames:
-                        try:
-                            total += os.lstat(os.path.join(dirpath, name)).st_size
-                        except OSError:
-                            continue
-            self._used = total
-        return self._used
+        """Bytes in the folder now, counted from the disk (photos moved out free their room at once)."""
+        total = 0
+        if self.root.is_dir():
+            for dirpath, _, filenames in os.walk(self.root):
+                for name in filenames:
+                    try:
+                        total += os.lstat(os.path.join(dirpath, name)).st_size
+                    except OSError:
+                        continue
+        return total
 
     def _index(self) -> dict[tuple[str, str], str]:
-        """(class, sha256) -> saved file, read back from the log once (a restarted server knows its files)."""
-        if self._saved is None:
-            found: dict[tuple[str, str], str] = {}
-            try:
-                with open(self.log_path, encoding="utf-8") as fh:
-                    for number, line in enumerate(fh, 1):
-                        try:
-                            rec = json.loads(line)
-                            found[(str(rec["chosen"]), str(rec["sha256"]))] = str(rec["file"])
-                        except (ValueError, KeyError, TypeError):
-                            log.warning("%s line %d is not a correction record; ignored", self.log_path, number)
-            except FileNotFoundError:
-                pass
-            self._saved = found
-        return self._saved
+        """(class, sha256) -> saved file, read back from the log (what this server, an earlier one or another
+        one sharing the folder saved)."""
+        found: dict[tuple[str, str], str] = {}
+        try:
+            with open(self.log_path, encoding="utf-8") as fh:
+                for number, line in enumerate(fh, 1):
+                    try:
+                        rec = json.loads(line)
+                        found[(str(rec["chosen"]), str(rec["sha256"]))] = str(rec["file"])
+                    except (ValueError, KeyError, TypeError):
+                        log.warning("%s line %d is not a correction record; ignored", self.log_path, number)
+        except FileNotFoundError:
+            pass
+        return found
 
     def model_sha256(self) -> str | None:
         """``sha256:<hex>`` of the model file (computed once), None without a readable model file."""
@@ -299,6 +330,11 @@ class CorrectionStore:
             "bytes": size,
             "photo_name": photo_name,
         }
+
+
+def _amount(n: int) -> str:
+    """A byte count for people: 9.5 KB, 12.3 MB."""
+    return f"{n / MB:.1f} MB" if n >= MB / 10 else f"{n / 1024:.1f} KB"
 
 
 def _copy_hashing(src: Path, tmp: Path) -> str:

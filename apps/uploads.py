@@ -68,6 +68,8 @@ def _owner(marker: Path) -> int | None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` is running and could be a server: not a zombie (killed, not yet reaped), and,
+    where /proc tells, a Python process (after a crash the number may have gone to another program)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -76,7 +78,13 @@ def _alive(pid: int) -> bool:
         return True
     except OSError:
         return False
-    return True
+    proc = Path("/proc") / str(pid)
+    try:
+        state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").lower()
+    except (OSError, IndexError):
+        return True  # no /proc (macOS) or it vanished just now: take it as running
+    return state != "Z" and (b"python" in command or b"leaflens" in command)
 
 
 class UploadFolderError(ValueError):
@@ -133,7 +141,7 @@ class UploadFolder:
     """
 
     def __init__(self, root: str | os.PathLike, policy: UploadPolicy | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, made_for_it: bool = False) -> None:
         self.root = Path(os.path.realpath(os.fspath(root)))
         self.policy = policy or UploadPolicy()
         self.clock = clock
@@ -145,14 +153,17 @@ class UploadFolder:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.deleted = 0  # files deleted since the start (for the log and the tests)
-        self._created = False  # prepare() made the folder: close() removes it again
+        self._created = made_for_it  # made for this server (by prepare() or its caller): close() removes it
+        self._mode: int | None = None  # an existing folder's permissions, put back by close()
 
     # ----------------------------------------------------------------------------- set-up
     def prepare(self) -> int:
         """Create the folder (mode 0700) and mark it, or check an existing one; delete an earlier server's
         leftovers. Returns how many files were deleted. Raises :class:`UploadFolderError` naming the folder."""
         try:
-            self._created = not self.root.exists()
+            self._created = self._created or not self.root.exists()
+            if not self._created:
+                self._mode = self.root.stat().st_mode & 0o7777
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
             raise UploadFolderError(f"upload folder {self.root}: cannot create it ({exc.strerror or exc})") from exc
@@ -205,14 +216,16 @@ class UploadFolder:
             for f in self._scan():
                 self._unlink(f.path)
             self._remove_empty_dirs(min_age_s=0.0)
-            if self._created:
-                self._remove_empty_subfolders()
-            if self._created and set(os.listdir(self.root)) <= {MARKER}:
-                try:
+            self._remove_empty_subfolders()
+            try:
+                if set(os.listdir(self.root)) <= {MARKER}:  # emptied: no trace of the server is left
                     (self.root / MARKER).unlink(missing_ok=True)
-                    self.root.rmdir()
-                except OSError:
-                    pass
+                    if self._created:
+                        self.root.rmdir()
+                if not self._created and self._mode is not None:
+                    os.chmod(self.root, self._mode)
+            except OSError:
+                pass
 
     # ----------------------------------------------------------------------------- the service's calls
     def owns(self, path: str | os.PathLike) -> bool:

@@ -136,7 +136,8 @@ def wire_feedback(fb: Feedback, service: DiagnosisService, cfg: AppConfig, *, fi
             return ""
         if not store.is_full():
             return ""
-        return t("correct_full", lang, used=f"{store.used_bytes() / MB:.0f}", cap=f"{store.max_bytes / MB:g}")
+        return t("correct_full", lang, used=f"{store.used_bytes(max_age_s=5.0) / MB:.1f}",
+                 cap=f"{store.max_bytes / MB:g}")
 
     def correction_updates(result: dict[str, Any] | None, lang: str) -> list[Any]:
         """The correction control for a new answer: shown when the model analysed a photo of it."""

@@ -92,7 +92,7 @@ def test_uploaded_name_never_becomes_a_path(tmp_path):
     assert (root / saved.file).parent == root / NOT_A_LEAF
     assert log_lines(root)[0]["photo_name"] == "../../../etc/passwd"  # metadata only
     assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()) == sorted(
-        [saved.file, LOG_NAME])
+        [saved.file, LOG_NAME, ".lock"])  # the lock servers sharing the folder take turns with
 
 
 @pytest.mark.parametrize("fmt,ext", [("JPEG", ".jpg"), ("PNG", ".png"), ("WEBP", ".webp"), ("BMP", ".bmp"),
@@ -188,6 +188,32 @@ def test_cap_counts_what_is_there_and_says_when_full(tmp_path):
     assert (root / saved.file).is_file()
     (root / "rust" / "filler.jpg").write_bytes(b"\0" * (MB // 2))  # filled behind its back: seen after a restart
     assert store_at(root, max_mb=1.5).is_full()
+
+
+def test_room_freed_by_moving_photos_out_counts_at_once_and_a_saved_photo_is_never_full(tmp_path):
+    root = tmp_path / "corrections"
+    a, b = photo_bytes(1, size=(60, 60)), photo_bytes(2, size=(60, 60))
+    store = store_at(root, max_mb=(len(a) + 2000 + 4096 + len(b) // 2) / MB)  # room for a and its log line only
+    first = upload(tmp_path / "up", "a.jpg", a)
+    saved = store.save(first, "rust", photo_name="a.jpg")
+    again = upload(tmp_path / "up", "a_again.jpg", a)
+    second = upload(tmp_path / "up", "b.jpg", b)
+    with pytest.raises(CorrectionError, match=r"full \(\d+\.\d KB of \d+\.\d KB\)") as exc:
+        store.save(second, "rust", photo_name="b.jpg")  # the folder is full ...
+    assert exc.value.reason == "full"
+    assert store.save(again, "rust", photo_name="a_again.jpg").duplicate  # ... but that photo is already saved
+    (root / saved.file).rename(tmp_path / "moved_into_training.jpg")  # as the message says to do
+    assert not store.save(second, "rust", photo_name="b.jpg").duplicate  # no restart needed
+
+
+def test_two_servers_sharing_a_folder_save_a_photo_once(tmp_path):
+    root = tmp_path / "corrections"
+    one, two = store_at(root), store_at(root)
+    src = upload(tmp_path / "up", "leaf.jpg", photo_bytes(4))
+    first = one.save(src, "healthy", photo_name="leaf.jpg")
+    second = two.save(upload(tmp_path / "up2", "leaf.jpg", src.read_bytes()), "healthy", photo_name="leaf.jpg")
+    assert second.duplicate and second.file == first.file
+    assert len(list((root / "healthy").iterdir())) == 1 and len(log_lines(root)) == 1
 
 
 def test_concurrent_saves_all_land(tmp_path):

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -287,15 +288,25 @@ def test_serve_flags_give_gradio_a_folder_of_its_own(tmp_path, model, monkeypatc
     taken = UploadFolder(tmp_path / "elsewhere")
     monkeypatch.setattr("leaflens.apps.uploads.default_folder", lambda port: taken.root)
     (taken.root).mkdir()
-    (taken.root / MARKER).write_text(f"pid {os.getppid()}\n")
-    service, _ = cmd_serve.prepare(serve_args(model=model, no_examples=True))
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # another Python process
     try:
-        assert service.uploads.root != taken.root and service.uploads.root.name.startswith("elsewhere-")
+        (taken.root / MARKER).write_text(f"pid {other.pid}\n")
+        service, _ = cmd_serve.prepare(serve_args(model=model, no_examples=True))
+        fresh = service.uploads.root
+        try:
+            assert fresh != taken.root and fresh.name.startswith("elsewhere-")
+        finally:
+            service.close()
+        assert not fresh.exists()  # made in the system temp folder for this server: gone with it
+        with pytest.raises(cmd_serve.UsageError, match="in use by another running server"):
+            cmd_serve.prepare(serve_args(model=model, no_examples=True, uploads_dir=taken.root))
     finally:
-        service.close()
-        shutil.rmtree(service.uploads.root)  # made in the system temp folder
-    with pytest.raises(cmd_serve.UsageError, match="in use by another running server"):
-        cmd_serve.prepare(serve_args(model=model, no_examples=True, uploads_dir=taken.root))
+        other.kill()
+        other.wait()
+    # the process a marker names has ended, or its number now belongs to a program that is no server: free
+    (taken.root / MARKER).write_text(f"pid {other.pid}\n")
+    service, _ = cmd_serve.prepare(serve_args(model=model, no_examples=True, uploads_dir=taken.root))
+    service.close()
     not_ours = tmp_path / "not-ours"
     not_ours.mkdir()
     (not_ours / "x.txt").write_text("x")
@@ -379,3 +390,16 @@ def test_a_server_stopped_with_sigterm_leaves_no_photo_behind(tmp_path, model):
             proc.kill()
     assert not left.exists() and files_in(root) == []
     assert not root.exists()  # the folder the server made goes with it (Gradio's own empty folders too)
+
+
+def test_an_existing_empty_folder_is_left_as_it_was_found(tmp_path):
+    given = tmp_path / "given"
+    given.mkdir(mode=0o755)
+    os.chmod(given, 0o755)
+    uploads = UploadFolder(given)
+    uploads.prepare()
+    assert (given / MARKER).is_file() and given.stat().st_mode & 0o777 == 0o700  # private while it serves
+    (given / "vibe_edit_history").mkdir()  # what Gradio makes when the app starts
+    upload(given)
+    uploads.close()
+    assert given.is_dir() and list(given.iterdir()) == [] and given.stat().st_mode & 0o777 == 0o755

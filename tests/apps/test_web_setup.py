@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -196,3 +197,45 @@ def test_cli_errors_exit_2_with_a_message(tmp_path, capsys, tiny_model):
     bad.write_text("[classes.x\n")
     assert cmd_serve.run(serve_args(model=model, classes_notes=bad)) == 2
     assert "not valid TOML" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,words", [
+    ({"max_upload_mb": float("nan")}, "--max-upload-mb must be a finite number"),
+    ({"max_upload_mb": float("inf")}, "--max-upload-mb must be a finite number"),
+    ({"max_wait_ms": float("nan")}, "--max-wait-ms must be a finite number"),
+    ({"corrections_max_mb": float("inf")}, "--corrections-max-mb must be a finite number"),
+    ({"corrections": ""}, "--corrections is empty"),
+    ({"uploads_dir": " "}, "--uploads-dir is empty"),
+    ({"corrections": "/proc/leaflens_corrections"}, "cannot be created or written"),
+    ({"corrections": "FILE/sub"}, "cannot be created or written"),
+    ({"corrections": "C", "uploads_dir": "C/uploads"}, "overlap"),
+])
+def test_serve_options_that_cannot_work_are_refused_before_any_work(tmp_path, capsys, tiny_model, flags, words,
+                                                                    monkeypatch):
+    from leaflens.apps import cmd_serve
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("leaflens.apps.web.launch", lambda *a, **k: pytest.fail("the server was started"))
+    (tmp_path / "FILE").write_text("a file, not a folder")
+    model, _ = tiny_model()
+    assert cmd_serve.run(serve_args(model=model, no_examples=True, port=7989, **flags)) == 2
+    assert words in capsys.readouterr().err
+    assert not list(tmp_path.glob("C*")) and not any(Path(tempfile.gettempdir()).glob("leaflens-uploads-7989*"))
+
+
+def test_the_address_is_checked_before_the_server_starts():
+    import socket
+
+    from leaflens.apps.cmd_serve import UsageError, check_listen
+
+    assert check_listen("127.0.0.1", 0) is True and check_listen("127.0.0.2", 0) is True  # loopback: no warning
+    assert check_listen("0.0.0.0", 0) is False
+    with pytest.raises(UsageError, match="IPv6"):
+        check_listen("::1", 0)
+    with pytest.raises(UsageError, match="not an address or name"):
+        check_listen("999.1.1.1", 0)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(UsageError, match=f"--port {taken.getsockname()[1]}: already in use"):
+            check_listen("127.0.0.1", taken.getsockname()[1])

@@ -37,6 +37,11 @@ from typing import Any
 
 import numpy as np
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
 from leaflens import __version__
 from leaflens.cpus import usable_cpus
 from leaflens.data_prep.contract import contract_for_dataset, rgb_floats
@@ -92,6 +97,7 @@ def _without_missing_weights(cfg: StageConfig) -> StageConfig:
 
 
 RUN_INPUTS = "inputs.json"  # in <out>.partial: the dataset and teacher an interrupted run was training on
+RESUMES = "resumes.json"  # in <out>.partial: the settings each --resume changed (the report lists them)
 
 
 def run_inputs(ds: Any, tt: Any) -> dict[str, Any]:
@@ -184,16 +190,65 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
     if few:
         print(f"warning: {few}", file=sys.stderr, flush=True)
     inputs = run_inputs(ds, tt)
+    previous: str | None = None  # the interrupted run's config.toml, put back when its resume is refused
     if resume and work.exists():
         check_run_inputs(work, inputs)  # before anything in it changes
+        if (work / "config.toml").is_file():
+            previous = (work / "config.toml").read_text(encoding="utf-8")
     if not resume and work.exists():
         shutil.rmtree(work)
     elif resume and not work.exists():
         print(f"note: --resume: no interrupted run at {work}; starting a new one", file=sys.stderr, flush=True)
+    if resume and work.exists() and (out / "report.json").is_file():
+        print(f"note: --resume: when it ends, the continued run replaces the finished run in {out}, as it would "
+              "have without the interruption", file=sys.stderr, flush=True)
     work.mkdir(parents=True, exist_ok=True)
     write_json_atomic(work / RUN_INPUTS, inputs)
+    resumes_before = (work / RESUMES).read_text(encoding="utf-8") if (work / RESUMES).is_file() else None
+    if previous is not None:
+        changed = config_changes(previous, dump_toml(cfg))
+        if changed:
+            print("note: --resume: settings changed since the run began (the report lists them): "
+                  + ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()), file=sys.stderr, flush=True)
+            done = json.loads(resumes_before) if resumes_before else []
+            write_json_atomic(work / RESUMES, [*done, {"time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                                       "changed": {k: list(v) for k, v in changed.items()}}])
     write_text_atomic(work / "config.toml", dump_toml(cfg))
+    try:
+        return _train_and_report(ds, cfg, tt, work, out, resume, progress)
+    except (ValueError, CheckpointError):
+        if previous is not None:  # a refused resume leaves the interrupted run as it was
+            write_text_atomic(work / "config.toml", previous)
+            if resumes_before is None:
+                (work / RESUMES).unlink(missing_ok=True)
+            else:
+                write_text_atomic(work / RESUMES, resumes_before)
+        raise
 
+
+def _budget_text(budget: Budget) -> str:
+    parts = ([f"at most {budget.max_params:,} parameters"] if budget.max_params else []) + \
+        ([f"at most {budget.max_ms:g} ms per photo"] if budget.max_ms else [])
+    return ", ".join(parts) or "none"
+
+
+def config_changes(before: str, after: str) -> dict[str, tuple[Any, Any]]:
+    """The settings (dotted keys) whose values differ between two config.toml texts: (before, after)."""
+    def flat(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in table.items():
+            if isinstance(v, Mapping):
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+    a, b = flat(tomllib.loads(before)), flat(tomllib.loads(after))
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+def _train_and_report(ds: Any, cfg: StageConfig, tt: Any, work: Path, out: Path, resume: bool,
+                      progress: bool) -> dict[str, Any]:
+    """Train the students in ``work``, choose the kept model, write the report and put ``work`` in place."""
     train, val = ds["train"], ds["val"]
     mean, std = ds.mean, ds.std
     input_size = student_input_size(cfg, ds.image_size)
@@ -332,9 +387,16 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
     else:
         report["out_of_domain"] = out_of_domain_summary(model, ds, student["contract"], threshold)
     report["data"] = read_data_report(ds.root)  # preprocess's data checks, for report.md (None: not recorded)
+    if (work / RESUMES).is_file():  # settings changed on --resume: the earlier epochs ran with the old ones
+        report["resumed_with_changes"] = json.loads((work / RESUMES).read_text(encoding="utf-8"))
     learnt = chance_warning(kept_val, np.asarray(ds["val"].labels))
+    over = None if selection.within_budget else (
+        f"no model fits the serving budget ({_budget_text(selection.budget)}): the best student, {winner}, is kept "
+        "anyway; widen the budget (--max-params, --max-ms) or train smaller students")
+    if over:
+        print(f"warning: {over}", file=sys.stderr, flush=True)
     # the report's own record of what the run warned about (report.md shows them above the kept model)
-    report["warnings"] = [w for w in (learnt, few_validation_photos(len(ds["val"]))) if w]
+    report["warnings"] = [w for w in (learnt, few_validation_photos(len(ds["val"])), over) if w]
     report["no_better_than_chance"] = learnt is not None  # the web page's banner (leaflens.apps.model_info)
     if learnt:
         print(f"warning: {learnt}", file=sys.stderr, flush=True)

@@ -34,12 +34,17 @@ from leaflens.pipeline.report import metrics
 from leaflens.pipeline.teachers.stage import split_photo_paths
 from leaflens.records import Record
 
-__all__ = ["EvaluationError", "PhotoEvaluation", "PhotosUnavailable", "RefusedPhoto", "UnreadablePhoto",
-           "class_folder_photos", "dataset_photo_files", "evaluate_files", "evaluate_photos", "format_evaluation"]
+__all__ = ["EvaluationError", "NoPhotoReadable", "PhotoEvaluation", "PhotosUnavailable", "RefusedPhoto",
+           "UnreadablePhoto", "class_folder_photos", "dataset_photo_files", "evaluate_files", "evaluate_photos",
+           "format_evaluation"]
 
 
 class EvaluationError(ValueError):
     """The evaluation cannot run as asked (the message names the folder or file and says why)."""
+
+
+class NoPhotoReadable(EvaluationError):
+    """Photos were found but none could be read (exit 1, as for some unreadable photos: not a usage error)."""
 
 
 class PhotosUnavailable(EvaluationError):
@@ -182,7 +187,7 @@ def evaluate_files(predictor: Predictor, files: Sequence[str], labels: Any, phot
         verdicts[answer.verdict] += 1
         diagnosed_correct += answer.verdict == "diagnosis" and column[str(answer.label)] == labels[i]
     if not rows:
-        raise EvaluationError(f"{photos}: none of the {len(files)} photos could be read "
+        raise NoPhotoReadable(f"{photos}: none of the {len(files)} photos could be read "
                               f"(first: {unreadable[0].error})")
     summary = metrics.evaluation_summary(np.stack(rows), labels[kept], classes)
     return PhotoEvaluation(model=str(predictor.model_path), photos=photos, provider=predictor.provider,
@@ -270,8 +275,15 @@ def format_evaluation(ev: PhotoEvaluation) -> str:
     lines += ["",
              f"{'class':<{width}} {'photos':>7} {'precision':>9} {'recall':>7} {'F1':>6}"]
     for i, row in enumerate(s["per_class"]):
+        if row["support"] == 0:  # no photo of it here: no recall; a precision only where the model named it
+            precision = f"{row['precision']:>9.1%}" if row.get("predicted") else f"{'n/a':>9}"
+            lines.append(f"{f'{i} ' + row['class']:<{width}} {0:>7} {precision} {'n/a':>7} {'n/a':>6}")
+            continue
         lines.append(f"{f'{i} ' + row['class']:<{width}} {row['support']:>7} {row['precision']:>9.1%} "
                      f"{row['recall']:>7.1%} {row['f1']:>6.3f}")
+    if s.get("macro_classes", len(ev.classes)) < len(ev.classes):
+        lines.append(f"(macro figures average the {s['macro_classes']} classes with photos here, of "
+                     f"{len(ev.classes)})")
     cm = s["confusion_matrix"]
     cell = max(4, max(len(str(v)) for r in cm for v in r) + 1)
     lines += ["", "confusion matrix (rows: true class, columns: predicted class, numbered as above)",

@@ -469,8 +469,15 @@ def _resume(last: Path, task: TrainingTask, scaler: GradScaler, state: _State, r
     configured = [(g["initial_lr"], g["weight_decay"]) for g in task.optimizer.param_groups]
     # a run resumed with a weight average it was not started with begins one from the resumed weights
     averaged = ema is not None and "ema" in checkpoint_meta(last)
-    ck = load_checkpoint(last, task.model, task.optimizer, task.scheduler, generators=task.generators,
-                         ema=ema if averaged else None)
+    try:
+        ck = load_checkpoint(last, task.model, task.optimizer, task.scheduler, generators=task.generators,
+                             ema=ema if averaged else None)
+    except CheckpointError as exc:
+        if "different model" not in str(exc):
+            raise
+        raise CheckpointError(f"--resume: the network changed since the run began (model.family, model.widths, "
+                              f"model.input_size...; {exc}): resume with the settings it began with (its "
+                              "config.toml), or run without --resume to start over") from None
     if ema is not None and not averaged:
         ema.restart(task.model)
         tqdm.write(f"{last} holds no weight average (the run began without one): it starts from the resumed weights")
@@ -482,7 +489,12 @@ def _resume(last: Path, task: TrainingTask, scaler: GradScaler, state: _State, r
     state.best_loss = st["best_loss"]
     state.train_seconds = st["train_seconds"]
     state.bad_streak = int(st.get("bad_streak", 0))  # absent from checkpoints written before it was saved
-    task.restore_position(st["loader"])
+    try:
+        task.restore_position(st["loader"])
+    except ValueError as exc:
+        raise ValueError(f"--resume: the training data settings changed since the run began (train.batch_size, "
+                         f"augment.*...: {exc}); resume with the settings it began with (its config.toml), or run "
+                         "without --resume to start over") from None
     if scaler.enabled and st.get("grad_scaler"):
         scaler.load_state_dict(st["grad_scaler"])
     _truncate_jsonl(run_dir / METRICS, len(state.history))

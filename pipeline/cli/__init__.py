@@ -61,6 +61,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("leaflens.apps.cmd_serve", "start the local web app"),
     "doctor": ("leaflens.pipeline.cli.doctor", "report Python, NumPy, CuPy, GPU and BLAS facts"),
 }
+# Subcommands whose interrupted runs `--resume` continues (SIGTERM stops them as Ctrl-C does, with the hint).
+RESUMABLE_COMMANDS = frozenset({"teacher", "distill"})
 # Subcommands that run the training engine (the others serve with onnxruntime or only write files).
 ENGINE_COMMANDS = frozenset({"teacher", "distill", "export", "doctor"})
 
@@ -89,6 +91,19 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _stop_on_sigterm() -> None:
+    """SIGTERM (``timeout``, a scheduler, ``kill``) ends a training run as Ctrl-C does: the same message and exit
+    code 130, the interrupted run left resumable, instead of a silent exit 143."""
+    import signal
+    import threading
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
@@ -105,10 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     func = getattr(args, "func", None)
     if func is None:
         parser.error(f"subcommand {args.command!r} is not available in this build")
+    resumable = args.command in RESUMABLE_COMMANDS
+    if resumable:
+        _stop_on_sigterm()
     try:
         return int(func(args) or 0)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print("interrupted" + ("; run the same command with --resume to go on from the last finished epoch"
+                               if resumable else ""), file=sys.stderr)
         return 130
     except ModuleNotFoundError as exc:
         said = missing_optional(exc, args.command)

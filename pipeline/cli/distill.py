@@ -46,7 +46,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "every student so far by distill.teacher_margin on validation, e.g. lite16@128 (default none: "
                         "ship the teacher; same as --set model.escalate='[\"lite16@128\"]')")
     p.add_argument("--resume", action="store_true",
-                   help="continue an interrupted run in <out>.partial (never replaces a finished <out>)")
+                   help="continue an interrupted run in <out>.partial; when it ends it replaces a finished <out>, "
+                        "as the interrupted run would have (with no interrupted run, a finished <out> is left as "
+                        "it is); settings changed since it began are listed in its report")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bars or epoch lines (bars are drawn only when stderr is a terminal)")
     p.set_defaults(func=run)

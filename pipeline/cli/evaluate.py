@@ -1,7 +1,8 @@
 """`leaflens evaluate`: accuracy, per-class table and confusion matrix of an exported model on photo files.
 
-Exit code: 0 every photo evaluated; 1 some photos could not be read (the figures are over the rest);
-2 usage or model error (missing folder, a class folder the model does not know, no photos, bad model).
+Exit code: 0 every photo evaluated; 1 some photos (in the class folders or --not-known) could not be read
+(the figures are over the rest), or none could; 2 usage or model error (missing folder, a class folder the
+model does not know, no photos, bad model).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from leaflens.files import json_with, results_file_problem, write_json_atomic  # noqa: PLC0415
     from leaflens.pipeline.evaluate import (  # noqa: PLC0415
         EvaluationError,
+        NoPhotoReadable,
         evaluate_not_known,
         evaluate_photos,
         format_evaluation,
@@ -79,9 +81,10 @@ def run(args: argparse.Namespace) -> int:
                                                                                       args.batch_size))
     except (EvaluationError, ModelError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(exc, NoPhotoReadable) else 2
     print(format_evaluation(evaluation))
     if args.json is not None:
         write_json_atomic(args.json, evaluation.to_dict())
         print(f"wrote {args.json}", file=sys.stderr)
-    return 1 if evaluation.unreadable else 0
+    unread_not_known = evaluation.not_known is not None and evaluation.not_known.get("unreadable")
+    return 1 if evaluation.unreadable or unread_not_known else 0

@@ -134,6 +134,11 @@ def _kept_section(report: Mapping[str, Any]) -> list[str]:
               f"at most {float(budget['max_ms']):g} ms per photo" if budget.get("max_ms") else "any latency"]
     timing = sel.get("timing") or {}
     warned = [f"**Warning:** {_cell(w)}." for w in report.get("warnings") or []]  # e.g. no better than chance
+    for resumed in report.get("resumed_with_changes") or []:  # the epochs before it ran with the old settings
+        changed = ", ".join(f"`{k}` {_cell(str(v[0]))} -> {_cell(str(v[1]))}"
+                            for k, v in (resumed.get("changed") or {}).items())
+        warned.append(f"**Resumed** ({_cell(str(resumed.get('time', '?')))}) with changed settings: {changed}; "
+                      "the epochs trained before it used the earlier ones.")
     lines = ["## Kept model", "", *warned, *([""] if warned else []),
              f"**{sel.get('kept')}** is kept: {sel.get('why', 'no reason recorded')}.", "",
              f"Serving budget: {', '.join(limits)}; the teacher must gain at least "

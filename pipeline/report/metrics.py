@@ -293,7 +293,9 @@ def evaluation_summary(probs: Any, y_true: Any, classes: Sequence[str], level: f
 
     Keys: ``n``, ``correct``, ``accuracy``, ``accuracy_ci`` ([low, high]), ``ci_level``, ``classes``,
     ``per_class`` (list of {"class", "precision", "recall", "f1", "support", "predicted"}),
-    ``macro_precision``, ``macro_recall``, ``macro_f1`` (unweighted means over classes), ``confusion_matrix``
+    ``macro_precision``, ``macro_recall``, ``macro_f1`` (unweighted means over the classes with photos: a class
+    without any has no recall to average, and a field set often holds only some classes), ``macro_classes`` (how
+    many classes they average), ``confusion_matrix``
     (list of lists, rows = true), ``ece``, ``calibration`` (the bins of :func:`calibration_bins`).
     """
     p = _probs("probs", probs)
@@ -310,6 +312,7 @@ def evaluation_summary(probs: Any, y_true: Any, classes: Sequence[str], level: f
     correct = int((pred == y).sum())
     acc, lo, hi = accuracy_ci(correct, int(y.size), level)
     per_class = [{"class": name, **scores} for name, scores in zip(classes, prf)]
+    present = [sc for sc in prf if sc["support"] > 0]  # not empty: y has at least one label
     return {
         "n": int(y.size),
         "correct": correct,
@@ -318,9 +321,10 @@ def evaluation_summary(probs: Any, y_true: Any, classes: Sequence[str], level: f
         "ci_level": float(level),
         "classes": classes,
         "per_class": per_class,
-        "macro_precision": float(np.mean([s["precision"] for s in prf])),
-        "macro_recall": float(np.mean([s["recall"] for s in prf])),
-        "macro_f1": float(np.mean([s["f1"] for s in prf])),
+        "macro_precision": float(np.mean([s["precision"] for s in present])),
+        "macro_recall": float(np.mean([s["recall"] for s in present])),
+        "macro_f1": float(np.mean([s["f1"] for s in present])),
+        "macro_classes": len(present),
         "confusion_matrix": cm.tolist(),
         "ece": expected_calibration_error(p, y, bins),
         "calibration": calibration_bins(p, y, bins),

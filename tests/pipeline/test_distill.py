@@ -10,6 +10,7 @@ import pytest
 from pipeline_helpers import class_features, crash_after_checkpoints, tiny_dataset
 
 from leaflens.data_prep.manifest import load_dataset
+from leaflens.engine.checkpoint import CheckpointError
 from leaflens.pipeline.cli import main as cli
 from leaflens.pipeline.config import load_config
 from leaflens.pipeline.distill import run_distill
@@ -215,6 +216,43 @@ def test_resume_refuses_a_run_begun_on_another_dataset_or_teacher(tmp_path, monk
         run_distill(ds_dir, None, tmp_path / "run", cfg, no_teacher=True, resume=True, progress=False)
     after = {p.relative_to(partial): p.read_bytes() for p in partial.rglob("*") if p.is_file()}
     assert after == before  # refused: nothing in the interrupted run changed
+
+
+def test_a_resume_says_what_changed_and_a_refused_one_changes_nothing(tiny, monkeypatch, capsys):
+    tmp, ds_dir = tiny
+    cfg = _cfg(epochs=3, **{"distill.compare_scratch": "false"})
+    crash_after_checkpoints(monkeypatch, 1)  # after epoch 1
+    with pytest.raises(KeyboardInterrupt):
+        run_distill(ds_dir, tmp / "teacher", tmp / "changed", cfg, progress=False)
+    monkeypatch.undo()
+    partial = tmp / "changed.partial"
+    before = {p.relative_to(partial): p.read_bytes() for p in partial.rglob("*") if p.is_file()}
+    for key, value, words in (("train.batch_size", "4", "train.batch_size"),
+                              ("model.widths", "[4, 8]", "model.widths")):
+        with pytest.raises((ValueError, CheckpointError), match=f"--resume: .*{key.split('.')[0]}") as refused:
+            run_distill(ds_dir, tmp / "teacher", tmp / "changed", _cfg(epochs=3, **{
+                "distill.compare_scratch": "false", key: value}), resume=True, progress=False)
+        assert words in str(refused.value) and "run without --resume to start over" in str(refused.value)
+        after = {p.relative_to(partial): p.read_bytes() for p in partial.rglob("*") if p.is_file()}
+        assert after == before  # its config.toml says what its checkpoints were trained with, still
+    capsys.readouterr()
+    report = run_distill(ds_dir, tmp / "teacher", tmp / "changed", _cfg(epochs=3, **{
+        "distill.compare_scratch": "false", "distill.temperature": "2.0"}), resume=True, progress=False)
+    assert "settings changed since the run began" in capsys.readouterr().err
+    (change,) = report["resumed_with_changes"]
+    assert change["changed"] == {"distill.temperature": [4.0, 2.0]}
+    assert "**Resumed**" in (tmp / "changed" / "report.md").read_text() and "`distill.temperature`" in \
+        (tmp / "changed" / "report.md").read_text()
+
+
+def test_a_budget_no_model_fits_is_a_warning_in_the_report(tiny, capsys):
+    tmp, ds_dir = tiny
+    report = run_distill(ds_dir, None, tmp / "over", _cfg(epochs=1, **{"distill.max_params": "10"}),
+                         no_teacher=True, progress=False)
+    warning = [w for w in report["warnings"] if "no model fits the serving budget" in w]
+    assert warning and "at most 10 parameters" in warning[0]
+    assert "warning: no model fits the serving budget" in capsys.readouterr().err  # said with progress off too
+    assert "no model fits the serving budget" in (tmp / "over" / "report.md").read_text()
 
 
 def test_resume_never_replaces_a_finished_run(tiny, capsys):

@@ -198,6 +198,26 @@ def test_evaluate_counts_unreadable_photos_apart_and_exits_1(tmp_path, capsys):
     assert code == 1 and "broken.jpg" in captured.out and "could not be read" in captured.out
     ev = json.loads((tmp_path / "e.json").read_text())
     assert ev["summary"]["n"] == 6 and [Path(u["file"]).name for u in ev["unreadable"]] == ["broken.jpg"]
+    nothing = tmp_path / "nothing" / "rust"
+    nothing.mkdir(parents=True)
+    (nothing / "a.jpg").write_bytes(b"")
+    assert main(["evaluate", "--model", str(model), "--photos", str(nothing.parent)]) == 1  # not a usage error
+    assert "none of the 1 photos could be read" in capsys.readouterr().err
+
+
+def test_macro_figures_average_the_classes_with_photos(tmp_path, capsys):
+    model = _tiny_model(tmp_path, tiny_weights(3))
+    photos = _photos(tmp_path / "photos", per_class=3)
+    for cls in CLASSES[1:]:  # a field set of one class
+        for f in (photos / cls).iterdir():
+            f.unlink()
+        (photos / cls).rmdir()
+    assert main(["evaluate", "--model", str(model), "--photos", str(photos), "--json", str(tmp_path / "e.json")]) == 0
+    out = capsys.readouterr().out
+    s = json.loads((tmp_path / "e.json").read_text())["summary"]
+    (only,) = [c for c in s["per_class"] if c["support"]]
+    assert s["macro_classes"] == 1 and s["macro_recall"] == only["recall"] and s["macro_f1"] == only["f1"]
+    assert "n/a" in out and "average the 1 classes with photos here, of 3" in out
 
 
 def test_evaluate_usage_errors_exit_2(tmp_path, capsys):
@@ -305,7 +325,7 @@ def test_not_known_photos_are_counted_by_what_the_model_answers_them(tmp_path, c
     code = main(["evaluate", str(photos), "--model", str(model), "--not-known", str(tmp_path / "other"),
                  "--json", str(tmp_path / "e.json")])
     out = capsys.readouterr().out
-    assert code == 0
+    assert code == 1  # a not-known photo could not be read: said by the exit code too
     nk = PhotoEvaluation.from_dict(json.loads((tmp_path / "e.json").read_text())).not_known
     answered = sorted(f for f in other.glob("*.*") if f.name not in ("dot.png", "flat.png", "broken.jpg"))
     small = np.clip(area_resize(np.stack([decode_image(f, 32, "crop") for f in answered]), 16), 0, 255)

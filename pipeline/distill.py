@@ -123,6 +123,10 @@ def check_run_inputs(work: Path, inputs: dict[str, Any]) -> None:
                          "over") from None
     changed = [what for key, what in (("dataset_manifest_sha256", "dataset"), ("teacher_json_sha256", "teacher"))
                if saved.get(key) != inputs[key]]
+    if changed == ["teacher"] and inputs["teacher_json_sha256"] is None:
+        raise ValueError(f"--resume: the interrupted run in {work} began with a teacher, and this one has none "
+                         "(--no-teacher, or no --teacher): resume it with the teacher it began with, or run without "
+                         "--resume to start over")
     if changed:
         began = ("without a teacher" if saved.get("teacher_json_sha256") is None and "teacher" in changed else None)
         raise ValueError(f"--resume: the interrupted run in {work} began on another {' and '.join(changed)}"
@@ -195,6 +199,11 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
         check_run_inputs(work, inputs)  # before anything in it changes
         if (work / "config.toml").is_file():
             previous = (work / "config.toml").read_text(encoding="utf-8")
+            family = config_changes(previous, dump_toml(cfg)).get("model.family")
+            if family is not None:  # other students, in other folders: its progress would be silently dropped
+                raise ValueError(f"--resume: the interrupted run in {work} trains the students {family[0]}, this one "
+                                 f"asks for {family[1]} (--family / model.family): resume it with its own, or run "
+                                 "without --resume to start over")
     if not resume and work.exists():
         shutil.rmtree(work)
     elif resume and not work.exists():

@@ -235,6 +235,12 @@ def test_a_resume_says_what_changed_and_a_refused_one_changes_nothing(tiny, monk
         assert words in str(refused.value) and "run without --resume to start over" in str(refused.value)
         after = {p.relative_to(partial): p.read_bytes() for p in partial.rglob("*") if p.is_file()}
         assert after == before  # its config.toml says what its checkpoints were trained with, still
+    with pytest.raises(ValueError, match=r"model.family"):  # other students: the progress would be dropped
+        run_distill(ds_dir, tmp / "teacher", tmp / "changed", _cfg(epochs=3, **{
+            "distill.compare_scratch": "false", "model.family": '["m", "s"]'}), resume=True, progress=False)
+    with pytest.raises(ValueError, match="began with a teacher, and this one has none"):
+        run_distill(ds_dir, None, tmp / "changed", cfg, no_teacher=True, resume=True, progress=False)
+    assert {p.relative_to(partial): p.read_bytes() for p in partial.rglob("*") if p.is_file()} == before
     capsys.readouterr()
     report = run_distill(ds_dir, tmp / "teacher", tmp / "changed", _cfg(epochs=3, **{
         "distill.compare_scratch": "false", "distill.temperature": "2.0"}), resume=True, progress=False)

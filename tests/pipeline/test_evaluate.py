@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -212,8 +213,12 @@ def test_macro_figures_average_the_classes_with_photos(tmp_path, capsys):
         for f in (photos / cls).iterdir():
             f.unlink()
         (photos / cls).rmdir()
+    (photos / "loose.jpg").write_bytes((photos / CLASSES[0] / next(iter(os.listdir(photos / CLASSES[0])))).read_bytes())
+    (photos / CLASSES[0] / "notes.txt").write_text("x")
     assert main(["evaluate", "--model", str(model), "--photos", str(photos), "--json", str(tmp_path / "e.json")]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "1 file(s) outside the class folders" in captured.err and "1 file(s) not images" in captured.err
     s = json.loads((tmp_path / "e.json").read_text())["summary"]
     (only,) = [c for c in s["per_class"] if c["support"]]
     assert s["macro_classes"] == 1 and s["macro_recall"] == only["recall"] and s["macro_f1"] == only["f1"]

@@ -313,7 +313,8 @@ def _warnings(d: DuplicateFindings, balance: ClassBalance, shortcut: ShortcutChe
         out.append(f"duplicates: {_n(d.within_split, 'group')} of copies within a split "
                    f"({_n(d.extra_copies, 'extra photo')}, e.g. {_names(example.photos, 3)}): they count twice "
                    "in training or in the scores; remove the duplicates or run with --dedupe")
-    if balance.ratio is None or balance.ratio > balance.warn_above:
+    # a class with no usable photo at all is refused with its reasons (ingest), not weighed as imbalance
+    if (balance.ratio is None or balance.ratio > balance.warn_above) and balance.per_class.get(balance.smallest):
         big, small = balance.per_class[balance.largest], balance.per_class[balance.smallest]
         times = "all" if balance.ratio is None else f"{balance.ratio:g} times"
         out.append(f"class imbalance: '{balance.largest}' has {times} the photos of '{balance.smallest}' "

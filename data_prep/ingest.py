@@ -24,7 +24,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -271,7 +271,7 @@ def _check_class_sizes(scan: ScanResult, kept: list[int], assigned: list[str | N
     none = sorted(c for c, n in counts.items() if n == 0)
     if none:  # the model would have an output for a class it never saw
         raise IngestError(f"{scan.root}: no usable photo in {', '.join(repr(c) for c in none)} (every file there was "
-                          "rejected: see the list above or rejected.jsonl); add photos the class folder can use, or "
+                          "rejected: see the list above); add photos the class folder can use, or "
                           "move the folder out of the source")
     small = {c: n for c, n in counts.items() if n < MIN_PER_CLASS}
     if not small:
@@ -404,21 +404,36 @@ def _check_free_space(out: Path, photos: int, size: int) -> None:
                           "free: choose a smaller --size or free some space")
 
 
-def _check_out(src: Path, out: Path) -> None:
+def _check_out(src: Path, out: Path, inputs: Sequence[tuple[str, str | os.PathLike]] = ()) -> None:
+    """Refuse an output folder inside the source, or one holding any folder of photos read (``inputs``: (option,
+    path)): replacing the output would delete them with it."""
     if out == src or src in out.parents:
         raise IngestError(f"output folder {out} must not be inside the source folder {src}")
+    for option, path in (("--src", src), *inputs):
+        p = Path(path).resolve()
+        if p == out or out in p.parents:
+            raise IngestError(f"{option} {path} is inside the output folder {out}, which is replaced whole when the "
+                              "dataset is written: move the photos out of it, or give another --out")
     try:
         check_replaceable(out, MANIFEST_NAME, "leaflens dataset folder")
     except NotOurFolderError as exc:
         raise IngestError(str(exc)) from None
 
 
-def _up_to_date(out: Path, fingerprints: Sequence[str]) -> bool:
+def _up_to_date(out: Path, fingerprints: Sequence[str], src: Path | None = None) -> bool:
+    """Whether ``out`` is the dataset these inputs make, whole: same inputs, every file as its manifest's
+    checksums say (a damaged dataset is built again), and the source's classes.toml (display names and advice,
+    which travel with the dataset) the one it holds."""
     try:
         manifest = json.loads((out / MANIFEST_NAME).read_text(encoding="utf-8"))
         if manifest.get("input_fingerprint") not in fingerprints:
             return False
-        load_dataset(out, verify=False)
+        load_dataset(out, verify=True)
+        if src is not None:
+            given = src / CLASS_INFO_NAME
+            held = (manifest.get("checksums") or {}).get(CLASS_INFO_NAME)
+            if given.is_file() != (held is not None) or (held is not None and sha256_file(given) != held):
+                return False
     except (OSError, ValueError, DatasetError):
         return False
     return True
@@ -434,6 +449,9 @@ def check_options(opts: IngestOptions) -> None:
                           f"size x size x 3 bytes; students train at 64-128 px, the teacher reads the original files)")
     if not 0 <= opts.seed < 2**32:
         raise IngestError(f"seed must be a whole number from 0 to {2**32 - 1}, got {opts.seed}")
+    if opts.max_pixels < 1:
+        raise IngestError(f"--max-pixels must be at least 1 (the largest photo decoded, in pixels), got "
+                          f"{opts.max_pixels}")
 
 
 def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: IngestOptions | None = None, *,
@@ -482,11 +500,15 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: Inges
     if out is None:
         raise IngestError("no output folder given (--out); only --check runs without one")
     out_p = Path(out).resolve()
-    _check_out(src_p, out_p)
+    _check_out(src_p, out_p, [("--also", a) for a in also] + ([("--unlabeled", unlabeled)] if unlabeled else []))
     unl = str(Path(unlabeled).resolve()) if unlabeled is not None else None
     fingerprint = _fingerprint(scan, opts, unl, out_p)
-    if not force and _up_to_date(out_p, (fingerprint, _fingerprint(scan, opts, unl))):
+    if out_p.parent.is_dir():
+        clean_stale_temps(out_p)  # a killed run's half-written folder, whatever this run does next
+    if not force and _up_to_date(out_p, (fingerprint, _fingerprint(scan, opts, unl)), src_p):
         log(f"{out_p}: up to date ({len(scan.files)} source files unchanged, same options); nothing to do")
+        if report_path is not None and (out_p / DATA_REPORT_NAME).is_file():  # the report of the build it is
+            write_json_atomic(report_path, json.loads((out_p / DATA_REPORT_NAME).read_text(encoding="utf-8")))
         return IngestReport(out_p, True, scan.classes, seconds=time.perf_counter() - t0)
 
     out_p.parent.mkdir(parents=True, exist_ok=True)
@@ -497,8 +519,14 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: Inges
         decoded = _decode_all(scan.files, opts, tmp / _STAGING, workers, progress)
         kept, digests, rejects = decoded.kept, decoded.digests, decoded.rejects
         assigned, data = _split_and_check(scan, decoded, opts, workers, "preprocess", opts.size, log)
-        _check_class_sizes(scan, kept, assigned, strict, log)
-        _refuse_unusable(src_p, scan, opts, _split_counts(scan, kept, assigned), len(rejects), log)
+        try:
+            _check_class_sizes(scan, kept, assigned, strict, log)
+            _refuse_unusable(src_p, scan, opts, _split_counts(scan, kept, assigned), len(rejects), log)
+        except IngestError:
+            _log_rejects(rejects, log)  # the refusal points to them: nothing else will be written
+            if report_path is not None:  # the data report asked for, which says what was found
+                write_json_atomic(report_path, data.to_dict())
+            raise
         info, hist = _write_splits(tmp, scan, kept, assigned, opts)
         (tmp / _STAGING).unlink()
         mean, std = _mean_std(hist)
@@ -546,6 +574,18 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: Inges
     return report
 
 
+def _log_rejects(rejects: Sequence[Mapping[str, object]], log: Callable[[str], None],
+                 most: int = 20) -> None:
+    """The files left out and why, before a refusal (no rejected.jsonl is written then)."""
+    if not rejects:
+        return
+    log(f"rejected {len(rejects)} file(s):")
+    for rec in rejects[:most]:
+        log(f"  {rec['path']}: {rec['reason']}" + (f" ({rec['detail']})" if rec.get("detail") else ""))
+    if len(rejects) > most:
+        log(f"  ... and {len(rejects) - most} more")
+
+
 def check_size(size: int) -> int:
     """The size --check decodes photos at: the stored size up to ``CHECK_SIZE`` (JPEG draft decoding
     makes it cheap; the hashes then match those of a full build to within a few bits)."""
@@ -567,6 +607,7 @@ def _check_only(src_p: Path, scan: ScanResult, opts: IngestOptions, workers: int
         report.rejected_reasons[rec["reason"]] = report.rejected_reasons.get(rec["reason"], 0) + 1
     if report_path is not None:
         write_json_atomic(report_path, data.to_dict())
+    _log_rejects(decoded.rejects, log)  # the files a build would leave out, and why
     _check_class_sizes(scan, decoded.kept, assigned, strict, log)
     _refuse_unusable(src_p, scan, opts, counts, len(decoded.rejects), log)
     report.seconds = time.perf_counter() - t0

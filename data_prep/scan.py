@@ -142,8 +142,12 @@ def _walk_images(folder: Path, root: Path, ignored: dict[str, int],
     return found
 
 
+# files beside the class folders that leaflens itself reads or writes there: not "ignored"
+_OWN_FILES = frozenset({"classes.toml", "classes.json", "synth.json"})
+
+
 def _count_loose_files(path: Path, ignored: dict[str, int]) -> None:
-    loose = [p for p in path.iterdir() if p.is_file()]
+    loose = [p for p in path.iterdir() if p.is_file() and p.name not in _OWN_FILES and not p.name.startswith(".")]
     if loose:
         ignored["outside_class_folders"] = ignored.get("outside_class_folders", 0) + len(loose)
 
@@ -244,6 +248,9 @@ def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = N
         u = Path(unlabeled).resolve()
         if not u.is_dir():
             raise ScanError(f"unlabeled folder {u} does not exist or is not a folder")
+        if u not in extra and (u == root_p or root_p in u.parents or u in root_p.parents):
+            raise ScanError(f"--unlabeled folder {u} overlaps the source folder {root_p}: its labelled photos would "
+                            "be counted again as unlabelled ones (the source's own unlabeled/ folder is read anyway)")
         if u not in extra:
             extra.append(u)
     for udir in extra:

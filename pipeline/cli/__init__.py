@@ -61,8 +61,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("leaflens.apps.cmd_serve", "start the local web app"),
     "doctor": ("leaflens.pipeline.cli.doctor", "report Python, NumPy, CuPy, GPU and BLAS facts"),
 }
-# Subcommands whose interrupted runs `--resume` continues (SIGTERM stops them as Ctrl-C does, with the hint).
+# Subcommands whose interrupted runs `--resume` continues (the interruption message says so).
 RESUMABLE_COMMANDS = frozenset({"teacher", "distill"})
+# Subcommands that SIGTERM stops as Ctrl-C does (exit 130, temporary folders removed, resumable ones resumable).
+STAGE_COMMANDS = frozenset({"data", "preprocess", "teacher", "distill", "export"})
 # Subcommands that run the training engine (the others serve with onnxruntime or only write files).
 ENGINE_COMMANDS = frozenset({"teacher", "distill", "export", "doctor"})
 
@@ -92,8 +94,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def _stop_on_sigterm() -> None:
-    """SIGTERM (``timeout``, a scheduler, ``kill``) ends a training run as Ctrl-C does: the same message and exit
-    code 130, the interrupted run left resumable, instead of a silent exit 143."""
+    """SIGTERM (``timeout``, a scheduler, ``kill``) ends a stage as Ctrl-C does: the same message and exit code
+    130, its temporary folder removed and an interrupted training run left resumable, instead of a silent exit
+    143 with a half-written folder left behind."""
     import signal
     import threading
 
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     if func is None:
         parser.error(f"subcommand {args.command!r} is not available in this build")
     resumable = args.command in RESUMABLE_COMMANDS
-    if resumable:
+    if args.command in STAGE_COMMANDS:  # their temporary folders are removed on the way out, as on Ctrl-C
         _stop_on_sigterm()
     try:
         return int(func(args) or 0)

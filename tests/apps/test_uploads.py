@@ -233,9 +233,21 @@ def test_prepare_refuses_folders_that_are_not_its_own(tmp_path):
     assert (other / "beach.jpg").exists()
     busy = tmp_path / "busy"
     busy.mkdir()
-    (busy / MARKER).write_text(f"pid {os.getppid()}\n")  # a running process that is not this one
-    with pytest.raises(UploadFolderError, match="in use by another running server"):
-        UploadFolder(busy).prepare()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a running Python process
+    try:
+        (busy / MARKER).write_text(f"pid {other.pid}\n")
+        with pytest.raises(UploadFolderError, match="in use by another running server"):
+            UploadFolder(busy).prepare()
+    finally:
+        other.kill()
+        other.wait()
+    sleeper = subprocess.Popen(["sleep", "60"])  # a live process that is no server (its number reused, say)
+    try:
+        (busy / MARKER).write_text(f"pid {sleeper.pid}\n")
+        assert UploadFolder(busy).prepare() == 0
+    finally:
+        sleeper.kill()
+        sleeper.wait()
     mine = UploadFolder(tmp_path / "fresh")
     assert mine.prepare() == 0 and (mine.root / MARKER).is_file()
     assert (mine.root.stat().st_mode & 0o777) == 0o700

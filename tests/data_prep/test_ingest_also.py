@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from dp_helpers import COLOURS, encode, make_class_folders, photo
 
-from leaflens.data_prep.ingest import IngestOptions, ingest
+from leaflens.data_prep.ingest import IngestError, IngestOptions, ingest
 from leaflens.data_prep.manifest import load_dataset
 from leaflens.data_prep.scan import NOT_A_LEAF, ScanError, scan_source
 from leaflens.pipeline.cli import main
@@ -155,3 +155,26 @@ def test_a_project_moved_as_a_whole_stays_up_to_date_and_datasets_of_before_are_
     (new / "dataset" / "manifest.json").write_text(json.dumps(manifest))
     assert ingest(new / "photos", new / "dataset", opts, workers=1, also=[new / "corrections"],
                   unlabeled=new / "unlabelled", log=lambda s: None).up_to_date
+
+
+def test_a_photo_folder_inside_the_output_folder_is_refused_not_deleted(tmp_path):
+    """Rebuilding a dataset replaces its folder whole: photos kept inside it (the source, extra or unlabelled
+    photos) would go with it."""
+    src = make_class_folders(tmp_path / "photos", per_class=5)
+    out = tmp_path / "ds"
+    ingest(src, out, IngestOptions(size=16), workers=1, log=lambda s: None)
+    inside = corrections_folder(out / "corrections", {"rust": 1})
+    unlabeled = out / "unl"
+    unlabeled.mkdir()
+    (unlabeled / "u.jpg").write_bytes(encode(photo(77, COLOURS["rust"])))
+    moved = out / "photos"
+    src.rename(moved)
+    photos = sorted(p for p in moved.rglob("*") if p.is_file())
+    other = make_class_folders(tmp_path / "other", per_class=5)
+    for kwargs, option in (({"also": [inside]}, "--also"), ({"unlabeled": unlabeled}, "--unlabeled")):
+        with pytest.raises(IngestError, match=f"{option} .* is inside the output folder"):
+            ingest(other, out, IngestOptions(size=16), force=True, workers=1, log=lambda s: None, **kwargs)
+    with pytest.raises(IngestError, match="--src .* is inside the output folder"):
+        ingest(moved, out, IngestOptions(size=16), force=True, workers=1, log=lambda s: None)
+    assert sorted(p for p in moved.rglob("*") if p.is_file()) == photos and len(photos) >= 15
+    assert (inside / "rust").is_dir() and (unlabeled / "u.jpg").is_file()

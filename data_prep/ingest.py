@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import multiprocessing
 import os
 import shutil
 import sys
@@ -31,7 +30,7 @@ from typing import Literal
 
 import numpy as np
 
-from leaflens.cpus import usable_cpus
+from leaflens.cpus import usable_cpus, worker_context
 from leaflens.data_prep.arrays import NpyRowWriter, sha256_file
 from leaflens.data_prep.contract import decode_stored
 from leaflens.data_prep.data_report import DATA_REPORT_NAME, CheckedPhotos, DataReport, format_data_report, run_checks
@@ -193,7 +192,7 @@ def _decode_all(files: list[SourceFile], opts: IngestOptions, staging: Path | No
     pool = None
     try:
         if workers > 1 and total > 1:
-            pool = multiprocessing.get_context().Pool(workers)
+            pool = worker_context().Pool(workers)
         window = max(64, workers * 128)  # bounded in-flight results: memory stays flat
         chunksize = max(1, min(32, total // (workers * 8) or 1))
         with open(staging, "wb") if staging is not None else contextlib.nullcontext() as out:

@@ -21,6 +21,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 THREADS_ENV = "LEAFLENS_THREADS"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -166,3 +167,17 @@ def usable_cpus(root: Path | None = None, proc_cgroup: Path = PROC_CGROUP,
     """
     override = threads_override(environ)
     return override if override is not None else _available(_affinity(), _quota(root, proc_cgroup))
+
+
+def worker_context() -> Any:
+    """The multiprocessing context for worker pools: "forkserver" where the platform's default is "fork", else
+    the default. A fork copies the parent mid-way, with whatever locks its other threads hold (onnxruntime's
+    pool, a web server's, a test run's): the child can wait on one forever. Seen as a preprocess hung after
+    its process had served a model. The fork server is a fresh process with no such threads; workers fork
+    from it (its start costs about a second, once per process)."""
+    import multiprocessing  # noqa: PLC0415
+
+    default = multiprocessing.get_context()
+    if default.get_start_method() == "fork" and "forkserver" in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("forkserver")
+    return default

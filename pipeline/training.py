@@ -315,7 +315,8 @@ def run_training(run_dir: str | os.PathLike[str], task: TrainingTask, settings: 
             if settings.progress and epoch == start_epoch and steps == 2:
                 per_step = (time.perf_counter() - t0) / 2
                 remaining = per_step * task.steps_per_epoch * (settings.epochs - epoch)
-                tqdm.write(f"{settings.label}: about {remaining / 60:.1f} min for {settings.epochs - epoch} epochs")
+                tqdm.write(f"{settings.label}: about {remaining / 60:.1f} min for {settings.epochs - epoch} epochs",
+                           file=sys.stderr)
             batch_loss: BatchLoss = result.output
             for k, v in batch_loss.parts.items():
                 sums.add(k, v)
@@ -358,7 +359,7 @@ def run_training(run_dir: str | os.PathLike[str], task: TrainingTask, settings: 
         if settings.progress:
             tqdm.write(f"{settings.label} epoch {epoch + 1}/{settings.epochs}: loss "
                        f"{row.get('train_loss', float('nan')):.4f} val acc {val_acc:.4f} (best {state.best_acc:.4f}) "
-                       f"{row['images_per_s']:.0f} img/s")
+                       f"{row['images_per_s']:.0f} img/s", file=sys.stderr)
     rewind.discard()
     return RunResult(run_dir, state.best_acc, state.best_epoch + 1, len(state.history), state.train_seconds,
                      state.history, stopped_early, device=device, mixed_precision=settings.mixed_precision)
@@ -480,7 +481,8 @@ def _resume(last: Path, task: TrainingTask, scaler: GradScaler, state: _State, r
                               "config.toml), or run without --resume to start over") from None
     if ema is not None and not averaged:
         ema.restart(task.model)
-        tqdm.write(f"{last} holds no weight average (the run began without one): it starts from the resumed weights")
+        tqdm.write(f"{last} holds no weight average (the run began without one): it starts from the resumed weights",
+                   file=sys.stderr)
     for g, (lr, wd) in zip(task.optimizer.param_groups, configured):
         g["initial_lr"], g["weight_decay"] = lr, wd
     task.scheduler.load_state_dict(task.scheduler.state_dict())  # re-applies the schedule to the configured lr

@@ -131,11 +131,13 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_STOPPED
     except KeyboardInterrupt:
         work = finetune_work_dir(args.out, train_cnn=args.train_cnn)
-        if trains(cfg, choice) and (work / "last.npz").exists():
+        if trains(cfg, choice) and any(work.rglob("last.npz")):
             print(f"interrupted: the teacher's training checkpoints are kept in {work}; the same command with "
                   "--resume continues it from the last finished epoch", file=sys.stderr)
-            return 130
-        raise
+        else:
+            print("interrupted before a training epoch ended: nothing to resume; the same command starts over",
+                  file=sys.stderr)
+        return 130
     print(json.dumps(summary) if args.json else summary_text(summary, args.out))
     return 0
 
@@ -158,6 +160,13 @@ def summary_text(summary: dict[str, Any], out: Path) -> str:
         scores.append(f"nearest training photo by features {100 * summary['knn_test_acc']:.1f} %")
     if scores:
         lines.append("  " + "; ".join(scores))
+    st = summary.get("self_train")
+    if st:
+        if st.get("ran"):
+            lines.append(f"  self-training: {st.get('kept')} of {st.get('unlabeled_photos')} unlabelled photos "
+                         f"pseudo-labelled; round {st.get('kept_round')} kept")
+        elif not str(st.get("reason") or "").startswith("off"):  # turned off by the user: nothing to say
+            lines.append(f"  self-training: not done ({st.get('reason')})")
     served = summary.get("served")
     if served:
         if served.get("written"):

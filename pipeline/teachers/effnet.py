@@ -50,7 +50,7 @@ from leaflens.pipeline.teachers.finetune import (
     recipe_record,
 )
 from leaflens.pipeline.teachers.self_train import PseudoLabels, RunFineTune, run_self_training
-from leaflens.pipeline.teachers.stage import ArrayEncoder, TeacherStageError, iter_split_images
+from leaflens.pipeline.teachers.stage import ArrayEncoder, TeacherSettingError, iter_split_images
 from leaflens.pipeline.training import BEST, BatchLoss, LoopSettings, run_training, validation_scores
 
 
@@ -148,7 +148,7 @@ def build_effnet_teacher(ds: Any, teacher: TeacherSection, weights_file: str | P
     frozen = teacher.frozen or "train" not in ds or ds["train"].labels is None
     k = teacher.finetune_from_block
     if k > net.num_blocks:
-        raise TeacherStageError(f"teacher.finetune_from_block = {k}, but EfficientNet-Lite0 has {net.num_blocks} "
+        raise TeacherSettingError(f"teacher.finetune_from_block = {k}, but EfficientNet-Lite0 has {net.num_blocks} "
                                 f"blocks: use 0 (every block trains) to {net.num_blocks} (only the head)")
     raised_from = None
     if not frozen:

@@ -17,6 +17,7 @@ class and which rows with which labels, so that a benchmark that withheld the la
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -152,7 +153,8 @@ def run_self_training(back: Module, ds: Any, teacher: TeacherSection, first_roun
     if progress:
         tqdm.write(f"teacher self-training: threshold {threshold.value:.4f} (val {threshold.val_above}/"
                    f"{threshold.val_photos} at or above it, {threshold.val_accuracy_above:.3f} accurate); kept "
-                   f"{len(kept.rows)} of {n_unlabeled} unlabelled photos {record['kept_per_class']}")
+                   f"{len(kept.rows)} of {n_unlabeled} unlabelled photos {record['kept_per_class']}",
+                   file=sys.stderr)
     if not len(kept.rows):
         record["reason"] = "no unlabelled photo reaches the threshold"
         return record
@@ -178,5 +180,6 @@ def run_self_training(back: Module, ds: Any, teacher: TeacherSection, first_roun
         "seconds": round(time.perf_counter() - t0, 1)})
     if progress:
         tqdm.write(f"teacher self-training: round 2 val acc {second[0]:.4f} loss {second[1]:.4f} vs round 1 "
-                   f"{first[0]:.4f} / {first[1]:.4f}: keeping round {record['kept_round']}")
+                   f"{first[0]:.4f} / {first[1]:.4f}: keeping round {record['kept_round']}",
+                   file=sys.stderr)
     return record

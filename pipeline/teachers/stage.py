@@ -514,6 +514,9 @@ def prepare_work_dir(work: Path, out: Path, record: dict[str, Any], resume: bool
         raise TeacherStageError(f"--resume: {out} is a finished teacher and there is no interrupted fine-tune "
                                 f"({work.name}) to continue; nothing was changed. Without --resume a new teacher "
                                 f"replaces {out} (or give another --out)")
+    if not resume and any(work.rglob("last.npz")):  # hours of training may be in there: say it goes
+        print(f"note: the interrupted teacher training in {work} is discarded: this run starts over (--resume would "
+              "have continued it)", file=sys.stderr, flush=True)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     write_json_atomic(saved_path, record)
@@ -589,15 +592,24 @@ def run_teacher_stage(dataset_dir: str | os.PathLike[str], out: str | os.PathLik
     require_labelled_splits(ds, "a teacher's epoch and out-of-domain threshold are chosen on val, and distill "
                                 "reports on test")
     work = None
+    continuing = False
     if trains(cfg, choice):
         work = finetune_work_dir(out, choice.train_cnn)
-        if prepare_work_dir(work, out, resume_record(ds, cfg, choice, from_arrays), resume) and progress:
+        continuing = prepare_work_dir(work, out, resume_record(ds, cfg, choice, from_arrays), resume)
+        if continuing and progress:
             print(f"teacher: continuing the interrupted training in {work}", file=sys.stderr, flush=True)
     elif resume:
         raise TeacherSettingError("--resume continues an interrupted teacher training (the EfficientNet fine-tune "
                                   "or --train-cnn); this teacher (features, ONNX encoder or --frozen) is not "
                                   "trained: run without it")
-    encoder, made = make_encoder(ds, cfg, choice, out, from_arrays, progress, work)
+    if progress and not resume and (out / TEACHER_JSON).exists():
+        print(f"note: the teacher in {out} is replaced when this one is written", file=sys.stderr, flush=True)
+    try:
+        encoder, made = make_encoder(ds, cfg, choice, out, from_arrays, progress, work)
+    except BaseException:
+        if work is not None and not continuing and not any(work.rglob("last.npz")):
+            shutil.rmtree(work, ignore_errors=True)  # refused (or stopped) before an epoch: nothing to resume
+        raise
     recipe = cfg.teacher
     network = getattr(encoder, "network", None)
     finish = None
@@ -616,6 +628,13 @@ def run_teacher_stage(dataset_dir: str | os.PathLike[str], out: str | os.PathLik
     tt = load_teacher(out, ds)
     summary: dict[str, Any] = {"teacher": tt.info.teacher, "feature_dim": tt.feature_dim,
                                "seconds": round(time.perf_counter() - t0)}
+    st = tt.info.stage.get("self_train")
+    if isinstance(st, dict):
+        summary["self_train"] = {k: st.get(k) for k in ("ran", "reason", "kept", "unlabeled_photos", "kept_round",
+                                                         "value") if k in st}
+    elif cfg.teacher.self_train and "unlabeled" in ds.splits and len(ds["unlabeled"]):
+        summary["self_train"] = {"ran": False, "reason": "only the fine-tuned EfficientNet teacher self-trains; this "
+                                                          "teacher does not"}
     served_info = tt.info.stage.get("served")
     if served_info is not None:
         summary["served"] = {k: served_info.get(k) for k in ("written", "onnx", "reason", "val_accuracy",

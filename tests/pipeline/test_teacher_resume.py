@@ -225,3 +225,26 @@ def test_an_interrupted_train_cnn_teacher_resumes_to_the_same_teacher(tmp_path, 
     mine, whole = features(out), features(tmp_path / "whole")
     for name in whole:
         np.testing.assert_array_equal(mine[name], whole[name], err_msg=name)
+
+
+def test_a_refused_run_leaves_nothing_to_resume_and_the_output_is_said(tmp_path, tiny_lite0, monkeypatch, capsys):
+    ds_dir = tiny_dataset(tmp_path, per_class=8, size=16)
+    out = tmp_path / "t"
+    args = ["teacher", "--dataset", str(ds_dir), "--out", str(out), *[a for s in SETS for a in ("--set", s)]]
+    assert cli([*args, "--set", "teacher.finetune_from_block=99"]) == 2  # a setting that cannot be run
+    assert "finetune_from_block" in capsys.readouterr().err
+    assert not finetune_work_dir(out).exists()  # no fake "interrupted fine-tune" for --resume to trip on
+    interrupt_in_epoch(monkeypatch, 1)  # before any epoch was checkpointed
+    assert cli([*args, "--quiet"]) == 130
+    assert "nothing to resume" in capsys.readouterr().err and not finetune_work_dir(out).exists()
+    assert cli([*args, "--json"]) == 0  # progress lines on stderr: stdout is the one JSON object
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
+    assert summary["self_train"]["ran"] is False and "epoch 1/3" in captured.err
+    interrupt_in_epoch(monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        run_teacher_stage(ds_dir, out, load_config(None, SETS), progress=True)
+    capsys.readouterr()
+    assert cli(args) == 0  # without --resume: the checkpoints go, and the finished teacher is replaced: both said
+    err = capsys.readouterr().err
+    assert "is discarded: this run starts over" in err and f"the teacher in {out} is replaced" in err

@@ -257,7 +257,7 @@ def test_a_run_resumed_with_a_weight_average_it_began_without_starts_one_from_th
     for g in task.optimizer.param_groups:  # the resumed steps leave the weights where they are
         g["lr"] = g["initial_lr"] = 0.0
     run_training(tmp_path, task, _settings(ema_decay=0.9), {}, resume=True)
-    assert "holds no weight average" in capsys.readouterr().out
+    assert "holds no weight average" in capsys.readouterr().err  # progress notes go to stderr
     meta, arrays = read_checkpoint_arrays(tmp_path / training.LAST)
     assert meta["ema"]["updates"] == 2 * task.steps_per_epoch
     for k in task.model.state_dict():

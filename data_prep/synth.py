@@ -672,6 +672,12 @@ def generate(out: str | os.PathLike, options: SynthOptions | None = None, *, wor
         raise ValueError(f"need per_class >= 1 and a size of 32 to 4096 px, got {opts.per_class}, {opts.size}")
     if not 0.0 <= opts.unlabeled_fraction < 1.0:
         raise ValueError(f"unlabeled_fraction must be at least 0 and below 1, got {opts.unlabeled_fraction}")
+    if not 0.0 <= opts.exif_fraction <= 1.0:  # nan fails too
+        raise ValueError(f"exif_fraction must be from 0 to 1, got {opts.exif_fraction}")
+    if opts.broken < 0:
+        raise ValueError(f"broken must be 0 or more (files made broken on purpose), got {opts.broken}")
+    if workers is not None and workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
     if unlabeled_counts(opts) >= opts.per_class:
         raise ValueError(f"unlabeled_fraction {opts.unlabeled_fraction} of {opts.per_class} photos per class "
                          "leaves no labelled photo in a class; lower it or raise per_class")

@@ -69,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
         opts = IngestOptions(size=args.size, resize=args.resize, ratios=parse_ratios(args.split),
                              seed=args.seed, max_pixels=args.max_pixels, dedupe=args.dedupe or None)
         check_options(opts)
+        if args.workers is not None and args.workers < 1:
+            raise ValueError(f"--workers must be at least 1, got {args.workers}")
         if args.report and (problem := results_file_problem(args.report, {"the photos": args.src},
                                                                 ours=json_with(("source", "layout", "decode_size")))):
             raise ValueError(f"--report {problem}")

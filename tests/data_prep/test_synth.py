@@ -133,3 +133,14 @@ def test_cli_synth_and_errors(tmp_path, capsys):
         assert "a size of 32 to 4096 px" in capsys.readouterr().err and not (tmp_path / "big").exists()
     with pytest.raises(ValueError):
         render("sunburn", 64, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("option,value,words", [("--broken", "-1", "broken must be 0 or more"),
+                                                ("--exif-fraction", "1.5", "exif_fraction must be from 0 to 1"),
+                                                ("--exif-fraction", "nan", "exif_fraction must be from 0 to 1"),
+                                                ("--workers", "0", "workers must be at least 1")])
+def test_synth_options_that_make_no_sense_are_usage_errors(tmp_path, capsys, option, value, words):
+    from leaflens.pipeline.cli import main  # noqa: PLC0415
+
+    assert main(["data", "synth", "--out", str(tmp_path / "s"), "--per-class", "2", option, value]) == 2
+    assert words in capsys.readouterr().err and not (tmp_path / "s").exists()

@@ -21,9 +21,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "fine-tuned teacher when it serves (teacher.onnx) and beats the best student by "
                     "distill.teacher_margin. Writes checkpoints, metrics.jsonl, curves.png, confusion.png, "
                     f"report.json and report.md. Defaults: pipeline/{DEFAULT_CONFIG.name}.")
-    p.add_argument("--dataset", type=path_arg, default=Path("artifacts/dataset"), help="preprocessed dataset folder")
+    p.add_argument("--dataset", type=path_arg, default=Path("artifacts/dataset"),
+                   help="preprocessed dataset folder (default %(default)s)")
     p.add_argument("--teacher", type=path_arg, default=Path("artifacts/teacher"), help="teacher folder (features)")
-    p.add_argument("--out", type=path_arg, default=Path("artifacts/student"), help="run folder to write")
+    p.add_argument("--out", type=path_arg, default=Path("artifacts/student"),
+                   help="run folder to write (default %(default)s)")
     p.add_argument("--config", type=path_arg, help="TOML file overriding the defaults")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one setting, e.g. --set train.epochs=10 (repeatable)")

@@ -29,8 +29,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--config", type=path_arg, help="TOML file overriding the default recipe (its [teacher] section)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one setting, e.g. --set teacher.epochs=4 (repeatable)")
-    p.add_argument("--dataset", type=path_arg, default=Path("artifacts/dataset"), help="preprocessed dataset folder")
-    p.add_argument("--out", type=path_arg, default=Path("artifacts/teacher"), help="teacher folder to write")
+    p.add_argument("--dataset", type=path_arg, default=Path("artifacts/dataset"),
+                   help="preprocessed dataset folder (default %(default)s)")
+    p.add_argument("--out", type=path_arg, default=Path("artifacts/teacher"),
+                   help="teacher folder to write (default %(default)s)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--onnx", type=path_arg, metavar="MODEL", help="use this ONNX image encoder")
     src.add_argument("--features", type=path_arg, metavar="PATH",

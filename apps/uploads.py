@@ -84,6 +84,8 @@ def _alive(pid: int) -> bool:
         command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").lower()
     except (OSError, IndexError):
         return True  # no /proc (macOS) or it vanished just now: take it as running
+    if not command.strip():  # a process between fork and exec, or a kernel thread: cannot tell, so running
+        return state != "Z"
     return state != "Z" and (b"python" in command or b"leaflens" in command)
 
 

@@ -224,6 +224,14 @@ def test_the_folder_stays_bounded_under_many_concurrent_requests(tmp_path, model
         assert files_in(uploads.root) == []
 
 
+def python_process() -> subprocess.Popen:
+    """Another running Python process, started up (its command line is Python's once it says so)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+    return proc
+
+
 def test_prepare_refuses_folders_that_are_not_its_own(tmp_path):
     other = tmp_path / "holiday-photos"
     other.mkdir()
@@ -233,7 +241,7 @@ def test_prepare_refuses_folders_that_are_not_its_own(tmp_path):
     assert (other / "beach.jpg").exists()
     busy = tmp_path / "busy"
     busy.mkdir()
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a running Python process
+    other = python_process()  # a running Python process
     try:
         (busy / MARKER).write_text(f"pid {other.pid}\n")
         with pytest.raises(UploadFolderError, match="in use by another running server"):
@@ -241,13 +249,17 @@ def test_prepare_refuses_folders_that_are_not_its_own(tmp_path):
     finally:
         other.kill()
         other.wait()
-    sleeper = subprocess.Popen(["sleep", "60"])  # a live process that is no server (its number reused, say)
-    try:
-        (busy / MARKER).write_text(f"pid {sleeper.pid}\n")
-        assert UploadFolder(busy).prepare() == 0
-    finally:
-        sleeper.kill()
-        sleeper.wait()
+    if Path("/proc").is_dir():  # where the command line of a process can be read (Linux)
+        sleeper = subprocess.Popen(["sleep", "60"])  # a live process that is no server (its number reused, say)
+        deadline = time.time() + 10
+        while time.time() < deadline and not Path(f"/proc/{sleeper.pid}/cmdline").read_bytes().startswith(b"sleep"):
+            time.sleep(0.01)  # until it is "sleep", not the copy of this process it starts as
+        try:
+            (busy / MARKER).write_text(f"pid {sleeper.pid}\n")
+            assert UploadFolder(busy).prepare() == 0
+        finally:
+            sleeper.kill()
+            sleeper.wait()
     mine = UploadFolder(tmp_path / "fresh")
     assert mine.prepare() == 0 and (mine.root / MARKER).is_file()
     assert (mine.root.stat().st_mode & 0o777) == 0o700
@@ -300,7 +312,7 @@ def test_serve_flags_give_gradio_a_folder_of_its_own(tmp_path, model, monkeypatc
     taken = UploadFolder(tmp_path / "elsewhere")
     monkeypatch.setattr("leaflens.apps.uploads.default_folder", lambda port: taken.root)
     (taken.root).mkdir()
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # another Python process
+    other = python_process()  # another Python process
     try:
         (taken.root / MARKER).write_text(f"pid {other.pid}\n")
         service, _ = cmd_serve.prepare(serve_args(model=model, no_examples=True))

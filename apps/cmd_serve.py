@@ -284,19 +284,6 @@ def sweep_uploads(service, demo) -> None:
              f"{pol.grace_s:g} s", max(pol.unanswered_s, pol.keep_s) / 60, pol.max_mb)
 
 
-def stop_on_sigterm() -> None:
-    """SIGTERM (kill, systemd, docker stop) stops the server as Ctrl-C does, so that the service closes and
-    the upload folder is emptied, instead of the process ending on the spot with photos left behind."""
-    import signal
-    import threading
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, interrupt)
-
-
 def build(args: argparse.Namespace):
     """(service, demo, config): :func:`prepare`, then the Gradio app (not yet launched), its uploads swept."""
     service, config = prepare(args)
@@ -338,7 +325,9 @@ def run(args: argparse.Namespace) -> int:
     from leaflens.apps.web import launch
 
     demo = _app(service, config)
-    stop_on_sigterm()
+    from leaflens.pipeline.cli.runtime import stop_on_sigterm
+
+    stop_on_sigterm()  # the service closes and the upload folder is emptied
     p = service.predictor
     log.info("%s", p.provider_line)
     log.info("model %s: %d classes, %dx%d input; notes: %s; examples: %d; run: %s",

@@ -20,7 +20,7 @@ import importlib
 import sys
 from pathlib import Path
 
-from leaflens.pipeline.cli.runtime import configure_process
+from leaflens.pipeline.cli.runtime import configure_process, stop_on_sigterm
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 3
 
@@ -93,20 +93,6 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _stop_on_sigterm() -> None:
-    """SIGTERM (``timeout``, a scheduler, ``kill``) ends a stage as Ctrl-C does: the same message and exit code
-    130, its temporary folder removed and an interrupted training run left resumable, instead of a silent exit
-    143 with a half-written folder left behind."""
-    import signal
-    import threading
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, interrupt)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
@@ -125,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"subcommand {args.command!r} is not available in this build")
     resumable = args.command in RESUMABLE_COMMANDS
     if args.command in STAGE_COMMANDS:  # their temporary folders are removed on the way out, as on Ctrl-C
-        _stop_on_sigterm()
+        stop_on_sigterm()
     try:
         return int(func(args) or 0)
     except KeyboardInterrupt:

@@ -25,3 +25,17 @@ def configure_process(*, engine: bool) -> None:
         from leaflens.engine.allocator import tune_allocator
 
         tune_allocator()
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (``kill``, ``timeout``, systemd, a scheduler) stops the command as Ctrl-C does: the same
+    clean-up (temporary folders removed, the server's uploads emptied, a training run left resumable) and exit
+    code 130, instead of the process ending on the spot. Only the main thread can install it."""
+    import signal  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)

@@ -48,6 +48,7 @@ from leaflens.pipeline.training import (
     epochs_for_steps,
     run_training,
     validation_scores,
+    warn_all_warmup,
 )
 
 
@@ -335,6 +336,7 @@ def student_run(cfg: StageConfig, data: TrainData, val_images: Any, val_labels: 
               f"(early stopping after {patience} without a better one) to take at least train.min_steps = "
               f"{tcfg.min_steps} steps (--set train.min_steps=0: as given)", file=sys.stderr, flush=True)
         epochs = raised
+    warn_all_warmup("train.warmup_epochs", int(tcfg.warmup_epochs), epochs, label)
     opt: Optimizer
     if tcfg.optimizer == "adamw":
         opt = AdamW(model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay)

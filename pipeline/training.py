@@ -237,6 +237,18 @@ def epochs_for_steps(epochs: int, steps_per_epoch: int, min_steps: int) -> int:
     return max(int(epochs), -(-int(min_steps) // max(int(steps_per_epoch), 1)))
 
 
+def warn_all_warmup(key: str, warmup_epochs: int, epochs: int, label: str) -> bool:
+    """Say so on stderr when ``warmup_epochs`` (the setting ``key``) is not below the run's ``epochs``: the
+    learning rate then only rises, to its peak at the last step, and the cosine decay a recipe counts on to
+    settle the weights never comes. Returns whether it said so."""
+    if epochs < 1 or warmup_epochs < epochs:
+        return False
+    print(f"warning: {label}: {key} = {warmup_epochs} is not below its {epochs} epoch{'s' if epochs != 1 else ''}: "
+          f"the learning rate warms up for the whole run and never decays; lower it (--set {key}="
+          f"{max(epochs // 10, 0)})", file=sys.stderr, flush=True)
+    return True
+
+
 def run_training(run_dir: str | os.PathLike[str], task: TrainingTask, settings: LoopSettings,
                  extra_meta: dict[str, Any], resume: bool = False, device: str = "cpu") -> RunResult:
     """Train ``task`` for ``settings.epochs`` epochs in ``run_dir``; resumes from ``last.npz`` when ``resume``

@@ -51,7 +51,7 @@ from leaflens.pipeline.teachers.finetune import (
 )
 from leaflens.pipeline.teachers.self_train import PseudoLabels, RunFineTune, run_self_training
 from leaflens.pipeline.teachers.stage import ArrayEncoder, TeacherSettingError, iter_split_images
-from leaflens.pipeline.training import BEST, BatchLoss, LoopSettings, run_training, validation_scores
+from leaflens.pipeline.training import BEST, BatchLoss, LoopSettings, run_training, validation_scores, warn_all_warmup
 
 
 def shorter_side(size: int) -> int:
@@ -212,6 +212,7 @@ def _enough_steps(teacher: TeacherSection, num_train: int) -> tuple[TeacherSecti
     """The recipe with its epochs raised to ``teacher.min_steps`` optimiser steps for ``num_train`` labelled
     photos, and the epochs it asked for (None when they were enough)."""
     epochs = epochs_for(teacher, num_train)
+    warn_all_warmup("teacher.warmup_epochs", teacher.warmup_epochs, epochs, "teacher fine-tune")
     if epochs == teacher.epochs:
         return teacher, None
     print(f"note: {num_train} labelled training photos make {max(num_train // teacher.batch_size, 1)} steps an "

@@ -31,7 +31,7 @@ from leaflens.engine.checkpoint import load_checkpoint
 from leaflens.engine.nn import Module
 from leaflens.pipeline.config import TeacherSection
 from leaflens.pipeline.report import metrics
-from leaflens.pipeline.training import BEST, is_better_epoch
+from leaflens.pipeline.training import BEST, is_better_epoch, warn_all_warmup
 
 SELF_TRAIN_DIR = "self_train"  # the second round's run folder, inside the first round's
 
@@ -161,6 +161,8 @@ def run_self_training(back: Module, ds: Any, teacher: TeacherSection, first_roun
     first = best_scores(first_round["fine_tune_history"], first_round["fine_tune_best_epoch"])
     first_test = test_accuracy() if test_accuracy is not None else None
     second_recipe = replace(teacher, epochs=teacher.self_train_epochs)
+    warn_all_warmup("teacher.warmup_epochs", teacher.warmup_epochs, teacher.self_train_epochs,
+                    "teacher self-training (teacher.self_train_epochs)")
     task = make_task(kept, second_recipe)
     second_round = run_fine_tune(task, back, second_recipe, progress, max_bad_steps, work_dir / SELF_TRAIN_DIR,
                                  label="teacher self-training")

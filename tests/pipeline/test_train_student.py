@@ -145,3 +145,21 @@ def test_few_training_photos_raise_the_epochs_and_the_patience_to_the_fewest_ste
 
     assert load_config(None, []).train.min_steps == 240  # the recipe's: 60 epochs of 256 photos (README)
     assert load_config(DEFAULT_CONFIG.parent / "distill_demo.toml").train.min_steps == 0  # the demo's time budget
+
+
+def test_a_warm_up_as_long_as_the_run_is_said(capsys: pytest.CaptureFixture[str]) -> None:
+    """``train.warmup_epochs`` not below the epochs the run takes: the learning rate never decays, which a
+    quick ``--set train.epochs=2`` beside the default warm-up of 2 does without a word otherwise."""
+    data, xv, yv = _data()
+    mean, std = np.zeros(3, np.float32), np.ones(3, np.float32)
+    ts.student_run(_cfg(2, "train.warmup_epochs=2"), data, xv, yv, mean, std, 3, label="scratch", progress=False)
+    err = capsys.readouterr().err
+    assert "scratch: train.warmup_epochs = 2 is not below its 2 epochs" in err
+    assert "--set train.warmup_epochs=0" in err
+    ts.student_run(_cfg(3, "train.warmup_epochs=2"), data, xv, yv, mean, std, 3, label="scratch", progress=False)
+    ts.student_run(_cfg(2, "train.warmup_epochs=2", "train.min_steps=23"), data, xv, yv, mean, std, 3,
+                   progress=False)  # raised to 5 epochs: the warm-up is 2 of them
+    assert "warmup_epochs" not in capsys.readouterr().err
+    assert not training.warn_all_warmup("teacher.warmup_epochs", 1, 8, "teacher fine-tune")
+    assert training.warn_all_warmup("teacher.warmup_epochs", 4, 4, "teacher self-training")
+    assert "teacher self-training: teacher.warmup_epochs = 4 is not below its 4 epochs" in capsys.readouterr().err

@@ -364,21 +364,26 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
-def load_config(user_file: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> StageConfig:
-    """The default TOML (shipped in pipeline/) <- ``user_file`` <- ``overrides``, each layer checked."""
+def load_config(user_file: str | os.PathLike[str] | None = None,
+                overrides: Sequence[str | tuple[str, str]] = ()) -> StageConfig:
+    """The default TOML (shipped in pipeline/) <- ``user_file`` <- ``overrides``, each layer checked.
+
+    An override is ``"section.key=value"`` (an error names it as ``--set section.key=value``) or a pair of it
+    and what the person typed, e.g. ``("train.epochs=0", "--epochs 0")``, for the flags that set one key."""
     data = read_toml(DEFAULT_CONFIG)
     cfg = _build(data, str(DEFAULT_CONFIG))
     layers: list[tuple[str, dict[str, Any]]] = []
     if user_file:
         layers.append((str(user_file), read_toml(user_file)))
-    for text in overrides:
+    for item in overrides:
+        text, given = (item, f"--set {item}") if isinstance(item, str) else item
         keys, value = parse_override(text)
         patch: dict[str, Any] = {}
         node = patch
         for k in keys[:-1]:
             node = node.setdefault(k, {})
         node[keys[-1]] = value
-        layers.append((f"--set {text}", patch))
+        layers.append((given, patch))
     for where, top in layers:
         data = overlay(data, top, where)
         cfg = _build(data, where)

@@ -64,19 +64,20 @@ def run(args: argparse.Namespace) -> int:
     from leaflens.pipeline.teachers.artefact import TeacherError  # noqa: PLC0415
     from leaflens.pipeline.training import TrainingStopped  # noqa: PLC0415
 
-    overrides = list(args.overrides)
+    overrides: list[str | tuple[str, str]] = list(args.overrides)
     if args.seed is not None:
-        overrides.append(f"train.seed={args.seed}")
+        overrides.append((f"train.seed={args.seed}", f"--seed {args.seed}"))
     if args.epochs is not None:
-        overrides.append(f"train.epochs={args.epochs}")
+        overrides.append((f"train.epochs={args.epochs}", f"--epochs {args.epochs}"))
     if args.max_params is not None:
-        overrides.append(f"distill.max_params={args.max_params}")
+        overrides.append((f"distill.max_params={args.max_params}", f"--max-params {args.max_params}"))
     if args.max_ms is not None:
-        overrides.append(f"distill.max_ms={float(args.max_ms)!r}")
+        overrides.append((f"distill.max_ms={float(args.max_ms)!r}", f"--max-ms {args.max_ms}"))
     if args.family is not None:
-        overrides.append(f"model.family={json.dumps(list(family_option(args.family)))}")
+        overrides.append((f"model.family={json.dumps(list(family_option(args.family)))}", f"--family {args.family}"))
     if args.escalate is not None:
-        overrides.append(f"model.escalate={json.dumps(list(family_option(args.escalate)))}")
+        overrides.append((f"model.escalate={json.dumps(list(family_option(args.escalate)))}",
+                          f"--escalate {args.escalate}"))
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as exc:

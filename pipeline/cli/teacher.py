@@ -80,19 +80,52 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
-def flag_overrides(args: argparse.Namespace) -> list[str]:
-    """The flags that name a ``[teacher]`` setting, as ``--set`` overrides (applied last, so a flag wins)."""
-    flags: dict[str, Any] = {
-        "frozen": True if args.frozen else None,
-        "cnn_epochs" if args.train_cnn else "epochs": args.epochs,
-        "finetune_from_block": args.finetune_from_block,
-        "input_size": args.input_size,
-        "views": args.views,
-        "view_scale": list(args.view_scale) if args.view_scale else None,
-        "encode_batch_size": args.batch_size,
-        "self_train": getattr(args, "self_train", None),
+def flag_overrides(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The flags that name a ``[teacher]`` setting, as ``--set`` overrides (applied last, so a flag wins), each
+    with the flag as typed (what an error about it names)."""
+    def typed(flag: str, value: Any) -> str:
+        if isinstance(value, bool):
+            return flag if value else f"--no-{flag[2:]}"
+        return f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+
+    flags: dict[str, tuple[str, Any]] = {
+        "frozen": ("--frozen", True if args.frozen else None),
+        "cnn_epochs" if args.train_cnn else "epochs": ("--epochs", args.epochs),
+        "finetune_from_block": ("--finetune-from-block", args.finetune_from_block),
+        "input_size": ("--input-size", args.input_size),
+        "views": ("--views", args.views),
+        "view_scale": ("--view-scale", list(args.view_scale) if args.view_scale else None),
+        "encode_batch_size": ("--batch-size", args.batch_size),
+        "self_train": ("--self-train", getattr(args, "self_train", None)),
     }
-    return [f"teacher.{key}={json.dumps(value)}" for key, value in flags.items() if value is not None]
+    return [(f"teacher.{key}={json.dumps(value)}", typed(flag, value)) for key, (flag, value) in flags.items()
+            if value is not None]
+
+
+def flags_that_do_nothing(args: argparse.Namespace) -> str | None:
+    """Why a flag the person typed does nothing for the teacher they chose (a usage error: a silent no-op
+    leaves them believing, say, that ``--onnx enc.onnx --epochs 5`` fine-tuned their encoder), or None."""
+    kind = ("--onnx" if args.onnx else "--features" if args.features else "--train-cnn" if args.train_cnn
+            else "--frozen" if args.frozen else None)  # None: the fine-tuned EfficientNet
+    typed = {"--layout": args.layout, "--mean": args.mean, "--std": args.std, "--output": args.output,
+             "--weights": args.weights, "--finetune-from-block": args.finetune_from_block,
+             "--self-train": True if args.self_train else None, "--epochs": args.epochs,
+             "--input-size": args.input_size, "--from-arrays": True if args.from_arrays else None}
+    applies = {
+        "--layout": ("--onnx",), "--mean": ("--onnx",), "--std": ("--onnx",), "--output": ("--onnx",),
+        "--weights": (None, "--frozen"), "--finetune-from-block": (None,), "--self-train": (None,),
+        "--epochs": (None, "--train-cnn"), "--input-size": (None, "--frozen", "--onnx"),
+        "--from-arrays": (None, "--frozen", "--onnx", "--train-cnn"),
+    }
+    what = {None: "the default teacher (EfficientNet-Lite0, fine-tuned)", "--frozen": "--frozen (nothing is trained)",
+            "--onnx": "--onnx (an encoder used as it is)", "--features": "--features (features computed elsewhere)",
+            "--train-cnn": "--train-cnn (a CNN at the stored size)"}
+    for flag, value in typed.items():
+        if value is not None and kind not in applies[flag]:
+            names = ["the default teacher" if k is None else k for k in applies[flag]]
+            where = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+            return f"{flag} does nothing with {what[kind]}: it is for {where}; leave it out"
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,6 +145,9 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, [*args.overrides, *flag_overrides(args)])
     except ConfigError as exc:
         print(f"leaflens teacher: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if (idle := flags_that_do_nothing(args)) is not None:
+        print(f"leaflens teacher: {idle}", file=sys.stderr)
         return EXIT_USAGE
     if args.std is not None and not all(v > 0 for v in args.std):
         print(f"leaflens teacher: --std must be 3 numbers above 0, got {args.std}", file=sys.stderr)

@@ -174,6 +174,20 @@ def test_teacher_flags_are_overrides_of_the_teacher_section():
     assert flag_overrides(none) == []
 
 
+def test_a_flag_s_bad_value_is_named_as_the_flag_was_typed(capsys):
+    """``--epochs 0`` used to be reported as ``--set train.epochs=0``, a flag the person never typed."""
+    for argv, says in ((["distill", "--epochs", "0"], "leaflens distill: --epochs 0: train: epochs must be at least 1"),
+                       (["distill", "--max-params", "-5"], "leaflens distill: --max-params -5: "),
+                       (["teacher", "--epochs", "-1"], "leaflens teacher: --epochs -1: teacher: epochs must be at "
+                                                       "least 1"),
+                       (["teacher", "--view-scale", "0.9", "0.3"], "leaflens teacher: --view-scale 0.9 0.3: "),
+                       (["distill", "--set", "train.epochs=0"], "leaflens distill: --set train.epochs=0: ")):
+        assert cli(argv) == 2, argv
+        assert capsys.readouterr().err.startswith(says), argv
+    with pytest.raises(ConfigError, match=r"^--set train.lr=-1: "):
+        load_config(None, ["train.lr=-1"])
+
+
 def test_teacher_cli_reads_its_recipe_from_the_config(tmp_path, capsys):
     ds_dir = tiny_dataset(tmp_path, per_class=8, size=16)
     user = tmp_path / "recipe.toml"
@@ -216,3 +230,31 @@ def test_a_config_that_is_a_folder_or_not_utf8_is_named_not_a_traceback(tmp_path
     bad.write_bytes(b"\xff\xfe[train]\n")
     with pytest.raises(ConfigError, match=r"latin1.toml is not UTF-8 text \(byte 0\)"):
         load_config(bad)
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--onnx", "enc.onnx", "--epochs", "3"], "--epochs does nothing with --onnx"),
+    (["--frozen", "--epochs", "2"], "--epochs does nothing with --frozen"),
+    (["--frozen", "--self-train"], "--self-train does nothing with --frozen"),
+    (["--layout", "NHWC"], "--layout does nothing with the default teacher"),
+    (["--train-cnn", "--mean", "0.5", "0.5", "0.5"], "--mean does nothing with --train-cnn"),
+    (["--features", "f", "--input-size", "64"], "it is for the default teacher, --frozen or --onnx"),
+    (["--features", "f", "--from-arrays"], "--from-arrays does nothing with --features"),
+    (["--train-cnn", "--finetune-from-block", "3"], "it is for the default teacher; leave it out"),
+    (["--onnx", "enc.onnx", "--weights", "w.pth"], "--weights does nothing with --onnx"),
+])
+def test_a_teacher_flag_that_would_do_nothing_is_a_usage_error(tmp_path, capsys, argv, says):
+    """``--onnx enc.onnx --epochs 5`` used to run, fine-tuning nothing, as if the flag had been obeyed."""
+    assert cli(["teacher", "--dataset", str(tmp_path / "none"), *argv]) == 2
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--epochs", "2", "--finetune-from-block", "6", "--self-train", "--from-arrays"],
+                                  ["--frozen", "--weights", "w.pth", "--input-size", "96"],
+                                  ["--onnx", "enc.onnx", "--layout", "NHWC", "--output", "feats"],
+                                  ["--train-cnn", "--epochs", "2"], ["--frozen", "--no-self-train"]])
+def test_teacher_flags_that_apply_pass_the_check(argv):
+    from leaflens.pipeline.cli import build_parser  # noqa: PLC0415
+    from leaflens.pipeline.cli.teacher import flags_that_do_nothing  # noqa: PLC0415
+
+    assert flags_that_do_nothing(build_parser(only="teacher").parse_args(["teacher", *argv])) is None

@@ -491,6 +491,37 @@ def resume_record(ds: Any, cfg: StageConfig, choice: TeacherChoice, from_arrays:
             "from_arrays": from_arrays, "recipe": recipe}
 
 
+RATES_RECORD = "rates.json"  # the learning rates a --resume may change, and what each resume changed
+
+
+def learning_rates(cfg: StageConfig, choice: TeacherChoice) -> dict[str, float]:
+    """The settings a resumed teacher training may change (resume_record leaves them out)."""
+    if choice.train_cnn:
+        return {"train.lr": cfg.train.lr}
+    return {"teacher.lr": cfg.teacher.lr, "teacher.head_lr": cfg.teacher.head_lr}
+
+
+def record_rate_changes(work: Path, rates: dict[str, float], continuing: bool) -> list[dict[str, Any]]:
+    """Keep ``rates`` in ``work``: a new training starts the record, a continued one adds what its rates
+    changed (said on stderr). Returns every resume's changes so far: teacher.json lists them, since the epochs
+    before a resume ran with the earlier rates."""
+    path = work / RATES_RECORD
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8")) if continuing else None
+    except (OSError, ValueError):  # an interruption before it was first written: nothing to compare with
+        saved = None
+    resumes = list((saved or {}).get("resumes") or [])
+    before = (saved or {}).get("rates") or {}
+    changed = {k: [before[k], v] for k, v in rates.items() if k in before and before[k] != v}
+    if changed:
+        print("note: --resume: learning rates changed since the training began (teacher.json lists them): "
+              + ", ".join(f"{k} {old:g} -> {new:g}" for k, (old, new) in changed.items()), file=sys.stderr,
+              flush=True)
+        resumes.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "changed": changed})
+    write_json_atomic(path, {"rates": rates, "resumes": resumes})
+    return resumes
+
+
 def prepare_work_dir(work: Path, out: Path, record: dict[str, Any], resume: bool) -> bool:
     """Make ``work`` ready for the fine-tune: emptied for a new one, or checked against ``record`` to go on
     with an interrupted one (``resume``). True when it continues one. Refuses (TeacherStageError) a --resume
@@ -593,11 +624,13 @@ def run_teacher_stage(dataset_dir: str | os.PathLike[str], out: str | os.PathLik
                                 "reports on test")
     work = None
     continuing = False
+    resumes: list[dict[str, Any]] = []
     if trains(cfg, choice):
         work = finetune_work_dir(out, choice.train_cnn)
         continuing = prepare_work_dir(work, out, resume_record(ds, cfg, choice, from_arrays), resume)
         if continuing and progress:
             print(f"teacher: continuing the interrupted training in {work}", file=sys.stderr, flush=True)
+        resumes = record_rate_changes(work, learning_rates(cfg, choice), continuing)
     elif resume:
         raise TeacherSettingError("--resume continues an interrupted teacher training (the EfficientNet fine-tune "
                                   "or --train-cnn); this teacher (features, ONNX encoder or --frozen) is not "
@@ -611,6 +644,8 @@ def run_teacher_stage(dataset_dir: str | os.PathLike[str], out: str | os.PathLik
             shutil.rmtree(work, ignore_errors=True)  # refused (or stopped) before an epoch: nothing to resume
         raise
     recipe = cfg.teacher
+    if work is not None and resumes:
+        made = {**made, "resumed_with_changes": resumes}
     network = getattr(encoder, "network", None)
     finish = None
     if network is not None:

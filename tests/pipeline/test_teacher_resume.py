@@ -91,8 +91,9 @@ def test_an_interrupted_fine_tune_resumes_to_the_same_teacher(tmp_path, tiny_lit
     assert mine.keys() == whole.keys() and len(mine) >= 6
     for name in mine:
         np.testing.assert_array_equal(mine[name], whole[name], err_msg=name)
-    history = json.loads((out / "teacher.json").read_text())["stage"]["fine_tune_history"]
-    assert [row["epoch"] for row in history] == [1, 2, 3]
+    stage = json.loads((out / "teacher.json").read_text())["stage"]
+    assert [row["epoch"] for row in stage["fine_tune_history"]] == [1, 2, 3]
+    assert "resumed_with_changes" not in stage  # the same rates throughout
 
 
 def test_resume_refuses_another_recipe_but_takes_a_lower_learning_rate(tmp_path, tiny_lite0, monkeypatch):
@@ -108,6 +109,10 @@ def test_resume_refuses_another_recipe_but_takes_a_lower_learning_rate(tmp_path,
     assert (work / "last.npz").read_bytes() == before  # refused: the checkpoints are untouched
     run_teacher_stage(ds_dir, out, load_config(None, [*SETS, "teacher.lr=0.0001"]), progress=False, resume=True)
     assert (out / "teacher.json").exists() and not work.exists()
+    stage = json.loads((out / "teacher.json").read_text())["stage"]
+    # the epoch before the resume ran at the default rate: teacher.json says so, not only the last rate
+    default_lr = load_config(None, SETS).teacher.lr
+    assert [r["changed"] for r in stage["resumed_with_changes"]] == [{"teacher.lr": [default_lr, 0.0001]}]
 
 
 def test_resume_of_a_finished_teacher_changes_nothing_and_a_new_run_starts_over(tmp_path, tiny_lite0, monkeypatch):

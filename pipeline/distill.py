@@ -661,7 +661,7 @@ def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold,
         "teacher": None if teacher_info is None else teacher_info.teacher,
         "config": cfg.to_dict(),
         "hardware": describe_hardware(device=results[best_student].device),
-        "dataset": {"root": str(ds.root), "counts": {s: len(ds[s]) for s in ds.splits},
+        "dataset": {"root": str(Path(ds.root).resolve()), "counts": {s: len(ds[s]) for s in ds.splits},
                     "image_size": ds.image_size, "input_size": input_size},
     }
 

@@ -73,10 +73,13 @@ def test_distill_writes_run_with_both_variants(tiny):
     assert model.projection is None  # the training-only head is not part of the kept model
 
 
-def test_no_teacher_trains_scratch_only(tiny):
+def test_no_teacher_trains_scratch_only(tiny, monkeypatch):
     tmp, ds_dir = tiny
-    report = run_distill(ds_dir, None, tmp / "scratch_only", _cfg(epochs=2), no_teacher=True, progress=False)
+    monkeypatch.chdir(Path(ds_dir).parent)  # the dataset named as a person in its parent folder types it
+    report = run_distill(Path(ds_dir).name, None, tmp / "scratch_only", _cfg(epochs=2), no_teacher=True,
+                         progress=False)
     assert set(report["variants"]) == {"scratch"} and report["winner"] == "scratch"
+    assert report["dataset"]["root"] == str(Path(ds_dir).resolve())  # usable from any folder, as run.json's
 
 
 def test_the_student_trains_and_is_judged_at_model_input_size(tiny):

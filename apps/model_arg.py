@@ -21,5 +21,10 @@ def missing_model(path: str | os.PathLike) -> str | None:
     """What to tell a person whose ``--model`` is not a file; None when it is one."""
     if os.path.isfile(path):
         return None
+    if os.path.isdir(path):
+        inside = sorted(n for n in os.listdir(path) if n.endswith(".onnx"))
+        hint = f": the model file is inside it, e.g. --model {os.path.join(os.fspath(path), inside[0])}" if inside \
+            else " (`leaflens export` writes the .onnx file that --model takes)"
+        return f"{os.fspath(path)}: a folder, not a model file{hint}"
     return (f"{os.fspath(path)}: model file not found (`leaflens export` writes one; another model: "
             "--model PATH)")

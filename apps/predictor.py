@@ -52,7 +52,7 @@ from leaflens.apps.model_card import ModelCard, ModelError
 from leaflens.apps.providers import CPU, CUDA, TENSORRT, Probe, ProviderChoice, probe, provider_name
 from leaflens.cpus import usable_cpus
 from leaflens.data_prep.decode import ImageDecodeError
-from leaflens.data_prep.quality import PhotoRefused, check_colour, check_photo
+from leaflens.data_prep.quality import MIN_SIDE, PhotoRefused, check_colour, check_photo
 
 # What decode_image accepts: a path or the encoded bytes of a photo.
 Source = str | os.PathLike | bytes
@@ -62,7 +62,6 @@ __all__ = ["MIN_SIDE", "OOD_OUTPUT", "PREFERRED_PROVIDERS", "VERDICTS", "Predict
 
 # The verdicts, in the order the checks run; "error": the file could not be read at all.
 VERDICTS = ("refused", "out_of_domain", "ambiguous", "diagnosis", "error")
-MIN_SIDE = 32  # a photo smaller than this on a side holds no leaf worth judging
 OOD_OUTPUT = "ood_score"  # the graph output leaflens.pipeline.ood adds
 
 # The default order when no provider is asked for. CUDA comes with the onnxruntime-gpu wheel and is used
@@ -146,6 +145,35 @@ def choose_providers(available: Sequence[str], requested: Sequence[str] | None =
     return ProviderChoice(providers=(*chosen, CPU), failed=tuple(failed))
 
 
+# What a file that onnxruntime refuses probably is, by its first bytes, and what to pass instead.
+_NOT_ONNX = (
+    (b"PK\x03\x04", "a training checkpoint or other zip/.npz archive, not an exported model: `leaflens export "
+                     "--run RUN` writes the .onnx file that --model takes"),
+    (b"\x93NUMPY", "a NumPy array (.npy), not an exported model: `leaflens export --run RUN` writes the .onnx file "
+                   "that --model takes"),
+    (b"\xff\xd8\xff", "a JPEG photo, not a model: photos go after the command's options, --model takes the "
+                       "exported .onnx file"),
+    (b"\x89PNG", "a PNG image, not a model: photos go after the command's options, --model takes the exported "
+                 ".onnx file"),
+)
+
+
+def not_an_onnx_file(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` is plainly not an ONNX model (a checkpoint, an array, a photo), or None when its first bytes
+    do not say: onnxruntime's own "Protobuf parsing failed" names none of these."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError:
+        return None
+    if not head:
+        return "an empty file, not a model (an interrupted copy or export?)"
+    for magic, what in _NOT_ONNX:
+        if head.startswith(magic):
+            return f"this is {what}"
+    return None
+
+
 class Predictor:
     """A loaded leaflens ONNX model plus the preprocessing it was trained with.
 
@@ -193,6 +221,9 @@ class Predictor:
             self.session = ort.InferenceSession(name, sess_options=options,
                                                 providers=list(self.provider_choice.providers))
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidProtobuf/... types
+            kind = not_an_onnx_file(self.model_path)
+            if kind:
+                raise ModelError(f"{name}: {kind}") from exc
             raise ModelError(f"{name}: onnxruntime cannot load this model: {exc}") from exc
         self.providers: list[str] = list(self.session.get_providers())
         self.provider: str = self.providers[0]

@@ -8,7 +8,11 @@ Checked on the labelled photos the dataset would hold (unlabelled ones have no c
   counted per split pair), across classes (label conflicts: the same picture filed under two classes);
 - photos per class and per split, and the imbalance (largest / smallest class);
 - the shortcut check (:mod:`leaflens.data_prep.shortcut`): whether size, aspect, format or EXIF alone
-  predict the class.
+  predict the class;
+- photos a served model refuses before it looks (:func:`leaflens.data_prep.quality.served_refusal`: under
+  32 px on a side, one flat colour, no fine detail anywhere): kept, since the user may know better, but
+  named, because a lens-cap frame or a blurred thumbnail under a disease teaches the model nothing it will
+  ever be asked.
 
 ``--dedupe`` removes the duplicates: of each group within one class it keeps one copy, the one in the
 earliest split (train < val < test; then the first file), so training keeps its photo and val/test lose
@@ -24,8 +28,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -36,15 +41,26 @@ from leaflens.data_prep.shortcut import FEATURES, PhotoMeta, ShortcutResult, che
 from leaflens.data_prep.split import SPLIT_ORDER
 from leaflens.records import Record, RecordError
 
-__all__ = ["DATA_REPORT_NAME", "IMBALANCE_WARN", "CheckedPhotos", "DataReport", "format_data_report",
-           "read_data_report", "run_checks"]
+__all__ = ["DATA_REPORT_NAME", "IMBALANCE_WARN", "CheckedPhotos", "DataReport", "NotJudgedPhoto",
+           "format_data_report", "read_data_report", "run_checks"]
 
 DATA_REPORT_NAME = "data_report.json"
+_NOT_JUDGED = {"too_small": "under 32 px on a side", "uniform": "one flat colour", "low_texture": "no fine detail"}
 IMBALANCE_WARN = 5.0  # largest / smallest class above this: a warning
 _LISTED = 5  # files named per finding on the console (data_report.json has them all)
 
 
 # ---------------------------------------------------------------------------- records
+@dataclass(frozen=True)
+class NotJudgedPhoto(Record):
+    """A kept labelled photo that a served model would refuse before looking at it."""
+
+    file: str
+    class_name: str
+    split: str
+    reason: str  # "too_small", "uniform" or "low_texture" (leaflens.data_prep.quality)
+
+
 @dataclass(frozen=True)
 class DuplicatePhoto(Record):
     """One copy in a duplicate group."""
@@ -158,6 +174,8 @@ class DataReport(Record):
     seconds: float  # what the checks cost (see leaflens.data_prep.ingest: checks_seconds)
     # unlabelled photos that are copies of validation or test photos ("unlabelled = held-out (split)")
     unlabeled_copies: tuple[str, ...] = ()
+    # labelled photos a served model would refuse (too small, uniform, no detail); () in reports made before
+    not_judged: tuple[NotJudgedPhoto, ...] = ()
 
 
 # ---------------------------------------------------------------------------- the checks
@@ -170,6 +188,7 @@ class CheckedPhotos:
     splits: list[str]
     digests: list[bytes]
     metas: list[PhotoMeta]
+    refusals: list[str | None] = field(default_factory=list)  # per photo, or empty: not checked
 
     def __len__(self) -> int:
         return len(self.files)
@@ -287,8 +306,18 @@ def _n(count: int, word: str, plural: str | None = None) -> str:
     return f"{count} {word if count == 1 else plural or word + 's'}"
 
 
+def _not_judged_warning(photos: Sequence[NotJudgedPhoto]) -> str:
+    kinds = ", ".join(f"{_NOT_JUDGED[r]} {n}" for r, n in sorted(Counter(p.reason for p in photos).items()))
+    listed = ", ".join(f"{p.file} ({p.class_name})" for p in photos[:_LISTED])
+    more = f" (+{len(photos) - _LISTED} more in {DATA_REPORT_NAME})" if len(photos) > _LISTED else ""
+    return (f"photos the app would not judge: {_n(len(photos), 'labelled photo')} ({kinds}): {listed}{more}; a "
+            "served model refuses such photos before it looks, so under a class they teach it nothing it will be "
+            "asked; remove them (lens-cap or blank frames, blurred shots, thumbnails) or replace them with the "
+            "original photos")
+
+
 def _warnings(d: DuplicateFindings, balance: ClassBalance, shortcut: ShortcutCheck, removed: Sequence[Removal],
-              dedupe: bool) -> list[str]:
+              dedupe: bool, not_judged: Sequence[NotJudgedPhoto] = ()) -> list[str]:
     out: list[str] = []
     conflicts = [g for g in d.groups if g.scope == "across_classes"]
     if conflicts:
@@ -331,6 +360,8 @@ def _warnings(d: DuplicateFindings, balance: ClassBalance, shortcut: ShortcutChe
                    f"{shortcut.balanced_accuracy:.2f} against {shortcut.chance:.2f} by chance): the model may learn "
                    f"the source of the photos instead of the disease. {evidence}. What to do: {advice}; or gather "
                    "the photos of every class from the same sources and cameras")
+    if not_judged:
+        out.append(_not_judged_warning(not_judged))
     return out
 
 
@@ -367,10 +398,13 @@ def run_checks(photos: CheckedPhotos, linked: Sequence[NearGroup], classes: Sequ
     balance = _balance(photos, keep, classes)
     shortcut = _shortcut(photos, keep, classes, seed)
     removed = tuple(r for _, r in removals)
+    not_judged = tuple(NotJudgedPhoto(photos.files[k], classes[int(photos.labels[k])], photos.splits[k], why)
+                       for k, why in enumerate(photos.refusals) if why is not None and keep[k])
     report = DataReport(source=source, layout=layout, mode=mode, decode_size=decode_size, photos=len(photos),
                         classes=tuple(classes), balance=balance, duplicates=findings, shortcut=shortcut,
                         dedupe=dedupe, removed=removed,
-                        warnings=tuple(_warnings(findings, balance, shortcut, removed, dedupe)), seconds=0.0)
+                        warnings=tuple(_warnings(findings, balance, shortcut, removed, dedupe, not_judged)),
+                        seconds=0.0, not_judged=not_judged)
     return report, [k for k, _ in removals]
 
 

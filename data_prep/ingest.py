@@ -30,6 +30,7 @@ from typing import Literal
 
 import numpy as np
 
+from leaflens.columns import display_width, pad_right
 from leaflens.cpus import usable_cpus, worker_context
 from leaflens.data_prep.arrays import NpyRowWriter, sha256_file
 from leaflens.data_prep.contract import decode_stored
@@ -56,6 +57,7 @@ from leaflens.data_prep.near_dup import (
     find_copies,
     photo_hashes,
 )
+from leaflens.data_prep.quality import served_refusal
 from leaflens.data_prep.scan import NOT_A_LEAF, SPLITS, UNLABELED, ScanResult, SourceFile, relative_to, scan_source
 from leaflens.data_prep.shortcut import PhotoMeta, photo_meta
 from leaflens.data_prep.split import MIN_PER_CLASS, assign_auto, resolve_given
@@ -136,14 +138,15 @@ def _decode_task(task: tuple[int, str, int, str, int]) -> tuple[int, bytes | Non
 
 
 def _checked_task(task: tuple[int, str, int, str, int, bool]) -> tuple[
-        int, bytes | None, np.ndarray | None, str | None, str | None, tuple[np.ndarray, np.ndarray] | None,
+        int, bytes | None, np.ndarray | None, str | None, str | None, tuple[np.ndarray, np.ndarray, str | None] | None,
         PhotoMeta | None, float]:
     """Worker of preprocess and --check: :func:`_decode_task` plus the data checks' share of the work on a
     kept photo: its perceptual hashes and colour signatures (from the decoded pixels) and metadata (from the
     header the decoder read).
 
-    Returns (index, sha256, pixels or None when ``keep_pixels`` is false, reason, detail, (hashes, colours),
-    metadata, seconds spent on the checks: everything with --check, the hashes and metadata otherwise)."""
+    Returns (index, sha256, pixels or None when ``keep_pixels`` is false, reason, detail, (hashes, colours,
+    why the app would refuse it or None), metadata, seconds spent on the checks: everything with --check, the
+    hashes and metadata otherwise)."""
     index, path, size, resize, max_pixels, keep_pixels = task
     t0 = time.perf_counter()
     header: dict = {}
@@ -151,8 +154,8 @@ def _checked_task(task: tuple[int, str, int, str, int, bool]) -> tuple[
     t1 = time.perf_counter()
     hashes = meta = None
     if pixels is not None:
-        hashes = (photo_hashes(pixels), colour_signatures(pixels))
         meta = photo_meta(header, path)
+        hashes = (photo_hashes(pixels), colour_signatures(pixels), served_refusal(pixels, meta.width, meta.height))
     seconds = time.perf_counter() - (t0 if not keep_pixels else t1)
     return index, digest, pixels if keep_pixels else None, reason, detail, hashes, meta, seconds
 
@@ -169,6 +172,7 @@ class _Decoded:
     metas: list[PhotoMeta]
     rejects: list[dict]
     worker_check_seconds: float
+    refusals: list[str | None]  # per kept source: why a served model would refuse it (None: it judges it)
 
 
 def _decode_all(files: list[SourceFile], opts: IngestOptions, staging: Path | None, workers: int,
@@ -183,6 +187,7 @@ def _decode_all(files: list[SourceFile], opts: IngestOptions, staging: Path | No
     hashes: list[np.ndarray] = []
     colours: list[np.ndarray] = []
     metas: list[PhotoMeta] = []
+    refusals: list[str | None] = []
     rejects: list[dict] = []
     check_seconds = 0.0
     size = decode_size or opts.size
@@ -213,6 +218,7 @@ def _decode_all(files: list[SourceFile], opts: IngestOptions, staging: Path | No
                         digests.append(digest)
                         hashes.append(hash_row[0])
                         colours.append(hash_row[1])
+                        refusals.append(hash_row[2])
                         metas.append(meta)
                     bar.update(1)
     finally:
@@ -223,7 +229,7 @@ def _decode_all(files: list[SourceFile], opts: IngestOptions, staging: Path | No
     hash_array = np.stack(hashes) if hashes else np.zeros((0, len(HASH_CROPS)), np.uint64)
     colour_array = (np.stack(colours) if colours else
                     np.zeros((0, len(HASH_CROPS), COLOUR_GRID * COLOUR_GRID * 3), np.uint8))
-    return _Decoded(kept, digests, hash_array, colour_array, metas, rejects, check_seconds)
+    return _Decoded(kept, digests, hash_array, colour_array, metas, rejects, check_seconds, refusals)
 
 
 # ---------------------------------------------------------------------------- splitting
@@ -645,7 +651,7 @@ def _split_and_check(scan: ScanResult, decoded: _Decoded, opts: IngestOptions, w
     photos = CheckedPhotos(files=[files[kept[r]].rel for r in rows],
                            labels=np.array([files[kept[r]].label for r in rows], np.int64),
                            splits=[str(assigned[r]) for r in rows], digests=[decoded.digests[r] for r in rows],
-                           metas=[decoded.metas[r] for r in rows])
+                           metas=[decoded.metas[r] for r in rows], refusals=[decoded.refusals[r] for r in rows])
     look_alikes = [(position[lab_rows[p.a]], position[lab_rows[p.b]], p.bits, p.colour) for p in copies.look_alikes
                    if lab_rows[p.a] in position and lab_rows[p.b] in position]
     data, removed = run_checks(photos, kept_groups, scan.classes, dedupe=bool(opts.dedupe),
@@ -799,13 +805,13 @@ def format_summary(report: IngestReport) -> str:
     """A per-class table of kept (per split) and rejected images."""
     splits = [s for s in (*SPLITS, UNLABELED) if s in report.counts]
     keys = list(report.classes) + ([UNLABELED] if UNLABELED in report.counts else [])
-    width = max([len(k) for k in keys] + [5])
+    width = max([display_width(k) for k in keys] + [5])
     lines = [f"{'class':<{width}} " + " ".join(f"{s:>9}" for s in splits) + f" {'rejected':>9}"]
     for k in keys:
         cells = []
         for s in splits:
             cells.append(f"{report.counts[s].get(k, 0):>9}")
-        lines.append(f"{k:<{width}} " + " ".join(cells) + f" {report.rejected.get(k, 0):>9}")
+        lines.append(f"{pad_right(k, width)} " + " ".join(cells) + f" {report.rejected.get(k, 0):>9}")
     lines.append(f"kept {report.kept_total}, rejected {report.rejected_total}"
                  + (f" ({', '.join(f'{r}: {n}' for r, n in sorted(report.rejected_reasons.items()))})"
                     if report.rejected_reasons else "")

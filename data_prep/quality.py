@@ -81,6 +81,7 @@ __all__ = [
     "DETAIL_LEVEL",
     "GREY_CHROMA",
     "MIN_DETAIL_SHARE",
+    "MIN_SIDE",
     "UNIFORM_STD",
     "PhotoRefused",
     "check_colour",
@@ -89,11 +90,14 @@ __all__ = [
     "grey_share",
     "photo_stats",
     "refusal_reason",
+    "served_refusal",
 ]
 
 # Largest per-channel standard deviation (grey levels) of a "uniform" photo.
 # The reasons a photo is refused before the model (PhotoRefused.reason); "too_small" comes from the decoder.
 REFUSAL_REASONS = frozenset({"too_small", "uniform", "low_texture", "no_colour"})
+# A photo smaller than this on a side (px, as stored in its file) holds no leaf worth judging ("too_small").
+MIN_SIDE = 32
 # Mean (largest - smallest channel) in grey levels under which a photo has no colour (see the module docstring).
 GREY_CHROMA = 2.0
 UNIFORM_STD = 5.0
@@ -191,6 +195,41 @@ def refusal_reason(pixels: np.ndarray) -> tuple[str, dict[str, float]] | None:
     if stats["detail_share"] < MIN_DETAIL_SHARE:
         return "low_texture", stats
     return None
+
+
+def served_refusal(pixels: np.ndarray, width: int, height: int) -> str | None:
+    """The reason a served model would refuse this photo whatever the model ("too_small" for a file under
+    :data:`MIN_SIDE` px on a side, then :func:`refusal_reason`'s), or None. Preprocess asks it of every
+    training photo: one the app never judges teaches the model nothing it will be asked."""
+    if 0 < min(width, height) < MIN_SIDE:
+        return "too_small"
+    arr = _validate(pixels)
+    if _colour_std(arr) >= UNIFORM_STD and _centre_has_detail(arr):
+        return None  # what refusal_reason would say, at a seventh of its cost for most photos
+    found = refusal_reason(arr)
+    return None if found is None else found[0]
+
+
+def _centre_has_detail(arr: np.ndarray) -> bool:
+    """Whether one of the (up to) 2 x 2 central patches of :func:`_detail_share`'s grid on the stored pixels
+    already holds :data:`MIN_DETAIL_SHARE` detailed pixels: then the densest patch does too, and the photo is
+    no "low_texture" (exact, not an estimate: the same patches, pixels and neighbours)."""
+    h, w = arr.shape[:2]
+    cell = min(CELL, h, w)
+    gh, gw = h // cell, w // cell
+    top, left = (h - gh * cell) // 2, (w - gw * cell) // 2
+    gy0, gx0 = max(gh // 2 - 1, 0), max(gw // 2 - 1, 0)
+    gy1, gx1 = min(gy0 + 2, gh), min(gx0 + 2, gw)
+    y0, y1, x0, x1 = top + gy0 * cell, top + gy1 * cell, left + gx0 * cell, left + gx1 * cell
+    wy0, wy1, wx0, wx1 = max(y0 - 1, 0), min(y1 + 1, h), max(x0 - 1, 0), min(x1 + 1, w)  # 1 px of neighbours
+    sub = np.moveaxis(arr[wy0:wy1, wx0:wx1], 2, 0).astype(np.int16)
+    rows = sub[:, :, :-2] + sub[:, :, 1:-1] + sub[:, :, 2:]
+    box = rows[:, :-2] + rows[:, 1:-1] + rows[:, 2:]
+    detailed = np.zeros((wy1 - wy0, wx1 - wx0), bool)  # the photo's outermost pixels count as flat, as there
+    detailed[1:-1, 1:-1] = (np.abs(9 * sub[:, 1:-1, 1:-1] - box) > 8 * DETAIL_LEVEL).any(axis=0)
+    region = detailed[y0 - wy0:y1 - wy0, x0 - wx0:x1 - wx0]
+    counts = region.reshape(gy1 - gy0, cell, gx1 - gx0, cell).sum(axis=(1, 3))
+    return float(counts.max()) / (cell * cell) >= MIN_DETAIL_SHARE
 
 
 def _describe(reason: str, stats: dict[str, float]) -> str:

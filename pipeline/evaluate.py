@@ -29,6 +29,7 @@ import numpy as np
 
 from leaflens.apps.diagnosis import REFUSAL_REASONS
 from leaflens.apps.predictor import Prediction, Predictor
+from leaflens.columns import display_width, pad_right
 from leaflens.data_prep.scan import UNLABELED, ScanError, scan_source
 from leaflens.pipeline.report import metrics
 from leaflens.pipeline.teachers.stage import split_photo_paths
@@ -264,7 +265,7 @@ def format_evaluation(ev: PhotoEvaluation) -> str:
     matrix (rows = true), unreadable files."""
     s = ev.summary
     low, high = s["accuracy_ci"]
-    width = max(len(c) for c in ev.classes) + 4
+    width = max(display_width(c) for c in ev.classes) + 4
     right = f" ({ev.diagnosed_correct / ev.diagnosed:.1%} of them right)" if ev.diagnosed else ""
     lines = [f"{Path(ev.model).name} on {s['n']} photos in {ev.photos} ({ev.provider})",
              f"accuracy {s['accuracy']:.2%} ({s['correct']}/{s['n']}; {s['ci_level']:.0%} interval "
@@ -279,9 +280,9 @@ def format_evaluation(ev: PhotoEvaluation) -> str:
     for i, row in enumerate(s["per_class"]):
         if row["support"] == 0:  # no photo of it here: no recall; a precision only where the model named it
             precision = f"{row['precision']:>9.1%}" if row.get("predicted") else f"{'n/a':>9}"
-            lines.append(f"{f'{i} ' + row['class']:<{width}} {0:>7} {precision} {'n/a':>7} {'n/a':>6}")
+            lines.append(f"{pad_right(f'{i} ' + row['class'], width)} {0:>7} {precision} {'n/a':>7} {'n/a':>6}")
             continue
-        lines.append(f"{f'{i} ' + row['class']:<{width}} {row['support']:>7} {row['precision']:>9.1%} "
+        lines.append(f"{pad_right(f'{i} ' + row['class'], width)} {row['support']:>7} {row['precision']:>9.1%} "
                      f"{row['recall']:>7.1%} {row['f1']:>6.3f}")
     if s.get("macro_classes", len(ev.classes)) < len(ev.classes):
         lines.append(f"(macro figures average the {s['macro_classes']} classes with photos here, of "
@@ -291,7 +292,7 @@ def format_evaluation(ev: PhotoEvaluation) -> str:
     lines += ["", "confusion matrix (rows: true class, columns: predicted class, numbered as above)",
               " " * width + "".join(f"{j:>{cell}}" for j in range(len(ev.classes)))]
     for i, r in enumerate(cm):
-        lines.append(f"{f'{i} ' + ev.classes[i]:<{width}}" + "".join(f"{v:>{cell}}" for v in r))
+        lines.append(pad_right(f"{i} {ev.classes[i]}", width) + "".join(f"{v:>{cell}}" for v in r))
     if ev.unreadable:
         lines += ["", f"{len(ev.unreadable)} photo(s) could not be read and are not counted:"]
         lines += [f"  {u.error}" for u in ev.unreadable[:20]]

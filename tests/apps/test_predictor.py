@@ -185,3 +185,42 @@ def test_a_photo_without_colour_is_refused_only_by_a_model_that_learnt_from_colo
     bad, _ = tiny_model(name="bad.onnx", **{"leaflens.grey_share": "1.5"})
     with pytest.raises(ModelError, match="grey_share"):
         Predictor(bad)
+
+
+@pytest.mark.parametrize(("head", "says"), [
+    (b"PK\x03\x04rest of a zip", "training checkpoint or other zip/.npz archive"),
+    (b"\x93NUMPY\x01\x00", "a NumPy array (.npy)"),
+    (b"\xff\xd8\xff\xe0JFIF", "a JPEG photo, not a model"),
+    (b"\x89PNG\r\n\x1a\n", "a PNG image, not a model"),
+    (b"", "an empty file"),
+])
+def test_a_file_that_is_plainly_no_model_is_named_for_what_it_is(tmp_path, head, says):
+    """``--model best.npz`` (or a photo, or an interrupted copy) used to give onnxruntime's "Protobuf parsing
+    failed"; the message now says what the file is and which file --model takes."""
+    path = tmp_path / "best.npz"
+    path.write_bytes(head)
+    with pytest.raises(ModelError) as err:
+        Predictor(path)
+    assert str(err.value).startswith(f"{path}: ")
+    assert says in str(err.value)
+    assert "Protobuf" not in str(err.value)
+
+
+def test_other_bytes_keep_onnxruntime_s_own_reason(tmp_path):
+    path = tmp_path / "model.onnx"
+    path.write_bytes(b"\x08\x07garbage that is not a graph")
+    with pytest.raises(ModelError, match="onnxruntime cannot load this model"):
+        Predictor(path)
+
+
+def test_a_folder_given_as_the_model_points_at_the_file_inside(tmp_path):
+    from leaflens.apps.model_arg import missing_model  # noqa: PLC0415
+
+    (tmp_path / "export").mkdir()
+    assert missing_model(tmp_path / "export") == (f"{tmp_path / 'export'}: a folder, not a model file (`leaflens "
+                                                  "export` writes the .onnx file that --model takes)")
+    (tmp_path / "export" / "student.onnx").write_bytes(b"")
+    (tmp_path / "export" / "teacher.onnx").write_bytes(b"")
+    assert missing_model(tmp_path / "export").endswith(f"e.g. --model {tmp_path / 'export' / 'student.onnx'}")
+    assert missing_model(tmp_path / "export" / "student.onnx") is None
+    assert "model file not found" in missing_model(tmp_path / "nothing.onnx")

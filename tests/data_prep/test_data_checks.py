@@ -196,3 +196,36 @@ def test_a_split_asked_to_be_empty_is_a_warning_and_distill_names_it(tmp_path):
     with pytest.raises(ValueError, match=r"the val split is empty .*chosen on val"):
         run_teacher_stage(report.out, tmp_path / "t", load_config(), TeacherChoice(train_cnn=True), progress=False)
     assert not (tmp_path / "t").exists()
+
+
+def test_photos_the_app_would_refuse_are_kept_and_named_in_the_data_report(tmp_path):
+    """A lens-cap frame, a thumbnail and a smooth gradient under a class: a served model refuses each before
+    it looks, so preprocess names them (kept: the user may know better) instead of training on them silently."""
+    import json  # noqa: PLC0415
+
+    from dp_helpers import encode, photo  # noqa: PLC0415
+    from PIL import Image  # noqa: PLC0415
+
+    src = make_class_folders(tmp_path / "photos", per_class=6)
+    (src / "blight" / "lens_cap.jpg").write_bytes(encode(Image.new("RGB", (64, 48), (12, 12, 14))))
+    (src / "rust" / "thumb.png").write_bytes(encode(photo(7, (200, 120, 30), 24, 20), "PNG"))
+    ramp = np.linspace(0, 255, 64, dtype=np.float32)
+    smooth = np.stack([np.tile(ramp, (64, 1)), np.tile(ramp[:, None], (1, 64)), np.full((64, 64), 90.0)], -1)
+    (src / "healthy" / "smooth.png").write_bytes(encode(Image.fromarray(smooth.astype(np.uint8)), "PNG"))
+    messages: list[str] = []
+    report = ingest(src, tmp_path / "ds", IngestOptions(size=32), workers=1, log=messages.append)
+    assert report.kept_total == 21  # kept, every one
+    lines = "\n".join(messages).splitlines()
+    warned = [m for m in lines if m.startswith("warning: photos the app would not judge")]
+    assert len(warned) == 1, lines
+    assert "3 labelled photos (low_texture" not in warned[0]  # kinds are said in words
+    for name, cls in (("lens_cap.jpg", "blight"), ("thumb.png", "rust"), ("smooth.png", "healthy")):
+        assert f"{name} ({cls})" in warned[0]
+    assert "no fine detail 1, under 32 px on a side 1, one flat colour 1" in warned[0]
+    data = json.loads((tmp_path / "ds" / "data_report.json").read_text())
+    assert {(Path(p["file"]).name, p["reason"]) for p in data["not_judged"]} == {
+        ("lens_cap.jpg", "uniform"), ("thumb.png", "too_small"), ("smooth.png", "low_texture")}
+    messages.clear()
+    clean = ingest(make_class_folders(tmp_path / "clean", per_class=6), tmp_path / "ds2", IngestOptions(size=32),
+                   workers=1, log=messages.append)
+    assert not any("would not judge" in m for m in messages) and clean.data.not_judged == ()

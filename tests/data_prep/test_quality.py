@@ -300,3 +300,29 @@ def test_chroma_tells_photos_without_colour():
     assert refused.value.reason == "no_colour"
     stack = np.stack([grey, colour, colour, colour])
     assert grey_share(stack, chunk=3) == 0.25 and grey_share(stack[1:]) == 0.0 and grey_share(stack[:0]) == 0.0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_preprocess_check_gives_the_app_s_verdict_on_every_kind_of_photo(seed):
+    """served_refusal's shortcut (a central patch already detailed enough) never changes the verdict of
+    refusal_reason: flat, gradients, blurs, small subjects on plain ground, noise, odd sizes and aspects."""
+    from leaflens.data_prep.quality import served_refusal  # noqa: PLC0415
+
+    rng = np.random.default_rng(seed)
+    seen = set()
+    for size in (16, 31, 64, 97, 128, 200, 256):
+        leaf = render(str(rng.choice(CLASSES)), size, rng)
+        spot = np.full((size, size, 3), 230, np.uint8)
+        y, x = rng.integers(0, max(size - 12, 1), 2)
+        spot[y:y + 12, x:x + 12] = rng.integers(0, 255, (min(12, size - y), min(12, size - x), 3))
+        blurred = np.asarray(Image.fromarray(leaf).filter(ImageFilter.GaussianBlur(float(rng.uniform(0.5, 6)))))
+        tall = rng.integers(0, 255, (size, max(size // 3, 3), 3), dtype=np.uint8)
+        for arr in (_solid(rng.integers(0, 255, 3), size), _linear_gradient(rng, size), _radial_gradient(rng, size),
+                    leaf, spot, blurred, tall, _checkerboard(rng.integers(0, 255, 3), rng.integers(0, 255, 3), size,
+                                                              int(rng.integers(1, 9)))):
+            want = _reason(arr)
+            assert served_refusal(arr, 500, 400) == want, (size, want)
+            seen.add(want)
+    assert served_refusal(_solid((9, 9, 9), 64), 31, 400) == "too_small"
+    assert served_refusal(_solid((9, 9, 9), 64), 0, 0) == "uniform"  # size unknown: judged on the pixels
+    assert {None, "uniform", "low_texture"} <= seen

@@ -11,7 +11,9 @@ and the uploaded file's name (kept as metadata only).
 Rules, because the bytes come from strangers' uploads:
 
 - a saved file's name is generated here (``YYYYmmdd-HHMMSS-<random>.<ext>``, the extension from the
-  file's own magic bytes): the uploaded name never becomes a path;
+  file's own magic bytes): the uploaded name never becomes a path; a GIF, which the page answers but
+  `leaflens preprocess` does not read, is saved as the PNG of its first frame (the frame the model judged;
+  the log's ``sha256`` stays the GIF's, ``bytes`` the PNG's, ``saved_as`` says "png from gif");
 - nothing is ever overwritten: the bytes are copied to a hidden temporary name in the class folder and
   hard-linked to the new name, which fails rather than replace an existing file;
 - the same bytes saved twice under the same class are written once (the log is read back at each save, so
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import logging
 import os
@@ -196,9 +199,12 @@ class CorrectionStore:
             raise CorrectionError("gone", f"{photo_name}: the uploaded file is no longer on the server "
                                           f"({exc.strerror or exc}); upload the photo again") from exc
         ext = sniff_extension(head)
+        as_png = ext is None and head[:6] in (b"GIF87a", b"GIF89a")  # answered, but preprocess reads no GIF
+        if as_png:
+            ext = ".png"
         if ext is None:
-            raise CorrectionError("format", f"{photo_name}: not a JPEG, PNG, WebP, BMP, TIFF or HEIC photo, so a "
-                                            "retrain could not read it; not saved")
+            raise CorrectionError("format", f"{photo_name}: not a JPEG, PNG, WebP, BMP, TIFF, HEIC or GIF photo, so "
+                                            "a retrain could not read it; not saved")
         try:
             first = sha256_file(src)
         except OSError as exc:
@@ -219,17 +225,27 @@ class CorrectionStore:
             clean_stale_temps(folder / _INCOMING)
             tmp = temp_path(folder / _INCOMING)
             try:
-                digest = _copy_hashing(src, tmp)
+                digest = _gif_as_png(src, tmp, photo_name) if as_png else _copy_hashing(src, tmp)
                 if digest != first:
                     raise CorrectionError("gone", f"{photo_name}: the uploaded file changed while it was saved; "
                                                   "upload the photo again")
+                if as_png:
+                    size = tmp.stat().st_size
+                    if used + size + _LINE_ROOM > self.max_bytes:
+                        raise CorrectionError("full", f"the corrections folder {self.root} is full ({_amount(used)} "
+                                                      f"of {_amount(self.max_bytes)}); {photo_name} as PNG "
+                                                      f"({_amount(size)}) was not saved. Move the saved photos into "
+                                                      "the training data, or start the server with a larger "
+                                                      "--corrections-max-mb")
                 now = self._clock()
                 final = self._link_new(tmp, folder, now, ext)
             finally:
                 tmp.unlink(missing_ok=True)
             rel = final.relative_to(self.root).as_posix()
-            line = json.dumps(self._record(now, rel, chosen, photo_name, digest, size, predicted, answer),
-                              ensure_ascii=False) + "\n"
+            record = self._record(now, rel, chosen, photo_name, digest, size, predicted, answer)
+            if as_png:
+                record["saved_as"] = "png from gif"
+            line = json.dumps(record, ensure_ascii=False) + "\n"
             with open(self.log_path, "a", encoding="utf-8") as fh:
                 fh.write(line)
             self._used = (time.monotonic(), used + size + len(line.encode("utf-8")))
@@ -349,6 +365,34 @@ def _copy_hashing(src: Path, tmp: Path) -> str:
         raise CorrectionError("gone", f"{src.name}: the uploaded file is no longer on the server; upload the "
                                       "photo again") from exc
     return "sha256:" + h.hexdigest()
+
+
+def _gif_as_png(src: Path, tmp: Path, photo_name: str) -> str:
+    """Write the first frame of the GIF ``src`` (the one the model judged) to the new file ``tmp`` as PNG,
+    transparency kept, for `leaflens preprocess`, which reads no GIF; the GIF bytes' ``sha256:<hex>``, so the
+    same upload saved twice is still found as one."""
+    from PIL import Image  # noqa: PLC0415
+
+    from leaflens.data_prep.decode import DEFAULT_MAX_PIXELS  # noqa: PLC0415
+
+    try:
+        data = src.read_bytes()
+    except FileNotFoundError as exc:
+        raise CorrectionError("gone", f"{photo_name}: the uploaded file is no longer on the server; upload the "
+                                      "photo again") from exc
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            if im.width * im.height > DEFAULT_MAX_PIXELS:
+                raise CorrectionError("format", f"{photo_name}: a GIF of {im.width}x{im.height} px, too large to "
+                                                "save; not saved")
+            im.seek(0)
+            frame = im.convert("RGBA" if "transparency" in im.info else "RGB")
+        with open(tmp, "xb") as out:
+            frame.save(out, "PNG")
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise CorrectionError("format", f"{photo_name}: its GIF could not be read again to save it as PNG "
+                                        f"({exc}); not saved") from exc
+    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 # ----------------------------------------------------------------------------- one correction from the page

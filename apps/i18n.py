@@ -177,7 +177,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "correct_why_full": ("the corrections folder on this server is full. Whoever runs the server can move the "
                              "saved photos into the training data, or allow it more space."),
         "correct_why_gone": "the photo is no longer on the server; upload it again and press **Diagnose**.",
-        "correct_why_format": "it is not a JPEG, PNG, WebP, BMP, TIFF or HEIC photo, which a retrain needs.",
+        "correct_why_format": "it is not a JPEG, PNG, WebP, BMP, TIFF, HEIC or GIF photo, which a retrain needs.",
         "correct_why_unknown_class": "that answer is not one this model knows.",
         "correct_full": ("Corrections cannot be saved right now: the corrections folder on this server is full "
                          "({used} of {cap} MB)."),
@@ -372,7 +372,7 @@ STRINGS: dict[str, dict[str, str]] = {
                                       "请再次点击 **诊断**，然后更正。"),
         "correct_why_full": "本服务器上的更正文件夹已满。服务器管理员可以把已保存的照片移入训练数据，或增加空间。",
         "correct_why_gone": "照片已不在服务器上；请重新上传并点击 **诊断**。",
-        "correct_why_format": "它不是 JPEG、PNG、WebP、BMP、TIFF 或 HEIC 照片，无法用于重新训练。",
+        "correct_why_format": "它不是 JPEG、PNG、WebP、BMP、TIFF、HEIC 或 GIF 照片，无法用于重新训练。",
         "correct_why_unknown_class": "本模型不认识这个答案。",
         "correct_full": "暂时无法保存更正：本服务器上的更正文件夹已满（已用 {used} MB，上限 {cap} MB）。",
         "history": "打开本页面以来的诊断",

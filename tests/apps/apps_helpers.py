@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -208,11 +209,20 @@ def fake_run(tmp_path: Path, dataset: Path) -> Path:
     return run
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def serve_args(**kw) -> argparse.Namespace:
-    """`leaflens serve` arguments as parsed from --key value options (True: a bare flag)."""
+    """`leaflens serve` arguments as parsed from --key value options (True: a bare flag). Without ``port``, a
+    free one: a server already on the default 7860 (a developer's own) must not change what a test sees."""
     from leaflens.apps import cmd_serve
 
     parser = cmd_serve.add_parser(argparse.ArgumentParser().add_subparsers())
+    kw.setdefault("port", free_port())
     argv = []
     for key, value in kw.items():
         argv += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])

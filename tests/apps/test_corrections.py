@@ -118,6 +118,33 @@ def test_not_a_photo_is_refused_and_nothing_written(tmp_path):
     assert not root.exists()
 
 
+def test_a_gif_the_page_answered_is_saved_as_the_png_of_the_frame_it_judged(tmp_path):
+    """The page answers GIFs, preprocess reads none: the correction keeps the first frame, losslessly, as PNG,
+    and the same GIF corrected twice is still one photo."""
+    from leaflens.data_prep.scan import IMAGE_EXTENSIONS  # noqa: PLC0415
+
+    rng = np.random.default_rng(11)
+    frames = [Image.fromarray(rng.integers(0, 256, (30, 40, 3), dtype=np.uint8)).convert("P") for _ in range(2)]
+    buf = io.BytesIO()
+    frames[0].save(buf, "GIF", save_all=True, append_images=frames[1:])
+    gif = buf.getvalue()
+    root = tmp_path / "corrections"
+    store = store_at(root)
+    saved = store.save(upload(tmp_path / "up", "leaf.gif", gif), "rust", photo_name="leaf.gif")
+    assert saved.file.endswith(".png") and Path(saved.file).suffix in IMAGE_EXTENSIONS
+    with Image.open(root / saved.file) as png, Image.open(io.BytesIO(gif)) as first:
+        assert np.array_equal(np.asarray(png), np.asarray(first.convert("RGB")))
+    again = store.save(upload(tmp_path / "up", "leaf.gif", gif), "rust", photo_name="leaf.gif")
+    assert again.duplicate and again.file == saved.file
+    line = log_lines(root)[0]
+    assert line["saved_as"] == "png from gif" and line["sha256"] == "sha256:" + hashlib.sha256(gif).hexdigest()
+    assert line["bytes"] == (root / saved.file).stat().st_size
+    with pytest.raises(CorrectionError) as exc:  # GIF magic, then nothing a decoder can read
+        store.save(upload(tmp_path / "up", "odd.gif", b"GIF89a" + b"\x00" * 40), "rust", photo_name="odd.gif")
+    assert exc.value.reason == "format" and "odd.gif" in str(exc.value)
+    assert len(list((root / "rust").iterdir())) == 1
+
+
 def test_unknown_class_and_missing_upload(tmp_path):
     store = store_at(tmp_path / "corrections")
     src = upload(tmp_path / "up", "a.jpg", photo_bytes(4))

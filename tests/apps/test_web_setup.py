@@ -178,7 +178,11 @@ def test_model_tab_names_the_generic_branch_of_the_out_of_domain_score(tiny_mode
 
 
 def test_cli_defaults_are_local_and_private():
-    args = serve_args()
+    import argparse  # noqa: PLC0415
+
+    from leaflens.apps import cmd_serve  # noqa: PLC0415
+
+    args = cmd_serve.add_parser(argparse.ArgumentParser().add_subparsers()).parse_args([])
     assert args.host == "127.0.0.1" and args.share is False and args.port == 7860
     assert args.model == "artifacts/export/student.onnx" and args.max_upload_mb == 20.0
 

@@ -526,7 +526,7 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: Inges
         assigned, data = _split_and_check(scan, decoded, opts, workers, "preprocess", opts.size, log)
         try:
             _check_class_sizes(scan, kept, assigned, strict, log)
-            _refuse_unusable(src_p, scan, opts, _split_counts(scan, kept, assigned), len(rejects), log)
+            _refuse_unusable(src_p, scan, opts, _split_counts(scan, kept, assigned), len(rejects), log, data)
         except IngestError:
             _log_rejects(rejects, log)  # the refusal points to them: nothing else will be written
             if report_path is not None:  # the data report asked for, which says what was found
@@ -614,7 +614,7 @@ def _check_only(src_p: Path, scan: ScanResult, opts: IngestOptions, workers: int
         write_json_atomic(report_path, data.to_dict())
     _log_rejects(decoded.rejects, log)  # the files a build would leave out, and why
     _check_class_sizes(scan, decoded.kept, assigned, strict, log)
-    _refuse_unusable(src_p, scan, opts, counts, len(decoded.rejects), log)
+    _refuse_unusable(src_p, scan, opts, counts, len(decoded.rejects), log, data)
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -723,7 +723,7 @@ def _split_counts(scan: ScanResult, kept: list[int], assigned: list[str | None])
 
 
 def _refuse_unusable(src_p: Path, scan: ScanResult, opts: IngestOptions, counts: dict[str, dict[str, int]],
-                     n_rejected: int, log: Callable[[str], None]) -> None:
+                     n_rejected: int, log: Callable[[str], None], data: DataReport | None = None) -> None:
     """Refuse (IngestError) a dataset with no training photo or an empty val or test split; a split the
     user's --split asked to be empty is a warning."""
     totals = {s: sum(counts[s].values()) for s in SPLITS}
@@ -742,17 +742,40 @@ def _refuse_unusable(src_p: Path, scan: ScanResult, opts: IngestOptions, counts:
                           "is chosen on val and reported on test. Add photos (at least "
                           f"{MIN_PER_CLASS} per class) or, for train/val/test folders, put some in "
                           f"{' and '.join(empty)}/; with class folders, --split must give val and test a share")
-    _check_each_class_split(src_p, scan, counts, asked_none, log)
+    _check_each_class_split(src_p, scan, counts, asked_none, log, data)
+
+
+def _why_a_split_is_missing(data: DataReport | None) -> dict[str, str]:
+    """Per class, why the automatic split left it without a val or test photo, from what the data checks found:
+    a photo shared with another class (kept in one split with its copy), photos --dedupe left out after the
+    split, or (the default) its own copies and look-alikes kept together."""
+    why: dict[str, str] = {}
+    if data is None:
+        return why
+    for r in data.removed:
+        n = sum(1 for x in data.removed if x.class_name == r.class_name)
+        why.setdefault(r.class_name, f"--dedupe left out {n} of its photos after the split "
+                                     f"(listed in {DATA_REPORT_NAME}): add different photos of it")
+    for g in data.duplicates.groups:
+        if g.scope != "across_classes":
+            continue
+        for p in g.photos:
+            others = sorted({q.class_name for q in g.photos if q.class_name != p.class_name})
+            why.setdefault(p.class_name, f"one of its photos, {p.file}, is also filed under {', '.join(others)} (a "
+                                         "label conflict), and the copies stay in one split so none leaks: keep the "
+                                         "photo under its right class only, or add different photos of it")
+    return why
 
 
 def _check_each_class_split(src_p: Path, scan: ScanResult, counts: dict[str, dict[str, int]], asked_none: list[str],
-                            log: Callable[[str], None]) -> None:
+                            log: Callable[[str], None], data: DataReport | None = None) -> None:
     """Refuse a class with photos but none to train on; warn about a class of ``MIN_PER_CLASS`` photos or
     more with none in val or test (classes smaller than that are warned about by their size)."""
     def per_split(c: str) -> str:
         return ", ".join(f"{s} {counts[s][c]}" for s in SPLITS)
 
     given = scan.layout == "split_folders"
+    reasons = _why_a_split_is_missing(data)
     no_train = [c for c in scan.classes if counts["train"][c] == 0 and counts["val"][c] + counts["test"][c] > 0]
     if no_train:
         listed = "; ".join(f"{c!r} ({per_split(c)})" for c in no_train)
@@ -767,12 +790,16 @@ def _check_each_class_split(src_p: Path, scan: ScanResult, counts: dict[str, dic
                    if counts[s][c] == 0 and sum(counts[x][c] for x in SPLITS) >= MIN_PER_CLASS]
         if not missing:
             continue
-        listed = "; ".join(f"{c!r} ({per_split(c)})" for c in missing)
-        why = (f"put some of its photos in {src_p / s / _one_or_placeholder(missing)}/" if given else
-               "its photos are copies or look-alikes of each other, kept in one split so none leaks "
-               "(data_report.json lists them): add different photos of it")
         use = "the model is chosen without it" if s == "val" else "the report cannot say how the model does on it"
-        log(f"warning: no {s} photo for {listed}: {use}; {why}")
+        if given:
+            listed = "; ".join(f"{c!r} ({per_split(c)})" for c in missing)
+            log(f"warning: no {s} photo for {listed}: {use}; put some of its photos in "
+                f"{src_p / s / _one_or_placeholder(missing)}/")
+            continue
+        for c in missing:
+            why = reasons.get(c, "its photos are copies or look-alikes of each other, kept in one split so none "
+                                 f"leaks ({DATA_REPORT_NAME} lists them): add different photos of it")
+            log(f"warning: no {s} photo for {c!r} ({per_split(c)}): {use}; {why}")
 
 
 def _one_or_placeholder(classes: list[str]) -> str:

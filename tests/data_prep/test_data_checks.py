@@ -229,3 +229,25 @@ def test_photos_the_app_would_refuse_are_kept_and_named_in_the_data_report(tmp_p
     clean = ingest(make_class_folders(tmp_path / "clean", per_class=6), tmp_path / "ds2", IngestOptions(size=32),
                    workers=1, log=messages.append)
     assert not any("would not judge" in m for m in messages) and clean.data.not_judged == ()
+
+
+def test_a_class_left_without_val_or_test_is_told_the_real_reason(tmp_path):
+    """A photo copied under another class is kept in one split with its copy, and --dedupe removes photos
+    after the split: either can leave a class without a val or test photo. The warning said "its photos are
+    copies of each other" for both, which was not what happened."""
+    import shutil  # noqa: PLC0415
+
+    src = make_class_folders(tmp_path / "photos", per_class=8)
+    for f in sorted((src / "rust").iterdir())[2:]:
+        f.unlink()
+    shutil.copy(src / "blight" / "img_02.jpg", src / "rust" / "copy_02.jpg")
+    for dedupe in (False, True):
+        messages: list[str] = []
+        ingest(src, tmp_path / f"ds{dedupe}", IngestOptions(size=16, dedupe=dedupe), workers=1, log=messages.append)
+        lines = [m for m in "\n".join(messages).splitlines() if m.startswith("warning: no ")]
+        assert lines, messages
+        assert not any("copies or look-alikes of each other" in m for m in lines), lines
+        if not dedupe:
+            assert any("'rust'" in m and "rust/copy_02.jpg, is also filed under blight" in m for m in lines), lines
+        else:
+            assert any("--dedupe left out 1 of its photos after the split" in m for m in lines), lines

@@ -40,7 +40,7 @@ RESUME ?=
 SERVE_ARGS ?=
 EXTRAS ?= dev,serve-cpu,teacher
 
-.PHONY: help venv test lint data preprocess teacher distill export serve demo clean FORCE \
+.PHONY: help venv test lint data preprocess teacher distill export serve demo demo-blocked clean FORCE \
 	bench-engine bench-mnist bench-preprocess bench-loader bench-serve bench-ibeans bench-ood bench-insects bench-gpu gpu-check
 
 help:
@@ -103,18 +103,29 @@ $(DATASET)/manifest.json: FORCE $(if $(filter $(SYNTH),$(DATA)),$(SYNTH)/classes
 
 preprocess: $(DATASET)/manifest.json
 
-$(TEACHER)/teacher.json: $(DATASET)/manifest.json
+# Each stage's options (TEACHER_ARGS, DISTILL_ARGS, EXPORT_ARGS) are kept in a file rewritten only when they
+# change, so a stage whose options changed runs again (`make teacher TEACHER_ARGS=--frozen` after a fine-tune)
+# instead of being skipped as up to date. The options travel in the environment: quotes in them stay as typed.
+# A missing file is written dated 1970, so outputs made before it existed are not remade for it alone.
+$(ART)/.make-%.args: FORCE
+	@mkdir -p $(@D); if [ ! -f $@ ]; then printf '%s\n' "$$STAGE_ARGS" > $@ && touch -t 197001010000 $@; \
+	elif ! printf '%s\n' "$$STAGE_ARGS" | cmp -s - $@; then printf '%s\n' "$$STAGE_ARGS" > $@; fi
+$(ART)/.make-teacher.args: export STAGE_ARGS = $(TEACHER_ARGS)
+$(ART)/.make-distill.args: export STAGE_ARGS = $(DISTILL_ARGS)
+$(ART)/.make-export.args: export STAGE_ARGS = $(EXPORT_ARGS)
+
+$(TEACHER)/teacher.json: $(DATASET)/manifest.json $(ART)/.make-teacher.args
 	$(LEAFLENS) teacher --dataset $(DATASET) --out $(TEACHER) $(if $(RESUME),--resume) $(TEACHER_ARGS)
 
 teacher: $(TEACHER)/teacher.json
 
-$(STUDENT)/best.npz: $(TEACHER)/teacher.json
+$(STUDENT)/best.npz: $(TEACHER)/teacher.json $(ART)/.make-distill.args
 	$(LEAFLENS) distill --dataset $(DATASET) --teacher $(TEACHER) --out $(STUDENT) $(if $(RESUME),--resume) \
 		$(DISTILL_ARGS)
 
 distill: $(STUDENT)/best.npz
 
-$(EXPORT)/student.onnx: $(STUDENT)/best.npz
+$(EXPORT)/student.onnx: $(STUDENT)/best.npz $(ART)/.make-export.args
 	$(LEAFLENS) export --run $(STUDENT) --dataset $(DATASET) --out $(EXPORT) $(EXPORT_ARGS)
 
 export: $(EXPORT)/student.onnx
@@ -122,7 +133,21 @@ export: $(EXPORT)/student.onnx
 serve: $(EXPORT)/student.onnx
 	$(LEAFLENS) serve --model $(EXPORT)/student.onnx $(SERVE_ARGS)
 
-demo: serve
+# `make demo` is the synthetic demo: after `make preprocess DATA=photos` the remembered photos' stages fill
+# $(ART), and running the demo there would replace the model trained on them.
+ifneq ($(DATA),$(SYNTH))
+ifeq ($(origin DATA),file)
+DEMO_BLOCKED := yes
+endif
+endif
+
+demo: $(if $(DEMO_BLOCKED),demo-blocked,serve)
+
+demo-blocked:
+	@echo "make demo: $(ART) holds the stages of your own photos (DATA=$(DATA), remembered since 'make preprocess');" >&2
+	@echo "  the demo would replace the model trained on them. 'make serve' serves that model; for the synthetic" >&2
+	@echo "  demo beside it: make demo ART=$(ART)/demo (or 'make clean' first, which deletes the stage outputs in $(ART))." >&2
+	@exit 2
 
 FORCE:
 
@@ -169,7 +194,7 @@ gpu-check:
 # output, and stay.
 CORRECTIONS := $(ART)/corrections
 clean:
-	rm -rf $(SYNTH) $(DATASET) $(TEACHER) $(STUDENT) $(EXPORT) $(REMEMBERED) .pytest_cache
+	rm -rf $(SYNTH) $(DATASET) $(TEACHER) $(STUDENT) $(EXPORT) $(REMEMBERED) $(ART)/.make-*.args .pytest_cache
 	rm -rf $(dir $(TEACHER)).$(notdir $(TEACHER)).finetune-work $(dir $(TEACHER)).$(notdir $(TEACHER)).cnn-work \
 		$(STUDENT).partial  # interrupted runs' checkpoints
 	@if [ -d "$(CORRECTIONS)" ]; then echo "kept $(CORRECTIONS): the photos corrected on the web page (delete it yourself when they are no longer wanted)"; fi

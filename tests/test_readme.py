@@ -181,3 +181,61 @@ def test_make_installs_leaflens_again_in_a_venv_made_in_another_folder(tmp_path)
     assert "pip install" in moved and f'echo "{ROOT}" > {stamp}' in moved
     assert "pip install" not in dry_run(str(ROOT))
     assert "pip install" not in dry_run(None)
+
+
+def _make(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """`make` with every stage command echoed instead of run, and a stand-in venv made here (never installs)."""
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    venv = tmp_path / "venv"
+    venv.mkdir(exist_ok=True)
+    (venv / ".installed").write_text(f"{ROOT}\n")  # newer than pyproject.toml, made in this folder
+    return subprocess.run(["make", *args, f"ART={tmp_path}", f"VENV={venv}", "LEAFLENS=echo RUN", "DATA=photos"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_a_stage_whose_make_options_changed_runs_again(tmp_path):
+    """`make teacher TEACHER_ARGS=--frozen` after a fine-tuned teacher printed nothing and did nothing: the
+    options are now a prerequisite, so a change re-runs the stage and the same options skip it."""
+    import os
+    import time
+
+    (tmp_path / "dataset").mkdir()
+    (tmp_path / "teacher").mkdir()
+    (tmp_path / "dataset" / "manifest.json").write_text("{}")
+    old = time.time() - 100
+    os.utime(tmp_path / "dataset" / "manifest.json", (old, old))
+    (tmp_path / "teacher" / "teacher.json").write_text("{}")  # made after the dataset: up to date
+    target = f"{tmp_path}/teacher/teacher.json"
+
+    def teacher_runs(*extra: str) -> bool:
+        out = _make(tmp_path, target, *extra)
+        assert out.returncode == 0, out.stderr
+        return "RUN teacher" in out.stdout
+
+    assert not teacher_runs()  # no options file yet: outputs made before it are not remade for it alone
+    assert not teacher_runs()
+    assert teacher_runs("TEACHER_ARGS=--frozen --set model.family='[\"m\"]'")
+    assert (tmp_path / ".make-teacher.args").read_text() == "--frozen --set model.family='[\"m\"]'\n"
+    (tmp_path / "teacher" / "teacher.json").write_text("{}")  # what that run would have written
+    assert not teacher_runs("TEACHER_ARGS=--frozen --set model.family='[\"m\"]'")
+    _make(tmp_path, "-s", "clean")
+    assert not (tmp_path / ".make-teacher.args").exists()
+
+
+def test_make_demo_does_not_replace_the_model_of_the_remembered_photos(tmp_path):
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    (tmp_path / ".make-data.mk").write_text("DATA ?= photos\nSIZE ?= 96\nEXTRA ?= \n")
+    out = subprocess.run(["make", "demo", f"ART={tmp_path}", "LEAFLENS=echo RUN"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "RUN" not in out.stdout
+    assert "holds the stages of your own photos (DATA=photos" in out.stderr
+    assert f"make demo ART={tmp_path}/demo" in out.stderr
+    dry = subprocess.run(["make", "-n", "demo", f"ART={tmp_path}/demo"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert dry.returncode == 0 and "synthetic" in dry.stdout

@@ -364,6 +364,34 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
+def settings_not_read(overrides: Sequence[str | tuple[str, str]], read: Sequence[str]) -> list[str]:
+    """The ``--set`` overrides (as typed) whose key is none of ``read`` (sections, ``"train"``, or single keys,
+    ``"train.max_bad_steps"``): settings the command at hand never looks at, as ``distill --set
+    teacher.epochs=2``, which a person expects to change something."""
+    out = []
+    for item in overrides:
+        if not isinstance(item, str):
+            continue  # a flag's own override: the command reads it
+        key = item.split("=", 1)[0].strip()
+        if not any(key == r or key.startswith(r + ".") for r in read):
+            out.append(item)
+    return out
+
+
+def epochs_as_given(overrides: Sequence[str | tuple[str, str]]) -> list[tuple[str, str]]:
+    """``min_steps = 0`` overrides for the sections whose epochs the command line names without naming their
+    ``min_steps``: ``--epochs 2`` (or ``--set train.epochs=2``) means two epochs, not "at least 240 steps"
+    (the recipe's ``min_steps`` is for the epochs it chose itself, on few photos). ``teacher.cnn_epochs`` is
+    the --train-cnn teacher's, which trains with ``[train]``."""
+    keys = {(item if isinstance(item, str) else item[0]).split("=", 1)[0].strip() for item in overrides}
+    out: list[tuple[str, str]] = []
+    for epochs, steps in (("train.epochs", "train.min_steps"), ("teacher.epochs", "teacher.min_steps"),
+                          ("teacher.cnn_epochs", "train.min_steps")):
+        if epochs in keys and steps not in keys and all(steps != o[0].split("=")[0] for o in out):
+            out.append((f"{steps}=0", f"{epochs} as given ({steps} = 0)"))
+    return out
+
+
 def load_config(user_file: str | os.PathLike[str] | None = None,
                 overrides: Sequence[str | tuple[str, str]] = ()) -> StageConfig:
     """The default TOML (shipped in pipeline/) <- ``user_file`` <- ``overrides``, each layer checked.

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from leaflens.pipeline.cli import EXIT_REFUSED, EXIT_STOPPED, EXIT_USAGE, path_arg
-from leaflens.pipeline.config import DEFAULT_CONFIG, ConfigError, load_config
+from leaflens.pipeline.config import DEFAULT_CONFIG, ConfigError, epochs_as_given, load_config, settings_not_read
 from leaflens.pipeline.models.family import family_option
 
 
@@ -31,7 +31,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="override one setting, e.g. --set train.epochs=10 (repeatable)")
     p.add_argument("--no-teacher", action="store_true", help="train from scratch only (cross-entropy alone)")
     p.add_argument("--seed", type=int, help="random seed (same as --set train.seed=N)")
-    p.add_argument("--epochs", type=int, help="epochs (same as --set train.epochs=N)")
+    p.add_argument("--epochs", type=int,
+                   help="epochs, taken as given (same as --set train.epochs=N; the recipe's own epochs may be "
+                        "raised on few photos to train.min_steps steps, which naming the epochs turns off)")
     p.add_argument("--max-params", type=int, metavar="N",
                    help="serving budget: keep no model with more than N parameters (0: no limit; same as --set "
                         "distill.max_params=N)")
@@ -79,10 +81,13 @@ def run(args: argparse.Namespace) -> int:
         overrides.append((f"model.escalate={json.dumps(list(family_option(args.escalate)))}",
                           f"--escalate {args.escalate}"))
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(args.config, [*overrides, *epochs_as_given(overrides)])
     except ConfigError as exc:
         print(f"leaflens distill: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    for unread in settings_not_read(args.overrides, ("model", "train", "augment", "distill")):
+        print(f"leaflens distill: warning: --set {unread} changes nothing here: [teacher] is the teacher stage's "
+              "(`leaflens teacher --set ...`)", file=sys.stderr)
     teacher = None if args.no_teacher else args.teacher
     if teacher is not None and not (teacher / "teacher.json").exists():
         print(f"leaflens distill: no teacher at {teacher} (run `leaflens teacher` first, or pass --no-teacher)",

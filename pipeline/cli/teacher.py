@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from leaflens.pipeline.cli import EXIT_REFUSED, EXIT_STOPPED, EXIT_USAGE, path_arg
-from leaflens.pipeline.config import ConfigError, load_config
+from leaflens.pipeline.config import ConfigError, epochs_as_given, load_config, settings_not_read
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -41,7 +41,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--frozen", action="store_true",
                    help="EfficientNet: use the ImageNet features as they are (teacher.frozen = true)")
     p.add_argument("--weights", type=path_arg, help="EfficientNet-Lite0 .pth file (default: the installed package's)")
-    p.add_argument("--epochs", type=int, help="fine-tuning (teacher.epochs) or --train-cnn (teacher.cnn_epochs) epochs")
+    p.add_argument("--epochs", type=int,
+                   help="fine-tuning (teacher.epochs) or --train-cnn (teacher.cnn_epochs) epochs, taken as "
+                        "given (the recipe's own are raised on few photos to teacher.min_steps steps)")
     p.add_argument("--finetune-from-block", type=int, metavar="K",
                    help="EfficientNet: blocks before K (of 16) stay frozen (cached), the rest is trained "
                         "(teacher.finetune_from_block)")
@@ -142,13 +144,22 @@ def run(args: argparse.Namespace) -> int:
     from leaflens.pipeline.training import TrainingStopped  # noqa: PLC0415
 
     try:
-        cfg = load_config(args.config, [*args.overrides, *flag_overrides(args)])
+        given = [*args.overrides, *flag_overrides(args)]
+        cfg = load_config(args.config, [*given, *epochs_as_given(given)])
     except ConfigError as exc:
         print(f"leaflens teacher: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if (idle := flags_that_do_nothing(args)) is not None:
         print(f"leaflens teacher: {idle}", file=sys.stderr)
         return EXIT_USAGE
+    read = (("teacher", "model", "train", "augment") if args.train_cnn else
+            ("teacher",) if args.onnx or args.features or args.frozen else ("teacher", "train.max_bad_steps"))
+    for unread in settings_not_read(args.overrides, read):
+        section = unread.split(".", 1)[0]
+        whose = ("the student's (`leaflens distill --set ...`; --train-cnn reads [model], [train] and [augment])"
+                 if section in ("model", "train", "augment", "distill") else "not this teacher's")
+        print(f"leaflens teacher: warning: --set {unread} changes nothing here: [{section}] is {whose}",
+              file=sys.stderr)
     if args.std is not None and not all(v > 0 for v in args.std):
         print(f"leaflens teacher: --std must be 3 numbers above 0, got {args.std}", file=sys.stderr)
         return EXIT_USAGE

@@ -215,7 +215,8 @@ def _enough_steps(teacher: TeacherSection, num_train: int) -> tuple[TeacherSecti
     warn_all_warmup("teacher.warmup_epochs", teacher.warmup_epochs, epochs, "teacher fine-tune")
     if epochs == teacher.epochs:
         return teacher, None
-    print(f"note: {num_train} labelled training photos make {max(num_train // teacher.batch_size, 1)} steps an "
+    steps = max(num_train // teacher.batch_size, 1)
+    print(f"note: {num_train} labelled training photos make {steps} step{'s' if steps != 1 else ''} an "
           f"epoch; the fine-tune runs {epochs} epochs instead of {teacher.epochs} to take at least "
           f"teacher.min_steps = {teacher.min_steps} steps (--set teacher.min_steps=0: as given)",
           file=sys.stderr, flush=True)

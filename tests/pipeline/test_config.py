@@ -258,3 +258,63 @@ def test_teacher_flags_that_apply_pass_the_check(argv):
     from leaflens.pipeline.cli.teacher import flags_that_do_nothing  # noqa: PLC0415
 
     assert flags_that_do_nothing(build_parser(only="teacher").parse_args(["teacher", *argv])) is None
+
+
+def test_epochs_named_on_the_command_line_are_taken_as_given():
+    """``--epochs 2`` used to train 240 (train.min_steps) on a small dataset: named epochs turn the floor off,
+    unless min_steps is named too; a TOML file's epochs or the recipe's own keep it."""
+    from leaflens.pipeline.config import epochs_as_given  # noqa: PLC0415
+
+    assert epochs_as_given(["train.epochs=2"]) == [("train.min_steps=0", "train.epochs as given (train.min_steps = 0)")]
+    assert epochs_as_given([("train.epochs=2", "--epochs 2")])[0][0] == "train.min_steps=0"
+    assert epochs_as_given(["train.epochs=2", "train.min_steps=100"]) == []
+    assert [o for o, _ in epochs_as_given(["teacher.epochs=3", "train.lr=0.1"])] == ["teacher.min_steps=0"]
+    assert [o for o, _ in epochs_as_given(["teacher.cnn_epochs=3", "train.epochs=4"])] == ["train.min_steps=0"]
+    assert epochs_as_given(["train.lr=0.1"]) == []
+    cfg = load_config(None, ["train.epochs=2", *epochs_as_given(["train.epochs=2"])])
+    assert (cfg.train.epochs, cfg.train.min_steps) == (2, 0)
+    assert load_config().train.min_steps == 240  # the recipe's floor stays for its own epochs
+
+
+def test_the_commands_take_their_epochs_flag_as_given(tmp_path, monkeypatch):
+    import leaflens.pipeline.distill as distill_mod  # noqa: PLC0415
+    import leaflens.pipeline.teachers.stage as stage_mod  # noqa: PLC0415
+
+    seen = {}
+
+    def fake_distill(dataset, teacher, out, cfg, **kw):
+        seen["distill"] = cfg
+        raise ValueError("stop here")
+
+    def fake_teacher(dataset, out, cfg, choice, **kw):
+        seen["teacher"] = cfg
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(distill_mod, "run_distill", fake_distill)
+    monkeypatch.setattr(stage_mod, "run_teacher_stage", fake_teacher)
+    assert cli(["distill", "--no-teacher", "--epochs", "2", "--dataset", str(tmp_path)]) == 1
+    assert (seen["distill"].train.epochs, seen["distill"].train.min_steps) == (2, 0)
+    assert cli(["teacher", "--epochs", "3", "--dataset", str(tmp_path)]) == 1
+    assert (seen["teacher"].teacher.epochs, seen["teacher"].teacher.min_steps) == (3, 0)
+    assert cli(["teacher", "--dataset", str(tmp_path)]) == 1
+    assert seen["teacher"].teacher.min_steps == load_config().teacher.min_steps
+
+
+def test_a_setting_the_command_never_reads_is_warned_about(tmp_path, capsys):
+    """`teacher --set train.epochs=2` fine-tuned for the full recipe without a word; `distill --set
+    teacher.epochs=2` likewise."""
+    from leaflens.pipeline.config import settings_not_read  # noqa: PLC0415
+
+    assert settings_not_read(["train.epochs=2", "teacher.lr=0.1", ("train.seed=1", "--seed 1"),
+                              "train.max_bad_steps=3"], ("teacher", "train.max_bad_steps")) == ["train.epochs=2"]
+    cli(["teacher", "--set", "train.epochs=2", "--set", "teacher.epochs=2", "--dataset", str(tmp_path / "no")])
+    err = capsys.readouterr().err
+    assert "warning: --set train.epochs=2 changes nothing here: [train] is the student's" in err
+    assert "teacher.epochs=2 changes" not in err
+    cli(["teacher", "--train-cnn", "--set", "train.epochs=2", "--dataset", str(tmp_path / "no")])
+    assert "changes nothing" not in capsys.readouterr().err  # the CNN teacher trains with [train]
+    cli(["distill", "--no-teacher", "--set", "teacher.epochs=2", "--set", "train.epochs=2",
+         "--dataset", str(tmp_path / "no")])
+    err = capsys.readouterr().err
+    assert "warning: --set teacher.epochs=2 changes nothing here: [teacher] is the teacher stage's" in err
+    assert "train.epochs=2 changes" not in err

@@ -252,7 +252,17 @@ def warn_all_warmup(key: str, warmup_epochs: int, epochs: int, label: str) -> bo
 def run_training(run_dir: str | os.PathLike[str], task: TrainingTask, settings: LoopSettings,
                  extra_meta: dict[str, Any], resume: bool = False, device: str = "cpu") -> RunResult:
     """Train ``task`` for ``settings.epochs`` epochs in ``run_dir``; resumes from ``last.npz`` when ``resume``
-    and it exists (otherwise the run's earlier files are removed). ``extra_meta`` goes into both checkpoints."""
+    and it exists (otherwise the run's earlier files are removed). ``extra_meta`` goes into both checkpoints.
+
+    NumPy's overflow and invalid-value warnings are off while it runs: a step that overflows is found by its
+    non-finite loss or gradients, skipped and said in a line of the loop's own, and the raw warnings (with the
+    engine's source lines) only buried that line."""
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        return _train(run_dir, task, settings, extra_meta, resume, device)
+
+
+def _train(run_dir: str | os.PathLike[str], task: TrainingTask, settings: LoopSettings,
+           extra_meta: dict[str, Any], resume: bool, device: str) -> RunResult:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     last = run_dir / LAST

@@ -163,3 +163,23 @@ def test_a_warm_up_as_long_as_the_run_is_said(capsys: pytest.CaptureFixture[str]
     assert not training.warn_all_warmup("teacher.warmup_epochs", 1, 8, "teacher fine-tune")
     assert training.warn_all_warmup("teacher.warmup_epochs", 4, 4, "teacher self-training")
     assert "teacher self-training: teacher.warmup_epochs = 4 is not below its 4 epochs" in capsys.readouterr().err
+
+
+def test_a_diverging_run_says_so_in_the_loop_s_words_not_numpy_s(tmp_path):
+    """A learning rate far too high: the run stops with the loop's message; NumPy's overflow warnings (nine,
+    with the engine's source lines, before it) are off while the loop runs, and on again after."""
+    import warnings  # noqa: PLC0415
+
+    data, xv, yv = _data()
+    mean, std = np.zeros(3, np.float32), np.ones(3, np.float32)
+    task, settings, _ = ts.student_run(_cfg(3, "train.lr=1e8", "train.clip_grad_norm=1e30"), data, xv, yv, mean,
+                                       std, 3, label="scratch", progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(training.TrainingStopped, match="non-finite"):
+            training.run_training(tmp_path, task, settings, {})
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in caught]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        np.float32(1e30) * np.float32(1e30)
+    assert caught  # NumPy's settings are the caller's again

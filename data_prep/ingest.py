@@ -494,11 +494,21 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: Inges
     if scan.ignored.get(NOT_A_LEAF):
         log(f"note: {scan.ignored[NOT_A_LEAF]} photo(s) in --also {NOT_A_LEAF}/ folders skipped: the classifier has "
             "no class for them (they stay where they are, for a future set of negatives)")
+    for cls, subs in scan.nested.items():
+        if len(scan.classes) < 2:
+            break  # refused below, with where to point --src
+        listed = ", ".join(f"{name} {n}" for name, n in subs)
+        log(f"warning: class {cls!r} is made of the photos of its subfolders ({listed}): a class is one folder of "
+            f"the source, whatever it holds; if these subfolders are classes of their own, point --src at "
+            f"{_class_folder(src_p, scan, cls)} or move them up a level")
     if len(scan.classes) < 2:
         found = ", ".join(repr(c) for c in scan.classes) or "none"
+        inner = scan.nested.get(scan.classes[0]) if scan.classes else None
+        hint = (f"its subfolders ({', '.join(n for n, _ in inner)}) look like the classes: point --src at "
+                f"{_class_folder(src_p, scan, scan.classes[0])}" if inner else
+                f"put each class's photos in a folder of its own, e.g. {src_p / 'healthy'} and {src_p / 'rust'}")
         raise IngestError(f"{src_p}: {len(scan.classes)} class folder found ({found}); a classifier needs at least "
-                          f"2 classes: put each class's photos in a folder of its own, e.g. {src_p / 'healthy'} and "
-                          f"{src_p / 'rust'}")
+                          f"2 classes: {hint}")
     workers = max(1, workers or usable_cpus())
     if check:
         return _check_only(src_p, scan, opts, workers, progress, strict, report_path, log, t0)
@@ -616,6 +626,7 @@ def _check_only(src_p: Path, scan: ScanResult, opts: IngestOptions, workers: int
     _check_class_sizes(scan, decoded.kept, assigned, strict, log)
     _refuse_unusable(src_p, scan, opts, counts, len(decoded.rejects), log, data)
     report.seconds = time.perf_counter() - t0
+    log(format_summary(report, check=True))  # the split a build would make, and the files it would leave out
     return report
 
 
@@ -802,6 +813,14 @@ def _check_each_class_split(src_p: Path, scan: ScanResult, counts: dict[str, dic
             log(f"warning: no {s} photo for {c!r} ({per_split(c)}): {use}; {why}")
 
 
+def _class_folder(src_p: Path, scan: ScanResult, cls: str) -> Path:
+    """The folder of class ``cls`` (the first split's, in a split-folder source)."""
+    if scan.layout != "split_folders":
+        return src_p / cls
+    first = next((f for f in scan.files if f.label >= 0 and scan.classes[f.label] == cls), None)
+    return src_p / (first.split or "train") / cls if first is not None else src_p / cls
+
+
 def _one_or_placeholder(classes: list[str]) -> str:
     return classes[0] if len(classes) == 1 else "<class>"
 
@@ -828,8 +847,8 @@ def _ignored_cell(report: IngestReport, kind: str, n: int) -> str:
     return f"{kind}: {n}" + (f" ({listed})" if listed else "")
 
 
-def format_summary(report: IngestReport) -> str:
-    """A per-class table of kept (per split) and rejected images."""
+def format_summary(report: IngestReport, check: bool = False) -> str:
+    """A per-class table of kept (per split) and rejected images (``check``: what a build would keep)."""
     splits = [s for s in (*SPLITS, UNLABELED) if s in report.counts]
     keys = list(report.classes) + ([UNLABELED] if UNLABELED in report.counts else [])
     width = max([display_width(k) for k in keys] + [5])
@@ -839,10 +858,12 @@ def format_summary(report: IngestReport) -> str:
         for s in splits:
             cells.append(f"{report.counts[s].get(k, 0):>9}")
         lines.append(f"{pad_right(k, width)} " + " ".join(cells) + f" {report.rejected.get(k, 0):>9}")
-    lines.append(f"kept {report.kept_total}, rejected {report.rejected_total}"
+    lines.append(f"{'would keep' if check else 'kept'} {report.kept_total}, "
+                 f"{'would reject' if check else 'rejected'} {report.rejected_total}"
                  + (f" ({', '.join(f'{r}: {n}' for r, n in sorted(report.rejected_reasons.items()))})"
                     if report.rejected_reasons else "")
                  + (f", ignored {', '.join(_ignored_cell(report, k, n) for k, n in sorted(report.ignored.items()))}"
                     if report.ignored else "")
-                 + f"; {report.seconds:.1f} s -> {report.out}")
+                 + (f"; {report.seconds:.1f} s, nothing written (--check)" if check else
+                    f"; {report.seconds:.1f} s -> {report.out}"))
     return "\n".join(lines)

@@ -25,6 +25,7 @@ import numpy as np
 
 from leaflens.data_prep.arrays import npy_expected_size, sha256_file
 from leaflens.data_prep.decode import DEFAULT_MAX_PIXELS
+from leaflens.data_prep.scan import IMAGE_EXTENSIONS
 from leaflens.records import Record, RecordError
 
 MANIFEST_NAME = "manifest.json"
@@ -217,12 +218,36 @@ def _fail(root: Path, msg: str) -> DatasetError:
     return DatasetError(f"dataset {root}: {msg}")
 
 
+def _no_manifest(root: Path, path: Path) -> str:
+    """What to tell a person whose dataset folder has no manifest: it is missing, it holds photos (the
+    source, not yet preprocessed), or it is something else."""
+    if not root.exists():
+        return f"no such folder (`leaflens preprocess --src PHOTOS --out {root}` makes one)"
+    if not root.is_dir():
+        return "not a folder: a dataset is the folder `leaflens preprocess` writes"
+    photos = False
+    try:
+        for entry in os.scandir(root):
+            if entry.name.startswith("."):
+                continue
+            names = os.listdir(entry.path) if entry.is_dir() else [entry.name]
+            photos = any(os.path.splitext(n)[1].lower() in IMAGE_EXTENSIONS for n in names)
+            if photos:
+                break
+    except OSError:
+        pass
+    if photos:
+        return (f"this is a folder of photos, not a dataset: `leaflens preprocess --src {root} --out DATASET` "
+                "turns it into one, then give --dataset DATASET")
+    return f"{path} is missing (`leaflens preprocess --src PHOTOS --out {root}` writes it)"
+
+
 def read_manifest(root: str | os.PathLike) -> Manifest:
     """Parse and sanity-check ``manifest.json`` (no array checks)."""
     root = Path(root)
     path = root / MANIFEST_NAME
     if not path.is_file():
-        raise _fail(root, f"{path} is missing (run `leaflens preprocess` or `leaflens data synth`)")
+        raise _fail(root, _no_manifest(root, path))
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

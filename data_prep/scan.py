@@ -62,6 +62,9 @@ class ScanResult:
     not_image_extensions: dict[str, int] = field(default_factory=dict)
     # class folders (ROOT/<class>/ layout) with no image file in them: not classes, said by preprocess
     empty_folders: list[str] = field(default_factory=list)
+    # class -> (subfolder, photos under it) for a class folder whose photos sit in two or more subfolders and
+    # none beside them (ROOT/beans/{healthy,rust}/): one class made of what may be several, said by preprocess
+    nested: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
 
 
 def _visible_dirs(path: Path) -> list[Path]:
@@ -201,6 +204,17 @@ def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = N
 
     per_class: list[tuple[str, str | None, str, str]] = []  # (class, split, abs, rel)
     empty: list[str] = []
+    nested: dict[str, list[tuple[str, int]]] = {}
+
+    def note_nesting(cdir: Path, found: list[tuple[str, str]]) -> None:
+        subs: dict[str, int] = {}
+        for full, _ in found:
+            parts = Path(full).relative_to(cdir).parts
+            if len(parts) == 1:
+                return  # photos beside the subfolders: the folder is a class with sub-collections
+            subs[parts[0]] = subs.get(parts[0], 0) + 1
+        if len(subs) >= 2:
+            nested.setdefault(cdir.name, []).extend(sorted(subs.items()))
     if split_dirs:
         if others:
             raise ScanError(
@@ -216,14 +230,16 @@ def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = N
         for d, split in sorted(split_dirs.items(), key=lambda kv: SPLITS.index(kv[1])):
             _count_loose_files(d, ignored)
             for cdir in _visible_dirs(d):
-                for full, rel in _walk_images(cdir, root_p, ignored, extensions):
-                    per_class.append((cdir.name, split, full, rel))
+                found = _walk_images(cdir, root_p, ignored, extensions)
+                note_nesting(cdir, found)
+                per_class.extend((cdir.name, split, full, rel) for full, rel in found)
     else:
         layout = "class_folders"
         for cdir in others:
             found = _walk_images(cdir, root_p, ignored, extensions)
             if not found:
                 empty.append(cdir.name)
+            note_nesting(cdir, found)
             per_class.extend((cdir.name, None, full, rel) for full, rel in found)
 
     classes = sorted({c for c, _, _, _ in per_class})
@@ -264,7 +280,7 @@ def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = N
         digest.update(f"{f.rel}{stats}".encode())
         relative.update(f"{relative_to(f.rel, root_p)}{stats}".encode())
     return ScanResult(str(root_p), layout, classes, files, ignored, digest.hexdigest(), relative.hexdigest(),
-                      also_roots, also_files, extensions, empty)
+                      also_roots, also_files, extensions, empty, nested)
 
 
 def relative_to(path: str | os.PathLike, base: str | os.PathLike) -> str:

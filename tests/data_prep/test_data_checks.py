@@ -251,3 +251,40 @@ def test_a_class_left_without_val_or_test_is_told_the_real_reason(tmp_path):
             assert any("'rust'" in m and "rust/copy_02.jpg, is also filed under blight" in m for m in lines), lines
         else:
             assert any("--dedupe left out 1 of its photos after the split" in m for m in lines), lines
+
+
+def test_class_folders_nested_one_level_too_deep_are_named(tmp_path):
+    """ROOT/beans/{healthy,rust}/ made one class 'beans' of two diagnoses without a word; a lone wrapper folder
+    was refused with advice to rearrange the photos instead of pointing --src one level down."""
+    import shutil  # noqa: PLC0415
+
+    src = make_class_folders(tmp_path / "made", per_class=5)
+    deep = tmp_path / "deep"
+    shutil.copytree(src / "blight", deep / "beans" / "blight")
+    shutil.copytree(src / "healthy", deep / "beans" / "healthy")
+    shutil.copytree(src / "rust", deep / "more")  # photos directly in the class folder: a class as usual
+    shutil.copytree(src / "rust", deep / "dated" / "2024")  # one subfolder: a class kept in a dated folder
+    _, messages = _ingest(deep, tmp_path / "ds")
+    warned = [m for m in messages if m.startswith("warning: class")]
+    assert len(warned) == 1, messages
+    assert "'beans' is made of the photos of its subfolders (blight 5, healthy 5)" in warned[0]
+    assert f"point --src at {deep / 'beans'}" in warned[0]
+    with pytest.raises(IngestError, match=r"its subfolders \(blight, healthy, rust\) look like the classes: "
+                                          r"point --src at .*wrap/photos"):
+        shutil.copytree(src, tmp_path / "wrap" / "photos")
+        _ingest(tmp_path / "wrap", tmp_path / "ds2")
+
+
+def test_check_says_what_a_build_would_keep_and_leave_out(tmp_path):
+    """--check is "the checks alone", but a full run's summary named files it does not read as photos (a .gif
+    among them) and --check said nothing of them."""
+    src = make_class_folders(tmp_path / "photos", per_class=5)
+    (src / "rust" / "a.gif").write_bytes(b"GIF89a")
+    (src / "blight" / "notes.txt").write_text("x")
+    messages: list[str] = []
+    ingest(src, None, IngestOptions(size=16), workers=1, check=True, log=messages.append)
+    last = messages[-1].splitlines()
+    assert last[0].split() == ["class", "train", "val", "test", "rejected"]
+    assert last[-1].startswith("would keep 15, would reject 0, ignored not_image: 2 (.gif 1, .txt 1)")
+    assert last[-1].endswith("nothing written (--check)")
+    assert not (tmp_path / "photos" / "manifest.json").exists()

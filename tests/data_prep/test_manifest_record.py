@@ -115,3 +115,25 @@ def test_ingest_options_keep_the_fingerprint_shape():
     existing dataset would look out of date."""
     assert IngestOptions(size=16).to_dict() == {"size": 16, "resize": "crop", "ratios": [0.7, 0.15, 0.15],
                                                 "seed": 0, "max_pixels": DEFAULT_MAX_PIXELS}
+
+
+def test_a_folder_that_is_no_dataset_is_told_what_it_is(tmp_path):
+    """`distill --dataset photos/` said "manifest.json is missing (run `leaflens preprocess` or `leaflens data
+    synth`)": synth writes photos, not a manifest, and the folder was the photos preprocess needs."""
+    from leaflens.data_prep.manifest import DatasetError, read_manifest  # noqa: PLC0415
+
+    (tmp_path / "photos" / "rust").mkdir(parents=True)
+    (tmp_path / "photos" / "rust" / "a.JPG").write_bytes(b"x")
+    (tmp_path / "loose").mkdir()
+    (tmp_path / "loose" / "b.png").write_bytes(b"x")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("x")
+    cases = {"photos": f"a folder of photos, not a dataset: `leaflens preprocess --src {tmp_path / 'photos'} --out "
+                       "DATASET`",
+             "loose": "a folder of photos, not a dataset",
+             "empty": f"{tmp_path / 'empty' / 'manifest.json'} is missing (`leaflens preprocess --src PHOTOS --out",
+             "file": "not a folder", "nothing": "no such folder"}
+    for name, says in cases.items():
+        with pytest.raises(DatasetError) as err:
+            read_manifest(tmp_path / name)
+        assert says in str(err.value) and "data synth" not in str(err.value), (name, str(err.value))

@@ -289,10 +289,16 @@ _SCRIPT = r"""
             {__type__: "update", value: [], visible: false}];
   }
   function uploaded(files, known) {
-    const before = new Set(list(known));
-    const all = unique(list(files));
-    const fresh = all.filter((f) => !before.has(pathOf(f)));
-    const photos = fresh.length ? fresh : all;  // the same photos again: keep them
+    const before = list(known);
+    const all = list(files);
+    // The box appends an upload to the files it held, so the upload is what follows them: a photo chosen
+    // again with new ones is part of it (Gradio gives the same bytes the same path, so telling the new ones
+    // apart by path dropped it, and the answer was about fewer photos than chosen).
+    const held = all.slice(0, before.length).map(pathOf);
+    const appended = held.length === before.length && held.every((p, i) => p === before[i]);
+    const known_ = new Set(before);
+    const fresh = appended ? unique(all.slice(before.length)) : unique(all).filter((f) => !known_.has(pathOf(f)));
+    const photos = fresh.length ? fresh : unique(all);  // the same photos again: keep them
     return [photos, paths(photos), ...cleared()];
   }
   function added(more, files) {

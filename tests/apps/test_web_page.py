@@ -255,6 +255,11 @@ def test_phone_first_one_plant_per_diagnosis_and_the_camera(server, photos, brow
         _listed(page, ["e.jpg"])
         _no_answer(page, lang)
         _diagnose(page, lang)
+        # a new upload holding a photo of the last one keeps it: every photo chosen is the new plant's
+        _upload(page, "photos", [e, a])
+        _listed(page, ["e.jpg", "a.jpg"])
+        _upload(page, "photos", [a])
+        _listed(page, ["a.jpg"])
         assert page.evaluate("() => JSON.stringify(window.leaflens.language())") == f'"{lang}"'
     finally:
         page.context.close()

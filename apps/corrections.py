@@ -18,7 +18,9 @@ Rules, because the bytes come from strangers' uploads:
   hard-linked to the new name, which fails rather than replace an existing file;
 - the same bytes saved twice under the same class are written once (the log is read back at each save, so
   this holds across server restarts and between servers sharing the folder, as long as the earlier file is
-  still there), and a photo saved before is "already saved", never "full";
+  still there), and a photo saved before is "already saved", never "full"; saved under another class, the
+  latest answer wins: the earlier copy (a file this store made) is removed once the new one and its log line
+  (``replaces``) are written, so a retrain never sees one photo under two classes;
 - the folder is capped (``max_mb``, all files in it counted, the log included, counted again at each save, so
   photos moved out free their room at once): when a photo does not fit, :class:`CorrectionError` with reason
   ``full`` says so and nothing is written;
@@ -105,6 +107,9 @@ class Saved:
     sha256: str
     size: int
     duplicate: bool = False
+    # classes it had been saved under before, whose copies this save removed: the latest answer is the one a
+    # retrain sees (two folders holding one photo would teach it both classes)
+    replaced: tuple[str, ...] = ()
 
 
 def sniff_extension(head: bytes) -> str | None:
@@ -211,9 +216,12 @@ class CorrectionStore:
             raise CorrectionError("gone", f"{photo_name}: the uploaded file is no longer on the server "
                                           f"({exc.strerror or exc}); upload the photo again") from exc
         with self._lock, self._folder_lock():
-            earlier = self._index().get((chosen, first))
+            index = self._index()
+            earlier = index.get((chosen, first))
             if earlier is not None and (self.root / earlier).is_file():  # saved before: no room needed
                 return Saved(earlier, first, size, duplicate=True)
+            elsewhere = {label: rel for (label, sha), rel in index.items()
+                         if sha == first and label != chosen and (self.root / rel).is_file()}
             folder = self.root / chosen
             used = self._usage()
             if used + size + _LINE_ROOM > self.max_bytes:
@@ -245,13 +253,18 @@ class CorrectionStore:
             record = self._record(now, rel, chosen, photo_name, digest, size, predicted, answer)
             if as_png:
                 record["saved_as"] = "png from gif"
+            if elsewhere:
+                record["replaces"] = [{"chosen": label, "file": old} for label, old in sorted(elsewhere.items())]
             line = json.dumps(record, ensure_ascii=False) + "\n"
             with open(self.log_path, "a", encoding="utf-8") as fh:
                 fh.write(line)
-            self._used = (time.monotonic(), used + size + len(line.encode("utf-8")))
-        log.info("correction saved: %s as %s (predicted %s)", rel, chosen,
-                 (predicted or {}).get("label") or (predicted or {}).get("verdict") or "-")
-        return Saved(rel, digest, size)
+            for old in elsewhere.values():  # after the new copy and its line: a crash leaves both, never neither
+                (self.root / old).unlink(missing_ok=True)
+            self._used = (time.monotonic(), self._usage())
+        log.info("correction saved: %s as %s (predicted %s)%s", rel, chosen,
+                 (predicted or {}).get("label") or (predicted or {}).get("verdict") or "-",
+                 f"; replaces {', '.join(sorted(elsewhere.values()))}" if elsewhere else "")
+        return Saved(rel, digest, size, replaced=tuple(sorted(elsewhere)))
 
     # ----------------------------------------------------------------------------- inside
     def _link_new(self, tmp: Path, folder: Path, now: float, ext: str) -> Path:
@@ -477,7 +490,8 @@ def apply_correction(store: CorrectionStore, files: Sequence[str | os.PathLike] 
             full = exc.reason == "full"
             out["skipped"].append({"photo": name, "reason": exc.reason, "message": str(exc)})
             continue
-        out["saved"].append({"photo": name, "file": saved.file, "duplicate": saved.duplicate})
+        out["saved"].append({"photo": name, "file": saved.file, "duplicate": saved.duplicate,
+                             "replaced": list(saved.replaced)})
     out["ok"] = bool(out["saved"])
     if not out["ok"]:
         out["reason"] = out["skipped"][0]["reason"] if out["skipped"] else "no_answer"
@@ -495,9 +509,17 @@ def render_correction(result: Mapping[str, Any] | None, notes: ClassNotes | None
     saved = list(result.get("saved") or [])
     if saved:
         fresh = sum(not s["duplicate"] for s in saved)
-        lines.append(t("correct_saved", lang, n=len(saved), name=md_escape(name)))
-        if fresh < len(saved):
-            lines.append(t("correct_saved_before", lang, k=len(saved) - fresh))
+        if fresh:
+            lines.append(t("correct_saved", lang, n=fresh, name=md_escape(name)))
+            if fresh < len(saved):
+                lines.append(t("correct_saved_before", lang, k=len(saved) - fresh))
+        else:
+            lines.append(t("correct_all_before", lang, name=md_escape(name)))
+        moved = sorted({c for s in saved for c in s.get("replaced") or []})
+        if moved:
+            names = ", ".join(md_escape(t("not_a_leaf", lang) if c == NOT_A_LEAF else notes.name(c, lang))
+                              for c in moved)
+            lines.append(t("correct_replaced", lang, k=sum(bool(s.get("replaced")) for s in saved), names=names))
     elif result.get("reason") in REQUEST_REASONS[:4] or result.get("reason") == "unknown_class":
         lines.append(t(f"correct_{result['reason']}", lang))
     for skip in result.get("skipped") or []:

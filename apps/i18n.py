@@ -165,6 +165,9 @@ STRINGS: dict[str, dict[str, str]] = {
         "correct_save": "Save correction",
         "correct_saved": "Saved {n} photo(s) as **{name}** for the next training run. Thank you!",
         "correct_saved_before": "{k} of them had been saved as this already.",
+        "correct_all_before": "Already saved as **{name}**: nothing new to save.",
+        "correct_replaced": ("{k} of them had been saved as {names} before; that copy was removed, so the next "
+                             "training run learns your latest answer only."),
         "correct_no_answer": "Diagnose a photo first, then correct the answer.",
         "correct_no_choice": "Choose the right answer first.",
         "correct_bad_photo": "That photo is not part of this answer; choose one from the list.",
@@ -361,6 +364,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "correct_save": "保存更正",
         "correct_saved": "已将 {n} 张照片保存为 **{name}**，将用于下一次训练。谢谢！",
         "correct_saved_before": "其中 {k} 张之前已经按此答案保存过。",
+        "correct_all_before": "已经保存为 **{name}**，无需再次保存。",
+        "correct_replaced": "其中 {k} 张之前被保存为 {names}；那份副本已删除，下一次训练只采用您最新的答案。",
         "correct_no_answer": "请先诊断照片，再更正结果。",
         "correct_no_choice": "请先选择正确答案。",
         "correct_bad_photo": "这张照片不属于本次结果，请从列表中选择。",

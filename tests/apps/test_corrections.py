@@ -178,8 +178,14 @@ def test_same_photo_twice_is_written_once_per_class(tmp_path):
     b = store.save(upload(tmp_path / "up", "a.jpg", data), "rust", photo_name="a.jpg")
     assert b.duplicate and b.file == a.file and len(list((root / "rust").iterdir())) == 1
     c = store.save(upload(tmp_path / "up", "a.jpg", data), "healthy", photo_name="a.jpg")  # changed their mind
-    assert not c.duplicate and (root / c.file).parent.name == "healthy"
+    assert not c.duplicate and (root / c.file).parent.name == "healthy" and c.replaced == ("rust",)
     assert [r["chosen"] for r in log_lines(root)] == ["rust", "healthy"]
+    # the latest answer wins: one photo under two classes would teach a retrain both
+    assert not (root / a.file).exists() and list((root / "rust").iterdir()) == []
+    assert log_lines(root)[-1]["replaces"] == [{"chosen": "rust", "file": a.file}]
+    d = store.save(upload(tmp_path / "up", "a.jpg", data), "rust", photo_name="a.jpg")  # and back again
+    assert not d.duplicate and d.replaced == ("healthy",) and not (root / c.file).exists()
+    assert sorted(p.parent.name for p in root.rglob("*.jpg")) == ["rust"]
 
 
 def test_restart_keeps_files_log_and_knows_what_it_saved(tmp_path):
@@ -287,6 +293,27 @@ def test_apply_saves_the_analysed_photos_and_skips_the_rest(tmp_path):
     assert "Saved 2 photo(s) as **Rust**" in text and "c\\.jpg" in text and "did not analyse" in text
     zh = render_correction(res, ClassNotes({"rust": {"name": "Rust", "name_zh": "锈病"}}), "zh")
     assert "锈病" in zh and "2 张" in zh
+
+
+def test_the_page_says_what_a_second_save_did(tmp_path):
+    """Saving again as the same class said "Saved 1 photo(s)... 1 of them had been saved as this already" though
+    nothing was saved; saving as another class saved the photo under both without a word."""
+    root = tmp_path / "corrections"
+    store = store_at(root)
+    notes = ClassNotes({"rust": {"name": "Rust", "name_zh": "锈病"}, "healthy": {"name": "Healthy",
+                                                                             "name_zh": "健康"}})
+    paths = [upload(tmp_path / "up", "a.jpg", photo_bytes(21)), upload(tmp_path / "up", "b.jpg", photo_bytes(22))]
+    answer = answer_for(paths, ["diagnosis", "diagnosis"])
+    apply_correction(store, paths, answer, "1", "healthy")
+    again = apply_correction(store, paths, answer, "1", "healthy")
+    assert render_correction(again, notes, "en") == "Already saved as **Healthy**: nothing new to save."
+    assert "已经保存为 **健康**" in render_correction(again, notes, "zh")
+    moved = apply_correction(store, paths, answer, "all", "rust")
+    text = render_correction(moved, notes, "en")
+    assert text.startswith("Saved 2 photo(s) as **Rust**")
+    assert "1 of them had been saved as Healthy before; that copy was removed" in text
+    assert "健康" in render_correction(moved, notes, "zh")
+    assert sorted(p.parent.name for p in root.rglob("*.jpg")) == ["rust", "rust"]
 
 
 def test_apply_one_photo_by_number(tmp_path):

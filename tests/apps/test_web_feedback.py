@@ -138,6 +138,10 @@ def test_correction_through_the_api_lands_in_the_folder_and_the_next_dataset(app
     for junk in ({"photos": [leaf.name]}, {"photos": "abc"}, "garbage"):
         out_junk = client.predict([handle_file(str(leaf))], junk, "all", right, api_name="/correct")
         assert out_junk["reason"] == "no_answer" and not out_junk["ok"]
+    # a class the model does not have: refused by the app with its reason (Gradio's own choice check raised,
+    # answering with an exception and a traceback in the server's log)
+    unknown = client.predict([handle_file(str(leaf))], res, "all", "bean_rust", api_name="/correct")
+    assert not unknown["ok"] and unknown["reason"] == "unknown_class" and unknown["chosen"] == "bean_rust"
     # "not a leaf" for a photo of something else
     noise = write_grey_noise(tmp_path / "noise.png")
     res2 = client.predict([handle_file(str(noise))], api_name="/diagnose")

@@ -153,6 +153,8 @@ def check_listen(host: str, port: int) -> bool:
         raise UsageError(f"--host {host}: IPv6 addresses cannot be served (the web framework cannot); use "
                          "127.0.0.1 (this computer only) or 0.0.0.0")
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        if os.name != "nt":  # as the web server binds: connections of a stopped server still closing (TIME_WAIT)
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # do not hold the port; a listener does
         try:
             probe.bind(address)
         except OSError as exc:
@@ -336,7 +338,12 @@ def run(args: argparse.Namespace) -> int:
     if not local:
         log.warning("listening on %s: other computers on the network can use this app", args.host)
     try:
-        launch(demo, service, config, host=args.host, port=args.port, share=args.share, block=True)
+        # quiet: Gradio's own lines say "set share=True in launch()", code a command-line user cannot edit
+        launch(demo, service, config, host=args.host, port=args.port, share=args.share, block=False, quiet=True)
+        print(f"Running on {demo.local_url} (Ctrl-C stops the server)"
+              + (f"; public link: {demo.share_url}" if args.share and demo.share_url else
+                 "" if args.share else "; --share for a temporary public link"), flush=True)
+        demo.block_thread()
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM before Gradio's own wait could take it: a normal stop
         demo.close()
     except OSError as exc:  # taken in the moment since check_listen, or an address Gradio cannot use

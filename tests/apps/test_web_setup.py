@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -243,3 +244,31 @@ def test_the_address_is_checked_before_the_server_starts():
         taken.listen()
         with pytest.raises(UsageError, match=f"--port {taken.getsockname()[1]}: already in use"):
             check_listen("127.0.0.1", taken.getsockname()[1])
+    for held_by in ("0.0.0.0", "127.0.0.1"):  # a server on every address holds the loopback port too
+        with socket.socket() as taken:
+            taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the web server binds
+            taken.bind((held_by, 0))
+            taken.listen()
+            with pytest.raises(UsageError, match="already in use"):
+                check_listen("127.0.0.1", taken.getsockname()[1])
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="TIME_WAIT and SO_REUSEADDR as on Linux and macOS")
+def test_a_port_whose_last_server_just_stopped_is_free_again():
+    """A restart right after a stop was refused for about a minute ("already in use") while the stopped server's
+    connections were closing, though nothing listened and the web server itself would have bound."""
+    import socket
+
+    from leaflens.apps.cmd_serve import check_listen
+
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    conn.close()  # the server side closes first: its end of the connection waits in TIME_WAIT
+    server.close()
+    client.close()
+    assert check_listen("127.0.0.1", port) is True

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from leaflens.apps.i18n import t
+from leaflens.apps.model_card import unsure
 from leaflens.apps.notes import ClassNotes
 from leaflens.data_prep.quality import REFUSAL_REASONS
 
@@ -109,10 +110,10 @@ def _ranked(probs: np.ndarray, classes: Sequence[str], top_k: int) -> list[dict[
     return [{"label": classes[i], "probability": float(probs[i])} for i in order]
 
 
-def _judged(verdict: str | None, top_probability: float, threshold: float) -> str:
-    """A photo's verdict: the Predictor's when given, else the top-probability rule."""
+def _judged(verdict: str | None, probs: np.ndarray, threshold: float) -> str:
+    """A photo's verdict: the Predictor's when given, else its rule (:func:`leaflens.apps.model_card.unsure`)."""
     if verdict is None:
-        return "ambiguous" if top_probability < threshold else "diagnosis"
+        return "ambiguous" if unsure(probs, threshold) else "diagnosis"
     if verdict not in ("diagnosis", "ambiguous", "out_of_domain"):
         raise ValueError(f"a photo with probabilities has verdict {verdict!r}, expected diagnosis, ambiguous "
                          "or out_of_domain")
@@ -134,7 +135,7 @@ def _photo_entry(o: PhotoOutcome, classes: list[str], threshold: float, top_k: i
     if probs.shape != (len(classes),):
         raise ValueError(f"{o.name}: {probs.shape[0]} probabilities for {len(classes)} classes")
     top = _ranked(probs, classes, max(top_k, 2))
-    verdict = _judged(o.verdict, top[0]["probability"], threshold)
+    verdict = _judged(o.verdict, probs, threshold)
     entry = {"name": o.name, "ok": True, "verdict": verdict, "label": top[0]["label"],
              "confidence": top[0]["probability"], "uncertain": verdict != "diagnosis", "top": top[:top_k],
              "candidates": [e["label"] for e in top[:2]] if verdict == "ambiguous" else [],
@@ -159,7 +160,7 @@ def _combined(voters: list[tuple[dict[str, Any], np.ndarray]], classes: list[str
         probs = np.mean(np.stack([p for _, p in voters]), axis=0)
         verdict = None
     top = _ranked(probs, classes, max(top_k, 2))
-    verdict = verdict or ("ambiguous" if top[0]["probability"] < threshold else "diagnosis")
+    verdict = verdict or ("ambiguous" if unsure(probs, threshold) else "diagnosis")
     return {"verdict": verdict, "label": top[0]["label"], "confidence": top[0]["probability"],
             "uncertain": verdict != "diagnosis", "top": top[:top_k],
             "candidates": [e["label"] for e in top[:2]] if verdict == "ambiguous" else [],
@@ -279,8 +280,9 @@ def _verdict(answer: dict[str, Any], photos: list[dict[str, Any]], classes: Sequ
         key = "verdict_ood" if seen == 1 else "verdict_ood_all"
         return t(key, lang, n=seen, known=_known(classes, notes, lang))
     if verdict == "disagree":
-        answers = "; ".join(f"{md_escape(p['name'])}: {md_escape(photo_caption(p, notes, lang))}"
-                            for p in photos if p["verdict"] in _VOTING and not p.get("duplicate_of"))
+        answers = t("item_sep", lang).join(
+            t("named_answer", lang, name=md_escape(p["name"]), answer=md_escape(photo_caption(p, notes, lang)))
+            for p in photos if p["verdict"] in _VOTING and not p.get("duplicate_of"))
         return t("verdict_disagree", lang, n=used, answers=answers)
     if verdict == "ambiguous":
         a, b = _between(answer["candidates"], notes, lang)
@@ -348,7 +350,9 @@ def render(result: dict[str, Any] | None, lang: str, notes: ClassNotes | None = 
     lines: list[str] = []
     given = int(result.get("given", len(photos)))
     if given > len(photos):
-        lines.append(t("too_many", lang, max=max_photos or len(photos), n=given))
+        left = [md_escape(str(n)) for n in result.get("not_used") or []]
+        lines.append(t("too_many", lang, max=max_photos or len(photos), n=given)
+                     + (" " + t("not_used", lang, names=t("list_sep", lang).join(left)) if left else ""))
     failed = sum(not p["ok"] for p in photos)
     label_value = None
     notes_md = ""

@@ -54,16 +54,21 @@ STRINGS: dict[str, dict[str, str]] = {
         "verdict_sick": "Most likely **{name}** ({conf} confident).",
         "verdict_ambiguous": "**Unsure between {a} and {b}:** take another photo of one leaf, closer, in daylight.",
         "verdict_ood": ("**This does not look like the leaves or pests this model knows**, so it names no disease. "
-                        "The model was trained on photos of: {known}. Take a photo of one leaf (or pest) filling "
-                        "the frame, close up and in daylight."),
+                        "The model was trained on photos of: {known}. If your plant or pest is not among these, "
+                        "this model cannot judge it, and another photo will not change that; otherwise take a "
+                        "photo of one leaf (or pest) filling the frame, close up and in daylight."),
         "verdict_ood_all": ("**None of the {n} photos looks like the leaves or pests this model knows**, so no "
-                            "disease is named. The model was trained on photos of: {known}. Take photos of one leaf "
-                            "(or pest) each, filling the frame, close up and in daylight."),
+                            "disease is named. The model was trained on photos of: {known}. If your plant or pest "
+                            "is not among these, this model cannot judge it, and other photos will not change that; "
+                            "otherwise take photos of one leaf (or pest) each, filling the frame, close up and in "
+                            "daylight."),
         "verdict_disagree": ("**The {n} photos disagree**, so no single answer is given. Each photo's answer: "
                              "{answers}. Check that the photos show the same plant, and add photos of one leaf "
                              "each, close up and in daylight."),
         "and_more": " and {n} more",
         "list_sep": ", ",
+        "item_sep": "; ",  # between items that hold commas themselves
+        "named_answer": "{name}: {answer}",
         "left_out_ood": ("{k} of {n} photos were left out: they do not look like the leaves or pests this model "
                          "knows ({names})."),
         "runner_up": "Next most likely: {name} ({conf}).",
@@ -77,6 +82,9 @@ STRINGS: dict[str, dict[str, str]] = {
         "one_failed": "**{name}** could not be read: {message}",
         "one_refused": "**{name}** was not analysed: {message}",
         "too_many": "Only the first {max} photos were used ({n} were given).",
+        "server_down": ("The server cannot be reached: it has stopped, or the network is down. The answer on this "
+                        "page is the last one it gave; diagnose again once this message is gone."),
+        "not_used": "Not used: {names}; diagnose them as another plant, or in place of others.",
         # notes
         "what_it_is": "What it is",
         "what_to_do": "What to do",
@@ -126,11 +134,12 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_provider": "Runs on",
         "m_params": "Parameters",
         "m_threshold": "Unsure between two classes",
-        "m_threshold_below": "when the top probability is below {threshold}",
+        "m_threshold_below": ("when the top probability is below {threshold}, or the second class is nearly as "
+                              "likely (at least {tie} of the first's probability)"),
         "m_threshold_how": ("chosen on the validation photos by `leaflens distill` or `leaflens export`, to set apart "
                             "the photos the model can least decide between its classes"),
         "m_sep": "; ",
-        "m_threshold_cost": "{share} of the validation photos fall below it",
+        "m_threshold_cost": "{share} of the validation photos get this answer",
         "m_threshold_default": "(default, not calibrated)",
         "m_ood": "Out-of-domain check",
         "m_ood_value": ("a photo scoring above {threshold} ({method}: how far the model's own feature statistics"
@@ -267,13 +276,17 @@ STRINGS: dict[str, dict[str, str]] = {
         "verdict_sick": "最可能是 **{name}**（置信度 {conf}）。",
         "verdict_ambiguous": "**无法确定是{a}还是{b}：** 请在自然光下靠近一些，再拍一张单片叶子的照片。",
         "verdict_ood": ("**这看起来不像本模型认识的叶片或害虫**，因此不给出病害诊断。本模型训练时的照片类别：{known}。"
-                        "请在自然光下近距离拍摄一片叶子（或一只害虫），让它占满画面。"),
+                        "如果您的作物或害虫不在其中，本模型无法判断，重拍也不会改变结果；否则请在自然光下近距离拍摄一片叶子"
+                        "（或一只害虫），让它占满画面。"),
         "verdict_ood_all": ("**这 {n} 张照片都不像本模型认识的叶片或害虫**，因此不给出病害诊断。"
-                            "本模型训练时的照片类别：{known}。请每张照片拍一片叶子（或一只害虫），在自然光下近距离拍摄，让它占满画面。"),
+                            "本模型训练时的照片类别：{known}。如果您的作物或害虫不在其中，本模型无法判断，换照片也不会改变结果；"
+                            "否则请每张照片拍一片叶子（或一只害虫），在自然光下近距离拍摄，让它占满画面。"),
         "verdict_disagree": ("**这 {n} 张照片的结果不一致**，因此不给出单一结论。各张照片的结果：{answers}。"
                              "请确认这些照片拍的是同一株植物，并补拍几张单片叶子的近距离、自然光照片。"),
         "and_more": " 等另外 {n} 类",
         "list_sep": "、",
+        "item_sep": "；",
+        "named_answer": "{name}：{answer}",
         "left_out_ood": "{n} 张照片中有 {k} 张不像本模型认识的叶片或害虫，未参与判断（{names}）。",
         "runner_up": "其次可能：{name}（{conf}）。",
         "combined": "**{n} 张照片的综合判断**（概率取平均）：",
@@ -286,6 +299,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "one_failed": "无法读取 **{name}**：{message}",
         "one_refused": "未分析 **{name}**：{message}",
         "too_many": "只使用了前 {max} 张照片（共收到 {n} 张）。",
+        "server_down": "无法连接服务器：服务器已停止或网络中断。页面上的结果是它最后给出的；请在此提示消失后重新诊断。",
+        "not_used": "未使用：{names}；可作为另一株植物诊断，或替换其他照片。",
         "what_it_is": "这是什么",
         "what_to_do": "怎么处理",
         "col_photo": "照片",
@@ -327,11 +342,11 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_provider": "运行于",
         "m_params": "参数量",
         "m_threshold": "无法在两类之间确定",
-        "m_threshold_below": "最高概率低于 {threshold} 时",
+        "m_threshold_below": "最高概率低于 {threshold}，或第二类几乎同样可能（概率达到第一类的 {tie}）时",
         "m_threshold_how": ("由 `leaflens distill` 或 `leaflens export` 在验证集照片上选定，"
                             "用来区分出模型最难在各类之间做出判断的照片"),
         "m_sep": "；",
-        "m_threshold_cost": "验证集照片中有 {share} 低于该值",
+        "m_threshold_cost": "验证集照片中有 {share} 得到这样的回答",
         "m_threshold_default": "（默认值，未校准）",
         "m_ood": "域外检查",
         "m_ood_value": ("得分高于 {threshold} 的照片（{method}：模型自身特征统计量{branch}"

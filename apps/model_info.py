@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from leaflens.apps.i18n import t
+from leaflens.apps.model_card import TIE_RATIO
 from leaflens.apps.notes import find_notes
 from leaflens.files import find_moved
 
@@ -191,7 +192,7 @@ def _accuracy_line(card: Any, report: dict[str, Any] | None, lang: str) -> str:
 
 def _threshold_line(card: Any, lang: str) -> str:
     """When the answer is "unsure between two classes", how that was chosen and what it costs."""
-    below = t("m_threshold_below", lang, threshold=f"{card.uncertain_threshold:.2f}")
+    below = t("m_threshold_below", lang, threshold=f"{card.uncertain_threshold:.2f}", tie=f"{TIE_RATIO:.0%}")
     if not card.threshold_from_model:
         return f"{below} {t('m_threshold_default', lang)}"
     parts = [below, t("m_threshold_how", lang)]

@@ -13,8 +13,9 @@ graph ends at the logits). Every answer carries one verdict:
   near-uniform, or too flat to judge (leaflens.data_prep.quality);
 - ``out_of_domain``: the model's ``ood_score`` output (leaflens.pipeline.ood) is above the threshold in
   its metadata: this does not look like the photos it was trained on, so no class is named;
-- ``ambiguous``: a known kind of photo, but the top probability is below the model's threshold: the
-  top two classes are named, neither is claimed;
+- ``ambiguous``: a known kind of photo, but the top probability is below the model's threshold, or the
+  second class is nearly as likely (:data:`leaflens.apps.model_card.TIE_RATIO`): the top two classes are
+  named, neither is claimed;
 - ``diagnosis``: the top class.
 
 A model exported before the out-of-domain output existed (format <= 2) gets no ``out_of_domain``
@@ -48,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-from leaflens.apps.model_card import ModelCard, ModelError
+from leaflens.apps.model_card import ModelCard, ModelError, unsure
 from leaflens.apps.providers import CPU, CUDA, TENSORRT, Probe, ProviderChoice, probe, provider_name
 from leaflens.cpus import usable_cpus
 from leaflens.data_prep.decode import ImageDecodeError
@@ -340,7 +341,7 @@ class Predictor:
     def judge(self, scores: np.ndarray, top_k: int = 3, source: str = "<array>") -> Prediction:
         """The :class:`Prediction` for one row of :meth:`score_arrays` (or a plain row of probabilities):
         ``out_of_domain`` above the model's threshold, else ``ambiguous`` below the top-probability
-        threshold, else ``diagnosis``."""
+        threshold or in a near tie (:func:`leaflens.apps.model_card.unsure`), else ``diagnosis``."""
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
         scores = np.asarray(scores)
@@ -356,7 +357,7 @@ class Predictor:
         ood_score = None if np.isnan(ood) else ood
         if self.card.ood is not None and (ood_score is None or ood_score > self.card.ood.threshold):
             verdict = "out_of_domain"  # (a NaN score from a broken graph is out of domain too)
-        elif top[0][1] < self.card.uncertain_threshold:
+        elif unsure(probs, self.card.uncertain_threshold):
             verdict = "ambiguous"
         else:
             verdict = "diagnosis"

@@ -163,6 +163,8 @@ class DiagnosisService:
                            ood_threshold=card.ood.threshold if card.ood is not None else None)
         elapsed_ms = (time.perf_counter() - t0) * 1000.0
         self.answered.record([o.sha256 for o in outcomes], result)
+        if len(paths) > len(used):
+            result["not_used"] = [Path(p).name for p in paths[len(used):]]  # the page names them
         result["server_ms"] = round(elapsed_ms, 2)
         result["model"] = self.predictor.model_path.name
         ok = sum(o.ok for o in outcomes)

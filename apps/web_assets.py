@@ -65,6 +65,11 @@ UPLOAD_CAP_FACTOR = 5
 NARROW_PX = 640
 
 CSS = f"""
+#server-down {{
+  position: sticky; top: 0; z-index: 1000; padding: 0.7em 1em; font-weight: 600;
+  background: #b3261e; color: #fff; text-align: center;
+}}
+#server-down[hidden] {{ display: none; }}
 #verdict {{ font-size: 1.15em; }}
 #verdict p {{ margin: 0.3em 0; }}
 @media (max-width: {NARROW_PX}px) {{
@@ -99,6 +104,7 @@ JS_REMEMBER_LANG = "(lang) => { if (window.leaflens) window.leaflens.apply(lang,
 JS_REVEAL = "() => { if (window.leaflens) window.leaflens.reveal(); }"
 # The photo set (one plant per diagnosis). Outputs: the file box, the set's paths (a hidden JSON), [the upload
 # button, emptied,] the answer and what shows it (ranking, verdict, notes, per-photo table, "Your photos").
+WATCH_MS = 5000  # how often the page asks whether its server still answers (a HEAD request for the page)
 JS_UPLOADED = "(files, known) => window.leaflens.uploaded(files, known)"
 JS_ADDED = "(added, files) => window.leaflens.added(added, files)"
 JS_PHOTOGRAPHED = "(photo) => window.leaflens.photographed(photo)"
@@ -259,7 +265,38 @@ _SCRIPT = r"""
     decorate();
   }
 
+  // The server stopped or cannot be reached: say so, in the page's language, until it answers again. Gradio's
+  // own popups are English and go away, leaving the last answer on screen as if the page still worked.
+  let watchingServer = false;
+  function serverDown(down) {
+    let bar = document.getElementById("server-down");
+    if (down && !bar) {
+      bar = document.createElement("div");
+      bar.id = "server-down";
+      bar.setAttribute("role", "alert");
+      document.body.prepend(bar);
+    }
+    if (!bar) return;
+    const L = CFG.labels[current] || CFG.labels[CFG.fallback];
+    bar.textContent = L.serverDown;
+    bar.hidden = !down;
+  }
+  function watchServer() {
+    if (watchingServer) return;
+    watchingServer = true;
+    const check = async () => {
+      let down = false;
+      try {
+        const r = await fetch(document.baseURI, {method: "HEAD", cache: "no-store"});
+        down = !r.ok;
+      } catch (e) { down = true; }
+      serverDown(down);
+    };
+    setInterval(check, CFG.watchMs);
+  }
+
   function start() {
+    watchServer();
     if (picked) return current;  // never undo a choice made while the page was loading
     const [lang, explicit] = chosen();
     apply(lang, explicit);
@@ -360,6 +397,7 @@ def page_head(default_lang: str = DEFAULT_LANG, heic: bool = False) -> str:
         "htmlLang": HTML_LANG,
         "core": gradio_core_module(),
         "accept": accept_filter(heic),
+        "watchMs": WATCH_MS,
         "inputs": {"#photos": {"label": "photos"}, "#add-photos": {"label": "add"},
                    "#camera": {"label": "camera", "capture": True}},
         "labels": {lang: {"photos": photos_label(lang, heic), "add": t("add_photos", lang),
@@ -369,6 +407,7 @@ def page_head(default_lang: str = DEFAULT_LANG, heic: bool = False) -> str:
                           "remove": t("remove_photo", lang, name="{name}"),
                           "thumbnail": t("thumbnail", lang, i="{i}", n="{n}", caption="{caption}"),
                           "confusion": t("confusion", lang), "curves": t("curves", lang),
+                          "serverDown": t("server_down", lang),
                           "gradio": {"Fullscreen": t("fullscreen", lang), "Exit fullscreen": t("fullscreen_exit", lang),
                                      "Exit fullscreen mode": t("fullscreen_exit", lang)}}
                    for lang in LANGS},

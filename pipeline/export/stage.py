@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from leaflens.apps.model_card import ModelCard, trained_on
+from leaflens.apps.model_card import ModelCard, trained_on, unsure
 from leaflens.apps.predictor import Predictor
 from leaflens.cpus import usable_cpus
 from leaflens.data_prep import quality
@@ -460,8 +460,7 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
                 log(f"ambiguous threshold {chosen:.4f} (the run recorded {card.uncertain_threshold:.4f}, chosen by an "
                     "older rule)")
             card = replace(card, uncertain_threshold=chosen, threshold_from_model=True)
-        top = probs.max(1)
-        card = replace(card, ood=check, val_ambiguous=float(np.mean(top < card.uncertain_threshold)))
+        card = replace(card, ood=check, val_ambiguous=float(np.mean(unsure(probs, card.uncertain_threshold))))
         if check.confidence is not None and check.achieved_confidence < check.confidence:
             need = ood_check.photos_for_confidence(check.budget, check.confidence)
             msg = (f"only {check.val_photos} validation photos: the out-of-domain threshold flags at most "

@@ -47,7 +47,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from leaflens.apps.model_card import flag_confidence
+from leaflens.apps.model_card import TIE_RATIO, flag_confidence
 from leaflens.files import write_text_atomic
 
 REPORT_MD = "report.md"
@@ -302,7 +302,8 @@ def _accuracy_section(report: Mapping[str, Any]) -> list[str]:
                "default": "default: too few validation images to choose one"}.get(str(unc.get("method")), "")
         lines.append(f"- \"Ambiguous\" below a top probability of {float(unc['threshold']):.3f} ({how}; on "
                      f"validation it keeps {_pct(unc.get('coverage'))} of the images at "
-                     f"{_pct(unc.get('accuracy'))} accuracy)")
+                     f"{_pct(unc.get('accuracy'))} accuracy), and whenever the second class has at least "
+                     f"{TIE_RATIO:.0%} of the first's probability (a near tie)")
     lines += _out_of_domain_lines(report.get("out_of_domain") or {})
     return lines + [""]
 

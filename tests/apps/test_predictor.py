@@ -94,6 +94,27 @@ def test_uncertain_flag_follows_threshold_in_metadata(tiny_model):
     assert not default.rank(np.array([0.2, 0.55, 0.25])).uncertain
 
 
+def test_a_near_tie_is_ambiguous_whatever_the_threshold(tiny_model):
+    """A weak model's threshold (the demo's is 0.20 for 8 classes) let "Mosaic virus 24 %, next Powdery mildew
+    24 %" through as a diagnosis with treatment notes; a second class within TIE_RATIO of the first is now
+    "unsure between them", in the Predictor and in the page's vote alike."""
+    from leaflens.apps.model_card import TIE_RATIO, unsure  # noqa: PLC0415
+
+    low, _ = tiny_model(name="low.onnx", **{"leaflens.uncertain_threshold": "0.2"})
+    predictor = Predictor(low)
+    tie = predictor.rank(np.array([0.26, 0.25, 0.49]))  # third class top at 0.49, second 0.26: 0.53 of it
+    assert tie.verdict == "diagnosis"
+    close = predictor.rank(np.array([0.05, 0.48, 0.47]))
+    assert close.verdict == "ambiguous" and close.uncertain
+    assert predictor.rank(np.array([0.05, 0.50, 0.45])).verdict == "ambiguous"  # exactly at 0.9
+    assert predictor.rank(np.array([0.06, 0.50, 0.44])).verdict == "diagnosis"  # 0.88 of it
+    assert TIE_RATIO == 0.9
+    rows = np.array([[0.5, 0.45, 0.05], [0.9, 0.05, 0.05], [0.3, 0.3, 0.4]])
+    assert unsure(rows, 0.2).tolist() == [True, False, False]
+    assert unsure(rows, 0.45).tolist() == [True, False, True]
+    assert unsure(np.array([0.5, 0.5]), 0.0) is True and unsure(np.array([1.0]), 0.5) is False
+
+
 def test_metadata_round_trip(tiny_model):
     extra = {"leaflens.run_id": "run-42", "leaflens.accuracy": "0.953", "leaflens.params": "93123",
              "leaflens.uncertain_threshold": "0.61"}

@@ -36,6 +36,19 @@ def outcome_v(name: str, probs: list[float], verdict: str, ood_score: float | No
 
 
 # ----------------------------------------------------------------------------- the vote and the verdict
+def test_photos_that_agree_on_a_near_tie_are_unsure_between_the_two():
+    """Two photos each torn between early blight and rust (both early blight first): their average is a near tie,
+    which the vote names as "unsure between" them, not a diagnosis with its treatment, whatever the low threshold."""
+    res = summarise([outcome_v("a", [0.0, 0.49, 0.51], "diagnosis"), outcome_v("b", [0.0, 0.46, 0.54], "diagnosis")],
+                    CLASSES, threshold=0.2)
+    ans = res["answer"]
+    assert ans["verdict"] == "ambiguous" and ans["candidates"] == ["early_blight", "rust"]
+    value, verdict, notes_md, _ = render(res, "en", NOTES)
+    assert value is None and notes_md == "" and "**Unsure between early_blight and Rust:**" in verdict
+    single = summarise([outcome("c", [0.0, 0.48, 0.52])], CLASSES, threshold=0.2)  # no verdict given: the rule
+    assert single["answer"]["verdict"] == "ambiguous"
+
+
 def test_vote_is_the_mean_of_the_photos_that_agree():
     a, c = [0.1, 0.7, 0.2], [0.05, 0.8, 0.15]
     res = summarise([outcome("a.jpg", a), PhotoOutcome("x.jpg", reason="not_an_image"), outcome("c.jpg", c)],
@@ -67,7 +80,8 @@ def test_photos_with_different_first_classes_disagree_instead_of_being_averaged(
     assert verdict.startswith("**The 3 photos disagree**")
     assert "a: Rust 90%" in verdict and "b: early\\_blight 90%" in verdict and "c: Healthy 60%" in verdict
     assert table.count("\n") == 4 and "| Rust | 90% |" in table
-    assert "不一致" in render(res, "zh", NOTES)[1]
+    zh = render(res, "zh", NOTES)[1]
+    assert "不一致" in zh and "a：" in zh and "；b：" in zh and "; " not in zh  # Chinese punctuation in Chinese
 
 
 def test_an_ambiguous_photo_takes_part_in_the_vote_by_its_first_class():
@@ -414,7 +428,10 @@ def test_service_caps_photos_per_request(service, tmp_path):
     paths = [write_photo(tmp_path / f"p{i}.png", seed=i) for i in range(6)]
     res = service.diagnose(paths)
     assert len(res["photos"]) == 4 and res["given"] == 6
-    assert "Only the first 4 photos" in render(res, "en", max_photos=4)[1]
+    assert res["not_used"] == ["p4.png", "p5.png"]  # named: the person knows which to send again
+    assert "Only the first 4 photos were used (6 were given). Not used: p4\\.png, p5\\.png;" in render(
+        res, "en", max_photos=4)[1]
+    assert "未使用：p4\\.png、p5\\.png" in render(res, "zh", max_photos=4)[1]
 
 
 def test_service_unexpected_failure_costs_one_photo(service, tmp_path, monkeypatch):

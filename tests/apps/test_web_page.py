@@ -357,3 +357,28 @@ def test_heic_is_offered_exactly_when_it_is_read(server, tmp_path):
     pillow_heif.from_pillow(leaf).save(heic, quality=90)
     result = Client(server.url, verbose=False).predict([handle_file(str(heic))], api_name="/diagnose")
     assert result["photos"][0]["ok"] is True and result["photos"][0]["name"] == "phone.heic", result
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_a_stopped_server_is_said_on_the_page_in_its_language(tmp_path, browser, monkeypatch, lang):
+    """The server stopped while the page was open: Gradio's English popups went away and the last answer stayed
+    as if the page still worked. A lasting notice in the page's language now says so, and goes when it answers."""
+    from leaflens.apps import web_assets
+
+    monkeypatch.setattr(web_assets, "WATCH_MS", 300)
+    srv = Server(tmp_path)
+    page = None
+    try:
+        page = _open(browser, srv, "phone", lang)
+        _wait_language(page, lang)
+        page.wait_for_timeout(1000)
+        assert page.evaluate("() => { const b = document.getElementById('server-down'); return !b || b.hidden; }")
+        srv.demo.close()
+        page.wait_for_function("() => { const b = document.getElementById('server-down');"
+                               " return b && !b.hidden && b.getAttribute('role') === 'alert'; }", timeout=20_000)
+        assert page.inner_text("#server-down") == t("server_down", lang)
+        assert page.evaluate("() => document.getElementById('server-down').getBoundingClientRect().top") <= 1
+    finally:
+        if page is not None:
+            page.context.close()
+        srv.service.close()

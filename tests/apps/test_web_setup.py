@@ -154,7 +154,7 @@ def test_model_tab_says_how_the_thresholds_were_chosen_and_what_they_cost(tiny_m
         assert figure in line, (figure, line)
     line = next(row for row in md.splitlines() if row.startswith("- **Unsure between two classes:**"))
     assert "below 0.62" in line and "validation photos by `leaflens distill`" in line
-    assert "8.5% of the validation photos fall below it" in line and "default" not in line
+    assert "8.5% of the validation photos get this answer" in line and "default" not in line
     zh = model_markdown(predictor, ServeContext(), "zh")
     assert "域外检查" in zh and "1,200 张验证集照片" in zh and "8.5%" in zh
     assert "EfficientNet" not in md and "EfficientNet" not in zh  # a score of the model's own blocks only

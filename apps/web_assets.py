@@ -72,6 +72,9 @@ CSS = f"""
 #server-down[hidden] {{ display: none; }}
 #verdict {{ font-size: 1.15em; }}
 #verdict p {{ margin: 0.3em 0; }}
+#your-photos .grid-container {{  /* one photo filled the row's width and overflowed the box, its caption hidden */
+  grid-template-columns: repeat(auto-fill, minmax(110px, 180px)) !important;
+}}
 @media (max-width: {NARROW_PX}px) {{
   #lang {{ order: -1; }}
   #intro {{ min-width: 100% !important; }}

@@ -239,6 +239,12 @@ def test_phone_first_one_plant_per_diagnosis_and_the_camera(server, photos, brow
         _listed(page, ["c.jpg"])
         _no_answer(page, lang)
         _diagnose(page, lang)
+        # one photo under "Your photos" fits its box, caption included (it filled the row's width and overflowed)
+        page.wait_for_function("() => document.querySelectorAll('#your-photos img').length === 1")
+        fits = page.evaluate("() => { const box = document.querySelector('#your-photos').getBoundingClientRect();"
+                             " return [...document.querySelectorAll('#your-photos img, #your-photos .caption-label')]"
+                             ".map(e => e.getBoundingClientRect().bottom <= box.bottom + 1); }")
+        assert fits and all(fits), fits
         # "Add photos" keeps them (and clears the answer, which was about fewer photos)
         _upload(page, "add-photos", [d])
         _listed(page, ["c.jpg", "d.jpg"])

@@ -142,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     from leaflens.apps import cmd_serve
     from leaflens.apps.web import launch
 
-    own = argparse.ArgumentParser(prog="python -m leaflens.apps.screenshot", description=__doc__.split("\n\n")[0])
+    own = argparse.ArgumentParser(prog="python -m leaflens.apps.screenshot", description=__doc__.split("\n\n")[0],
+                                  epilog="Every other option is `leaflens serve`'s (--model, --lang, --dataset ...; "
+                                         "see `leaflens serve --help`); the port is chosen here.")
     own.add_argument("--photo", action="append", required=True, help="photo to upload (repeat for several)")
     own.add_argument("--out", required=True, help="PNG to write (re-encoded to stay under 300 KB)")
     own.add_argument("--shot-lang", choices=["en", "zh"], default=None, help="switch the page to this language")

@@ -15,15 +15,16 @@ from leaflens.pipeline.models.family import family_option
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "distill", help="students (distilled, from scratch); keep the best model within budget",
-        description="Train the small student CNN on a preprocessed dataset, learning from the teacher's features "
-                    "(and logits), beside the same student trained from scratch; the best on the validation "
+        description="Train the small students (--family) on a preprocessed dataset, learning from the teacher's "
+                    "features (and logits), beside the same student trained from scratch; the best on the validation "
                     "split within the serving budget (--max-params, --max-ms) is kept: a student, or the "
                     "fine-tuned teacher when it serves (teacher.onnx) and beats the best student by "
                     "distill.teacher_margin. Writes checkpoints, metrics.jsonl, curves.png, confusion.png, "
                     f"report.json and report.md. Defaults: pipeline/{DEFAULT_CONFIG.name}.")
     p.add_argument("--dataset", type=path_arg, default=Path("artifacts/dataset"),
                    help="preprocessed dataset folder (default %(default)s)")
-    p.add_argument("--teacher", type=path_arg, default=Path("artifacts/teacher"), help="teacher folder (features)")
+    p.add_argument("--teacher", type=path_arg, default=Path("artifacts/teacher"),
+                   help="teacher folder, as `leaflens teacher` writes it (default %(default)s)")
     p.add_argument("--out", type=path_arg, default=Path("artifacts/student"),
                    help="run folder to write (default %(default)s)")
     p.add_argument("--config", type=path_arg, help="TOML file overriding the defaults")

@@ -24,7 +24,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "Re-running with unchanged input and options does nothing. --check runs the checks alone.",
     )
     p.add_argument("--src", required=True, help="folder of photos")
-    p.add_argument("--out", default=None, help="dataset folder to write (replaced atomically); not with --check")
+    p.add_argument("--out", default=None, help="dataset folder to write (replaced atomically); required, but for "
+                                               "--check, which writes none")
     p.add_argument("--check", action="store_true",
                    help="run the data checks and the refusals only, decoding small: prints the report, writes no "
                         "dataset; exit code 1 when preprocess would refuse the data")

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from leaflens.apps.model_arg import add_model_argument, missing_model
 from leaflens.apps.providers import add_provider_argument, requested_providers
+from leaflens.extras import install_command
 
 __all__ = ["add_parser", "build", "prepare", "run"]
 
@@ -313,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("leaflens").addHandler(handler)
         logging.getLogger("leaflens").setLevel(logging.INFO)
     if importlib.util.find_spec("gradio") is None:
-        print(f"{prog}: error: gradio is not installed; pip install 'leaflens[serve]'", file=sys.stderr)
+        print(f"{prog}: error: gradio is not installed; {install_command('serve')}", file=sys.stderr)
         return 2
     from leaflens.apps.model_card import ModelError
     from leaflens.apps.notes import NotesError

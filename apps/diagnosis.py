@@ -223,12 +223,14 @@ def summarise(outcomes: Sequence[PhotoOutcome], classes: Sequence[str], threshol
 
 
 def _label_dict(top: list[dict[str, Any]], notes: ClassNotes, lang: str) -> dict[str, float]:
-    """``gr.Label`` value: display name -> probability (ids appended if two names collide)."""
+    """``gr.Label`` value: display name -> probability (ids appended if two names collide). Gradio rounds the
+    bars' percentages, so a probability above 0.995 is given as 0.994: the bar reads 99 % beside the verdict's
+    ">99%", never a false 100 %, as :func:`format_percent` words it."""
     names = [notes.name(e["label"], lang) for e in top]
     out: dict[str, float] = {}
     for name, e in zip(names, top):
         key = name if names.count(name) == 1 else f"{name} ({e['label']})"
-        out[key] = e["probability"]
+        out[key] = min(float(e["probability"]), 0.994)
     return out
 
 

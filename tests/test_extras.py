@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from leaflens.apps.providers import GPU_EXTRAS
+from leaflens.extras import install_command
 
 try:
     import tomllib
@@ -164,5 +165,34 @@ def test_a_command_without_the_serve_extra_names_the_extra_to_install(tmp_path, 
     out = subprocess.run([sys.executable, "-c", BLOCK_SERVE_EXTRA, *filled], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2, out.stderr
-    assert f"needs {module}, which is not installed: pip install 'leaflens[serve]'" in out.stderr
+    assert f"needs {module}, which is not installed: {install_command('serve')}" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_the_install_command_names_the_clone_leaflens_came_from(monkeypatch, tmp_path):
+    """leaflens is not on a package index: `pip install 'leaflens[teacher]'` failed for the people told to run
+    it. The command names the clone (an editable install or a checkout, as here), or the folder pip recorded."""
+    import json as _json
+
+    from leaflens import extras
+
+    root = Path(extras.__file__).resolve().parents[1]
+    assert extras.install_command("serve,teacher") == f"pip install -e '{root}[serve,teacher]'"
+
+    class Dist:
+        def __init__(self, text):
+            self.text = text
+
+        def read_text(self, name):
+            return self.text if name == "direct_url.json" else None
+
+    monkeypatch.setattr(extras, "__file__", str(tmp_path / "site-packages" / "leaflens" / "extras.py"))
+    for found, want in (([Dist(_json.dumps({"url": "file:///home/me/leaf%20lens", "dir_info": {}}))],
+                         "pip install '/home/me/leaf lens[heic]'"),
+                        ([Dist(None), Dist(_json.dumps({"url": "https://example.org/x.whl"}))],
+                         "pip install 'leaflens[heic]'"),
+                        ([], "pip install 'leaflens[heic]'")):
+        extras._origin.cache_clear()
+        monkeypatch.setattr(extras.metadata, "distributions", lambda name, found=found: iter(found))
+        assert extras.install_command("heic") == want
+    extras._origin.cache_clear()

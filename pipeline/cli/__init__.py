@@ -20,6 +20,7 @@ import importlib
 import sys
 from pathlib import Path
 
+from leaflens.extras import install_command
 from leaflens.pipeline.cli.runtime import configure_process, stop_on_sigterm
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 3
@@ -44,7 +45,7 @@ def missing_optional(exc: ModuleNotFoundError, command: str) -> str | None:
     extra = OPTIONAL_MODULES.get(top)
     if extra is None:
         return None
-    return (f"leaflens {command}: needs {top}, which is not installed: pip install 'leaflens[{extra}]' (on an NVIDIA "
+    return (f"leaflens {command}: needs {top}, which is not installed: {install_command(extra)} (on an NVIDIA "
             "machine, the GPU extra that `leaflens doctor` names instead)")
 
 # subcommand -> (module, one-line help). Keep alphabetical within each group.

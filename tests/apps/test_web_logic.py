@@ -49,6 +49,14 @@ def test_photos_that_agree_on_a_near_tie_are_unsure_between_the_two():
     assert single["answer"]["verdict"] == "ambiguous"
 
 
+def test_a_near_certain_answer_never_reads_100_percent():
+    """The ranking's bar read "100%" beside the verdict's ">99%": Gradio rounds, so the bar gets at most 0.994."""
+    res = summarise([outcome("a.jpg", [0.0005, 0.999, 0.0005])], CLASSES, threshold=0.5)
+    value, verdict, _, _ = render(res, "en", NOTES)
+    assert ">99%" in verdict and value["Rust"] == 0.994 and round(100 * max(value.values())) == 99
+    assert res["answer"]["confidence"] == pytest.approx(0.999)  # the API keeps the model's own figure
+
+
 def test_vote_is_the_mean_of_the_photos_that_agree():
     a, c = [0.1, 0.7, 0.2], [0.05, 0.8, 0.15]
     res = summarise([outcome("a.jpg", a), PhotoOutcome("x.jpg", reason="not_an_image"), outcome("c.jpg", c)],

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from leaflens.apps import providers
+from leaflens.extras import install_command
 from leaflens.kernels import _cuda
 from leaflens.pipeline import gpu_stacks
 from leaflens.pipeline.cli import main
@@ -49,7 +50,7 @@ def test_require_gpu_names_a_missing_cuda_library(fresh, monkeypatch, capsys):
     captured = capsys.readouterr()
     assert re.search(r"\n +missing +libcublas\.so\.13\n", captured.out)  # the report's gpu stacks section
     assert captured.err.strip() == (f"doctor: --require-gpu: no usable GPU: {reason} (missing: libcublas.so.13); "
-                                    "for this driver: pip install 'leaflens[gpu,teacher]'")
+                                    f"for this driver: {install_command('gpu,teacher')}")
 
 
 def test_a_usable_gpu_passes():

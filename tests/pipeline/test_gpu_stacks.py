@@ -8,6 +8,7 @@ import json
 import pytest
 
 from leaflens.apps import providers
+from leaflens.extras import install_command
 from leaflens.kernels import _cuda
 from leaflens.pipeline import gpu_stacks
 from leaflens.pipeline.cli import doctor as cmd_doctor
@@ -41,7 +42,7 @@ def ort(package: str = "onnxruntime", major: int | None = None, *others: str) ->
 def test_the_extra_for_the_driver(facts, extra):
     advice = gpu_stacks.recommend(facts, cupy(None), ort())
     assert advice["extra"] == extra
-    assert advice["command"] == f"pip install 'leaflens[{extra or 'serve'},teacher]'"
+    assert advice["command"] == install_command(f"{extra or 'serve'},teacher")
     assert advice["warnings"] == []
 
 
@@ -55,7 +56,7 @@ def test_mismatched_stacks_are_named():
     # The report: onnxruntime-gpu for CUDA 13 beside cupy-cuda12x.
     warnings = gpu_stacks.recommend(driver("13.0", "9.0"), cupy(12), ort("onnxruntime-gpu", 13))["warnings"]
     assert warnings == ["the GPU stacks are built for different CUDA majors (CuPy for CUDA 12, onnxruntime-gpu for "
-                        "CUDA 13): install one GPU extra (pip install 'leaflens[gpu,teacher]')"]
+                        f"CUDA 13): install one GPU extra ({install_command('gpu,teacher')})"]
     newer = gpu_stacks.recommend(driver("12.4"), cupy(13), ort("onnxruntime-gpu", 13))["warnings"]
     assert len(newer) == 2 and all("newer than the driver's CUDA 12.4" in w for w in newer)
     both = gpu_stacks.recommend(driver(None), cupy(None), ort("onnxruntime-gpu", 13, "onnxruntime"))["warnings"]
@@ -93,12 +94,12 @@ def test_doctor_reports_the_gpu_stacks(no_gpu, monkeypatch, capsys):
     assert main(["doctor", "--json", "--no-measure", "--no-bandwidth"]) == 0
     stacks = json.loads(capsys.readouterr().out)["gpu_stacks"]
     assert stacks["driver"]["cuda_version"] is None
-    assert stacks["install"]["command"] == "pip install 'leaflens[serve,teacher]'"
+    assert stacks["install"]["command"] == install_command("serve,teacher")
     assert set(stacks) == {"driver", "cupy", "onnxruntime", "install"}
     assert main(["doctor", "--no-measure", "--no-bandwidth"]) == 0
     out = capsys.readouterr().out
     assert "gpu stacks" in out and "NVIDIA driver          none (libcuda.so.1 not found)" in out
-    assert "install                pip install 'leaflens[serve,teacher]'" in out
+    assert f"install                {install_command('serve,teacher')}" in out
 
 
 def test_render_names_what_each_stack_misses():

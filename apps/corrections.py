@@ -413,7 +413,8 @@ def _gif_as_png(src: Path, tmp: Path, photo_name: str) -> str:
 # photo number is not one of the answer's; the photos are not those of the answer; the model did not
 # analyse the photo (refused or unreadable), so there is nothing to correct; this server never answered
 # these bytes (a changed file, or a server restarted since).
-REQUEST_REASONS = ("no_answer", "no_choice", "bad_photo", "photos_changed", "not_analysed", "not_diagnosed")
+REQUEST_REASONS = ("no_answer", "no_choice", "bad_photo", "photos_changed", "not_analysed", "not_diagnosed",
+                   "which_photo")
 
 
 def apply_correction(store: CorrectionStore, files: Sequence[str | os.PathLike] | None,
@@ -447,6 +448,8 @@ def apply_correction(store: CorrectionStore, files: Sequence[str | os.PathLike] 
         return refuse("no_choice")
     if chosen not in store.labels:
         return refuse("unknown_class")
+    if which in (None, "") and answer.get("verdict") == "disagree" and len(photos) > 1:
+        return refuse("which_photo")  # photos that disagree may show different things: "all" must be asked for
     if which in (None, "", "all"):
         picked = list(range(len(photos)))
     else:
@@ -520,7 +523,7 @@ def render_correction(result: Mapping[str, Any] | None, notes: ClassNotes | None
             names = ", ".join(md_escape(t("not_a_leaf", lang) if c == NOT_A_LEAF else notes.name(c, lang))
                               for c in moved)
             lines.append(t("correct_replaced", lang, k=sum(bool(s.get("replaced")) for s in saved), names=names))
-    elif result.get("reason") in REQUEST_REASONS[:4] or result.get("reason") == "unknown_class":
+    elif result.get("reason") in (*REQUEST_REASONS[:4], "which_photo", "unknown_class"):
         lines.append(t(f"correct_{result['reason']}", lang))
     for skip in result.get("skipped") or []:
         lines.append(t("correct_skipped", lang, photo=md_escape(str(skip["photo"])),

@@ -179,6 +179,8 @@ STRINGS: dict[str, dict[str, str]] = {
                              "training run learns your latest answer only."),
         "correct_no_answer": "Diagnose a photo first, then correct the answer.",
         "correct_no_choice": "Choose the right answer first.",
+        "correct_which_photo": ("These photos disagree, so they may show different things: choose which photo the "
+                                "right answer is for (or \"All photos of this plant\" if it is right for every one)."),
         "correct_bad_photo": "That photo is not part of this answer; choose one from the list.",
         "correct_photos_changed": "The photos changed since this answer: press **Diagnose** again, then correct it.",
         "correct_unknown_class": "That answer is not one this model knows; choose one from the list.",
@@ -383,6 +385,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "correct_replaced": "其中 {k} 张之前被保存为 {names}；那份副本已删除，下一次训练只采用您最新的答案。",
         "correct_no_answer": "请先诊断照片，再更正结果。",
         "correct_no_choice": "请先选择正确答案。",
+        "correct_which_photo": ("这些照片的结果不一致，可能拍的是不同的东西：请选择正确答案对应的是哪一张"
+                                "（如果对每一张都正确，请选“这株植物的所有照片”）。"),
         "correct_bad_photo": "这张照片不属于本次结果，请从列表中选择。",
         "correct_photos_changed": "照片在得出结果后已更换：请再次点击 **诊断**，然后再更正。",
         "correct_unknown_class": "本模型不认识这个答案，请从列表中选择。",

@@ -316,6 +316,23 @@ def test_the_page_says_what_a_second_save_did(tmp_path):
     assert sorted(p.parent.name for p in root.rglob("*.jpg")) == ["rust", "rust"]
 
 
+def test_photos_that_disagree_need_the_photo_named(tmp_path):
+    """A rust leaf and a wasp disagree; "Not a leaf" for "all photos" (the default) saved the rust leaf as not a
+    leaf too. With a disagreeing answer, which photo is asked for ("all" still works when said)."""
+    root = tmp_path / "corrections"
+    store = store_at(root)
+    paths = [upload(tmp_path / "up", "leaf.jpg", photo_bytes(31)), upload(tmp_path / "up", "wasp.jpg", photo_bytes(32))]
+    answer = {**answer_for(paths, ["diagnosis", "diagnosis"]), "verdict": "disagree"}
+    for which in (None, ""):
+        res = apply_correction(store, paths, answer, which, NOT_A_LEAF)
+        assert (res["ok"], res["reason"], res["saved"]) == (False, "which_photo", [])
+    assert not root.exists()
+    assert "choose which photo" in render_correction(res, None, "en") and "哪一张" in render_correction(res, None, "zh")
+    one = apply_correction(store, paths, answer, "2", NOT_A_LEAF)
+    assert [s["photo"] for s in one["saved"]] == ["wasp.jpg"]
+    assert apply_correction(store, paths, answer, "all", "rust")["ok"]  # asked for in so many words
+
+
 def test_apply_one_photo_by_number(tmp_path):
     root = tmp_path / "corrections"
     store = store_at(root)

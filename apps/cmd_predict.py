@@ -168,24 +168,27 @@ def csv_row(p: Prediction, top_k: int) -> list[str | None]:
             csv_text(None if p.error is None else shown(p.error))]
 
 
-def write_csv(path: str | os.PathLike, predictions: Iterable[Prediction], top_k: int) -> None:
+def write_csv(path: str | os.PathLike, predictions: Iterable[Prediction], top_k: int,
+              leading: tuple[list[str], list[list[str]]] | None = None) -> None:
     """Write one row per image: path, verdict, label, probability, uncertain, ood_score, class_i/prob_i, error.
 
     ``label`` .. ``prob_i`` are the model's ranking, also for an ambiguous photo (``uncertain`` "true"); an
     out-of-domain photo's row names no class, as the web page and its API do: only its verdict, ``uncertain``
     and ``ood_score``. ``ood_score`` is empty for a model without the out-of-domain output. Refused and
     unreadable photos have only path, verdict and error.
-    Written to a temporary file beside ``path`` and renamed into place, so a reader never sees a
-    half-written file.
+    ``leading``: (names, one list of values per prediction) of columns written first (the web page's download
+    says which diagnosis each row belongs to). Written to a temporary file beside ``path`` and renamed into
+    place, so a reader never sees a half-written file.
     """
     target = Path(path)
+    names, values = leading if leading is not None else ([], None)
 
     def write(tmp: Path) -> None:
         with open(tmp, "x", newline="", encoding="utf-8") as fh:
             writer = csv.writer(fh)
-            writer.writerow(csv_header(top_k))
-            for p in predictions:
-                writer.writerow(csv_row(p, top_k))
+            writer.writerow([*names, *csv_header(top_k)])
+            for i, p in enumerate(predictions):
+                writer.writerow([*(values[i] if values is not None else []), *csv_row(p, top_k)])
 
     write_path_atomic(target, write)
 

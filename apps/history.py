@@ -6,7 +6,9 @@ per session): :func:`new_history`, then :func:`add_result` after every answer. A
 bounded amount of memory. :func:`render_history` lists them, newest first, in the page's language.
 
 The download is the CSV `leaflens predict --csv` writes, with the same columns and the same row writer
-(:func:`leaflens.apps.cmd_predict.write_csv`): one row per photo of every diagnosis in the history, oldest
+(:func:`leaflens.apps.cmd_predict.write_csv`) after three of its own (``diagnosis``: the number of the
+diagnosis on the page, 1 the first; ``time``; ``answer``: that diagnosis's answer, e.g. "disagree" where each
+photo's own verdict is a diagnosis): one row per photo of every diagnosis in the history, oldest
 first; ``path`` is the photo's file name as uploaded. The page's answer names no class for an
 out-of-domain photo, so neither does its row (``leaflens predict`` adds the model's ranking there).
 :func:`write_session_csv` writes it to ``<root>/<session token>/leaflens-results-<time>.csv`` (the one
@@ -27,7 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from leaflens.apps.cmd_predict import write_csv
+from leaflens.apps.cmd_predict import csv_text, write_csv
 from leaflens.apps.diagnosis import format_percent, md_escape
 from leaflens.apps.i18n import t
 from leaflens.apps.notes import ClassNotes
@@ -154,6 +156,23 @@ def predictions(history: Mapping[str, Any] | None) -> list[Prediction]:
     return [_prediction(p) for entry in (history or {}).get("entries") or [] for p in entry["photos"]]
 
 
+def _request_columns(history: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The download's first columns, per photo row: which diagnosis of the page it belongs to (1 = the first),
+    when it was made, and that diagnosis's answer (a photo's own verdict may differ: one of several photos
+    that disagree reads "diagnosis", the request's answer "disagree")."""
+    rows = []
+    for number, entry in enumerate((history or {}).get("entries") or [], 1):
+        answer, verdict = entry.get("answer") or {}, str(entry.get("verdict") or "")
+        said = verdict
+        if verdict == "diagnosis" and answer.get("label"):
+            said = f"diagnosis: {answer['label']}"
+        elif verdict == "ambiguous" and answer.get("candidates"):
+            said = "ambiguous: " + " or ".join(str(c) for c in answer["candidates"][:2])
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry["time"]))
+        rows += [[str(number), stamp, csv_text(said) or ""] for _ in entry["photos"]]
+    return ["diagnosis", "time", "answer"], rows
+
+
 def write_session_csv(root: str | os.PathLike, history: Mapping[str, Any], top_k: int,
                       now: float | None = None) -> tuple[dict[str, Any], Path | None]:
     """Write the history's CSV for download; ``(history, path)`` (the history gains its token on the first
@@ -167,7 +186,7 @@ def write_session_csv(root: str | os.PathLike, history: Mapping[str, Any], top_k
     folder.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if now is None else now))
     target = folder / f"{_CSV_PREFIX}{stamp}.csv"
-    write_csv(target, predictions(base), top_k)
+    write_csv(target, predictions(base), top_k, leading=_request_columns(base))
     for old in folder.glob(f"{_CSV_PREFIX}*.csv"):
         if old != target:
             old.unlink(missing_ok=True)

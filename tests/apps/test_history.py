@@ -78,7 +78,8 @@ def test_session_csv_one_file_per_session_and_removed_with_it(tmp_path):
     h, second = write_session_csv(root, h, top_k=2, now=1060.0)
     assert second.parent == first.parent and not first.exists()  # the newer CSV replaces the older
     rows = list(csv.reader(second.open(encoding="utf-8")))
-    assert rows[0] == csv_header(2) and [r[0] for r in rows[1:]] == ["leaf1.jpg", "leaf2.jpg"]
+    assert rows[0] == ["diagnosis", "time", "answer", *csv_header(2)]
+    assert [r[3] for r in rows[1:]] == ["leaf1.jpg", "leaf2.jpg"] and [r[0] for r in rows[1:]] == ["1", "2"]
     assert write_session_csv(root, new_history(), top_k=2)[1] is None
     remove_session(root, h)
     assert not second.parent.exists()
@@ -124,7 +125,12 @@ def test_csv_matches_leaflens_predict_photo_for_photo(tiny_model, tmp_path):
           "--no-progress"])
     page_rows = list(csv.DictReader(page_csv.open(encoding="utf-8")))
     cli_rows = list(csv.DictReader(cli_csv.open(encoding="utf-8")))
-    assert list(page_rows[0]) == list(cli_rows[0]) == csv_header(top_k)
+    assert list(page_rows[0]) == ["diagnosis", "time", "answer", *list(cli_rows[0])]
+    assert list(cli_rows[0]) == csv_header(top_k)
+    # which diagnosis each row belongs to, and its answer (a photo's own verdict may differ from it)
+    assert [r["diagnosis"] for r in page_rows] == ["1"] * 4 + ["2"] * (len(files) - 4)
+    assert all(r["answer"] == str(h["entries"][int(r["diagnosis"]) - 1]["verdict"]) or
+               r["answer"].startswith(str(h["entries"][int(r["diagnosis"]) - 1]["verdict"]) + ": ") for r in page_rows)
     assert [r["path"] for r in page_rows] == [f.name for f in files]
     verdicts = set()
     for page, cli in zip(page_rows, cli_rows):

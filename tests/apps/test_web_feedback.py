@@ -273,8 +273,8 @@ def test_page_correction_history_and_download(app, tmp_path, lang, viewport):
         finally:
             browser.close()
     rows = list(csv.reader(target.open(encoding="utf-8")))
-    assert rows[0] == csv_header(app.service.options.top_k)
-    assert [r[0] for r in rows[1:]] == [leaf.name, second.name]
+    assert rows[0] == ["diagnosis", "time", "answer", *csv_header(app.service.options.top_k)]
+    assert [r[3] for r in rows[1:]] == [leaf.name, second.name] and [r[0] for r in rows[1:]] == ["1", "2"]
     new = log_records(app)[before:]
     assert [(r["chosen"], r["photo_name"], r["predicted"]["label"]) for r in new] == [(right, leaf.name, predicted)]
     saved = app.corrections / new[0]["file"]

@@ -72,6 +72,9 @@ CSS = f"""
 #server-down[hidden] {{ display: none; }}
 #verdict {{ font-size: 1.15em; }}
 #verdict p {{ margin: 0.3em 0; }}
+#lang label:has(input:focus-visible) {{  /* Gradio's radio showed no keyboard focus at all */
+  outline: 2px solid var(--color-accent); outline-offset: 2px;
+}}
 #your-photos .grid-container {{  /* one photo filled the row's width and overflowed the box, its caption hidden */
   grid-template-columns: repeat(auto-fill, minmax(110px, 180px)) !important;
 }}

@@ -388,3 +388,21 @@ def test_a_stopped_server_is_said_on_the_page_in_its_language(tmp_path, browser,
         if page is not None:
             page.context.close()
         srv.service.close()
+
+
+def test_the_language_choice_shows_keyboard_focus(server, browser):
+    """Tabbing to the language radio showed no focus at all (no outline on the input or its label)."""
+    page = _open(browser, server, "desktop", "en")
+    try:
+        _wait_language(page, "en")
+        for _ in range(60):
+            page.keyboard.press("Tab")
+            if page.evaluate("() => !!document.activeElement.closest('#lang')"):
+                break
+        else:
+            pytest.fail("Tab never reached the language choice")
+        style = page.evaluate("() => { const s = getComputedStyle(document.activeElement.closest('label'));"
+                              " return [s.outlineStyle, parseFloat(s.outlineWidth)]; }")
+        assert style[0] == "solid" and style[1] >= 2, style
+    finally:
+        page.context.close()

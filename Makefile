@@ -103,16 +103,23 @@ $(DATASET)/manifest.json: FORCE $(if $(filter $(SYNTH),$(DATA)),$(SYNTH)/classes
 
 preprocess: $(DATASET)/manifest.json
 
-# Each stage's options (TEACHER_ARGS, DISTILL_ARGS, EXPORT_ARGS) are kept in a file rewritten only when they
-# change, so a stage whose options changed runs again (`make teacher TEACHER_ARGS=--frozen` after a fine-tune)
-# instead of being skipped as up to date. The options travel in the environment: quotes in them stay as typed.
-# A missing file is written dated 1970, so outputs made before it existed are not remade for it alone.
+# Each stage's options (TEACHER_ARGS, DISTILL_ARGS, EXPORT_ARGS), when given on the command line (or in the
+# environment), are kept in a file rewritten only when they change, so a stage whose options changed runs again
+# (`make teacher TEACHER_ARGS=--frozen` after a fine-tune) instead of being skipped as up to date. A later
+# `make distill` without TEACHER_ARGS leaves the file alone, so it does not remake the frozen teacher with the
+# default options. The options travel in the environment: quotes in them stay as typed. A file missing while
+# the options were not given is written dated 1970: outputs made before it existed are not remade for it.
 $(ART)/.make-%.args: FORCE
-	@mkdir -p $(@D); if [ ! -f $@ ]; then printf '%s\n' "$$STAGE_ARGS" > $@ && touch -t 197001010000 $@; \
-	elif ! printf '%s\n' "$$STAGE_ARGS" | cmp -s - $@; then printf '%s\n' "$$STAGE_ARGS" > $@; fi
+	@mkdir -p $(@D); if [ "$$STAGE_GIVEN" = yes ]; then printf '%s\n' "$$STAGE_ARGS" | cmp -s - $@ 2>/dev/null \
+	|| printf '%s\n' "$$STAGE_ARGS" > $@; elif [ ! -f $@ ]; then printf '%s\n' "$$STAGE_ARGS" > $@ \
+	&& touch -t 197001010000 $@; fi
+given = $(if $(filter command line environment,$(origin $(1))),yes)
 $(ART)/.make-teacher.args: export STAGE_ARGS = $(TEACHER_ARGS)
+$(ART)/.make-teacher.args: export STAGE_GIVEN = $(call given,TEACHER_ARGS)
 $(ART)/.make-distill.args: export STAGE_ARGS = $(DISTILL_ARGS)
+$(ART)/.make-distill.args: export STAGE_GIVEN = $(call given,DISTILL_ARGS)
 $(ART)/.make-export.args: export STAGE_ARGS = $(EXPORT_ARGS)
+$(ART)/.make-export.args: export STAGE_GIVEN = $(call given,EXPORT_ARGS)
 
 $(TEACHER)/teacher.json: $(DATASET)/manifest.json $(ART)/.make-teacher.args
 	$(LEAFLENS) teacher --dataset $(DATASET) --out $(TEACHER) $(if $(RESUME),--resume) $(TEACHER_ARGS)
@@ -131,7 +138,7 @@ $(EXPORT)/student.onnx: $(STUDENT)/best.npz $(ART)/.make-export.args
 export: $(EXPORT)/student.onnx
 
 serve: $(EXPORT)/student.onnx
-	$(LEAFLENS) serve --model $(EXPORT)/student.onnx $(SERVE_ARGS)
+	$(LEAFLENS) serve --model $(EXPORT)/student.onnx --corrections $(CORRECTIONS) $(SERVE_ARGS)
 
 # `make demo` is the synthetic demo: after `make preprocess DATA=photos` the remembered photos' stages fill
 # $(ART), and running the demo there would replace the model trained on them.

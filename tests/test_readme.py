@@ -221,8 +221,18 @@ def test_a_stage_whose_make_options_changed_runs_again(tmp_path):
     assert (tmp_path / ".make-teacher.args").read_text() == "--frozen --set model.family='[\"m\"]'\n"
     (tmp_path / "teacher" / "teacher.json").write_text("{}")  # what that run would have written
     assert not teacher_runs("TEACHER_ARGS=--frozen --set model.family='[\"m\"]'")
+    # a later target without TEACHER_ARGS does not remake the frozen teacher with the default options
+    assert not teacher_runs()
+    assert (tmp_path / ".make-teacher.args").read_text() == "--frozen --set model.family='[\"m\"]'\n"
     _make(tmp_path, "-s", "clean")
     assert not (tmp_path / ".make-teacher.args").exists()
+    # outputs made before the options file existed: options given on the command line run the stage
+    (tmp_path / "dataset").mkdir(exist_ok=True)
+    (tmp_path / "teacher").mkdir(exist_ok=True)
+    (tmp_path / "dataset" / "manifest.json").write_text("{}")
+    os.utime(tmp_path / "dataset" / "manifest.json", (old, old))
+    (tmp_path / "teacher" / "teacher.json").write_text("{}")
+    assert teacher_runs("TEACHER_ARGS=--train-cnn")
 
 
 def test_make_demo_does_not_replace_the_model_of_the_remembered_photos(tmp_path):
@@ -239,3 +249,5 @@ def test_make_demo_does_not_replace_the_model_of_the_remembered_photos(tmp_path)
     dry = subprocess.run(["make", "-n", "demo", f"ART={tmp_path}/demo"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert dry.returncode == 0 and "synthetic" in dry.stdout
+    # the demo beside them keeps its corrections beside its own stages, not in the real model's folder
+    assert f"--corrections {tmp_path}/demo/corrections" in dry.stdout

@@ -67,7 +67,7 @@ except ImportError:  # Windows: one server per folder
     fcntl = None  # type: ignore[assignment]
 
 __all__ = ["DEFAULT_DIR", "DEFAULT_MAX_MB", "LOG_NAME", "NOT_A_LEAF", "REASONS", "REQUEST_REASONS", "CorrectionError",
-           "CorrectionStore", "Saved", "apply_correction", "render_correction", "sniff_extension"]
+           "CorrectionStore", "Saved", "apply_correction", "mixed_answer", "render_correction", "sniff_extension"]
 
 log = logging.getLogger("leaflens.serve")
 
@@ -417,6 +417,18 @@ REQUEST_REASONS = ("no_answer", "no_choice", "bad_photo", "photos_changed", "not
                    "which_photo")
 
 
+def mixed_answer(answer: Mapping[str, Any] | None) -> bool:
+    """Whether the analysed photos of an answer may show different things: they disagree, or some were left out
+    as unlike the model's photos while others were judged (a leaf and a bee). A correction of such an answer
+    names the photo it is for, or says "all" in so many words: "not a leaf" for the bee must not file the leaf
+    beside it under not_a_leaf."""
+    if not isinstance(answer, Mapping):
+        return False
+    seen = [p.get("verdict") for p in answer.get("photos") or [] if isinstance(p, Mapping) and p.get("ok")]
+    return len(seen) > 1 and (answer.get("verdict") == "disagree" or
+                              ("out_of_domain" in seen and any(v != "out_of_domain" for v in seen)))
+
+
 def apply_correction(store: CorrectionStore, files: Sequence[str | os.PathLike] | None,
                      answer: Mapping[str, Any] | None, which: str | int | None, chosen: str | None,
                      answered: AnsweredPhotos | None = None) -> dict[str, Any]:
@@ -448,8 +460,8 @@ def apply_correction(store: CorrectionStore, files: Sequence[str | os.PathLike] 
         return refuse("no_choice")
     if chosen not in store.labels:
         return refuse("unknown_class")
-    if which in (None, "") and answer.get("verdict") == "disagree" and len(photos) > 1:
-        return refuse("which_photo")  # photos that disagree may show different things: "all" must be asked for
+    if which in (None, "") and mixed_answer(answer):
+        return refuse("which_photo")  # photos that may show different things: "all" must be asked for
     if which in (None, "", "all"):
         picked = list(range(len(photos)))
     else:

@@ -354,7 +354,8 @@ def render(result: dict[str, Any] | None, lang: str, notes: ClassNotes | None = 
     if given > len(photos):
         left = [md_escape(str(n)) for n in result.get("not_used") or []]
         lines.append(t("too_many", lang, max=max_photos or len(photos), n=given)
-                     + (" " + t("not_used", lang, names=t("list_sep", lang).join(left)) if left else ""))
+                     + (t("sentence_gap", lang) + t("not_used", lang, names=t("list_sep", lang).join(left))
+                        if left else ""))
     failed = sum(not p["ok"] for p in photos)
     label_value = None
     notes_md = ""

@@ -7,7 +7,7 @@ bounded amount of memory. :func:`render_history` lists them, newest first, in th
 
 The download is the CSV `leaflens predict --csv` writes, with the same columns and the same row writer
 (:func:`leaflens.apps.cmd_predict.write_csv`) after three of its own (``diagnosis``: the number of the
-diagnosis on the page, 1 the first; ``time``; ``answer``: that diagnosis's answer, e.g. "disagree" where each
+diagnosis in the file, 1 the oldest kept; ``time``; ``answer``: that diagnosis's answer, e.g. "disagree" where each
 photo's own verdict is a diagnosis): one row per photo of every diagnosis in the history, oldest
 first; ``path`` is the photo's file name as uploaded. The page's answer names no class for an
 out-of-domain photo, so neither does its row (``leaflens predict`` adds the model's ranking there).
@@ -157,7 +157,7 @@ def predictions(history: Mapping[str, Any] | None) -> list[Prediction]:
 
 
 def _request_columns(history: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """The download's first columns, per photo row: which diagnosis of the page it belongs to (1 = the first),
+    """The download's first columns, per photo row: which diagnosis it belongs to (1 = the oldest kept),
     when it was made, and that diagnosis's answer (a photo's own verdict may differ: one of several photos
     that disagree reads "diagnosis", the request's answer "disagree")."""
     rows = []

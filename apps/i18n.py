@@ -82,8 +82,10 @@ STRINGS: dict[str, dict[str, str]] = {
         "one_failed": "**{name}** could not be read: {message}",
         "one_refused": "**{name}** was not analysed: {message}",
         "too_many": "Only the first {max} photos were used ({n} were given).",
+        "sentence_gap": " ",
         "server_down": ("The server cannot be reached: it has stopped, or the network is down. The answer on this "
-                        "page is the last one it gave; diagnose again once this message is gone."),
+                        "page is the last one it gave. Once this message is gone, reload the page and add the photos "
+                        "again: a restarted server no longer holds the ones sent before."),
         "not_used": "Not used: {names}; diagnose them as another plant, or in place of others.",
         # notes
         "what_it_is": "What it is",
@@ -140,6 +142,8 @@ STRINGS: dict[str, dict[str, str]] = {
                             "the photos the model can least decide between its classes"),
         "m_sep": "; ",
         "m_threshold_cost": "{share} of the validation photos get this answer",
+        "m_threshold_cost_threshold_only": ("{share} of the validation photos fall below the threshold (measured "
+                                            "before near ties were answered so too: more are now)"),
         "m_threshold_default": "(default, not calibrated)",
         "m_ood": "Out-of-domain check",
         "m_ood_value": ("a photo scoring above {threshold} ({method}: how far the model's own feature statistics"
@@ -179,7 +183,8 @@ STRINGS: dict[str, dict[str, str]] = {
                              "training run learns your latest answer only."),
         "correct_no_answer": "Diagnose a photo first, then correct the answer.",
         "correct_no_choice": "Choose the right answer first.",
-        "correct_which_photo": ("These photos disagree, so they may show different things: choose which photo the "
+        "correct_which_photo": ("These photos were not judged alike, so they may show different things: choose "
+                                "which photo the "
                                 "right answer is for (or \"All photos of this plant\" if it is right for every one)."),
         "correct_bad_photo": "That photo is not part of this answer; choose one from the list.",
         "correct_photos_changed": "The photos changed since this answer: press **Diagnose** again, then correct it.",
@@ -301,7 +306,9 @@ STRINGS: dict[str, dict[str, str]] = {
         "one_failed": "无法读取 **{name}**：{message}",
         "one_refused": "未分析 **{name}**：{message}",
         "too_many": "只使用了前 {max} 张照片（共收到 {n} 张）。",
-        "server_down": "无法连接服务器：服务器已停止或网络中断。页面上的结果是它最后给出的；请在此提示消失后重新诊断。",
+        "sentence_gap": "",
+        "server_down": ("无法连接服务器：服务器已停止或网络中断。页面上的结果是它最后给出的。"
+                        "此提示消失后，请刷新页面并重新添加照片：重新启动的服务器不再保存之前发送的照片。"),
         "not_used": "未使用：{names}；可作为另一株植物诊断，或替换其他照片。",
         "what_it_is": "这是什么",
         "what_to_do": "怎么处理",
@@ -349,6 +356,8 @@ STRINGS: dict[str, dict[str, str]] = {
                             "用来区分出模型最难在各类之间做出判断的照片"),
         "m_sep": "；",
         "m_threshold_cost": "验证集照片中有 {share} 得到这样的回答",
+        "m_threshold_cost_threshold_only": ("验证集照片中有 {share} 低于该阈值"
+                                            "（在近似平局也按此回答之前测得：现在会更多）"),
         "m_threshold_default": "（默认值，未校准）",
         "m_ood": "域外检查",
         "m_ood_value": ("得分高于 {threshold} 的照片（{method}：模型自身特征统计量{branch}"
@@ -385,7 +394,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "correct_replaced": "其中 {k} 张之前被保存为 {names}；那份副本已删除，下一次训练只采用您最新的答案。",
         "correct_no_answer": "请先诊断照片，再更正结果。",
         "correct_no_choice": "请先选择正确答案。",
-        "correct_which_photo": ("这些照片的结果不一致，可能拍的是不同的东西：请选择正确答案对应的是哪一张"
+        "correct_which_photo": ("这些照片的判断结果不同，可能拍的是不同的东西：请选择正确答案对应的是哪一张"
                                 "（如果对每一张都正确，请选“这株植物的所有照片”）。"),
         "correct_bad_photo": "这张照片不属于本次结果，请从列表中选择。",
         "correct_photos_changed": "照片在得出结果后已更换：请再次点击 **诊断**，然后再更正。",

@@ -25,7 +25,7 @@ from typing import Any
 
 import gradio as gr
 
-from leaflens.apps.corrections import MB, NOT_A_LEAF, apply_correction, render_correction
+from leaflens.apps.corrections import MB, NOT_A_LEAF, apply_correction, mixed_answer, render_correction
 from leaflens.apps.history import (
     add_result,
     clean_stale_results,
@@ -148,9 +148,9 @@ def wire_feedback(fb: Feedback, service: DiagnosisService, cfg: AppConfig, *, fi
         seen = sum(bool(p.get("ok")) for p in (result or {}).get("photos") or [])
         full = full_text(result, lang)
         return [gr.update(visible=seen > 0),
-                # photos that disagree may be of different things: which one the correction is for is asked
+                # photos that may be of different things: which one the correction is for is asked
                 gr.update(choices=_photo_choices(result, lang, max_photos),
-                          value=None if (result or {}).get("verdict") == "disagree" else "all", visible=seen > 1),
+                          value=None if mixed_answer(result) else "all", visible=seen > 1),
                 gr.update(value=None), gr.update(interactive=not full), full, None]
 
     def on_answer(result: dict[str, Any] | None, history: dict[str, Any] | None, lang_choice: str):

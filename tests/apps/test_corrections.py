@@ -22,6 +22,7 @@ from leaflens.apps.corrections import (
     CorrectionError,
     CorrectionStore,
     apply_correction,
+    mixed_answer,
     render_correction,
     sniff_extension,
 )
@@ -331,6 +332,12 @@ def test_photos_that_disagree_need_the_photo_named(tmp_path):
     one = apply_correction(store, paths, answer, "2", NOT_A_LEAF)
     assert [s["photo"] for s in one["saved"]] == ["wasp.jpg"]
     assert apply_correction(store, paths, answer, "all", "rust")["ok"]  # asked for in so many words
+    # a leaf diagnosed and a bee left out as unlike the model's photos: the same question
+    leaf_and_bee = answer_for(paths, ["diagnosis", "out_of_domain"])
+    assert apply_correction(store, paths, leaf_and_bee, None, NOT_A_LEAF)["reason"] == "which_photo"
+    assert not mixed_answer(answer_for(paths, ["diagnosis", "ambiguous"]))  # one plant, judged alike
+    assert not mixed_answer(answer_for(paths, ["out_of_domain", "out_of_domain"]))
+    assert not mixed_answer(answer_for(paths[:1], ["diagnosis"]))
 
 
 def test_apply_one_photo_by_number(tmp_path):

@@ -439,7 +439,7 @@ def test_service_caps_photos_per_request(service, tmp_path):
     assert res["not_used"] == ["p4.png", "p5.png"]  # named: the person knows which to send again
     assert "Only the first 4 photos were used (6 were given). Not used: p4\\.png, p5\\.png;" in render(
         res, "en", max_photos=4)[1]
-    assert "未使用：p4\\.png、p5\\.png" in render(res, "zh", max_photos=4)[1]
+    assert "张）。未使用：p4\\.png、p5\\.png" in render(res, "zh", max_photos=4)[1]  # no space in Chinese
 
 
 def test_service_unexpected_failure_costs_one_photo(service, tmp_path, monkeypatch):

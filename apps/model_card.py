@@ -26,6 +26,7 @@ leaflens.uncertain_threshold    no         float; top probability below it (or a
 leaflens.ood                    no         JSON :class:`OODCheck`: how ``ood_score`` is judged; present
                                            exactly when the graph has the ``ood_score`` output
 leaflens.val_ambiguous          no         float, share of validation photos "ambiguous" by the rule above
+leaflens.tie_ratio              no         float, the near-tie ratio val_ambiguous counts (absent: the threshold alone)
 leaflens.dataset                no         JSON :class:`TrainedOn`: what the model was trained on (drawn
                                            leaves of `leaflens data synth`, or photos), from the dataset's
                                            manifest; absent in files exported before it was recorded
@@ -217,7 +218,7 @@ class ModelCard(Record):
     """What a leaflens ONNX model says about itself (see the module docstring for the keys)."""
 
     SCHEMA_VERSION: ClassVar[int | None] = int(FORMAT_VERSION)
-    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"trained_on", "grey_share"})  # as cards were before them
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"trained_on", "grey_share", "tie_ratio"})  # as before them
 
     classes: tuple[str, ...]
     contract: PreprocessContract
@@ -231,6 +232,9 @@ class ModelCard(Record):
     val_ambiguous: float | None = None
     trained_on: TrainedOn | None = None  # None: not recorded (exported before leaflens.dataset existed)
     grey_share: float | None = None  # share of training photos without colour; None: not recorded
+    # the near-tie ratio val_ambiguous was measured with (TIE_RATIO at export); None: exported before near ties
+    # counted as "ambiguous", so val_ambiguous counts the threshold alone
+    tie_ratio: float | None = None
     schema_version: int = int(FORMAT_VERSION)
 
     def __post_init__(self) -> None:
@@ -303,6 +307,8 @@ class ModelCard(Record):
             meta["dataset"] = json.dumps(self.trained_on.to_dict())
         if self.grey_share is not None:
             meta["grey_share"] = repr(float(self.grey_share))
+        if self.tie_ratio is not None:
+            meta["tie_ratio"] = repr(float(self.tie_ratio))
         return {PREFIX + k: v for k, v in meta.items()}
 
     @property
@@ -379,6 +385,8 @@ class ModelCard(Record):
         data["accuracy"] = number("accuracy", float) if PREFIX + "accuracy" in meta else None
         data["params"] = number("params", int) if PREFIX + "params" in meta else None
         data["val_ambiguous"] = number("val_ambiguous", float) if PREFIX + "val_ambiguous" in meta else None
+        if PREFIX + "tie_ratio" in meta:
+            data["tie_ratio"] = number("tie_ratio", float)
         if PREFIX + "grey_share" in meta:
             data["grey_share"] = number("grey_share", float)
             if not 0.0 <= data["grey_share"] <= 1.0:

@@ -197,7 +197,8 @@ def _threshold_line(card: Any, lang: str) -> str:
         return f"{below} {t('m_threshold_default', lang)}"
     parts = [below, t("m_threshold_how", lang)]
     if card.val_ambiguous is not None:
-        parts.append(t("m_threshold_cost", lang, share=_pct(card.val_ambiguous)))
+        key = "m_threshold_cost" if card.tie_ratio is not None else "m_threshold_cost_threshold_only"
+        parts.append(t(key, lang, share=_pct(card.val_ambiguous)))
     return t("m_sep", lang).join(parts)
 
 

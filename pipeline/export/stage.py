@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from leaflens.apps.model_card import ModelCard, trained_on, unsure
+from leaflens.apps.model_card import TIE_RATIO, ModelCard, trained_on, unsure
 from leaflens.apps.predictor import Predictor
 from leaflens.cpus import usable_cpus
 from leaflens.data_prep import quality
@@ -460,7 +460,8 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
                 log(f"ambiguous threshold {chosen:.4f} (the run recorded {card.uncertain_threshold:.4f}, chosen by an "
                     "older rule)")
             card = replace(card, uncertain_threshold=chosen, threshold_from_model=True)
-        card = replace(card, ood=check, val_ambiguous=float(np.mean(unsure(probs, card.uncertain_threshold))))
+        card = replace(card, ood=check, val_ambiguous=float(np.mean(unsure(probs, card.uncertain_threshold))),
+                       tie_ratio=TIE_RATIO)
         if check.confidence is not None and check.achieved_confidence < check.confidence:
             need = ood_check.photos_for_confidence(check.budget, check.confidence)
             msg = (f"only {check.val_photos} validation photos: the out-of-domain threshold flags at most "
@@ -657,7 +658,7 @@ def _own_cards(card: ModelCard, paths: dict[str, Path], val_logits: dict[str, np
                 if choice["method"] != "default":
                     threshold = float(choice["threshold"])
             own = replace(card, uncertain_threshold=threshold, accuracy=float(accuracy[k]),
-                          val_ambiguous=float(np.mean(probs.max(1) < threshold)))
+                          val_ambiguous=float(np.mean(unsure(probs, threshold))), tie_ratio=TIE_RATIO)
             if card.ood is not None and ood_report is not None:
                 flagged = ood_report["variants"][k]
                 own = replace(own, ood=replace(card.ood, threshold=flagged["threshold"],

@@ -52,6 +52,19 @@ def chunks(n: int, work: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
+def _as_caller(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn`` run in a pool thread with the calling thread's NumPy error settings (``np.errstate`` is per
+    thread: a caller that silences overflow warnings, as the training loop does, must silence them in the
+    threads that do its work too)."""
+    settings = np.geterr()
+
+    def run(*args: Any) -> T:
+        with np.errstate(**settings):
+            return fn(*args)
+
+    return run
+
+
 def parallel_rows(n: int, work: int, fn: Callable[[int, int], object]) -> list[object]:
     """Call ``fn(lo, hi)`` for slices of n rows, in threads when the work is large enough; results in order.
 
@@ -61,7 +74,7 @@ def parallel_rows(n: int, work: int, fn: Callable[[int, int], object]) -> list[o
     if len(parts) <= 1 or threading.current_thread().name.startswith("leaflens-engine"):
         return [fn(lo, hi) for lo, hi in parts] if parts else []
     pool = _get_pool(num_threads())
-    futures = [pool.submit(fn, lo, hi) for lo, hi in parts[1:]]
+    futures = [pool.submit(_as_caller(fn), lo, hi) for lo, hi in parts[1:]]
     first = fn(*parts[0])  # the calling thread does a share too
     return [first] + [f.result() for f in futures]
 
@@ -150,7 +163,7 @@ def share(items: list[tuple[int, int]], work: int, fn: Callable[[int, int], T],
                 undo()
 
     pool = _get_pool(num_threads())
-    futures = [pool.submit(worker, None if DYNAMIC else order[t]) for t in range(1, k)]
+    futures = [pool.submit(_as_caller(worker), None if DYNAMIC else order[t]) for t in range(1, k)]
     try:
         worker(None if DYNAMIC else order[0])  # the calling thread does a share too
     finally:

@@ -169,3 +169,26 @@ def test_per_tile_repeats_the_vector_for_every_tile(rows, cols, monkeypatch):
 
         seen = parallel.for_tiles(np, rows, cols, matches, tile)
         assert seen and all(seen)
+
+
+def test_pool_threads_take_the_callers_numpy_error_settings():
+    """np.errstate is per thread: the training loop's silencing of overflow warnings did not reach the engine's
+    pool threads, so a diverging run still printed "overflow encountered in matmul" from them."""
+    import warnings  # noqa: PLC0415
+
+    from leaflens.engine import parallel  # noqa: PLC0415
+
+    big = np.full((4096, 8), 3e38, np.float32)
+
+    def overflow(lo: int, hi: int) -> float:
+        return float((big[lo:hi] * np.float32(10)).sum())
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with np.errstate(over="ignore", invalid="ignore"):
+            parallel.share([(i, i + 512) for i in range(0, 4096, 512)], 10**9, overflow)
+            parallel.parallel_rows(4096, 10**9, overflow)
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in caught]
+    with pytest.raises(FloatingPointError):  # and "raise" reaches them too
+        with np.errstate(over="raise"):
+            parallel.share([(i, i + 512) for i in range(0, 4096, 512)], 10**9, overflow)

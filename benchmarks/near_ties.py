@@ -35,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
 
     predictor = Predictor(args.model)
     ds = load_dataset(args.dataset)
+    if args.split not in ds.splits or ds[args.split].labels is None:
+        p.error(f"--split {args.split}: {args.dataset} has labelled splits {', '.join(ds.splits)}")
+    if list(ds.classes) != list(predictor.classes) or ds.image_size != predictor.card.contract.stored_size:
+        p.error(f"{args.model} (classes {list(predictor.classes)}, stored {predictor.card.contract.stored_size} px) "
+                f"was not trained on {args.dataset} (classes {list(ds.classes)}, stored {ds.image_size} px)")
     images, labels = ds[args.split].images, np.asarray(ds[args.split].labels)
     probs = np.concatenate([predictor.predict_arrays(np.asarray(images[i:i + args.batch_size]))
                             for i in range(0, len(labels), args.batch_size)])

@@ -498,14 +498,16 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: Inges
         if len(scan.classes) < 2:
             break  # refused below, with where to point --src
         listed = ", ".join(f"{name} {n}" for name, n in subs)
+        where = ("move them up a level, into each split folder" if scan.layout == "split_folders" else
+                 f"point --src at {_class_folder(src_p, scan, cls)} or move them up a level")
         log(f"warning: class {cls!r} is made of the photos of its subfolders ({listed}): a class is one folder of "
-            f"the source, whatever it holds; if these subfolders are classes of their own, point --src at "
-            f"{_class_folder(src_p, scan, cls)} or move them up a level")
+            f"the source, whatever it holds; if these subfolders are classes of their own, {where}")
     if len(scan.classes) < 2:
         found = ", ".join(repr(c) for c in scan.classes) or "none"
         inner = scan.nested.get(scan.classes[0]) if scan.classes else None
-        hint = (f"its subfolders ({', '.join(n for n, _ in inner)}) look like the classes: point --src at "
-                f"{_class_folder(src_p, scan, scan.classes[0])}" if inner else
+        move = ("move them up a level, into each split folder" if scan.layout == "split_folders" else
+                f"point --src at {_class_folder(src_p, scan, scan.classes[0])}")
+        hint = (f"its subfolders ({', '.join(n for n, _ in inner)}) look like the classes: {move}" if inner else
                 f"put each class's photos in a folder of its own, e.g. {src_p / 'healthy'} and {src_p / 'rust'}")
         raise IngestError(f"{src_p}: {len(scan.classes)} class folder found ({found}); a classifier needs at least "
                           f"2 classes: {hint}")

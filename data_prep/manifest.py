@@ -219,27 +219,39 @@ def _fail(root: Path, msg: str) -> DatasetError:
 
 
 def _no_manifest(root: Path, path: Path) -> str:
-    """What to tell a person whose dataset folder has no manifest: it is missing, it holds photos (the
-    source, not yet preprocessed), or it is something else."""
+    """What to tell a person whose dataset folder has no manifest: it is missing, a folder of photos (the
+    source, not yet preprocessed, with or without split folders), another stage's folder, or something else."""
     if not root.exists():
         return f"no such folder (`leaflens preprocess --src PHOTOS --out {root}` makes one)"
     if not root.is_dir():
         return "not a folder: a dataset is the folder `leaflens preprocess` writes"
-    photos = False
-    try:
-        for entry in os.scandir(root):
-            if entry.name.startswith("."):
-                continue
-            names = os.listdir(entry.path) if entry.is_dir() else [entry.name]
-            photos = any(os.path.splitext(n)[1].lower() in IMAGE_EXTENSIONS for n in names)
-            if photos:
-                break
-    except OSError:
-        pass
-    if photos:
+    if (root / "teacher.json").is_file():
+        return "this is a teacher folder (teacher.json), not a dataset: give the dataset it was made from"
+    if (root / "report.json").is_file() or (root / "best.npz").is_file():
+        return "this is a distill run folder, not a dataset: give the dataset it was trained on (report.json names it)"
+
+    def photos_in(folder: Path) -> bool:
+        try:
+            return any(os.path.splitext(n)[1].lower() in IMAGE_EXTENSIONS for n in os.listdir(folder))
+        except OSError:
+            return False
+
+    def subfolders(folder: Path) -> list[Path]:
+        try:
+            return [Path(e.path) for e in os.scandir(folder) if e.is_dir() and not e.name.startswith(".")]
+        except OSError:
+            return []
+
+    if photos_in(root):
+        return ("a folder of photos without class folders, not a dataset: put each class's photos in a folder of "
+                "its own (PHOTOS/<class>/), then `leaflens preprocess --src PHOTOS --out DATASET`")
+    classes = [d for d in subfolders(root) if photos_in(d)]
+    classes += [c for d in subfolders(root) if d.name.lower() in ("train", "val", "test") for c in subfolders(d)
+                if photos_in(c)]
+    if classes:
         return (f"this is a folder of photos, not a dataset: `leaflens preprocess --src {root} --out DATASET` "
                 "turns it into one, then give --dataset DATASET")
-    return f"{path} is missing (`leaflens preprocess --src PHOTOS --out {root}` writes it)"
+    return f"{path} is missing (`leaflens preprocess --src PHOTOS --out DATASET` writes a dataset, in a new folder)"
 
 
 def read_manifest(root: str | os.PathLike) -> Manifest:

@@ -213,8 +213,11 @@ def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = N
             if len(parts) == 1:
                 return  # photos beside the subfolders: the folder is a class with sub-collections
             subs[parts[0]] = subs.get(parts[0], 0) + 1
-        if len(subs) >= 2:
-            nested.setdefault(cdir.name, []).extend(sorted(subs.items()))
+        if len(subs) >= 2:  # a class of the split layout is seen once per split: its counts add up
+            merged = dict(nested.get(cdir.name, []))
+            for name, n in subs.items():
+                merged[name] = merged.get(name, 0) + n
+            nested[cdir.name] = sorted(merged.items())
     if split_dirs:
         if others:
             raise ScanError(

@@ -72,8 +72,11 @@ def to_device(x: Any, device: str) -> Any:
     if device in ("cuda", "gpu") or device.startswith("cuda:"):
         cp = cupy_module()
         if cp is None:
+            from leaflens.extras import install_command  # noqa: PLC0415
+
             raise RuntimeError("device 'cuda' requested but no usable CUDA GPU with CuPy was found "
-                               "(install leaflens[gpu] and check `leaflens doctor`)")
+                               f"(`leaflens doctor` names the GPU extra for this driver: {install_command('gpu')} "
+                               "for CUDA 13)")
         return cp.asarray(x)
     raise ValueError(f"unknown device {device!r}: expected 'cpu' or 'cuda'")
 

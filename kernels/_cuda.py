@@ -72,7 +72,9 @@ def library_reason(label: str, soname: str, wheel: str, major: int | None, exc: 
         where = (f"install the CUDA {major} toolkit's {label} from your distribution or NVIDIA's repository "
                  "(CuPy for this CUDA has no [ctk] extra)")
     else:
-        where = f"install leaflens[{extra}], which brings {wheel} via cupy's [ctk] extra"
+        from leaflens.extras import install_command  # noqa: PLC0415
+
+        where = f"{install_command(extra)}, which brings {wheel} via cupy's [ctk] extra"
     return f"{label} ({lib}) not found: {where} ({text})"
 
 

@@ -109,11 +109,13 @@ def flags_that_do_nothing(args: argparse.Namespace) -> str | None:
     leaves them believing, say, that ``--onnx enc.onnx --epochs 5`` fine-tuned their encoder), or None."""
     kind = ("--onnx" if args.onnx else "--features" if args.features else "--train-cnn" if args.train_cnn
             else "--frozen" if args.frozen else None)  # None: the fine-tuned EfficientNet
-    typed = {"--layout": args.layout, "--mean": args.mean, "--std": args.std, "--output": args.output,
+    typed = {"--frozen": True if args.frozen else None, "--layout": args.layout, "--mean": args.mean,
+             "--std": args.std, "--output": args.output,
              "--weights": args.weights, "--finetune-from-block": args.finetune_from_block,
              "--self-train": True if args.self_train else None, "--epochs": args.epochs,
              "--input-size": args.input_size, "--from-arrays": True if args.from_arrays else None}
     applies = {
+        "--frozen": ("--frozen",),
         "--layout": ("--onnx",), "--mean": ("--onnx",), "--std": ("--onnx",), "--output": ("--onnx",),
         "--weights": (None, "--frozen"), "--finetune-from-block": (None,), "--self-train": (None,),
         "--epochs": (None, "--train-cnn"), "--input-size": (None, "--frozen", "--onnx"),

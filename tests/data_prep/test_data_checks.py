@@ -288,3 +288,22 @@ def test_check_says_what_a_build_would_keep_and_leave_out(tmp_path):
     assert last[-1].startswith("would keep 15, would reject 0, ignored not_image: 2 (.gif 1, .txt 1)")
     assert last[-1].endswith("nothing written (--check)")
     assert not (tmp_path / "photos" / "manifest.json").exists()
+
+
+def test_nesting_in_split_folders_is_counted_once_and_told_to_move_up(tmp_path):
+    import shutil  # noqa: PLC0415
+
+    sp = tmp_path / "SP"
+    made = {split: make_class_folders(tmp_path / f"made_{split}", per_class=4, seed=k)
+            for k, split in enumerate(("train", "val", "test"))}  # other photos in each split, no copies
+    for split, src in made.items():
+        shutil.copytree(src / "blight", sp / split / "beans" / "blight")
+        shutil.copytree(src / "healthy", sp / split / "beans" / "healthy")
+    with pytest.raises(IngestError, match=r"its subfolders \(blight, healthy\) look like the classes: move them up "
+                                          r"a level, into each split folder"):
+        _ingest(sp, tmp_path / "ds")
+    for split, src in made.items():
+        shutil.copytree(src / "rust", sp / split / "rust")
+    _, messages = _ingest(sp, tmp_path / "ds")
+    warned = [m for m in messages if m.startswith("warning: class")]
+    assert len(warned) == 1 and "(blight 12, healthy 12)" in warned[0] and "into each split folder" in warned[0]

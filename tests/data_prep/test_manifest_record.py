@@ -124,14 +124,25 @@ def test_a_folder_that_is_no_dataset_is_told_what_it_is(tmp_path):
 
     (tmp_path / "photos" / "rust").mkdir(parents=True)
     (tmp_path / "photos" / "rust" / "a.JPG").write_bytes(b"x")
+    (tmp_path / "split" / "val" / "rust").mkdir(parents=True)
+    (tmp_path / "split" / "val" / "rust" / "a.jpg").write_bytes(b"x")
     (tmp_path / "loose").mkdir()
     (tmp_path / "loose" / "b.png").write_bytes(b"x")
     (tmp_path / "empty").mkdir()
     (tmp_path / "file").write_text("x")
+    (tmp_path / "teacher").mkdir()
+    (tmp_path / "teacher" / "teacher.json").write_text("{}")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "report.json").write_text("{}")
+    (tmp_path / "run" / "curves.png").write_bytes(b"x")  # a run's plots are no photos to preprocess
     cases = {"photos": f"a folder of photos, not a dataset: `leaflens preprocess --src {tmp_path / 'photos'} --out "
                        "DATASET`",
-             "loose": "a folder of photos, not a dataset",
-             "empty": f"{tmp_path / 'empty' / 'manifest.json'} is missing (`leaflens preprocess --src PHOTOS --out",
+             "split": "a folder of photos, not a dataset",
+             "loose": "a folder of photos without class folders, not a dataset: put each class's photos in a folder",
+             "empty": f"{tmp_path / 'empty' / 'manifest.json'} is missing (`leaflens preprocess --src PHOTOS --out "
+                      "DATASET` writes a dataset, in a new folder)",
+             "teacher": "this is a teacher folder (teacher.json), not a dataset",
+             "run": "this is a distill run folder, not a dataset",
              "file": "not a folder", "nothing": "no such folder"}
     for name, says in cases.items():
         with pytest.raises(DatasetError) as err:

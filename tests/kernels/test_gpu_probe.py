@@ -10,6 +10,7 @@ import types
 import numpy as np
 
 from leaflens.apps.providers import GPU_EXTRAS
+from leaflens.extras import install_command
 from leaflens.kernels import _cuda
 from leaflens.pipeline.gpu_stacks import missing_libraries
 
@@ -77,21 +78,21 @@ def test_missing_nvrtc_is_named():
     exc = RuntimeError("CuPy failed to load libnvrtc.so.13: OSError: libnvrtc.so.13: cannot open shared object file")
     ok, why = _cuda.probe_cupy(fake_cupy(nvrtc=exc))
     assert not ok
-    assert why.startswith("NVRTC (libnvrtc.so.13) not found: install leaflens[gpu], which brings nvidia-cuda-nvrtc "
-                          "via cupy's [ctk] extra")
+    assert why.startswith(f"NVRTC (libnvrtc.so.13) not found: {install_command('gpu')}, which brings "
+                          "nvidia-cuda-nvrtc via cupy's [ctk] extra")
     assert missing_libraries(why) == ["libnvrtc.so.13"]  # what `leaflens doctor` lists as missing
 
 
 def test_missing_cublas_is_named_for_the_cuda_major_cupy_is_built_for():
     ok, why = _cuda.probe_cupy(fake_cupy(cublas=ImportError("no module"), runtime=12080))
     assert not ok
-    assert why.startswith("cuBLAS (libcublas.so.12) not found: install leaflens[gpu-cuda12], which brings "
+    assert why.startswith(f"cuBLAS (libcublas.so.12) not found: {install_command('gpu-cuda12')}, which brings "
                           "nvidia-cublas via cupy's [ctk] extra")
 
 
 def test_missing_curand_is_named_and_bad_draws_fail():
     ok, why = _cuda.probe_cupy(fake_cupy(curand=RuntimeError("CuPy failed to load libcurand.so.10")))
-    assert not ok and why.startswith("cuRAND (libcurand.so.10) not found: install leaflens[gpu], which brings "
+    assert not ok and why.startswith(f"cuRAND (libcurand.so.10) not found: {install_command('gpu')}, which brings "
                                      "nvidia-curand via cupy's [ctk] extra")
     ok, why = _cuda.probe_cupy(fake_cupy(draw=lambda rng, n: np.zeros(n)))
     assert not ok and why.startswith("cuRAND probe drew wrong uniform numbers")

@@ -242,6 +242,8 @@ def test_a_config_that_is_a_folder_or_not_utf8_is_named_not_a_traceback(tmp_path
     (["--features", "f", "--from-arrays"], "--from-arrays does nothing with --features"),
     (["--train-cnn", "--finetune-from-block", "3"], "it is for the default teacher; leave it out"),
     (["--onnx", "enc.onnx", "--weights", "w.pth"], "--weights does nothing with --onnx"),
+    (["--train-cnn", "--frozen"], "--frozen does nothing with --train-cnn"),
+    (["--features", "f", "--frozen"], "--frozen does nothing with --features"),
 ])
 def test_a_teacher_flag_that_would_do_nothing_is_a_usage_error(tmp_path, capsys, argv, says):
     """``--onnx enc.onnx --epochs 5`` used to run, fine-tuning nothing, as if the flag had been obeyed."""

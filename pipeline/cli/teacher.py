@@ -132,10 +132,38 @@ def flags_that_do_nothing(args: argparse.Namespace) -> str | None:
     return None
 
 
+# [teacher] keys only the EfficientNet fine-tune reads, and only the --train-cnn teacher reads
+_FINE_TUNE_KEYS = frozenset({"finetune_from_block", "augment", "rrc_scale", "freeze_bn", "dropout", "epochs",
+                             "batch_size", "lr", "head_lr", "weight_decay", "warmup_epochs", "label_smoothing",
+                             "clip_grad_norm", "mirror", "self_train", "self_train_target", "self_train_epochs", "ema",
+                             "min_steps"})
+_CNN_KEYS = frozenset({"cnn_widths", "cnn_epochs"})
+
+
+def teacher_keys_not_read(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The ``--set teacher.KEY=...`` overrides the chosen teacher never reads, each with that teacher's name
+    (``--set teacher.cnn_epochs=5`` for the fine-tuned EfficientNet, ``--set teacher.epochs=3`` with --frozen)."""
+    if args.train_cnn:
+        unread, what = _FINE_TUNE_KEYS | {"input_size", "frozen"}, "--train-cnn (the fine-tune's settings)"
+    elif args.onnx or args.features or args.frozen:
+        flag = "--onnx" if args.onnx else "--features" if args.features else "--frozen"
+        unread, what = _FINE_TUNE_KEYS | _CNN_KEYS, f"{flag} (nothing is trained)"
+    else:
+        unread, what = _CNN_KEYS, "the fine-tuned EfficientNet (teacher.cnn_* are --train-cnn's)"
+    found = []
+    for item in args.overrides:
+        key = item.split("=", 1)[0].strip()
+        if key.startswith("teacher.") and key[len("teacher."):] in unread:
+            found.append((item, what))
+    return found
+
+
 def run(args: argparse.Namespace) -> int:
     from leaflens.data_prep.manifest import DatasetError  # noqa: PLC0415
     from leaflens.pipeline.teachers.artefact import TeacherError  # noqa: PLC0415
     from leaflens.pipeline.teachers.stage import (  # noqa: PLC0415
+        EFFNET_MAX_SIZE,
+        EFFNET_MIN_SIZE,
         TeacherChoice,
         TeacherSettingError,
         TeacherStageError,
@@ -154,6 +182,10 @@ def run(args: argparse.Namespace) -> int:
     if (idle := flags_that_do_nothing(args)) is not None:
         print(f"leaflens teacher: {idle}", file=sys.stderr)
         return EXIT_USAGE
+    if args.input_size is not None and not args.onnx and not EFFNET_MIN_SIZE <= args.input_size <= EFFNET_MAX_SIZE:
+        print(f"leaflens teacher: --input-size {args.input_size}: EfficientNet-Lite0 takes {EFFNET_MIN_SIZE} to "
+              f"{EFFNET_MAX_SIZE} px (the default is {load_config().teacher.input_size})", file=sys.stderr)
+        return EXIT_USAGE
     read = (("teacher", "model", "train", "augment") if args.train_cnn else
             ("teacher",) if args.onnx or args.features or args.frozen else ("teacher", "train.max_bad_steps"))
     for unread in settings_not_read(args.overrides, read):
@@ -162,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
                  if section in ("model", "train", "augment", "distill") else "not this teacher's")
         print(f"leaflens teacher: warning: --set {unread} changes nothing here: [{section}] is {whose}",
               file=sys.stderr)
+    for unread, what in teacher_keys_not_read(args):
+        print(f"leaflens teacher: warning: --set {unread} changes nothing with {what}", file=sys.stderr)
     if args.std is not None and not all(v > 0 for v in args.std):
         print(f"leaflens teacher: --std must be 3 numbers above 0, got {args.std}", file=sys.stderr)
         return EXIT_USAGE

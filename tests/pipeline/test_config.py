@@ -181,6 +181,8 @@ def test_a_flag_s_bad_value_is_named_as_the_flag_was_typed(capsys):
                        (["teacher", "--epochs", "-1"], "leaflens teacher: --epochs -1: teacher: epochs must be at "
                                                        "least 1"),
                        (["teacher", "--view-scale", "0.9", "0.3"], "leaflens teacher: --view-scale 0.9 0.3: "),
+                       (["teacher", "--input-size", "10"], "leaflens teacher: --input-size 10: EfficientNet-Lite0 "
+                                                           "takes 32 to 1024 px"),
                        (["distill", "--set", "train.epochs=0"], "leaflens distill: --set train.epochs=0: ")):
         assert cli(argv) == 2, argv
         assert capsys.readouterr().err.startswith(says), argv
@@ -320,3 +322,17 @@ def test_a_setting_the_command_never_reads_is_warned_about(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "warning: --set teacher.epochs=2 changes nothing here: [teacher] is the teacher stage's" in err
     assert "train.epochs=2 changes" not in err
+
+
+@pytest.mark.parametrize(("argv", "unread", "read"), [
+    ([], "teacher.cnn_epochs=5", "teacher.epochs=3"),
+    (["--frozen"], "teacher.epochs=3", "teacher.views=2"),
+    (["--onnx", "enc.onnx"], "teacher.self_train=false", "teacher.encode_batch_size=8"),
+    (["--train-cnn"], "teacher.lr=0.001", "teacher.cnn_epochs=5"),
+])
+def test_a_teacher_key_the_chosen_teacher_never_reads_is_warned_about(tmp_path, capsys, argv, unread, read):
+    """`--set teacher.epochs=3` with --frozen (nothing is trained) was taken without a word."""
+    cli(["teacher", *argv, "--set", unread, "--set", read, "--dataset", str(tmp_path / "none")])
+    err = capsys.readouterr().err
+    assert f"warning: --set {unread} changes nothing with" in err
+    assert f"--set {read} changes nothing" not in err

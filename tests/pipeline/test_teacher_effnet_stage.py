@@ -63,7 +63,11 @@ def test_an_input_size_efficientnet_cannot_use_is_refused_before_any_work(tmp_pa
     assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--input-size", size,
                 "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert f"teacher.input_size {size}: EfficientNet-Lite0 takes 32 to 1024 px" in err and "160" in err
+    assert f"--input-size {size}: EfficientNet-Lite0 takes 32 to 1024 px" in err and "160" in err  # as typed
+    assert not (tmp_path / "t").exists()
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--set",
+                f"teacher.input_size={size}", "--quiet"]) == 2  # the stage's own check, for --set and TOML files
+    assert f"teacher.input_size {size}: EfficientNet-Lite0 takes 32 to 1024 px" in capsys.readouterr().err
     assert not (tmp_path / "t").exists()
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 
 from leaflens import files
+from leaflens.cpus import worker_context
 
 
 def _leftovers(folder: Path, target: str) -> list[str]:
@@ -126,7 +126,9 @@ def test_concurrent_writers_never_tear_the_file(tmp_path: Path, kind: str) -> No
             with ThreadPoolExecutor(len(jobs)) as pool:
                 list(pool.map(_write_many, jobs))  # re-raises a writer's error here
         else:
-            with multiprocessing.get_context("fork").Pool(4) as pool:
+            # forkserver, as the product's pools: a fork of this multi-threaded process (the reader above, the
+            # engine's pool threads of earlier tests) can copy a held lock, and the child waited on it forever
+            with worker_context().Pool(4) as pool:
                 pool.map(_write_many, jobs)
     finally:
         stop.set()

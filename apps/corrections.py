@@ -258,9 +258,12 @@ class CorrectionStore:
             line = json.dumps(record, ensure_ascii=False) + "\n"
             with open(self.log_path, "a", encoding="utf-8") as fh:
                 fh.write(line)
+            freed = 0
             for old in elsewhere.values():  # after the new copy and its line: a crash leaves both, never neither
-                (self.root / old).unlink(missing_ok=True)
-            self._used = (time.monotonic(), self._usage())
+                with contextlib.suppress(OSError):
+                    freed += (self.root / old).stat().st_size
+                    (self.root / old).unlink()
+            self._used = (time.monotonic(), used + size + len(line.encode("utf-8")) - freed)
         log.info("correction saved: %s as %s (predicted %s)%s", rel, chosen,
                  (predicted or {}).get("label") or (predicted or {}).get("verdict") or "-",
                  f"; replaces {', '.join(sorted(elsewhere.values()))}" if elsewhere else "")

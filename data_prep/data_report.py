@@ -37,6 +37,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from leaflens.data_prep.near_dup import COLOUR_GRID, COLOUR_THRESHOLD, NEAR_THRESHOLD, NearGroup
+from leaflens.data_prep.quality import MIN_SIDE
 from leaflens.data_prep.shortcut import FEATURES, PhotoMeta, ShortcutResult, check_shortcuts
 from leaflens.data_prep.split import SPLIT_ORDER
 from leaflens.records import Record, RecordError
@@ -45,7 +46,8 @@ __all__ = ["DATA_REPORT_NAME", "IMBALANCE_WARN", "CheckedPhotos", "DataReport", 
            "format_data_report", "read_data_report", "run_checks"]
 
 DATA_REPORT_NAME = "data_report.json"
-_NOT_JUDGED = {"too_small": "under 32 px on a side", "uniform": "one flat colour", "low_texture": "no fine detail"}
+_NOT_JUDGED = {"too_small": f"under {MIN_SIDE} px on a side", "uniform": "one flat colour",
+               "low_texture": "no fine detail"}
 IMBALANCE_WARN = 5.0  # largest / smallest class above this: a warning
 _LISTED = 5  # files named per finding on the console (data_report.json has them all)
 

@@ -160,18 +160,31 @@ def _detail_share(arr: np.ndarray, f: int) -> float:
         planes = sums
     else:
         planes = planes.astype(np.int16)  # 9 * 255 fits
-    h, w = planes.shape[1:]
+    detailed = _detailed(planes, 8 * DETAIL_LEVEL * f * f)
+    cell, gh, gw, top, left = _grid(*detailed.shape)
+    grid = detailed[top:top + gh * cell, left:left + gw * cell].reshape(gh, cell, gw, cell)
+    return float(grid.sum(axis=(1, 3)).max()) / (cell * cell)
+
+
+def _detailed(planes: np.ndarray, limit: float) -> np.ndarray:
+    """1 where a pixel of the integer ``[3, H, W]`` planes differs, in some channel, from its 3x3 box by more
+    than ``limit`` (``9 * centre - box sum``: 8 times the difference from the neighbours' mean), else 0; the
+    outermost pixels, without all 8 neighbours, count as flat."""
     rows = planes[:, :, :-2] + planes[:, :, 1:-1] + planes[:, :, 2:]
     box = rows[:, :-2] + rows[:, 1:-1] + rows[:, 2:]
     diff = 9 * planes[:, 1:-1, 1:-1] - box
     np.abs(diff, out=diff)
-    detailed = np.zeros((h, w), np.int32)
-    detailed[1:-1, 1:-1] = (diff > 8 * DETAIL_LEVEL * f * f).any(axis=0)
+    detailed = np.zeros(planes.shape[1:], np.int32)
+    detailed[1:-1, 1:-1] = (diff > limit).any(axis=0)
+    return detailed
+
+
+def _grid(h: int, w: int) -> tuple[int, int, int, int, int]:
+    """The patches detail is counted in: (side, rows, columns, top, left) of the centred grid of ``CELL`` px
+    squares (smaller for an image under ``CELL`` px)."""
     cell = min(CELL, h, w)
     gh, gw = h // cell, w // cell
-    top, left = (h - gh * cell) // 2, (w - gw * cell) // 2
-    grid = detailed[top:top + gh * cell, left:left + gw * cell].reshape(gh, cell, gw, cell)
-    return float(grid.sum(axis=(1, 3)).max()) / (cell * cell)
+    return cell, gh, gw, (h - gh * cell) // 2, (w - gw * cell) // 2
 
 
 def photo_stats(pixels: np.ndarray) -> dict[str, float]:
@@ -215,18 +228,12 @@ def _centre_has_detail(arr: np.ndarray) -> bool:
     already holds :data:`MIN_DETAIL_SHARE` detailed pixels: then the densest patch does too, and the photo is
     no "low_texture" (exact, not an estimate: the same patches, pixels and neighbours)."""
     h, w = arr.shape[:2]
-    cell = min(CELL, h, w)
-    gh, gw = h // cell, w // cell
-    top, left = (h - gh * cell) // 2, (w - gw * cell) // 2
+    cell, gh, gw, top, left = _grid(h, w)
     gy0, gx0 = max(gh // 2 - 1, 0), max(gw // 2 - 1, 0)
     gy1, gx1 = min(gy0 + 2, gh), min(gx0 + 2, gw)
     y0, y1, x0, x1 = top + gy0 * cell, top + gy1 * cell, left + gx0 * cell, left + gx1 * cell
     wy0, wy1, wx0, wx1 = max(y0 - 1, 0), min(y1 + 1, h), max(x0 - 1, 0), min(x1 + 1, w)  # 1 px of neighbours
-    sub = np.moveaxis(arr[wy0:wy1, wx0:wx1], 2, 0).astype(np.int16)
-    rows = sub[:, :, :-2] + sub[:, :, 1:-1] + sub[:, :, 2:]
-    box = rows[:, :-2] + rows[:, 1:-1] + rows[:, 2:]
-    detailed = np.zeros((wy1 - wy0, wx1 - wx0), bool)  # the photo's outermost pixels count as flat, as there
-    detailed[1:-1, 1:-1] = (np.abs(9 * sub[:, 1:-1, 1:-1] - box) > 8 * DETAIL_LEVEL).any(axis=0)
+    detailed = _detailed(np.moveaxis(arr[wy0:wy1, wx0:wx1], 2, 0).astype(np.int16), 8 * DETAIL_LEVEL)
     region = detailed[y0 - wy0:y1 - wy0, x0 - wx0:x1 - wx0]
     counts = region.reshape(gy1 - gy0, cell, gx1 - gx0, cell).sum(axis=(1, 3))
     return float(counts.max()) / (cell * cell) >= MIN_DETAIL_SHARE

@@ -384,12 +384,12 @@ def epochs_as_given(overrides: Sequence[str | tuple[str, str]]) -> list[tuple[st
     (the recipe's ``min_steps`` is for the epochs it chose itself, on few photos). ``teacher.cnn_epochs`` is
     the --train-cnn teacher's, which trains with ``[train]``."""
     keys = {(item if isinstance(item, str) else item[0]).split("=", 1)[0].strip() for item in overrides}
-    out: list[tuple[str, str]] = []
+    out: dict[str, tuple[str, str]] = {}  # one override per min_steps key (train.epochs and cnn_epochs share one)
     for epochs, steps in (("train.epochs", "train.min_steps"), ("teacher.epochs", "teacher.min_steps"),
                           ("teacher.cnn_epochs", "train.min_steps")):
-        if epochs in keys and steps not in keys and all(steps != o[0].split("=")[0] for o in out):
-            out.append((f"{steps}=0", f"{epochs} as given ({steps} = 0)"))
-    return out
+        if epochs in keys and steps not in keys:
+            out.setdefault(steps, (f"{steps}=0", f"{epochs} as given ({steps} = 0)"))
+    return list(out.values())
 
 
 def load_config(user_file: str | os.PathLike[str] | None = None,

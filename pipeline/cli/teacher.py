@@ -104,11 +104,16 @@ def flag_overrides(args: argparse.Namespace) -> list[tuple[str, str]]:
             if value is not None]
 
 
+def teacher_kind(args: argparse.Namespace) -> str | None:
+    """The teacher the flags choose, by the flag that chooses it (None: the fine-tuned EfficientNet)."""
+    return ("--onnx" if args.onnx else "--features" if args.features else "--train-cnn" if args.train_cnn
+            else "--frozen" if args.frozen else None)
+
+
 def flags_that_do_nothing(args: argparse.Namespace) -> str | None:
     """Why a flag the person typed does nothing for the teacher they chose (a usage error: a silent no-op
     leaves them believing, say, that ``--onnx enc.onnx --epochs 5`` fine-tuned their encoder), or None."""
-    kind = ("--onnx" if args.onnx else "--features" if args.features else "--train-cnn" if args.train_cnn
-            else "--frozen" if args.frozen else None)  # None: the fine-tuned EfficientNet
+    kind = teacher_kind(args)
     typed = {"--frozen": True if args.frozen else None, "--layout": args.layout, "--mean": args.mean,
              "--std": args.std, "--output": args.output,
              "--weights": args.weights, "--finetune-from-block": args.finetune_from_block,
@@ -143,11 +148,11 @@ _CNN_KEYS = frozenset({"cnn_widths", "cnn_epochs"})
 def teacher_keys_not_read(args: argparse.Namespace) -> list[tuple[str, str]]:
     """The ``--set teacher.KEY=...`` overrides the chosen teacher never reads, each with that teacher's name
     (``--set teacher.cnn_epochs=5`` for the fine-tuned EfficientNet, ``--set teacher.epochs=3`` with --frozen)."""
-    if args.train_cnn:
+    kind = teacher_kind(args)
+    if kind == "--train-cnn":
         unread, what = _FINE_TUNE_KEYS | {"input_size", "frozen"}, "--train-cnn (the fine-tune's settings)"
-    elif args.onnx or args.features or args.frozen:
-        flag = "--onnx" if args.onnx else "--features" if args.features else "--frozen"
-        unread, what = _FINE_TUNE_KEYS | _CNN_KEYS, f"{flag} (nothing is trained)"
+    elif kind is not None:
+        unread, what = _FINE_TUNE_KEYS | _CNN_KEYS, f"{kind} (nothing is trained)"
     else:
         unread, what = _CNN_KEYS, "the fine-tuned EfficientNet (teacher.cnn_* are --train-cnn's)"
     found = []
@@ -186,8 +191,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"leaflens teacher: --input-size {args.input_size}: EfficientNet-Lite0 takes {EFFNET_MIN_SIZE} to "
               f"{EFFNET_MAX_SIZE} px (the default is {load_config().teacher.input_size})", file=sys.stderr)
         return EXIT_USAGE
-    read = (("teacher", "model", "train", "augment") if args.train_cnn else
-            ("teacher",) if args.onnx or args.features or args.frozen else ("teacher", "train.max_bad_steps"))
+    kind = teacher_kind(args)
+    read = (("teacher", "model", "train", "augment") if kind == "--train-cnn" else
+            ("teacher",) if kind is not None else ("teacher", "train.max_bad_steps"))
     for unread in settings_not_read(args.overrides, read):
         section = unread.split(".", 1)[0]
         whose = ("the student's (`leaflens distill --set ...`; --train-cnn reads [model], [train] and [augment])"

@@ -225,10 +225,7 @@ class CorrectionStore:
             folder = self.root / chosen
             used = self._usage()
             if used + size + _LINE_ROOM > self.max_bytes:
-                raise CorrectionError("full", f"the corrections folder {self.root} is full ({_amount(used)} of "
-                                              f"{_amount(self.max_bytes)}); {photo_name} ({_amount(size)}) was not "
-                                              "saved. Move the saved photos into the training data, or start the "
-                                              "server with a larger --corrections-max-mb")
+                raise CorrectionError("full", self._full_message(used, f"{photo_name} ({_amount(size)})"))
             folder.mkdir(parents=True, exist_ok=True)
             clean_stale_temps(folder / _INCOMING)
             tmp = temp_path(folder / _INCOMING)
@@ -240,11 +237,8 @@ class CorrectionStore:
                 if as_png:
                     size = tmp.stat().st_size
                     if used + size + _LINE_ROOM > self.max_bytes:
-                        raise CorrectionError("full", f"the corrections folder {self.root} is full ({_amount(used)} "
-                                                      f"of {_amount(self.max_bytes)}); {photo_name} as PNG "
-                                                      f"({_amount(size)}) was not saved. Move the saved photos into "
-                                                      "the training data, or start the server with a larger "
-                                                      "--corrections-max-mb")
+                        raise CorrectionError("full", self._full_message(used, f"{photo_name} as PNG "
+                                                                               f"({_amount(size)})"))
                 now = self._clock()
                 final = self._link_new(tmp, folder, now, ext)
             finally:
@@ -270,6 +264,14 @@ class CorrectionStore:
         return Saved(rel, digest, size, replaced=tuple(sorted(elsewhere)))
 
     # ----------------------------------------------------------------------------- inside
+    def _full_message(self, used: int, photo: str) -> str:
+        # moving single photos out would leave corrections.jsonl naming files that are gone; the whole folder
+        # moves with its log, and a training run reads it wherever it is
+        return (f"the corrections folder {self.root} is full ({_amount(used)} of {_amount(self.max_bytes)}); "
+                f"{photo} was not saved. Start the server with a larger --corrections-max-mb, or, once a training "
+                f"run has used these photos (leaflens preprocess --also {self.root}), move the whole folder aside "
+                "(its corrections.jsonl with it): the server starts a new one at the next correction")
+
     def _link_new(self, tmp: Path, folder: Path, now: float, ext: str) -> Path:
         """Give ``tmp`` a fresh generated name in ``folder`` without replacing anything; the new path."""
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
@@ -415,9 +417,10 @@ def _gif_as_png(src: Path, tmp: Path, photo_name: str) -> str:
 # Why nothing (or not everything) was saved, besides REASONS: no answer to correct; no class chosen; the
 # photo number is not one of the answer's; the photos are not those of the answer; the model did not
 # analyse the photo (refused or unreadable), so there is nothing to correct; this server never answered
-# these bytes (a changed file, or a server restarted since).
+# these bytes (a changed file, or a server restarted since); "all" of an answer whose other photos were judged
+# left this one out as unlike the model's photos (a bee beside the leaf is not saved as "rust" by "all").
 REQUEST_REASONS = ("no_answer", "no_choice", "bad_photo", "photos_changed", "not_analysed", "not_diagnosed",
-                   "which_photo")
+                   "which_photo", "left_out")
 
 
 def mixed_answer(answer: Mapping[str, Any] | None) -> bool:
@@ -444,14 +447,19 @@ def apply_correction(store: CorrectionStore, files: Sequence[str | os.PathLike] 
     is saved only when its bytes are ones the server answered, and whether the model analysed it and what
     it predicted are taken from that record, never from the client's ``answer``, which may have been edited
     or belong to other bytes of the same name.
+    "all" with a class of the model means the photos the answer judged: a photo left out of it as unlike the
+    model's photos while others were judged is skipped (``left_out``; name it by its number to save it).
     Returns ``ok`` (at least one photo saved or already there), ``reason`` (None, or why nothing was saved:
-    :data:`REQUEST_REASONS` or :data:`REASONS`), ``chosen``, ``saved`` (``photo``, ``file``, ``duplicate``)
-    and ``skipped`` (``photo``, ``reason``, ``message``).
+    :data:`REQUEST_REASONS` or :data:`REASONS`), ``message`` (None, or that reason in words, for API callers),
+    ``chosen``, ``saved`` (``photo``, ``file``, ``duplicate``) and ``skipped`` (``photo``, ``reason``,
+    ``message``).
     """
-    out: dict[str, Any] = {"ok": False, "reason": None, "chosen": chosen, "saved": [], "skipped": []}
+    out: dict[str, Any] = {"ok": False, "reason": None, "message": None, "chosen": chosen, "saved": [],
+                           "skipped": []}
 
     def refuse(reason: str) -> dict[str, Any]:
         out["reason"] = reason
+        out["message"] = _refusal_text(reason, store)
         return out
 
     if not isinstance(answer, Mapping):
@@ -465,6 +473,7 @@ def apply_correction(store: CorrectionStore, files: Sequence[str | os.PathLike] 
         return refuse("unknown_class")
     if which in (None, "") and mixed_answer(answer):
         return refuse("which_photo")  # photos that may show different things: "all" must be asked for
+    every = which in (None, "", "all")
     if which in (None, "", "all"):
         picked = list(range(len(photos)))
     else:
@@ -480,6 +489,8 @@ def apply_correction(store: CorrectionStore, files: Sequence[str | os.PathLike] 
         return refuse("photos_changed")
     full = False
     told = answer.get("answer") if isinstance(answer.get("answer"), Mapping) else None
+    # "all" as a class: the photos the answer judged, when it judged some and left others out
+    judged_only = every and chosen != NOT_A_LEAF and mixed_answer(answer)
     for i in picked:
         photo, said = photos[i], told
         name = str(photo.get("name"))
@@ -499,6 +510,11 @@ def apply_correction(store: CorrectionStore, files: Sequence[str | os.PathLike] 
             out["skipped"].append({"photo": name, "reason": "not_analysed",
                                    "message": f"{name}: the model did not analyse it ({photo.get('verdict')})"})
             continue
+        if judged_only and photo.get("verdict") == "out_of_domain":
+            out["skipped"].append({"photo": name, "reason": "left_out",
+                                   "message": f"{name}: left out of this answer as not a photo this model knows; "
+                                              f"choose it by its number to save it as {chosen}"})
+            continue
         if full:
             out["skipped"].append({"photo": name, "reason": "full", "message": f"{name}: the folder is full"})
             continue
@@ -513,7 +529,15 @@ def apply_correction(store: CorrectionStore, files: Sequence[str | os.PathLike] 
     out["ok"] = bool(out["saved"])
     if not out["ok"]:
         out["reason"] = out["skipped"][0]["reason"] if out["skipped"] else "no_answer"
+        out["message"] = out["skipped"][0]["message"] if out["skipped"] else _refusal_text("no_answer", store)
     return out
+
+
+def _refusal_text(reason: str, store: CorrectionStore) -> str:
+    """Why a request saved nothing, in English (the API's ``message``; the page says it in its language)."""
+    if reason == "unknown_class":
+        return f"that answer is not one of this model's classes ({', '.join(store.labels)})"
+    return t(f"correct_{reason}", "en").replace("**", "")
 
 
 def render_correction(result: Mapping[str, Any] | None, notes: ClassNotes | None, lang: str) -> str:

@@ -198,6 +198,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "correct_why_gone": "the photo is no longer on the server; upload it again and press **Diagnose**.",
         "correct_why_format": "it is not a JPEG, PNG, WebP, BMP, TIFF, HEIC or GIF photo, which a retrain needs.",
         "correct_why_unknown_class": "that answer is not one this model knows.",
+        "correct_why_left_out": ("it was left out of this answer as not a photo this model knows. If it does show "
+                                 "this, choose it by itself under **Which photo** and save again."),
         "correct_full": ("Corrections cannot be saved right now: the corrections folder on this server is full "
                          "({used} of {cap} MB)."),
         "history": "Diagnoses since this page was opened",
@@ -407,6 +409,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "correct_why_gone": "照片已不在服务器上；请重新上传并点击 **诊断**。",
         "correct_why_format": "它不是 JPEG、PNG、WebP、BMP、TIFF、HEIC 或 GIF 照片，无法用于重新训练。",
         "correct_why_unknown_class": "本模型不认识这个答案。",
+        "correct_why_left_out": ("本次结果没有采用这张照片，因为它不像本模型认识的照片。如果它确实是这个答案，"
+                                 "请在 **哪张照片** 中单独选择它，再保存一次。"),
         "correct_full": "暂时无法保存更正：本服务器上的更正文件夹已满（已用 {used} MB，上限 {cap} MB）。",
         "history": "打开本页面以来的诊断",
         "history_empty": "还没有诊断记录。",

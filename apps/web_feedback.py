@@ -107,9 +107,10 @@ def build_feedback(service: DiagnosisService, cfg: AppConfig, lang: str) -> Feed
             head = gr.Markdown(t("correct_heading", lang), elem_id="correct-heading")
             with gr.Row():
                 photo = gr.Dropdown(_photo_choices(None, lang, service.options.max_photos), value="all",
-                                    label=t("correct_photo", lang), visible=False, elem_id="correct-photo")
-                # custom values reach apply_correction, which refuses a class the model lacks with its own
-                # message (Gradio's check answered API callers with a traceback in the server log)
+                                    label=t("correct_photo", lang), visible=False, elem_id="correct-photo",
+                                    allow_custom_value=True)
+                # custom values (here and for the photo) reach apply_correction, which refuses a class the model
+                # lacks with its own message (Gradio's check answered API callers with a traceback in the log)
                 label = gr.Dropdown(_label_choices(service, lang), value=None, label=t("correct_label", lang),
                                     elem_id="correct-label", allow_custom_value=True)
             save = gr.Button(t("correct_save", lang), elem_id="correct-save")

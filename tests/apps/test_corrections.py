@@ -281,19 +281,47 @@ def test_apply_saves_the_analysed_photos_and_skips_the_rest(tmp_path):
     store = store_at(root)
     paths = [upload(tmp_path / "up", "a.jpg", photo_bytes(11)), upload(tmp_path / "up", "b.jpg", photo_bytes(12)),
              upload(tmp_path / "up", "c.jpg", b"broken")]
-    answer = answer_for(paths, ["diagnosis", "out_of_domain", "error"])
+    answer = answer_for(paths, ["diagnosis", "diagnosis", "error"])
     res = apply_correction(store, [str(p) for p in paths], answer, "all", "rust")
     assert res["ok"] and [s["photo"] for s in res["saved"]] == ["a.jpg", "b.jpg"]
     assert res["skipped"] == [{"photo": "c.jpg", "reason": "not_analysed",
                                "message": "c.jpg: the model did not analyse it (error)"}]
     assert sorted((root / s["file"]).read_bytes() for s in res["saved"]) == sorted([photo_bytes(11), photo_bytes(12)])
     recs = log_lines(root)
-    assert [r["predicted"]["verdict"] for r in recs] == ["diagnosis", "out_of_domain"]
+    assert [r["predicted"]["verdict"] for r in recs] == ["diagnosis", "diagnosis"]
     assert all(r["answer"] == {"verdict": "diagnosis", "label": "healthy"} for r in recs)
     text = render_correction(res, ClassNotes({"rust": {"name": "Rust", "name_zh": "锈病"}}), "en")
     assert "Saved 2 photo(s) as **Rust**" in text and "c\\.jpg" in text and "did not analyse" in text
     zh = render_correction(res, ClassNotes({"rust": {"name": "Rust", "name_zh": "锈病"}}), "zh")
     assert "锈病" in zh and "2 张" in zh
+
+
+def test_all_photos_as_a_class_leaves_out_the_photos_the_answer_left_out(tmp_path):
+    """A rust leaf and random noise: the answer judged the leaf and left the noise out as not a photo the model
+    knows; "all photos" + "rust" saved the noise as a rust training photo (and moved a photo filed earlier as
+    not a leaf into rust). "All" now means the photos the answer judged; a left-out one is saved when named."""
+    root = tmp_path / "corrections"
+    store = store_at(root)
+    paths = [upload(tmp_path / "up", "leaf.jpg", photo_bytes(41)), upload(tmp_path / "up", "noise.png",
+                                                                          photo_bytes(42, "PNG"))]
+    answer = answer_for(paths, ["diagnosis", "out_of_domain"])
+    assert apply_correction(store, paths, answer, "2", NOT_A_LEAF)["ok"]
+    res = apply_correction(store, paths, answer, "all", "rust")
+    assert [s["photo"] for s in res["saved"]] == ["leaf.jpg"]
+    assert [(s["photo"], s["reason"]) for s in res["skipped"]] == [("noise.png", "left_out")]
+    assert "choose it by its number" in res["skipped"][0]["message"]
+    assert sorted(p.parent.name for p in root.rglob("*.*") if p.suffix in (".jpg", ".png")) == [
+        NOT_A_LEAF, "rust"]  # the noise stays under not_a_leaf
+    text = render_correction(res, None, "en")
+    assert "noise\\.png" in text and "Which photo" in text
+    assert "哪张照片" in render_correction(res, None, "zh")
+    # named by its number, it is saved as the person says (the model may not know a real rust photo)
+    named = apply_correction(store, paths, answer, "2", "rust")
+    assert named["ok"] and named["saved"][0]["replaced"] == [NOT_A_LEAF]
+    # only left-out photos: "all" means them; "not a leaf" for "all" keeps every photo
+    assert apply_correction(store, paths[1:], answer_for(paths[1:], ["out_of_domain"]), "all", "healthy")["ok"]
+    both = apply_correction(store, paths, answer, "all", NOT_A_LEAF)
+    assert [s["photo"] for s in both["saved"]] == ["leaf.jpg", "noise.png"]
 
 
 def test_the_page_says_what_a_second_save_did(tmp_path):
@@ -359,6 +387,10 @@ def test_apply_refuses_bad_requests_and_writes_nothing(tmp_path, which, chosen, 
     res = apply_correction(store_at(root), paths, answer_for(paths, ["diagnosis", "diagnosis"]), which, chosen)
     assert (res["ok"], res["reason"], res["saved"]) == (False, reason, [])
     assert not root.exists()
+    # API callers are told why in words, not a bare code
+    assert res["message"] and "**" not in res["message"]
+    if reason == "unknown_class":
+        assert "early_blight, healthy, rust, not_a_leaf" in res["message"]
     assert render_correction(res, None, "en") and render_correction(res, None, "zh")
 
 

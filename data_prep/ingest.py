@@ -148,6 +148,9 @@ def _checked_task(task: tuple[int, str, int, str, int, bool]) -> tuple[
     why the app would refuse it or None), metadata, seconds spent on the checks: everything with --check, the
     hashes and metadata otherwise)."""
     index, path, size, resize, max_pixels, keep_pixels = task
+    if "\n" in path or "\r" in path:  # <split>_files.txt holds one name per line: every later row would shift
+        return (index, None, None, "bad_name", "its name holds a line break, which the dataset's file lists "
+                "(one photo per line) cannot record; rename the file", None, None, 0.0)
     t0 = time.perf_counter()
     header: dict = {}
     digest, pixels, reason, detail = _read_and_decode(path, size, resize, max_pixels, header)
@@ -241,6 +244,12 @@ def _assign(scan: ScanResult, kept: list[int], digests: list[bytes], units: list
     automatic split places each group as one unit, so no copy lands in another split. With given splits,
     byte-identical copies of the same class in a later split are dropped; copies under another class are
     kept for the data report to show as label conflicts (dropping one would silently pick the label).
+
+    Photos of extra folders (``--also``: corrections) never move the source's photos: the source is split
+    exactly as without them; an extra photo in a group with source photos joins their split, any other one
+    gets a split from its own bytes (:func:`_extra_split`), so photos added later move no earlier one either.
+    An extra photo whose bytes and class a source photo already has is the same labelled photo twice: the
+    extra copy is left out (with given splits it would have pushed the source's val or test copy out).
     """
     files = scan.files
     out: list[str | None] = [None] * len(kept)
@@ -248,10 +257,25 @@ def _assign(scan: ScanResult, kept: list[int], digests: list[bytes], units: list
     for r, i in enumerate(kept):
         if files[i].label < 0:
             out[r] = UNLABELED
+    source_rows = [r for r in lab_rows if not files[kept[r]].extra]
+    extra_rows = [r for r in lab_rows if files[kept[r]].extra]
+    if extra_rows:
+        in_source = {(digests[r], files[kept[r]].label): files[kept[r]] for r in source_rows}
+        keep_extra = []
+        for r in extra_rows:
+            f = files[kept[r]]
+            twin = in_source.get((digests[r], f.label))
+            if twin is None:
+                keep_extra.append(r)
+                continue
+            rejects.append({"path": f.rel, "label": f.label, "split": f.split, "reason": "duplicate_of_source",
+                            "detail": f"same bytes and class as {twin.rel}, kept where the source has it"})
+        extra_rows = keep_extra
     if scan.layout == "split_folders":
-        given = [_given_split(files[kept[r]]) for r in lab_rows]
-        drop = set(resolve_given(given, [(digests[r], files[kept[r]].label) for r in lab_rows]))
-        for k, r in enumerate(lab_rows):
+        rows = source_rows + extra_rows
+        given = [_given_split(files[kept[r]]) for r in rows]
+        drop = set(resolve_given(given, [(digests[r], files[kept[r]].label) for r in rows]))
+        for k, r in enumerate(rows):
             if k in drop:
                 f = files[kept[r]]
                 rejects.append({"path": f.rel, "label": f.label, "split": f.split,
@@ -259,11 +283,26 @@ def _assign(scan: ScanResult, kept: list[int], digests: list[bytes], units: list
                                 "detail": "same bytes as a file in an earlier split"})
             else:
                 out[r] = given[k]
-    else:
-        labels = [files[kept[r]].label for r in lab_rows]
-        for r, s in zip(lab_rows, assign_auto(labels, [units[r] for r in lab_rows], opts.ratios, opts.seed)):
-            out[r] = s
+        return out
+    labels = [files[kept[r]].label for r in source_rows]
+    unit_split: dict[Hashable, str] = {}
+    for r, s in zip(source_rows, assign_auto(labels, [units[r] for r in source_rows], opts.ratios, opts.seed)):
+        out[r] = s
+        unit_split[units[r]] = s
+    first_digest: dict[Hashable, bytes] = {}  # the smallest digest of a group's extra photos: its split's key
+    for r in extra_rows:
+        first_digest[units[r]] = min(first_digest.get(units[r], digests[r]), digests[r])
+    for r in extra_rows:
+        out[r] = unit_split.get(units[r]) or _extra_split(first_digest[units[r]], opts.ratios, opts.seed)
     return out
+
+
+def _extra_split(digest: bytes, ratios: tuple[float, float, float], seed: int) -> str:
+    """The split of an extra photo (a correction) from its bytes' digest and the seed alone: in the shares
+    ``ratios`` on average, and the same whatever else is added or removed."""
+    u = int.from_bytes(hashlib.sha256(b"leaflens-extra-split\0" + str(seed).encode() + b"\0" + digest).digest()[:8],
+                       "big") / 2.0**64
+    return "train" if u < ratios[0] else "val" if u < ratios[0] + ratios[1] else "test"
 
 
 def _check_class_sizes(scan: ScanResult, kept: list[int], assigned: list[str | None], strict: bool,
@@ -568,7 +607,8 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: Inges
         manifest = Manifest(
             classes=tuple(scan.classes), image_size=opts.size, mean=mean, std=std,
             mean_std_scale="pixel / 255, per RGB channel, computed on train", splits=info,
-            source_root=scan.root, source_layout=scan.layout, unlabeled_source=unl, class_info=class_info,
+            source_root=scan.root, source_layout=scan.layout, unlabeled_source=unl,
+            also_sources=tuple(scan.also) or None, class_info=class_info,
             options=opts,
             rejected=RejectedInfo(total=len(rejects), per_class=report.rejected, reasons=report.rejected_reasons,
                                   list=REJECTED_NAME),
@@ -650,7 +690,11 @@ def _split_and_check(scan: ScanResult, decoded: _Decoded, opts: IngestOptions, w
     t_split = time.perf_counter()
     rejects_before = len(decoded.rejects)
     assigned = _assign(scan, kept, decoded.digests, units, opts, decoded.rejects)
-    exact_dropped = len(decoded.rejects) - rejects_before
+    twice = sum(r["reason"] == "duplicate_of_source" for r in decoded.rejects[rejects_before:])
+    exact_dropped = len(decoded.rejects) - rejects_before - twice
+    if twice:
+        log(f"note: {twice} photo(s) of --also are already in the source under the same class (same bytes): left "
+            "out, and the source's copy stays in its split")
     t_checks = time.perf_counter()
     rows = [r for r in lab_rows if assigned[r] is not None]
     # The groups among the photos kept: an exact copy left out of a later split had its twin's hashes,

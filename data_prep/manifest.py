@@ -136,6 +136,9 @@ class Manifest(Record):
 
     SCHEMA_VERSION: ClassVar[int | None] = FORMAT_VERSION
     VERSION_KEY: ClassVar[str] = "format_version"
+    # absent from the manifests of datasets built without --also (and before it was recorded): they read back
+    # key for key, so their self digest still matches
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"also_sources"})
     format: Literal["leaflens-dataset"] = FORMAT_NAME
     format_version: int = FORMAT_VERSION
     classes: tuple[str, ...]
@@ -149,6 +152,8 @@ class Manifest(Record):
     source_root: str | None = None
     source_layout: str | None = None  # "class_folders" or "split_folders" (leaflens.data_prep.scan)
     unlabeled_source: str | None = None
+    # the extra labelled folders merged in (`preprocess --also`: the web app's corrections), when there were any
+    also_sources: tuple[str, ...] | None = None
     class_info: str | None = None  # the classes.toml copied beside the arrays
     options: IngestOptions | None = None
     rejected: RejectedInfo | None = None

@@ -38,12 +38,14 @@ class ScanError(ValueError):
 
 @dataclass(frozen=True)
 class SourceFile:
-    """One candidate photo: absolute path, path as recorded, label (-1: unlabeled), given split."""
+    """One candidate photo: absolute path, path as recorded, label (-1: unlabeled), given split, and whether it
+    came from an extra labelled folder (``--also``) rather than the source."""
 
     path: str
     rel: str
     label: int
     split: str | None  # "train"/"val"/"test" in the split layout, "unlabeled", or None (auto split)
+    extra: bool = False
 
 
 @dataclass
@@ -162,7 +164,9 @@ def _scan_also(folder: str | os.PathLike, root: Path, classes: list[str], split:
     if not d.is_dir():
         raise ScanError(f"--also folder {d} does not exist or is not a folder")
     if d == root or root in d.parents or d in root.parents:
-        raise ScanError(f"--also folder {d} overlaps the source folder {root}; its photos would be counted twice")
+        raise ScanError(f"--also folder {d} overlaps the source folder {root}; its photos would be counted twice "
+                        "(and read as a class of their own without --also): move it out of the source folder, "
+                        "e.g. beside it, and pass it with --also there")
     found: list[tuple[str, str | None, str, str]] = []
     unknown = []
     for cdir in _visible_dirs(d):
@@ -260,7 +264,7 @@ def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = N
                                extensions)
         also_roots.append(str(d))
         also_files += len(labelled)
-        files.extend(SourceFile(full, rel, index[c], split) for c, split, full, rel in labelled)
+        files.extend(SourceFile(full, rel, index[c], split, extra=True) for c, split, full, rel in labelled)
 
     extra = list(unlabeled_dirs)
     if unlabeled is not None:

@@ -663,8 +663,17 @@ def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold,
         "config": cfg.to_dict(),
         "hardware": describe_hardware(device=results[best_student].device),
         "dataset": {"root": str(Path(ds.root).resolve()), "counts": {s: len(ds[s]) for s in ds.splits},
-                    "image_size": ds.image_size, "input_size": input_size},
+                    "image_size": ds.image_size, "input_size": input_size, **_also_counts(ds)},
     }
+
+
+def _also_counts(ds) -> dict[str, Any]:
+    """The photos of `preprocess --also` folders (the web app's corrections) per split, when there were any."""
+    roots = [str(r).rstrip("/") + "/" for r in ds.manifest.also_sources or ()]
+    if not roots:
+        return {}
+    counts = {s: sum(1 for f in ds[s].files if f.startswith(tuple(roots))) for s in ds.splits if s != "unlabeled"}
+    return {"also": {"folders": list(ds.manifest.also_sources), "counts": counts}}
 
 
 def _write_visuals(work: Path, ds, results, chosen, model, contract) -> None:

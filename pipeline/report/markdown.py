@@ -109,6 +109,11 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[Any]],
     return lines
 
 
+def _count(n: Any, noun: str) -> str:
+    """"1 group", "3 groups"."""
+    return f"{n} {noun}{'' if str(n) == '1' else 's'}"
+
+
 def _float(v: Any) -> float | None:
     try:
         return float(v)
@@ -265,11 +270,18 @@ def _photos_learned_from(report: Mapping[str, Any]) -> list[str]:
     if labelled is None:
         return []
     if not unlabelled:
-        return [f"Both students learned from the same {labelled:,} labelled training photos; there were no "
+        said = [f"Both students learned from the same {labelled:,} labelled training photos; there were no "
                 "unlabelled photos, which is where a teacher helps most."]
-    return [f"The distilled student learned from {labelled:,} labelled and {unlabelled:,} unlabelled photos "
-            f"(the teacher's answers standing in for the withheld labels); the scratch student from the "
-            f"{labelled:,} labelled ones only."]
+    else:
+        said = [f"The distilled student learned from {labelled:,} labelled and {unlabelled:,} unlabelled photos "
+                f"(the teacher's answers standing in for the withheld labels); the scratch student from the "
+                f"{labelled:,} labelled ones only."]
+    also = (report.get("dataset") or {}).get("also") or {}
+    if also.get("counts"):
+        per = ", ".join(f"{n:,} {s}" for s, n in also["counts"].items())
+        said.append(f"Photos from `preprocess --also` ({', '.join(map(_cell, also.get('folders') or []))}: "
+                    f"the web app's corrections, or other extra photos): {per}.")
+    return said
 
 
 def _accuracy_section(report: Mapping[str, Any]) -> list[str]:
@@ -346,8 +358,19 @@ def _per_class_section(test: Mapping[str, Any]) -> list[str]:
     per_class = test.get("per_class") or []
     if not per_class:
         return ["## Per class (test)", "", "Not recorded.", ""]
-    rows = [[c.get("class", i), f"{c['precision']:.3f}", f"{c['recall']:.3f}", f"{c['f1']:.3f}", c["support"]]
-            for i, c in enumerate(per_class)]
+    cm = test.get("confusion_matrix")
+    predicted = ([sum(int(row[j]) for row in cm) for j in range(len(per_class))]
+                 if isinstance(cm, list) and all(isinstance(r, list) and len(r) == len(per_class) for r in cm)
+                 else None)
+
+    def row(i: int, c: Mapping[str, Any]) -> list[Any]:
+        if int(c["support"]):
+            return [c.get("class", i), f"{c['precision']:.3f}", f"{c['recall']:.3f}", f"{c['f1']:.3f}", c["support"]]
+        # no test photo of the class: recall and F1 have nothing to count; precision only if it was predicted
+        said = predicted is not None and predicted[i] > 0
+        return [c.get("class", i), f"{c['precision']:.3f}" if said else "n/a", "n/a", "n/a", 0]
+
+    rows = [row(i, c) for i, c in enumerate(per_class)]
     if "macro_f1" in test:
         rows.append(["*macro mean*", f"{test.get('macro_precision', 0):.3f}",
                      f"{test.get('macro_recall', 0):.3f}", f"{test['macro_f1']:.3f}",
@@ -448,8 +471,9 @@ def _data_section(report: Mapping[str, Any]) -> list[str]:
         colour = (f" and within {float(dup['colour_threshold']):g} grey levels in colour"
                   if _float(dup.get("colour_threshold")) is not None else "")
         lines.append(f"- Duplicates (exact, or within {dup.get('threshold', '?')} bits of a perceptual hash{colour}): "
-                     f"{dup.get('within_split', 0)} groups within a split, {dup.get('across_splits', 0)} across "
-                     f"splits, {dup.get('label_conflicts', 0)} label conflicts; photos with a copy in an earlier "
+                     f"{_count(dup.get('within_split', 0), 'group')} within a split, "
+                     f"{dup.get('across_splits', 0)} across splits, "
+                     f"{_count(dup.get('label_conflicts', 0), 'label conflict')}; photos with a copy in an earlier "
                      f"split: {leak}")
         if dup.get("look_alike_pairs"):
             lines.append(f"- Look-alikes (alike in grey shapes, not in colour; counted as different photos): "

@@ -63,6 +63,9 @@ def test_preprocess_includes_corrections_and_notes_not_a_leaf(tmp_path):
                 assert y == rust
     assert sum(ds.manifest.splits[s].per_class["rust"] for s in ("train", "val", "test")) == 14
     assert report.ignored[NOT_A_LEAF] == 3 and ds.manifest.ignored[NOT_A_LEAF] == 3
+    assert ds.manifest.also_sources == (str(extra.resolve()),)  # the manifest says corrections went in
+    from leaflens.pipeline.distill import _also_counts
+    assert sum(_also_counts(ds)["also"]["counts"].values()) == 4
     assert any("4 labelled photo(s)" in m for m in said) and any("not_a_leaf/ folders skipped" in m for m in said)
     # a new correction makes the dataset out of date; without --also it is rebuilt as before
     again = ingest(src, out, IngestOptions(size=16), workers=1, also=[extra], log=said.append)
@@ -178,3 +181,51 @@ def test_a_photo_folder_inside_the_output_folder_is_refused_not_deleted(tmp_path
         ingest(moved, out, IngestOptions(size=16), force=True, workers=1, log=lambda s: None)
     assert sorted(p for p in moved.rglob("*") if p.is_file()) == photos and len(photos) >= 15
     assert (inside / "rust").is_dir() and (unlabeled / "u.jpg").is_file()
+
+
+def _split_of(out) -> dict[str, str]:
+    ds = load_dataset(out)
+    return {f: s for s in ("train", "val", "test") for f in ds[s].files}
+
+
+def test_corrections_move_none_of_the_sources_photos_between_splits(tmp_path):
+    """One added correction moved 5 of 110 source photos between splits (some from test into train): the
+    retrained model trained on photos the old one was tested on. The source is now split as without --also,
+    and each correction's split comes from its own bytes, so a later correction moves no earlier one."""
+    src = make_class_folders(tmp_path / "photos", per_class=20)
+    ingest(src, tmp_path / "plain", IngestOptions(size=16), workers=1, log=lambda m: None)
+    plain = _split_of(tmp_path / "plain")
+    extra = corrections_folder(tmp_path / "corrections", {"rust": 12, "healthy": 12})
+    ingest(src, tmp_path / "with", IngestOptions(size=16), workers=1, also=[extra], log=lambda m: None)
+    first = _split_of(tmp_path / "with")
+    assert {f: s for f, s in first.items() if f in plain} == plain
+    added = {f: s for f, s in first.items() if f not in plain}
+    assert len(added) == 24 and "train" in added.values() and set(added.values()) - {"train"}  # tested on too
+    corrections_folder(extra, {"rust": 3}, seed=8000)  # three more corrections
+    ingest(src, tmp_path / "more", IngestOptions(size=16), workers=1, also=[extra], log=lambda m: None)
+    more = _split_of(tmp_path / "more")
+    assert {f: s for f, s in more.items() if f in first} == first and len(more) == len(first) + 3
+
+
+def test_a_correction_of_a_source_photo_leaves_the_sources_copy_where_it_is(tmp_path):
+    """With the source's own train/val/test folders, correcting a test photo (same class) took it out of test
+    as a "duplicate across splits" (the correction went to train, an earlier split). The correction's copy is
+    the one left out now, and said; under another class both stay, as a label conflict."""
+    src = tmp_path / "photos"
+    for s in ("train", "val", "test"):
+        make_class_folders(src / s, per_class=4, seed={"train": 1, "val": 2, "test": 3}[s])
+    extra = tmp_path / "corrections"
+    (extra / "rust").mkdir(parents=True)
+    (extra / "healthy").mkdir(parents=True)
+    tested = sorted((src / "test" / "rust").iterdir())
+    (extra / "rust" / "same.jpg").write_bytes(tested[0].read_bytes())
+    (extra / "healthy" / "other.jpg").write_bytes(tested[1].read_bytes())
+    said: list[str] = []
+    ingest(src, tmp_path / "ds", IngestOptions(size=16), workers=1, also=[extra], log=said.append)
+    ds = load_dataset(tmp_path / "ds")
+    assert ds.manifest.splits["test"].per_class["rust"] == 4  # nothing left out of test
+    assert {f"test/rust/{tested[0].name}", f"test/rust/{tested[1].name}"} <= set(ds["test"].files)
+    rejected = [json.loads(line) for line in (tmp_path / "ds" / "rejected.jsonl").read_text().splitlines()]
+    assert [(r["path"].endswith("same.jpg"), r["reason"]) for r in rejected] == [(True, "duplicate_of_source")]
+    assert str((extra / "healthy" / "other.jpg").resolve()) in ds["train"].files  # a label conflict, reported
+    assert any("already in the source under the same class" in m for m in said)

@@ -165,6 +165,10 @@ def test_report_says_how_many_unlabelled_photos_the_distilled_student_learned_fr
     text = report_md.render_report(tmp_path, report(dataset={"counts": {"train": 600, "val": 180, "test": 180}}))
     assert "same 600 labelled training photos; there were no unlabelled photos" in text
     assert "learned from" not in report_md.render_report(tmp_path, report())  # not recorded: nothing invented
+    also = {"folders": ["/srv/corrections"], "counts": {"train": 5, "val": 1, "test": 2}}
+    text = report_md.render_report(tmp_path, report(dataset={"counts": counts, "also": also}))
+    assert "Photos from `preprocess --also` (/srv/corrections: the web app's corrections" in text
+    assert "5 train, 1 val, 2 test" in text
 
 
 def test_report_says_what_the_out_of_domain_score_reads(tmp_path: Path) -> None:
@@ -253,3 +257,19 @@ def test_the_ambiguous_line_says_when_the_budget_is_less_than_one_validation_pho
     old = dict(choose_uncertain_threshold(rng.dirichlet(np.ones(3), size=36), rng.integers(0, 3, 36)), kept=36)
     assert "none of the 36 here, too few for that share" in report_md.render_report(tmp_path,
                                                                                      report(threshold_choice=old))
+
+
+def test_a_class_without_test_photos_reads_n_a_not_zero(tmp_path: Path) -> None:
+    """A class with no test photo showed precision, recall and F1 of 0.000, as if the model always missed it."""
+    y = np.repeat([0, 1], 20)  # no healthy photo in test
+    probs = np.full((40, 3), 0.05)
+    pred = y.copy()
+    pred[0] = 1
+    probs[np.arange(40), pred] = 0.9
+    text = report_md.render_report(tmp_path, report(test=metrics.evaluation_summary(probs, y, CLASSES)))
+    assert "| healthy | n/a | n/a | n/a | 0 |" in text
+    pred[1] = 2  # called healthy once: its precision is a measured 0
+    probs = np.full((40, 3), 0.05)
+    probs[np.arange(40), pred] = 0.9
+    text = report_md.render_report(tmp_path, report(test=metrics.evaluation_summary(probs, y, CLASSES)))
+    assert "| healthy | 0.000 | n/a | n/a | 0 |" in text

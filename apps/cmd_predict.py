@@ -60,10 +60,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+# the key of :func:`collect_images`'s ``skipped`` counting names of a photo already listed (no extension has it)
+SAME_PHOTO = "\0same photo"
+
+
 def collect_images(args: Sequence[str | os.PathLike], skipped: Counter[str] | None = None) -> list[str]:
     """Expand files and folders into a de-duplicated list of image paths, in a stable order. Files in the
     folders whose extension is not an image's are left out and, with ``skipped``, counted by extension
-    (lower case; "" for none), so that the summary can say what was not looked at.
+    (lower case; "" for none), so that the summary can say what was not looked at; so are further names of a
+    photo already listed (a link to it in the same folder), under :data:`SAME_PHOTO`.
 
     Raises :class:`UsageError` naming a path that does not exist or a folder that cannot be read.
     """
@@ -124,6 +129,8 @@ def _collect(args: Sequence[str | os.PathLike], skipped: Counter[str] | None) ->
         if key not in seen:
             seen.add(key)
             unique.append(name)
+        elif skipped is not None:  # a link to a photo already listed, or a file named twice: answered once
+            skipped[SAME_PHOTO] += 1
     if skipped is not None:  # a file the walk passed over but that was also named is not skipped
         skipped.update(ext for real, ext in passed_over.items() if real not in seen)
     return unique
@@ -132,10 +139,18 @@ def _collect(args: Sequence[str | os.PathLike], skipped: Counter[str] | None) ->
 def skipped_note(skipped: Counter[str]) -> str:
     """What :func:`collect_images` left out of the folders, e.g. "3 other files in the folders skipped, not
     images by their extension (.gif 2, .txt 1); name a file to classify it anyway"."""
-    n = sum(skipped.values())
-    kinds = ", ".join(f"{ext or 'no extension'} {k}" for ext, k in sorted(skipped.items(), key=lambda e: (-e[1], e[0])))
-    return (f"{n} other file{'s' if n != 1 else ''} in the folders skipped, not images by their extension "
-            f"({kinds}); name a file to classify it anyway")
+    others = {ext: k for ext, k in skipped.items() if ext != SAME_PHOTO and k}
+    n = sum(others.values())
+    kinds = ", ".join(f"{ext or 'no extension'} {k}" for ext, k in sorted(others.items(), key=lambda e: (-e[1], e[0])))
+    said = []
+    if others:
+        said.append(f"{n} other file{'s' if n != 1 else ''} in the folders skipped, not images by their extension "
+                    f"({kinds}); name a file to classify it anyway")
+    if skipped.get(SAME_PHOTO):
+        k = skipped[SAME_PHOTO]
+        said.append(f"{k} name{'s' if k != 1 else ''} of a photo already listed (a link to it, or the same file "
+                    "given twice) answered once")
+    return "; ".join(said)
 
 
 def verdict_of(p: Prediction) -> str:

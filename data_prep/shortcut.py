@@ -268,6 +268,8 @@ def check_shortcuts(metas: Sequence[PhotoMeta], labels: Sequence[int] | np.ndarr
     chance = 1.0 / n_classes
     sd = null_sd(np.bincount(y))
     warn_at = chance + max(MIN_MARGIN, NULL_SIGMAS * sd)
+    if warn_at >= 1.0:  # not even a perfect score could stand out from what chance gives so few photos
+        return f"only {len(y)} photos in {n_classes} classes: too few to tell metadata from chance"
     cols = _feature_columns(metas)
     x_all = np.concatenate(list(cols.values()), axis=1)
     x_all = x_all[:, x_all.max(axis=0) > 0]  # a feature with one value for every photo tells nothing

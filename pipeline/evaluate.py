@@ -30,7 +30,7 @@ import numpy as np
 from leaflens.apps.diagnosis import REFUSAL_REASONS
 from leaflens.apps.predictor import Prediction, Predictor
 from leaflens.columns import display_width, pad_right
-from leaflens.data_prep.scan import UNLABELED, ScanError, scan_source
+from leaflens.data_prep.scan import NOT_A_LEAF, UNLABELED, ScanError, scan_source
 from leaflens.pipeline.report import metrics
 from leaflens.pipeline.teachers.stage import split_photo_paths
 from leaflens.records import Record
@@ -128,7 +128,12 @@ def class_folder_photos(root: str | os.PathLike[str], classes: Sequence[str]) ->
     if scan.layout == "split_folders":
         raise EvaluationError(f"{scan.root} holds split folders (train/val/test); point --photos at one of them, "
                               f"e.g. {Path(scan.root) / 'test'}")
-    unknown = [c for c in scan.classes if c not in classes]
+    # the web app's corrections folder holds one for photos people said show no leaf: not a class to score
+    no_leaf = NOT_A_LEAF in scan.classes and NOT_A_LEAF not in classes
+    if no_leaf:
+        print(f"note: {Path(scan.root) / NOT_A_LEAF} left out: photos people said show no leaf are of no class of "
+              f"the model; to see what it answers them: --not-known {Path(scan.root) / NOT_A_LEAF}", file=sys.stderr)
+    unknown = [c for c in scan.classes if c not in classes and not (no_leaf and c == NOT_A_LEAF)]
     if unknown:
         raise EvaluationError(
             f"{scan.root}: folder(s) {', '.join(repr(c) for c in unknown)} name no class the model knows; "
@@ -138,8 +143,8 @@ def class_folder_photos(root: str | os.PathLike[str], classes: Sequence[str]) ->
     if left:
         print(f"note: left out of {scan.root}: " + ", ".join(f"{n} {LEFT_OUT[k]}" for k, n in left.items()),
               file=sys.stderr)
-    index = {c: classes.index(c) for c in scan.classes}
-    labelled = [f for f in scan.files if f.split != UNLABELED]
+    index = {c: classes.index(c) for c in scan.classes if c in classes}
+    labelled = [f for f in scan.files if f.split != UNLABELED and scan.classes[f.label] in index]
     return [f.path for f in labelled], np.array([index[scan.classes[f.label]] for f in labelled], np.int64)
 
 
@@ -151,8 +156,10 @@ def dataset_photo_files(ds: Any, split: str) -> tuple[Path, list[str]]:
         raise PhotosUnavailable(f"dataset {ds.root} does not record where the photos of split '{split}' came from")
     missing = [p for p in paths if not p.is_file()]
     if missing:
+        # a photo of --also (a correction, recorded by absolute path) is not under the source folder
+        where = root if root == missing[0] or root in missing[0].parents else missing[0].parent
         raise PhotosUnavailable(f"{len(missing)} of the {len(paths)} original photos of split '{split}' are no "
-                                f"longer in {root} (first: {missing[0]})")
+                                f"longer in {where} (first: {missing[0]})")
     return root, [str(p) for p in paths]
 
 

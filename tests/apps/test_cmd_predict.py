@@ -184,6 +184,19 @@ def test_collect_images_order_and_filtering(tmp_path):
     assert skipped == {".txt": 1}  # hidden files are not counted
 
 
+def test_a_link_to_a_photo_already_listed_is_said_not_dropped_silently(tiny_model, tmp_path, capsys):
+    """A symlink in the folder to another of its photos: answered once (it is the same photo), and no word of
+    it: the summary said "1 image" for two names, and preprocess and evaluate counted both."""
+    model, _ = tiny_model()
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    write_photo(folder / "a.png")
+    (folder / "link_to_a.png").symlink_to("a.png")
+    assert main(["predict", str(folder), "--model", str(model), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "1 image with" in err and "1 name of a photo already listed (a link to it" in err
+
+
 def test_odd_folders_are_said_not_tracebacks(tiny_model, tmp_path, capsys, monkeypatch):
     """A file name not in UTF-8 is classified and written escaped; a folder that cannot be read is named."""
     model, _ = tiny_model()

@@ -60,6 +60,19 @@ def test_broken_files_rejected_with_reason_rest_kept(class_folders, tmp_path):
         assert len(files) == len(ds[s]) and not any(Path(f).name.startswith(("empty", "bomb")) for f in files)
 
 
+def test_a_name_with_a_line_break_is_rejected_and_the_file_lists_stay_aligned(class_folders, tmp_path):
+    """`line\\nbreak.jpg` was kept: train_files.txt got one line more than the arrays had rows, so every later
+    row named the wrong photo and the teacher reported photos as missing."""
+    (class_folders / "rust" / "line\nbreak.jpg").write_bytes(encode(photo(998, (200, 120, 30), 64, 64)))
+    out = tmp_path / "ds"
+    ingest(class_folders, out, IngestOptions(size=16), workers=1, **QUIET)
+    rejected = [json.loads(x) for x in (out / "rejected.jsonl").read_text().splitlines()]
+    assert [(r["path"].endswith("line\nbreak.jpg"), r["reason"]) for r in rejected] == [(True, "bad_name")]
+    ds = load_dataset(out)
+    for s in ("train", "val", "test"):
+        assert len(ds[s].files) == len(ds[s])
+
+
 def test_the_summary_names_the_extensions_of_the_files_left_out_as_not_images(class_folders, tmp_path):
     Image.new("RGB", (40, 40), (10, 200, 10)).save(class_folders / "rust" / "leaf.gif")  # a format not read
     Image.new("RGB", (40, 40), (10, 200, 10)).save(class_folders / "blight" / "leaf2.gif")

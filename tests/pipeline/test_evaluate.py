@@ -132,6 +132,27 @@ def test_served_check_is_skipped_with_a_warning_when_the_photos_are_gone(tmp_pat
     assert report["passed"] and (tmp_path / "export" / "student.onnx").is_file()
 
 
+def test_a_missing_correction_is_named_in_its_own_folder(tmp_path):
+    """A photo of `preprocess --also` (a correction) that was moved away: the message said it was no longer in
+    the source folder, where it had never been."""
+    from leaflens.pipeline.evaluate import PhotosUnavailable, dataset_photo_files
+
+    photos = _photos(tmp_path / "photos", per_class=6)
+    extra = tmp_path / "corrections"
+    for cls in CLASSES:
+        (extra / cls).mkdir(parents=True)
+        for i in range(4):
+            (extra / cls / f"c{i}.jpg").write_bytes(_jpeg(cls, 5000 + i))
+    ingest(photos, tmp_path / "ds", IngestOptions(size=32), workers=1, also=[extra], log=lambda m: None)
+    ds = load_dataset(tmp_path / "ds")
+    split, gone = next((s, Path(f)) for s in ("train", "val", "test") for f in ds[s].files
+                       if f.startswith(str(extra.resolve())))
+    gone.unlink()
+    with pytest.raises(PhotosUnavailable) as err:
+        dataset_photo_files(ds, split)
+    assert f"no longer in {gone.parent} (first: {gone})" in str(err.value) and str(photos) not in str(err.value)
+
+
 def test_served_gate_fails_and_replaces_nothing_when_the_photos_no_longer_match(tmp_path):
     photos, dataset, run = _trained_run(tmp_path)
     out = tmp_path / "export"
@@ -188,6 +209,20 @@ def test_evaluate_refuses_a_class_the_model_does_not_know(tmp_path, capsys):
     code = main(["evaluate", "--model", str(model), "--photos", str(photos)])
     err = capsys.readouterr().err
     assert code == 2 and "'mildew'" in err and "name no class the model knows" in err and "'healthy'" in err
+
+
+def test_evaluate_reads_the_web_apps_corrections_folder(tmp_path, capsys):
+    """The corrections folder holds not_a_leaf/ beside the class folders; evaluate refused it as "a class the
+    model does not know", so the photos the old model got wrong could not be scored against the new one."""
+    model = _tiny_model(tmp_path, tiny_weights(3))
+    photos = _photos(tmp_path / "corrections", per_class=2)
+    (photos / "not_a_leaf").mkdir()
+    (photos / "not_a_leaf" / "bee.jpg").write_bytes(_jpeg("rust", 8))
+    (photos / "corrections.jsonl").write_text("{}\n")
+    code = main(["evaluate", "--model", str(model), "--photos", str(photos), "--json", str(tmp_path / "e.json")])
+    err = capsys.readouterr().err
+    assert code == 0 and f"--not-known {photos / 'not_a_leaf'}" in err
+    assert json.loads((tmp_path / "e.json").read_text())["summary"]["n"] == 6
 
 
 def test_evaluate_counts_unreadable_photos_apart_and_exits_1(tmp_path, capsys):

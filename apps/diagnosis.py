@@ -160,7 +160,11 @@ def _combined(voters: list[tuple[dict[str, Any], np.ndarray]], classes: list[str
         probs = np.mean(np.stack([p for _, p in voters]), axis=0)
         verdict = None
     top = _ranked(probs, classes, max(top_k, 2))
-    verdict = verdict or ("ambiguous" if unsure(probs, threshold) else "diagnosis")
+    # the average of photos that were each unsure is not a diagnosis: it can pass the threshold (two near ties
+    # for the same class average to a clearer lead), but no photo was judged with the confidence the threshold
+    # was chosen for, so a combined diagnosis needs one photo diagnosed on its own
+    judged = any(p["verdict"] == "diagnosis" for p, _ in voters)
+    verdict = verdict or ("ambiguous" if unsure(probs, threshold) or not judged else "diagnosis")
     return {"verdict": verdict, "label": top[0]["label"], "confidence": top[0]["probability"],
             "uncertain": verdict != "diagnosis", "top": top[:top_k],
             "candidates": [e["label"] for e in top[:2]] if verdict == "ambiguous" else [],

@@ -107,6 +107,23 @@ def test_an_ambiguous_photo_takes_part_in_the_vote_by_its_first_class():
     assert "| unsure: Rust or Healthy | |" in table  # the ambiguous photo has no percentage either
 
 
+def test_photos_each_unsure_never_add_up_to_a_diagnosis():
+    """Two photos each a near tie for the same first class, with different runners-up: their average has a clear
+    lead, and the page gave a diagnosis with its treatment notes (two real aphid photos came back "bacterial
+    spot"). No photo was judged with the confidence the threshold stands for, so the answer stays unsure."""
+    a, b = [0.05, 0.50, 0.45], [0.48, 0.52, 0.0]
+    res = summarise([outcome("a", a), outcome("b", b)], CLASSES, threshold=0.2)
+    assert [p["verdict"] for p in res["photos"]] == ["ambiguous", "ambiguous"]
+    ans = res["answer"]
+    assert ans["verdict"] == "ambiguous" and ans["uncertain"] and ans["agree"] == 2
+    assert ans["label"] == res["photos"][0]["label"] and len(ans["candidates"]) == 2
+    value, _, notes_md, _ = render(res, "en", NOTES)
+    assert value is None and notes_md == ""
+    # one of them judged on its own: the vote may then diagnose
+    sure = summarise([outcome("a", a), outcome("c", [0.1, 0.8, 0.1])], CLASSES, threshold=0.2)
+    assert sure["answer"]["verdict"] == "diagnosis"
+
+
 def test_threshold_is_the_ambiguity_boundary():
     probs = [0.1, 0.55, 0.35]
     answer = summarise([outcome("a", probs)], CLASSES, threshold=0.55)["answer"]

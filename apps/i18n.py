@@ -246,6 +246,9 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_rel_good": "**{name}**: right {k} of {n} times.",
         "m_rel_said": "When it answers **{name}**, it is right only {k} of {n} times.",
         "m_rel_few": "Too few test photos to be sure.",
+        "m_rel_variant": ("The training run's per-class test results are those of the FP32 model this file was made "
+                          "from; this file (FP16 or INT8) was measured as a whole, above. Serve `student.onnx` to "
+                          "see them."),
         "m_rel_none": ("No per-class test results were found for this model (they come from the training run's "
                        "report: start with `--run <run folder>`)."),
         "m_numbers_heading": "#### The numbers",
@@ -450,6 +453,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_rel_good": "**{name}**：{n} 次中认对 {k} 次。",
         "m_rel_said": "当它回答 **{name}** 时，{n} 次中只有 {k} 次是对的。",
         "m_rel_few": "测试照片太少，无法确定。",
+        "m_rel_variant": ("训练记录中的各类别测试结果属于本文件所由转换的 FP32 模型；本文件（FP16 或 INT8）"
+                          "只整体测过准确率（见上）。若要查看，请使用 `student.onnx`。"),
         "m_rel_none": "未找到本模型各类别的测试结果（来自训练记录中的报告：启动时加 `--run <训练目录>`）。",
         "m_numbers_heading": "#### 具体数字",
     },

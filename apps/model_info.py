@@ -179,6 +179,16 @@ def _pct(v: float) -> str:
     return f"{100 * v:.1f}%"
 
 
+def _report_is_this_file(card: Any, report: dict[str, Any] | None) -> bool:
+    """Whether the run's test figures are the served file's: the file's own test accuracy (when it records one)
+    is the run's. Not so for the FP16 and INT8 files of an export, which are measured on their own."""
+    own = card.accuracy
+    test = _get(report, "test")
+    ran = test.get("accuracy") if isinstance(test, dict) else None
+    ran = ran if ran is not None else _get(report, "test_accuracy")
+    return own is None or ran is None or abs(float(own) - float(ran)) < 1e-6
+
+
 def _accuracy_line(card: Any, report: dict[str, Any] | None, lang: str) -> str:
     test = _get(report, "test")
     if isinstance(test, dict) and test.get("accuracy") is not None and test.get("accuracy_ci"):
@@ -316,6 +326,11 @@ def model_markdown(predictor: Any, ctx: ServeContext, lang: str, notes: Any = No
     card = predictor.card
     report = ctx.run_report
     params = card.params if card.params is not None else _get(report, "params")
+    variant = not _report_is_this_file(card, report)
+    if variant:
+        # an FP16 or INT8 file holds its own test accuracy: the run's figures (accuracy, per-class results) are
+        # those of the FP32 model it was made from, not of the file served
+        report = {k: v for k, v in (report or {}).items() if k not in ("test", "test_accuracy")}
     names = _names(card.classes, notes, lang)
     classes = ", ".join(n if n == c else f"{n} (`{c}`)" for n, c in zip(names, card.classes))
     lines = [t("model_heading", lang), ""]
@@ -331,7 +346,7 @@ def model_markdown(predictor: Any, ctx: ServeContext, lang: str, notes: Any = No
     lines += [f"**{k}:** {v}  " for k, v in words]
     reliability = reliability_lines(report, card.classes, notes, lang)
     lines += ["", t("m_rel_heading", lang), ""]
-    lines += reliability or [t("m_rel_none", lang)]
+    lines += reliability or [t("m_rel_variant" if variant else "m_rel_none", lang)]
     rows = [
         (t("m_file", lang), f"`{predictor.model_path.name}`"),
         (t("m_run", lang), f"`{card.run_id}`" if card.run_id else "-"),

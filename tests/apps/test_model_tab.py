@@ -143,3 +143,15 @@ def test_the_page_shows_the_banner_above_everything_for_a_demo_model(tiny_model,
         assert ("Demo model: trained on drawn leaves, not real photos" in banner.value) is shown
         tabs = [b for b in blocks if type(b).__name__ == "Tab"]
         assert tabs and banner._id < min(tab._id for tab in tabs)  # above the tabs: on every page
+
+
+def test_an_int8_file_shows_its_own_accuracy_not_the_fp32_runs(tiny_model):
+    """Serving student_int8.onnx, the tab said "75.1%" (the FP32 model's, from the run's report) where the file
+    records its own 74.0%, and showed the FP32 model's per-class results as the file's."""
+    predictor = served(tiny_model, **{"leaflens.accuracy": "0.7403"})
+    md = model_markdown(predictor, ServeContext(run_report=report()), "en", NOTES)
+    assert "**How often it is right:** 74.0%" in md and "82.1%" not in md
+    assert "those of the FP32 model this file was made from" in md and "often mistaken" not in md
+    same = served(tiny_model, **{"leaflens.accuracy": "0.821"})  # the run's own file: its figures stand
+    md = model_markdown(same, ServeContext(run_report=report()), "en", NOTES)
+    assert "82.1% (95% confidence interval" in md and "often mistaken" in md

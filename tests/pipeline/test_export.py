@@ -135,6 +135,9 @@ def test_export_end_to_end_via_cli(tiny_run, tmp_path, capsys, monkeypatch):
     i8 = report["int8"]
     assert i8["written"] is True and i8["reason"] is None and i8["max_drop"] == 1.0
     assert i8["accuracy_change"] == pytest.approx(i8["accuracy_int8"] - i8["accuracy_fp32"])
+    # the agreement is the parity split's (val), beside accuracies of the test split: each says its own
+    assert (i8["split"], i8["top1_agreement_split"]) == ("test", "val")
+    assert i8["top1_agreement_with_engine"] == report["parity"]["int8"]["top1_agreement"]
     assert i8["recipe"] == {**Int8Recipe().to_dict(), "calib_images": 32, "calibration": "entropy"}
     assert len(i8["attempts"]) == 1  # the fast recipe was kept: the next one is tried only when it loses too much
     # the classifier and the out-of-domain branch (nodes feeding only ood_score) stay in float
@@ -611,3 +614,15 @@ def test_a_student_with_a_centre_crop_is_exported_checked_and_served_with_it(tin
     assert report["accuracy"]["test"]["engine"] == pytest.approx(float(np.mean(cropped.argmax(1) == labels)))
     served = report["served"]  # the photo files, decoded and cropped by the Predictor, agree with the arrays
     assert served["checked"] and served["served_test_accuracy"] == report["accuracy"]["test"]["engine"]
+
+
+def test_the_console_says_when_near_ties_were_not_counted_by_the_gate():
+    """The console printed "fp16: ... top-1 agreement 99.45%" and the export passed a 99.5 % gate without a word:
+    the one flip was a near-tie, which the gate does not count."""
+    parity = {"fp32": {"max_abs_diff": 1e-6, "top1_agreement": 1.0, "images": 181, "split": "val",
+                       "disagreements": 0, "ties": 0},
+              "fp16": {"max_abs_diff": 2e-3, "top1_agreement": 180 / 181, "images": 181, "split": "val",
+                       "disagreements": 1, "ties": 1}}
+    text = stage.summary({"parity": parity})
+    assert "top-1 agreement 99.45% on 181 val images (1 of the 1 that differ are near-ties, not counted" in text
+    assert "fp32: max |diff| 1.00e-06, top-1 agreement 100.00% on 181 val images\n" in text

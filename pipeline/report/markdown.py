@@ -315,7 +315,10 @@ def _accuracy_section(report: Mapping[str, Any]) -> list[str]:
         lines.append(f"- \"Ambiguous\" below a top probability of {float(unc['threshold']):.3f} ({how}; on "
                      f"validation it keeps {_pct(unc.get('coverage'))} of the images at "
                      f"{_pct(unc.get('accuracy'))} accuracy), and whenever the second class has at least "
-                     f"{TIE_RATIO:.0%} of the first's probability (a near tie)")
+                     f"{TIE_RATIO:.0%} of the first's probability (a near tie)"
+                     + (f"; with both rules, as served, it answers {_pct(unc['answered'])} of the validation "
+                        f"images at {_pct(unc.get('answered_accuracy'))} accuracy"
+                        if _float(unc.get("answered")) is not None else ""))
     lines += _out_of_domain_lines(report.get("out_of_domain") or {})
     return lines + [""]
 

@@ -229,13 +229,21 @@ def choose_uncertain_threshold(
     num_classes = p.shape[1]
 
     def result(threshold: float, reached: bool, method: str) -> dict[str, Any]:
+        from leaflens.apps.model_card import unsure  # noqa: PLC0415  (the served rule: threshold and near ties)
+
         conf = p.max(axis=1) if n else np.zeros(0)
         keep = conf >= threshold
         kept = int(keep.sum())
         acc = float((p[keep].argmax(axis=1) == y[keep]).mean()) if kept else 0.0
+        answered = ~unsure(p, threshold) if n else np.zeros(0, bool)
+        n_answered = int(answered.sum())
         return {"threshold": float(threshold), "coverage": kept / n if n else 0.0, "accuracy": acc,
                 "kept": kept, "n_val": n, "target": float(target_precision), "reached": bool(reached),
-                "method": method, "max_flagged": max_flagged}
+                "method": method, "max_flagged": max_flagged,
+                # what the served rule answers: the threshold and the near-tie rule together
+                "answered": n_answered / n if n else 0.0,
+                "answered_accuracy": float((p[answered].argmax(axis=1) == y[answered]).mean()) if n_answered
+                else 0.0}
 
     if n < max(1, int(min_samples)):
         return result(default, False, "default")

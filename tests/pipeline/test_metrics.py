@@ -255,3 +255,14 @@ def test_evaluation_summary_is_consistent_and_json_ready() -> None:
         metrics.evaluation_summary(probs, y, classes[:3])
     with pytest.raises(ValueError, match="200 rows but y_true has 199"):
         metrics.evaluation_summary(probs, y[:199], classes)
+
+
+def test_the_threshold_choice_says_what_the_served_rule_answers_near_ties_included() -> None:
+    """report.md said the threshold "keeps 98.9 % of the images" while the page, which also calls near ties
+    ambiguous, answered 91.7 % of them: the choice now records both."""
+    probs = np.array([[0.9, 0.05, 0.05], [0.5, 0.46, 0.04], [0.8, 0.1, 0.1], [0.2, 0.75, 0.05]])
+    y = np.array([0, 1, 0, 1])
+    out = metrics.choose_uncertain_threshold(probs, y, target_precision=0.5, min_samples=1, min_kept=1,
+                                             max_flagged=None)
+    assert out["coverage"] == 1.0  # the threshold alone keeps every photo
+    assert out["answered"] == pytest.approx(3 / 4) and out["answered_accuracy"] == 1.0  # 0.46 / 0.5: a near tie

@@ -273,3 +273,11 @@ def test_a_class_without_test_photos_reads_n_a_not_zero(tmp_path: Path) -> None:
     probs[np.arange(40), pred] = 0.9
     text = report_md.render_report(tmp_path, report(test=metrics.evaluation_summary(probs, y, CLASSES)))
     assert "| healthy | 0.000 | n/a | n/a | 0 |" in text
+
+
+def test_the_ambiguous_line_says_what_the_served_rule_answers(tmp_path: Path) -> None:
+    unc = {"threshold": 0.196, "coverage": 0.989, "accuracy": 0.77, "kept": 179, "n_val": 181, "target": 0.95,
+           "reached": False, "method": "best_effort", "answered": 0.917, "answered_accuracy": 0.80}
+    text = report_md.render_report(tmp_path, report(uncertain=unc))
+    assert "with both rules, as served, it answers 91.7 % of the validation images at 80.0 % accuracy" in text
+    assert "as served" not in report_md.render_report(tmp_path, report())  # not recorded: nothing invented

@@ -171,16 +171,21 @@ class TrainedOn(Record):
     """What a model was trained on, as the Model tab tells it: ``kind`` "synthetic" (leaves drawn by
     `leaflens data synth`, the demo), "photos", or "unknown" (the folder the dataset was made from is gone,
     so it cannot be told); ``photos``: labelled images in the dataset (all splits); ``generator``: what drew
-    them, for synthetic data."""
+    them, for synthetic data; ``train``: the labelled ones trained on (the rest chose and tested the model);
+    ``unlabeled``: images without labels it also learned from (absent: none, or not recorded)."""
 
-    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"generator"})
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"generator", "train", "unlabeled"})
     kind: Literal["synthetic", "photos", "unknown"]
     photos: int
     generator: str | None = None
+    train: int | None = None
+    unlabeled: int | None = None
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.photos, int) and self.photos >= 0):
-            raise ContractError("dataset", f"photos must be a count >= 0, got {self.photos!r}")
+        for name in ("photos", "train", "unlabeled"):
+            value = getattr(self, name)
+            if not (value is None and name != "photos" or isinstance(value, int) and value >= 0):
+                raise ContractError("dataset", f"{name} must be a count >= 0, got {value!r}")
 
     @property
     def synthetic(self) -> bool:
@@ -196,9 +201,13 @@ def trained_on(manifest: Manifest, cwd: str | os.PathLike | None = None,
     from leaflens.data_prep.synth import SYNTH_META, SynthInfo
 
     photos = sum(s.count for s in manifest.splits.values() if s.labels == "present")
+    split = manifest.splits.get("train")
+    unl = manifest.splits.get("unlabeled")
+    train = split.count if split is not None else None
+    unlabeled = unl.count if unl is not None and unl.count else None
     recorded = source_root or manifest.source_root
     if not recorded:
-        return TrainedOn(kind="unknown", photos=photos)
+        return TrainedOn(kind="unknown", photos=photos, train=train, unlabeled=unlabeled)
     source = Path(recorded)
     if not source.is_absolute() and cwd is not None:
         source = Path(cwd) / source
@@ -209,8 +218,9 @@ def trained_on(manifest: Manifest, cwd: str | os.PathLike | None = None,
             generator: str | None = info.generator
         except (OSError, ValueError, TypeError):  # a synth.json of another version: synthetic all the same
             generator = None
-        return TrainedOn(kind="synthetic", photos=photos, generator=generator)
-    return TrainedOn(kind="photos" if source.is_dir() else "unknown", photos=photos)
+        return TrainedOn(kind="synthetic", photos=photos, generator=generator, train=train, unlabeled=unlabeled)
+    return TrainedOn(kind="photos" if source.is_dir() else "unknown", photos=photos, train=train,
+                     unlabeled=unlabeled)
 
 
 @dataclass(frozen=True)

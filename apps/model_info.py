@@ -265,7 +265,12 @@ def _trained_on_line(card: Any, lang: str) -> str:
     trained = getattr(card, "trained_on", None)
     if trained is None:
         return t("m_trained_unrecorded", lang)
-    return t(f"m_trained_{trained.kind}", lang, n=f"{trained.photos:,}")
+    line = t(f"m_trained_{trained.kind}", lang, n=f"{trained.photos:,}")
+    if trained.train is not None and 0 < trained.train < trained.photos:  # the others chose and tested it
+        line += t("m_trained_split", lang, train=f"{trained.train:,}", rest=f"{trained.photos - trained.train:,}")
+    if trained.unlabeled:
+        line += t("m_trained_unlabeled", lang, n=f"{trained.unlabeled:,}")
+    return line
 
 
 def reliability_lines(report: dict[str, Any] | None, classes: Sequence[str], notes: Any, lang: str) -> list[str]:

@@ -428,8 +428,10 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
         log(f"run {info.run_id} kept the fine-tuned teacher ({info.teacher_model.name}): exporting it as "
             f"{FP32_FILE}, the served model")
     # drawn demo leaves or photos: the app says which (the source folder found again if the project moved)
-    card = replace(card, trained_on=trained_on(ds.manifest, source_root=split_source_dir(ds, "train")),
-                   grey_share=_grey_share(ds))
+    learnt_from = trained_on(ds.manifest, source_root=split_source_dir(ds, "train"))
+    if info.kept != "distilled":  # only the distilled student learns from the unlabelled photos (its teacher's)
+        learnt_from = replace(learnt_from, unlabeled=None)
+    card = replace(card, trained_on=learnt_from, grey_share=_grey_share(ds))
     if card.refuses_grey:
         log("the training photos all have colour: a photo without colour will be refused (\"no_colour\")")
     mean, std = np.asarray(card.mean, np.float32), np.asarray(card.std, np.float32)

@@ -173,14 +173,18 @@ def test_trained_on_tells_drawn_leaves_from_photos_by_the_source_folder(tmp_path
                      log=lambda *_: None)
     ds = ingest(tmp_path / "synth", tmp_path / "synth_ds", IngestOptions(size=16), workers=1, log=lambda *_: None).out
     got = trained_on(read_manifest(ds))
-    assert got == TrainedOn(kind="synthetic", photos=3 * len(drawn.classes), generator="leaflens data synth")
+    train = read_manifest(ds).splits["train"].count
+    assert got == TrainedOn(kind="synthetic", photos=3 * len(drawn.classes), generator="leaflens data synth",
+                            train=train)
+    assert 0 < train < got.photos  # the card said "trained on" every labelled photo, val and test ones too
 
     photos = make_dataset(tmp_path / "real", ["healthy", "rust"], per_class=4)  # a photo folder: no synth.json
-    assert trained_on(read_manifest(photos)) == TrainedOn(kind="photos", photos=8)
+    assert trained_on(read_manifest(photos)) == TrainedOn(kind="photos", photos=8,
+                                                          train=read_manifest(photos).splits["train"].count)
     (tmp_path / "synth" / "synth.json").write_text("{not json")  # another version's file: drawn all the same
     assert trained_on(read_manifest(ds)).kind == "synthetic"
     shutil.rmtree(tmp_path / "real" / "photos")  # the source is gone: cannot tell
-    assert trained_on(read_manifest(photos)) == TrainedOn(kind="unknown", photos=8)
+    assert trained_on(read_manifest(photos)).kind == "unknown" and trained_on(read_manifest(photos)).photos == 8
     moved = tmp_path / "moved synth"  # the project moved: where the caller found the folder wins over the record
     shutil.move(tmp_path / "synth", moved)
     assert trained_on(read_manifest(ds)).kind == "unknown"

@@ -155,3 +155,15 @@ def test_an_int8_file_shows_its_own_accuracy_not_the_fp32_runs(tiny_model):
     same = served(tiny_model, **{"leaflens.accuracy": "0.821"})  # the run's own file: its figures stand
     md = model_markdown(same, ServeContext(run_report=report()), "en", NOTES)
     assert "82.1% (95% confidence interval" in md and "often mistaken" in md
+
+
+def test_the_trained_on_line_says_how_many_photos_it_learned_from(tiny_model):
+    """"Trained on: 1,200 drawn leaves" counted the validation and test photos, and not the 1,200 unlabelled
+    ones the distilled student learned from through its teacher."""
+    card = json.dumps({"kind": "synthetic", "photos": 1200, "generator": "leaflens data synth", "train": 838,
+                       "unlabeled": 1200})
+    md = model_markdown(served(tiny_model, **{"leaflens.dataset": card}), ServeContext(), "en", NOTES)
+    assert ("1,200 drawn leaves (the demo set made by `leaflens data synth`), no real photos; 838 of them to learn "
+            "from, the other 362 to choose and test the model; and 1,200 more without labels") in md
+    zh = model_markdown(served(tiny_model, **{"leaflens.dataset": card}), ServeContext(), "zh", NOTES)
+    assert "838 张用于学习" in zh and "1,200 张无标注" in zh

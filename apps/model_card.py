@@ -30,6 +30,9 @@ leaflens.tie_ratio              no         float, the near-tie ratio val_ambiguo
 leaflens.dataset                no         JSON :class:`TrainedOn`: what the model was trained on (drawn
                                            leaves of `leaflens data synth`, or photos), from the dataset's
                                            manifest; absent in files exported before it was recorded
+leaflens.dataset_use            no         JSON {"train": int, "unlabeled": int}: of those, the labelled
+                                           photos trained on (the rest chose and tested it) and the
+                                           unlabelled ones a distilled student learned from; with dataset
 leaflens.grey_share             no         float, share of the training photos without colour
                                            (leaflens.data_prep.quality); 0: a photo without colour is
                                            refused ("no_colour"); absent: not recorded, nothing refused
@@ -164,6 +167,10 @@ def flag_confidence(n: int, flagged: int, budget: float) -> float:
     below = sum(math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p
                          + (n - i) * log_q) for i in range(min(int(flagged), n) + 1))
     return max(0.0, 1.0 - below)
+
+
+# TrainedOn's counts written under leaflens.dataset_use, beside leaflens.dataset (see ModelCard.to_metadata)
+_DATASET_USE = ("train", "unlabeled")
 
 
 @dataclass(frozen=True)
@@ -314,7 +321,13 @@ class ModelCard(Record):
         if self.val_ambiguous is not None:
             meta["val_ambiguous"] = repr(float(self.val_ambiguous))
         if self.trained_on is not None:
-            meta["dataset"] = json.dumps(self.trained_on.to_dict())
+            # the counts of its use go under a key of their own: a leaflens that reads leaflens.dataset but not
+            # them (strict about that record's keys) still serves the file
+            record = self.trained_on.to_dict()
+            use = {k: record.pop(k) for k in _DATASET_USE if k in record}
+            meta["dataset"] = json.dumps(record)
+            if use:
+                meta["dataset_use"] = json.dumps(use)
         if self.grey_share is not None:
             meta["grey_share"] = repr(float(self.grey_share))
         if self.tie_ratio is not None:
@@ -403,7 +416,12 @@ class ModelCard(Record):
                 raise fail("grey_share", f"must be a share from 0 to 1, got {data['grey_share']}")
         if PREFIX + "dataset" in meta:
             try:
-                data["trained_on"] = TrainedOn.from_dict(json_value("dataset"), f"{source} metadata '{PREFIX}dataset'")
+                record = json_value("dataset")
+                use = json_value("dataset_use") if PREFIX + "dataset_use" in meta else {}
+                if not isinstance(use, dict) or set(use) - set(_DATASET_USE):
+                    raise fail("dataset_use", f"must be an object with {' and/or '.join(_DATASET_USE)}, got {use!r}")
+                record = {**record, **use} if isinstance(record, dict) else record
+                data["trained_on"] = TrainedOn.from_dict(record, f"{source} metadata '{PREFIX}dataset'")
             except (ValueError, TypeError) as exc:
                 raise fail("dataset", f"is not a valid description of the training data: {exc}") from exc
         if PREFIX + "ood" in meta:

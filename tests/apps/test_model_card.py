@@ -153,6 +153,20 @@ def test_training_data_round_trips_and_older_files_say_nothing():
     assert ModelCard.from_metadata(plain.to_metadata(), "m.onnx").trained_on is None
 
 
+def test_how_the_training_data_was_used_has_a_key_an_older_leaflens_does_not_read():
+    """The counts trained on / unlabelled go under leaflens.dataset_use: an older leaflens reads leaflens.dataset
+    strictly (an unknown key is an error) and must still serve the file."""
+    used = TrainedOn(kind="synthetic", photos=1200, generator="leaflens data synth", train=838, unlabeled=1200)
+    meta = _card(trained_on=used).to_metadata()
+    assert json.loads(meta["leaflens.dataset"]) == {"kind": "synthetic", "photos": 1200,
+                                                    "generator": "leaflens data synth"}
+    assert json.loads(meta["leaflens.dataset_use"]) == {"train": 838, "unlabeled": 1200}
+    assert ModelCard.from_metadata(meta, "m.onnx").trained_on == used
+    assert TrainedOn.from_dict(json.loads(meta["leaflens.dataset"])).photos == 1200  # what an older reader sees
+    with pytest.raises(ModelError, match="dataset_use"):
+        ModelCard.from_metadata({**meta, "leaflens.dataset_use": '{"val": 3}'}, "m.onnx")
+
+
 @pytest.mark.parametrize("value, why", [("[", "not JSON"), ('{"kind": "drawings", "photos": 3}', "kind"),
                                         ('{"kind": "photos", "photos": -1}', "photos must be a count"),
                                         ('{"kind": "photos"}', "photos")])

@@ -24,10 +24,10 @@ verdict; :attr:`Predictor.has_ood` says which kind is loaded.
 For a server, pair it with the dynamic batcher::
 
     predictor = Predictor("student.onnx", intra_op_threads=1)
-    batcher = DynamicBatcher(predictor.predict_arrays, max_batch_size=16, max_wait_ms=0,
+    batcher = DynamicBatcher(predictor.score_arrays, max_batch_size=16, max_wait_ms=0,
                              num_workers=usable_cpus())
-    probs = batcher.submit(predictor.decode(photo_path)).result()
-    answer = predictor.rank(probs, top_k=3, source=photo_path)
+    scores = batcher.submit(predictor.decode(photo_path)).result()  # refuses a degenerate photo first
+    answer = predictor.judge(scores, top_k=3, source=photo_path)  # out_of_domain, ambiguous or diagnosis
 
 On a CPU these are the settings benchmarks/serve.py uses: a small CNN costs about the same CPU
 time per image at batch 1 as at batch 32, so the batcher's gain there is concurrency (one

@@ -30,7 +30,7 @@ import numpy as np
 from leaflens.apps.diagnosis import REFUSAL_REASONS
 from leaflens.apps.predictor import Prediction, Predictor
 from leaflens.columns import display_width, pad_right
-from leaflens.data_prep.scan import NOT_A_LEAF, UNLABELED, ScanError, scan_source
+from leaflens.data_prep.scan import IMAGE_EXTENSIONS, NOT_A_LEAF, UNLABELED, ScanError, scan_source
 from leaflens.pipeline.report import metrics
 from leaflens.pipeline.teachers.stage import split_photo_paths
 from leaflens.records import Record
@@ -121,10 +121,18 @@ LEFT_OUT = {"broken_link": "link(s) to a missing file", "name_not_utf8": "file n
 def class_folder_photos(root: str | os.PathLike[str], classes: Sequence[str]) -> tuple[list[str], np.ndarray]:
     """The photos under ``root/<class>/`` (image files, searched recursively, hidden ones skipped) and their
     labels as indices into ``classes``; a folder whose name is not one of ``classes`` is refused."""
+    if Path(root).is_file():
+        raise EvaluationError(f"{root} is a file; evaluate takes a folder of class folders (PHOTOS/<class>/*.jpg), "
+                              f"whose names are the right answers; for the model's answer to one photo: leaflens "
+                              f"predict {root}")
     try:
         scan = scan_source(root)
     except ScanError as exc:
-        raise EvaluationError(str(exc)) from exc
+        loose = Path(root).is_dir() and any(p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
+                                            for p in Path(root).iterdir())
+        hint = (f"; {root} holds photos itself: if it is one class's folder, point at the folder above it, "
+                f"{Path(root).resolve().parent}" if loose else "")
+        raise EvaluationError(f"{exc}{hint}") from exc
     if scan.layout == "split_folders":
         raise EvaluationError(f"{scan.root} holds split folders (train/val/test); point --photos at one of them, "
                               f"e.g. {Path(scan.root) / 'test'}")
@@ -145,6 +153,11 @@ def class_folder_photos(root: str | os.PathLike[str], classes: Sequence[str]) ->
               file=sys.stderr)
     index = {c: classes.index(c) for c in scan.classes if c in classes}
     labelled = [f for f in scan.files if f.split != UNLABELED and scan.classes[f.label] in index]
+    unlabelled = sum(f.split == UNLABELED for f in scan.files)
+    if unlabelled:
+        print(f"note: {Path(scan.root) / UNLABELED} left out ({unlabelled} photo{'s' if unlabelled != 1 else ''}): "
+              "photos without a label cannot be scored; to see what the model answers them: --not-known "
+              f"{Path(scan.root) / UNLABELED}, or leaflens predict", file=sys.stderr)
     return [f.path for f in labelled], np.array([index[scan.classes[f.label]] for f in labelled], np.int64)
 
 

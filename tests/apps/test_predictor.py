@@ -245,3 +245,28 @@ def test_a_folder_given_as_the_model_points_at_the_file_inside(tmp_path):
     assert missing_model(tmp_path / "export").endswith(f"e.g. --model {tmp_path / 'export' / 'student.onnx'}")
     assert missing_model(tmp_path / "export" / "student.onnx") is None
     assert "model file not found" in missing_model(tmp_path / "nothing.onnx")
+
+
+@pytest.mark.parametrize("ood", [None, 0.5])
+def test_the_module_docstrings_server_example_runs(tiny_model, tmp_path, ood):
+    """The example paired predict_arrays with rank(), which refuses every model `leaflens export` writes (they
+    have an out-of-domain score): a developer copying it hit a ValueError at once."""
+    import textwrap
+
+    from leaflens.apps import predictor as module
+    from leaflens.apps.batcher import DynamicBatcher
+    from leaflens.cpus import usable_cpus
+
+    model, _ = tiny_model(ood_threshold=ood)
+    photo = write_photo(tmp_path / "leaf.png")
+    doc = module.__doc__ or ""
+    block = doc.split("pair it with the dynamic batcher::", 1)[1].split("\n\n", 2)[1]
+    code = textwrap.dedent(block).replace('"student.onnx"', repr(str(model)))
+    namespace = {"Predictor": Predictor, "DynamicBatcher": DynamicBatcher, "usable_cpus": usable_cpus,
+                 "photo_path": str(photo)}
+    exec(code, namespace)  # noqa: S102 - the docstring's own example
+    try:
+        answer = namespace["answer"]
+        assert answer.verdict in ("diagnosis", "ambiguous", "out_of_domain") and answer.source == str(photo)
+    finally:
+        namespace["batcher"].close()

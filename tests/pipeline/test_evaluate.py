@@ -225,6 +225,22 @@ def test_evaluate_reads_the_web_apps_corrections_folder(tmp_path, capsys):
     assert json.loads((tmp_path / "e.json").read_text())["summary"]["n"] == 6
 
 
+def test_evaluate_says_what_it_leaves_out_and_where_to_point_it(tmp_path, capsys):
+    """An unlabeled/ folder was skipped without a word; a photo file was "not a folder" (it exists), and one
+    class's folder "has no class folders" with no hint to point at the folder above."""
+    model = _tiny_model(tmp_path, tiny_weights(3))
+    photos = _photos(tmp_path / "photos", per_class=2)
+    (photos / "unlabeled").mkdir()
+    (photos / "unlabeled" / "u.jpg").write_bytes(_jpeg("rust", 9))
+    assert main(["evaluate", "--model", str(model), str(photos)]) == 0
+    assert f"note: {photos / 'unlabeled'} left out (1 photo)" in capsys.readouterr().err
+    one = next((photos / "rust").iterdir())
+    assert main(["evaluate", "--model", str(model), str(one)]) == 2
+    assert f"is a file; evaluate takes a folder of class folders" in capsys.readouterr().err
+    assert main(["evaluate", "--model", str(model), str(photos / "rust")]) == 2
+    assert f"if it is one class's folder, point at the folder above it, {photos.resolve()}" in capsys.readouterr().err
+
+
 def test_evaluate_counts_unreadable_photos_apart_and_exits_1(tmp_path, capsys):
     model = _tiny_model(tmp_path, tiny_weights(3))
     photos = _photos(tmp_path / "photos", per_class=2)

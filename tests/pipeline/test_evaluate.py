@@ -236,7 +236,7 @@ def test_evaluate_says_what_it_leaves_out_and_where_to_point_it(tmp_path, capsys
     assert f"note: {photos / 'unlabeled'} left out (1 photo)" in capsys.readouterr().err
     one = next((photos / "rust").iterdir())
     assert main(["evaluate", "--model", str(model), str(one)]) == 2
-    assert f"is a file; evaluate takes a folder of class folders" in capsys.readouterr().err
+    assert "is a file; evaluate takes a folder of class folders" in capsys.readouterr().err
     assert main(["evaluate", "--model", str(model), str(photos / "rust")]) == 2
     assert f"if it is one class's folder, point at the folder above it, {photos.resolve()}" in capsys.readouterr().err
 

@@ -14,15 +14,21 @@ design's import arrows.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
+
+try:
+    import fcntl
+except ImportError:  # Windows: no output lock (see output_lock)
+    fcntl = None  # type: ignore[assignment]
 
 PathLike = str | os.PathLike[str]
 
@@ -321,3 +327,46 @@ def clean_stale_temps(target: PathLike) -> list[Path]:
                 p.unlink(missing_ok=True)
             removed.append(p)
     return removed
+
+
+class OutputBusy(RuntimeError):
+    """Another process is writing the same output folder (see :func:`output_lock`)."""
+
+
+def output_folder(target: PathLike) -> Path:
+    """The folder a stage writes for ``--out target``: the link's own target when ``target`` is a symbolic link
+    (a run kept on another disk behind a link), so the folder swap replaces what the link points at instead of
+    the link itself."""
+    path = Path(target)
+    return path.resolve() if path.is_symlink() else path
+
+
+@contextlib.contextmanager
+def output_lock(target: PathLike, stage: str) -> Iterator[None]:
+    """Hold ``.<name>.lock`` beside the output folder ``target`` for a stage's whole run, so a second run given
+    the same folder (an overlapping cron job, a retry while the first still runs) is refused at once with
+    :class:`OutputBusy` naming the process, instead of removing the first one's work in progress under it.
+    ``fcntl.flock``: the lock goes with the process, so a killed run never leaves the folder locked. The file
+    stays (removing it could let two runs lock two files of one name); where flock is missing (Windows),
+    nothing is locked."""
+    path = Path(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = path.parent / f".{path.name}.lock"
+    with open(lock, "a+", encoding="utf-8") as fh:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                fh.seek(0)
+                holder = fh.read().strip() or "?"
+                raise OutputBusy(f"{path} is being written by another run of leaflens {stage} (process {holder}); "
+                                 "wait for it to end, or give another --out") from None
+            fh.seek(0)
+            fh.truncate()
+            fh.write(f"{os.getpid()}\n")
+            fh.flush()
+        try:
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)

@@ -50,7 +50,14 @@ from leaflens.data_prep.manifest import load_dataset, manifest_sha256, require_l
 from leaflens.engine import Tensor, no_grad
 from leaflens.engine.checkpoint import CheckpointError, save_checkpoint
 from leaflens.extras import install_command
-from leaflens.files import check_replaceable, swap_into_place, write_json_atomic, write_text_atomic
+from leaflens.files import (
+    check_replaceable,
+    output_folder,
+    output_lock,
+    swap_into_place,
+    write_json_atomic,
+    write_text_atomic,
+)
 from leaflens.pipeline import centre_crop, ood
 from leaflens.pipeline.chance import chance_warning
 from leaflens.pipeline.config import StageConfig, dump_toml, load_config
@@ -176,7 +183,13 @@ class _Student:
 def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathLike[str] | None,
                 out_dir: str | os.PathLike[str], cfg: StageConfig, no_teacher: bool = False,
                 resume: bool = False, progress: bool = True) -> dict[str, Any]:
-    out = Path(out_dir)
+    out = output_folder(out_dir)
+    with output_lock(out, "distill"):  # a second run on this --out is refused, not run over this one's work
+        return _run_distill(dataset_dir, teacher_dir, out, cfg, no_teacher, resume, progress)
+
+
+def _run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathLike[str] | None, out: Path,
+                 cfg: StageConfig, no_teacher: bool, resume: bool, progress: bool) -> dict[str, Any]:
     work = _partial_dir(out)
     check_replaceable(out, "report.json", "leaflens run folder")
     check_replaceable(work, "config.toml", "leaflens run folder in progress")
@@ -206,6 +219,8 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
                                  f"asks for {family[1]} (--family / model.family): resume it with its own, or run "
                                  "without --resume to start over")
     if not resume and work.exists():
+        print(f"note: the interrupted run in {work} is discarded: this run starts over (--resume would have "
+              "continued it)", file=sys.stderr, flush=True)
         shutil.rmtree(work)
     elif resume and not work.exists():
         print(f"note: --resume: no interrupted run at {work}; starting a new one", file=sys.stderr, flush=True)

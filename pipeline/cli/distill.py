@@ -63,6 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from leaflens.data_prep.manifest import DatasetError  # noqa: PLC0415
     from leaflens.engine.checkpoint import CheckpointError  # noqa: PLC0415
+    from leaflens.files import OutputBusy  # noqa: PLC0415
     from leaflens.pipeline.distill import run_distill  # noqa: PLC0415
     from leaflens.pipeline.teachers.artefact import TeacherError  # noqa: PLC0415
     from leaflens.pipeline.training import TrainingStopped  # noqa: PLC0415
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = run_distill(args.dataset, teacher, args.out, cfg, no_teacher=args.no_teacher,
                              resume=args.resume, progress=not args.quiet)
-    except (DatasetError, TeacherError, CheckpointError, ValueError) as exc:
+    except (DatasetError, TeacherError, CheckpointError, ValueError, OutputBusy) as exc:
         print(f"leaflens distill: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     except TrainingStopped as exc:

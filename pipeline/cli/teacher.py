@@ -165,6 +165,7 @@ def teacher_keys_not_read(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def run(args: argparse.Namespace) -> int:
     from leaflens.data_prep.manifest import DatasetError  # noqa: PLC0415
+    from leaflens.files import OutputBusy, output_folder  # noqa: PLC0415
     from leaflens.pipeline.teachers.artefact import TeacherError  # noqa: PLC0415
     from leaflens.pipeline.teachers.stage import (  # noqa: PLC0415
         EFFNET_MAX_SIZE,
@@ -214,14 +215,14 @@ def run(args: argparse.Namespace) -> int:
     except TeacherSettingError as exc:
         print(f"leaflens teacher: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except (DatasetError, TeacherError, TeacherStageError, FileNotFoundError, ValueError) as exc:
+    except (DatasetError, TeacherError, TeacherStageError, FileNotFoundError, ValueError, OutputBusy) as exc:
         print(f"leaflens teacher: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     except TrainingStopped as exc:  # the fine-tune or the CNN teacher's training hit repeated numerical faults
         print(f"leaflens teacher: stopped: {exc}", file=sys.stderr)
         return EXIT_STOPPED
     except KeyboardInterrupt:
-        work = finetune_work_dir(args.out, train_cnn=args.train_cnn)
+        work = finetune_work_dir(output_folder(args.out), train_cnn=args.train_cnn)
         if trains(cfg, choice) and any(work.rglob("last.npz")):
             print(f"interrupted: the teacher's training checkpoints are kept in {work}; the same command with "
                   "--resume continues it from the last finished epoch", file=sys.stderr)

@@ -115,7 +115,17 @@ def open_teacher_array(path: Path, shape: tuple[int, ...], why: str | None = Non
         raise TeacherError(f"cannot read {path}: {exc}") from None
     if a.shape != shape:
         raise TeacherError(f"{path} has shape {a.shape}, expected {shape}")
+    if a.dtype.kind == "f":  # a NaN target would surface mid-training as a loss nobody can trace to this file
+        for start in range(0, len(a), _FINITE_ROWS):
+            bad = ~np.isfinite(a[start:start + _FINITE_ROWS]).all(axis=tuple(range(1, a.ndim)))
+            if bad.any():
+                raise TeacherError(f"{path} holds NaN or infinite values (row {start + int(np.argmax(bad))}): the "
+                                   "teacher that wrote it diverged, or the file was damaged; make the teacher "
+                                   "again with `leaflens teacher`")
     return a
+
+
+_FINITE_ROWS = 4096  # rows checked at a time: a memory-mapped array is never read whole into memory
 
 
 def load_teacher(root: str | os.PathLike[str], dataset: Any) -> TeacherTargets:

@@ -41,6 +41,8 @@ from leaflens.files import (
     clean_stale_temps,
     find_moved,
     new_temp_dir,
+    output_folder,
+    output_lock,
     swap_into_place,
     write_json_atomic,
 )
@@ -613,8 +615,15 @@ def run_teacher_stage(dataset_dir: str | os.PathLike[str], out: str | os.PathLik
     Raises DatasetError, TeacherStageError/TeacherError, FileNotFoundError or ValueError for inputs it
     cannot use, and TrainingStopped when a teacher's training hits repeated numerical faults.
     """
+    folder = output_folder(out)
+    with output_lock(folder, "teacher"):  # a second run on this --out is refused, not run over this one's work
+        return _run_teacher_stage(dataset_dir, folder, cfg, choice, from_arrays=from_arrays, fp16=fp16,
+                                  progress=progress, resume=resume)
+
+
+def _run_teacher_stage(dataset_dir: str | os.PathLike[str], out: Path, cfg: StageConfig, choice: TeacherChoice, *,
+                       from_arrays: bool, fp16: bool, progress: bool, resume: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
-    out = Path(out)
     check_replaceable(out, TEACHER_JSON, "leaflens teacher folder")  # before minutes of fine-tuning
     if choice.features is not None and cfg.teacher.views > 1:
         raise TeacherSettingError("--views needs a teacher that can look at images; precomputed features "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -395,3 +396,40 @@ def test_a_run_interrupted_before_its_inputs_were_recorded_resumes_with_a_warnin
     (tmp_path / "inputs.json").write_text("{not json")
     with pytest.raises(ValueError, match="cannot be read"):
         check_run_inputs(tmp_path, {"dataset_manifest_sha256": "a", "teacher_json_sha256": None})
+
+
+def test_a_second_run_on_the_same_out_is_refused_and_a_linked_out_is_written_through(tiny, tmp_path, capsys,
+                                                                                      monkeypatch):
+    """Two runs on one --out both exited 0 and left a run folder without best.npz (the second removed the
+    first's work in progress); --out a symbolic link became a real folder beside a stale link; an interrupted
+    run was discarded by a run without --resume without a word."""
+    from leaflens.files import OutputBusy, output_lock
+
+    _, ds_dir = tiny
+    busy = tmp_path / "busy"
+    with output_lock(busy, "distill"):
+        with pytest.raises(OutputBusy, match=rf"{busy} is being written by another run of leaflens distill "
+                                             rf"\(process {os.getpid()}\)"):
+            run_distill(ds_dir, None, busy, _cfg(epochs=1), no_teacher=True, progress=False)
+        assert cli(["distill", "--dataset", str(ds_dir), "--no-teacher", "--out", str(busy), "--epochs", "1",
+                    "--quiet"]) == 1
+        assert "is being written by another run" in capsys.readouterr().err
+        assert not busy.exists() and not (tmp_path / "busy.partial").exists()
+    run_distill(ds_dir, None, busy, _cfg(epochs=1), no_teacher=True, progress=False)  # free again
+    assert (busy / "best.npz").is_file()
+
+    real = tmp_path / "disk" / "run"
+    real.parent.mkdir()
+    link = tmp_path / "run"
+    link.symlink_to(real)
+    run_distill(ds_dir, None, link, _cfg(epochs=1), no_teacher=True, progress=False)
+    assert link.is_symlink() and (real / "best.npz").is_file()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".run.old")]
+
+    crash_after_checkpoints(monkeypatch, 1)
+    with pytest.raises(KeyboardInterrupt):
+        run_distill(ds_dir, None, tmp_path / "cut", _cfg(epochs=2), no_teacher=True, progress=False)
+    monkeypatch.undo()
+    capsys.readouterr()
+    run_distill(ds_dir, None, tmp_path / "cut", _cfg(epochs=1), no_teacher=True, progress=False)
+    assert "the interrupted run in" in capsys.readouterr().err

@@ -243,6 +243,12 @@ def test_a_broken_teacher_array_is_refused_by_name(ds_dir, tmp_path):
     logits.write_bytes(b"not an npy file")
     with pytest.raises(TeacherError, match=r"cannot read .*logits_val\.npy"):
         load_teacher(tmp_path / "t", ds)
+    logits.write_bytes(good)
+    bad = np.load(logits)
+    bad[1, 0] = np.nan  # distill said "probs_val contains NaN or infinite values", naming no file
+    np.save(logits, bad)
+    with pytest.raises(TeacherError, match=r"logits_val\.npy holds NaN or infinite values \(row 1\)"):
+        load_teacher(tmp_path / "t", ds)
     np.save(logits, np.zeros((1, 3), np.float32))
     with pytest.raises(TeacherError, match=r"logits_val\.npy has shape \(1, 3\), expected"):
         load_teacher(tmp_path / "t", ds)

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from leaflens.extras import install_command
-from leaflens.pipeline.cli.runtime import configure_process, stop_on_sigterm
+from leaflens.pipeline.cli.runtime import configure_process, ignore_late_signals, stop_on_sigterm
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 3
 
@@ -95,6 +95,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv_given = argv
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
     configure_process(engine=command in ENGINE_COMMANDS)
@@ -125,4 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(said, file=sys.stderr)
         return EXIT_USAGE
+    finally:
+        if argv_given is None:  # the process itself (not a caller in Python): it only exits from here on
+            ignore_late_signals()
 

@@ -39,3 +39,16 @@ def stop_on_sigterm() -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, interrupt)
+
+
+def ignore_late_signals() -> None:
+    """Ctrl-C or SIGTERM once the command has returned: the work is done (or its interruption already said), so
+    the process exits with the command's own code. Before, such a signal raised KeyboardInterrupt during the
+    interpreter's shutdown: a traceback from threading or logging, and an exit code by chance (0, 130, or
+    killed by the signal)."""
+    import signal  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)

@@ -135,11 +135,12 @@ def check_run_inputs(work: Path, inputs: dict[str, Any]) -> None:
         raise ValueError(f"--resume: the interrupted run in {work} began with a teacher, and this one has none "
                          "(--no-teacher, or no --teacher): resume it with the teacher it began with, or run without "
                          "--resume to start over")
+    if changed == ["teacher"] and saved.get("teacher_json_sha256") is None:
+        raise ValueError(f"--resume: the interrupted run in {work} began without a teacher (--no-teacher), and this "
+                         "one has one: resume it with --no-teacher, or run without --resume to start over")
     if changed:
-        began = ("without a teacher" if saved.get("teacher_json_sha256") is None and "teacher" in changed else None)
         raise ValueError(f"--resume: the interrupted run in {work} began on another {' and '.join(changed)}"
-                         + (f" ({began})" if began else "")
-                         + " (preprocess or teacher was run again since): resuming would train its students on "
+                         " (preprocess or teacher was run again since): resuming would train its students on "
                          "data their first epochs never saw. Run without --resume to start over (its checkpoints "
                          "are then removed), or with the dataset and teacher it began on")
 

@@ -537,7 +537,10 @@ def prepare_work_dir(work: Path, out: Path, record: dict[str, Any], resume: bool
                                     "fine-tune this version can continue); run without --resume to start over"
                                     ) from None
         if saved != record:
-            what = sorted({k for k in record if saved.get(k) != record[k] and k != "recipe"}
+            words = {"dataset_manifest_sha256": "dataset (preprocess was run again since)",
+                     "weights": "starting weights (--weights)", "from_arrays": "--from-arrays setting",
+                     "teacher": "teacher (--train-cnn or the fine-tune)"}
+            what = sorted({words.get(k, k) for k in record if saved.get(k) != record[k] and k != "recipe"}
                           | {k for k, v in record["recipe"].items() if (saved.get("recipe") or {}).get(k) != v})
             raise TeacherStageError(f"--resume: the interrupted fine-tune in {work} was made with another "
                                     f"{', '.join(what) or 'setting'}; continue it with the same dataset and recipe, "

@@ -209,7 +209,8 @@ def test_resume_refuses_a_run_begun_on_another_dataset_or_teacher(tmp_path, monk
     record = partial / "inputs.json"  # as if the run had begun with --no-teacher
     saved = record.read_bytes()
     record.write_text(json.dumps({**json.loads(saved), "teacher_json_sha256": None}))
-    with pytest.raises(ValueError, match=r"began on another teacher \(without a teacher\)"):
+    with pytest.raises(ValueError, match=r"began without a teacher \(--no-teacher\), and this one has one: resume it "
+                                         r"with --no-teacher"):
         run_distill(ds_dir, tmp_path / "teacher", tmp_path / "run", cfg, resume=True, progress=False)
     record.write_bytes(saved)
     # the dataset preprocessed again from other photos of the same count

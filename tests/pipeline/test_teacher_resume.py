@@ -16,6 +16,7 @@ from leaflens.pipeline.cli import main as cli
 from leaflens.pipeline.config import load_config
 from leaflens.pipeline.teachers import effnet
 from leaflens.pipeline.teachers.stage import (
+    RESUME_RECORD,
     TeacherChoice,
     TeacherSettingError,
     TeacherStageError,
@@ -107,6 +108,12 @@ def test_resume_refuses_another_recipe_but_takes_a_lower_learning_rate(tmp_path,
     with pytest.raises(TeacherStageError, match=r"another teacher\.dropout"):
         run_teacher_stage(ds_dir, out, load_config(None, [*SETS, "teacher.dropout=0.5"]), progress=False, resume=True)
     assert (work / "last.npz").read_bytes() == before  # refused: the checkpoints are untouched
+    record = work / RESUME_RECORD  # as if the dataset had been preprocessed again: said in words, not a key name
+    saved = record.read_text()
+    record.write_text(json.dumps({**json.loads(saved), "dataset_manifest_sha256": "sha256:another"}))
+    with pytest.raises(TeacherStageError, match=r"another dataset \(preprocess was run again since\);"):
+        run_teacher_stage(ds_dir, out, load_config(None, SETS), progress=False, resume=True)
+    record.write_text(saved)
     run_teacher_stage(ds_dir, out, load_config(None, [*SETS, "teacher.lr=0.0001"]), progress=False, resume=True)
     assert (out / "teacher.json").exists() and not work.exists()
     stage = json.loads((out / "teacher.json").read_text())["stage"]

@@ -205,6 +205,10 @@ def _run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.Path
     counts = {split: len(ds[split]) for split in ("train", "val", "test")}
     tt = load_teacher(teacher_dir, ds) if teacher_dir is not None and not no_teacher else None
     cfg = _without_missing_weights(cfg)
+    if cfg.model.input_size > ds.image_size:  # config.toml keeps what was asked; report.json what was used
+        print(f"note: model.input_size {cfg.model.input_size} is above the {ds.image_size} px the dataset stores: the "
+              f"students take {ds.image_size} px (photos are never blown up); for a larger input, preprocess with "
+              f"--size {cfg.model.input_size}", file=sys.stderr, flush=True)
     few = few_validation_photos(counts["val"])
     if few:
         print(f"warning: {few}", file=sys.stderr, flush=True)

@@ -434,3 +434,13 @@ def test_a_second_run_on_the_same_out_is_refused_and_a_linked_out_is_written_thr
     capsys.readouterr()
     run_distill(ds_dir, None, tmp_path / "cut", _cfg(epochs=1), no_teacher=True, progress=False)
     assert "the interrupted run in" in capsys.readouterr().err
+
+
+def test_an_input_size_above_the_stored_size_is_said(tiny, tmp_path, capsys):
+    """model.input_size=100000 trained at the stored 16 px without a word, while config.toml said 100000."""
+    _, ds_dir = tiny
+    report = run_distill(ds_dir, None, tmp_path / "run", _cfg(epochs=1, **{"model.input_size": 100000}),
+                         no_teacher=True, progress=False)
+    assert report["dataset"]["input_size"] == 16
+    assert "note: model.input_size 100000 is above the 16 px the dataset stores: the students take 16 px" in \
+        capsys.readouterr().err

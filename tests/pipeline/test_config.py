@@ -266,7 +266,8 @@ def test_teacher_flags_that_apply_pass_the_check(argv):
 
 def test_epochs_named_on_the_command_line_are_taken_as_given():
     """``--epochs 2`` used to train 240 (train.min_steps) on a small dataset: named epochs turn the floor off,
-    unless min_steps is named too; a TOML file's epochs or the recipe's own keep it."""
+    unless min_steps is named too; so do epochs in the user's --config file (a CI job that pinned 3 epochs there
+    trained 120); the recipe's own epochs keep it."""
     from leaflens.pipeline.config import epochs_as_given  # noqa: PLC0415
 
     assert epochs_as_given(["train.epochs=2"]) == [("train.min_steps=0", "train.epochs as given (train.min_steps = 0)")]
@@ -278,6 +279,21 @@ def test_epochs_named_on_the_command_line_are_taken_as_given():
     cfg = load_config(None, ["train.epochs=2", *epochs_as_given(["train.epochs=2"])])
     assert (cfg.train.epochs, cfg.train.min_steps) == (2, 0)
     assert load_config().train.min_steps == 240  # the recipe's floor stays for its own epochs
+
+
+def test_epochs_in_the_users_config_file_are_taken_as_given(tmp_path):
+    from leaflens.pipeline.config import ConfigError, epochs_as_given  # noqa: PLC0415
+
+    pinned = tmp_path / "ci.toml"
+    pinned.write_text("[train]\nepochs = 3\nwarmup_epochs = 0\n")
+    assert [o for o, _ in epochs_as_given([], pinned)] == ["train.min_steps=0"]
+    cfg = load_config(pinned, epochs_as_given([], pinned))
+    assert (cfg.train.epochs, cfg.train.min_steps) == (3, 0)
+    both = tmp_path / "both.toml"
+    both.write_text("[train]\nepochs = 3\nmin_steps = 50\n[teacher]\nlr = 0.001\n")
+    assert epochs_as_given([], both) == []  # min_steps named with them: the file's floor
+    with pytest.raises(ConfigError, match="does not exist"):
+        epochs_as_given([], tmp_path / "none.toml")
 
 
 def test_the_commands_take_their_epochs_flag_as_given(tmp_path, monkeypatch):

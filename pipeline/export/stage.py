@@ -76,7 +76,7 @@ from leaflens.pipeline.export.quantize import (
     quantize_int8,
 )
 from leaflens.pipeline.report import metrics
-from leaflens.pipeline.runs import RunInfo, RunMetrics, load_model
+from leaflens.pipeline.runs import BEST, RunInfo, RunMetrics, load_model
 from leaflens.pipeline.teachers.stage import split_source_dir
 
 FP32_FILE, FP16_FILE, INT8_FILE = "student.onnx", "student_fp16.onnx", "student_int8.onnx"
@@ -413,6 +413,11 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
     model, info = load_model(opts.run)
     ds = load_dataset(opts.dataset if opts.dataset is not None else run_dataset(info, Path(opts.run)))
     warnings = _check_dataset(info, ds, opts)
+    parent = Path(opts.run).resolve().parent
+    if (parent / "report.json").is_file() and (parent / BEST).is_file():  # distill's folder of one student
+        warnings.append(f"{opts.run} is one student of the run {parent}: it is exported without what that run "
+                        "chose for it on validation (its centre crop), so it may answer worse than the run's report "
+                        f"says; to ship the model the run kept, export {parent}")
     kept_val = (info.kept_metrics or info.metrics).val_accuracy
     if kept_val is not None and "val" in ds and ds["val"].labels is not None:
         learnt = chance_warning(kept_val, np.asarray(ds["val"].labels), f"the {info.kept or 'student'} of run "
@@ -459,8 +464,8 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
             # photos to choose ("default"): the run's own threshold stays
             chosen = float(choice["threshold"])
             if abs(chosen - card.uncertain_threshold) > 1e-6:
-                log(f"ambiguous threshold {chosen:.4f} (the run recorded {card.uncertain_threshold:.4f}, chosen by an "
-                    "older rule)")
+                log(f"ambiguous threshold {chosen:.4f}, chosen on validation with today's rule (the run recorded "
+                    f"{card.uncertain_threshold:.4f})")
             card = replace(card, uncertain_threshold=chosen, threshold_from_model=True)
         card = replace(card, ood=check, val_ambiguous=float(np.mean(unsure(probs, card.uncertain_threshold))),
                        tie_ratio=TIE_RATIO)

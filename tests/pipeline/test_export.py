@@ -626,3 +626,19 @@ def test_the_console_says_when_near_ties_were_not_counted_by_the_gate():
     text = stage.summary({"parity": parity})
     assert "top-1 agreement 99.45% on 181 val images (1 of the 1 that differ are near-ties, not counted" in text
     assert "fp32: max |diff| 1.00e-06, top-1 agreement 100.00% on 181 val images\n" in text
+
+
+def test_one_student_of_a_run_is_exported_with_a_warning(tiny_run, tmp_path):
+    """`export --run artifacts/student/scratch` shipped the scratch student without the centre crop the run had
+    chosen for it (61.9 % served against the report's 72.4 %) and said nothing."""
+    import shutil
+
+    run, dataset = tiny_run
+    parent = tmp_path / "student"
+    shutil.copytree(run, parent / "scratch")
+    shutil.copy(run / "best.npz", parent / "best.npz")
+    (parent / "report.json").write_text("{}")
+    report = export_run(_opts(parent / "scratch", dataset, tmp_path / "export", int8=False), log=lambda s: None)
+    assert any(f"is one student of the run {parent}" in w and f"export {parent}" in w for w in report["warnings"])
+    plain = export_run(_opts(run, dataset, tmp_path / "export2", int8=False), log=lambda s: None)
+    assert not any("is one student of the run" in w for w in plain["warnings"])

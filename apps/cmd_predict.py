@@ -3,10 +3,10 @@
 Files named on the command line are classified whatever their extension; folders are searched
 recursively for image files (leaflens.data_prep.scan.IMAGE_EXTENSIONS, hidden entries skipped). Images go
 through the model in batches with a progress bar; each gets the Predictor's verdict (leaflens.apps.predictor:
-``diagnosis``, ``ambiguous``, ``out_of_domain``; ``refused``: too small, one flat colour or too blurred to
-judge; ``error``: unreadable), and neither a refused nor an unreadable image stops the run. Exit code: 0 every
-image was shown to the model, 1 some were refused or could not be read, 2 usage or model errors (nothing
-classified).
+``diagnosis``, ``ambiguous``, ``out_of_domain``; ``refused``: too small, one flat colour, too blurred to
+judge, or black and white for a model trained on colour; ``error``: unreadable), and neither a refused nor
+an unreadable image stops the run. Exit code: 0 every image was shown to the model, 1 some were refused or
+could not be read, 2 usage or model errors (nothing classified).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Classify photos (files, or folders searched recursively) with an exported leaflens "
                     "ONNX model. Each image gets a verdict: diagnosis, ambiguous (between the top two "
                     "classes), out_of_domain (unlike the model's training photos; models exported with the "
-                    "check), refused (too small, one flat colour or too blurred) or error (unreadable). Prints "
+                    "check), refused (too small, one flat colour, too blurred, or black and white for a model "
+                    "trained on colour) or error (unreadable). Prints "
                     "one line per image, or writes --csv with the verdict, the top-k classes (none for an "
                     "out-of-domain photo), the out-of-domain score and an error column. Exit code 0: every "
                     "image was judged by the model; 1: some were refused or could not be read; 2: usage or "

@@ -78,6 +78,17 @@ def test_version_is_the_installed_package_version():
     assert out.stdout.strip() == f"leaflens {version('leaflens')}"
 
 
+@pytest.mark.parametrize("argv", [[], ["data"]])
+def test_no_command_is_a_usage_error_with_the_help_on_stderr(argv, capsys):
+    """`leaflens` and `leaflens data` alone exit 2 (a usage error) and printed the help to stdout, where a script
+    takes output for results."""
+    from leaflens.pipeline.cli import main
+
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "usage: leaflens" in err
+
+
 @pytest.mark.parametrize("sub", sorted(SUBCOMMANDS))
 def test_a_subcommand_says_what_leaflens_help_says(sub):
     """`leaflens --help` lists the one-line helps without importing the stages; each stage's own parser

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         owner = subparsers.choices.get(args.command, parser) if args.command else parser
         owner.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
-        parser.print_help()
+        parser.print_help(sys.stderr)  # a usage error (exit 2): on stderr, as argparse says its errors
         return 2
     func = getattr(args, "func", None)
     if func is None:

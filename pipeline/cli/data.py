@@ -36,7 +36,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     s.add_argument("--force", action="store_true", help="regenerate even if up to date")
     s.set_defaults(func=run)
-    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+    p.set_defaults(func=lambda args: (p.print_help(sys.stderr), 2)[1])
     return p
 
 

@@ -77,6 +77,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--speed-seconds", type=float, default=1.0,
                    help="time spent timing each variant on the CPU (default 1.0)")
     p.add_argument("--threads", type=int, default=None, help="onnxruntime CPU threads (default: usable CPUs)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress lines on stderr (warnings still), as teacher and distill --quiet")
     p.add_argument("--allow-dataset-mismatch", action="store_true",
                    help="export even if --dataset is not the dataset the run was trained on")
     p.set_defaults(func=run)
@@ -124,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
 
     def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
+        if not args.quiet or msg.startswith(("warning", "INT8 not written")):
+            print(msg, file=sys.stderr, flush=True)
 
     try:
         report = export_run(opts, log=log)

@@ -642,3 +642,16 @@ def test_one_student_of_a_run_is_exported_with_a_warning(tiny_run, tmp_path):
     assert any(f"is one student of the run {parent}" in w and f"export {parent}" in w for w in report["warnings"])
     plain = export_run(_opts(run, dataset, tmp_path / "export2", int8=False), log=lambda s: None)
     assert not any("is one student of the run" in w for w in plain["warnings"])
+
+
+def test_export_quiet_keeps_warnings_only(tiny_run, tmp_path, capsys):
+    """export had no --quiet (teacher and distill do): about 8 progress lines on stderr in every cron log."""
+    run, dataset = tiny_run
+    base = ["export", "--run", str(run), "--dataset", str(dataset), "--speed-seconds", "0.05", "--threads", "1",
+            "--no-int8"]
+    assert main([*base, "--out", str(tmp_path / "loud")]) == 0
+    loud = capsys.readouterr().err
+    assert main([*base, "--out", str(tmp_path / "quiet"), "--quiet"]) == 0
+    quiet = capsys.readouterr().err
+    assert loud.count("\n") > quiet.count("\n") and "timing on" in loud and "timing on" not in quiet
+    assert all(line.startswith(("warning", "INT8 not written")) for line in quiet.splitlines())

@@ -346,27 +346,40 @@ def output_lock(target: PathLike, stage: str) -> Iterator[None]:
     """Hold ``.<name>.lock`` beside the output folder ``target`` for a stage's whole run, so a second run given
     the same folder (an overlapping cron job, a retry while the first still runs) is refused at once with
     :class:`OutputBusy` naming the process, instead of removing the first one's work in progress under it.
-    ``fcntl.flock``: the lock goes with the process, so a killed run never leaves the folder locked. The file
-    stays (removing it could let two runs lock two files of one name); where flock is missing (Windows),
-    nothing is locked."""
+    ``fcntl.flock``: the lock goes with the process, so a killed run never leaves the folder locked (only the
+    empty file, which the next run takes and removes). The file is removed while still locked, and a run that
+    locked a file already removed takes the new one: two runs never hold two files of one name. Where flock is
+    missing (Windows), nothing is locked."""
     path = Path(target)
+    if fcntl is None:
+        yield
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = path.parent / f".{path.name}.lock"
-    with open(lock, "a+", encoding="utf-8") as fh:
-        if fcntl is not None:
-            try:
-                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                fh.seek(0)
-                holder = fh.read().strip() or "?"
-                raise OutputBusy(f"{path} is being written by another run of leaflens {stage} (process {holder}); "
-                                 "wait for it to end, or give another --out") from None
-            fh.seek(0)
-            fh.truncate()
-            fh.write(f"{os.getpid()}\n")
-            fh.flush()
+    while True:
+        fh = open(lock, "a+", encoding="utf-8")
         try:
-            yield
-        finally:
-            if fcntl is not None:
-                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "?"
+            fh.close()
+            raise OutputBusy(f"{path} is being written by another run of leaflens {stage} (process {holder}); "
+                             "wait for it to end, or give another --out") from None
+        try:
+            current = os.stat(lock).st_ino == os.fstat(fh.fileno()).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        fh.close()  # its holder removed it after we opened it: lock the file there now
+    try:
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"{os.getpid()}\n")
+        fh.flush()
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            lock.unlink()
+        fh.close()  # closing releases the lock

@@ -104,9 +104,10 @@ def read_teacher_info(path: Path) -> TeacherInfo:
         raise TeacherError(str(exc)) from None
 
 
-def open_teacher_array(path: Path, shape: tuple[int, ...], why: str | None = None) -> np.ndarray:
+def open_teacher_array(path: Path, shape: tuple[int, ...], why: str | None = None, *,
+                       finite: bool = False) -> np.ndarray:
     """Memory-map one of a teacher folder's arrays, refusing a missing, unreadable or misshapen file by
-    name (``why``: what says the file should be there)."""
+    name (``why``: what says the file should be there), and with ``finite`` one holding NaN or inf."""
     if not path.is_file():
         raise TeacherError(f"{path} is missing" + (f" ({why})" if why else ""))
     try:
@@ -115,7 +116,7 @@ def open_teacher_array(path: Path, shape: tuple[int, ...], why: str | None = Non
         raise TeacherError(f"cannot read {path}: {exc}") from None
     if a.shape != shape:
         raise TeacherError(f"{path} has shape {a.shape}, expected {shape}")
-    if a.dtype.kind == "f":  # a NaN target would surface mid-training as a loss nobody can trace to this file
+    if finite and a.dtype.kind == "f":
         for start in range(0, len(a), _FINITE_ROWS):
             bad = ~np.isfinite(a[start:start + _FINITE_ROWS]).all(axis=tuple(range(1, a.ndim)))
             if bad.any():
@@ -144,10 +145,13 @@ def load_teacher(root: str | os.PathLike[str], dataset: Any) -> TeacherTargets:
     for split in dataset.splits:
         fname, lname = feature_paths(split)
         n = len(dataset[split])
-        features[split] = open_teacher_array(root / fname, (n, info.feature_dim))
+        # the rows students train on may be poisoned: the training loop skips and logs their batches (README,
+        # Reliability); validation and test rows feed the choice and the report, where a NaN has no remedy
+        judged = split not in ("train", "unlabeled")
+        features[split] = open_teacher_array(root / fname, (n, info.feature_dim), finite=judged)
         if info.num_classes:
             logits[split] = open_teacher_array(root / lname, (n, info.num_classes),
-                                               "teacher.json says the teacher has logits")
+                                               "teacher.json says the teacher has logits", finite=judged)
     from leaflens.pipeline.teachers.views import load_view_bank  # noqa: PLC0415
 
     return TeacherTargets(root, info, features, logits, load_view_bank(root, dataset, info))

@@ -417,7 +417,7 @@ def test_a_second_run_on_the_same_out_is_refused_and_a_linked_out_is_written_thr
         assert "is being written by another run" in capsys.readouterr().err
         assert not busy.exists() and not (tmp_path / "busy.partial").exists()
     run_distill(ds_dir, None, busy, _cfg(epochs=1), no_teacher=True, progress=False)  # free again
-    assert (busy / "best.npz").is_file()
+    assert (busy / "best.npz").is_file() and not (tmp_path / ".busy.lock").exists()  # no lock file stays
 
     real = tmp_path / "disk" / "run"
     real.parent.mkdir()

@@ -36,6 +36,8 @@ leaflens.dataset_use            no         JSON {"train": int, "unlabeled": int}
 leaflens.grey_share             no         float, share of the training photos without colour
                                            (leaflens.data_prep.quality); 0: a photo without colour is
                                            refused ("no_colour"); absent: not recorded, nothing refused
+leaflens.precision              no         "fp16" or "int8": made from the FP32 model, with its own accuracy
+                                           and thresholds; absent: the FP32 model (or exported before it)
 leaflens.run_id                 no         training run id
 leaflens.accuracy               no         float, test accuracy of that run
 leaflens.params                 no         int, parameter count
@@ -235,7 +237,8 @@ class ModelCard(Record):
     """What a leaflens ONNX model says about itself (see the module docstring for the keys)."""
 
     SCHEMA_VERSION: ClassVar[int | None] = int(FORMAT_VERSION)
-    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"trained_on", "grey_share", "tie_ratio"})  # as before them
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"trained_on", "grey_share", "tie_ratio",
+                                                          "precision"})  # as before them
 
     classes: tuple[str, ...]
     contract: PreprocessContract
@@ -252,6 +255,9 @@ class ModelCard(Record):
     # the near-tie ratio val_ambiguous was measured with (TIE_RATIO at export); None: exported before near ties
     # counted as "ambiguous", so val_ambiguous counts the threshold alone
     tie_ratio: float | None = None
+    # "fp16" or "int8" for a file made from the FP32 model, whose accuracy and thresholds are its own; None: the
+    # FP32 model itself, or a file exported before it was recorded
+    precision: Literal["fp16", "int8"] | None = None
     schema_version: int = int(FORMAT_VERSION)
 
     def __post_init__(self) -> None:
@@ -332,6 +338,8 @@ class ModelCard(Record):
             meta["grey_share"] = repr(float(self.grey_share))
         if self.tie_ratio is not None:
             meta["tie_ratio"] = repr(float(self.tie_ratio))
+        if self.precision is not None:
+            meta["precision"] = self.precision
         return {PREFIX + k: v for k, v in meta.items()}
 
     @property
@@ -410,6 +418,10 @@ class ModelCard(Record):
         data["val_ambiguous"] = number("val_ambiguous", float) if PREFIX + "val_ambiguous" in meta else None
         if PREFIX + "tie_ratio" in meta:
             data["tie_ratio"] = number("tie_ratio", float)
+        if PREFIX + "precision" in meta:
+            if get("precision") not in ("fp16", "int8"):
+                raise fail("precision", f"must be fp16 or int8, got {get('precision')!r}")
+            data["precision"] = get("precision")
         if PREFIX + "grey_share" in meta:
             data["grey_share"] = number("grey_share", float)
             if not 0.0 <= data["grey_share"] <= 1.0:

@@ -181,7 +181,8 @@ def _pct(v: float) -> str:
 
 def _report_is_this_file(card: Any, report: dict[str, Any] | None) -> bool:
     """Whether the run's test figures are the served file's: the file's own test accuracy (when it records one)
-    is the run's. Not so for the FP16 and INT8 files of an export, which are measured on their own."""
+    is the run's. Not so for the FP16 and INT8 files of an export, which are measured on their own (files
+    exported since say so, ``leaflens.precision``; this is how older ones are told)."""
     own = card.accuracy
     test = _get(report, "test")
     ran = test.get("accuracy") if isinstance(test, dict) else None
@@ -331,7 +332,7 @@ def model_markdown(predictor: Any, ctx: ServeContext, lang: str, notes: Any = No
     card = predictor.card
     report = ctx.run_report
     params = card.params if card.params is not None else _get(report, "params")
-    variant = not _report_is_this_file(card, report)
+    variant = card.precision is not None or not _report_is_this_file(card, report)
     if variant:
         # an FP16 or INT8 file holds its own test accuracy: the run's figures (accuracy, per-class results) are
         # those of the FP32 model it was made from, not of the file served

@@ -237,13 +237,14 @@ def _decode_all(files: list[SourceFile], opts: IngestOptions, staging: Path | No
 
 # ---------------------------------------------------------------------------- splitting
 def _assign(scan: ScanResult, kept: list[int], digests: list[bytes], units: list[Hashable], opts: IngestOptions,
-            rejects: list[dict]) -> list[str | None]:
+            rejects: list[dict], source_units: list[Hashable] | None = None) -> list[str | None]:
     """Split name per kept row (None: dropped as a cross-split duplicate, added to ``rejects``).
 
     ``units``: per kept row, the key of the duplicate group it belongs to (exact or near copies); the
-    automatic split places each group as one unit, so no copy lands in another split. With given splits,
-    byte-identical copies of the same class in a later split are dropped; copies under another class are
-    kept for the data report to show as label conflicts (dropping one would silently pick the label).
+    automatic split places each group as one unit, so no copy lands in another split. ``source_units``: the
+    same grouping made of the source's photos alone (default ``units``), which the source is split by. With
+    given splits, byte-identical copies of the same class in a later split are dropped; copies under another
+    class are kept for the data report to show as label conflicts (dropping one would silently pick the label).
 
     Photos of extra folders (``--also``: corrections) never move the source's photos: the source is split
     exactly as without them; an extra photo in a group with source photos joins their split, any other one
@@ -285,10 +286,11 @@ def _assign(scan: ScanResult, kept: list[int], digests: list[bytes], units: list
                 out[r] = given[k]
         return out
     labels = [files[kept[r]].label for r in source_rows]
+    own = source_units if source_units is not None else units
     unit_split: dict[Hashable, str] = {}
-    for r, s in zip(source_rows, assign_auto(labels, [units[r] for r in source_rows], opts.ratios, opts.seed)):
+    for r, s in zip(source_rows, assign_auto(labels, [own[r] for r in source_rows], opts.ratios, opts.seed)):
         out[r] = s
-        unit_split[units[r]] = s
+        unit_split.setdefault(units[r], s)  # an extra photo in a group with source photos: their first's split
     first_digest: dict[Hashable, bytes] = {}  # the smallest digest of a group's extra photos: its split's key
     for r in extra_rows:
         first_digest[units[r]] = min(first_digest.get(units[r], digests[r]), digests[r])
@@ -687,9 +689,21 @@ def _split_and_check(scan: ScanResult, decoded: _Decoded, opts: IngestOptions, w
     for g, group in enumerate(copies.shape_groups):  # look-alikes too: see near_dup.Copies
         for k in group.members:
             units[lab_rows[k]] = ("group", g)
+    source_units = units
+    if any(files[kept[r]].extra for r in lab_rows):
+        # the source's own groups: a correction alike to two source photos must not join them into one unit
+        # (that reshuffles their class), so the source is split exactly as without --also
+        src_rows = [r for r in lab_rows if not files[kept[r]].extra]
+        source_units = list(units)
+        for r in src_rows:
+            source_units[r] = decoded.digests[r]
+        own = find_copies(decoded.hashes[src_rows], decoded.colours[src_rows])
+        for g, group in enumerate(own.shape_groups):
+            for k in group.members:
+                source_units[src_rows[k]] = ("source group", g)
     t_split = time.perf_counter()
     rejects_before = len(decoded.rejects)
-    assigned = _assign(scan, kept, decoded.digests, units, opts, decoded.rejects)
+    assigned = _assign(scan, kept, decoded.digests, units, opts, decoded.rejects, source_units)
     twice = sum(r["reason"] == "duplicate_of_source" for r in decoded.rejects[rejects_before:])
     exact_dropped = len(decoded.rejects) - rejects_before - twice
     if twice:

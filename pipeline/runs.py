@@ -109,6 +109,7 @@ class RunInfo:
     run_id: str
     kept: Literal["teacher"] | None = None  # "teacher": export ships TEACHER_MODEL, not the student
     kept_metrics: RunMetrics | None = None
+    variant: Variant | None = None  # the student's: learnt from the teacher or from the labels alone
 
     @property
     def teacher_model(self) -> Path:
@@ -126,7 +127,8 @@ def _run_info(path: Path, meta: dict[str, Any], run_dir: Path) -> RunInfo:
     except RecordError as exc:
         raise CheckpointError(str(exc)) from None
     return RunInfo(path=path, model_config=record.model_config, dataset=record.dataset, metrics=record.metrics,
-                   run_id=record.run_id or run_dir.name, kept=record.kept, kept_metrics=record.kept_metrics)
+                   run_id=record.run_id or run_dir.name, kept=record.kept, kept_metrics=record.kept_metrics,
+                   variant=record.variant)
 
 
 def read_run(run_dir: str | os.PathLike[str]) -> RunInfo:

@@ -434,7 +434,7 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
             f"{FP32_FILE}, the served model")
     # drawn demo leaves or photos: the app says which (the source folder found again if the project moved)
     learnt_from = trained_on(ds.manifest, source_root=split_source_dir(ds, "train"))
-    if info.kept != "distilled":  # only the distilled student learns from the unlabelled photos (its teacher's)
+    if info.kept is not None or info.variant != "distilled":  # only a distilled student learns from them
         learnt_from = replace(learnt_from, unlabeled=None)
     card = replace(card, trained_on=learnt_from, grey_share=_grey_share(ds))
     if card.refuses_grey:
@@ -667,7 +667,8 @@ def _own_cards(card: ModelCard, paths: dict[str, Path], val_logits: dict[str, np
                 if choice["method"] != "default":
                     threshold = float(choice["threshold"])
             own = replace(card, uncertain_threshold=threshold, accuracy=float(accuracy[k]),
-                          val_ambiguous=float(np.mean(unsure(probs, threshold))), tie_ratio=TIE_RATIO)
+                          val_ambiguous=float(np.mean(unsure(probs, threshold))), tie_ratio=TIE_RATIO,
+                          precision="int8" if k == "int8" else "fp16")
             if card.ood is not None and ood_report is not None:
                 flagged = ood_report["variants"][k]
                 own = replace(own, ood=replace(card.ood, threshold=flagged["threshold"],
@@ -676,7 +677,10 @@ def _own_cards(card: ModelCard, paths: dict[str, Path], val_logits: dict[str, np
             meta = own.to_metadata()
             for prop in model.metadata_props:
                 if prop.key in meta:
-                    prop.value = meta[prop.key]
+                    prop.value = meta.pop(prop.key)
+            for key, value in meta.items():  # what only the variant records (leaflens.precision)
+                entry = model.metadata_props.add()
+                entry.key, entry.value = key, value
             save_onnx(model, path)
         out[k] = {"accuracy": own.accuracy, "uncertain_threshold": own.uncertain_threshold,
                   "val_ambiguous": own.val_ambiguous,

@@ -152,6 +152,10 @@ def test_an_int8_file_shows_its_own_accuracy_not_the_fp32_runs(tiny_model):
     md = model_markdown(predictor, ServeContext(run_report=report()), "en", NOTES)
     assert "**How often it is right:** 74.0%" in md and "82.1%" not in md
     assert "those of the FP32 model this file was made from" in md and "often mistaken" not in md
+    # an INT8 file whose accuracy happens to equal the FP32 run's: the file says what it is
+    level = served(tiny_model, **{"leaflens.accuracy": "0.821", "leaflens.precision": "int8"})
+    md = model_markdown(level, ServeContext(run_report=report()), "en", NOTES)
+    assert "those of the FP32 model this file was made from" in md and "often mistaken" not in md
     same = served(tiny_model, **{"leaflens.accuracy": "0.821"})  # the run's own file: its figures stand
     md = model_markdown(same, ServeContext(run_report=report()), "en", NOTES)
     assert "82.1% (95% confidence interval" in md and "often mistaken" in md

@@ -229,3 +229,43 @@ def test_a_correction_of_a_source_photo_leaves_the_sources_copy_where_it_is(tmp_
     assert [(r["path"].endswith("same.jpg"), r["reason"]) for r in rejected] == [(True, "duplicate_of_source")]
     assert str((extra / "healthy" / "other.jpg").resolve()) in ds["train"].files  # a label conflict, reported
     assert any("already in the source under the same class" in m for m in said)
+
+
+def test_a_correction_alike_to_two_source_photos_moves_neither(tmp_path):
+    """A correction within the near-copy distance of two source photos that are not near copies of each other
+    joined them into one group, which reshuffled their whole class (8 photos moved, some out of test). The
+    source is now grouped and split on its own photos."""
+    from PIL import Image
+
+    from leaflens.data_prep.ingest import IngestOptions as Opts
+    from leaflens.data_prep.near_dup import hamming, photo_hashes
+
+    def smooth(seed: int) -> np.ndarray:  # large structures, so a blend moves the perceptual hash gradually
+        rng = np.random.default_rng(seed)
+        return np.asarray(Image.fromarray(rng.integers(0, 256, (6, 6, 3), dtype=np.uint8)).resize(
+            (64, 64), Image.Resampling.BICUBIC)).astype(float)
+
+    a, c = smooth(1), smooth(2)
+
+    def blend(t: float) -> np.ndarray:
+        return np.clip((1 - t) * a + t * c, 0, 255).astype(np.uint8)
+
+    def dist(x: np.ndarray, y: np.ndarray) -> int:
+        hx, hy = photo_hashes(x), photo_hashes(y)
+        return min(int(hamming(hx[i], hy[j])) for i in range(len(hx)) for j in range(len(hy)))
+
+    base = blend(0.0)
+    t = next((t for t in np.linspace(0.02, 1, 50) if dist(base, blend(t)) > 8 and dist(base, blend(t / 2)) <= 8
+              and dist(blend(t / 2), blend(t)) <= 8), None)
+    if t is None:
+        pytest.skip("no blend bridges two photos with these hashes")
+    src = make_class_folders(tmp_path / "photos", per_class=12)
+    Image.fromarray(base).save(src / "rust" / "A.png")
+    Image.fromarray(blend(t)).save(src / "rust" / "B.png")
+    extra = tmp_path / "corrections"
+    (extra / "rust").mkdir(parents=True)
+    Image.fromarray(blend(t / 2)).save(extra / "rust" / "M.png")
+    ingest(src, tmp_path / "plain", Opts(size=32), workers=1, log=lambda m: None)
+    ingest(src, tmp_path / "with", Opts(size=32), workers=1, also=[extra], log=lambda m: None)
+    plain, both = _split_of(tmp_path / "plain"), _split_of(tmp_path / "with")
+    assert {f: s for f, s in both.items() if f in plain} == plain

@@ -444,3 +444,30 @@ def test_an_input_size_above_the_stored_size_is_said(tiny, tmp_path, capsys):
     assert report["dataset"]["input_size"] == 16
     assert "note: model.input_size 100000 is above the 16 px the dataset stores: the students take 16 px" in \
         capsys.readouterr().err
+
+
+def test_an_exported_distilled_student_records_the_unlabelled_photos_it_learned_from(tiny, tmp_path):
+    """The export dropped the unlabelled count for every run (it asked for a kept "distilled" that RunInfo never
+    holds), so the Model tab never said them."""
+    from leaflens.apps.model_card import ModelCard
+    from leaflens.pipeline.export.stage import ExportOptions, export_run
+
+    tmp, ds_dir = tiny
+    run = tmp_path / "run"
+    run_distill(ds_dir, tmp / "teacher", run, _cfg(epochs=1, **{"distill.compare_scratch": "false"}),
+                progress=False)
+    out = tmp_path / "export"
+    export_run(ExportOptions(run=run, out=out, dataset=ds_dir, speed_seconds=0.05, threads=1, int8=False),
+               log=lambda s: None)
+    import onnx
+
+    meta = {p.key: p.value for p in onnx.load(str(out / "student.onnx")).metadata_props}
+    card = ModelCard.from_metadata(meta, "student.onnx")
+    ds = load_dataset(ds_dir)
+    assert card.trained_on.unlabeled == len(ds["unlabeled"]) and card.trained_on.train == len(ds["train"])
+    scratch = tmp_path / "scratch_run"
+    run_distill(ds_dir, None, scratch, _cfg(epochs=1), no_teacher=True, progress=False)
+    export_run(ExportOptions(run=scratch, out=tmp_path / "export2", dataset=ds_dir, speed_seconds=0.05, threads=1,
+                             int8=False), log=lambda s: None)
+    meta = {p.key: p.value for p in onnx.load(str(tmp_path / "export2" / "student.onnx")).metadata_props}
+    assert ModelCard.from_metadata(meta, "student.onnx").trained_on.unlabeled is None  # never saw them

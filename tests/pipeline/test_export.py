@@ -124,6 +124,10 @@ def test_export_end_to_end_via_cli(tiny_run, tmp_path, capsys, monkeypatch):
                      "triton/leaflens_student/labels.txt"]
     report = json.loads((out / "parity.json").read_text())
     assert report["passed"] and not report["failures"]
+    # each file says what it is: the Model tab then never shows the FP32 run's figures as an INT8 file's
+    precision = {name: {p.key: p.value for p in onnx.load(str(out / name)).metadata_props}.get("leaflens.precision")
+                 for name in ("student.onnx", "student_fp16.onnx", "student_int8.onnx")}
+    assert precision == {"student.onnx": None, "student_fp16.onnx": "fp16", "student_int8.onnx": "int8"}
     # absolute, so that the server finds them from any working folder
     assert Path(report["run"]["path"]).is_absolute() and Path(report["dataset"]["root"]).is_absolute()
     fp32, fp16 = report["parity"]["fp32"], report["parity"]["fp16"]

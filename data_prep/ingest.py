@@ -148,9 +148,6 @@ def _checked_task(task: tuple[int, str, int, str, int, bool]) -> tuple[
     why the app would refuse it or None), metadata, seconds spent on the checks: everything with --check, the
     hashes and metadata otherwise)."""
     index, path, size, resize, max_pixels, keep_pixels = task
-    if "\n" in path or "\r" in path:  # <split>_files.txt holds one name per line: every later row would shift
-        return (index, None, None, "bad_name", "its name holds a line break, which the dataset's file lists "
-                "(one photo per line) cannot record; rename the file", None, None, 0.0)
     t0 = time.perf_counter()
     header: dict = {}
     digest, pixels, reason, detail = _read_and_decode(path, size, resize, max_pixels, header)
@@ -205,8 +202,16 @@ def _decode_all(files: list[SourceFile], opts: IngestOptions, staging: Path | No
         chunksize = max(1, min(32, total // (workers * 8) or 1))
         with open(staging, "wb") if staging is not None else contextlib.nullcontext() as out:
             for start in range(0, total, window):
-                block = [(i, files[i].path, size, opts.resize, opts.max_pixels, keep_pixels)
-                         for i in range(start, min(total, start + window))]
+                block = []
+                for i in range(start, min(total, start + window)):
+                    f = files[i]
+                    if "\n" in f.rel or "\r" in f.rel:  # <split>_files.txt: one name per line, later rows would shift
+                        rejects.append({"path": f.rel, "label": f.label, "split": f.split, "reason": "bad_name",
+                                        "detail": "its name holds a line break, which the dataset's file lists (one "
+                                                  "photo per line) cannot record; rename it"})
+                        bar.update(1)
+                        continue
+                    block.append((i, f.path, size, opts.resize, opts.max_pixels, keep_pixels))
                 results = pool.imap(_checked_task, block, chunksize) if pool else map(_checked_task, block)
                 for index, digest, pixels, reason, detail, hash_row, meta, seconds in results:
                     check_seconds += seconds

@@ -338,7 +338,12 @@ def output_folder(target: PathLike) -> Path:
     (a run kept on another disk behind a link), so the folder swap replaces what the link points at instead of
     the link itself."""
     path = Path(target)
-    return path.resolve() if path.is_symlink() else path
+    if not path.is_symlink():
+        return path
+    try:
+        return path.resolve(strict=False)
+    except (RuntimeError, OSError) as exc:  # a loop of links (RuntimeError before Python 3.13)
+        raise ValueError(f"--out {path} is a symbolic link that leads to no folder ({exc}); give a folder") from None
 
 
 @contextlib.contextmanager
@@ -362,10 +367,10 @@ def output_lock(target: PathLike, stage: str) -> Iterator[None]:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             fh.seek(0)
-            holder = fh.read().strip() or "?"
+            pid, _, theirs = fh.read().strip().partition(" ")
             fh.close()
-            raise OutputBusy(f"{path} is being written by another run of leaflens {stage} (process {holder}); "
-                             "wait for it to end, or give another --out") from None
+            raise OutputBusy(f"{path} is being written by leaflens {theirs or stage} (process {pid or '?'}); wait "
+                             "for it to end, or give another --out") from None
         try:
             current = os.stat(lock).st_ino == os.fstat(fh.fileno()).st_ino
         except FileNotFoundError:
@@ -376,7 +381,7 @@ def output_lock(target: PathLike, stage: str) -> Iterator[None]:
     try:
         fh.seek(0)
         fh.truncate()
-        fh.write(f"{os.getpid()}\n")
+        fh.write(f"{os.getpid()} {stage}\n")
         fh.flush()
         yield
     finally:

@@ -378,20 +378,29 @@ def settings_not_read(overrides: Sequence[str | tuple[str, str]], read: Sequence
     return out
 
 
+_EPOCH_FLOORS = {  # (epochs, their min_steps) of what each command trains
+    "distill": (("train.epochs", "train.min_steps"),),
+    "teacher": (("teacher.epochs", "teacher.min_steps"), ("teacher.cnn_epochs", "train.min_steps")),
+}
+
+
 def epochs_as_given(overrides: Sequence[str | tuple[str, str]],
-                    config_file: str | os.PathLike[str] | None = None) -> list[tuple[str, str]]:
+                    config_file: str | os.PathLike[str] | None = None,
+                    command: str | None = None) -> list[tuple[str, str]]:
     """``min_steps = 0`` overrides for the sections whose epochs the command line or the user's ``--config``
     file names without naming their ``min_steps``: ``--epochs 2`` (or ``--set train.epochs=2``, or
     ``epochs = 2`` under ``[train]`` in the file) means two epochs, not "at least 240 steps" (the recipe's
     ``min_steps`` is for the epochs it chose itself, on few photos). ``teacher.cnn_epochs`` is the --train-cnn
-    teacher's, which trains with ``[train]``. Raises :class:`ConfigError` for a file it cannot read."""
+    teacher's, which trains with ``[train]``. ``command`` ("distill", "teacher"): only the epochs it trains count
+    (a config file shared by both stages names the other's too); None: both. Raises :class:`ConfigError` for a
+    file it cannot read."""
     keys = {(item if isinstance(item, str) else item[0]).split("=", 1)[0].strip() for item in overrides}
     if config_file:
         keys |= {f"{section}.{key}" for section, table in read_toml(config_file).items()
                  if isinstance(table, dict) for key in table}
     out: dict[str, tuple[str, str]] = {}  # one override per min_steps key (train.epochs and cnn_epochs share one)
-    for epochs, steps in (("train.epochs", "train.min_steps"), ("teacher.epochs", "teacher.min_steps"),
-                          ("teacher.cnn_epochs", "train.min_steps")):
+    pairs = _EPOCH_FLOORS[command] if command is not None else tuple(p for v in _EPOCH_FLOORS.values() for p in v)
+    for epochs, steps in pairs:
         if epochs in keys and steps not in keys:
             out.setdefault(steps, (f"{steps}=0", f"{epochs} as given ({steps} = 0)"))
     return list(out.values())

@@ -205,10 +205,6 @@ def _run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.Path
     counts = {split: len(ds[split]) for split in ("train", "val", "test")}
     tt = load_teacher(teacher_dir, ds) if teacher_dir is not None and not no_teacher else None
     cfg = _without_missing_weights(cfg)
-    if cfg.model.input_size > ds.image_size:  # config.toml keeps what was asked; report.json what was used
-        print(f"note: model.input_size {cfg.model.input_size} is above the {ds.image_size} px the dataset stores: the "
-              f"students take {ds.image_size} px (photos are never blown up); for a larger input, preprocess with "
-              f"--size {cfg.model.input_size}", file=sys.stderr, flush=True)
     few = few_validation_photos(counts["val"])
     if few:
         print(f"warning: {few}", file=sys.stderr, flush=True)
@@ -224,8 +220,8 @@ def _run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.Path
                                  f"asks for {family[1]} (--family / model.family): resume it with its own, or run "
                                  "without --resume to start over")
     if not resume and work.exists():
-        print(f"note: the interrupted run in {work} is discarded: this run starts over (--resume would have "
-              "continued it)", file=sys.stderr, flush=True)
+        print(f"note: the interrupted run in {work} is discarded: this run starts over (--resume continues an "
+              "interrupted run on the dataset and teacher it began with)", file=sys.stderr, flush=True)
         shutil.rmtree(work)
     elif resume and not work.exists():
         print(f"note: --resume: no interrupted run at {work}; starting a new one", file=sys.stderr, flush=True)
@@ -332,6 +328,10 @@ def _train_and_report(ds: Any, cfg: StageConfig, tt: Any, work: Path, out: Path,
         if lr > 0:
             mcfg = dataclasses.replace(mcfg, train=dataclasses.replace(cfg.train, lr=lr))
         size = student_input_size(mcfg, ds.image_size)
+        if member.model.input_size > size:  # config.toml keeps what was asked; report.json what was used
+            print(f"note: student {member.name}: input size {member.model.input_size} is above the "
+                  f"{ds.image_size} px the dataset stores: it takes {size} px (photos are never blown up); for a "
+                  f"larger input, preprocess with --size {member.model.input_size}", file=sys.stderr, flush=True)
         meta = dataclasses.replace(run_meta, model_config=StudentSpec.from_recipe(member.model, ds.num_classes),
                                    dataset=dataclasses.replace(run_meta.dataset, input_size=size))
         for variant, data in variants.items():

@@ -118,7 +118,8 @@ LEFT_OUT = {"broken_link": "link(s) to a missing file", "name_not_utf8": "file n
             "outside_class_folders": "file(s) outside the class folders"}
 
 
-def class_folder_photos(root: str | os.PathLike[str], classes: Sequence[str]) -> tuple[list[str], np.ndarray]:
+def class_folder_photos(root: str | os.PathLike[str], classes: Sequence[str],
+                        not_known: str | os.PathLike[str] | None = None) -> tuple[list[str], np.ndarray]:
     """The photos under ``root/<class>/`` (image files, searched recursively, hidden ones skipped) and their
     labels as indices into ``classes``; a folder whose name is not one of ``classes`` is refused."""
     if Path(root).is_file():
@@ -138,7 +139,8 @@ def class_folder_photos(root: str | os.PathLike[str], classes: Sequence[str]) ->
                               f"e.g. {Path(scan.root) / 'test'}")
     # the web app's corrections folder holds one for photos people said show no leaf: not a class to score
     no_leaf = NOT_A_LEAF in scan.classes and NOT_A_LEAF not in classes
-    if no_leaf:
+    asked = not_known is not None and Path(not_known).resolve() == (Path(scan.root) / NOT_A_LEAF).resolve()
+    if no_leaf and not asked:  # with --not-known naming it, its figures follow
         print(f"note: {Path(scan.root) / NOT_A_LEAF} left out: photos people said show no leaf are of no class of "
               f"the model; to see what it answers them: --not-known {Path(scan.root) / NOT_A_LEAF}", file=sys.stderr)
     unknown = [c for c in scan.classes if c not in classes and not (no_leaf and c == NOT_A_LEAF)]
@@ -226,11 +228,12 @@ def _refusal(answer: Prediction) -> bool:
 
 
 def evaluate_photos(model: str | os.PathLike[str] | Predictor, photos: str | os.PathLike[str],
-                    threads: int | None = None, batch_size: int = 32) -> PhotoEvaluation:
+                    threads: int | None = None, batch_size: int = 32,
+                    not_known: str | os.PathLike[str] | None = None) -> PhotoEvaluation:
     """`leaflens evaluate`: the model file served by onnxruntime (or a loaded Predictor) on the class folders
-    under ``photos``."""
+    under ``photos`` (``not_known``: the --not-known folder, evaluated apart)."""
     predictor = model if isinstance(model, Predictor) else Predictor(model, intra_op_threads=threads)
-    files, labels = class_folder_photos(photos, predictor.classes)
+    files, labels = class_folder_photos(photos, predictor.classes, not_known)
     if not files:
         raise EvaluationError(f"{photos}: no photos in its class folders")
     return evaluate_files(predictor, files, labels, str(Path(photos).resolve()), batch_size)

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         overrides.append((f"model.escalate={json.dumps(list(family_option(args.escalate)))}",
                           f"--escalate {args.escalate}"))
     try:
-        cfg = load_config(args.config, [*overrides, *epochs_as_given(overrides, args.config)])
+        cfg = load_config(args.config, [*overrides, *epochs_as_given(overrides, args.config, "distill")])
     except ConfigError as exc:
         print(f"leaflens distill: {exc}", file=sys.stderr)
         return EXIT_USAGE

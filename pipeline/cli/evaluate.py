@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         predictor = Predictor(args.model, intra_op_threads=args.threads,
                               providers=requested_providers(getattr(args, "provider", "auto")))
         print(predictor.provider_line, file=sys.stderr)
-        evaluation = evaluate_photos(predictor, photos, batch_size=args.batch_size)
+        evaluation = evaluate_photos(predictor, photos, batch_size=args.batch_size, not_known=args.not_known)
         if args.not_known is not None:
             evaluation = dataclasses.replace(evaluation, not_known=evaluate_not_known(predictor, args.not_known,
                                                                                       args.batch_size))

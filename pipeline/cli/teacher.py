@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         given = [*args.overrides, *flag_overrides(args)]
-        cfg = load_config(args.config, [*given, *epochs_as_given(given, args.config)])
+        cfg = load_config(args.config, [*given, *epochs_as_given(given, args.config, "teacher")])
     except ConfigError as exc:
         print(f"leaflens teacher: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -276,11 +276,6 @@ def _photos_learned_from(report: Mapping[str, Any]) -> list[str]:
         said = [f"The distilled student learned from {labelled:,} labelled and {unlabelled:,} unlabelled photos "
                 f"(the teacher's answers standing in for the withheld labels); the scratch student from the "
                 f"{labelled:,} labelled ones only."]
-    also = (report.get("dataset") or {}).get("also") or {}
-    if also.get("counts"):
-        per = ", ".join(f"{n:,} {s}" for s, n in also["counts"].items())
-        said.append(f"Photos from `preprocess --also` ({', '.join(map(_cell, also.get('folders') or []))}: "
-                    f"the web app's corrections, or other extra photos): {per}.")
     return said
 
 
@@ -408,6 +403,11 @@ def _facts_section(report: Mapping[str, Any]) -> list[str]:
     lines = ["## Model and run", "",
              f"- Parameters (inference model): {params_text}",
              f"- Training time: {_duration(report.get('train_seconds'))}"]
+    also = (report.get("dataset") or {}).get("also") or {}
+    if also.get("counts"):
+        per = ", ".join(f"{n:,} {s}" for s, n in also["counts"].items())
+        lines.append(f"- Photos from `preprocess --also` ({', '.join(map(_cell, also.get('folders') or []))}: "
+                     f"the web app's corrections, or other extra photos): {per}")
     kept_variant = _candidates(report).get(_kept(report)) or {}
     epochs = report.get("epochs", kept_variant.get("epochs_run"))
     if epochs is not None:

@@ -71,6 +71,11 @@ def test_a_name_with_a_line_break_is_rejected_and_the_file_lists_stay_aligned(cl
     ds = load_dataset(out)
     for s in ("train", "val", "test"):
         assert len(ds[s].files) == len(ds[s])
+    # a line break in the folder above the photos is no part of the names the lists record
+    odd = tmp_path / "a\nfolder"
+    make_class_folders(odd / "photos", per_class=5)
+    report = ingest(odd / "photos", tmp_path / "ds2", IngestOptions(size=16), workers=1, **QUIET)
+    assert report.kept_total == 15 and not report.rejected
 
 
 def test_the_summary_names_the_extensions_of_the_files_left_out_as_not_images(class_folders, tmp_path):

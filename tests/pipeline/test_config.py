@@ -292,6 +292,12 @@ def test_epochs_in_the_users_config_file_are_taken_as_given(tmp_path):
     both = tmp_path / "both.toml"
     both.write_text("[train]\nepochs = 3\nmin_steps = 50\n[teacher]\nlr = 0.001\n")
     assert epochs_as_given([], both) == []  # min_steps named with them: the file's floor
+    shared = tmp_path / "shared.toml"  # one file for both stages: each takes only the epochs it trains
+    shared.write_text("[teacher]\ncnn_epochs = 30\n")
+    assert epochs_as_given([], shared, "distill") == []
+    assert [o for o, _ in epochs_as_given([], shared, "teacher")] == ["train.min_steps=0"]
+    assert epochs_as_given([], pinned, "teacher") == []  # [train] epochs are the students'
+    assert epochs_as_given(["train.epochs=3"], None, "teacher") == []
     with pytest.raises(ConfigError, match="does not exist"):
         epochs_as_given([], tmp_path / "none.toml")
 

@@ -408,13 +408,13 @@ def test_a_second_run_on_the_same_out_is_refused_and_a_linked_out_is_written_thr
 
     _, ds_dir = tiny
     busy = tmp_path / "busy"
-    with output_lock(busy, "distill"):
-        with pytest.raises(OutputBusy, match=rf"{busy} is being written by another run of leaflens distill "
+    with output_lock(busy, "teacher"):  # whoever holds it is named (a teacher given the run's folder)
+        with pytest.raises(OutputBusy, match=rf"{busy} is being written by leaflens teacher "
                                              rf"\(process {os.getpid()}\)"):
             run_distill(ds_dir, None, busy, _cfg(epochs=1), no_teacher=True, progress=False)
         assert cli(["distill", "--dataset", str(ds_dir), "--no-teacher", "--out", str(busy), "--epochs", "1",
                     "--quiet"]) == 1
-        assert "is being written by another run" in capsys.readouterr().err
+        assert "is being written by leaflens teacher" in capsys.readouterr().err
         assert not busy.exists() and not (tmp_path / "busy.partial").exists()
     run_distill(ds_dir, None, busy, _cfg(epochs=1), no_teacher=True, progress=False)  # free again
     assert (busy / "best.npz").is_file() and not (tmp_path / ".busy.lock").exists()  # no lock file stays
@@ -442,8 +442,11 @@ def test_an_input_size_above_the_stored_size_is_said(tiny, tmp_path, capsys):
     report = run_distill(ds_dir, None, tmp_path / "run", _cfg(epochs=1, **{"model.input_size": 100000}),
                          no_teacher=True, progress=False)
     assert report["dataset"]["input_size"] == 16
-    assert "note: model.input_size 100000 is above the 16 px the dataset stores: the students take 16 px" in \
+    assert "input size 100000 is above the 16 px the dataset stores: it takes 16 px" in \
         capsys.readouterr().err
+    run_distill(ds_dir, None, tmp_path / "fam", _cfg(epochs=1, **{"model.family": '["s@96"]'}), no_teacher=True,
+                progress=False)  # a family member's own size: said as well
+    assert "student s@96: input size 96 is above the 16 px" in capsys.readouterr().err
 
 
 def test_an_exported_distilled_student_records_the_unlabelled_photos_it_learned_from(tiny, tmp_path):

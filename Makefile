@@ -17,6 +17,18 @@ UNLABELED_FRACTION ?= 0.5
 # over them; DATA=... on the command line wins, and `make clean` forgets them.
 REMEMBERED := $(ART)/.make-data.mk
 -include $(REMEMBERED)
+# Other photos named on the command line: the remembered extra folders (corrections of the old photos) and each
+# stage's remembered options (.make-*.args, below) belonged to the old ones, and are forgotten.
+ifneq ($(filter command line environment,$(origin DATA)),)
+ifneq ($(REMEMBERED_DATA),)
+ifneq ($(DATA),$(REMEMBERED_DATA))
+DATA_CHANGED := yes
+ifeq ($(filter command line environment,$(origin EXTRA)),)
+EXTRA :=
+endif
+endif
+endif
+endif
 DATA ?= $(SYNTH)
 SIZE ?= 128
 # Extra folders of labelled photos merged into DATA's classes (e.g. the web app's corrections folder).
@@ -98,8 +110,10 @@ data: $(SYNTH)/classes.toml
 # preprocess always looks at the photos (it does no work and keeps the manifest's time stamp when
 # nothing changed), so later stages re-run only when the dataset really changed.
 $(DATASET)/manifest.json: FORCE $(if $(filter $(SYNTH),$(DATA)),$(SYNTH)/classes.toml) | $(VENV)/.installed
+	$(if $(DATA_CHANGED),@rm -f $(ART)/.make-*.args)
 	$(LEAFLENS) preprocess --src $(DATA) --out $(DATASET) --size $(SIZE) $(foreach d,$(EXTRA),--also $(d))
-	@printf 'DATA ?= %s\nSIZE ?= %s\nEXTRA ?= %s\n' '$(DATA)' '$(SIZE)' '$(EXTRA)' > $(REMEMBERED)
+	@printf 'DATA ?= %s\nSIZE ?= %s\nEXTRA ?= %s\nREMEMBERED_DATA := %s\n' '$(DATA)' '$(SIZE)' '$(EXTRA)' \
+		'$(DATA)' > $(REMEMBERED)
 
 preprocess: $(DATASET)/manifest.json
 
@@ -107,8 +121,10 @@ preprocess: $(DATASET)/manifest.json
 # environment), are kept in a file rewritten only when they change, so a stage whose options changed runs again
 # (`make teacher TEACHER_ARGS=--frozen` after a fine-tune) instead of being skipped as up to date. A later
 # `make distill` without TEACHER_ARGS leaves the file alone, so it does not remake the frozen teacher with the
-# default options. The options travel in the environment: quotes in them stay as typed. A file missing while
+# default options, and a stage remade for another reason (new photos) runs with the options in its file, the
+# last ones given. The options travel in the environment: quotes in them stay as typed. A file missing while
 # the options were not given is written dated 1970: outputs made before it existed are not remade for it.
+# RESUME=1 gives --resume to the stages that have an interrupted run to go on from, and only to them.
 $(ART)/.make-%.args: FORCE
 	@mkdir -p $(@D); if [ "$$STAGE_GIVEN" = yes ]; then printf '%s\n' "$$STAGE_ARGS" | cmp -s - $@ 2>/dev/null \
 	|| printf '%s\n' "$$STAGE_ARGS" > $@; elif [ ! -f $@ ]; then printf '%s\n' "$$STAGE_ARGS" > $@ \
@@ -121,19 +137,25 @@ $(ART)/.make-distill.args: export STAGE_GIVEN = $(call given,DISTILL_ARGS)
 $(ART)/.make-export.args: export STAGE_ARGS = $(EXPORT_ARGS)
 $(ART)/.make-export.args: export STAGE_GIVEN = $(call given,EXPORT_ARGS)
 
+# a stage's options: as given, else the last ones given (its file, unless dated 1970: defaults), else defaults
+stage_args = $(if $(call given,$(2)),$($(2)),$(if $(shell find $(ART)/.make-$(1).args -newermt 1971-01-01 \
+	2>/dev/null),$(shell cat $(ART)/.make-$(1).args),$($(2))))
+TEACHER_WORK = $(wildcard $(dir $(TEACHER)).$(notdir $(TEACHER)).finetune-work $(dir $(TEACHER)).$(notdir $(TEACHER)).cnn-work)
+
 $(TEACHER)/teacher.json: $(DATASET)/manifest.json $(ART)/.make-teacher.args
-	$(LEAFLENS) teacher --dataset $(DATASET) --out $(TEACHER) $(if $(RESUME),--resume) $(TEACHER_ARGS)
+	$(LEAFLENS) teacher --dataset $(DATASET) --out $(TEACHER) $(if $(and $(RESUME),$(TEACHER_WORK)),--resume) \
+		$(call stage_args,teacher,TEACHER_ARGS)
 
 teacher: $(TEACHER)/teacher.json
 
 $(STUDENT)/best.npz: $(TEACHER)/teacher.json $(ART)/.make-distill.args
-	$(LEAFLENS) distill --dataset $(DATASET) --teacher $(TEACHER) --out $(STUDENT) $(if $(RESUME),--resume) \
-		$(DISTILL_ARGS)
+	$(LEAFLENS) distill --dataset $(DATASET) --teacher $(TEACHER) --out $(STUDENT) \
+		$(if $(and $(RESUME),$(wildcard $(STUDENT).partial)),--resume) $(call stage_args,distill,DISTILL_ARGS)
 
 distill: $(STUDENT)/best.npz
 
 $(EXPORT)/student.onnx: $(STUDENT)/best.npz $(ART)/.make-export.args
-	$(LEAFLENS) export --run $(STUDENT) --dataset $(DATASET) --out $(EXPORT) $(EXPORT_ARGS)
+	$(LEAFLENS) export --run $(STUDENT) --dataset $(DATASET) --out $(EXPORT) $(call stage_args,export,EXPORT_ARGS)
 
 export: $(EXPORT)/student.onnx
 

@@ -132,6 +132,13 @@ def test_make_resume_passes_resume_to_the_training_stages_only_when_asked(tmp_pa
         assert out.returncode == 0, out.stderr
         return [line for line in out.stdout.replace("\\\n", " ").splitlines() if " -m leaflens " in line]
 
+    # only a stage with an interrupted run to go on from gets --resume: distill refused `make export RESUME=1`
+    # after a Ctrl-C in the teacher ("a finished run and no interrupted one to continue")
+    assert not any("--resume" in line for line in commands("RESUME=1"))
+    (tmp_path / ".teacher.finetune-work").mkdir()
+    assert {line.split(" -m leaflens ")[1].split()[0] for line in commands("RESUME=1") if "--resume" in line} == {
+        "teacher"}
+    (tmp_path / "student.partial").mkdir()
     resumed = {line.split(" -m leaflens ")[1].split()[0] for line in commands("RESUME=1") if "--resume" in line}
     assert resumed == {"teacher", "distill"}
     assert not any("--resume" in line for line in commands())
@@ -244,6 +251,24 @@ def test_a_stage_whose_make_options_changed_runs_again(tmp_path):
     os.utime(tmp_path / "dataset" / "manifest.json", (old, old))
     (tmp_path / "teacher" / "teacher.json").write_text("{}")
     assert teacher_runs("TEACHER_ARGS=--train-cnn")
+
+
+def test_a_stage_remade_for_new_photos_keeps_its_last_options_and_other_photos_forget_them(tmp_path):
+    """`make teacher TEACHER_ARGS=--frozen`, then a photo changed and `make teacher`: the teacher was remade with
+    the default options (a 64-epoch fine-tune) while .make-teacher.args still said --frozen. Other photos on the
+    command line forget the old photos' options and extra folders (corrections of other classes)."""
+    out = _make(tmp_path, "-s", "teacher", "TEACHER_ARGS=--frozen --set a='b c'", "EXTRA=corr")
+    assert out.returncode == 0, out.stderr
+    assert "RUN teacher --dataset" in out.stdout and "--frozen --set a=b c" in out.stdout
+    again = _make(tmp_path, "-s", "teacher")  # the dataset is "remade" (echo writes nothing): so is the teacher
+    assert "--frozen --set a=b c" in again.stdout and "--also corr" in again.stdout
+    (tmp_path / ".make-data.mk").write_text("DATA ?= photos\nSIZE ?= 128\nEXTRA ?= corr\nREMEMBERED_DATA := photos\n")
+    import subprocess as sp
+
+    other = sp.run(["make", "-s", "teacher", f"ART={tmp_path}", f"VENV={tmp_path / 'venv'}", "LEAFLENS=echo RUN",
+                    "DATA=other"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert other.returncode == 0, other.stderr
+    assert "--src other" in other.stdout and "--also" not in other.stdout and "--frozen" not in other.stdout
 
 
 def test_make_demo_does_not_replace_the_model_of_the_remembered_photos(tmp_path):

@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(func(args) or 0)
     except KeyboardInterrupt:
-        print("interrupted" + ("; run the same command with --resume to go on from the last finished epoch"
+        print("interrupted" + ("; run the same command with --resume (with make: RESUME=1) to go on from the last "
+                               "finished epoch"
                                if resumable else ""), file=sys.stderr)
         return 130
     except ModuleNotFoundError as exc:

@@ -225,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
         work = finetune_work_dir(output_folder(args.out), train_cnn=args.train_cnn)
         if trains(cfg, choice) and any(work.rglob("last.npz")):
             print(f"interrupted: the teacher's training checkpoints are kept in {work}; the same command with "
-                  "--resume continues it from the last finished epoch", file=sys.stderr)
+                  "--resume (with make: RESUME=1) continues it from the last finished epoch", file=sys.stderr)
         else:
             print("interrupted before a training epoch ended: nothing to resume; the same command starts over",
                   file=sys.stderr)

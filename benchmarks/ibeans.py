@@ -167,8 +167,22 @@ def main() -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    help="config override (repeatable); teacher.* settings also change the fine-tuned teachers")
     args = p.parse_args()
-    if not (args.data / "train").is_dir():
-        sys.exit(f"ibeans.py: {args.data} has no train/ folder (expected the iBeans layout)")
+    settings = {x.strip() for x in args.settings.split(",") if x.strip()}
+    for bad, why in ((args.seeds < 1, f"--seeds must be 1 or more, got {args.seeds}"),
+                     (not 0 < args.fraction <= 1, f"--fraction must be in (0, 1], got {args.fraction}"),
+                     (args.jobs < 1, f"--jobs must be 1 or more, got {args.jobs}"),
+                     (args.epochs is not None and args.epochs < 1, f"--epochs must be 1 or more, got {args.epochs}"),
+                     (not settings or not settings <= {"full", "frac"},
+                      f"--settings takes full, frac or both (comma-separated), got {args.settings!r}")):
+        if bad:
+            p.error(why)
+    if not args.data.is_dir():
+        sys.exit(f"ibeans.py: {args.data} does not exist (the iBeans photos: ../shared/data/ibeans beside the "
+                 "project, or the official release in train/val/test/<class>/ folders)")
+    missing = [s for s in ("train", "val", "test") if not (args.data / s).is_dir()]
+    if missing:
+        sys.exit(f"ibeans.py: {args.data} has no {', '.join(m + '/' for m in missing)} folder (expected the iBeans "
+                 "layout: train/, val/ and test/ with a folder per class)")
     t_all = time.perf_counter()
     work = args.work or Path(tempfile.mkdtemp(prefix="leaflens-ibeans-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -330,7 +330,7 @@ def serve_knows(flag: str) -> bool:
 def start_server(model: Path, port: int, gradio_tmp: Path, queue_size: int | None, log: Path,
                  keep_uploads_minutes: float | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "leaflens", "serve", "--model", str(model), "--host", "127.0.0.1",
-           "--port", str(port), "--no-examples"]
+           "--port", str(port), "--no-examples", "--no-corrections"]  # nothing of the run in the repo's artifacts/
     if queue_size is not None:
         cmd += ["--queue-size", str(queue_size)]
     if serve_knows("--uploads-dir"):  # its own upload folder, swept (older versions: Gradio's, via the variable)

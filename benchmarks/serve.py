@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         for k in ("p50_ms", "p95_ms", "p99_ms"):
             figures[f"batched_{k}_{c}"] = round(r[k], 3)
         figures[f"batched_mean_batch_{c}"] = round(r["mean_batch"], 2)
-    figures["speedup_32"] = round(speedup, 3)
+    figures["speedup_32"] = round(speedup, 3) if speedup == speedup else None  # no 32-client run: null, not NaN
     figures["seq_cores_used"] = round(seq["cores_used"], 2)
     # Images per CPU-second: how efficiently the CPU time obtained was used (load-independent).
     figures["seq_img_per_cpu_s"] = round(seq["img_s"] / seq["cores_used"], 1)
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     figures["e2e_full_decode_p50_ms"] = round(full["p50_ms"], 3)
     figures["photo_mb"] = round(photo_mb, 2)
     figures.update({f"model_img_s_b{b}": round(r["img_s"], 1) for b, r in ceiling.items()})
-    figures["batching_ceiling"] = round(ceiling_x, 3)
+    figures["batching_ceiling"] = round(ceiling_x, 3) if ceiling_x == ceiling_x else None
     print(json.dumps(figures))
     return 0
 

@@ -201,8 +201,12 @@ def timed(fn, *args) -> tuple[float, object]:
 def main() -> int:
     configure_process(engine=True)  # what the `leaflens` command runs with
     args = parse_args()
-    import torch
-
+    try:
+        import torch
+    except ImportError:
+        print("teacher_parity.py: needs PyTorch, the reference it compares the engine's teacher with "
+              "(pip install torch==2.13.0; benchmarks only, never the product)", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     cache = Path(args.cache) if args.cache else None
     weights = find_lite0_weights(args.weights)

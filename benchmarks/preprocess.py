@@ -117,13 +117,46 @@ def filter_study(photos: list[bytes], smalls: list[bytes]) -> list[tuple[str, st
 
 
 RSS_CHILD = r"""
-import json, resource, sys
+import json, os, sys, threading
 from leaflens.data_prep.ingest import IngestOptions, ingest
+
+def hwm(pid):  # VmHWM: peak RSS of that process image (ru_maxrss would carry over a forking parent's peak)
+    with open(f"/proc/{pid}/status") as f:
+        return [int(line.split()[1]) for line in f if line.startswith("VmHWM:")][0]
+
+def descendants():  # the worker pool forks from a fork server: grandchildren, which RUSAGE_CHILDREN never sees
+    kids = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    kids.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(d))
+            except (OSError, ValueError, IndexError):
+                continue
+    out, todo = [], [os.getpid()]
+    while todo:
+        for child in kids.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+peak, stop = {}, threading.Event()
+
+def watch():  # each worker's VmHWM, sampled until it ends (a sample late in its life holds its peak)
+    while not stop.is_set():
+        for pid in descendants():
+            try:
+                peak[pid] = max(peak.get(pid, 0), hwm(pid))
+            except (OSError, IndexError):
+                pass
+        stop.wait(0.05)
+
+watcher = threading.Thread(target=watch, daemon=True)
+watcher.start()
 ingest(sys.argv[1], sys.argv[2], IngestOptions(size=64), log=lambda m: None)
-# VmHWM: peak RSS of this process image (ru_maxrss would carry over the forking parent's peak).
-hwm = [int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")][0]
-print(json.dumps({"self_mb": hwm / 1024,
-                  "workers_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
+stop.set()
+watcher.join()
+print(json.dumps({"self_mb": hwm("self") / 1024, "workers_mb": max(peak.values(), default=0) / 1024}))
 """
 
 

@@ -122,7 +122,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if a not in SWITCHES:
             p.error(f"--ab: unknown switch {a!r}; choose from {', '.join(SWITCHES)}")
     for c in args.case_list:
-        case_spec(c, args)
+        try:
+            case_spec(c, args)
+        except ValueError as exc:  # "effnetX", "infer0"...: a usage error, not a traceback
+            p.error(str(exc) if str(exc).startswith("--cases") else f"--cases: {c!r}: {exc}")
+    for name in ("rounds", "threads", "batch"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be 1 or more, got {getattr(args, name)}")
     return args
 
 

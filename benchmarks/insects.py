@@ -281,16 +281,16 @@ def main() -> None:
     try:
         sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})
     except ValueError:
-        sys.exit(f"insects.py: --sizes must be integers separated by commas, got {args.sizes!r}")
+        p.error(f"--sizes must be integers separated by commas, got {args.sizes!r}")
     if not sizes or min(sizes) < 8:
-        sys.exit(f"insects.py: --sizes needs at least one size of 8 px or more, got {args.sizes!r}")
+        p.error(f"--sizes needs at least one size of 8 px or more, got {args.sizes!r}")
     if not args.data.is_dir() or not any(p.is_dir() for p in args.data.iterdir()):
         sys.exit(f"insects.py: {args.data} is not a folder of <class>/ photo folders (the insects set is "
                  "../shared/data/insects; it is not distributed with leaflens)")
     store = args.store_size
     if store < max(sizes):
-        sys.exit(f"insects.py: --store-size {store} is below the largest input size {max(sizes)}: the student's "
-                 "photos would be blown up")
+        p.error(f"--store-size {store} is below the largest input size {max(sizes)}: the student's photos would be "
+                "blown up")
     work = args.work or REPO / "artifacts" / ("bench_insects_quick" if args.quick else "bench_insects")
     work.mkdir(parents=True, exist_ok=True)
     progress = not args.quiet

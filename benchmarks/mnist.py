@@ -88,6 +88,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, default=0, help="use only the first N training images (smoke runs)")
     args = p.parse_args()
+    for name in ("epochs", "batch"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be 1 or more, got {getattr(args, name)}")
+    if args.limit < 0 or 0 < args.limit < args.batch:
+        p.error(f"--limit must be 0 (all) or at least --batch ({args.batch}), got {args.limit}")
     try:
         data = load_mnist(args.data)
     except (FileNotFoundError, ValueError) as exc:

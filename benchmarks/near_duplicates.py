@@ -95,6 +95,10 @@ def main() -> int:
     p.add_argument("--labelled-only", action="store_true",
                    help="leave out photos under an 'unlabeled' folder (preprocess checks the labelled ones)")
     args = p.parse_args()
+    if not args.src.is_dir():
+        p.error(f"{args.src} is not a folder of photos")
+    if args.size < 8 or args.sample < 1 or args.closest < 0:
+        p.error("--size must be 8 or more, --sample 1 or more, --closest 0 or more")
 
     files, datas, stored = [], [], []
     skipped = 0
@@ -114,6 +118,9 @@ def main() -> int:
         stored.append(px)
     if skipped:
         print(f"{skipped} files could not be decoded: left out")
+    if len(stored) < 2:
+        sys.exit(f"near_duplicates.py: {args.src} holds {len(stored)} photo(s) that decode; the benchmark needs two "
+                 "or more")
     hashes = np.stack([photo_hashes(px) for px in stored])
     colours = np.stack([colour_signatures(px) for px in stored])
     n = len(files)

@@ -15,6 +15,9 @@ UNLABELED_FRACTION ?= 0.5
 # The photos of the last preprocess (DATA, SIZE, EXTRA), remembered so that `make teacher`, `make distill`...
 # after `make preprocess DATA=photos` go on with those photos instead of preprocessing the synthetic demo's
 # over them; DATA=... on the command line wins, and `make clean` forgets them.
+ifneq ($(words $(ART)),1)
+$(error ART="$(ART)": make cannot take a folder with a space in its name; give another ART, or run the leaflens commands the README gives)
+endif
 REMEMBERED := $(ART)/.make-data.mk
 -include $(REMEMBERED)
 # Other photos named on the command line: the remembered extra folders (corrections of the old photos) and each
@@ -30,6 +33,9 @@ endif
 endif
 endif
 DATA ?= $(SYNTH)
+ifneq ($(words $(DATA)),1)
+$(error DATA="$(DATA)": make takes one photo folder without spaces in its path; for this one run: leaflens preprocess --src "<folder>" --out $(ART)/dataset (README, "Using your own photos"))
+endif
 SIZE ?= 128
 # Extra folders of labelled photos merged into DATA's classes (e.g. the web app's corrections folder).
 EXTRA ?=
@@ -62,8 +68,11 @@ help:
 	@echo "make preprocess     DATA=<photo folder> SIZE=<pixels> [EXTRA=<corrections folder>] -> $(DATASET)"
 	@echo "make teacher        teacher features -> $(TEACHER) (TEACHER_ARGS=--frozen|--onnx M|--train-cnn)"
 	@echo "make distill        student, distilled and from scratch -> $(STUDENT) (DISTILL_ARGS=...)"
-	@echo "make export         ONNX FP32/FP16 (+INT8 when within 1 point) + Triton repository -> $(EXPORT)"
-	@echo "make serve          the local web app on 127.0.0.1"
+	@echo "make export         ONNX FP32/FP16 (+INT8 when within 1 point) + Triton repository -> $(EXPORT) (EXPORT_ARGS=...)"
+	@echo "make serve          the local web app on 127.0.0.1:7860 (SERVE_ARGS=\"--port 8080 ...\")"
+	@echo "                    RESUME=1: go on from an interrupted teacher/distill; ART=<folder> instead of $(ART)"
+	@echo "                    (paths with spaces: use the leaflens commands the README gives instead of make)"
+	@echo "make venv           the virtual environment $(VENV) with leaflens installed from this folder"
 	@echo "make bench-engine   engine training-step speed (vs PyTorch when installed)"
 	@echo "make bench-mnist    MNIST with the engine (MNIST=dir with the IDX files)"
 	@echo "make bench-preprocess | bench-loader | bench-serve | bench-ibeans | bench-ood | bench-insects | bench-gpu"

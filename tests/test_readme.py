@@ -287,3 +287,18 @@ def test_make_demo_does_not_replace_the_model_of_the_remembered_photos(tmp_path)
     assert dry.returncode == 0 and "synthetic" in dry.stdout
     # the demo beside them keeps its corrections beside its own stages, not in the real model's folder
     assert f"--corrections {tmp_path}/demo/corrections" in dry.stdout
+
+
+@pytest.mark.parametrize("var, value", [("DATA", "my photos"), ("ART", "art dir")])
+def test_make_refuses_a_path_with_a_space_in_one_line(tmp_path, var, value):
+    """DATA="my photos" became `--src my` and `unrecognized arguments: photos`; ART="art dir" gave a screen of
+    make's own warnings and ran leaflens even under -n."""
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    extra = [] if var == "ART" else [f"ART={tmp_path}"]
+    out = subprocess.run(["make", "-n", "preprocess", f"{var}={value}", *extra], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    assert f'{var}="{value}"' in out.stderr and "leaflens" in out.stderr and len(out.stderr.splitlines()) == 1

@@ -119,6 +119,7 @@ data: $(SYNTH)/classes.toml
 # preprocess always looks at the photos (it does no work and keeps the manifest's time stamp when
 # nothing changed), so later stages re-run only when the dataset really changed.
 $(DATASET)/manifest.json: FORCE $(if $(filter $(SYNTH),$(DATA)),$(SYNTH)/classes.toml) | $(VENV)/.installed
+	@$(if $(DATASET_FOREIGN),echo "$(FOREIGN_SAYS)" >&2; exit 2)
 	$(if $(DATA_CHANGED),@rm -f $(ART)/.make-*.args)
 	$(LEAFLENS) preprocess --src $(DATA) --out $(DATASET) --size $(SIZE) $(foreach d,$(EXTRA),--also $(d))
 	@printf 'DATA ?= %s\nSIZE ?= %s\nEXTRA ?= %s\nREMEMBERED_DATA := %s\n' '$(DATA)' '$(SIZE)' '$(EXTRA)' \
@@ -176,13 +177,30 @@ serve: $(EXPORT)/student.onnx
 ifneq ($(DATA),$(SYNTH))
 ifeq ($(origin DATA),file)
 DEMO_BLOCKED := yes
+DEMO_WHY := DATA=$(DATA), remembered since 'make preprocess'
+endif
+endif
+# ... and so would it after `leaflens preprocess --src photos --out $(ART)/dataset` (a path make cannot take)
+DATASET_SOURCE := $(shell sed -n 's/^ *"source_root": *"\(.*\)",*$$/\1/p' $(DATASET)/manifest.json 2>/dev/null)
+ifeq ($(DATA),$(SYNTH))
+ifneq ($(DATASET_SOURCE),)
+ifeq ($(filter %/$(notdir $(SYNTH)),$(DATASET_SOURCE)),)
+DEMO_BLOCKED := yes
+DEMO_WHY := its dataset was made from $(DATASET_SOURCE)
+ifeq ($(filter command line environment,$(origin DATA)),)
+DATASET_FOREIGN := yes
+FOREIGN_SAYS := make: $(DATASET) was made from $(DATASET_SOURCE) by leaflens preprocess, and make would replace it \
+	with the synthetic demo's. Give DATA=<that folder> (no spaces), go on with the leaflens commands, or give the \
+	demo another ART=<folder>
+endif
+endif
 endif
 endif
 
 demo: $(if $(DEMO_BLOCKED),demo-blocked,serve)
 
 demo-blocked:
-	@echo "make demo: $(ART) holds the stages of your own photos (DATA=$(DATA), remembered since 'make preprocess');" >&2
+	@echo "make demo: $(ART) holds the stages of your own photos ($(DEMO_WHY));" >&2
 	@echo "  the demo would replace the model trained on them. 'make serve' serves that model; for the synthetic" >&2
 	@echo "  demo beside it: make demo ART=$(ART)/demo (or 'make clean' first, which deletes the stage outputs in $(ART))." >&2
 	@exit 2

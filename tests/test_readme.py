@@ -302,3 +302,27 @@ def test_make_refuses_a_path_with_a_space_in_one_line(tmp_path, var, value):
                          text=True, timeout=60)
     assert out.returncode == 2 and out.stdout == ""
     assert f'{var}="{value}"' in out.stderr and "leaflens" in out.stderr and len(out.stderr.splitlines()) == 1
+
+
+def test_make_does_not_replace_a_dataset_leaflens_preprocess_made_from_other_photos(tmp_path):
+    """`leaflens preprocess --src "sp ace" --out artifacts/dataset` (the README's way for a path make cannot
+    take), then `make teacher`: make preprocessed the synthetic demo over it without a word."""
+    import json
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    (tmp_path / "dataset").mkdir()
+    (tmp_path / "dataset" / "manifest.json").write_text(json.dumps({"source_root": "/home/me/my photos"},
+                                                                   indent=2))
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / ".installed").write_text(f"{ROOT}\n")
+    run = ["make", "-s", "teacher", f"ART={tmp_path}", f"VENV={venv}", "LEAFLENS=echo RUN"]
+    out = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "RUN preprocess" not in out.stdout
+    assert "was made from /home/me/my photos by leaflens preprocess" in out.stderr
+    demo = subprocess.run(["make", "-s", "demo", *run[3:]], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert demo.returncode == 2 and "its dataset was made from /home/me/my photos" in demo.stderr
+    named = subprocess.run([*run, "DATA=photos"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert named.returncode == 0 and "RUN preprocess --src photos" in named.stdout

@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="leaflens-app-bench-") as tmp_s:
         tmp = Path(tmp_s)
+        os.environ["GRADIO_TEMP_DIR"] = str(tmp / "gradio")  # Gradio's upload cache goes with the folder
         model = Path(args.model) if args.model else build_standin(tmp / "standin.onnx")
         photo = phone_photo(tmp / "phone_4000x3000.jpg")
         predictor = Predictor(model)

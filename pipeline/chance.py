@@ -40,8 +40,9 @@ def chance_warning(val_accuracy: float, val_labels: Sequence[int] | np.ndarray, 
     tail = guessing_tail(correct, n, majority)
     if tail <= alpha:
         return None
-    return (f"{what} is right on {correct} of {n} validation photos ({100 * val_accuracy:.0f} %), as often as "
-            f"always answering the most common class ({100 * majority:.0f} %) would be {100 * tail:.0f} % of the time: "
+    return (f"{what} is right on {correct} of {n} validation photos ({100 * val_accuracy:.0f} %); a model that "
+            f"always gave the most common class (right on {100 * majority:.0f} % of them) would score that well "
+            f"{100 * tail:.0f} % of the time by chance: "
             "nothing shows it has learnt to tell the classes apart, and its answers would look sure all the same. "
             "Before serving it, check the photos and their folders (rejected.jsonl, data_report.json), train longer "
             "(--set train.epochs=...) or add photos (more validation photos also make this check surer)")

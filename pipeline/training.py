@@ -521,7 +521,7 @@ def _resume(last: Path, task: TrainingTask, scaler: GradScaler, state: _State, r
                          "without --resume to start over") from None
     if scaler.enabled and st.get("grad_scaler"):
         scaler.load_state_dict(st["grad_scaler"])
-    _truncate_jsonl(run_dir / METRICS, state.history)
+    _rewrite_metrics(run_dir / METRICS, state.history)
     return ck.epoch + 1
 
 
@@ -554,19 +554,8 @@ def _append_jsonl(path: Path, row: dict[str, Any]) -> None:
         f.flush()
 
 
-def _truncate_jsonl(path: Path, history: list[dict[str, Any]]) -> None:
-    """After a resume, the metric lines of the epochs the run resumed from (``history``, the checkpoint's own
-    record of them): lines written after that checkpoint are dropped, and a line a kill cut short (which would
-    stay in the finished run's file, no longer JSON lines) is written again from ``history``."""
-    if not path.exists():
-        return
-    written: dict[int, str] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("epoch"), int):
-            written.setdefault(record["epoch"], line)
-    lines = [written.get(i, json.dumps(row)) for i, row in enumerate(history, 1)]
-    write_text_atomic(path, "".join(line + "\n" for line in lines))
+def _rewrite_metrics(path: Path, history: list[dict[str, Any]]) -> None:
+    """After a resume, the metric lines are the checkpoint's own record of its epochs (``history``): lines
+    written after that checkpoint go, and so does a line a kill cut short (the file stays JSON lines)."""
+    if path.exists():
+        write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in history))

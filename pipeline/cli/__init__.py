@@ -95,7 +95,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv_given = argv
+    whole_process = argv is None  # the `leaflens` command itself, not a caller in Python
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
     configure_process(engine=command in ENGINE_COMMANDS)
@@ -128,6 +128,6 @@ def main(argv: list[str] | None = None) -> int:
         print(said, file=sys.stderr)
         return EXIT_USAGE
     finally:
-        if argv_given is None:  # the process itself (not a caller in Python): it only exits from here on
+        if whole_process:  # it only exits from here on
             ignore_late_signals()
 

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from leaflens.apps.model_card import TIE_RATIO, ModelCard, trained_on, unsure
+from leaflens.apps.model_card import PREFIX, TIE_RATIO, ModelCard, trained_on, unsure
 from leaflens.apps.predictor import Predictor
 from leaflens.cpus import usable_cpus
 from leaflens.data_prep import quality
@@ -674,13 +674,8 @@ def _own_cards(card: ModelCard, paths: dict[str, Path], val_logits: dict[str, np
                 own = replace(own, ood=replace(card.ood, threshold=flagged["threshold"],
                                                val_flagged=flagged["val_flagged"]))
             model = onnx.load(str(path))
-            meta = own.to_metadata()
-            for prop in model.metadata_props:
-                if prop.key in meta:
-                    prop.value = meta.pop(prop.key)
-            for key, value in meta.items():  # what only the variant records (leaflens.precision)
-                entry = model.metadata_props.add()
-                entry.key, entry.value = key, value
+            others = {p.key: p.value for p in model.metadata_props if not p.key.startswith(PREFIX)}
+            onnx.helper.set_model_props(model, {**others, **own.to_metadata()})  # the variant's own card, whole
             save_onnx(model, path)
         out[k] = {"accuracy": own.accuracy, "uncertain_threshold": own.uncertain_threshold,
                   "val_ambiguous": own.val_ambiguous,

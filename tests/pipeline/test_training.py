@@ -390,14 +390,14 @@ def test_a_resume_leaves_metrics_that_are_json_lines_even_after_a_torn_line(tmp_
     metrics.jsonl after --resume: tools reading it failed at that line."""
     import json as _json
 
-    from leaflens.pipeline.training import _truncate_jsonl
+    from leaflens.pipeline.training import _rewrite_metrics
 
     path = tmp_path / "metrics.jsonl"
     history = [{"epoch": e, "val_acc": 0.5} for e in (1, 2, 3, 4)]
     lines = [_json.dumps(row) for row in history]
     path.write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2][:15] + "\n" + lines[3] + "\n")
-    _truncate_jsonl(path, history[:3])  # resumed from epoch 3's checkpoint: its line was the torn one
+    _rewrite_metrics(path, history[:3])  # resumed from epoch 3's checkpoint: its line was the torn one
     assert [_json.loads(x) for x in path.read_text().splitlines()] == history[:3]
     path.write_text("".join(x + "\n" for x in lines))
-    _truncate_jsonl(path, history[:2])
+    _rewrite_metrics(path, history[:2])
     assert path.read_text() == lines[0] + "\n" + lines[1] + "\n"  # the lines as written, nothing after

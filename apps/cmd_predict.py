@@ -23,7 +23,7 @@ from leaflens.apps.diagnosis import REFUSAL_REASONS
 from leaflens.apps.model_arg import add_model_argument, missing_model
 from leaflens.apps.model_card import ModelError
 from leaflens.apps.predictor import Prediction, Predictor
-from leaflens.apps.providers import add_provider_argument, requested_providers
+from leaflens.apps.providers import add_provider_argument, requested_providers, unmet_request
 from leaflens.data_prep.scan import IMAGE_EXTENSIONS, ScanError, walk_folder
 from leaflens.files import csv_starting, results_file_problem, write_path_atomic
 
@@ -250,8 +250,10 @@ def run(args: argparse.Namespace) -> int:
                              "would replace it (give a .csv path)")
         if (missing := missing_model(args.model)) is not None:
             raise UsageError(missing)
-        predictor = Predictor(args.model, intra_op_threads=args.threads,
-                              providers=requested_providers(getattr(args, "provider", "auto")))
+        choice = getattr(args, "provider", "auto")
+        predictor = Predictor(args.model, intra_op_threads=args.threads, providers=requested_providers(choice))
+        if (unmet := unmet_request(choice, predictor.provider, predictor.provider_line)) is not None:
+            raise UsageError(unmet)
     except (UsageError, ModelError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2

@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from leaflens.apps.model_arg import add_model_argument, missing_model
-from leaflens.apps.providers import add_provider_argument, requested_providers
+from leaflens.apps.providers import add_provider_argument, requested_providers, unmet_request
 from leaflens.extras import install_command
 
 __all__ = ["add_parser", "build", "prepare", "run"]
@@ -204,8 +204,10 @@ def prepare(args: argparse.Namespace):
     from leaflens.cpus import usable_cpus
 
     _check(args)
-    predictor = Predictor(args.model, intra_op_threads=args.threads,
-                          providers=requested_providers(getattr(args, "provider", "auto")))
+    choice = getattr(args, "provider", "auto")
+    predictor = Predictor(args.model, intra_op_threads=args.threads, providers=requested_providers(choice))
+    if (unmet := unmet_request(choice, predictor.provider, predictor.provider_line)) is not None:
+        raise UsageError(unmet)
     ctx = discover(args.model, args.run, args.dataset, args.classes_notes)
     notes = load_notes(ctx.notes_path) if ctx.notes_path is not None else ClassNotes()
     for warning in ctx.warnings:

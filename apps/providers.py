@@ -45,7 +45,8 @@ from leaflens.kernels._cuda import DISABLE_ENV
 
 __all__ = ["CPU", "CUDA", "GPU_EXTRAS", "SHORT_NAMES", "TENSORRT", "Probe", "ProviderChoice",
            "add_provider_argument", "cuda_major", "driver_cuda_version", "extra_for_cuda", "onnxruntime_build", "probe",
-           "probe_model", "provider_name", "quiet_native_output", "reason_from_log", "requested_providers"]
+           "probe_model", "provider_name", "quiet_native_output", "reason_from_log", "requested_providers",
+           "unmet_request"]
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
@@ -107,12 +108,25 @@ def add_provider_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--provider", choices=("auto", *SHORT_NAMES), default="auto",
                         help="onnxruntime execution provider (default auto: CUDA when it starts here, else the CPU; "
                              "tensorrt only when asked for, with CUDA behind it). One line on stderr says which "
-                             "runs and, when a GPU provider could not start, why")
+                             "runs and, when a GPU provider could not start, why; a provider named here that "
+                             "cannot start is an error (exit 2), not a quiet fall back to the CPU")
 
 
 def requested_providers(choice: str) -> list[str] | None:
     """The Predictor's ``providers`` for a ``--provider`` value: None (the default order) for ``auto``."""
     return None if choice == "auto" else [provider_name(choice)]
+
+
+def unmet_request(choice: str, used: str, line: str) -> str | None:
+    """Why a ``--provider`` named on the command line is not the one that runs (``used``), or None.
+
+    ``auto`` falls back to the CPU by design; a provider asked for by name is a promise the user relies on
+    (a benchmark, a GPU server), so running on the CPU instead would answer exit status 0 for the wrong
+    thing. ``line`` is the Predictor's provider line, which carries the reason."""
+    if choice == "auto" or provider_name(choice) == used:
+        return None
+    return (f"--provider {choice} was asked for but cannot run here; {line}. "
+            "Use --provider auto to run on the CPU when no GPU provider starts")
 
 
 # ---- the driver --------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import dataclasses
 import sys
 
 from leaflens.apps.model_arg import add_model_argument, missing_model
-from leaflens.apps.providers import add_provider_argument, requested_providers
+from leaflens.apps.providers import add_provider_argument, requested_providers, unmet_request
 from leaflens.pipeline.cli import path_arg
 
 
@@ -72,8 +72,10 @@ def run(args: argparse.Namespace) -> int:
             raise EvaluationError(f"--json {problem}")
         if (missing := missing_model(args.model)) is not None:
             raise EvaluationError(missing)
-        predictor = Predictor(args.model, intra_op_threads=args.threads,
-                              providers=requested_providers(getattr(args, "provider", "auto")))
+        choice = getattr(args, "provider", "auto")
+        predictor = Predictor(args.model, intra_op_threads=args.threads, providers=requested_providers(choice))
+        if (unmet := unmet_request(choice, predictor.provider, predictor.provider_line)) is not None:
+            raise EvaluationError(unmet)
         print(predictor.provider_line, file=sys.stderr)
         evaluation = evaluate_photos(predictor, photos, batch_size=args.batch_size, not_known=args.not_known)
         if args.not_known is not None:

@@ -231,6 +231,32 @@ def test_predictor_falls_back_to_the_cpu_with_the_reason(tiny_model, monkeypatch
                                        f"says no; {CUDA} could not start: {CUDA} probe says no)")
 
 
+def test_a_provider_named_on_the_command_line_that_cannot_start_is_an_error(tiny_model, tmp_path, capsys,
+                                                                           monkeypatch, fresh_probes):
+    """--provider cuda on a machine where CUDA cannot start: exit 2 with the reason, no results (the run would
+    otherwise answer 0 for work done on the CPU); --provider auto and cpu go on."""
+    from leaflens.pipeline.cli import main
+
+    path, _ = tiny_model()
+    monkeypatch.setattr(prov, "_probe", lambda ort_module, p: Probe(p, False, f"{p} probe says no"))
+    monkeypatch.setattr(ort, "get_available_providers", lambda: GPU_BUILD)
+    (tmp_path / "photos").mkdir()
+    photo = write_photo(tmp_path / "photos" / "leaf.png", size=(40, 40), seed=1)
+    csv_path = tmp_path / "out.csv"
+    commands = {"predict": ["predict", str(photo), "--model", str(path), "--no-progress", "--csv", str(csv_path)],
+                "evaluate": ["evaluate", "--model", str(path), str(tmp_path / "photos")]}
+    for name, argv in commands.items():
+        assert main([*argv, "--provider", "cuda"]) == 2, name
+        err = capsys.readouterr().err
+        assert "--provider cuda was asked for but cannot run here" in err, err
+        assert f"{CUDA} could not start: {CUDA} probe says no" in err and "--provider auto" in err, err
+    assert not csv_path.exists()
+    assert main([*commands["predict"], "--provider", "auto"]) == 0 and csv_path.exists()
+    assert main([*commands["predict"], "--provider", "cpu"]) == 0
+    assert prov.unmet_request("tensorrt", CPU, "line") is not None and prov.unmet_request("cpu", CPU, "l") is None
+    assert prov.unmet_request("cuda", CUDA, "line") is None and prov.unmet_request("auto", CPU, "line") is None
+
+
 # ---- with the GPU wheel and no CUDA --------------------------------------------------------------------------
 def _gpu_wheel_python() -> str | None:
     named = os.environ.get("LEAFLENS_ORT_GPU_PYTHON")

@@ -147,8 +147,9 @@ def _walk_images(folder: Path, root: Path, ignored: dict[str, int],
     return found
 
 
-# files beside the class folders that leaflens itself reads or writes there: not "ignored"
-_OWN_FILES = frozenset({"classes.toml", "classes.json", "synth.json"})
+# files beside the class folders that leaflens itself reads or writes there: not "ignored" (corrections.jsonl is the
+# web app's log in its corrections folder, leaflens.apps.corrections.LOG_NAME, read by evaluate and --also)
+_OWN_FILES = frozenset({"classes.toml", "classes.json", "synth.json", "corrections.jsonl"})
 
 
 def _count_loose_files(path: Path, ignored: dict[str, int]) -> None:

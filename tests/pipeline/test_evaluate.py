@@ -222,9 +222,13 @@ def test_evaluate_reads_the_web_apps_corrections_folder(tmp_path, capsys):
     code = main(["evaluate", "--model", str(model), "--photos", str(photos), "--json", str(tmp_path / "e.json")])
     err = capsys.readouterr().err
     assert code == 0 and f"--not-known {photos / 'not_a_leaf'}" in err
+    assert "outside the class folders" not in err  # corrections.jsonl is the folder's own log, not a stray file
     assert json.loads((tmp_path / "e.json").read_text())["summary"]["n"] == 6
     code = main(["evaluate", "--model", str(model), str(photos), "--not-known", str(photos / "not_a_leaf")])
     assert code == 0 and "not_a_leaf left out" not in capsys.readouterr().err  # asked for already: no advice
+    from leaflens.apps.corrections import LOG_NAME
+
+    assert LOG_NAME == "corrections.jsonl"  # the name leaflens.data_prep.scan counts as the folder's own
 
 
 def test_evaluate_says_what_it_leaves_out_and_where_to_point_it(tmp_path, capsys):

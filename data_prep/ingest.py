@@ -423,23 +423,44 @@ def _mean_std(hist: np.ndarray) -> tuple[tuple[float, float, float], tuple[float
     return (m[0], m[1], m[2]), (s[0], s[1], s[2])
 
 
-def _fingerprint(scan: ScanResult, opts: IngestOptions, unlabeled: str | None, out: Path | None = None) -> str:
+def _fingerprint(scan: ScanResult, opts: IngestOptions, unlabeled: str | None, out: Path | None = None,
+                 files: str | None = None) -> str:
     """What the dataset was made from: options, classes, every source file's path, size and time stamp. With
     ``out``, every folder and file is named relative to the dataset folder, so a project moved or renamed as a
     whole (photos and dataset together) is still up to date; without, the absolute form of the datasets built
-    before (still accepted: see :func:`_up_to_date`)."""
+    before (still accepted: see :func:`_up_to_date`). ``files`` replaces the files' part (with ``out``): the
+    digest of their contents, :func:`_content_digest`."""
     def where(path: str) -> str:
         return relative_to(path, out) if out is not None else path
 
     fields = {"format_version": FORMAT_VERSION, "options": opts.to_dict(), "root": where(scan.root),
               "unlabeled": where(unlabeled) if unlabeled is not None else None, "classes": scan.classes,
-              "files": scan.stats_digest_relative if out is not None else scan.stats_digest}
+              "files": files or (scan.stats_digest_relative if out is not None else scan.stats_digest)}
     if scan.also:  # only when given, so datasets built without --also keep their fingerprint
         fields["also"] = [where(a) for a in scan.also]
     if out is not None:
         fields["paths"] = "relative to the dataset folder"
     payload = json.dumps(fields, sort_keys=True)
     return "sha256:" + hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _content_digest(scan: ScanResult, known: dict[int, bytes] | None = None) -> str:
+    """SHA-256 over every source file's path (relative to the source, as in the scan's stats digest), the
+    SHA-256 of its bytes, label and split, in scan order: what the photos are, whatever their time stamps.
+    ``known``: file index -> the digest the decode pass already took of the same bytes (read once, not twice);
+    a file that cannot be read counts by its reason."""
+    known = known or {}
+    root = Path(scan.root)
+    total = hashlib.sha256()
+    for i, f in enumerate(scan.files):
+        digest = known.get(i)
+        if digest is None:
+            try:
+                digest = hashlib.sha256(read_source(f.path)).digest()
+            except ImageDecodeError as exc:
+                digest = f"unreadable:{exc.reason}".encode()
+        total.update(f"{relative_to(f.rel, root)}\0{digest.hex()}\0{f.label}\0{f.split}\n".encode())
+    return "content-sha256:" + total.hexdigest()
 
 
 # ---------------------------------------------------------------------------- output folder safety
@@ -471,23 +492,32 @@ def _check_out(src: Path, out: Path, inputs: Sequence[tuple[str, str | os.PathLi
         raise IngestError(str(exc)) from None
 
 
-def _up_to_date(out: Path, fingerprints: Sequence[str], src: Path | None = None) -> bool:
-    """Whether ``out`` is the dataset these inputs make, whole: same inputs, every file as its manifest's
-    checksums say (a damaged dataset is built again), and the source's classes.toml (display names and advice,
-    which travel with the dataset) the one it holds."""
+def _up_to_date(out: Path, fingerprints: Sequence[str], src: Path | None = None,
+                contents: Callable[[], str] | None = None) -> str | None:
+    """How ``out`` is the dataset these inputs make, whole, or None when it is not: same inputs, every file as
+    its manifest's checksums say (a damaged dataset is built again), and the source's classes.toml (display
+    names and advice, which travel with the dataset) the one it holds.
+
+    Same inputs: ``"stats"``, the files' paths, sizes and time stamps are those recorded (``fingerprints``);
+    else ``"contents"``, their bytes are (``contents()``, the fingerprint over their contents, asked for only
+    then, against the manifest's ``input_content_fingerprint``): photos copied, unpacked again or touched
+    keep their dataset, and the stages after it are not run again for nothing."""
     try:
         manifest = json.loads((out / MANIFEST_NAME).read_text(encoding="utf-8"))
-        if manifest.get("input_fingerprint") not in fingerprints:
-            return False
+        how = "stats" if manifest.get("input_fingerprint") in fingerprints else None
+        if how is None and contents is not None and manifest.get("input_content_fingerprint"):
+            how = "contents" if manifest["input_content_fingerprint"] == contents() else None
+        if how is None:
+            return None
         load_dataset(out, verify=True)
         if src is not None:
             given = src / CLASS_INFO_NAME
             held = (manifest.get("checksums") or {}).get(CLASS_INFO_NAME)
             if given.is_file() != (held is not None) or (held is not None and sha256_file(given) != held):
-                return False
+                return None
     except (OSError, ValueError, DatasetError):
-        return False
-    return True
+        return None
+    return how
 
 
 # ---------------------------------------------------------------------------- main entry
@@ -568,8 +598,14 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: Inges
     fingerprint = _fingerprint(scan, opts, unl, out_p)
     if out_p.parent.is_dir():
         clean_stale_temps(out_p)  # a killed run's half-written folder, whatever this run does next
-    if not force and _up_to_date(out_p, (fingerprint, _fingerprint(scan, opts, unl)), src_p):
-        log(f"{out_p}: up to date ({len(scan.files)} source files unchanged, same options); nothing to do")
+    def contents(known: dict[int, bytes] | None = None) -> str:
+        return _fingerprint(scan, opts, unl, out_p, files=_content_digest(scan, known))
+
+    how = None if force else _up_to_date(out_p, (fingerprint, _fingerprint(scan, opts, unl)), src_p, contents)
+    if how is not None:
+        same = ("unchanged" if how == "stats" else
+                "with new time stamps (copied or touched) but the same contents, checked byte for byte")
+        log(f"{out_p}: up to date ({len(scan.files)} source files {same}, same options); nothing to do")
         if report_path is not None and (out_p / DATA_REPORT_NAME).is_file():  # the report of the build it is
             write_json_atomic(report_path, json.loads((out_p / DATA_REPORT_NAME).read_text(encoding="utf-8")))
         return IngestReport(out_p, True, scan.classes, seconds=time.perf_counter() - t0)
@@ -620,7 +656,7 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: Inges
             rejected=RejectedInfo(total=len(rejects), per_class=report.rejected, reasons=report.rejected_reasons,
                                   list=REJECTED_NAME),
             ignored=scan.ignored, duplicates=_duplicate_stats(scan, kept, digests), checksums=checksums,
-            input_fingerprint=fingerprint)
+            input_fingerprint=fingerprint, input_content_fingerprint=contents(dict(zip(kept, digests))))
         # The report travels with the arrays but outside the manifest's checksums: it describes the data,
         # nothing is trained on it, and datasets built before it existed keep their identity.
         write_json_atomic(tmp / DATA_REPORT_NAME, data.to_dict())

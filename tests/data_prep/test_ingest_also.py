@@ -160,6 +160,56 @@ def test_a_project_moved_as_a_whole_stays_up_to_date_and_datasets_of_before_are_
                   unlabeled=new / "unlabelled", log=lambda s: None).up_to_date
 
 
+def test_photos_copied_or_touched_with_the_same_contents_keep_their_dataset(tmp_path):
+    """`cp -r` without -p, an unpacked archive or `touch` gives every photo a new time stamp: the dataset was
+    built again, its manifest rewritten, and `make` fine-tuned the teacher and trained the students again for
+    the same photos. Now the contents are compared when the time stamps differ; a changed photo (even one of
+    the same size and time stamp) still rebuilds, and a dataset without the contents' fingerprint (built by an
+    earlier version) is built again as before."""
+    import os
+    import shutil
+
+    old = tmp_path / "old"
+    src = make_class_folders(old / "photos", per_class=6)
+    (src / "rust" / "empty.jpg").write_bytes(b"")  # rejected, and counted by its reason
+    extra = corrections_folder(old / "corrections", {"rust": 2})
+    opts = IngestOptions(size=16)
+    out = tmp_path / "dataset"
+    ingest(src, out, opts, workers=1, also=[extra], log=lambda s: None)
+    written = (out / "manifest.json").read_bytes()
+    assert json.loads(written)["input_content_fingerprint"].startswith("sha256:")
+
+    new = tmp_path / "new"
+    shutil.copytree(old, new, copy_function=shutil.copy)  # contents, not time stamps
+    shutil.rmtree(old)
+    new.rename(old)
+    for f in old.rglob("*"):
+        os.utime(f, (1_700_000_000, 1_700_000_000))
+    said: list[str] = []
+    assert ingest(src, out, opts, workers=1, also=[extra], log=said.append).up_to_date
+    assert (out / "manifest.json").read_bytes() == written
+    assert any("same contents" in m for m in said), said
+
+    victim = sorted((src / "healthy").iterdir())[0]
+    stamp = victim.stat()
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01  # same size, same time stamp, other bytes
+    victim.write_bytes(bytes(data))
+    os.utime(victim, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    for f in old.rglob("*"):
+        os.utime(f, (1_700_000_100, 1_700_000_100))
+    assert not ingest(src, out, opts, workers=1, also=[extra], log=lambda s: None).up_to_date
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["input_content_fingerprint"]  # as an earlier version wrote it
+    from leaflens.data_prep.manifest import manifest_self_digest
+
+    manifest["manifest_sha256"] = manifest_self_digest(manifest)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    (src / "rust" / "empty.jpg").touch()
+    assert not ingest(src, out, opts, workers=1, also=[extra], log=lambda s: None).up_to_date
+
+
 def test_a_photo_folder_inside_the_output_folder_is_refused_not_deleted(tmp_path):
     """Rebuilding a dataset replaces its folder whole: photos kept inside it (the source, extra or unlabelled
     photos) would go with it."""

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
+from leaflens.apps.model_card import ModelError
 from leaflens.apps.predictor import Predictor
 from leaflens.apps.service import DiagnosisService
 from leaflens.cpus import usable_cpus
@@ -197,4 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (ModelError, OSError) as exc:  # a missing or unreadable model or folder: one line, no traceback
+        sys.exit(f"app_latency.py: {exc}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -28,7 +29,7 @@ import onnx
 import onnxruntime as ort
 from onnx.reference import ReferenceEvaluator
 
-from leaflens.apps.model_card import ModelCard
+from leaflens.apps.model_card import ModelCard, ModelError
 from leaflens.engine.onnx_export import convert_float16
 
 
@@ -84,4 +85,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ModelError, OSError) as exc:  # a missing or unreadable model or folder: one line, no traceback
+        sys.exit(f"fp16_arith.py: {exc}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -24,6 +25,7 @@ from pathlib import Path
 import onnx
 from PIL import Image
 
+from leaflens.apps.model_card import ModelError
 from leaflens.apps.predictor import Predictor
 from leaflens.data_prep.quality import REFUSAL_REASONS
 from leaflens.data_prep.scan import IMAGE_EXTENSIONS
@@ -87,4 +89,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ModelError, OSError) as exc:  # a missing or unreadable model or folder: one line, no traceback
+        sys.exit(f"grey_photos.py: {exc}")

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import numpy as np
 
-from leaflens.apps.model_card import TIE_RATIO, unsure
+from leaflens.apps.model_card import TIE_RATIO, ModelError, unsure
 from leaflens.apps.predictor import Predictor
 from leaflens.data_prep.manifest import load_dataset
 
@@ -73,4 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except (ModelError, OSError) as exc:  # a missing or unreadable model or folder: one line, no traceback
+        sys.exit(f"near_ties.py: {exc}")

@@ -39,6 +39,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
 from leaflens.apps.batcher import DynamicBatcher
+from leaflens.apps.model_card import ModelError
 from leaflens.apps.predictor import Predictor
 from leaflens.cpus import usable_cpus
 
@@ -377,4 +378,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (ModelError, OSError) as exc:  # a missing or unreadable model or folder: one line, no traceback
+        sys.exit(f"serve.py: {exc}")

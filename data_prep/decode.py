@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import stat
+import threading
 import warnings
 import zlib
 
@@ -124,25 +126,51 @@ def _register_heif() -> bool:
     return True
 
 
+# Pillow refuses, in Image.open, any image over twice its own MAX_IMAGE_PIXELS (179 M by default), whatever
+# limit the caller chose; a larger ``max_pixels`` opens such a file with Pillow's limit lifted for that open only
+# (the lock keeps two threads from restoring each other's value).
+_PILLOW_LIMIT_LOCK = threading.Lock()
+_PILLOW_SIZE = re.compile(r"\((\d+) pixels\)")
+
+
+def _pillow_open(data: bytes, lift_limit: bool = False) -> Image.Image:
+    # Our own max_pixels is the authority: PIL's warning (above its default limit) is swallowed. Note:
+    # catch_warnings touches the process-wide filter list for the duration of the open.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        if not lift_limit:
+            return Image.open(io.BytesIO(data))
+        with _PILLOW_LIMIT_LOCK:
+            before, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+            try:
+                return Image.open(io.BytesIO(data))
+            finally:
+                Image.MAX_IMAGE_PIXELS = before
+
+
 def _open(data: bytes, name: str, max_pixels: int) -> Image.Image:
     """Open (header only) and apply the pixel limit before any pixel data is decoded."""
     if _is_heif(data) and not _register_heif():
         raise ImageDecodeError(
             "heic_unsupported", name, "HEIC/HEIF photo; install the 'heic' extra (pillow-heif) or convert"
         )
-    try:
-        # Our own max_pixels is the authority; PIL's warning (above its default limit) is
-        # swallowed here and its hard error becomes "too_large" below. Note: catch_warnings
-        # touches the process-wide filter list for the duration of the open.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            im = Image.open(io.BytesIO(data))
-    except Image.DecompressionBombError as exc:
-        raise ImageDecodeError("too_large", name, str(exc)) from exc
-    except UnidentifiedImageError as exc:
-        raise ImageDecodeError("not_an_image", name, "not a recognised image format") from exc
-    except (OSError, SyntaxError, ValueError, EOFError) as exc:
-        raise ImageDecodeError("corrupt", name, f"header unreadable: {exc}") from exc
+    lift = False
+    while True:
+        try:
+            im = _pillow_open(data, lift_limit=lift)
+            break
+        except Image.DecompressionBombError as exc:
+            found = _PILLOW_SIZE.search(str(exc))
+            if lift or found is None:
+                raise ImageDecodeError("too_large", name, str(exc)) from exc
+            if int(found.group(1)) > max_pixels:
+                raise ImageDecodeError("too_large", name, f"declared size {found.group(1)} pixels exceeds the limit "
+                                                          f"of {max_pixels}") from exc
+            lift = True  # within the caller's limit: Pillow's is not ours
+        except UnidentifiedImageError as exc:
+            raise ImageDecodeError("not_an_image", name, "not a recognised image format") from exc
+        except (OSError, SyntaxError, ValueError, EOFError) as exc:
+            raise ImageDecodeError("corrupt", name, f"header unreadable: {exc}") from exc
     w, h = im.size
     if w <= 0 or h <= 0:
         raise ImageDecodeError("corrupt", name, f"declared size {w}x{h}")
@@ -152,6 +180,8 @@ def _open(data: bytes, name: str, max_pixels: int) -> Image.Image:
         )
     if im.format == "PNG":
         _check_png_ratio(data, w, h, name)
+    elif im.format not in _DRAFT_FORMATS:
+        _check_pixels_per_byte(data, w, h, name, im.format or "image")
     return im
 
 
@@ -171,6 +201,24 @@ def _check_png_ratio(data: bytes, w: int, h: int, name: str) -> None:
         raise ImageDecodeError(
             "truncated", name, f"declares {w}x{h} pixels ({raw} bytes of image data) but the file has only "
                                f"{len(data)} bytes, beyond deflate's {_DEFLATE_MAX_RATIO}:1 limit"
+        )
+
+
+# A file far smaller than the pixels it declares is a decompression bomb, not a photo: a 38-byte lossless WebP can
+# declare 115 M pixels and cost 2 GB to decode (PNG has the exact bound above; a JPEG is decoded at a reduced
+# scale). Photos hold a few pixels per byte and even flat drawings a few hundred, while an image this flat would be
+# refused as "uniform" anyway; small images are let through whatever their size.
+_MAX_PIXELS_PER_BYTE = 1024
+_RATIO_FROM_PIXELS = 4_000_000
+_DRAFT_FORMATS = frozenset({"JPEG", "MPO"})
+
+
+def _check_pixels_per_byte(data: bytes, w: int, h: int, name: str, fmt: str) -> None:
+    if w * h > _RATIO_FROM_PIXELS and w * h > _MAX_PIXELS_PER_BYTE * len(data):
+        raise ImageDecodeError(
+            "too_large", name, f"a {fmt} file of {len(data)} bytes declaring {w}x{h} = {w * h} pixels (more than "
+                               f"{_MAX_PIXELS_PER_BYTE} pixels per byte): a decompression bomb, not a photo; if it "
+                               "is a photo, save it again as JPEG"
         )
 
 
@@ -200,7 +248,9 @@ def _jpeg_quantisation(im: Image.Image) -> int:
 
 def _load(im: Image.Image, name: str) -> None:
     try:
-        im.load()
+        with warnings.catch_warnings():  # Pillow's TIFF loader checks the size again (see _pillow_open)
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im.load()
     except Image.DecompressionBombError as exc:
         raise ImageDecodeError("too_large", name, str(exc)) from exc
     except (OSError, SyntaxError, ValueError, EOFError, zlib.error) as exc:
@@ -209,19 +259,35 @@ def _load(im: Image.Image, name: str) -> None:
         raise ImageDecodeError(reason, name, text or type(exc).__name__) from exc
 
 
+def _peak(arr: np.ndarray) -> float:
+    """The level nearly all pixels stay under (99.9th percentile): a few stray pixels above an 8-bit or 0-1
+    range must not rescale, and black out, the whole photo; they are clipped instead."""
+    finite = arr[np.isfinite(arr)] if arr.dtype.kind == "f" else arr.ravel()
+    return float(np.percentile(finite, 99.9)) if finite.size else 0.0
+
+
 def _int_to_l(im: Image.Image) -> Image.Image:
     """16/32-bit integer or float grayscale -> 8-bit L, scaling the range instead of clipping."""
     arr = np.asarray(im)
     if im.mode.startswith("I;16"):
         out = arr.astype(np.float32) / 257.0
     elif im.mode == "F":
-        peak = float(np.nanmax(arr)) if arr.size else 0.0
-        out = arr * 255.0 if peak <= 1.0 else arr
+        out = arr * 255.0 if _peak(arr) <= 1.0 else arr
     else:  # "I": 32-bit ints; PNG 16-bit grey arrives here on some Pillow versions
-        peak = int(arr.max()) if arr.size else 0
-        out = arr.astype(np.float32) / 257.0 if peak > 255 else arr
+        out = arr.astype(np.float32) / 257.0 if _peak(arr) > 255 else arr
     out = np.nan_to_num(np.asarray(out, dtype=np.float32), nan=0.0)
     return Image.fromarray(np.clip(np.rint(out), 0, 255).astype(np.uint8), "L")
+
+
+def _int_to_rgb(im: Image.Image) -> Image.Image:
+    """:func:`_int_to_l` as RGB, with the pixels of a transparency key (a 16-bit PNG's tRNS) on white."""
+    rgb = _int_to_l(im).convert("RGB")
+    key = im.info.get("transparency")
+    if not isinstance(key, (int, float)) or isinstance(key, bool):
+        return rgb
+    out = np.array(rgb)
+    out[np.asarray(im) == key] = 255
+    return Image.fromarray(out, "RGB")
 
 
 def _to_rgb(im: Image.Image, name: str) -> Image.Image:
@@ -235,9 +301,7 @@ def _to_rgb(im: Image.Image, name: str) -> Image.Image:
     elif mode in ("P", "PA"):
         im = im.convert("RGBA")
     elif mode in ("I", "I;16", "I;16L", "I;16B", "I;16N", "F"):
-        im = _int_to_l(im)
-        if "transparency" not in im.info:
-            return im.convert("RGB")
+        return _int_to_rgb(im)
     try:
         if im.mode in ("RGBA", "LA", "La", "RGBa", "PA") or "transparency" in im.info:
             rgba = im.convert("RGBA")
@@ -288,6 +352,9 @@ def _decode(src: Source, size: int, resize: str, max_pixels: int, shorter_side: 
         target = DRAFT_MARGIN * (shorter_side if resize == "crop" else size)
         im.draft(im.mode, (target, target))
     _load(im, name)
+    # Pillow's TIFF loader turns the image upright itself and drops the tag: the orientation left after loading
+    # is what remains to be done (the same as before for every other format)
+    orientation = _orientation(im)
     for op in _TRANSPOSE.get(orientation, ()):
         im = im.transpose(op)
     im = _to_rgb(im, name)

@@ -216,3 +216,69 @@ def test_read_source_refuses_what_is_not_a_regular_file_and_caps_the_bytes(tmp_p
     with pytest.raises(ImageDecodeError, match="over") as refused:
         read_source(big, max_bytes=2002)
     assert refused.value.reason == "too_large"
+
+
+@pytest.mark.parametrize("orientation", [1, 3, 6, 8])
+def test_tiff_orientation_is_applied_once_as_for_jpeg(orientation):
+    """Pillow's TIFF loader turns the image upright itself: the decoder rotated it a second time (upside down
+    for 3, the wrong quarter turn for 6 and 8), in preprocess, predict and the app alike."""
+    upright = np.full((80, 120, 3), 255, np.uint8)
+    upright[:20, :20] = (255, 0, 0)
+    upright[:20, -20:] = (0, 255, 0)
+    upright[-20:, :20] = (0, 0, 255)
+    undo = {1: None, 3: Image.Transpose.ROTATE_180, 6: Image.Transpose.ROTATE_90, 8: Image.Transpose.ROTATE_270}
+    stored = Image.fromarray(upright)
+    if undo[orientation] is not None:
+        stored = stored.transpose(undo[orientation])  # what the camera wrote, to be turned upright by the tag
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    tiff = decode_image(_encode(stored, "TIFF", exif=exif), 60, resize="pad")
+    jpeg = decode_image(_encode(stored, "JPEG", quality=95, exif=exif.tobytes()), 60, resize="pad")
+    want = decode_image(_encode(Image.fromarray(upright), "PNG"), 60, resize="pad")
+    assert np.abs(tiff.astype(int) - want.astype(int)).max() <= 2
+    assert np.abs(jpeg.astype(int) - want.astype(int)).mean() < 8
+
+
+def test_a_tiny_file_declaring_a_huge_image_is_refused_in_any_format():
+    """A 38-byte lossless WebP declaring 115 M pixels cost 1.9 GB to decode; only PNG was checked."""
+    big = Image.new("L", (4000, 3000), 90)
+    for fmt, kw in (("WEBP", {"lossless": True}), ("GIF", {})):  # a flat deflate TIFF stays under 1032:1
+        data = _encode(big, fmt, **kw)
+        assert len(data) * 1024 < 4000 * 3000, (fmt, len(data))  # the premise: far more pixels than bytes
+        with pytest.raises(ImageDecodeError, match="decompression bomb") as err:
+            decode_image(data, 16)
+        assert err.value.reason == "too_large"
+    noise = np.random.default_rng(0).integers(0, 255, (1500, 3000), np.uint8)  # 4.5 M pixels of real content
+    assert decode_image(_encode(Image.fromarray(noise), "WEBP", lossless=True), 16).shape == (16, 16, 3)
+    assert decode_image(_encode(Image.new("L", (1000, 1000), 90), "WEBP", lossless=True), 16).shape == (16, 16, 3)
+
+
+def test_a_pixel_limit_above_pillows_own_is_honoured_and_the_message_is_ours(monkeypatch):
+    """Pillow refuses images over twice its MAX_IMAGE_PIXELS in Image.open, whatever --max-pixels says, and its
+    message quoted its own limit (178956970) where ours is 120 M."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10_000)  # Pillow's refusal from 20,000 pixels: a small test
+    data = _encode(Image.new("RGB", (200, 150), (10, 200, 30)), "JPEG")  # 30,000 pixels
+    assert np.all(np.abs(decode_image(data, 8, max_pixels=50_000).astype(int) - (10, 200, 30)) <= 3)
+    assert Image.MAX_IMAGE_PIXELS == 10_000  # put back
+    with pytest.raises(ImageDecodeError, match="declared size 30000 pixels exceeds the limit of 25000"):
+        decode_image(data, 8, max_pixels=25_000)
+
+
+def test_16_bit_grey_with_a_transparency_key_is_white_there():
+    arr = np.full((20, 20), 40000, np.uint16)
+    arr[:10] = 0
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, "PNG", transparency=0)
+    out = decode_image(buf.getvalue(), 20)
+    assert np.all(out[:9] == 255) and np.all(np.abs(out[11:].astype(int) - round(40000 / 257)) <= 1)
+
+
+@pytest.mark.parametrize("mode", ["I", "F"])
+def test_one_stray_pixel_does_not_rescale_a_32_bit_photo(mode):
+    """The scale of a 32-bit integer or float photo was chosen by its single highest pixel: one pixel at 256
+    (or 1.02) turned a 0-255 (0-1) gradient black."""
+    ramp = np.tile(np.linspace(0, 1, 64, dtype=np.float32), (64, 1))
+    arr = (ramp * 255).astype(np.int32) if mode == "I" else ramp
+    arr[0, 0] = 256 if mode == "I" else 1.02
+    out = decode_image(_encode(Image.fromarray(arr, mode), "TIFF"), 64)
+    assert 110 < out.mean() < 145

@@ -967,4 +967,6 @@ def format_summary(report: IngestReport, check: bool = False) -> str:
                     if report.ignored else "")
                  + (f"; {report.seconds:.1f} s, nothing written (--check)" if check else
                     f"; {report.seconds:.1f} s -> {report.out}"))
+    if report.rejected_total and not check:
+        lines.append(f"the rejected files, each with its reason: {Path(report.out) / REJECTED_NAME}")
     return "\n".join(lines)

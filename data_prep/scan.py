@@ -23,7 +23,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".heic", ".heif"})
+# .jfif and .jpe: JPEGs as Windows browsers and old cameras name them
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".jfif", ".jpe", ".png", ".bmp", ".webp", ".tif", ".tiff", ".heic",
+                              ".heif"})
 SPLITS = ("train", "val", "test")
 UNLABELED = "unlabeled"
 NOT_A_LEAF = "not_a_leaf"  # an extra folder's "no leaf at all" photos (leaflens.apps.corrections): skipped

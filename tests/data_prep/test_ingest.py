@@ -55,9 +55,15 @@ def test_broken_files_rejected_with_reason_rest_kept(class_folders, tmp_path):
     m = ds.manifest
     assert m.ignored == {"hidden": 2, "not_image": 1}
     assert m.rejected.reasons == {"empty": 1, "truncated": 1, "not_an_image": 1, "too_large": 1}
+    from leaflens.data_prep.ingest import format_summary
+
+    assert f"the rejected files, each with its reason: {out / 'rejected.jsonl'}" in format_summary(report)
     for s in ("train", "val", "test"):
         files = ds[s].files
         assert len(files) == len(ds[s]) and not any(Path(f).name.startswith(("empty", "bomb")) for f in files)
+    (d / "photo.jfif").write_bytes(good)  # a JPEG as Windows browsers save it: a photo, not "not an image"
+    again = ingest(class_folders, out, IngestOptions(size=16), workers=1, **QUIET)
+    assert again.kept_total == 61 and load_dataset(out).manifest.ignored == {"hidden": 2, "not_image": 1}
 
 
 def test_a_name_with_a_line_break_is_rejected_and_the_file_lists_stay_aligned(class_folders, tmp_path):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import unicodedata
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,8 +182,11 @@ def _scan_also(folder: str | os.PathLike, root: Path, classes: list[str], split:
             raise ScanError(f"--also folder {d}: found {name!r}; an extra folder holds class folders only "
                             f"({d}/<class>/*.jpg), merged into the source's splits")
         if name not in classes:
-            unknown.append(name)
-            continue
+            same = [c for c in classes if same_name(c, name)]  # the source's name, in another Unicode form
+            if not same:
+                unknown.append(name)
+                continue
+            name = same[0]
         found.extend((name, split, full, rel) for full, rel in _walk_images(cdir, root, ignored, extensions))
     if unknown:
         raise ScanError(f"--also folder {d}: class folder(s) {', '.join(repr(u) for u in unknown)} are not classes "
@@ -255,6 +259,13 @@ def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = N
     classes = sorted({c for c, _, _, _ in per_class})
     if not classes:
         raise ScanError(f"{root_p}: no class folders with images found (expected ROOT/<class>/*.jpg)")
+    for i, a in enumerate(classes):
+        for b in classes[i + 1:]:
+            if same_name(a, b):
+                raise ScanError(f"{root_p}: the class folders {a!r} and {b!r} have the same name written in two "
+                                f"Unicode forms ({_code_points(a)} and {_code_points(b)}; macOS writes accented "
+                                "letters decomposed): they would be two classes that look the same. Move the photos "
+                                "of one into the other")
     index = {c: i for i, c in enumerate(classes)}
     files = [SourceFile(full, rel, index[c], split) for c, split, full, rel in per_class]
     also_roots: list[str] = []
@@ -291,6 +302,16 @@ def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = N
         relative.update(f"{relative_to(f.rel, root_p)}{stats}".encode())
     return ScanResult(str(root_p), layout, classes, files, ignored, digest.hexdigest(), relative.hexdigest(),
                       also_roots, also_files, extensions, empty, nested)
+
+
+def same_name(a: str, b: str) -> bool:
+    """Whether two folder names are the same text: equal once both are in Unicode's composed form (NFC), as a
+    name typed on Linux or Windows and the same name copied from macOS (which decomposes accents) are."""
+    return unicodedata.normalize("NFC", a) == unicodedata.normalize("NFC", b)
+
+
+def _code_points(name: str) -> str:
+    return " ".join(f"U+{ord(ch):04X}" for ch in name if ord(ch) > 127) or "ASCII"
 
 
 def relative_to(path: str | os.PathLike, base: str | os.PathLike) -> str:

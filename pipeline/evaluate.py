@@ -30,7 +30,7 @@ import numpy as np
 from leaflens.apps.diagnosis import REFUSAL_REASONS
 from leaflens.apps.predictor import Prediction, Predictor
 from leaflens.columns import display_width, pad_right
-from leaflens.data_prep.scan import IMAGE_EXTENSIONS, NOT_A_LEAF, UNLABELED, ScanError, scan_source
+from leaflens.data_prep.scan import IMAGE_EXTENSIONS, NOT_A_LEAF, UNLABELED, ScanError, same_name, scan_source
 from leaflens.pipeline.report import metrics
 from leaflens.pipeline.teachers.stage import split_photo_paths
 from leaflens.records import Record
@@ -143,7 +143,9 @@ def class_folder_photos(root: str | os.PathLike[str], classes: Sequence[str],
     if no_leaf and not asked:  # with --not-known naming it, its figures follow
         print(f"note: {Path(scan.root) / NOT_A_LEAF} left out: photos people said show no leaf are of no class of "
               f"the model; to see what it answers them: --not-known {Path(scan.root) / NOT_A_LEAF}", file=sys.stderr)
-    unknown = [c for c in scan.classes if c not in classes and not (no_leaf and c == NOT_A_LEAF)]
+    # a folder name in another Unicode form than the model's class (copied from macOS) is that class
+    named = {c: next((k for k in classes if same_name(k, c)), c) for c in scan.classes}
+    unknown = [c for c in scan.classes if named[c] not in classes and not (no_leaf and c == NOT_A_LEAF)]
     if unknown:
         raise EvaluationError(
             f"{scan.root}: folder(s) {', '.join(repr(c) for c in unknown)} name no class the model knows; "
@@ -153,7 +155,7 @@ def class_folder_photos(root: str | os.PathLike[str], classes: Sequence[str],
     if left:
         print(f"note: left out of {scan.root}: " + ", ".join(f"{n} {LEFT_OUT[k]}" for k, n in left.items()),
               file=sys.stderr)
-    index = {c: classes.index(c) for c in scan.classes if c in classes}
+    index = {c: classes.index(named[c]) for c in scan.classes if named[c] in classes}
     labelled = [f for f in scan.files if f.split != UNLABELED and scan.classes[f.label] in index]
     unlabelled = sum(f.split == UNLABELED for f in scan.files)
     if unlabelled:

@@ -319,3 +319,30 @@ def test_a_correction_alike_to_two_source_photos_moves_neither(tmp_path):
     ingest(src, tmp_path / "with", Opts(size=32), workers=1, also=[extra], log=lambda m: None)
     plain, both = _split_of(tmp_path / "plain"), _split_of(tmp_path / "with")
     assert {f: s for f, s in both.items() if f in plain} == plain
+
+
+def test_class_names_in_two_unicode_forms_are_one_name(tmp_path, capsys):
+    """A class folder copied from macOS spells an accented name decomposed (NFD): --also refused it as "not a
+    class of the source" printing two names that look the same, a source holding both forms gave two classes
+    that look the same, and evaluate refused the folder."""
+    import shutil
+    import unicodedata
+
+    composed, decomposed = unicodedata.normalize("NFC", "mancha_é"), unicodedata.normalize("NFD", "mancha_é")
+    assert composed != decomposed
+    src = make_class_folders(tmp_path / "photos", per_class=6)
+    (src / "rust").rename(src / composed)
+    extra = corrections_folder(tmp_path / "corrections", {"rust": 2})
+    (extra / "rust").rename(extra / decomposed)
+    scan = scan_source(src, also=[extra])
+    assert scan.classes.count(composed) == 1 and decomposed not in scan.classes
+    assert sum(f.extra and scan.classes[f.label] == composed for f in scan.files) == 2
+
+    from leaflens.pipeline.evaluate import class_folder_photos
+
+    files, labels = class_folder_photos(extra, ["healthy", composed, "blight"])  # a model's classes, composed
+    assert len(files) == 2 and set(labels.tolist()) == {1}
+
+    shutil.copytree(src / composed, src / decomposed)
+    with pytest.raises(ScanError, match=r"same name written in two Unicode forms \(U\+0301 and U\+00E9"):
+        scan_source(src)

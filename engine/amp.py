@@ -134,9 +134,16 @@ class GradScaler:
         return self.scale_value if self.enabled else 1.0
 
     def scale(self, loss: Tensor) -> Tensor:
-        """``loss * scale`` (a graph op, so backward produces scaled gradients); ``loss`` itself when disabled."""
+        """``loss * scale`` (a graph op, so backward produces scaled gradients); ``loss`` itself when disabled.
+
+        A float16 loss (one written with plain arithmetic under :func:`autocast`) is scaled in float32: in
+        float16 the default scale, 2**16, is itself past the largest finite value and every loss became inf.
+        Its gradient goes back into float16 as the scale, where a scale too large for float16 is an overflow
+        like any other (the step is skipped and the scale lowered)."""
         if not self.enabled:
             return loss
+        if loss.dtype == np.float16:
+            loss = loss.astype(np.float32)
         return loss * self.scale_value
 
     def unscale_(self, optimizer_or_params: Any) -> bool:

@@ -336,3 +336,23 @@ def test_a_mixed_precision_training_step_on_cupy_matches_float32():
     for k in ref:  # float16 rounding through BatchNorm's backward: a few % here (NumPy float16 gives ~4 %)
         err = np.linalg.norm(got[k] - ref[k]) / np.linalg.norm(ref[k])
         assert err < 0.1, (k, err)
+
+
+def test_a_float16_loss_trains_under_the_default_scale():
+    """A loss written with plain arithmetic under autocast stays float16; scaled in float16 the default scale
+    (2**16, past float16's largest value) made every loss inf and every step a NonFiniteLossError that never
+    lowered the scale. Scaled in float32, the first step's gradient overflows and is skipped, then it trains."""
+    from leaflens.engine import nn, optim
+
+    rng = np.random.default_rng(0)
+    lin = nn.Linear(4, 1, rng=rng)
+    opt = optim.SGD(lin.parameters(), lr=0.01)
+    x = rng.standard_normal((8, 4)).astype(np.float32)
+    y = rng.standard_normal((8, 1)).astype(np.float16)
+    scaler = amp.GradScaler()
+    with amp.autocast():
+        loss = (lin(Tensor(x)) - Tensor(y)).abs().mean()
+    assert loss.dtype == np.float16 and np.isfinite(scaler.scale(loss).item())
+    results = [amp.train_step(opt, scaler, lambda: (lin(Tensor(x)) - Tensor(y)).abs().mean()) for _ in range(4)]
+    assert [r.overflow for r in results] == [True, False, False, False] and scaler.get_scale() == 2.0 ** 15
+    assert all(r.stepped for r in results[1:])

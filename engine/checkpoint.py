@@ -77,9 +77,38 @@ def save_checkpoint(path: str | os.PathLike[str], model: Module, optimizer: Opti
         esd = ema.state_dict()
         meta["ema"] = esd["meta"]
         arrays.update({f"ema/{k}": v for k, v in esd["arrays"].items()})
-    arrays["meta"] = np.array(json.dumps(meta))
+    arrays["meta"] = np.array(_meta_json(meta))
     # numpy's stub lets a key bind to savez's allow_pickle: bool; ours are model/..., optim/... and meta
     return write_atomic(path, lambda f: np.savez(f, **arrays), fsync=True)  # type: ignore[arg-type]
+
+
+def _plain(value: Any) -> Any:
+    """A NumPy scalar (a count from ``(pred == y).sum()``, ``lr=np.float32(...)``) as the Python number it is."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON-able")
+
+
+def _meta_json(meta: dict[str, Any]) -> str:
+    try:
+        return json.dumps(meta, default=_plain)
+    except (TypeError, ValueError) as exc:
+        for section in ("extra", "optimizer", "scheduler"):  # name the part the caller passed in
+            try:
+                json.dumps(meta.get(section), default=_plain)
+            except (TypeError, ValueError):
+                bad = next((k for k, v in (meta.get(section) or {}).items() if not _json_able(v)), None)
+                raise TypeError(f"checkpoint {section}{f'[{bad!r}]' if bad is not None else ''} cannot be written "
+                                f"as JSON: {exc} (give numbers, strings, lists and dicts)") from exc
+        raise
+
+
+def _json_able(value: Any) -> bool:
+    try:
+        json.dumps(value, default=_plain)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def read_checkpoint_arrays(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -126,7 +155,9 @@ def load_checkpoint(path: str | os.PathLike[str], model: Module | None = None, o
     # all or nothing: a state that fails to load puts back what was loaded before it
     before = (None if model is None else model.state_dict(),
               None if optimizer is None else optimizer.state_dict(),
-              None if scheduler is None else scheduler.state_dict())
+              None if scheduler is None else scheduler.state_dict(),
+              None if ema is None else ema.state_dict(),
+              {name: rng.bit_generator.state for name, rng in (generators or {}).items()})
     try:
         return _load_into(path, meta, arrays, model, optimizer, scheduler, generators, ema)
     except BaseException:
@@ -136,6 +167,10 @@ def load_checkpoint(path: str | os.PathLike[str], model: Module | None = None, o
             optimizer.load_state_dict(before[1])
         if scheduler is not None and before[2] is not None:
             scheduler.load_state_dict(before[2])
+        if ema is not None and before[3] is not None:
+            ema.load_state_dict(before[3])
+        for name, rng in (generators or {}).items():
+            rng.bit_generator.state = before[4][name]
         raise
 
 

@@ -81,7 +81,7 @@ def parallel_rows(n: int, work: int, fn: Callable[[int, int], object]) -> list[o
 
 def for_rows(xp: object, n: int, work: int, fn: Callable[[int, int], object]) -> list[object]:
     """:func:`parallel_rows` on NumPy; one call over all rows on any other array module (CuPy)."""
-    if xp is not np:
+    if xp is not np or n == 0:  # an empty batch: one call over no rows, so sums are zeros of the right shape
         return [fn(0, n)]
     return parallel_rows(n, work, fn)
 
@@ -99,7 +99,7 @@ def for_tiles(xp: object, rows: int, row_size: int, fn: Callable[[int, int], obj
     instead of memory. The tiles depend only on the shape, so per-tile partial sums added in tile order
     give the same result whatever the thread count.
     """
-    if xp is not np:
+    if xp is not np or rows == 0:  # an empty batch: one call over no rows, so sums are zeros of the right shape
         return [fn(0, rows)]
     per = rows_per_tile(row_size, tile)
     bounds = [*range(0, rows, per), rows]

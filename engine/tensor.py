@@ -107,7 +107,12 @@ class Tensor:
         return Tensor(self.data)
 
     def to(self, device: str) -> Tensor:
-        out = Tensor(to_device(self.data, device), requires_grad=self.requires_grad, name=self.name)
+        """The same values on ``device`` ("cpu", "cuda"): this tensor itself when it is there already, else a
+        copy that gradients flow back through, as through any op."""
+        if device_of(self.data) == ("cpu" if device == "cpu" else "cuda"):
+            return self
+        out = ToDevice(device)(self)
+        out.name = self.name
         return out
 
     def zero_grad(self) -> None:
@@ -230,7 +235,44 @@ class Tensor:
     def __getitem__(self, key: Any) -> Tensor:
         return _ops.getitem(self, key)
 
-    # comparisons give plain boolean arrays: they have no gradient
+    # In-place arithmetic changes the values outside the graph, as an optimiser does (p -= lr * p.grad under
+    # no_grad()). Without these, Python fell back to p = p - x: a loop over the parameters updated nothing, and
+    # ``layer.weight -= ...`` put a plain tensor where the parameter was.
+    def __iadd__(self, other: Any) -> Tensor:
+        return self._in_place(other, "+")
+
+    def __isub__(self, other: Any) -> Tensor:
+        return self._in_place(other, "-")
+
+    def __imul__(self, other: Any) -> Tensor:
+        return self._in_place(other, "*")
+
+    def __itruediv__(self, other: Any) -> Tensor:
+        return self._in_place(other, "/")
+
+    def _in_place(self, other: Any, symbol: str) -> Tensor:
+        if grad_enabled() and (self.requires_grad or self.creator is not None):
+            raise RuntimeError(
+                f"in-place {symbol}= on a tensor autograd records (it requires grad or was made by an op): backward "
+                f"may need its old values. For a parameter update, do it under no_grad() (with no_grad(): "
+                f"p -= lr * p.grad); for a new tensor, write x = x {symbol} y")
+        xp = array_module(self.data)
+        ufunc = {"+": xp.add, "-": xp.subtract, "*": xp.multiply, "/": xp.true_divide}[symbol]
+        new = ufunc(self.data, _raw(other))
+        if new.shape != self.data.shape:
+            raise ValueError(f"in-place {symbol}= would change the shape {self.shape} to {tuple(new.shape)}")
+        if not xp.can_cast(new.dtype, self.data.dtype, "same_kind"):
+            raise TypeError(f"in-place {symbol}= would store {new.dtype} values in a {self.dtype} tensor")
+        self.data[...] = new
+        return self
+
+    # comparisons give plain boolean arrays, element by element: they have no gradient
+    def __eq__(self, other: Any) -> Any:
+        return self.data == _raw(other)
+
+    def __ne__(self, other: Any) -> Any:
+        return self.data != _raw(other)
+
     def __lt__(self, other: Any) -> Any:
         return self.data < _raw(other)
 
@@ -351,6 +393,20 @@ class Function:
         """Forget inputs and saved arrays (called by backward once this node is done)."""
         self.__dict__.clear()
         self.__dict__["released"] = True
+
+
+class ToDevice(Function):
+    """Move to another device; the gradient moves back (:meth:`Tensor.to`)."""
+
+    def __init__(self, device: str):
+        self.device = device
+
+    def forward(self, x):
+        self.src = device_of(x)
+        return to_device(x, self.device)
+
+    def backward(self, gy):
+        return to_device(gy, self.src)
 
 
 def _coerce_inputs(inputs: Sequence[Any]) -> list[Tensor]:

@@ -97,10 +97,11 @@ class Dropout(Module):
     """Zero each value with probability ``p`` in training (scaling the rest by 1 / (1 - p)); the masks are
     drawn from ``rng`` (see :func:`set_dropout_generator` to point a built model's dropout elsewhere)."""
 
-    def __init__(self, p: float = 0.5, *, rng: np.random.Generator | None = None):
+    def __init__(self, p: float = 0.5, *, rng: np.random.Generator | int | None = None):
         super().__init__()
         self.p = p
-        self.rng = rng
+        # a seed becomes one generator here: seeded again at every call, each batch would get the same mask
+        self.rng = rng if rng is None or isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
 
     def forward(self, x: Any) -> Any:
         return ops.dropout(x, self.p, self.training, rng=self.rng)
@@ -201,8 +202,11 @@ class Sequential(Module):
     def __len__(self) -> int:
         return len(self._modules)
 
-    def __getitem__(self, i: int) -> Module:
-        return list(self._modules.values())[i]
+    def __getitem__(self, i: int | slice) -> Module:
+        """The ``i``-th module; a slice is a Sequential of those modules (``model[:-1](x)``: all but the last),
+        sharing their parameters."""
+        layers = list(self._modules.values())
+        return Sequential(layers[i]) if isinstance(i, slice) else layers[i]
 
     def forward(self, x: Any) -> Any:
         layers = list(self._modules.values())

@@ -45,6 +45,12 @@ class Module:
         if "_parameters" not in self.__dict__:
             raise RuntimeError(f"{type(self).__name__}.__init__ must call super().__init__() before setting "
                                f"attributes (while setting {name!r})")
+        if value is not None and (self._parameters.get(name) is value or self._modules.get(name) is value):
+            return  # the same object put back (``layer.weight -= x`` ends so): keep its place in the order
+        if name in self._parameters and value is not None and not isinstance(value, Parameter):
+            raise TypeError(f"cannot put a {type(value).__name__} in {type(self).__name__}.{name}, a parameter: it "
+                            "would leave the parameters (the optimiser and the checkpoints would lose it). Give a "
+                            f"Parameter, None to remove it, or change its values in place ({name}.data[...] = ...)")
         for store in (self._parameters, self._modules, self._buffers):
             store.pop(name, None)
         if isinstance(value, Parameter):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from leaflens.engine.backend import array_module
 from leaflens.engine.tensor import Function, Tensor, as_tensor, sum_to
 
@@ -221,7 +223,10 @@ def mul(a: Any, b: Any) -> Tensor:
 
 
 def div(a: Any, b: Any) -> Tensor:
-    return Div()(*_promoted(a, b))
+    ta, tb = _promoted(a, b)
+    if ta.dtype.kind in "biu" and tb.dtype.kind in "biu":  # true division of integers: float32, not NumPy's float64
+        ta, tb = Tensor(ta.data.astype(np.float32)), Tensor(tb.data.astype(np.float32))
+    return Div()(ta, tb)
 
 
 def neg(x: Any) -> Tensor:
@@ -229,9 +234,11 @@ def neg(x: Any) -> Tensor:
 
 
 def pow(x: Any, p: Any) -> Tensor:  # noqa: A001
+    if isinstance(p, (np.integer, np.floating)):
+        p = p.item()  # a NumPy float64 exponent would make float32 values float64
     if isinstance(p, (int, float)) and isinstance(x, Tensor):
         return Pow(p)(x)
-    return PowTensor()(x, p)
+    return PowTensor()(*_promoted(x, p))
 
 
 def exp(x: Any) -> Tensor:

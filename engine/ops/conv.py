@@ -33,6 +33,7 @@ from leaflens.engine import amp
 from leaflens.engine.backend import array_module
 from leaflens.engine.ops import _kernels as gpu
 from leaflens.engine.ops import winograd
+from leaflens.engine.ops.arith import _promoted
 from leaflens.engine.ops.linalg import matmul_tn
 from leaflens.engine.parallel import for_rows, sum_in_order
 from leaflens.engine.tensor import Function, Tensor
@@ -413,7 +414,7 @@ class Conv2d(Function):
         ho, wo = self.out_hw
         m = n * ho * wo
         cols = im2col(xpad, (kh, kw), self.out_hw, self.stride, self.kernel_pads)
-        cols = xp.ascontiguousarray(cols.reshape(m, kh * kw, g, cg).transpose(2, 0, 1, 3)).reshape(g, m, -1)
+        cols = xp.ascontiguousarray(cols.reshape(m, kh * kw, g, cg).transpose(2, 0, 1, 3)).reshape(g, m, kh * kw * cg)
         wg = w.reshape(g, cout // g, cg, kh, kw).transpose(0, 3, 4, 2, 1).reshape(g, kh * kw * cg, cout // g)
         if self.recording:
             self.cols = cols if self.needs_grad[1] else None
@@ -459,6 +460,7 @@ class Conv2d(Function):
 def conv2d(x: Any, weight: Any, bias: Any = None, stride: int | tuple[int, int] = 1,
            padding: Padding = 0, groups: int = 1) -> Tensor:
     """Convolve NHWC ``x`` with OIHW ``weight`` (dilation 1); ``padding`` may be asymmetric or 'same'."""
+    x, weight = _promoted(x, weight)  # integer inputs take the weight's float dtype, as in add and mul
     x, weight, bias = amp.half_inputs(x, weight, bias)  # float16 under leaflens.engine.amp.autocast()
     fn = Conv2d(stride, padding, groups)
     return fn(x, weight) if bias is None else fn(x, weight, bias)

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from leaflens.engine import amp
+from leaflens.engine.ops.arith import _promoted
 from leaflens.engine.parallel import for_chunks, sum_in_order
 from leaflens.engine.tensor import Function, Tensor, sum_to
 
@@ -93,9 +94,10 @@ class Linear(Function):
 
 
 def matmul(a: Any, b: Any) -> Tensor:
-    return MatMul()(*amp.half_inputs(a, b))  # float16 under leaflens.engine.amp.autocast()
+    return MatMul()(*amp.half_inputs(*_promoted(a, b)))  # float16 under leaflens.engine.amp.autocast()
 
 
 def linear(x: Any, weight: Any, bias: Any = None) -> Tensor:
+    x, weight = _promoted(x, weight)  # integer inputs take the weight's float dtype, as in add and mul
     x, weight, bias = amp.half_inputs(x, weight, bias)  # float16 under leaflens.engine.amp.autocast()
     return Linear()(x, weight) if bias is None else Linear()(x, weight, bias)

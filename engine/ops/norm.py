@@ -7,6 +7,7 @@ from typing import Any
 from leaflens.engine import amp
 from leaflens.engine.backend import array_module
 from leaflens.engine.ops import _kernels as gpu
+from leaflens.engine.ops.arith import _promoted
 from leaflens.engine.parallel import column_sums, for_tiles, per_tile, sum_in_order
 from leaflens.engine.tensor import Function, Tensor
 
@@ -189,6 +190,7 @@ def batch_norm(x: Any, weight: Any, bias: Any, running_mean: Any = None, running
     """Batch normalisation over the last axis of ``x`` (NHWC or (N, C))."""
     if not training and (running_mean is None or running_var is None):
         raise ValueError("batch_norm in evaluation mode needs running_mean and running_var")
+    x, weight = _promoted(x, weight)  # integer inputs take the weight's float dtype, as in add and mul
     return BatchNorm(running_mean, running_var, training, momentum, eps)(amp.float_input(x), weight, bias)
 
 

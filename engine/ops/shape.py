@@ -110,7 +110,7 @@ def flatten(x: Any, start_dim: int = 1) -> Tensor:
     """Merge every dimension from ``start_dim`` on into one."""
     t = x if isinstance(x, Tensor) else Tensor(x)
     lead = t.shape[:start_dim]
-    return Reshape((*lead, -1))(t)
+    return Reshape((*lead, int(np.prod(t.shape[start_dim:], dtype=np.int64))))(t)  # not -1: an empty batch has no -1
 
 
 def getitem(x: Any, key: Any) -> Tensor:

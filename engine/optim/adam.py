@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from leaflens.engine.backend import array_module
 from leaflens.engine.ops import _kernels as gpu
 from leaflens.engine.optim.optimizer import Optimizer
@@ -24,6 +26,11 @@ class Adam(Optimizer):
             raise ValueError(f"{type(self).__name__}: invalid hyper-parameters lr={lr}, betas={betas}, eps={eps}, "
                              f"weight_decay={weight_decay}")
         super().__init__(params, dict(lr=lr, betas=list(betas), eps=eps, weight_decay=weight_decay))
+        if any(p.dtype == np.float16 for p in self._all_params()):
+            # eps (1e-8) and small squared gradients are 0 in float16: the update divides by zero
+            raise TypeError(f"{type(self).__name__} keeps its moments in the parameters' dtype, and float16 cannot "
+                            "hold them: keep the parameters float32 and compute in float16 under "
+                            "leaflens.engine.amp.autocast() (mixed precision)")
 
     def update(self, p, grad, group, state):
         d = p.data

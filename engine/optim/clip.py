@@ -14,7 +14,9 @@ from leaflens.engine.nn.module import Parameter
 def grad_norm(grads: list[Any]) -> Any:
     """The joint L2 norm of ``grads`` as a 0-d float64 array on their device (no host read)."""
     xp = array_module(grads[0])
-    squares = xp.stack([xp.vdot(g.ravel(), g.ravel()) for g in grads]).astype(np.float64)
+    # float16 squares overflow from 256 on: those gradients are squared in float32 (the others as before)
+    flat = [g.ravel().astype(np.float32) if g.dtype == np.float16 else g.ravel() for g in grads]
+    squares = xp.stack([xp.vdot(g, g).astype(np.float64) for g in flat])
     # cumsum adds in order from the first parameter, as a Python sum over the parameters would: the
     # norm is the one earlier versions computed on the host, to the last bit
     return xp.sqrt(xp.cumsum(squares)[-1])

@@ -81,11 +81,12 @@ class ModelEMA:
             missing, extra = sorted(set(self.shadow) - set(arrays)), sorted(set(arrays) - set(self.shadow))
             raise ValueError(f"weight average state is for another model (missing {missing[:3]}, "
                              f"unexpected {extra[:3]})")
+        for name, value in arrays.items():  # every shape checked before any array is written
+            if tuple(value.shape) != tuple(self.shadow[name].shape):
+                raise ValueError(f"weight average {name!r} has shape {tuple(value.shape)}, "
+                                 f"the model {tuple(self.shadow[name].shape)}")
         for name, value in arrays.items():
             avg = self.shadow[name]
-            if tuple(value.shape) != tuple(avg.shape):
-                raise ValueError(f"weight average {name!r} has shape {tuple(value.shape)}, "
-                                 f"the model {tuple(avg.shape)}")
             avg[...] = array_module(avg).asarray(value, dtype=avg.dtype)
         self.decay, self.updates = float(meta["decay"]), int(meta["updates"])
 

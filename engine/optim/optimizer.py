@@ -27,7 +27,8 @@ class Optimizer:
         self.param_groups: list[dict[str, Any]] = []
         seen: set[int] = set()
         for g in groups:
-            ps = list(g["params"])
+            # a weight shared by two modules comes twice from their parameters(): one group keeps it once
+            ps = list({id(p): p for p in g["params"]}.values())
             for p in ps:
                 if not isinstance(p, Parameter):
                     raise TypeError(f"{type(self).__name__} optimises Parameters, got {type(p).__name__}")

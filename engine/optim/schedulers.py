@@ -65,6 +65,8 @@ class WarmupCosine(Scheduler):
         super().__init__(optimizer)
 
     def factor(self, n: int) -> float:
+        if n >= self.total_steps:  # the end, even with no decay phase (warmup_steps == total_steps)
+            return self.min_factor
         if n < self.warmup_steps:
             return (n + 1) / (self.warmup_steps + 1)
         span = max(self.total_steps - self.warmup_steps, 1)

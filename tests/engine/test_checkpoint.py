@@ -136,3 +136,24 @@ def test_a_checkpoint_from_before_named_generators_resumes_a_one_generator_run(t
     with pytest.raises(CheckpointError, match=r"old\.npz.*no state for the random generator"):
         load_checkpoint(old, _model(), generators={"batches": np.random.default_rng(0),
                                                    "dropout": np.random.default_rng(0)})
+
+
+def test_a_failed_load_puts_back_the_weight_average_and_the_generators_too(tmp_path):
+    """All or nothing: the model, optimiser and scheduler were put back after a failed load, but the weight
+    average and the generators loaded before the failure kept the checkpoint's state."""
+    from leaflens.engine import nn
+    from leaflens.engine.optim import ModelEMA
+
+    m = nn.Linear(3, 2, rng=np.random.default_rng(0))
+    ema = ModelEMA(m, 0.9)
+    m.weight.data[...] = 5.0
+    ema.update(m)
+    save_checkpoint(tmp_path / "ck.npz", m, ema=ema, generators={"a": np.random.default_rng(1)})
+    m2 = nn.Linear(3, 2, rng=np.random.default_rng(7))
+    ema2 = ModelEMA(m2, 0.9)
+    ga, gb = np.random.default_rng(42), np.random.default_rng(43)
+    shadow, state = ema2.shadow["weight"].copy(), ga.bit_generator.state
+    with pytest.raises(CheckpointError, match="random generator 'b'"):
+        load_checkpoint(tmp_path / "ck.npz", m2, ema=ema2, generators={"a": ga, "b": gb})
+    np.testing.assert_array_equal(ema2.shadow["weight"], shadow)
+    assert ema2.updates == 0 and ga.bit_generator.state == state

@@ -171,3 +171,132 @@ def test_a_checkpoint_that_fails_to_load_leaves_the_model_as_it_was(tmp_path):
         load_checkpoint(tmp_path / "adam.npz", target, optimizer=SGD(target.parameters(), lr=0.1))
     for k, v in before.items():
         np.testing.assert_array_equal(target.state_dict()[k], v)
+
+
+# ---- traps a student falls into (reported by a user of the engine as a library) --------------------------
+def test_in_place_updates_change_the_parameter_and_keep_it_a_parameter():
+    """Without in-place operators, ``p -= lr * p.grad`` in a loop rebound a local name (nothing updated) and
+    ``layer.weight -= ...`` put a plain Tensor where the parameter was (gone from parameters() and the
+    checkpoints), both silently."""
+    from leaflens.engine import no_grad
+
+    lin = nn.Linear(3, 1, rng=np.random.default_rng(0))
+    w0 = lin.weight.data.copy()
+    ops.mse_loss(lin(Tensor(np.ones((2, 3), np.float32))), np.zeros((2, 1), np.float32)).backward()
+    with no_grad():
+        for p in lin.parameters():
+            p -= 0.1 * p.grad
+    np.testing.assert_allclose(lin.weight.data, w0 - 0.1 * lin.weight.grad, rtol=1e-6)
+    with no_grad():
+        lin.weight -= 0.1 * lin.weight.grad
+    assert isinstance(lin.weight, Parameter) and [n for n, _ in lin.named_parameters()] == ["weight", "bias"]
+    with pytest.raises(RuntimeError, match="under no_grad"):
+        lin.weight -= 1.0  # autograd records it: refused outside no_grad
+    t = Tensor(np.ones(3, np.float32))
+    t *= 2
+    t /= np.array([1, 2, 4], np.float32)
+    np.testing.assert_array_equal(t.data, [2, 1, 0.5])
+    with pytest.raises(ValueError, match="change the shape"):
+        t += np.ones((2, 3), np.float32)
+    n = Tensor(np.ones(3, np.int64))
+    with pytest.raises(TypeError, match="float64 values in a int64"):
+        n += 0.5
+    with pytest.raises(TypeError, match="cannot put a Tensor in Linear.weight, a parameter"):
+        lin.weight = Tensor(np.zeros((1, 3), np.float32))
+    lin.bias = None  # removing a parameter stays allowed
+    assert [n for n, _ in lin.named_parameters()] == ["weight"]
+
+
+def test_to_the_same_device_is_the_tensor_and_gradients_flow_through_it():
+    rng = np.random.default_rng(0)
+    l1, l2 = nn.Linear(3, 3, rng=rng), nn.Linear(3, 1, rng=rng)
+    h = l1(Tensor(np.ones((2, 3), np.float32)))
+    assert h.to("cpu") is h
+    l2(h.to("cpu")).sum().backward()
+    assert l1.weight.grad is not None and np.abs(l1.weight.grad).sum() > 0
+
+
+def test_equality_is_element_by_element_like_the_other_comparisons():
+    t = Tensor(np.array([1.0, 2.0], np.float32))
+    np.testing.assert_array_equal(t == 1.0, [True, False])
+    np.testing.assert_array_equal(t != np.array([1.0, 3.0]), [False, True])
+    assert float((t == Tensor(np.array([1.0, 2.0]))).mean()) == 1.0
+    assert len({t, Tensor(t.data)}) == 2  # still hashable by identity (sets and dicts of parameters)
+
+
+def test_an_empty_batch_goes_forward_and_back_through_every_layer_kind():
+    """Depthwise-conv backward, grouped-conv forward, BatchNorm backward with running statistics and Flatten
+    failed on a batch of 0 with IndexError or reshape errors."""
+    def x():
+        return Tensor(np.zeros((0, 4, 4, 4), np.float32), requires_grad=True)
+
+    def one(*shape):
+        return Tensor(np.ones(shape, np.float32), requires_grad=True)
+
+    for groups, weight in ((4, one(4, 1, 3, 3)), (2, one(4, 2, 3, 3))):
+        inp = x()
+        ops.conv2d(inp, weight, groups=groups, padding=1).sum().backward()
+        assert inp.grad.shape == (0, 4, 4, 4) and weight.grad.shape == weight.shape and not weight.grad.any()
+    gamma, beta, inp = one(4), one(4), x()
+    ops.batch_norm(inp, gamma, beta, np.zeros(4, np.float32), np.ones(4, np.float32), training=False).sum().backward()
+    assert inp.grad.shape == (0, 4, 4, 4) and not gamma.grad.any() and not beta.grad.any()
+    assert nn.Flatten()(x()).shape == (0, 64)
+
+
+def test_integer_inputs_and_numpy_exponents_keep_the_float_dtype():
+    """linear, matmul, conv2d, batch_norm, pow and integer division gave float64 (or a raw NumPy casting error),
+    where add and mul already promote integers to the other operand's float dtype."""
+    w = Tensor(np.ones((3, 4), np.float32), requires_grad=True)
+    t = Tensor(np.full(3, 2.0, np.float32), requires_grad=True)
+    assert ops.linear(np.ones((2, 4), np.int64), w).dtype == np.float32
+    assert ops.matmul(np.ones((2, 3), np.int64), w).dtype == np.float32
+    assert ops.conv2d(np.ones((1, 4, 4, 3), np.int64), Tensor(np.ones((2, 3, 3, 3), np.float32))).dtype == np.float32
+    assert ops.conv2d(np.ones((1, 4, 4, 3), np.int64), Tensor(np.ones((3, 1, 3, 3), np.float32)),
+                      groups=3).dtype == np.float32
+    assert ops.batch_norm(np.ones((2, 3), np.int64), Tensor(np.ones(3, np.float32)), Tensor(np.zeros(3, np.float32)),
+                          np.zeros(3, np.float32), np.ones(3, np.float32), training=False).dtype == np.float32
+    assert (t ** np.float64(2)).dtype == np.float32 and (t ** np.arange(3)).dtype == np.float32
+    np.testing.assert_allclose((t ** np.arange(3)).data, [1, 2, 4])
+    assert (Tensor(np.full(3, 51, np.uint8)) / 255).dtype == np.float32
+
+
+def test_float16_gradients_are_clipped_by_their_true_norm_and_adam_refuses_float16_parameters():
+    from leaflens.engine.optim import clip_grad_norm_
+
+    q = Parameter(np.zeros(3, np.float16))
+    q.grad = np.array([300.0, 0, 0], np.float16)  # its square, 90000, is past float16's largest value
+    assert float(clip_grad_norm_([q], 1.0)) == pytest.approx(300.0)
+    np.testing.assert_allclose(q.grad.astype(np.float32), [1.0, 0, 0], rtol=1e-3)
+    with pytest.raises(TypeError, match="float16 cannot hold them"):
+        Adam([Parameter(np.ones(3, np.float16))], lr=1e-3)
+
+
+def test_small_api_promises():
+    from leaflens.engine.optim import WarmupCosine
+
+    drop = nn.Dropout(0.5, rng=3)  # a seed: one generator, a new mask at every call
+    x = Tensor(np.ones((1, 64), np.float32))
+    assert not np.array_equal(drop(x).data, drop(x).data)
+
+    p = Parameter(np.zeros(1, np.float32))
+    sched = WarmupCosine(SGD([p], lr=1.0), total_steps=4, warmup_steps=4, min_factor=0.1)
+    assert [round(sched.factor(n), 3) for n in range(6)] == [0.2, 0.4, 0.6, 0.8, 0.1, 0.1]
+
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    b.weight = a.weight  # tied: listed twice by the two modules' parameters()
+    opt = SGD(list(a.parameters()) + list(b.parameters()), lr=0.1)
+    assert len(opt.param_groups[0]["params"]) == 3
+
+    seq = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+    head = seq[:-1]
+    assert isinstance(head, nn.Sequential) and len(head) == 2 and head[0] is seq[0]
+    assert head(Tensor(np.ones((1, 2), np.float32))).shape == (1, 2)
+
+
+def test_a_checkpoints_extra_takes_numpy_numbers_and_names_what_it_cannot_write(tmp_path):
+    acc = (np.array([1, 0, 1]) == 1).sum()  # np.int64
+    save_checkpoint(tmp_path / "c.npz", nn.Linear(2, 2), extra={"correct": acc, "lr": np.float32(0.5)})
+    assert load_checkpoint(tmp_path / "c.npz", nn.Linear(2, 2)).extra == {"correct": 2, "lr": 0.5}
+    with pytest.raises(TypeError, match=r"checkpoint extra\['when'\] cannot be written as JSON"):
+        save_checkpoint(tmp_path / "d.npz", nn.Linear(2, 2), extra={"ok": 1, "when": object()})
+    assert not (tmp_path / "d.npz").exists()

@@ -88,6 +88,24 @@ def test_the_installed_wheel_imports_without_the_repository(wheel, tmp_path):
     assert res.stdout.strip().startswith(str(target)), res.stdout
 
 
+def test_a_non_editable_install_runs_from_the_repository_root(wheel, tmp_path):
+    """`pip install .` then `python -m leaflens ...` in the clone (the README's paths are relative to it): the
+    clone's leaflens/ folder comes first on sys.path and hid the installed package, and its subpackages are
+    the folders beside it, so every command failed with "No module named 'leaflens.pipeline'"."""
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(target), sysconfig.get_paths()["purelib"]]))
+    res = subprocess.run([sys.executable, "-S", "-m", "leaflens", "--version"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.startswith("leaflens "), res.stderr[-2000:]
+    code = "import leaflens.pipeline.cli as c, leaflens.engine as e; print(c.__file__); print(e.__file__)"
+    res = subprocess.run([sys.executable, "-S", "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == [str(ROOT / "pipeline" / "cli" / "__init__.py"), str(ROOT / "engine" / "__init__.py")]
+
+
 def test_importing_the_package_changes_no_process_state():
     code = """
 import os

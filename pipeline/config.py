@@ -384,6 +384,17 @@ _EPOCH_FLOORS = {  # (epochs, their min_steps) of what each command trains
 }
 
 
+def given_settings(overrides: Sequence[str | tuple[str, str]],
+                   config_file: str | os.PathLike[str] | None = None) -> set[str]:
+    """The settings (``section.key``) the user named, on the command line or in their own ``--config`` file, as
+    opposed to those left to the recipe. Raises :class:`ConfigError` for a file it cannot read."""
+    keys = {(item if isinstance(item, str) else item[0]).split("=", 1)[0].strip() for item in overrides}
+    if config_file:
+        keys |= {f"{section}.{key}" for section, table in read_toml(config_file).items()
+                 if isinstance(table, dict) for key in table}
+    return keys
+
+
 def epochs_as_given(overrides: Sequence[str | tuple[str, str]],
                     config_file: str | os.PathLike[str] | None = None,
                     command: str | None = None) -> list[tuple[str, str]]:
@@ -394,10 +405,7 @@ def epochs_as_given(overrides: Sequence[str | tuple[str, str]],
     teacher's, which trains with ``[train]``. ``command`` ("distill", "teacher"): only the epochs it trains count
     (a config file shared by both stages names the other's too); None: both. Raises :class:`ConfigError` for a
     file it cannot read."""
-    keys = {(item if isinstance(item, str) else item[0]).split("=", 1)[0].strip() for item in overrides}
-    if config_file:
-        keys |= {f"{section}.{key}" for section, table in read_toml(config_file).items()
-                 if isinstance(table, dict) for key in table}
+    keys = given_settings(overrides, config_file)
     out: dict[str, tuple[str, str]] = {}  # one override per min_steps key (train.epochs and cnn_epochs share one)
     pairs = _EPOCH_FLOORS[command] if command is not None else tuple(p for v in _EPOCH_FLOORS.values() for p in v)
     for epochs, steps in pairs:

@@ -74,11 +74,11 @@ from leaflens.pipeline.train_student import ConcatImages, TrainData, predict_log
 from leaflens.pipeline.training import BEST
 
 
-def _without_missing_weights(cfg: StageConfig) -> StageConfig:
+def without_missing_weights(cfg: StageConfig, family_given: bool = False) -> StageConfig:
     """``cfg`` as it can train here. A pretrained member (``liteN``) needs the Lite0 weights: without them the
     default family (the recipe's own, untouched) becomes ``["m"]``, the student of the ``[model]`` section, with
-    a warning; pretrained members asked for (in ``model.family`` or ``model.escalate``) are refused before
-    anything trains."""
+    a warning; pretrained members asked for (in ``model.family`` or ``model.escalate``; ``family_given``: the
+    family was named by the user, even as the default's own ``lite8``) are refused before anything trains."""
     from leaflens.pipeline.models.pretrained import WeightsNotFoundError, find_lite0_weights  # noqa: PLC0415
 
     def pretrained(names: tuple[str, ...]) -> list[str]:
@@ -92,7 +92,7 @@ def _without_missing_weights(cfg: StageConfig) -> StageConfig:
         return cfg
     except WeightsNotFoundError:
         pass
-    default_family = cfg.model.family == load_config(None, []).model.family
+    default_family = not family_given and cfg.model.family == load_config(None, []).model.family
     for key, names in asked.items():
         if names and not (key == "family" and default_family):
             raise ValueError(f"model.{key} member {names[0]!r} starts from ImageNet EfficientNet-Lite0's weights, "
@@ -183,14 +183,15 @@ class _Student:
 
 def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathLike[str] | None,
                 out_dir: str | os.PathLike[str], cfg: StageConfig, no_teacher: bool = False,
-                resume: bool = False, progress: bool = True) -> dict[str, Any]:
+                resume: bool = False, progress: bool = True, family_given: bool = False) -> dict[str, Any]:
     out = output_folder(out_dir)
     with output_lock(out, "distill"):  # a second run on this --out is refused, not run over this one's work
-        return _run_distill(dataset_dir, teacher_dir, out, cfg, no_teacher, resume, progress)
+        return _run_distill(dataset_dir, teacher_dir, out, cfg, no_teacher, resume, progress, family_given)
 
 
 def _run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathLike[str] | None, out: Path,
-                 cfg: StageConfig, no_teacher: bool, resume: bool, progress: bool) -> dict[str, Any]:
+                 cfg: StageConfig, no_teacher: bool, resume: bool, progress: bool,
+                 family_given: bool = False) -> dict[str, Any]:
     work = _partial_dir(out)
     check_replaceable(out, "report.json", "leaflens run folder")
     check_replaceable(work, "config.toml", "leaflens run folder in progress")
@@ -204,7 +205,7 @@ def _run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.Path
     require_labelled_splits(ds, "a student is chosen on val and reported on test")
     counts = {split: len(ds[split]) for split in ("train", "val", "test")}
     tt = load_teacher(teacher_dir, ds) if teacher_dir is not None and not no_teacher else None
-    cfg = _without_missing_weights(cfg)
+    cfg = without_missing_weights(cfg, family_given)
     few = few_validation_photos(counts["val"])
     if few:
         print(f"warning: {few}", file=sys.stderr, flush=True)

@@ -8,7 +8,14 @@ import sys
 from pathlib import Path
 
 from leaflens.pipeline.cli import EXIT_REFUSED, EXIT_STOPPED, EXIT_USAGE, path_arg
-from leaflens.pipeline.config import DEFAULT_CONFIG, ConfigError, epochs_as_given, load_config, settings_not_read
+from leaflens.pipeline.config import (
+    DEFAULT_CONFIG,
+    ConfigError,
+    epochs_as_given,
+    given_settings,
+    load_config,
+    settings_not_read,
+)
 from leaflens.pipeline.models.family import family_option
 
 
@@ -84,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
                           f"--escalate {args.escalate}"))
     try:
         cfg = load_config(args.config, [*overrides, *epochs_as_given(overrides, args.config, "distill")])
+        given = given_settings(overrides, args.config)
     except ConfigError as exc:
         print(f"leaflens distill: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -97,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_REFUSED
     try:
         report = run_distill(args.dataset, teacher, args.out, cfg, no_teacher=args.no_teacher,
-                             resume=args.resume, progress=not args.quiet)
+                             resume=args.resume, progress=not args.quiet, family_given="model.family" in given)
     except (DatasetError, TeacherError, CheckpointError, ValueError, OutputBusy) as exc:
         print(f"leaflens distill: {exc}", file=sys.stderr)
         return EXIT_REFUSED

@@ -217,7 +217,11 @@ def run(args: argparse.Namespace) -> int:
             return 2
         size = args.input_size or size
     else:
-        recipe = load_config().model
+        from leaflens.pipeline.distill import without_missing_weights  # noqa: PLC0415
+
+        # the students distill would train here: without the Lite0 weights the default 'lite8' is the 'm' student
+        # (a family named with --family is sized as asked: distill refuses a liteN member it cannot start)
+        recipe = (load_config() if args.family is not None else without_missing_weights(load_config())).model
         spec, size = default_spec(), args.input_size or recipe.input_size or 64
         if args.model != "student":
             print(f"doctor: unknown --model {args.model!r}: only 'student' can be sized", file=sys.stderr)

@@ -53,6 +53,23 @@ def test_doctor_json(no_gpu, capsys):
     assert facts["software"]["leaflens"] == version("leaflens")  # bug reports carry it
 
 
+def test_doctor_sizes_the_student_distill_trains_without_the_lite0_weights(no_gpu, capsys, monkeypatch):
+    """Without the teacher extra distill trains the 'm' student instead of lite8; doctor sized lite8 all the same
+    and never said the weights were missing."""
+    from leaflens.pipeline.models import pretrained
+
+    def missing(path=None):
+        raise pretrained.WeightsNotFoundError("not installed")
+
+    monkeypatch.setattr(pretrained, "find_lite0_weights", missing)
+    assert main(["doctor", "--json", "--no-measure"]) == 0
+    captured = capsys.readouterr()
+    req = json.loads(captured.out)["request"]
+    assert req.get("block", "conv") != "lite0" and req.get("trunk_blocks") is None
+    assert req["widths"] == [32, 64, 128, 256]  # the [model] section's student, 'm'
+    assert "which are not installed" in captured.err and "training the 'm' student instead" in captured.err
+
+
 def test_doctor_sizes_a_given_student_on_the_cpu(no_gpu, capsys):
     assert main(["doctor", "--json", "--no-bandwidth", "--widths", "8,16", "--size", "24", "--classes", "4"]) == 0
     facts = json.loads(capsys.readouterr().out)

@@ -156,6 +156,25 @@ def test_without_the_weights_the_default_family_trains_the_m_student(tmp_path, m
     assert 'family = ["m"]' in (tmp_path / "run" / "config.toml").read_text()
 
 
+def test_the_default_member_asked_for_by_name_without_the_weights_is_refused(tmp_path, monkeypatch, capsys):
+    """`--family lite8` (the default's own member, named) trained the 'm' student instead with a warning, as if
+    nothing had been asked for; the README says a family asked for with a liteN in it is refused."""
+    from leaflens.pipeline.cli import main  # noqa: PLC0415
+
+    def missing(path=None):
+        raise pretrained.WeightsNotFoundError("not installed")
+
+    monkeypatch.setattr(pretrained, "find_lite0_weights", missing)
+    ds_dir = tiny_dataset(tmp_path, per_class=8, size=16)
+    base = ["distill", "--dataset", str(ds_dir), "--no-teacher", "--out", str(tmp_path / "run"), "--epochs", "1",
+            "--quiet"]
+    for asked in (["--family", "lite8"], ["--set", 'model.family=["lite8"]']):
+        assert main([*base, *asked]) != 0
+        err = capsys.readouterr().err
+        assert "member 'lite8' starts from ImageNet EfficientNet-Lite0's weights, which are not installed" in err
+        assert "instead" not in err and not (tmp_path / "run").exists()
+
+
 def test_a_lite_escalation_without_the_weights_is_refused_before_training(tmp_path, monkeypatch):
     from leaflens.pipeline.distill import run_distill  # noqa: PLC0415
 

@@ -160,8 +160,9 @@ def class_folder_photos(root: str | os.PathLike[str], classes: Sequence[str],
     unlabelled = sum(f.split == UNLABELED for f in scan.files)
     if unlabelled:
         print(f"note: {Path(scan.root) / UNLABELED} left out ({unlabelled} photo{'s' if unlabelled != 1 else ''}): "
-              "photos without a label cannot be scored; to see what the model answers them: --not-known "
-              f"{Path(scan.root) / UNLABELED}, or leaflens predict", file=sys.stderr)
+              "photos without a label cannot be scored; to see what the model answers them: leaflens predict "
+              f"{Path(scan.root) / UNLABELED} (they show the model's own classes, so --not-known, for photos of none "
+              "of them, would count every right answer as a wrong one)", file=sys.stderr)
     return [f.path for f in labelled], np.array([index[scan.classes[f.label]] for f in labelled], np.int64)
 
 

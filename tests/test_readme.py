@@ -327,3 +327,30 @@ def test_make_does_not_replace_a_dataset_leaflens_preprocess_made_from_other_pho
     assert demo.returncode == 2 and "its dataset was made from /home/me/my photos" in demo.stderr
     named = subprocess.run([*run, "DATA=photos"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert named.returncode == 0 and "RUN preprocess --src photos" in named.stdout
+
+
+def test_the_demo_without_make_is_what_make_demo_runs(tmp_path):
+    """The README's commands for a machine without make are the stages `make demo` runs, options included: the
+    demo's shorter recipes (distill_demo.toml) were added by make alone, so a user copying the README's stage
+    commands ran the full recipes on the demo's data."""
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    out = subprocess.run(["make", "-n", "serve", f"ART={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    made = [" ".join(line.split(" -m leaflens ", 1)[1].replace(str(tmp_path), "artifacts").split())
+            for line in out.stdout.replace("\\\n", " ").splitlines() if " -m leaflens " in line]
+    block = README.split("Without make", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    written = [" ".join(line.split()[1:]) for line in block.strip().splitlines()]
+    assert written == made
+
+
+def test_the_engine_example_trains():
+    """The README's example of the engine on its own runs and learns (it is the in-place update a student writes;
+    before, ``p -= ...`` updated nothing)."""
+    block = README.split("### The engine on its own", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    scope: dict = {}
+    exec(compile(block, "README.md", "exec"), scope)  # noqa: S102 - our own README's example
+    assert scope["accuracy"] >= 0.9 and float(scope["loss"].data) < 0.3

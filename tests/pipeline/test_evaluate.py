@@ -239,7 +239,9 @@ def test_evaluate_says_what_it_leaves_out_and_where_to_point_it(tmp_path, capsys
     (photos / "unlabeled").mkdir()
     (photos / "unlabeled" / "u.jpg").write_bytes(_jpeg("rust", 9))
     assert main(["evaluate", "--model", str(model), str(photos)]) == 0
-    assert f"note: {photos / 'unlabeled'} left out (1 photo)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"note: {photos / 'unlabeled'} left out (1 photo)" in err
+    assert f"leaflens predict {photos / 'unlabeled'}" in err and "--not-known " + str(photos) not in err
     one = next((photos / "rust").iterdir())
     assert main(["evaluate", "--model", str(model), str(one)]) == 2
     assert "is a file; evaluate takes a folder of class folders" in capsys.readouterr().err

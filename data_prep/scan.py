@@ -17,6 +17,7 @@ log) are not photos and are left alone.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import unicodedata
@@ -109,7 +110,12 @@ def _usable_name(full: str, ignored: dict[str, int]) -> bool:
     """Whether an image file found by a walk can be recorded: not a link to nothing, and a name that is text
     (a file name in another encoding than UTF-8 cannot be written to the dataset's file lists)."""
     if not os.path.exists(full):
-        ignored["broken_link"] = ignored.get("broken_link", 0) + 1
+        try:
+            os.stat(full)
+            reason = "broken_link"
+        except OSError as exc:  # links that point at each other (ELOOP) are a loop, not a link to nothing
+            reason = "link_loop" if exc.errno == errno.ELOOP else "broken_link"
+        ignored[reason] = ignored.get(reason, 0) + 1
         return False
     try:
         full.encode("utf-8")

@@ -113,7 +113,7 @@ class PhotoEvaluation(Record):
 
 # What a scan leaves out that a person should hear about (leaflens.data_prep.scan.walk_folder)
 LEFT_OUT = {"broken_link": "link(s) to a missing file", "name_not_utf8": "file name(s) not in UTF-8 (rename them)",
-            "link_loop": "folder link(s) back to a folder already searched",
+            "link_loop": "link loop(s) (a folder link back to a folder already searched, or links to each other)",
             "not_image": "file(s) not images by their extension", "hidden": "hidden file(s) or folder(s)",
             "outside_class_folders": "file(s) outside the class folders"}
 

@@ -84,3 +84,11 @@ def test_an_empty_class_folder_is_said_and_a_class_without_a_usable_photo_refuse
     assert main(["preprocess", "--src", str(src), "--out", str(tmp_path / "ds2"), "--size", "16", "--workers", "1",
                  "--no-progress"]) == 1
     assert "no usable photo in 'broken'" in "".join(capsys.readouterr()) and not (tmp_path / "ds2").exists()
+
+
+def test_file_links_to_each_other_are_a_loop_not_a_link_to_nothing(tmp_path):
+    root = _photos(tmp_path / "src")
+    (root / "rust" / "a.jpg").symlink_to(root / "rust" / "b.jpg")
+    (root / "rust" / "b.jpg").symlink_to(root / "rust" / "a.jpg")
+    scan = scan_source(root)
+    assert scan.ignored.get("link_loop") == 2 and "broken_link" not in scan.ignored

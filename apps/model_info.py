@@ -133,9 +133,15 @@ def discover(model_path: str | os.PathLike, run_dir: str | os.PathLike | None = 
         ctx.run_dir = Path(run_dir)
     elif _get(export, "run", "path"):
         recorded = Path(_get(export, "run", "path")).parent
-        guess = _recorded_dir(recorded, model_dir, _is_run(_get(export, "run", "id")))
+        same_run = _is_run(_get(export, "run", "id"))
+        guess = _recorded_dir(recorded, model_dir, same_run)
         if guess is not None:
             ctx.run_dir = guess
+        elif recorded.is_dir() and same_run is not None and same_run(recorded.parent):
+            # `export --run RUN/scratch`: one student of a run, whose report is the kept model's, not this one's
+            ctx.warnings.append(f"{model_dir / EXPORT_REPORT} names {recorded}, one student ({recorded.name}) of the "
+                                f"run in {recorded.parent}: that run's figures and plots are those of the model it "
+                                "kept, so none are shown for this one")
         elif recorded.is_dir():
             ctx.warnings.append(f"{model_dir / EXPORT_REPORT} names run folder {recorded}, which now holds another "
                                 "run (trained again since this export): its figures and plots are not shown; "

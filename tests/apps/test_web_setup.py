@@ -135,6 +135,17 @@ def test_a_moved_project_is_found_again_by_the_run_id_and_the_manifest_hash(tmp_
     assert ctx.run_dir is None and ctx.run_report is None and ctx.dataset_root is None
     assert "now holds another run (trained again since this export)" in ctx.warnings[0]
 
+    # one student of that run (`export --run RUN/scratch`): not "trained again", but not the run's kept model
+    (artifacts / "student" / "report.json").write_text(json.dumps({**report, "run_id": "r7"}))
+    (artifacts / "student" / "scratch").mkdir()
+    (artifacts / "export" / "parity.json").write_text(json.dumps({"run": {"id": "r7", "path": str(
+        artifacts / "student" / "scratch" / "best.npz")}, "dataset": {"root": str(artifacts / "dataset")}}))
+    ctx = discover(artifacts / "export" / "student.onnx")
+    assert ctx.run_dir is None and ctx.run_report is None
+    assert ctx.warnings == [f"{artifacts / 'export' / 'parity.json'} names {artifacts / 'student' / 'scratch'}, one "
+                            f"student (scratch) of the run in {artifacts / 'student'}: that run's figures and plots "
+                            "are those of the model it kept, so none are shown for this one"]
+
 
 def test_model_tab_says_how_the_thresholds_were_chosen_and_what_they_cost(tiny_model):
     from leaflens.apps.model_info import ServeContext

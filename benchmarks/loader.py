@@ -141,16 +141,18 @@ def train_rates(loader: DataLoader, steps: int, num_classes: int) -> tuple[float
 def main() -> int:
     configure_process(engine=True)  # what the `leaflens` command runs with
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--images", type=int, default=4096)
+    p.add_argument("--images", type=int, default=None, help="images in the memmap (default 4096; --quick 1024)")
     p.add_argument("--size", type=int, default=64)
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--batches", type=int, default=60, help="timed loader batches per configuration")
-    p.add_argument("--steps", type=int, default=8, help="timed training steps")
+    p.add_argument("--batches", type=int, default=None, help="timed loader batches per configuration (default 60; "
+                                                             "--quick 15)")
+    p.add_argument("--steps", type=int, default=None, help="timed training steps (default 8; --quick 3)")
     p.add_argument("--classes", type=int, default=8)
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--quick", action="store_true", help="smaller defaults; options given explicitly still win")
     args = p.parse_args()
-    if args.quick:
-        args.images, args.batches, args.steps = 1024, 15, 3
+    for name, full, quick in (("images", 4096, 1024), ("batches", 60, 15), ("steps", 8, 3)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
 
     with tempfile.TemporaryDirectory() as td:
         images = make_images(Path(td) / "train_images.npy", args.images, args.size)

@@ -24,7 +24,7 @@ REMEMBERED := $(ART)/.make-data.mk
 # stage's remembered options (.make-*.args, below) belonged to the old ones, and are forgotten.
 ifneq ($(filter command line environment,$(origin DATA)),)
 ifneq ($(REMEMBERED_DATA),)
-ifneq ($(DATA),$(REMEMBERED_DATA))
+ifneq ($(abspath $(DATA)),$(abspath $(REMEMBERED_DATA)))
 DATA_CHANGED := yes
 ifeq ($(filter command line environment,$(origin EXTRA)),)
 EXTRA :=
@@ -44,7 +44,7 @@ TEACHER := $(ART)/teacher
 STUDENT := $(ART)/student
 EXPORT := $(ART)/export
 # On the synthetic demo data the stages use shorter recipes (pipeline/distill_demo.toml: [teacher], [train]...).
-ifeq ($(DATA),$(SYNTH))
+ifeq ($(abspath $(DATA)),$(abspath $(SYNTH)))
 TEACHER_ARGS ?= --config pipeline/distill_demo.toml
 DISTILL_ARGS ?= --config pipeline/distill_demo.toml
 else
@@ -118,7 +118,7 @@ data: $(SYNTH)/classes.toml
 
 # preprocess always looks at the photos (it does no work and keeps the manifest's time stamp when
 # nothing changed), so later stages re-run only when the dataset really changed.
-$(DATASET)/manifest.json: FORCE $(if $(filter $(SYNTH),$(DATA)),$(SYNTH)/classes.toml) | $(VENV)/.installed
+$(DATASET)/manifest.json: FORCE $(if $(filter $(abspath $(SYNTH)),$(abspath $(DATA))),$(SYNTH)/classes.toml) | $(VENV)/.installed
 	@$(if $(DATASET_FOREIGN),echo "$(FOREIGN_SAYS)" >&2; exit 2)
 	$(if $(DATA_CHANGED),@rm -f $(ART)/.make-*.args)
 	$(LEAFLENS) preprocess --src $(DATA) --out $(DATASET) --size $(SIZE) $(foreach d,$(EXTRA),--also $(d))
@@ -174,7 +174,7 @@ serve: $(EXPORT)/student.onnx
 
 # `make demo` is the synthetic demo: after `make preprocess DATA=photos` the remembered photos' stages fill
 # $(ART), and running the demo there would replace the model trained on them.
-ifneq ($(DATA),$(SYNTH))
+ifneq ($(abspath $(DATA)),$(abspath $(SYNTH)))
 ifeq ($(origin DATA),file)
 DEMO_BLOCKED := yes
 DEMO_WHY := DATA=$(DATA), remembered since 'make preprocess'
@@ -182,7 +182,7 @@ endif
 endif
 # ... and so would it after `leaflens preprocess --src photos --out $(ART)/dataset` (a path make cannot take)
 DATASET_SOURCE := $(shell sed -n 's/^ *"source_root": *"\(.*\)",*$$/\1/p' $(DATASET)/manifest.json 2>/dev/null)
-ifeq ($(DATA),$(SYNTH))
+ifeq ($(abspath $(DATA)),$(abspath $(SYNTH)))
 ifneq ($(DATASET_SOURCE),)
 ifeq ($(filter %/$(notdir $(SYNTH)),$(DATASET_SOURCE)),)
 DEMO_BLOCKED := yes

@@ -55,8 +55,12 @@ def test_every_leaflens_subcommand_and_option_in_the_readme_exists():
         assert sub in SUBCOMMANDS, f"README uses unknown subcommand: {line}"
         parser = build_parser(only=sub)
         subparser = parser._subparsers._group_actions[0].choices[sub]  # noqa: SLF001
+        rest = words[2:]
+        nested = [a for a in subparser._actions if a.choices and isinstance(a.choices, dict)]  # noqa: SLF001
+        if nested and rest and rest[0] in nested[0].choices:  # `leaflens data synth ...`
+            subparser, rest = nested[0].choices[rest[0]], rest[1:]
         known = {opt for action in subparser._actions for opt in action.option_strings}  # noqa: SLF001
-        for w in words[2:]:
+        for w in rest:
             if w.startswith("--"):
                 assert w.split("=")[0] in known, f"README uses unknown option {w} of `leaflens {sub}`: {line}"
 
@@ -354,3 +358,17 @@ def test_the_engine_example_trains():
     scope: dict = {}
     exec(compile(block, "README.md", "exec"), scope)  # noqa: S102 - our own README's example
     assert scope["accuracy"] >= 0.9 and float(scope["loss"].data) < 0.3
+
+
+def test_the_demo_folder_named_with_a_trailing_slash_is_the_demo(tmp_path):
+    """`make preprocess DATA=artifacts/synthetic/` (as a shell completes it) was taken for other photos: the demo's
+    short recipes were dropped and the full ones ran on the demo's data."""
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    for data in (f"{tmp_path}/synthetic/", f"{tmp_path}/./synthetic"):
+        out = subprocess.run(["make", "-n", "teacher", f"ART={tmp_path}", f"DATA={data}"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "--config pipeline/distill_demo.toml" in out.stdout and " data synth " in out.stdout, data

@@ -93,6 +93,8 @@ class IngestReport:
     rejected_reasons: dict[str, int] = field(default_factory=dict)
     ignored: dict[str, int] = field(default_factory=dict)
     not_image_extensions: dict[str, int] = field(default_factory=dict)  # of ignored["not_image"]
+    # reason -> the first few files ignored for it (links to nothing, loops, names not in UTF-8, loose files)
+    ignored_examples: dict[str, list[str]] = field(default_factory=dict)
     seconds: float = 0.0
     data: DataReport | None = None  # the data checks' report
     checks_seconds: float = 0.0  # what the checks cost of ``seconds`` (see DataReport.seconds)
@@ -700,7 +702,7 @@ def _check_only(src_p: Path, scan: ScanResult, opts: IngestOptions, workers: int
     counts = _split_counts(scan, decoded.kept, assigned)
     report = IngestReport(Path(src_p), False, scan.classes, counts, ignored=dict(scan.ignored),
                           not_image_extensions=dict(scan.not_image_extensions), data=data,
-                          checks_seconds=data.seconds)
+                          checks_seconds=data.seconds, ignored_examples=_ignored_examples(scan))
     for rec in decoded.rejects:
         key = scan.classes[rec["label"]] if rec["label"] >= 0 else UNLABELED
         report.rejected[key] = report.rejected.get(key, 0) + 1
@@ -937,14 +939,25 @@ def _report(out: Path, scan: ScanResult, info: dict[str, SplitInfo], rejects: li
         rejected[key] = rejected.get(key, 0) + 1
         reasons[rec["reason"]] = reasons.get(rec["reason"], 0) + 1
     return IngestReport(out, False, scan.classes, counts, rejected, reasons, dict(scan.ignored),
-                        dict(scan.not_image_extensions))
+                        dict(scan.not_image_extensions), ignored_examples=_ignored_examples(scan))
+
+
+def _ignored_examples(scan: ScanResult) -> dict[str, list[str]]:
+    """The scan's named ignored files, relative to the source folder where they are under it."""
+    examples = getattr(scan.ignored, "examples", {})
+    return {reason: [relative_to(os.path.abspath(p), scan.root) if Path(os.path.abspath(p)).is_relative_to(scan.root)
+                     else p for p in paths] for reason, paths in examples.items() if paths}
 
 
 def _ignored_cell(report: IngestReport, kind: str, n: int) -> str:
     """'not_image: 5 (.gif 3, .txt 2)': which extensions were taken for other files, so a photo format we
-    do not read is seen rather than silently left out."""
+    do not read is seen rather than silently left out; 'broken_link: 2 (rust/a.jpg, rust/b.jpg)': the files
+    themselves where a person has one to fix (a few of them)."""
     ext = report.not_image_extensions if kind == "not_image" else {}
     listed = ", ".join(f"{e} {k}" for e, k in sorted(ext.items(), key=lambda item: (-item[1], item[0])))
+    named = report.ignored_examples.get(kind, [])
+    if named:
+        listed = ", ".join(named) + (", ..." if n > len(named) else "")
     return f"{kind}: {n}" + (f" ({listed})" if listed else "")
 
 

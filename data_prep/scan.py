@@ -73,6 +73,24 @@ class ScanResult:
     nested: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
 
 
+class IgnoredFiles(dict):
+    """reason -> how many files a scan left out for it (what the manifest records), with the first few paths
+    of each reason in ``examples``, so that the console can name them and not only count them."""
+
+    MAX_EXAMPLES = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.examples: dict[str, list[str]] = {}
+
+
+def _count(ignored: dict[str, int], reason: str, n: int = 1, path: str | os.PathLike | None = None) -> None:
+    ignored[reason] = ignored.get(reason, 0) + n
+    examples = getattr(ignored, "examples", None)
+    if examples is not None and path is not None and len(examples.setdefault(reason, [])) < IgnoredFiles.MAX_EXAMPLES:
+        examples[reason].append(os.fspath(path))
+
+
 def _visible_dirs(path: Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
 
@@ -99,7 +117,7 @@ def walk_folder(folder: str | os.PathLike, ignored: dict[str, int] | None = None
             target = os.path.realpath(os.path.join(dirpath, d))
             if target in seen or real == target or real.startswith(target.rstrip(os.sep) + os.sep):
                 if ignored is not None:
-                    ignored["link_loop"] = ignored.get("link_loop", 0) + 1
+                    _count(ignored, "link_loop", path=os.path.join(dirpath, d))
                 continue
             keep.append(d)
         dirnames[:] = keep
@@ -115,12 +133,12 @@ def _usable_name(full: str, ignored: dict[str, int]) -> bool:
             reason = "broken_link"
         except OSError as exc:  # links that point at each other (ELOOP) are a loop, not a link to nothing
             reason = "link_loop" if exc.errno == errno.ELOOP else "broken_link"
-        ignored[reason] = ignored.get(reason, 0) + 1
+        _count(ignored, reason, path=full)
         return False
     try:
         full.encode("utf-8")
     except UnicodeEncodeError:
-        ignored["name_not_utf8"] = ignored.get("name_not_utf8", 0) + 1
+        _count(ignored, "name_not_utf8", path=full.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
         return False
     return True
 
@@ -133,15 +151,15 @@ def _walk_images(folder: Path, root: Path, ignored: dict[str, int],
     for dirpath, dirnames, filenames in walk_folder(folder, ignored):
         hidden_dirs = [d for d in dirnames if d.startswith(".")]
         if hidden_dirs:
-            ignored["hidden"] = ignored.get("hidden", 0) + len(hidden_dirs)
+            _count(ignored, "hidden", len(hidden_dirs))
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in sorted(filenames):
             if name.startswith("."):
-                ignored["hidden"] = ignored.get("hidden", 0) + 1
+                _count(ignored, "hidden")
                 continue
             ext = os.path.splitext(name)[1].lower()
             if ext not in IMAGE_EXTENSIONS:
-                ignored["not_image"] = ignored.get("not_image", 0) + 1
+                _count(ignored, "not_image")
                 if extensions is not None:
                     extensions[ext or "no extension"] = extensions.get(ext or "no extension", 0) + 1
                 continue
@@ -164,7 +182,8 @@ _OWN_FILES = frozenset({"classes.toml", "classes.json", "synth.json", "correctio
 def _count_loose_files(path: Path, ignored: dict[str, int]) -> None:
     loose = [p for p in path.iterdir() if p.is_file() and p.name not in _OWN_FILES and not p.name.startswith(".")]
     if loose:
-        ignored["outside_class_folders"] = ignored.get("outside_class_folders", 0) + len(loose)
+        for p in loose:
+            _count(ignored, "outside_class_folders", path=p)
 
 
 def _scan_also(folder: str | os.PathLike, root: Path, classes: list[str], split: str | None,
@@ -182,7 +201,7 @@ def _scan_also(folder: str | os.PathLike, root: Path, classes: list[str], split:
     for cdir in _visible_dirs(d):
         name = cdir.name
         if name == NOT_A_LEAF:
-            ignored[NOT_A_LEAF] = ignored.get(NOT_A_LEAF, 0) + len(_walk_images(cdir, root, {}))
+            _count(ignored, NOT_A_LEAF, len(_walk_images(cdir, root, {})))
             continue
         if name.lower() in _SPLIT_ALIASES or name.lower() == UNLABELED:
             raise ScanError(f"--also folder {d}: found {name!r}; an extra folder holds class folders only "
@@ -200,7 +219,7 @@ def _scan_also(folder: str | os.PathLike, root: Path, classes: list[str], split:
                         "class to the source with enough photos of its own")
     for p in d.iterdir():  # loose photos have no class; other loose files (corrections.jsonl) are not photos
         if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS:
-            ignored["outside_class_folders"] = ignored.get("outside_class_folders", 0) + 1
+            _count(ignored, "outside_class_folders", path=p)
     return found
 
 
@@ -211,7 +230,7 @@ def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = N
     root_p = Path(root).resolve()
     if not root_p.is_dir():
         raise ScanError(f"source folder {root_p} does not exist or is not a folder")
-    ignored: dict[str, int] = {}
+    ignored = IgnoredFiles()
     extensions: dict[str, int] = {}
     top = _visible_dirs(root_p)
     _count_loose_files(root_p, ignored)

@@ -30,7 +30,15 @@ import numpy as np
 from leaflens.apps.diagnosis import REFUSAL_REASONS
 from leaflens.apps.predictor import Prediction, Predictor
 from leaflens.columns import display_width, pad_right
-from leaflens.data_prep.scan import IMAGE_EXTENSIONS, NOT_A_LEAF, UNLABELED, ScanError, same_name, scan_source
+from leaflens.data_prep.scan import (
+    IMAGE_EXTENSIONS,
+    NOT_A_LEAF,
+    UNLABELED,
+    ScanError,
+    relative_to,
+    same_name,
+    scan_source,
+)
 from leaflens.pipeline.report import metrics
 from leaflens.pipeline.teachers.stage import split_photo_paths
 from leaflens.records import Record
@@ -153,8 +161,14 @@ def class_folder_photos(root: str | os.PathLike[str], classes: Sequence[str],
             "trained on those classes)")
     left = {k: n for k, n in scan.ignored.items() if k in LEFT_OUT}
     if left:
-        print(f"note: left out of {scan.root}: " + ", ".join(f"{n} {LEFT_OUT[k]}" for k, n in left.items()),
-              file=sys.stderr)
+        examples = getattr(scan.ignored, "examples", {})
+
+        def which(kind: str, n: int) -> str:
+            paths = [relative_to(p, scan.root) if Path(p).is_relative_to(scan.root) else p
+                     for p in examples.get(kind, [])]
+            return f" ({', '.join(paths)}{', ...' if n > len(paths) else ''})" if paths else ""
+        print(f"note: left out of {scan.root}: "
+              + ", ".join(f"{n} {LEFT_OUT[k]}{which(k, n)}" for k, n in left.items()), file=sys.stderr)
     index = {c: classes.index(named[c]) for c in scan.classes if named[c] in classes}
     labelled = [f for f in scan.files if f.split != UNLABELED and scan.classes[f.label] in index]
     unlabelled = sum(f.split == UNLABELED for f in scan.files)

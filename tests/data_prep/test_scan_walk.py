@@ -92,3 +92,22 @@ def test_file_links_to_each_other_are_a_loop_not_a_link_to_nothing(tmp_path):
     (root / "rust" / "b.jpg").symlink_to(root / "rust" / "a.jpg")
     scan = scan_source(root)
     assert scan.ignored.get("link_loop") == 2 and "broken_link" not in scan.ignored
+
+
+def test_the_summary_names_the_files_left_out_that_a_person_can_fix(tmp_path):
+    """Links to nothing, link loops and loose files were only counted ("broken_link: 2"): which ones, the user
+    had to find out alone."""
+    from leaflens.data_prep.ingest import IngestOptions, format_summary, ingest
+
+    root = _photos(tmp_path / "src", n=8)
+    (root / "rust" / "gone.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    (root / "rust" / "a.jpg").symlink_to(root / "rust" / "b.jpg")
+    (root / "rust" / "b.jpg").symlink_to(root / "rust" / "a.jpg")
+    (root / "loose.jpg").write_bytes(b"x")
+    scan = scan_source(root)
+    assert scan.ignored == {"broken_link": 1, "link_loop": 2, "outside_class_folders": 1}
+    said: list[str] = []
+    report = ingest(root, None, IngestOptions(size=16), workers=1, check=True, log=said.append)
+    line = format_summary(report, check=True)
+    assert "broken_link: 1 (rust/gone.jpg)" in line and "link_loop: 2 (rust/a.jpg, rust/b.jpg)" in line
+    assert "outside_class_folders: 1 (loose.jpg)" in line

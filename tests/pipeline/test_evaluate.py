@@ -238,8 +238,10 @@ def test_evaluate_says_what_it_leaves_out_and_where_to_point_it(tmp_path, capsys
     photos = _photos(tmp_path / "photos", per_class=2)
     (photos / "unlabeled").mkdir()
     (photos / "unlabeled" / "u.jpg").write_bytes(_jpeg("rust", 9))
+    (photos / "rust" / "gone.jpg").symlink_to(tmp_path / "nowhere.jpg")
     assert main(["evaluate", "--model", str(model), str(photos)]) == 0
     err = capsys.readouterr().err
+    assert "1 link(s) to a missing file (rust/gone.jpg)" in err
     assert f"note: {photos / 'unlabeled'} left out (1 photo)" in err
     assert f"leaflens predict {photos / 'unlabeled'}" in err and "--not-known " + str(photos) not in err
     one = next((photos / "rust").iterdir())

@@ -7,7 +7,7 @@ Checked on the labelled photos the dataset would hold (unlabelled ones have no c
   within a class across splits (leakage: a validation or test photo the model has seen in training,
   counted per split pair), across classes (label conflicts: the same picture filed under two classes);
 - photos per class and per split, and the imbalance (largest / smallest class);
-- the shortcut check (:mod:`leaflens.data_prep.shortcut`): whether size, aspect, format or EXIF alone
+- the shortcut check (:mod:`leaflens.data_prep.shortcut`): whether the metadata (size, format, EXIF, camera...) alone
   predict the class;
 - photos a served model refuses before it looks (:func:`leaflens.data_prep.quality.served_refusal`: under
   32 px on a side, one flat colour, no fine detail anywhere): kept, since the user may know better, but
@@ -450,7 +450,7 @@ def format_data_report(report: DataReport) -> str:
         lines.append(f"  shortcut check: skipped ({s.skipped})")
     else:
         which = "" if s.one_class is None else f" of '{s.one_class}' against the other classes"
-        lines.append(f"  shortcut check (size, aspect, format, EXIF, camera, colour mode, JPEG quality alone): "
+        lines.append(f"  shortcut check ({', '.join(s.features)} alone): "
                      f"balanced accuracy{which} {s.balanced_accuracy:.2f}, chance {s.chance:.2f}, warning from "
                      f"{s.warn_at:.2f}")
     if report.dedupe:

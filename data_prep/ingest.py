@@ -575,6 +575,8 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: Inges
     for cls, subs in scan.nested.items():
         if len(scan.classes) < 2:
             break  # refused below, with where to point --src
+        if all(not any(ch.isalpha() for ch in name) for name, _ in subs):
+            continue  # rust/2024-06/, rust/field_2/...: dates and numbers are collections of a class, not classes
         listed = ", ".join(f"{name} {n}" for name, n in subs)
         where = ("move them up a level, into each split folder" if scan.layout == "split_folders" else
                  f"point --src at {_class_folder(src_p, scan, cls)} or move them up a level")
@@ -585,8 +587,12 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: Inges
         inner = scan.nested.get(scan.classes[0]) if scan.classes else None
         move = ("move them up a level, into each split folder" if scan.layout == "split_folders" else
                 f"point --src at {_class_folder(src_p, scan, scan.classes[0])}")
+        example = ([src_p / split / "rust" for split in ("train", "val", "test")] if scan.layout == "split_folders"
+                   else [src_p / "healthy", src_p / "rust"])
         hint = (f"its subfolders ({', '.join(n for n, _ in inner)}) look like the classes: {move}" if inner else
-                f"put each class's photos in a folder of its own, e.g. {src_p / 'healthy'} and {src_p / 'rust'}")
+                "put each class's photos in a folder of its own, e.g. "
+                + (f"{', '.join(map(str, example))} beside the {scan.classes[0]!r} folders"
+                   if scan.layout == "split_folders" and scan.classes else " and ".join(map(str, example))))
         raise IngestError(f"{src_p}: {len(scan.classes)} class folder found ({found}); a classifier needs at least "
                           f"2 classes: {hint}")
     workers = max(1, workers or usable_cpus())
@@ -852,10 +858,16 @@ def _refuse_unusable(src_p: Path, scan: ScanResult, opts: IngestOptions, counts:
             "`leaflens distill` needs both to choose and report a model")
         empty = [s for s in empty if s not in asked_none]
     if empty:
-        raise IngestError(f"{src_p}: the {' and '.join(empty)} split would be empty ({listed} photos): a model "
-                          "is chosen on val and reported on test. Add photos (at least "
-                          f"{MIN_PER_CLASS} per class) or, for train/val/test folders, put some in "
-                          f"{' and '.join(empty)}/; with class folders, --split must give val and test a share")
+        what = f"{src_p}: the {' and '.join(empty)} split would be empty ({listed} photos): a model is chosen on val " \
+               "and reported on test. "
+        if scan.layout == "split_folders":
+            given = {s: sum(1 for f in scan.files if f.split == s) for s in empty}
+            lost = [f"the {n} photo(s) of {s}/ were all left out (rejected, or copies of photos in another split: "
+                    "see above)" for s, n in given.items() if n]
+            raise IngestError(what + (f"{'; '.join(lost)}. " if lost else "") + "Put photos of every class in "
+                              + " and ".join(str(src_p / s) for s in empty) + ", photos not found in the other splits")
+        raise IngestError(what + f"Add photos (at least {MIN_PER_CLASS} per class), or give val and test a share "
+                                 "with --split")
     _check_each_class_split(src_p, scan, counts, asked_none, log, data)
 
 

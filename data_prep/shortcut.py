@@ -1,5 +1,5 @@
-"""The shortcut check: can the file's metadata alone (size, aspect, format, EXIF, camera, colour mode, JPEG
-quality) tell the classes apart?
+"""The shortcut check: can the file's metadata alone (size, aspect, format, EXIF, camera, orientation, colour
+mode, JPEG quality) tell the classes apart?
 
 When each class comes from a different source (one phone, one web site, one colleague's scanner), the
 photos of a class share a size, a format, EXIF or none, and a model can learn the source instead of the
@@ -25,11 +25,19 @@ nothing else, the balanced accuracy rises to about 2/K, under the threshold once
 small (8 classes, one of them all PNG: 0.25 against a threshold of 0.26). So each class is also scored
 against the rest (the same classifier on two labels, chance 0.5, the same 5 ``null_sd`` rule for those two
 groups), and the class that stands out most is named.
+
+A set too small for that rule (its threshold above a perfect score: 12 + 12 photos) can still show a clean
+split: a class whose photos share no value of a feature with any other photo (every 'healthy' photo from one
+phone, every 'rust' one from another). Its chance under random labels is exact (:func:`_chance_of_separation`:
+the ways the feature's groups of equal values can make up the class, over all ways of drawing it); below
+``EXACT_ALPHA`` over the number of features and classes tried, it warns.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -268,9 +276,15 @@ def check_shortcuts(metas: Sequence[PhotoMeta], labels: Sequence[int] | np.ndarr
     chance = 1.0 / n_classes
     sd = null_sd(np.bincount(y))
     warn_at = chance + max(MIN_MARGIN, NULL_SIGMAS * sd)
-    if warn_at >= 1.0:  # not even a perfect score could stand out from what chance gives so few photos
-        return f"only {len(y)} photos in {n_classes} classes: too few to tell metadata from chance"
     cols = _feature_columns(metas)
+    if warn_at >= 1.0:  # not even a perfect score could stand out from what chance gives so few photos ...
+        separated = _exact_separation(cols, y, names)  # ... but a class no other shares a value with can
+        if separated is None:
+            return f"only {len(y)} photos in {n_classes} classes: too few to tell metadata from chance"
+        feature, c = separated
+        told = None if n_classes == 2 else names[c]  # one class told from the rest, or the two from each other
+        return ShortcutResult(1.0, 0.5 if told else chance, 1.0, round(sd, 4), {feature: 1.0}, (feature,), 0,
+                              _evidence(metas, y, names), told)
     x_all = np.concatenate(list(cols.values()), axis=1)
     x_all = x_all[:, x_all.max(axis=0) > 0]  # a feature with one value for every photo tells nothing
     # the same metadata on every photo cannot predict anything: no need to fit
@@ -291,6 +305,41 @@ def check_shortcuts(metas: Sequence[PhotoMeta], labels: Sequence[int] | np.ndarr
     return ShortcutResult(round(real, 4), round(chance, 4), round(warn_at, 4), round(sd, 4),
                           {n: round(v, 4) for n, v in per_feature.items()}, flagged, k,
                           _evidence(metas, y_all, names) if flagged else {}, one_class)
+
+
+# A separation rarer than this under random labels warns, counting one test per feature and class (Bonferroni).
+EXACT_ALPHA = 1e-4
+
+
+def _chance_of_separation(group_sizes: Sequence[int], n_c: int) -> float:
+    """The chance that n_c photos drawn at random are a union of whole groups of equal feature values (so that no
+    photo outside them shares a value with them): the number of sets of groups holding n_c photos in all, over
+    C(n, n_c). Two groups of 12 photos: 2 in 2.7 million; photos that each have a size of their own: 1."""
+    ways = [1] + [0] * n_c  # ways[s]: sets of groups seen so far holding s photos
+    for g in group_sizes:
+        for total in range(n_c, g - 1, -1):
+            ways[total] += ways[total - g]
+    return ways[n_c] / math.comb(sum(group_sizes), n_c)
+
+
+def _exact_separation(cols: Mapping[str, np.ndarray], y: np.ndarray, names: Sequence[str]
+                      ) -> tuple[str, int] | None:
+    """For sets too small for the cross-validated rule: (feature, class) when some class's photos share no value
+    of that feature with any other photo (every iPhone photo is 'healthy', every Samsung photo 'rust') and a
+    random labelling would do that less often than ``EXACT_ALPHA`` allows; the rarest such, or None."""
+    tests = len(cols) * len(names)
+    best: tuple[float, str, int] | None = None
+    for feature, x in cols.items():
+        rows = [tuple(r) for r in x.tolist()]
+        groups = list(Counter(rows).values())
+        for c in range(len(names)):
+            mine = {r for r, label in zip(rows, y) if label == c}
+            if any(r in mine for r, label in zip(rows, y) if label != c):
+                continue
+            p = tests * _chance_of_separation(groups, int((y == c).sum()))
+            if p < EXACT_ALPHA and (best is None or p < best[0]):
+                best = (p, feature, c)
+    return None if best is None else (best[1], best[2])
 
 
 def _one_against_the_rest(x: np.ndarray, y: np.ndarray, names: Sequence[str], seed: int

@@ -485,7 +485,8 @@ def _data_section(report: Mapping[str, Any]) -> list[str]:
     if shortcut.get("skipped"):
         lines.append(f"- Shortcut check: skipped ({shortcut['skipped']})")
     elif _float(shortcut.get("balanced_accuracy")) is not None:
-        lines.append(f"- Shortcut check: image size, aspect, format and EXIF alone predict the class with a balanced "
+        features = ", ".join(shortcut.get("features") or ()) or "the photos' metadata"
+        lines.append(f"- Shortcut check: the metadata alone ({features}) predict the class with a balanced "
                      f"accuracy of {float(shortcut['balanced_accuracy']):.2f} (chance {float(shortcut['chance']):.2f}; "
                      f"a warning from {float(shortcut['warn_at']):.2f})")
     removed = data.get("removed") or []

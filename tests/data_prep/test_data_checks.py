@@ -176,7 +176,16 @@ def test_given_folders_without_a_test_split_are_refused_naming_the_counts(tmp_pa
             dest.mkdir(parents=True)
             for f in sorted((classes / cls).iterdir())[keep]:
                 shutil.copy(f, dest / f.name)
-    with pytest.raises(IngestError, match=r"the test split would be empty \(train 9, val 3, test 0 photos\).*test/"):
+    with pytest.raises(IngestError, match=r"the test split would be empty \(train 9, val 3, test 0 photos\).*Put "
+                                         r"photos of every class in .*given/test, photos not found in the other"):
+        _ingest(src, tmp_path / "ds")
+    # a test/ folder whose photos are all copies of training photos: said, not "put some in test/"
+    for cls in sorted(p.name for p in classes.iterdir()):
+        (src / "test" / cls).mkdir(parents=True)
+        for f in sorted((src / "train" / cls).iterdir())[:1]:
+            shutil.copy(f, src / "test" / cls / f"copy_{f.name}")
+    with pytest.raises(IngestError, match=r"the 3 photo\(s\) of test/ were all left out \(rejected, or copies of "
+                                         r"photos in another split"):
         _ingest(src, tmp_path / "ds")
 
 
@@ -273,6 +282,29 @@ def test_class_folders_nested_one_level_too_deep_are_named(tmp_path):
                                           r"point --src at .*wrap/photos"):
         shutil.copytree(src, tmp_path / "wrap" / "photos")
         _ingest(tmp_path / "wrap", tmp_path / "ds2")
+
+    # photos kept in dated subfolders in every class (rust/2024-06/, the README's own example): not classes
+    dated = tmp_path / "dated_all"
+    for cls in ("blight", "rust"):
+        files = sorted((src / cls).iterdir())
+        for month, part in (("2024-06", files[:3]), ("2024-07", files[3:])):
+            (dated / cls / month).mkdir(parents=True)
+            for f in part:
+                shutil.copy(f, dated / cls / month / f.name)
+    _, messages = _ingest(dated, tmp_path / "ds3")
+    assert not [m for m in messages if m.startswith("warning: class")], messages
+
+
+def test_one_class_in_split_folders_is_told_the_split_layout(tmp_path):
+    import shutil  # noqa: PLC0415
+
+    src = make_class_folders(tmp_path / "made", per_class=6)
+    given = tmp_path / "given"
+    for split in ("train", "val", "test"):
+        shutil.copytree(src / "healthy", given / split / "healthy")
+    with pytest.raises(IngestError, match=r"e\.g\. .*given/train/rust, .*given/val/rust, .*given/test/rust beside the "
+                                          r"'healthy' folders"):
+        _ingest(given, tmp_path / "ds")
 
 
 def test_check_says_what_a_build_would_keep_and_leave_out(tmp_path):

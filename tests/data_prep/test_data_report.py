@@ -447,6 +447,8 @@ def test_the_run_report_shows_the_data_section(tmp_path):
     assert "0 groups within a split, 0 across splits, 1 label conflict;" in text
     assert "- Look-alikes (alike in grey shapes, not in colour; counted as different photos): 1 pairs" in text
     assert "- label conflict: 1 photo filed under different classes" in text
+    assert "- Shortcut check: the metadata alone (image size, aspect ratio, file format, format vs extension, EXIF, " \
+           "camera, EXIF orientation, colour mode, JPEG quality) predict the class" in text
     assert "## Data checks" not in render_report(tmp_path, {"data": None})
     (report.out / DATA_REPORT_NAME).write_text("{")
     assert "could not be read" in render_report(tmp_path, {"data": read_data_report(report.out)})
@@ -459,3 +461,31 @@ def test_too_few_photos_to_stand_out_from_chance_are_said_not_scored():
     metas = [PhotoMeta(640, 480, "JPEG", True, False, "RGB", "", 1, 20) for _ in range(22)]
     result = check_shortcuts(metas, rng.permutation([0] * 11 + [1] * 11), ["a", "b"])
     assert result == "only 22 photos in 2 classes: too few to tell metadata from chance"
+
+
+def test_a_class_no_other_shares_a_value_with_is_named_even_in_a_small_set():
+    """12 + 12 photos, every 'healthy' one from one phone and every 'rust' one from another, and 60 + 6 (many of
+    one's own photos, a few from the web): the check said "too few photos to tell metadata from chance", while a
+    random labelling splits them so cleanly about once in 2.7 million (12 + 12) or 90 million (60 + 6)."""
+    def metas(cameras):
+        return [PhotoMeta(640, 480, "JPEG", True, False, "RGB", cam, 1, 20) for cam in cameras]
+
+    result = check_shortcuts(metas(["iPhone 12"] * 12 + ["SM-G991B"] * 12), [0] * 12 + [1] * 12, ["healthy", "rust"])
+    assert not isinstance(result, str) and result.warns and result.flagged == ("camera",)
+    assert result.one_class is None and "100 % of the 'rust' photos come from SM-G991B" in result.evidence["camera"]
+    result = check_shortcuts(metas(["own phone"] * 60 + ["no camera"] * 6), [0] * 60 + [1] * 6, ["healthy", "rust"])
+    assert not isinstance(result, str) and result.flagged == ("camera",)
+    # 5 + 5 split so cleanly happens once in 252 random labellings: still too few to say
+    result = check_shortcuts(metas(["a"] * 5 + ["b"] * 5), [0] * 5 + [1] * 5, ["healthy", "rust"])
+    assert isinstance(result, str) and "too few" in result
+    # random metadata and random labels in small sets never warn
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(10, 30))
+        cams = [f"cam{int(c)}" for c in rng.integers(0, 4, n)]
+        labels = rng.permutation(np.arange(n) % 2)
+        result = check_shortcuts(metas(cams), labels, ["a", "b"])
+        assert isinstance(result, str) or not result.warns, cams
+        sized = [PhotoMeta(int(w), 480, "JPEG", True, False) for w in rng.integers(100, 4000, n)]  # each its own
+        result = check_shortcuts(sized, labels, ["a", "b"])
+        assert isinstance(result, str) or not result.warns

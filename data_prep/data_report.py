@@ -159,6 +159,7 @@ class Removal(Record):
 class DataReport(Record):
     """data_report.json."""
 
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"refused"})
     SCHEMA_VERSION: ClassVar[int | None] = 1
     schema_version: int = 1
     source: str
@@ -178,6 +179,8 @@ class DataReport(Record):
     unlabeled_copies: tuple[str, ...] = ()
     # labelled photos a served model would refuse (too small, uniform, no detail); () in reports made before
     not_judged: tuple[NotJudgedPhoto, ...] = ()
+    # why preprocess refused this data (a report written with --report for a refused run); absent when it did not
+    refused: str | None = None
 
 
 # ---------------------------------------------------------------------------- the checks

@@ -561,6 +561,8 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: Inges
     t0 = time.perf_counter()
     opts = options or IngestOptions()
     check_options(opts)
+    said: list[str] = []  # every warning logged, for data_report.json (report.md shows its warnings)
+    log = _keeping_warnings(log, said)
     src_p = Path(src).resolve()
     scan = scan_source(src_p, unlabeled, also)
     if scan.empty_folders:
@@ -597,7 +599,7 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: Inges
                           f"2 classes: {hint}")
     workers = max(1, workers or usable_cpus())
     if check:
-        return _check_only(src_p, scan, opts, workers, progress, strict, report_path, log, t0)
+        return _check_only(src_p, scan, opts, workers, progress, strict, report_path, log, t0, said)
     if out is None:
         raise IngestError("no output folder given (--out); only --check runs without one")
     out_p = Path(out).resolve()
@@ -629,11 +631,13 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: Inges
         try:
             _check_class_sizes(scan, kept, assigned, strict, log)
             _refuse_unusable(src_p, scan, opts, _split_counts(scan, kept, assigned), len(rejects), log, data)
-        except IngestError:
+        except IngestError as exc:
             _log_rejects(rejects, log)  # the refusal points to them: nothing else will be written
-            if report_path is not None:  # the data report asked for, which says what was found
-                write_json_atomic(report_path, data.to_dict())
+            if report_path is not None:  # the data report asked for, which says what was found, and why refused
+                write_json_atomic(report_path, dataclasses.replace(_with_warnings(data, said),
+                                                                   refused=str(exc)).to_dict())
             raise
+        data = _with_warnings(data, said)
         info, hist = _write_splits(tmp, scan, kept, assigned, opts)
         (tmp / _STAGING).unlink()
         mean, std = _mean_std(hist)
@@ -700,8 +704,25 @@ def check_size(size: int) -> int:
     return min(size, CHECK_SIZE)
 
 
+def _keeping_warnings(log: Callable[[str], None], said: list[str]) -> Callable[[str], None]:
+    """``log``, keeping in ``said`` the text of every message that is a warning."""
+    def logged(message: str) -> None:
+        if message.startswith("warning: "):
+            said.append(message[len("warning: "):])
+        log(message)
+    return logged
+
+
+def _with_warnings(data: DataReport, said: Sequence[str]) -> DataReport:
+    """``data`` with the warnings preprocess logged besides the checks' own (a class without a val photo, a
+    nested class folder...), so that data_report.json, and the report.md that shows it, hold them all."""
+    extra = tuple(w for w in said if w not in data.warnings)
+    return dataclasses.replace(data, warnings=(*data.warnings, *extra)) if extra else data
+
+
 def _check_only(src_p: Path, scan: ScanResult, opts: IngestOptions, workers: int, progress: bool, strict: bool,
-                report_path: str | os.PathLike | None, log: Callable[[str], None], t0: float) -> IngestReport:
+                report_path: str | os.PathLike | None, log: Callable[[str], None], t0: float,
+                said: Sequence[str] = ()) -> IngestReport:
     """`leaflens preprocess --check`: decode small, run the checks and the refusals, write only ``report_path``."""
     decoded = _decode_all(scan.files, opts, None, workers, progress, decode_size=check_size(opts.size))
     assigned, data = _split_and_check(scan, decoded, opts, workers, "check", check_size(opts.size), log)
@@ -713,11 +734,16 @@ def _check_only(src_p: Path, scan: ScanResult, opts: IngestOptions, workers: int
         key = scan.classes[rec["label"]] if rec["label"] >= 0 else UNLABELED
         report.rejected[key] = report.rejected.get(key, 0) + 1
         report.rejected_reasons[rec["reason"]] = report.rejected_reasons.get(rec["reason"], 0) + 1
-    if report_path is not None:
-        write_json_atomic(report_path, data.to_dict())
     _log_rejects(decoded.rejects, log)  # the files a build would leave out, and why
-    _check_class_sizes(scan, decoded.kept, assigned, strict, log)
-    _refuse_unusable(src_p, scan, opts, counts, len(decoded.rejects), log, data)
+    try:
+        _check_class_sizes(scan, decoded.kept, assigned, strict, log)
+        _refuse_unusable(src_p, scan, opts, counts, len(decoded.rejects), log, data)
+    except IngestError as exc:
+        if report_path is not None:
+            write_json_atomic(report_path, dataclasses.replace(_with_warnings(data, said), refused=str(exc)).to_dict())
+        raise
+    if report_path is not None:
+        write_json_atomic(report_path, _with_warnings(data, said).to_dict())
     report.seconds = time.perf_counter() - t0
     log(format_summary(report, check=True))  # the split a build would make, and the files it would leave out
     return report

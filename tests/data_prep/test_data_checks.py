@@ -339,3 +339,31 @@ def test_nesting_in_split_folders_is_counted_once_and_told_to_move_up(tmp_path):
     _, messages = _ingest(sp, tmp_path / "ds")
     warned = [m for m in messages if m.startswith("warning: class")]
     assert len(warned) == 1 and "(blight 12, healthy 12)" in warned[0] and "into each split folder" in warned[0]
+
+
+def test_every_warning_preprocess_logs_is_in_data_report_json_and_a_refusal_says_why(tmp_path):
+    """"no val photo for 'rust'", a nested class folder, an empty folder... were printed on the console only:
+    data_report.json (and the report.md that shows it) said "No warning." A refused run's --report said nothing
+    of the refusal."""
+    import json  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+
+    src = make_class_folders(tmp_path / "made", per_class=6)
+    (src / "empty_one").mkdir()
+    _, messages = _ingest(src, tmp_path / "ds")
+    data = json.loads((tmp_path / "ds" / "data_report.json").read_text())
+    logged = [m[len("warning: "):] for m in messages if m.startswith("warning: ")]
+    assert logged and any("'empty_one' holds no photo" in w for w in logged)
+    assert all(w in data["warnings"] for w in logged), (logged, data["warnings"])
+    assert "refused" not in data
+
+    one = tmp_path / "one"
+    shutil.copytree(src / "rust", one / "train" / "rust")
+    shutil.copytree(src / "blight", one / "train" / "blight")
+    with pytest.raises(IngestError) as refusal:
+        _ingest(one, tmp_path / "ds2", report_path=tmp_path / "refused.json")
+    assert json.loads((tmp_path / "refused.json").read_text())["refused"] == str(refusal.value)
+    with pytest.raises(IngestError):
+        ingest(one, None, IngestOptions(size=16), workers=1, check=True, report_path=tmp_path / "checked.json",
+               log=lambda m: None)
+    assert json.loads((tmp_path / "checked.json").read_text())["refused"] == str(refusal.value)

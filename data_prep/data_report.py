@@ -460,6 +460,8 @@ def format_data_report(report: DataReport) -> str:
         dup = sum(1 for r in report.removed if r.reason == "duplicate")
         lines.append(f"  --dedupe {'would remove' if report.mode == 'check' else 'removed'} {_n(dup, 'duplicate')} "
                      f"and {_n(len(report.removed) - dup, 'label-conflict copy', 'label-conflict copies')} "
-                     f"(listed in {DATA_REPORT_NAME})")
+                     + (f"of labelled photos, and {_n(len(report.unlabeled_copies), 'unlabelled photo')} copying "
+                        "validation or test photos " if report.unlabeled_copies else "")
+                     + f"(listed in {DATA_REPORT_NAME})")
     lines += [f"warning: {w}" for w in report.warnings]
     return "\n".join(lines)

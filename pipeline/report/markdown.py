@@ -491,7 +491,10 @@ def _data_section(report: Mapping[str, Any]) -> list[str]:
                      f"a warning from {float(shortcut['warn_at']):.2f})")
     removed = data.get("removed") or []
     if data.get("dedupe"):
-        lines.append(f"- `--dedupe` left out {len(removed)} photos (listed in the dataset's data_report.json)")
+        unlabelled = len(data.get("unlabeled_copies") or [])
+        lines.append(f"- `--dedupe` left out {len(removed)} photos"
+                     + (f" and {unlabelled} unlabelled copies of validation or test photos" if unlabelled else "")
+                     + " (listed in the dataset's data_report.json)")
     warnings = data.get("warnings") or []
     if warnings:
         lines += ["", "Warnings:", ""] + [f"- {_cell(w)}" for w in warnings]

@@ -88,6 +88,13 @@ def test_unlabelled_copies_of_validation_or_test_photos_are_leakage(tmp_path):
     assert len(load_dataset(tmp_path / "ds")["unlabeled"]) == 6
     report, messages = run(src, tmp_path / "dd", opts=IngestOptions(size=SIZE, dedupe=True))
     assert len(load_dataset(tmp_path / "dd")["unlabeled"]) == 4 and "left out by --dedupe" in "\n".join(messages)
+    # the --dedupe line counts them too (it said "removed 0 duplicates" beside "rejected 2 (duplicate: 2)")
+    said = "\n".join(messages)
+    assert "and 2 unlabelled photos copying validation or test photos (listed in data_report.json)" in said
+    from leaflens.pipeline.report.markdown import _data_section  # noqa: PLC0415
+
+    text = "\n".join(_data_section({"data": report.data.to_dict()}))
+    assert "`--dedupe` left out 0 photos and 2 unlabelled copies of validation or test photos" in text
 
 
 # ---------------------------------------------------------------------------- near duplicates

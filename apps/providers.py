@@ -125,8 +125,8 @@ def unmet_request(choice: str, used: str, line: str) -> str | None:
     thing. ``line`` is the Predictor's provider line, which carries the reason."""
     if choice == "auto" or provider_name(choice) == used:
         return None
-    return (f"--provider {choice} was asked for but cannot run here; {line}. "
-            "Use --provider auto to run on the CPU when no GPU provider starts")
+    return (f"--provider {choice} was asked for but cannot run here; {line}. Without --provider (auto), the "
+            "model runs on what starts here: CUDA when it does, else the CPU")
 
 
 # ---- the driver --------------------------------------------------------------------------------------------

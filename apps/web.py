@@ -66,7 +66,7 @@ log = logging.getLogger("leaflens.serve")
 
 
 # Uploaded files shown back as thumbnails (what browsers display; HEIC and TIFF are not).
-BROWSER_FORMATS = (".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp")
+BROWSER_FORMATS = (".jpg", ".jpeg", ".jfif", ".jpe", ".png", ".webp", ".gif", ".bmp")
 EXAMPLE_COLUMNS = 8  # example tiles per row on a wide screen (a phone fits as many as its width allows)
 
 

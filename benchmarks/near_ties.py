@@ -21,7 +21,7 @@ import numpy as np
 
 from leaflens.apps.model_card import TIE_RATIO, ModelError, unsure
 from leaflens.apps.predictor import Predictor
-from leaflens.data_prep.manifest import load_dataset
+from leaflens.data_prep.manifest import DatasetError, load_dataset
 
 RATIOS = (0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -76,5 +76,5 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     try:
         raise SystemExit(main())
-    except (ModelError, OSError) as exc:  # a missing or unreadable model or folder: one line, no traceback
+    except (ModelError, DatasetError, OSError) as exc:  # a missing or unreadable model or folder: one line
         sys.exit(f"near_ties.py: {exc}")

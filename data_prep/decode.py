@@ -30,6 +30,7 @@ from PIL import Image, UnidentifiedImageError
 
 __all__ = [
     "DEFAULT_MAX_PIXELS",
+    "TIFF_REVISION",
     "PAD_VALUE",
     "RESAMPLE",
     "ImageDecodeError",
@@ -38,6 +39,9 @@ __all__ = [
     "read_source",
 ]
 
+# Bumped when the pixels decoded from TIFF files change (2: an orientation tag applied once, not twice; 32-bit
+# photos scaled by their 99.9th percentile): a dataset holding TIFFs is built again once (data_prep.ingest).
+TIFF_REVISION = 2
 # 120 megapixels: admits 108 MP phone sensors, refuses absurd declared sizes before decoding.
 DEFAULT_MAX_PIXELS = 120_000_000
 # the most bytes read from one file: 120 M pixels of 16-bit RGB uncompressed is 720 MB, far beyond any photo
@@ -166,7 +170,7 @@ def _open(data: bytes, name: str, max_pixels: int) -> Image.Image:
             if int(found.group(1)) > max_pixels:
                 raise ImageDecodeError("too_large", name, f"declared size {found.group(1)} pixels exceeds the limit "
                                                           f"of {max_pixels}") from exc
-            lift = True  # within the caller's limit: Pillow's is not ours
+            lift = True  # within the caller's limit: Pillow's is not ours (TIFF's loader checks again: _load)
         except UnidentifiedImageError as exc:
             raise ImageDecodeError("not_an_image", name, "not a recognised image format") from exc
         except (OSError, SyntaxError, ValueError, EOFError) as exc:
@@ -180,8 +184,9 @@ def _open(data: bytes, name: str, max_pixels: int) -> Image.Image:
         )
     if im.format == "PNG":
         _check_png_ratio(data, w, h, name)
-    elif im.format not in _DRAFT_FORMATS:
-        _check_pixels_per_byte(data, w, h, name, im.format or "image")
+    elif im.format not in _DRAFT_FORMATS and im.mode != "1":  # bilevel scans: 1 byte a pixel, and CCITT packs
+        _check_pixels_per_byte(data, w, h, name, im.format or "image")  # them far tighter than any photo
+    im.info["leaflens_lift_limit"] = lift
     return im
 
 
@@ -250,7 +255,15 @@ def _load(im: Image.Image, name: str) -> None:
     try:
         with warnings.catch_warnings():  # Pillow's TIFF loader checks the size again (see _pillow_open)
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            im.load()
+            if im.info.pop("leaflens_lift_limit", False):  # opened above Pillow's limit, within ours
+                with _PILLOW_LIMIT_LOCK:
+                    before, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+                    try:
+                        im.load()
+                    finally:
+                        Image.MAX_IMAGE_PIXELS = before
+            else:
+                im.load()
     except Image.DecompressionBombError as exc:
         raise ImageDecodeError("too_large", name, str(exc)) from exc
     except (OSError, SyntaxError, ValueError, EOFError, zlib.error) as exc:
@@ -266,22 +279,24 @@ def _peak(arr: np.ndarray) -> float:
     return float(np.percentile(finite, 99.9)) if finite.size else 0.0
 
 
-def _int_to_l(im: Image.Image) -> Image.Image:
+def _int_to_l(im: Image.Image, fmt: str | None = None) -> Image.Image:
     """16/32-bit integer or float grayscale -> 8-bit L, scaling the range instead of clipping."""
     arr = np.asarray(im)
     if im.mode.startswith("I;16"):
         out = arr.astype(np.float32) / 257.0
     elif im.mode == "F":
         out = arr * 255.0 if _peak(arr) <= 1.0 else arr
-    else:  # "I": 32-bit ints; PNG 16-bit grey arrives here on some Pillow versions
+    elif fmt == "PNG":  # "I" from a 16-bit grey PNG (some Pillow versions): as "I;16", whatever its values
+        out = arr.astype(np.float32) / 257.0
+    else:  # "I": 32-bit ints (TIFF)
         out = arr.astype(np.float32) / 257.0 if _peak(arr) > 255 else arr
     out = np.nan_to_num(np.asarray(out, dtype=np.float32), nan=0.0)
     return Image.fromarray(np.clip(np.rint(out), 0, 255).astype(np.uint8), "L")
 
 
-def _int_to_rgb(im: Image.Image) -> Image.Image:
+def _int_to_rgb(im: Image.Image, fmt: str | None = None) -> Image.Image:
     """:func:`_int_to_l` as RGB, with the pixels of a transparency key (a 16-bit PNG's tRNS) on white."""
-    rgb = _int_to_l(im).convert("RGB")
+    rgb = _int_to_l(im, fmt).convert("RGB")
     key = im.info.get("transparency")
     if not isinstance(key, (int, float)) or isinstance(key, bool):
         return rgb
@@ -290,8 +305,9 @@ def _int_to_rgb(im: Image.Image) -> Image.Image:
     return Image.fromarray(out, "RGB")
 
 
-def _to_rgb(im: Image.Image, name: str) -> Image.Image:
-    """Any Pillow mode -> RGB; transparency is composited on white."""
+def _to_rgb(im: Image.Image, name: str, fmt: str | None = None) -> Image.Image:
+    """Any Pillow mode -> RGB; transparency is composited on white. ``fmt``: the file's format (a transposed
+    image has none)."""
     mode = im.mode
     if mode == "RGB":
         if "transparency" in im.info:
@@ -301,7 +317,7 @@ def _to_rgb(im: Image.Image, name: str) -> Image.Image:
     elif mode in ("P", "PA"):
         im = im.convert("RGBA")
     elif mode in ("I", "I;16", "I;16L", "I;16B", "I;16N", "F"):
-        return _int_to_rgb(im)
+        return _int_to_rgb(im, fmt)
     try:
         if im.mode in ("RGBA", "LA", "La", "RGBa", "PA") or "transparency" in im.info:
             rgba = im.convert("RGBA")
@@ -355,9 +371,10 @@ def _decode(src: Source, size: int, resize: str, max_pixels: int, shorter_side: 
     # Pillow's TIFF loader turns the image upright itself and drops the tag: the orientation left after loading
     # is what remains to be done (the same as before for every other format)
     orientation = _orientation(im)
+    fmt = im.format
     for op in _TRANSPOSE.get(orientation, ()):
         im = im.transpose(op)
-    im = _to_rgb(im, name)
+    im = _to_rgb(im, name, fmt)
     w, h = im.size
     try:
         if resize == "crop":

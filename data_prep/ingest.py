@@ -32,6 +32,7 @@ import numpy as np
 
 from leaflens.columns import display_width, pad_right
 from leaflens.cpus import usable_cpus, worker_context
+from leaflens.data_prep import decode
 from leaflens.data_prep.arrays import NpyRowWriter, sha256_file
 from leaflens.data_prep.contract import decode_stored
 from leaflens.data_prep.data_report import DATA_REPORT_NAME, CheckedPhotos, DataReport, format_data_report, run_checks
@@ -440,6 +441,8 @@ def _fingerprint(scan: ScanResult, opts: IngestOptions, unlabeled: str | None, o
               "files": files or (scan.stats_digest_relative if out is not None else scan.stats_digest)}
     if scan.also:  # only when given, so datasets built without --also keep their fingerprint
         fields["also"] = [where(a) for a in scan.also]
+    if any(f.rel.lower().endswith((".tif", ".tiff")) for f in scan.files):  # only then: other datasets stay
+        fields["tiff_decoder"] = decode.TIFF_REVISION
     if out is not None:
         fields["paths"] = "relative to the dataset folder"
     payload = json.dumps(fields, sort_keys=True)
@@ -494,20 +497,33 @@ def _check_out(src: Path, out: Path, inputs: Sequence[tuple[str, str | os.PathLi
         raise IngestError(str(exc)) from None
 
 
-def _up_to_date(out: Path, fingerprints: Sequence[str], src: Path | None = None,
+# In a dataset folder, beside the manifest (which it cannot change without changing the dataset's identity): the
+# time stamps seen when the photos' contents were last found the same, so that they are not read again each run.
+STATS_SEEN = ".input-stats.json"
+
+
+def _up_to_date(out: Path, fingerprints: Sequence[str], src: Path | None = None, listing: str | None = None,
                 contents: Callable[[], str] | None = None) -> str | None:
     """How ``out`` is the dataset these inputs make, whole, or None when it is not: same inputs, every file as
     its manifest's checksums say (a damaged dataset is built again), and the source's classes.toml (display
     names and advice, which travel with the dataset) the one it holds.
 
-    Same inputs: ``"stats"``, the files' paths, sizes and time stamps are those recorded (``fingerprints``);
-    else ``"contents"``, their bytes are (``contents()``, the fingerprint over their contents, asked for only
-    then, against the manifest's ``input_content_fingerprint``): photos copied, unpacked again or touched
-    keep their dataset, and the stages after it are not run again for nothing."""
+    Same inputs: ``"stats"``, the files' paths, sizes and time stamps are those recorded (``fingerprints``,
+    the first the current form; or those :data:`STATS_SEEN` noted for this manifest); else ``"contents"``, their
+    bytes are (``contents()``, the fingerprint over their contents, against the manifest's
+    ``input_content_fingerprint``; asked for only when the files' names, sizes and options are the dataset's,
+    ``listing`` against ``input_listing_fingerprint``): photos copied, unpacked again or touched keep their
+    dataset, and the stages after it are not run again for nothing."""
     try:
         manifest = json.loads((out / MANIFEST_NAME).read_text(encoding="utf-8"))
         how = "stats" if manifest.get("input_fingerprint") in fingerprints else None
-        if how is None and contents is not None and manifest.get("input_content_fingerprint"):
+        if how is None and (out / STATS_SEEN).is_file():
+            seen = json.loads((out / STATS_SEEN).read_text(encoding="utf-8"))
+            if seen.get("manifest_sha256") == manifest.get("manifest_sha256") and seen.get("input_fingerprint") \
+                    == fingerprints[0]:
+                how = "stats"
+        same_listing = listing is None or manifest.get("input_listing_fingerprint") in (None, listing)
+        if how is None and contents is not None and manifest.get("input_content_fingerprint") and same_listing:
             how = "contents" if manifest["input_content_fingerprint"] == contents() else None
         if how is None:
             return None
@@ -611,7 +627,13 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: Inges
     def contents(known: dict[int, bytes] | None = None) -> str:
         return _fingerprint(scan, opts, unl, out_p, files=_content_digest(scan, known))
 
-    how = None if force else _up_to_date(out_p, (fingerprint, _fingerprint(scan, opts, unl)), src_p, contents)
+    listing = _fingerprint(scan, opts, unl, out_p, files="listing:" + scan.listing_digest)
+    how = None if force else _up_to_date(out_p, (fingerprint, _fingerprint(scan, opts, unl)), src_p, listing,
+                                         contents)
+    if how == "contents":  # noted beside the manifest, so that the next run does not read every photo again
+        with contextlib.suppress(OSError, ValueError):
+            held = json.loads((out_p / MANIFEST_NAME).read_text(encoding="utf-8"))["manifest_sha256"]
+            write_json_atomic(out_p / STATS_SEEN, {"manifest_sha256": held, "input_fingerprint": fingerprint})
     if how is not None:
         same = ("unchanged" if how == "stats" else
                 "with new time stamps (copied or touched) but the same contents, checked byte for byte")
@@ -668,7 +690,8 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: Inges
             rejected=RejectedInfo(total=len(rejects), per_class=report.rejected, reasons=report.rejected_reasons,
                                   list=REJECTED_NAME),
             ignored=scan.ignored, duplicates=_duplicate_stats(scan, kept, digests), checksums=checksums,
-            input_fingerprint=fingerprint, input_content_fingerprint=contents(dict(zip(kept, digests))))
+            input_fingerprint=fingerprint, input_content_fingerprint=contents(dict(zip(kept, digests))),
+            input_listing_fingerprint=listing)
         # The report travels with the arrays but outside the manifest's checksums: it describes the data,
         # nothing is trained on it, and datasets built before it existed keep their identity.
         write_json_atomic(tmp / DATA_REPORT_NAME, data.to_dict())

@@ -138,7 +138,8 @@ class Manifest(Record):
     VERSION_KEY: ClassVar[str] = "format_version"
     # absent from the manifests of datasets built without --also (and before it was recorded): they read back
     # key for key, so their self digest still matches
-    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"also_sources", "input_content_fingerprint"})
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"also_sources", "input_content_fingerprint",
+                                                           "input_listing_fingerprint"})
     format: Literal["leaflens-dataset"] = FORMAT_NAME
     format_version: int = FORMAT_VERSION
     classes: tuple[str, ...]
@@ -161,8 +162,10 @@ class Manifest(Record):
     duplicates: DuplicatesInfo | None = None
     checksums: dict[str, str]  # file name -> "sha256:<hex>"
     input_fingerprint: str | None = None
-    # the same over the photos' contents instead of their time stamps (leaflens.data_prep.ingest._up_to_date)
+    # the same over the photos' contents instead of their time stamps, and over their names and sizes alone
+    # (leaflens.data_prep.ingest._up_to_date)
     input_content_fingerprint: str | None = None
+    input_listing_fingerprint: str | None = None
     manifest_sha256: str | None = None
 
     @property

@@ -71,6 +71,9 @@ class ScanResult:
     # class -> (subfolder, photos under it) for a class folder whose photos sit in two or more subfolders and
     # none beside them (ROOT/beans/{healthy,rust}/): one class made of what may be several, said by preprocess
     nested: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
+    # the files' paths (relative), sizes, labels and splits without their time stamps: when it differs from a
+    # dataset's, the photos changed and their contents need not be read to know it
+    listing_digest: str = ""
 
 
 class IgnoredFiles(dict):
@@ -319,14 +322,15 @@ def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = N
         for full, rel in _walk_images(udir, root_p, ignored, extensions):
             files.append(SourceFile(full, rel, -1, UNLABELED))
 
-    digest, relative = hashlib.sha256(), hashlib.sha256()
+    digest, relative, listing = hashlib.sha256(), hashlib.sha256(), hashlib.sha256()
     for f in files:  # hashed as we go: no per-file list kept in memory
         st = os.stat(f.path)
         stats = f"\0{st.st_size}\0{st.st_mtime_ns}\0{f.label}\0{f.split}\n"
         digest.update(f"{f.rel}{stats}".encode())
         relative.update(f"{relative_to(f.rel, root_p)}{stats}".encode())
+        listing.update(f"{relative_to(f.rel, root_p)}\0{st.st_size}\0{f.label}\0{f.split}\n".encode())
     return ScanResult(str(root_p), layout, classes, files, ignored, digest.hexdigest(), relative.hexdigest(),
-                      also_roots, also_files, extensions, empty, nested)
+                      also_roots, also_files, extensions, empty, nested, listing.hexdigest())
 
 
 def same_name(a: str, b: str) -> bool:

@@ -97,7 +97,8 @@ def _meta_json(meta: dict[str, Any]) -> str:
             try:
                 json.dumps(meta.get(section), default=_plain)
             except (TypeError, ValueError):
-                bad = next((k for k, v in (meta.get(section) or {}).items() if not _json_able(v)), None)
+                part = meta.get(section)
+                bad = next((k for k, v in part.items() if not _json_able(v)), None) if isinstance(part, dict) else None
                 raise TypeError(f"checkpoint {section}{f'[{bad!r}]' if bad is not None else ''} cannot be written "
                                 f"as JSON: {exc} (give numbers, strings, lists and dicts)") from exc
         raise

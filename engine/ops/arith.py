@@ -237,6 +237,8 @@ def pow(x: Any, p: Any) -> Tensor:  # noqa: A001
     if isinstance(p, (np.integer, np.floating)):
         p = p.item()  # a NumPy float64 exponent would make float32 values float64
     if isinstance(p, (int, float)) and isinstance(x, Tensor):
+        if isinstance(p, float) and x.dtype.kind in "biu":  # a root of integers: float32, as x * 0.5 is
+            x = Tensor(x.data.astype(np.float32))
         return Pow(p)(x)
     return PowTensor()(*_promoted(x, p))
 

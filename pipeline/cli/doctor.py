@@ -221,7 +221,8 @@ def run(args: argparse.Namespace) -> int:
 
         # the students distill would train here: without the Lite0 weights the default 'lite8' is the 'm' student
         # (a family named with --family is sized as asked: distill refuses a liteN member it cannot start)
-        recipe = (load_config() if args.family is not None else without_missing_weights(load_config())).model
+        recipe = (load_config() if args.family is not None else without_missing_weights(load_config(),
+                                                                                        sizing=True)).model
         spec, size = default_spec(), args.input_size or recipe.input_size or 64
         if args.model != "student":
             print(f"doctor: unknown --model {args.model!r}: only 'student' can be sized", file=sys.stderr)
@@ -232,6 +233,11 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 print(f"doctor: --family {args.family}: {exc}", file=sys.stderr)
                 return 2
+            try:  # sized as asked, but said: distill refuses a liteN member without the weights
+                without_missing_weights(replace(load_config(), model=replace(recipe, family=family_option(
+                    args.family))), family_given=True)
+            except ValueError as exc:
+                print(f"note: distill --family {args.family} would be refused here: {exc}", file=sys.stderr)
     if size < 8:
         print(f"doctor: --input-size must be >= 8, got {size}", file=sys.stderr)
         return 2

@@ -282,3 +282,33 @@ def test_one_stray_pixel_does_not_rescale_a_32_bit_photo(mode):
     arr[0, 0] = 256 if mode == "I" else 1.02
     out = decode_image(_encode(Image.fromarray(arr, mode), "TIFF"), 64)
     assert 110 < out.mean() < 145
+
+
+def test_a_tiff_above_pillows_limit_loads_when_the_callers_limit_allows_it(monkeypatch):
+    """The limit was lifted around Image.open only; Pillow's TIFF loader checks again while loading."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10_000)  # Pillow refuses from 20,000 pixels
+    data = _encode(Image.new("L", (200, 150), 90), "TIFF")  # 30,000 pixels
+    assert np.all(decode_image(data, 8, max_pixels=50_000) == 90)
+    assert Image.MAX_IMAGE_PIXELS == 10_000
+
+
+def test_a_bilevel_scan_is_not_taken_for_a_bomb():
+    """A black-and-white leaf scan saved with CCITT Group 4 packs thousands of pixels in a byte."""
+    scan = Image.new("1", (2600, 2000), 1)
+    scan.paste(0, (800, 600, 1800, 1400))
+    data = _encode(scan, "TIFF", compression="group4")
+    assert 2600 * 2000 > 1024 * len(data)  # what the ratio check refuses for other modes
+    out = decode_image(data, 16)
+    assert out[8, 8].tolist() == [0, 0, 0] and out[0, 0].tolist() == [255, 255, 255]
+
+
+def test_a_16_bit_png_read_as_mode_i_is_scaled_as_16_bit(monkeypatch):
+    """Some Pillow versions load 16-bit grey PNGs as mode "I"; the percentile rule for 32-bit TIFFs would then
+    decode the same file differently on two machines."""
+    from leaflens.data_prep import decode as dec
+
+    arr = np.full((100, 100), 200, np.uint16)
+    arr[0, 0] = 65535
+    img = Image.fromarray(arr.astype(np.int32), "I")
+    assert dec._int_to_l(img, "PNG").getpixel((5, 5)) == round(200 / 257)
+    assert dec._int_to_l(img, "TIFF").getpixel((5, 5)) == 200

@@ -186,9 +186,32 @@ def test_photos_copied_or_touched_with_the_same_contents_keep_their_dataset(tmp_
     for f in old.rglob("*"):
         os.utime(f, (1_700_000_000, 1_700_000_000))
     said: list[str] = []
-    assert ingest(src, out, opts, workers=1, also=[extra], log=said.append).up_to_date
-    assert (out / "manifest.json").read_bytes() == written
-    assert any("same contents" in m for m in said), said
+    from leaflens.data_prep import ingest as ingest_module
+
+    reads: list[str] = []
+    real_read = ingest_module.read_source
+
+    def counted(path, *args, **kwargs):
+        reads.append(str(path))
+        return real_read(path, *args, **kwargs)
+
+    ingest_module.read_source = counted
+    try:
+        assert ingest(src, out, opts, workers=1, also=[extra], log=said.append).up_to_date
+        assert (out / "manifest.json").read_bytes() == written
+        assert any("same contents" in m for m in said), said
+        photos = len(reads)
+        assert photos == 21  # 18 photos, the empty file and 2 corrections: read once to compare their contents
+        assert ingest(src, out, opts, workers=1, also=[extra], log=lambda s: None).up_to_date
+        assert len(reads) == photos  # the new time stamps were noted: not read again
+        (src / "rust" / "new.jpg").write_bytes(encode(photo(4242, COLOURS["rust"])))
+        assert not ingest(src, out, opts, workers=1, also=[extra], log=lambda s: None).up_to_date
+        # another photo: the contents are not compared first, only decoded (22), the rejected file hashed (1)
+        assert len(reads) == photos + 22 + 1
+    finally:
+        ingest_module.read_source = real_read
+    (src / "rust" / "new.jpg").unlink()
+    ingest(src, out, opts, workers=1, also=[extra], log=lambda s: None)
 
     victim = sorted((src / "healthy").iterdir())[0]
     stamp = victim.stat()
@@ -342,6 +365,9 @@ def test_class_names_in_two_unicode_forms_are_one_name(tmp_path, capsys):
 
     files, labels = class_folder_photos(extra, ["healthy", composed, "blight"])  # a model's classes, composed
     assert len(files) == 2 and set(labels.tolist()) == {1}
+    both = sorted([composed, decomposed, "bean"])  # a model trained with both forms: the exact name wins
+    files, labels = class_folder_photos(extra, both)
+    assert set(labels.tolist()) == {both.index(decomposed)}
 
     shutil.copytree(src / composed, src / decomposed)
     with pytest.raises(ScanError, match=r"same name written in two Unicode forms \(U\+0301 and U\+00E9"):

@@ -79,3 +79,22 @@ def test_option_and_folder_mistakes_are_refused_before_any_work(tmp_path, capsys
     assert not (tmp_path / "ds").exists()
     with pytest.raises(ScanError, match="overlaps the source folder"):
         ingest(src, tmp_path / "ds", IngestOptions(size=16), unlabeled=src, workers=1, log=quiet)
+
+
+def test_a_dataset_holding_tiffs_is_built_again_when_their_decoding_changed(tmp_path, monkeypatch):
+    """The TIFF decoder was fixed (an orientation tag applied twice): a dataset built before kept the wrong
+    pixels as "up to date". Datasets without TIFFs are not rebuilt for it."""
+    from PIL import Image
+
+    from leaflens.data_prep import decode
+
+    plain = make_class_folders(tmp_path / "plain", per_class=5)
+    with_tiff = make_class_folders(tmp_path / "tiffs", per_class=5)
+    Image.new("RGB", (40, 30), (10, 120, 40)).save(with_tiff / "rust" / "scan.tif")
+    monkeypatch.setattr(decode, "TIFF_REVISION", 1)
+    for src in (plain, with_tiff):
+        ingest(src, tmp_path / f"ds_{src.name}", IngestOptions(size=16), workers=1, log=quiet)
+    monkeypatch.setattr(decode, "TIFF_REVISION", 2)
+    assert ingest(plain, tmp_path / "ds_plain", IngestOptions(size=16), workers=1, log=quiet).up_to_date
+    assert not ingest(with_tiff, tmp_path / "ds_tiffs", IngestOptions(size=16), workers=1, log=quiet).up_to_date
+    assert ingest(with_tiff, tmp_path / "ds_tiffs", IngestOptions(size=16), workers=1, log=quiet).up_to_date

@@ -191,20 +191,60 @@ def test_in_place_updates_change_the_parameter_and_keep_it_a_parameter():
         lin.weight -= 0.1 * lin.weight.grad
     assert isinstance(lin.weight, Parameter) and [n for n, _ in lin.named_parameters()] == ["weight", "bias"]
     with pytest.raises(RuntimeError, match="under no_grad"):
-        lin.weight -= 1.0  # autograd records it: refused outside no_grad
+        lin.weight -= 1.0  # a parameter, where autograd records: refused
     t = Tensor(np.ones(3, np.float32))
-    t *= 2
-    t /= np.array([1, 2, 4], np.float32)
-    np.testing.assert_array_equal(t.data, [2, 1, 0.5])
+    buffer = t.data
+    with no_grad():
+        t *= 2
+        t /= np.array([1, 2, 4], np.float32)
+    np.testing.assert_array_equal(buffer, [2, 1, 0.5])  # in place: the same array
     with pytest.raises(ValueError, match="change the shape"):
         t += np.ones((2, 3), np.float32)
-    n = Tensor(np.ones(3, np.int64))
-    with pytest.raises(TypeError, match="float64 values in a int64"):
+    with pytest.raises(TypeError, match="float32 values in a int64 tensor"):
+        n = Tensor(np.ones(3, np.int64))
         n += 0.5
+    with pytest.raises(TypeError, match="mismatched dtypes"):
+        half = Tensor(np.ones(2, np.float16))
+        half += Tensor(np.full(2, 70000, np.float32))
     with pytest.raises(TypeError, match="cannot put a Tensor in Linear.weight, a parameter"):
         lin.weight = Tensor(np.zeros((1, 3), np.float32))
     lin.bias = None  # removing a parameter stays allowed
     assert [n for n, _ in lin.named_parameters()] == ["weight"]
+
+
+def test_in_place_where_autograd_records_keeps_the_graph_whole():
+    """A running loss (loss += term) and a term that needs gradients added into a plain tensor worked before
+    in-place operators existed (Python's x = x + y) and must keep working; a tensor a graph saved must not
+    change under it; a read-only memmap divided in place gives a new tensor."""
+    from leaflens.engine import no_grad
+
+    w = Parameter(np.ones(3, np.float32))
+    loss = 0
+    for i in range(3):
+        loss += (w * float(i)).sum()
+    loss.backward()
+    np.testing.assert_array_equal(w.grad, [3, 3, 3])
+
+    w = Parameter(np.ones(3, np.float32))
+    reg = Tensor(np.float32(0.0))
+    reg += (w * w).sum()
+    ((w * 2).sum() + reg).backward()
+    np.testing.assert_array_equal(w.grad, [4, 4, 4])
+
+    w = Parameter(np.ones(3, np.float32))
+    x = Tensor(np.array([1.0, 2.0, 3.0], np.float32))
+    loss = (w * x).sum()
+    x += 10  # a new x: the graph's saved one is left as it was
+    loss.backward()
+    np.testing.assert_array_equal(w.grad, [1, 2, 3])
+
+    frozen = np.arange(3, dtype=np.float32)
+    frozen.flags.writeable = False
+    t = Tensor(frozen)
+    with no_grad():
+        t /= 2
+    np.testing.assert_array_equal(t.data, [0, 0.5, 1])
+    np.testing.assert_array_equal(frozen, [0, 1, 2])
 
 
 def test_to_the_same_device_is_the_tensor_and_gradients_flow_through_it():
@@ -258,6 +298,9 @@ def test_integer_inputs_and_numpy_exponents_keep_the_float_dtype():
     assert (t ** np.float64(2)).dtype == np.float32 and (t ** np.arange(3)).dtype == np.float32
     np.testing.assert_allclose((t ** np.arange(3)).data, [1, 2, 4])
     assert (Tensor(np.full(3, 51, np.uint8)) / 255).dtype == np.float32
+    roots = Tensor(np.array([4, 9])) ** 0.5
+    assert roots.dtype == np.float32 and roots.data.tolist() == [2.0, 3.0]
+    assert (Tensor(np.array([2, 3])) ** 2).dtype.kind == "i"  # integers squared stay integers
 
 
 def test_float16_gradients_are_clipped_by_their_true_norm_and_adam_refuses_float16_parameters():
@@ -291,6 +334,9 @@ def test_small_api_promises():
     head = seq[:-1]
     assert isinstance(head, nn.Sequential) and len(head) == 2 and head[0] is seq[0]
     assert head(Tensor(np.ones((1, 2), np.float32))).shape == (1, 2)
+    tail = seq[1:]
+    assert sorted(tail.state_dict()) == ["2.bias", "2.weight"]  # the whole model's names: state dicts match
+    tail.load_state_dict({k: v for k, v in seq.state_dict().items() if k.startswith("2.")})
 
 
 def test_a_checkpoints_extra_takes_numpy_numbers_and_names_what_it_cannot_write(tmp_path):
@@ -300,3 +346,5 @@ def test_a_checkpoints_extra_takes_numpy_numbers_and_names_what_it_cannot_write(
     with pytest.raises(TypeError, match=r"checkpoint extra\['when'\] cannot be written as JSON"):
         save_checkpoint(tmp_path / "d.npz", nn.Linear(2, 2), extra={"ok": 1, "when": object()})
     assert not (tmp_path / "d.npz").exists()
+    with pytest.raises(TypeError, match=r"checkpoint extra cannot be written as JSON"):
+        save_checkpoint(tmp_path / "d.npz", nn.Linear(2, 2), extra=[object()])

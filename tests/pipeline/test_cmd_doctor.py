@@ -67,7 +67,9 @@ def test_doctor_sizes_the_student_distill_trains_without_the_lite0_weights(no_gp
     req = json.loads(captured.out)["request"]
     assert req.get("block", "conv") != "lite0" and req.get("trunk_blocks") is None
     assert req["widths"] == [32, 64, 128, 256]  # the [model] section's student, 'm'
-    assert "which are not installed" in captured.err and "training the 'm' student instead" in captured.err
+    assert "which are not installed" in captured.err and "distill would train the 'm' student instead" in captured.err
+    assert main(["doctor", "--json", "--no-measure", "--family", "lite8"]) == 0  # sized as asked, and said
+    assert "note: distill --family lite8 would be refused here" in capsys.readouterr().err
 
 
 def test_doctor_sizes_a_given_student_on_the_cpu(no_gpu, capsys):

@@ -284,6 +284,15 @@ def _from_result(r: ShortcutResult, formats: dict[str, dict[str, int]]) -> Short
                          one_class=r.one_class)
 
 
+def _one_per_class_first(photos: Sequence[DuplicatePhoto]) -> list[DuplicatePhoto]:
+    """A label conflict's photos with one of each class first, so that the few listed show the classes."""
+    first: list[DuplicatePhoto] = []
+    for p in photos:
+        if all(p.class_name != q.class_name for q in first):
+            first.append(p)
+    return first + [p for p in photos if all(p is not q for q in first)]
+
+
 def _names(photos: Sequence[DuplicatePhoto], limit: int = _LISTED) -> str:
     shown = [f"{p.file} ({p.split})" for p in photos[:limit]]
     return " = ".join(shown) + (f" (+{len(photos) - limit} more)" if len(photos) > limit else "")
@@ -326,7 +335,7 @@ def _warnings(d: DuplicateFindings, balance: ClassBalance, shortcut: ShortcutChe
     out: list[str] = []
     conflicts = [g for g in d.groups if g.scope == "across_classes"]
     if conflicts:
-        listed = "; ".join(_names(g.photos) for g in conflicts[:_LISTED])
+        listed = "; ".join(_names(_one_per_class_first(g.photos)) for g in conflicts[:_LISTED])
         more = f" (+{len(conflicts) - _LISTED} more in data_report.json)" if len(conflicts) > _LISTED else ""
         if dedupe:
             n = sum(1 for r in removed if r.reason == "label_conflict")

@@ -496,3 +496,14 @@ def test_a_class_no_other_shares_a_value_with_is_named_even_in_a_small_set():
         sized = [PhotoMeta(int(w), 480, "JPEG", True, False) for w in rng.integers(100, 4000, n)]  # each its own
         result = check_shortcuts(sized, labels, ["a", "b"])
         assert isinstance(result, str) or not result.warns
+
+
+def test_a_label_conflicts_listed_photos_show_its_classes():
+    """A group of many copies listed its first five files, all of one class, the other class hidden in
+    "(+2 more)": the warning did not show the conflict it named."""
+    from leaflens.data_prep.data_report import DuplicatePhoto, _names, _one_per_class_first
+
+    photos = [DuplicatePhoto(f"rust/{i}.jpg", "rust", "train") for i in range(6)] + [
+        DuplicatePhoto("healthy/x.jpg", "healthy", "val")]
+    shown = _names(_one_per_class_first(photos))
+    assert shown.startswith("rust/0.jpg (train) = healthy/x.jpg (val) = rust/1.jpg (train)") and "(+2 more)" in shown

@@ -638,6 +638,11 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: Inges
         same = ("unchanged" if how == "stats" else
                 "with new time stamps (copied or touched) but the same contents, checked byte for byte")
         log(f"{out_p}: up to date ({len(scan.files)} source files {same}, same options); nothing to do")
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # what its build warned of, said again
+            warned = json.loads((out_p / DATA_REPORT_NAME).read_text(encoding="utf-8")).get("warnings") or []
+            if warned:
+                log(f"note: its build warned {len(warned)} time{'s' if len(warned) > 1 else ''} (all in "
+                    f"{out_p / DATA_REPORT_NAME}), first: {warned[0]}")
         if report_path is not None and (out_p / DATA_REPORT_NAME).is_file():  # the report of the build it is
             write_json_atomic(report_path, json.loads((out_p / DATA_REPORT_NAME).read_text(encoding="utf-8")))
         return IngestReport(out_p, True, scan.classes, seconds=time.perf_counter() - t0)

@@ -356,6 +356,8 @@ def test_every_warning_preprocess_logs_is_in_data_report_json_and_a_refusal_says
     assert logged and any("'empty_one' holds no photo" in w for w in logged)
     assert all(w in data["warnings"] for w in logged), (logged, data["warnings"])
     assert "refused" not in data
+    _, again = _ingest(src, tmp_path / "ds")  # up to date: its warnings are pointed to, not lost
+    assert any(m.startswith(f"note: its build warned {len(data['warnings'])} time") for m in again), again
 
     one = tmp_path / "one"
     shutil.copytree(src / "rust", one / "train" / "rust")

@@ -33,8 +33,10 @@ from leaflens.data_prep.contract import decode_stored
 from leaflens.data_prep.ingest import check_size
 from leaflens.data_prep.near_dup import (
     COLOUR_THRESHOLD,
+    HASH_COLUMNS,
     HASH_CROPS,
     NEAR_THRESHOLD,
+    TURN_THRESHOLD,
     colour_distance,
     colour_signatures,
     find_copies,
@@ -76,14 +78,22 @@ ALTERATIONS = {
                                                        .astype(np.uint8))),
     **{f"centre crop {p} %/side": functools.partial(_cropped_jpeg, pct=p) for p in (1, 2, 3, 4, 5, 6, 7, 8, 10)},
     "top cropped 5 %": lambda im: _jpeg(im.crop((0, round(im.height * 0.05), im.width, im.height))),
+    "mirrored": lambda im: _jpeg(ImageOps.mirror(im)),
+    "rotated 90°": lambda im: _jpeg(im.transpose(Image.Transpose.ROTATE_270)),
+    "rotated 90°, quality 40": lambda im: _jpeg(im.transpose(Image.Transpose.ROTATE_270), 40),
+    "upside down": lambda im: _jpeg(im.transpose(Image.Transpose.ROTATE_180)),
     "crop 4 %, x0.65, quality 50": lambda im: _jpeg(_crop(im, 4).resize((round(im.width * 0.65),
                                                                           round(im.height * 0.65))), 50),
 }
 
 
 def pair_distance(a: np.ndarray, b: np.ndarray) -> int:
-    """The distance near_pairs uses, for one pair of (len(HASH_CROPS),) hash rows."""
-    return int(min(hamming(a[0], b).min(), hamming(b[0], a).min()))
+    """The distance near_pairs uses, for one pair of (HASH_COLUMNS,) hash rows: the crops' within any distance,
+    the turns' (the columns after the crops) only within TURN_THRESHOLD."""
+    crops = len(HASH_CROPS)
+    plain = int(min(hamming(a[0], b[:crops]).min(), hamming(b[0], a[:crops]).min()))
+    turned = int(min(hamming(a[0], b[crops:]).min(), hamming(b[0], a[crops:]).min()))
+    return min(plain, turned) if turned <= TURN_THRESHOLD else plain
 
 
 def main() -> int:
@@ -172,7 +182,7 @@ def main() -> int:
     print(f"\n--check decodes at {small} px: largest per-hash distance to the {args.size} px hashes: max {c.max()}, "
           f"mean {c.mean():.2f}")
 
-    rand = np.random.default_rng(1).integers(0, np.iinfo(np.int64).max, (20000, len(HASH_CROPS)), dtype=np.int64)
+    rand = np.random.default_rng(1).integers(0, np.iinfo(np.int64).max, (20000, HASH_COLUMNS), dtype=np.int64)
     t0 = time.perf_counter()
     near_pairs(rand.astype(np.uint64))
     search_s = time.perf_counter() - t0

@@ -52,6 +52,7 @@ from leaflens.data_prep.manifest import (
 )
 from leaflens.data_prep.near_dup import (
     COLOUR_GRID,
+    HASH_COLUMNS,
     HASH_CROPS,
     NearGroup,
     colour_signatures,
@@ -170,7 +171,7 @@ class _Decoded:
 
     kept: list[int]
     digests: list[bytes]
-    hashes: np.ndarray  # (len(kept), len(HASH_CROPS)) uint64
+    hashes: np.ndarray  # (len(kept), HASH_COLUMNS) uint64
     colours: np.ndarray  # (len(kept), len(HASH_CROPS), COLOUR_GRID**2 * 3) uint8
     metas: list[PhotoMeta]
     rejects: list[dict]
@@ -237,7 +238,7 @@ def _decode_all(files: list[SourceFile], opts: IngestOptions, staging: Path | No
         if pool is not None:
             pool.terminate()
             pool.join()
-    hash_array = np.stack(hashes) if hashes else np.zeros((0, len(HASH_CROPS)), np.uint64)
+    hash_array = np.stack(hashes) if hashes else np.zeros((0, HASH_COLUMNS), np.uint64)
     colour_array = (np.stack(colours) if colours else
                     np.zeros((0, len(HASH_CROPS), COLOUR_GRID * COLOUR_GRID * 3), np.uint8))
     return _Decoded(kept, digests, hash_array, colour_array, metas, rejects, check_seconds, refusals)

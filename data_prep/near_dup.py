@@ -19,6 +19,15 @@ come within 8 bits, beside an edited copy and two shots of one slug, so the repo
 files to look at.
 ``--check`` hashes a 64 px decode: within 2 bits of the stored size's hashes on iBeans.
 
+A copy turned or mirrored (a folder augmented with flips and rotations before the split, a photo saved
+rotated) changes no pixel, only their places: the hash of the picture under each of the 7 other symmetries
+of a square (``TURNS``) comes from the same 8x8 DCT block (odd frequencies negated, the block transposed),
+and such copies come within 2 bits (benchmarks/near_duplicates.py, 60 photos a set: mirrored, upside down,
+rotated 90 degrees, rotated and re-encoded: all found on iBeans, the pest photos and the synthetic leaves).
+Different photos come near far more often once turned (the synthetic leaves, drawn symmetrical: 247 pairs
+within 8 bits instead of 43, two of them within the colour threshold), so a pair found only turned counts
+within ``TURN_THRESHOLD`` (4) bits: 50 pairs within 8 bits, every one a look-alike (colour 5.5 and above).
+
 Grey shapes alone also link different photos framed alike: of the 1,200 labelled photos of the demo's
 synthetic leaves (`make data`: one leaf, centred, on a plain or textured ground), 43 pairs of different
 leaves were within 8 bits, so the demo's first preprocess warned of 24 label conflicts and 7 groups of
@@ -38,7 +47,8 @@ every other alteration up to 8 % crops as before. A pair within 8 bits whose col
 
 The search compares every pair with vectorised XOR + popcount over ``uint64`` in row blocks of
 ``_BLOCK_ELEMENTS`` pairs, and links each block's matches into groups before the next, so its memory
-stays flat whatever the number of photos or of copies (1-2 s for 20,000 photos on one core).
+stays flat whatever the number of photos or of copies (3-5 s for 20,000 photos on one core with the turns;
+1-2 s without).
 """
 
 from __future__ import annotations
@@ -49,13 +59,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["COLOUR_GRID", "COLOUR_THRESHOLD", "HASH_CROPS", "HASH_GRID", "NEAR_THRESHOLD", "Copies", "LookAlike",
+__all__ = ["COLOUR_GRID", "COLOUR_THRESHOLD", "HASH_COLUMNS", "HASH_CROPS", "HASH_GRID", "NEAR_THRESHOLD",
+           "TURN_THRESHOLD", "TURNS",
+           "Copies", "LookAlike",
            "NearGroup", "colour_distance", "colour_signatures", "find_copies", "hamming",
            "near_pairs", "photo_hashes"]
 
 HASH_GRID = 32  # grey grid the DCT is taken on
 HASH_CROPS = (0.0, 0.03, 0.06)  # centre crops (fraction cut per side) hashed for every photo
+# The whole picture turned and mirrored (the 7 other symmetries of a square), hashed too: a copy flipped or
+# rotated before the split (augmenting a folder, a phone's rotation saved into the pixels) is still a copy.
+TURNS = ("mirror", "flip", "rot180", "transpose", "rot90", "rot270", "antitranspose")
+HASH_COLUMNS = len(HASH_CROPS) + len(TURNS)  # photo_hashes' hashes per photo
 NEAR_THRESHOLD = 8  # bits; see the module docstring for the measurements behind it
+# bits for a copy found turned or mirrored: such copies come within 2 (a whole picture turned or mirrored
+# changes no pixel), while different photos come within 8 of each other far more often once turned (the
+# demo's symmetrical leaves: 247 pairs instead of 43)
+TURN_THRESHOLD = 4
 COLOUR_GRID = 3  # cells per side of the colour signature
 COLOUR_THRESHOLD = 5.0  # grey levels; see the module docstring for the measurements behind it
 _LOOK_ALIKES_KEPT = 1000  # look-alike pairs listed (all are counted)
@@ -92,9 +112,31 @@ def _projections(side: int) -> np.ndarray:
     return (_DCT.astype(np.float64) @ _area_matrices(side, HASH_GRID)).astype(np.float32)
 
 
+def _turned(block: np.ndarray, turn: str) -> np.ndarray:
+    """The 8x8 DCT block (rows: vertical frequency u, columns: horizontal v) of the picture turned or mirrored:
+    a DCT-II of a reversed sequence is the same with odd frequencies negated, and a transposed picture has the
+    transposed block (exact on the area-averaged grid, whose cells are symmetric)."""
+    odd = (-1.0) ** np.arange(_FREQS, dtype=np.float32)
+    if turn == "mirror":  # left-right
+        return block * odd[None, :]
+    if turn == "flip":  # top-bottom
+        return block * odd[:, None]
+    if turn == "rot180":
+        return block * odd[:, None] * odd[None, :]
+    if turn == "transpose":
+        return block.T
+    if turn == "rot90":  # clockwise: transpose, then left-right
+        return block.T * odd[None, :]
+    if turn == "rot270":  # transpose, then top-bottom
+        return block.T * odd[:, None]
+    if turn == "antitranspose":
+        return block.T * odd[:, None] * odd[None, :]
+    raise ValueError(f"unknown turn {turn!r}")
+
+
 def photo_hashes(pixels: np.ndarray) -> np.ndarray:
-    """``(3,)`` uint64: the pHash of a decoded ``(S, S, 3)`` uint8 square, then of its centre cropped by
-    3 % and 6 % per side (``HASH_CROPS``)."""
+    """``(HASH_COLUMNS,)`` uint64: the pHash of a decoded ``(S, S, 3)`` uint8 square, then of its centre cropped
+    by 3 % and 6 % per side (``HASH_CROPS``), then of the whole square turned and mirrored (``TURNS``)."""
     if pixels.ndim != 3 or pixels.shape[2] != 3 or pixels.shape[0] != pixels.shape[1]:
         raise ValueError(f"photo_hashes expects an (S, S, 3) uint8 square, got shape {pixels.shape}")
     side = pixels.shape[0]
@@ -102,7 +144,9 @@ def photo_hashes(pixels: np.ndarray) -> np.ndarray:
     proj = _projections(side)
     n_crops = len(HASH_CROPS)
     rows = (proj.reshape(n_crops * _FREQS, side) @ grey).reshape(n_crops, _FREQS, side)
-    coeffs = (rows @ proj.transpose(0, 2, 1)).reshape(n_crops, _FREQS * _FREQS)
+    blocks = rows @ proj.transpose(0, 2, 1)
+    turned = np.stack([_turned(blocks[0], turn) for turn in TURNS])
+    coeffs = np.concatenate([blocks, turned]).reshape(HASH_COLUMNS, _FREQS * _FREQS)
     mid = (_FREQS * _FREQS - 1) // 2  # median of the 63 terms after the DC one
     median = np.partition(coeffs[:, 1:], mid, axis=1)[:, mid]
     bits = coeffs > median[:, None]
@@ -120,14 +164,39 @@ def colour_signatures(pixels: np.ndarray) -> np.ndarray:
     return np.clip(np.rint(cells), 0, 255).astype(np.uint8).reshape(len(HASH_CROPS), -1)
 
 
+def _turn_cells(sig: np.ndarray, turn: str) -> np.ndarray:
+    """A plain colour signature (``(..., COLOUR_GRID**2 * 3)``) of the picture turned or mirrored."""
+    cells = sig.reshape(*sig.shape[:-1], COLOUR_GRID, COLOUR_GRID, 3)
+    rows, cols = -3, -2
+    if turn == "mirror":
+        out = np.flip(cells, cols)
+    elif turn == "flip":
+        out = np.flip(cells, rows)
+    elif turn == "rot180":
+        out = np.flip(cells, (rows, cols))
+    elif turn == "transpose":
+        out = np.swapaxes(cells, rows, cols)
+    elif turn == "rot90":
+        out = np.flip(np.swapaxes(cells, rows, cols), cols)
+    elif turn == "rot270":
+        out = np.flip(np.swapaxes(cells, rows, cols), rows)
+    elif turn == "antitranspose":
+        out = np.flip(np.swapaxes(cells, rows, cols), (rows, cols))
+    else:
+        raise ValueError(f"unknown turn {turn!r}")
+    return out.reshape(sig.shape)
+
+
 def colour_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Colour distance of signature rows ``a`` and ``b`` (``(..., len(HASH_CROPS), n)``, broadcast): the
     smallest, over one photo's plain signature against the other's plain or cropped ones either way
-    round, of the mean absolute difference after the mean difference is taken out (grey levels)."""
+    round, or against the other's plain one turned or mirrored (``TURNS``), of the mean absolute difference
+    after the mean difference is taken out (grey levels)."""
     a = np.asarray(a, np.float32)
     b = np.asarray(b, np.float32)
     pairings = [(a[..., 0, :], b[..., k, :]) for k in range(len(HASH_CROPS))]
     pairings += [(a[..., k, :], b[..., 0, :]) for k in range(1, len(HASH_CROPS))]
+    pairings += [(a[..., 0, :], _turn_cells(b[..., 0, :], turn)) for turn in TURNS]
     dists = []
     for x, y in pairings:
         d = x - y
@@ -153,17 +222,20 @@ def hamming(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def _check_hashes(hashes: np.ndarray) -> np.ndarray:
     h = np.asarray(hashes, np.uint64)
-    if h.ndim != 2 or h.shape[1] != len(HASH_CROPS):
-        raise ValueError(f"expected (n, {len(HASH_CROPS)}) uint64 hashes from photo_hashes, got shape {h.shape}")
+    if h.ndim != 2 or h.shape[1] != HASH_COLUMNS:
+        raise ValueError(f"expected (n, {HASH_COLUMNS}) uint64 hashes from photo_hashes, got shape {h.shape}")
     return h
 
 
 def _near_blocks(h: np.ndarray, threshold: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """The pairs ``i < j`` within ``threshold`` bits, one block of rows at a time: ``(i, j, distance)``."""
+    """The pairs ``i < j`` within ``threshold`` bits, one block of rows at a time: ``(i, j, distance)``; a pair
+    found only turned or mirrored counts when within ``TURN_THRESHOLD`` bits."""
+    turn_threshold = min(threshold, TURN_THRESHOLD)
     n = h.shape[0]
     block = max(1, _BLOCK_ELEMENTS // max(n, 1))
     plain = np.ascontiguousarray(h[:, 0])
-    crops = [np.ascontiguousarray(h[:, k]) for k in range(1, h.shape[1])]
+    crops = [np.ascontiguousarray(h[:, k]) for k in range(1, len(HASH_CROPS))]
+    turns = [np.ascontiguousarray(h[:, k]) for k in range(len(HASH_CROPS), HASH_COLUMNS)]
     for start in range(0, n, block):
         stop = min(n, start + block)
         rows = plain[start:stop, None]
@@ -174,6 +246,14 @@ def _near_blocks(h: np.ndarray, threshold: int) -> Iterator[tuple[np.ndarray, np
             np.minimum(d, _popcount(x), out=d)
             np.bitwise_xor(crop[start:stop, None], plain[None, start:], out=x)
             np.minimum(d, _popcount(x), out=d)
+        turned = np.full_like(d, 255)
+        for turn in turns:  # either way round, as the crops: a turned hash is not exactly the inverse turn's
+            np.bitwise_xor(rows, turn[None, start:], out=x)
+            np.minimum(turned, _popcount(x), out=turned)
+            np.bitwise_xor(turn[start:stop, None], plain[None, start:], out=x)
+            np.minimum(turned, _popcount(x), out=turned)
+        turned[turned > turn_threshold] = 255
+        np.minimum(d, turned, out=d)
         d[np.tril_indices(stop - start)] = 255  # a photo and itself, and pairs already seen (i > j)
         i, j = np.nonzero(d <= threshold)
         yield i + start, j + start, d[i, j]
@@ -241,7 +321,7 @@ def find_copies(hashes: np.ndarray, colours: np.ndarray | None = None, threshold
     h = _check_hashes(hashes)
     if colours is not None:
         colours = np.asarray(colours, np.uint8)
-        if colours.ndim != 3 or colours.shape[:2] != h.shape[:2]:
+        if colours.ndim != 3 or colours.shape[:2] != (len(h), len(HASH_CROPS)):
             raise ValueError(f"expected ({len(h)}, {len(HASH_CROPS)}, n) uint8 colour signatures, got shape "
                              f"{colours.shape}")
     if not len(h):

@@ -113,23 +113,24 @@ def test_altered_copies_are_near_and_different_photos_are_not():
 
 def test_pair_search_in_blocks_finds_what_a_full_comparison_finds(monkeypatch):
     rng = np.random.default_rng(0)
-    hashes = rng.integers(0, np.iinfo(np.int64).max, (300, 3), dtype=np.int64).astype(np.uint64)
+    hashes = rng.integers(0, np.iinfo(np.int64).max, (300, near_dup.HASH_COLUMNS), dtype=np.int64).astype(np.uint64)
     for a, b in ((3, 250), (10, 11), (120, 299)):  # plant near copies: a few flipped bits
         hashes[b] = hashes[a] ^ np.uint64(0b1011)
     hashes[77, 2] = hashes[5, 0] ^ np.uint64(1)  # 77's crop hash is near 5's plain one
+    hashes[180, 4] = hashes[40, 0] ^ np.uint64(0b11)  # 180 turned (a TURNS column) is near 40's plain one
     full = hamming(hashes[:, None, 0], hashes[None, :, 0])
-    for k in (1, 2):
+    for k in range(1, near_dup.HASH_COLUMNS):  # the crops and the turns, compared either way round
         cross = hamming(hashes[:, None, 0], hashes[None, :, k])
         full = np.minimum(full, np.minimum(cross, cross.T))
     want = {(a, b) for a, b in zip(*np.nonzero(np.triu(full <= 8, 1)))}
     monkeypatch.setattr(near_dup, "_BLOCK_ELEMENTS", 1000)  # 3 rows per block: many block boundaries
     i, j, _ = near_pairs(hashes)
     assert {(int(a), int(b)) for a, b in zip(i, j)} == want
-    assert {(3, 250), (10, 11), (120, 299), (5, 77)} <= want
+    assert {(3, 250), (10, 11), (120, 299), (5, 77), (40, 180)} <= want
     hashes = np.concatenate([hashes, hashes[[10] * 50]])  # 50 more identical copies: merged before the search
     groups = find_copies(hashes).groups
-    assert [g.members for g in groups] == [(3, 250), (5, 77), (10, 11, *range(300, 350)), (120, 299)]
-    assert [g.distance for g in groups] == [3, 1, 3, 3]
+    assert [g.members for g in groups] == [(3, 250), (5, 77), (10, 11, *range(300, 350)), (40, 180), (120, 299)]
+    assert [g.distance for g in groups] == [3, 1, 3, 2, 3]
 
 
 def tinted(seed: int, tint: tuple[float, float, float], w: int = 96, h: int = 72) -> Image.Image:
@@ -507,3 +508,35 @@ def test_a_label_conflicts_listed_photos_show_its_classes():
         DuplicatePhoto("healthy/x.jpg", "healthy", "val")]
     shown = _names(_one_per_class_first(photos))
     assert shown.startswith("rust/0.jpg (train) = healthy/x.jpg (val) = rust/1.jpg (train)") and "(+2 more)" in shown
+
+
+def test_turned_and_mirrored_copies_are_copies_and_stay_in_one_split(tmp_path):
+    """A folder augmented before the split (mirrored and rotated copies beside each photo) put 7 of 24 mirrored
+    copies and 13 of 24 rotated ones in another split than their original, with "leakage: none"."""
+    from PIL import ImageOps
+
+    original = scene(1, 160, 120)
+    turned = [ImageOps.mirror(original), original.transpose(Image.Transpose.ROTATE_90),
+              original.transpose(Image.Transpose.ROTATE_180), ImageOps.flip(original)]
+    stored = [np.asarray(original.resize((SIZE, SIZE)))] + [np.asarray(t.resize((SIZE, SIZE))) for t in turned]
+    others = [np.asarray(scene(s, 160, 120).resize((SIZE, SIZE))) for s in range(2, 40)]
+    hashes = np.stack([photo_hashes(p) for p in stored + others])
+    colours = np.stack([colour_signatures(p) for p in stored + others])
+    (group,) = find_copies(hashes, colours).groups
+    assert group.members == (0, 1, 2, 3, 4)
+
+    src = tmp_path / "augmented"
+    for c, cls in enumerate(("blight", "rust")):
+        (src / cls).mkdir(parents=True)
+        for i in range(8):
+            im = scene(1000 * (c + 1) + i)
+            save(im, src / cls / f"p{i}.jpg")
+            save(ImageOps.mirror(im), src / cls / f"p{i}_mirror.jpg")
+            save(im.transpose(Image.Transpose.ROTATE_90), src / cls / f"p{i}_rot.jpg")
+    run(src, tmp_path / "ds")
+    ds = load_dataset(tmp_path / "ds")
+    split_of = {Path(f).with_suffix("").as_posix(): s for s in ("train", "val", "test") for f in ds[s].files}
+    assert len(split_of) == 48
+    for c in ("blight", "rust"):
+        for i in range(8):
+            assert split_of[f"{c}/p{i}"] == split_of[f"{c}/p{i}_mirror"] == split_of[f"{c}/p{i}_rot"], (c, i)

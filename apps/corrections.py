@@ -420,7 +420,7 @@ def _gif_as_png(src: Path, tmp: Path, photo_name: str) -> str:
 # these bytes (a changed file, or a server restarted since); "all" of an answer whose other photos were judged
 # left this one out as unlike the model's photos (a bee beside the leaf is not saved as "rust" by "all").
 REQUEST_REASONS = ("no_answer", "no_choice", "bad_photo", "photos_changed", "not_analysed", "not_diagnosed",
-                   "which_photo", "left_out")
+                   "which_photo", "left_out", "which_photo_left_out")
 
 
 def mixed_answer(answer: Mapping[str, Any] | None) -> bool:
@@ -471,8 +471,14 @@ def apply_correction(store: CorrectionStore, files: Sequence[str | os.PathLike] 
         return refuse("no_choice")
     if chosen not in store.labels:
         return refuse("unknown_class")
-    if which in (None, "") and mixed_answer(answer):
-        return refuse("which_photo")  # photos that may show different things: "all" must be asked for
+    if which in (None, "") and mixed_answer(answer):  # photos that may show different things: "all" must be said
+        if answer.get("verdict") == "disagree":
+            return refuse("which_photo")
+        # they agreed, but some were left out as unlike the model's photos (a leaf and a bee): named
+        out["left_out_photos"] = [str(p.get("name")) for p in photos if p.get("verdict") == "out_of_domain"]
+        refused = refuse("which_photo_left_out")
+        refused["message"] = refused["message"].format(names=", ".join(out["left_out_photos"]))
+        return refused
     every = which in (None, "", "all")
     if which in (None, "", "all"):
         picked = list(range(len(photos)))
@@ -562,6 +568,9 @@ def render_correction(result: Mapping[str, Any] | None, notes: ClassNotes | None
             names = ", ".join(md_escape(t("not_a_leaf", lang) if c == NOT_A_LEAF else notes.name(c, lang))
                               for c in moved)
             lines.append(t("correct_replaced", lang, k=sum(bool(s.get("replaced")) for s in saved), names=names))
+    elif result.get("reason") == "which_photo_left_out":
+        lines.append(t("correct_which_photo_left_out", lang,
+                       names=", ".join(md_escape(str(n)) for n in result.get("left_out_photos") or [])))
     elif result.get("reason") in (*REQUEST_REASONS[:4], "which_photo", "unknown_class"):
         lines.append(t(f"correct_{result['reason']}", lang))
     for skip in result.get("skipped") or []:

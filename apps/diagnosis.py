@@ -12,10 +12,10 @@ back to the top-probability rule for outcomes that carry probabilities alone.
 
 - :func:`summarise` turns the per-photo outcomes into the JSON-able answer the ``diagnose`` API returns.
   Several photos of one plant: out-of-domain, refused and unreadable photos are named and left out; when
-  the others (diagnosis or ambiguous) all have the same first class, their probabilities are averaged
-  (a soft vote, steadier than any single leaf) and the average is judged with the model's threshold as a
-  single photo would be; when their first classes differ the answer is ``disagree`` and no class is
-  claimed. When every photo the model saw is out of domain, the answer is ``out_of_domain``.
+  the others (diagnosis or ambiguous) share a class (a diagnosed photo's class, or either of an unsure
+  photo's two), their probabilities are averaged (a soft vote, steadier than any single leaf) and the
+  average is judged with the model's threshold as a single photo would be; otherwise the answer is
+  ``disagree`` and no class is claimed. When every photo the model saw is out of domain, the answer is ``out_of_domain``.
 - :func:`render` turns that answer into what a person reads, in English or Chinese: the ranked labels
   for ``gr.Label`` (for a diagnosis only), a plain-language verdict, the class notes (description, what to
   do; for a diagnosis only) and a per-photo table. Messages are the friendly ones of
@@ -40,7 +40,7 @@ __all__ = ["ANSWER_VERDICTS", "REFUSAL_REASONS", "PhotoOutcome", "error_message"
            "md_escape", "photo_caption", "render", "summarise"]
 
 # Why a readable photo is not shown to the model (leaflens.data_prep.decode min_side, leaflens.data_prep.quality).
-# The verdict of a whole request: a photo's verdicts, plus "disagree" (the photos' first classes differ).
+# The verdict of a whole request: a photo's verdicts, plus "disagree" (the photos share no class they claim).
 ANSWER_VERDICTS = ("diagnosis", "ambiguous", "out_of_domain", "disagree", "refused", "error")
 # The model's ranking is only shown when it answered: these verdicts name classes.
 _VOTING = ("diagnosis", "ambiguous")
@@ -148,11 +148,18 @@ def _photo_entry(o: PhotoOutcome, classes: list[str], threshold: float, top_k: i
 
 def _combined(voters: list[tuple[dict[str, Any], np.ndarray]], classes: list[str], threshold: float,
               top_k: int) -> dict[str, Any]:
-    """The answer of the photos that take part in the vote (diagnosis or ambiguous, at least one)."""
-    labels = [p["label"] for p, _ in voters]
-    if len(set(labels)) > 1:
-        return {"verdict": "disagree", "label": None, "confidence": None, "uncertain": True, "top": [],
+    """The answer of the photos that take part in the vote (diagnosis or ambiguous, at least one).
+
+    The photos agree when some class is every photo's claim: a diagnosed photo claims its class, an unsure one
+    either of its two (three photos each "unsure between aphids and healthy", in either order, agree). The
+    average must then put one of those classes first; anything else is ``disagree``."""
+    disagree = {"verdict": "disagree", "label": None, "confidence": None, "uncertain": True, "top": [],
                 "candidates": [], "photos_used": len(voters), "agree": None}
+    claims = [set(p["candidates"]) if p["verdict"] == "ambiguous" and p["candidates"] else {p["label"]}
+              for p, _ in voters]
+    shared = set.intersection(*claims)
+    if not shared:
+        return disagree
     if len(voters) == 1:  # one photo: its own verdict, exactly the Predictor's
         photo, probs = voters[0]
         verdict = photo["verdict"]
@@ -160,15 +167,17 @@ def _combined(voters: list[tuple[dict[str, Any], np.ndarray]], classes: list[str
         probs = np.mean(np.stack([p for _, p in voters]), axis=0)
         verdict = None
     top = _ranked(probs, classes, max(top_k, 2))
+    if top[0]["label"] not in shared:
+        return disagree
     # the average of photos that were each unsure is not a diagnosis: it can pass the threshold (two near ties
     # for the same class average to a clearer lead), but no photo was judged with the confidence the threshold
-    # was chosen for, so a combined diagnosis needs one photo diagnosed on its own
-    judged = any(p["verdict"] == "diagnosis" for p, _ in voters)
+    # was chosen for, so a combined diagnosis needs one photo diagnosed on its own, as that class
+    judged = any(p["verdict"] == "diagnosis" and p["label"] == top[0]["label"] for p, _ in voters)
     verdict = verdict or ("ambiguous" if unsure(probs, threshold) or not judged else "diagnosis")
     return {"verdict": verdict, "label": top[0]["label"], "confidence": top[0]["probability"],
             "uncertain": verdict != "diagnosis", "top": top[:top_k],
             "candidates": [e["label"] for e in top[:2]] if verdict == "ambiguous" else [],
-            "photos_used": len(voters), "agree": len(voters)}
+            "photos_used": len(voters), "agree": sum(p["label"] == top[0]["label"] for p, _ in voters)}
 
 
 def summarise(outcomes: Sequence[PhotoOutcome], classes: Sequence[str], threshold: float,

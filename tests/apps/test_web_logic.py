@@ -124,6 +124,24 @@ def test_photos_each_unsure_never_add_up_to_a_diagnosis():
     assert sure["answer"]["verdict"] == "diagnosis"
 
 
+def test_photos_unsure_between_the_same_two_classes_in_either_order_agree():
+    """Three aphid photos, each "unsure between aphids and healthy", two of them with healthy first: the page said
+    "the 3 photos disagree". A class every photo claims (a diagnosed photo's, either of an unsure one's two) is
+    agreement; a diagnosis it is not, and photos that share no class still disagree."""
+    a, b, c = [0.50, 0.45, 0.05], [0.46, 0.50, 0.04], [0.47, 0.51, 0.02]
+    res = summarise([outcome("a", a), outcome("b", b), outcome("c", c)], CLASSES, threshold=0.2)
+    assert [p["verdict"] for p in res["photos"]] == ["ambiguous"] * 3
+    ans = res["answer"]
+    assert res["verdict"] == ans["verdict"] == "ambiguous" and sorted(ans["candidates"]) == ["healthy", "rust"]
+    assert "Unsure between" in render(res, "en", NOTES)[1]
+    # a photo diagnosed as rust beside one unsure between healthy (first) and rust: they agree, on rust
+    both = summarise([outcome("d", [0.05, 0.9, 0.05]), outcome("a", a)], CLASSES, threshold=0.2)
+    assert both["answer"]["label"] == "rust" and both["answer"]["agree"] == 1
+    # unsure between healthy and rust, and diagnosed as early blight: nothing shared
+    apart = summarise([outcome("b", b), outcome("e", [0.05, 0.05, 0.9])], CLASSES, threshold=0.2)
+    assert apart["verdict"] == "disagree"
+
+
 def test_threshold_is_the_ambiguity_boundary():
     probs = [0.1, 0.55, 0.35]
     answer = summarise([outcome("a", probs)], CLASSES, threshold=0.55)["answer"]
@@ -505,5 +523,9 @@ def test_service_verdicts_are_the_predictors_own(tiny_model, tmp_path):
     assert {"diagnosis", "ambiguous"} <= set(verdicts.values())  # the leaves cover both (precondition)
     answer = res["answer"]
     assert answer["left_out"] == ["grey.png", "digit.png"] and res["ood_threshold"] == -0.1
-    first = {p["label"] for p in res["photos"] if p["verdict"] in ("diagnosis", "ambiguous")}
-    assert res["verdict"] == ("disagree" if len(first) > 1 else answer["verdict"])
+    # they agree when a class is every photo's claim: a diagnosed photo's class, either of an unsure one's two
+    claims = [set(p["candidates"]) if p["verdict"] == "ambiguous" else {p["label"]}
+              for p in res["photos"] if p["verdict"] in ("diagnosis", "ambiguous")]
+    shared = set.intersection(*claims)
+    assert res["verdict"] == answer["verdict"]
+    assert answer["verdict"] == "disagree" if not shared else answer["verdict"] == "disagree" or answer["label"] in shared

@@ -15,7 +15,8 @@ back to the top-probability rule for outcomes that carry probabilities alone.
   the others (diagnosis or ambiguous) share a class (a diagnosed photo's class, or either of an unsure
   photo's two), their probabilities are averaged (a soft vote, steadier than any single leaf) and the
   average is judged with the model's threshold as a single photo would be; otherwise the answer is
-  ``disagree`` and no class is claimed. When every photo the model saw is out of domain, the answer is ``out_of_domain``.
+  ``disagree`` and no class is claimed. When every photo the model saw is out of domain, the answer is
+  ``out_of_domain``.
 - :func:`render` turns that answer into what a person reads, in English or Chinese: the ranked labels
   for ``gr.Label`` (for a diagnosis only), a plain-language verdict, the class notes (description, what to
   do; for a diagnosis only) and a per-photo table. Messages are the friendly ones of

@@ -154,7 +154,7 @@ def _combined(voters: list[tuple[dict[str, Any], np.ndarray]], classes: list[str
     The photos agree when some class is every photo's claim: a diagnosed photo claims its class, an unsure one
     either of its two (three photos each "unsure between aphids and healthy", in either order, agree). The
     average must then put one of those classes first; anything else is ``disagree``."""
-    disagree = {"verdict": "disagree", "label": None, "confidence": None, "uncertain": True, "top": [],
+    disagree: dict[str, Any] = {"verdict": "disagree", "label": None, "confidence": None, "uncertain": True, "top": [],
                 "candidates": [], "photos_used": len(voters), "agree": None}
     claims = [set(p["candidates"]) if p["verdict"] == "ambiguous" and p["candidates"] else {p["label"]}
               for p, _ in voters]

@@ -75,6 +75,9 @@ def clean_stale_results(parent: str | os.PathLike | None = None) -> list[Path]:
     return removed
 
 
+REPEAT_SECONDS = 2.0  # the same photos with the same answer again within this: a double click, kept once
+
+
 def new_history() -> dict[str, Any]:
     """An empty history: ``token`` (the session's CSV folder, made on first write) and ``entries``."""
     return {"token": None, "entries": []}
@@ -96,12 +99,18 @@ def add_result(history: Mapping[str, Any] | None, result: Mapping[str, Any] | No
     entries = list(base.get("entries") or [])
     if result and result.get("photos"):
         answer = result.get("answer") or {}
-        entries.append({
+        entry = {
             "time": time.time() if now is None else now,
             "verdict": result.get("verdict"),
             "answer": {k: answer.get(k) for k in ("verdict", "label", "confidence", "candidates")},
             "photos": [_photo(p) for p in result["photos"]],
-        })
+        }
+        last = entries[-1] if entries else None
+        # a double click diagnoses the same photos twice within a moment: one diagnosis, not two
+        repeated = (last is not None and entry["time"] - float(last.get("time") or 0) < REPEAT_SECONDS
+                    and {**last, "time": None} == {**entry, "time": None})
+        if not repeated:
+            entries.append(entry)
     base["entries"] = entries[-HISTORY_MAX:]
     return base
 
@@ -132,7 +141,7 @@ def render_history(history: Mapping[str, Any] | None, notes: ClassNotes | None, 
     for entry in reversed(entries):
         names = [md_escape(str(p["name"])) for p in entry["photos"]]
         shown = ", ".join(names[:3]) + (t("and_more_photos", lang, n=len(names) - 3) if len(names) > 3 else "")
-        stamp = time.strftime("%H:%M:%S", time.localtime(entry["time"]))
+        stamp = time.strftime("%H:%M:%S %Z", time.localtime(entry["time"]))  # the server's clock: its zone said
         lines.append(f"- {stamp} · {shown}: {_summary(entry, notes, lang)}")
     if len(entries) >= HISTORY_MAX:
         lines.append("")
@@ -168,7 +177,7 @@ def _request_columns(history: Mapping[str, Any]) -> tuple[list[str], list[list[s
             said = f"diagnosis: {answer['label']}"
         elif verdict == "ambiguous" and answer.get("candidates"):
             said = "ambiguous: " + " or ".join(str(c) for c in answer["candidates"][:2])
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry["time"]))
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S%z", time.localtime(entry["time"]))  # with the server's UTC offset
         rows += [[str(number), stamp, csv_text(said) or ""] for _ in entry["photos"]]
     return ["diagnosis", "time", "answer"], rows
 

@@ -4,6 +4,7 @@ page, and the CSV has `leaflens predict --csv`'s columns and, photo for photo, i
 from __future__ import annotations
 
 import csv
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from leaflens.apps import history as hist
 from leaflens.apps.cmd_predict import csv_header
 from leaflens.apps.history import (
     HISTORY_MAX,
+    _request_columns,
     add_result,
     new_history,
     predictions,
@@ -55,6 +57,23 @@ def test_no_photos_is_not_a_diagnosis_and_the_input_is_not_changed():
     assert add_result(h, None)["entries"] == before
     add_result(h, result(2))
     assert h["entries"] == before  # a new dict is returned; the session's old value is left alone
+
+
+def test_a_double_click_is_one_diagnosis_and_times_carry_the_servers_zone(tmp_path):
+    """Double-clicking Diagnose ran it twice: the history and the CSV had the same diagnosis twice, and their
+    times were the server's clock with no zone (a phone in another zone read them as its own)."""
+    h = add_result(new_history(), result(1), now=1000.0)
+    h = add_result(h, result(1), now=1000.3)  # the same photos, the same answer, a moment later
+    assert len(h["entries"]) == 1
+    h = add_result(h, result(1), now=1000.3 + 5)  # asked again later: a diagnosis of its own
+    h = add_result(h, result(2), now=1005.4)  # other photos at once: of course
+    assert len(h["entries"]) == 3
+    text = render_history(h, NOTES, "en")
+    zone = time.strftime("%Z", time.localtime(1000.0))
+    assert f" {zone} · leaf1\\.jpg" in text  # markdown-escaped name
+    columns, rows = _request_columns(h)
+    assert rows[0][1] == time.strftime("%Y-%m-%d %H:%M:%S%z", time.localtime(1000.0))
+    assert rows[0][1][-5] in "+-" and rows[0][1][-4:].isdigit()
 
 
 def test_history_words_in_both_languages():

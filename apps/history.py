@@ -99,15 +99,16 @@ def add_result(history: Mapping[str, Any] | None, result: Mapping[str, Any] | No
     entries = list(base.get("entries") or [])
     if result and result.get("photos"):
         answer = result.get("answer") or {}
-        entry = {
-            "time": time.time() if now is None else now,
+        stamp = time.time() if now is None else now
+        entry: dict[str, Any] = {
+            "time": stamp,
             "verdict": result.get("verdict"),
             "answer": {k: answer.get(k) for k in ("verdict", "label", "confidence", "candidates")},
             "photos": [_photo(p) for p in result["photos"]],
         }
         last = entries[-1] if entries else None
         # a double click diagnoses the same photos twice within a moment: one diagnosis, not two
-        repeated = (last is not None and entry["time"] - float(last.get("time") or 0) < REPEAT_SECONDS
+        repeated = (last is not None and stamp - float(last.get("time") or 0) < REPEAT_SECONDS
                     and {**last, "time": None} == {**entry, "time": None})
         if not repeated:
             entries.append(entry)

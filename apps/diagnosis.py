@@ -380,7 +380,9 @@ def render(result: dict[str, Any] | None, lang: str, notes: ClassNotes | None = 
                           message=error_message(err["reason"], lang, _values_from(err))))
         return None, "\n\n".join(lines), "", ""
     if answer is None:
-        lines.insert(0, t("all_refused" if all(p["verdict"] == "refused" for p in photos) else "all_failed", lang))
+        refused = sum(p["verdict"] == "refused" for p in photos)
+        key = "all_refused" if refused == len(photos) else "all_failed" if not refused else "all_unusable"
+        lines.insert(0, t(key, lang))
     else:
         lines.insert(0, _verdict(answer, photos, classes, notes, lang))
         left_out = answer["left_out"]

@@ -79,6 +79,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "no_photos": "No photo was given: drop one or more leaf photos and press **Diagnose**.",
         "all_failed": "None of the files could be read as a photo. See the message for each file below.",
         "all_refused": "None of the photos could be analysed. See the message for each photo below.",
+        "all_unusable": ("None of the files could be analysed: some could not be read as photos, the others were "
+                         "read but could not be judged. See the message for each file below."),
         "one_failed": "**{name}** could not be read: {message}",
         "one_refused": "**{name}** was not analysed: {message}",
         "too_many": "Only the first {max} photos were used ({n} were given).",
@@ -314,6 +316,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "no_photos": "没有收到照片：请放入一张或多张叶片照片，然后点击 **诊断**。",
         "all_failed": "所有文件都无法作为照片读取。请查看下面每个文件的说明。",
         "all_refused": "所有照片都无法分析。请查看下面每张照片的说明。",
+        "all_unusable": "所有文件都无法分析：有些无法作为照片读取，其余的已读取但无法判断。请查看下面每个文件的说明。",
         "one_failed": "无法读取 **{name}**：{message}",
         "one_refused": "未分析 **{name}**：{message}",
         "too_many": "只使用了前 {max} 张照片（共收到 {n} 张）。",

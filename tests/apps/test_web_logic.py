@@ -245,6 +245,10 @@ def test_refused_photos_show_their_reason_like_unreadable_files(reason, words):
     assert both["verdict"] == "refused" and "None of the photos could be analysed" in render(both, "en")[1]
     mixed = summarise([PhotoOutcome("p.jpg", reason=reason), PhotoOutcome("q.jpg", reason="truncated")], CLASSES, 0.5)
     assert mixed["verdict"] == "error" and [p["verdict"] for p in mixed["photos"]] == ["refused", "error"]
+    # one was read and refused, one could not be read: not "none could be read as a photo"
+    said = render(mixed, "en")[1]
+    assert said.startswith("None of the files could be analysed: some could not be read as photos, the others were")
+    assert "无法判断" in render(mixed, "zh")[1]
 
 
 def test_render_several_photos_and_failures():

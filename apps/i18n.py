@@ -119,7 +119,8 @@ STRINGS: dict[str, dict[str, str]] = {
                           "original photo from the camera, not a thumbnail or a small preview."),
         "err_uniform": ("this picture is almost one flat colour, so there is no leaf to examine. Take a photo "
                         "of the leaf filling most of the frame."),
-        "err_low_texture": ("this picture is too blurred or too smooth to show any detail of a leaf. Hold the "
+        "err_low_texture": ("this picture shows too little fine detail to examine a leaf (blurred, smooth, or mostly "
+                            "plain, like a drawing or a sign). Hold the "
                             "phone steady, tap the leaf to focus, and take the photo close up in good light, "
                             "with the leaf filling most of the frame."),
         "err_no_colour": ("this is a black-and-white picture, and this model learnt from colour photos only: "
@@ -349,7 +350,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "err_too_small": ("图片太小（只有几十个像素宽），看不清叶片。请发送相机拍摄的原始照片，"
                           "不要发送缩略图或小预览图。"),
         "err_uniform": "这张图片几乎只有一种颜色，没有可以检查的叶片。请重新拍摄，让叶片占满画面的大部分。",
-        "err_low_texture": ("这张图片太模糊或太平滑，看不到叶片的任何细节。请拿稳手机，点按叶片对焦，"
+        "err_low_texture": ("这张图片的细节太少（模糊、过于平滑，或大部分是平涂的，如图画或标志），"
+                            "无法检查叶片。请拿稳手机，点按叶片对焦，"
                             "在光线充足处靠近拍摄，让叶片占满画面的大部分。"),
         "err_no_colour": ("这是一张黑白图片，而本模型只用彩色照片训练过：许多病害的迹象是颜色（锈斑、发黄、白粉）。"
                           "请发送彩色照片（关闭相机的黑白或单色滤镜）。"),

@@ -232,7 +232,7 @@ def test_out_of_domain_photos_are_named_and_left_out_of_the_vote():
 
 @pytest.mark.parametrize("reason,words", [("too_small", "too small to show a leaf"),
                                           ("uniform", "almost one flat colour"),
-                                          ("low_texture", "too blurred or too smooth")])
+                                          ("low_texture", "too little fine detail to examine a leaf")])
 def test_refused_photos_show_their_reason_like_unreadable_files(reason, words):
     res = summarise([PhotoOutcome("p.jpg", reason=reason, detail="measured", verdict="refused")], CLASSES, 0.5)
     assert res["verdict"] == "refused" and res["answer"] is None

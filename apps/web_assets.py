@@ -414,8 +414,12 @@ def page_head(default_lang: str = DEFAULT_LANG, heic: bool = False) -> str:
                           "thumbnail": t("thumbnail", lang, i="{i}", n="{n}", caption="{caption}"),
                           "confusion": t("confusion", lang), "curves": t("curves", lang),
                           "serverDown": t("server_down", lang),
+                          # Gradio's names, written once in the language the page opened with: the icon buttons
+                          # of the upload box and of its pop-ups follow a switch of language too
                           "gradio": {"Fullscreen": t("fullscreen", lang), "Exit fullscreen": t("fullscreen_exit", lang),
-                                     "Exit fullscreen mode": t("fullscreen_exit", lang)}}
+                                     "Exit fullscreen mode": t("fullscreen_exit", lang),
+                                     "Upload": t("gradio_upload", lang), "Clear": t("gradio_clear", lang),
+                                     "Close": t("gradio_close", lang)}}
                    for lang in LANGS},
     }
     script = _SCRIPT.replace("__CFG__", json.dumps(cfg, ensure_ascii=False).replace("</", "<\\/"))

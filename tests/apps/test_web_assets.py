@@ -61,7 +61,8 @@ def test_head_script_carries_both_languages_and_the_server_default():
         labels = cfg["labels"][lang]
         assert labels["waiting"] == t("waiting", lang) and labels["drop"] == t("upload_drop", lang)
         assert labels["remove"] == t("remove_photo", lang, name="{name}")
-        assert set(labels["gradio"]) == {"Fullscreen", "Exit fullscreen", "Exit fullscreen mode"}
+        assert set(labels["gradio"]) == {"Fullscreen", "Exit fullscreen", "Exit fullscreen mode", "Upload", "Clear",
+                                         "Close"}
     assert cfg["inputs"]["#camera"] == {"label": "camera", "capture": True}
     assert set(cfg["inputs"]) == {"#photos", "#add-photos", "#camera"}
 

@@ -307,6 +307,27 @@ def test_language_from_the_address_remembered_and_switched_live(server, browser,
         zh.close()
 
 
+def test_the_upload_boxs_icon_buttons_follow_a_switch_of_language(server, photos, browser):
+    """Gradio writes the upload box's icon buttons' names ("Upload", "Clear") once, in the language the page
+    opened with: after a switch they stayed in the other one."""
+    page = _open(browser, server, "desktop", "en")
+    names = "() => [...document.querySelectorAll('#photos [aria-label]')].map(e => e.getAttribute('aria-label'))"
+    switched = "t => (document.querySelector('#diagnose') || {}).innerText?.trim() === t"  # the box shows its files
+    try:
+        _wait_language(page, "en")
+        _upload(page, "photos", photos[:2])
+        _listed(page, ["a.jpg", "b.jpg"])
+        page.wait_for_function(f"() => ({names})().includes('Clear')")
+        page.locator("#lang").get_by_text("中文", exact=True).click()
+        page.wait_for_function(switched, arg=t("diagnose", "zh"))
+        page.wait_for_function(f"() => ({names})().includes('清除') && !({names})().includes('Clear')")
+        page.locator("#lang").get_by_text("English", exact=True).click()
+        page.wait_for_function(switched, arg=t("diagnose", "en"))
+        page.wait_for_function(f"() => ({names})().includes('Clear') && !({names})().includes('清除')")
+    finally:
+        page.close()
+
+
 @pytest.mark.parametrize("lang", ["en", "zh"])
 def test_every_control_has_a_name_in_the_pages_language(server, photos, browser, lang):
     page = _open(browser, server, "desktop", lang)

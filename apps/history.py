@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from leaflens.apps.cmd_predict import csv_text, write_csv
-from leaflens.apps.diagnosis import format_percent, md_escape
+from leaflens.apps.diagnosis import error_message, format_percent, md_escape
 from leaflens.apps.i18n import t
 from leaflens.apps.notes import ClassNotes
 from leaflens.apps.predictor import VERDICTS, Prediction
@@ -87,7 +87,8 @@ def _photo(p: Mapping[str, Any]) -> dict[str, Any]:
     """What the history keeps of one photo's entry: its answer and, for a failed photo, the reason."""
     kept = {k: p.get(k) for k in _PHOTO_KEYS}
     err = p.get("error")
-    kept["error"] = None if not err else {"reason": err.get("reason"), "message": err.get("message")}
+    kept["error"] = None if not err else {"reason": err.get("reason"), "message": err.get("message"),
+                                          "values": dict(err.get("values") or {})}
     return kept
 
 
@@ -150,20 +151,24 @@ def render_history(history: Mapping[str, Any] | None, notes: ClassNotes | None, 
     return "\n".join(lines)
 
 
-def _prediction(p: Mapping[str, Any]) -> Prediction:
-    """A history photo as the :class:`Prediction` `leaflens predict` writes a CSV row from."""
+def _prediction(p: Mapping[str, Any], lang: str = "en") -> Prediction:
+    """A history photo as the :class:`Prediction` `leaflens predict` writes a CSV row from; its error message in
+    ``lang`` (the page's: the page said it so)."""
     verdict = p.get("verdict") if p.get("verdict") in VERDICTS else "error"
     if p.get("ok"):
         top = tuple((str(e["label"]), float(e["probability"])) for e in p.get("top") or [])
         return Prediction(str(p["name"]), top=top, verdict=str(verdict), ood_score=p.get("ood_score"))
     err = p.get("error") or {}
+    message = err.get("message")
+    if lang != "en" and err.get("reason"):
+        message = error_message(err.get("reason"), lang, err.get("values") or None)
     return Prediction(str(p["name"]), verdict=str(verdict), ood_score=p.get("ood_score"),
-                      error=str(err.get("message") or err.get("reason") or "not read"), reason=err.get("reason"))
+                      error=str(message or err.get("reason") or "not read"), reason=err.get("reason"))
 
 
-def predictions(history: Mapping[str, Any] | None) -> list[Prediction]:
+def predictions(history: Mapping[str, Any] | None, lang: str = "en") -> list[Prediction]:
     """Every photo of every diagnosis in the history, oldest first, as CSV rows' Predictions."""
-    return [_prediction(p) for entry in (history or {}).get("entries") or [] for p in entry["photos"]]
+    return [_prediction(p, lang) for entry in (history or {}).get("entries") or [] for p in entry["photos"]]
 
 
 def _request_columns(history: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -184,9 +189,10 @@ def _request_columns(history: Mapping[str, Any]) -> tuple[list[str], list[list[s
 
 
 def write_session_csv(root: str | os.PathLike, history: Mapping[str, Any], top_k: int,
-                      now: float | None = None) -> tuple[dict[str, Any], Path | None]:
+                      now: float | None = None, lang: str = "en") -> tuple[dict[str, Any], Path | None]:
     """Write the history's CSV for download; ``(history, path)`` (the history gains its token on the first
-    write; path None when the history is empty). See the module docstring for where and how many."""
+    write; path None when the history is empty). See the module docstring for where and how many. The column
+    names and answers are the CSV's fixed words; the messages of unreadable or refused photos are in ``lang``."""
     if not (history.get("entries") or []):
         return dict(history), None
     base = dict(history)
@@ -196,7 +202,7 @@ def write_session_csv(root: str | os.PathLike, history: Mapping[str, Any], top_k
     folder.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if now is None else now))
     target = folder / f"{_CSV_PREFIX}{stamp}.csv"
-    write_csv(target, predictions(base), top_k, leading=_request_columns(base))
+    write_csv(target, predictions(base, lang), top_k, leading=_request_columns(base))
     for old in folder.glob(f"{_CSV_PREFIX}*.csv"):
         if old != target:
             old.unlink(missing_ok=True)

@@ -160,7 +160,7 @@ def wire_feedback(fb: Feedback, service: DiagnosisService, cfg: AppConfig, *, fi
         download = gr.update()  # a cleared answer leaves the session's download as it was
         if result and result.get("photos"):
             history = add_result(history, result)
-            history, csv_path = write_session_csv(root, history, top_k)
+            history, csv_path = write_session_csv(root, history, top_k, lang=lang)
             download = gr.update(value=str(csv_path), visible=csv_path is not None)
         return (history, gr.update(visible=bool(history.get("entries"))), render_history(history, notes, lang),
                 download, *correction_updates(result, lang))

@@ -188,3 +188,19 @@ def test_default_results_folder_is_the_servers_own_and_stale_ones_are_removed(tm
     assert clean_stale_results(tmp_path) == [tmp_path / f"leaflens-results-{dead}"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [f"leaflens-results-{os.getpid()}", "leaflens-results-1", "leaflens-results-notes"])
+
+
+def test_the_csv_of_a_chinese_page_gives_its_messages_in_chinese(tmp_path):
+    """The page said "这张图片几乎只有一种颜色" and the CSV of the same diagnosis said it in English."""
+    import csv as csv_module
+
+    from leaflens.apps.diagnosis import error_message
+
+    photo = {"name": "flat.png", "ok": False, "verdict": "refused", "label": None, "confidence": None, "top": [],
+             "candidates": [], "ood_score": None,
+             "error": {"reason": "uniform", "message": error_message("uniform", "en"), "values": {}}}
+    h = add_result(new_history(), {"verdict": "refused", "photos": [photo], "answer": None}, now=1000.0)
+    for lang in ("en", "zh"):
+        h, path = write_session_csv(tmp_path, h, top_k=2, lang=lang)
+        rows = list(csv_module.DictReader(path.open(encoding="utf-8")))
+        assert rows[0]["error"] == error_message("uniform", lang), lang

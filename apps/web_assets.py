@@ -75,11 +75,19 @@ CSS = f"""
 #lang label:has(input:focus-visible) {{  /* Gradio's radio showed no keyboard focus at all */
   outline: 2px solid var(--color-accent); outline-offset: 2px;
 }}
+#photos [data-testid="block-label"] {{  /* the file box's upload and clear icons sit over its label's end */
+  padding-right: 56px; box-sizing: border-box;
+}}
+#confusion .image-container, #curves .image-container {{  /* their label and full-screen button sat on the */
+  padding-top: 32px; box-sizing: border-box;                /* chart's own title */
+}}
 #your-photos .grid-container {{  /* one photo filled the row's width and overflowed the box, its caption hidden */
   grid-template-columns: repeat(auto-fill, minmax(110px, 180px)) !important;
 }}
 @media (max-width: {NARROW_PX}px) {{
   #lang {{ order: -1; }}
+  #correct .row {{ flex-direction: column; }}  /* "which photo" and the answer, each the width of the screen */
+  #correct .row > * {{ width: 100% !important; min-width: 100% !important; }}
   #intro {{ min-width: 100% !important; }}
   #examples .grid-container, #your-photos .grid-container {{
     grid-template-columns: repeat(auto-fill, minmax(88px, 1fr)) !important;

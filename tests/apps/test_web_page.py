@@ -307,6 +307,29 @@ def test_language_from_the_address_remembered_and_switched_live(server, browser,
         zh.close()
 
 
+def test_on_a_phone_labels_are_not_under_buttons_and_the_correction_choices_are_full_width(server, photos,
+                                                                                           browser):
+    """On a 390 px phone the file box's icons covered the end of its label ("HEIC;" hidden), and "Which photo"
+    and the right answer shared a row: "Photo 2: mosaic_virus_0001.jpg" read "Photo 2: mosai" under the arrow."""
+    page = _open(browser, server, "phone", "en")
+    try:
+        _upload(page, "photos", photos[:2])
+        _listed(page, ["a.jpg", "b.jpg"])
+        page.wait_for_selector("#photos .icon-button-wrapper")
+        gap = page.evaluate("""() => {
+            const label = document.querySelector('#photos [data-testid=block-label]');
+            const range = document.createRange(); range.selectNodeContents(label);
+            const right = Math.max(...[...range.getClientRects()].map(r => r.right));
+            return document.querySelector('#photos .icon-button-wrapper').getBoundingClientRect().left - right; }""")
+        assert gap >= 0, f"the label's text runs {-gap:.0f} px under the icons"
+        _diagnose(page, "en")
+        page.wait_for_selector("#correct-label", state="visible")
+        boxes = [page.locator(sel).bounding_box() for sel in ("#correct-label", "#diagnose")]
+        assert boxes[0]["width"] >= 0.8 * boxes[1]["width"]  # the whole width, as the Diagnose button
+    finally:
+        page.close()
+
+
 def test_the_upload_boxs_icon_buttons_follow_a_switch_of_language(server, photos, browser):
     """Gradio writes the upload box's icon buttons' names ("Upload", "Clear") once, in the language the page
     opened with: after a switch they stayed in the other one."""

@@ -78,6 +78,10 @@ CSS = f"""
 #photos [data-testid="block-label"] {{  /* the file box's upload and clear icons sit over its label's end */
   padding-right: 56px; box-sizing: border-box;
 }}
+#examples .caption-label, #your-photos .caption-label {{  /* "Leaf min…", "Bacterial …": whole, on two lines */
+  white-space: normal !important; text-overflow: clip !important; overflow-wrap: anywhere; line-height: 1.15;
+}}
+#photos button.label-clear-button {{ min-width: 32px; min-height: 32px; }}  /* 7 px wide: too small for a finger */
 #confusion .image-container, #curves .image-container {{  /* their label and full-screen button sat on the */
   padding-top: 32px; box-sizing: border-box;                /* chart's own title */
 }}

@@ -322,6 +322,11 @@ def test_on_a_phone_labels_are_not_under_buttons_and_the_correction_choices_are_
             const right = Math.max(...[...range.getClientRects()].map(r => r.right));
             return document.querySelector('#photos .icon-button-wrapper').getBoundingClientRect().left - right; }""")
         assert gap >= 0, f"the label's text runs {-gap:.0f} px under the icons"
+        cut = page.evaluate("() => [...document.querySelectorAll('#examples .caption-label')]"
+                            ".filter(c => c.scrollWidth > c.clientWidth + 1).map(c => c.textContent)")
+        assert not cut, f"example names cut: {cut}"
+        remove = page.locator("#photos button.label-clear-button").first.bounding_box()
+        assert min(remove["width"], remove["height"]) >= 32  # a finger's target, not 7 px
         _diagnose(page, "en")
         page.wait_for_selector("#correct-label", state="visible")
         boxes = [page.locator(sel).bounding_box() for sel in ("#correct-label", "#diagnose")]

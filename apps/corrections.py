@@ -477,7 +477,8 @@ def apply_correction(store: CorrectionStore, files: Sequence[str | os.PathLike] 
         # they agreed, but some were left out as unlike the model's photos (a leaf and a bee): named
         out["left_out_photos"] = [str(p.get("name")) for p in photos if p.get("verdict") == "out_of_domain"]
         refused = refuse("which_photo_left_out")
-        refused["message"] = refused["message"].format(names=", ".join(out["left_out_photos"]))
+        key = "correct_which_photo_left_out_all" if chosen == NOT_A_LEAF else "correct_which_photo_left_out"
+        refused["message"] = t(key, "en", names=", ".join(out["left_out_photos"])).replace("**", "")
         return refused
     every = which in (None, "", "all")
     if which in (None, "", "all"):
@@ -569,8 +570,8 @@ def render_correction(result: Mapping[str, Any] | None, notes: ClassNotes | None
                               for c in moved)
             lines.append(t("correct_replaced", lang, k=sum(bool(s.get("replaced")) for s in saved), names=names))
     elif result.get("reason") == "which_photo_left_out":
-        lines.append(t("correct_which_photo_left_out", lang,
-                       names=", ".join(md_escape(str(n)) for n in result.get("left_out_photos") or [])))
+        key = "correct_which_photo_left_out_all" if chosen == NOT_A_LEAF else "correct_which_photo_left_out"
+        lines.append(t(key, lang, names=", ".join(md_escape(str(n)) for n in result.get("left_out_photos") or [])))
     elif result.get("reason") in (*REQUEST_REASONS[:4], "which_photo", "unknown_class"):
         lines.append(t(f"correct_{result['reason']}", lang))
     for skip in result.get("skipped") or []:

@@ -172,9 +172,11 @@ def _combined(voters: list[tuple[dict[str, Any], np.ndarray]], classes: list[str
         return disagree
     # the average of photos that were each unsure is not a diagnosis: it can pass the threshold (two near ties
     # for the same class average to a clearer lead), but no photo was judged with the confidence the threshold
-    # was chosen for, so a combined diagnosis needs one photo diagnosed on its own, as that class
+    # was chosen for, so a combined diagnosis needs one photo diagnosed on its own, as that class; and a photo
+    # that puts another class first (unsure, its runner-up the shared class however weak) leaves it unsure
     judged = any(p["verdict"] == "diagnosis" and p["label"] == top[0]["label"] for p, _ in voters)
-    verdict = verdict or ("ambiguous" if unsure(probs, threshold) or not judged else "diagnosis")
+    all_first = all(p["label"] == top[0]["label"] for p, _ in voters)
+    verdict = verdict or ("ambiguous" if unsure(probs, threshold) or not judged or not all_first else "diagnosis")
     return {"verdict": verdict, "label": top[0]["label"], "confidence": top[0]["probability"],
             "uncertain": verdict != "diagnosis", "top": top[:top_k],
             "candidates": [e["label"] for e in top[:2]] if verdict == "ambiguous" else [],

@@ -109,7 +109,7 @@ def add_result(history: Mapping[str, Any] | None, result: Mapping[str, Any] | No
         }
         last = entries[-1] if entries else None
         # a double click diagnoses the same photos twice within a moment: one diagnosis, not two
-        repeated = (last is not None and stamp - float(last.get("time") or 0) < REPEAT_SECONDS
+        repeated = (last is not None and 0 <= stamp - float(last.get("time") or 0) < REPEAT_SECONDS
                     and {**last, "time": None} == {**entry, "time": None})
         if not repeated:
             entries.append(entry)
@@ -143,7 +143,7 @@ def render_history(history: Mapping[str, Any] | None, notes: ClassNotes | None, 
     for entry in reversed(entries):
         names = [md_escape(str(p["name"])) for p in entry["photos"]]
         shown = ", ".join(names[:3]) + (t("and_more_photos", lang, n=len(names) - 3) if len(names) > 3 else "")
-        stamp = time.strftime("%H:%M:%S %Z", time.localtime(entry["time"]))  # the server's clock: its zone said
+        stamp = time.strftime("%H:%M:%S %z", time.localtime(entry["time"]))  # the server's clock: its UTC offset
         lines.append(f"- {stamp} · {shown}: {_summary(entry, notes, lang)}")
     if len(entries) >= HISTORY_MAX:
         lines.append("")

@@ -191,10 +191,14 @@ STRINGS: dict[str, dict[str, str]] = {
         "correct_which_photo": ("These photos were not judged alike, so they may show different things: choose "
                                 "which photo the "
                                 "right answer is for (or \"All photos of this plant\" if it is right for every one)."),
-        "correct_which_photo_left_out": ("{names} was left out as unlike the photos this model knows, so these "
-                                         "photos may show different things: choose which photo the right answer is "
-                                         "for, or \"All photos of this plant\" to correct the photos it judged (the "
-                                         "ones left out are skipped)."),
+        "correct_which_photo_left_out": ("Left out as unlike the photos this model knows: {names}. So these photos "
+                                         "may show different things: choose which photo the right answer is for, or "
+                                         "\"All photos of this plant\" to correct the photos it judged (those left "
+                                         "out are skipped)."),
+        "correct_which_photo_left_out_all": ("Left out as unlike the photos this model knows: {names}. So these "
+                                             "photos may show different things: choose which photo is not a leaf, or "
+                                             "\"All photos of this plant\" to save every one of them as not a "
+                                             "leaf."),
         "correct_bad_photo": "That photo is not part of this answer; choose one from the list.",
         "correct_photos_changed": "The photos changed since this answer: press **Diagnose** again, then correct it.",
         "correct_unknown_class": "That answer is not one this model knows; choose one from the list.",
@@ -416,9 +420,12 @@ STRINGS: dict[str, dict[str, str]] = {
         "correct_no_choice": "请先选择正确答案。",
         "correct_which_photo": ("这些照片的判断结果不同，可能拍的是不同的东西：请选择正确答案对应的是哪一张"
                                 "（如果对每一张都正确，请选“这株植物的所有照片”）。"),
-        "correct_which_photo_left_out": ("{names} 与本模型认识的照片不同，已被排除，因此这些照片可能拍的是不同的东西："
-                                         "请选择正确答案对应的是哪一张，或选“这株植物的所有照片”来更正已判断的照片"
-                                         "（被排除的照片会被跳过）。"),
+        "correct_which_photo_left_out": ("与本模型认识的照片不同、已被排除的照片：{names}。"
+                                         "因此这些照片可能拍的是不同的东西：请选择正确答案对应的是哪一张，"
+                                         "或选“这株植物的所有照片”来更正已判断的照片（被排除的照片会被跳过）。"),
+        "correct_which_photo_left_out_all": ("与本模型认识的照片不同、已被排除的照片：{names}。"
+                                             "因此这些照片可能拍的是不同的东西：请选择哪一张不是叶片，"
+                                             "或选“这株植物的所有照片”把每一张都保存为“不是叶片”。"),
         "correct_bad_photo": "这张照片不属于本次结果，请从列表中选择。",
         "correct_photos_changed": "照片在得出结果后已更换：请再次点击 **诊断**，然后再更正。",
         "correct_unknown_class": "本模型不认识这个答案，请从列表中选择。",

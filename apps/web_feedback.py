@@ -190,8 +190,11 @@ def wire_feedback(fb: Feedback, service: DiagnosisService, cfg: AppConfig, *, fi
     def relabel(lang_choice: str, history: dict[str, Any] | None, diagnosis: dict[str, Any] | None,
                 result: dict[str, Any] | None = None):
         lang = lang_from_choice(lang_choice)
-        out: list[Any] = [gr.update(label=t("history", lang)), render_history(history, notes, lang),
-                          gr.update(label=t("download", lang))]
+        download = gr.update(label=t("download", lang))
+        if history and history.get("entries") and history.get("token"):  # the CSV's messages follow the switch
+            _, csv_path = write_session_csv(root, history, top_k, lang=lang)
+            download = gr.update(label=t("download", lang), value=str(csv_path))
+        out: list[Any] = [gr.update(label=t("history", lang)), render_history(history, notes, lang), download]
         if control is not None:
             out += [t("correct_heading", lang),
                     gr.update(label=t("correct_photo", lang), choices=_photo_choices(diagnosis, lang, max_photos)),

@@ -362,13 +362,17 @@ def test_photos_that_disagree_need_the_photo_named(tmp_path):
     assert apply_correction(store, paths, answer, "all", "rust")["ok"]  # asked for in so many words
     # a leaf diagnosed and a bee left out as unlike the model's photos: the same question
     leaf_and_bee = answer_for(paths, ["diagnosis", "out_of_domain"])
-    res = apply_correction(store, paths, leaf_and_bee, None, NOT_A_LEAF)
-    # ... said as it is: the photos did not disagree, one was left out (it read "not judged alike")
-    assert res["reason"] == "which_photo_left_out" and res["left_out_photos"] == ["wasp.jpg"]
-    assert res["message"].startswith("wasp.jpg was left out as unlike the photos this model knows")
-    text = render_correction(res, None, "en")
-    assert "wasp\\.jpg was left out" in text and "not judged alike" not in text  # markdown-escaped name
-    assert "wasp\\.jpg 与本模型认识的照片不同" in render_correction(res, None, "zh")
+    # ... said as it is: the photos did not disagree, one was left out (it read "not judged alike"), and what
+    # "all" then does: for a class, the photo left out is skipped; as "not a leaf", every photo is saved
+    for chosen, said in ((NOT_A_LEAF, "to save every one of them as not a leaf"),
+                         ("rust", "to correct the photos it judged (those left out are skipped)")):
+        res = apply_correction(store, paths, leaf_and_bee, None, chosen)
+        assert res["reason"] == "which_photo_left_out" and res["left_out_photos"] == ["wasp.jpg"]
+        assert res["message"].startswith("Left out as unlike the photos this model knows: wasp.jpg.") and said in \
+            res["message"]
+        text = render_correction(res, None, "en")
+        assert "knows: wasp\\.jpg." in text and said in text and "not judged alike" not in text  # escaped name
+        assert "已被排除的照片：wasp\\.jpg" in render_correction(res, None, "zh")
     assert not mixed_answer(answer_for(paths, ["diagnosis", "ambiguous"]))  # one plant, judged alike
     assert not mixed_answer(answer_for(paths, ["out_of_domain", "out_of_domain"]))
     assert not mixed_answer(answer_for(paths[:1], ["diagnosis"]))

@@ -68,8 +68,9 @@ def test_a_double_click_is_one_diagnosis_and_times_carry_the_servers_zone(tmp_pa
     h = add_result(h, result(1), now=1000.3 + 5)  # asked again later: a diagnosis of its own
     h = add_result(h, result(2), now=1005.4)  # other photos at once: of course
     assert len(h["entries"]) == 3
+    assert len(add_result(h, result(2), now=900.0)["entries"]) == 4  # a clock set back: not a double click
     text = render_history(h, NOTES, "en")
-    zone = time.strftime("%Z", time.localtime(1000.0))
+    zone = time.strftime("%z", time.localtime(1000.0))  # "+0800", not "CST" (China, or US Central?)
     assert f" {zone} · leaf1\\.jpg" in text  # markdown-escaped name
     columns, rows = _request_columns(h)
     assert rows[0][1] == time.strftime("%Y-%m-%d %H:%M:%S%z", time.localtime(1000.0))

@@ -134,9 +134,14 @@ def test_photos_unsure_between_the_same_two_classes_in_either_order_agree():
     ans = res["answer"]
     assert res["verdict"] == ans["verdict"] == "ambiguous" and sorted(ans["candidates"]) == ["healthy", "rust"]
     assert "Unsure between" in render(res, "en", NOTES)[1]
-    # a photo diagnosed as rust beside one unsure between healthy (first) and rust: they agree, on rust
+    # a photo diagnosed as rust beside one unsure between healthy (first) and rust: not a disagreement, but no
+    # diagnosis either: the second photo leans healthy, and its rust might be almost nothing
     both = summarise([outcome("d", [0.05, 0.9, 0.05]), outcome("a", a)], CLASSES, threshold=0.2)
-    assert both["answer"]["label"] == "rust" and both["answer"]["agree"] == 1
+    assert both["answer"]["verdict"] == "ambiguous" and both["answer"]["agree"] == 1
+    classes = ["healthy", "rust"] + [f"c{i}" for i in range(8)]
+    weak = summarise([outcome_v("x", [0, 1.0] + [0] * 8, "diagnosis"),
+                      outcome_v("y", [0.49, 0.06] + [0.45 / 8] * 8, "ambiguous")], classes, threshold=0.5)
+    assert weak["answer"]["verdict"] != "diagnosis"  # rust at 6 % is no vote for rust
     # unsure between healthy and rust, and diagnosed as early blight: nothing shared
     apart = summarise([outcome("b", b), outcome("e", [0.05, 0.05, 0.9])], CLASSES, threshold=0.2)
     assert apart["verdict"] == "disagree"

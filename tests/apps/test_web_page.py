@@ -335,6 +335,38 @@ def test_on_a_phone_labels_are_not_under_buttons_and_the_correction_choices_are_
         page.close()
 
 
+def test_the_results_csv_follows_a_switch_of_language(server, browser, tmp_path):
+    """The CSV gave a refused photo's message in the language of the page when it was diagnosed; after a switch
+    the page said it in the new language and the download still in the old one."""
+    import csv
+
+    from PIL import Image
+
+    flat = server.root / "flat.png"
+    Image.new("RGB", (120, 90), (90, 140, 60)).save(flat)  # one flat colour: refused, with its message
+    page = _open(browser, server, "desktop", "zh", "?lang=zh")
+    try:
+        _wait_language(page, "zh")
+        _upload(page, "photos", [flat])
+        _listed(page, ["flat.png"])
+        page.click("#diagnose")
+        page.locator("#history li").first.wait_for()
+        page.locator("#lang").get_by_text("English", exact=True).click()
+        page.wait_for_function("t => document.querySelector('#diagnose').innerText.trim() === t",
+                               arg=t("diagnose", "en"))
+        page.wait_for_function("t => document.querySelector('#history').innerText.includes(t)",
+                               arg="flat.png")
+        page.wait_for_timeout(1000)  # the switch rewrites the CSV behind the same button
+        with page.expect_download() as dl:
+            page.click("#download")
+        target = tmp_path / "results.csv"
+        dl.value.save_as(target)
+        rows = list(csv.DictReader(target.open(encoding="utf-8")))
+        assert rows[0]["error"] == error_message("uniform", "en")
+    finally:
+        page.close()
+
+
 def test_the_upload_boxs_icon_buttons_follow_a_switch_of_language(server, photos, browser):
     """Gradio writes the upload box's icon buttons' names ("Upload", "Clear") once, in the language the page
     opened with: after a switch they stayed in the other one."""

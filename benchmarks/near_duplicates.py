@@ -82,6 +82,8 @@ ALTERATIONS = {
     "rotated 90°": lambda im: _jpeg(im.transpose(Image.Transpose.ROTATE_270)),
     "rotated 90°, quality 40": lambda im: _jpeg(im.transpose(Image.Transpose.ROTATE_270), 40),
     "upside down": lambda im: _jpeg(im.transpose(Image.Transpose.ROTATE_180)),
+    "mirrored, centre crop 2 %": lambda im: _cropped_jpeg(ImageOps.mirror(im), 2),
+    "rotated 90°, centre crop 3 %": lambda im: _cropped_jpeg(im.transpose(Image.Transpose.ROTATE_270), 3),
     "crop 4 %, x0.65, quality 50": lambda im: _jpeg(_crop(im, 4).resize((round(im.width * 0.65),
                                                                           round(im.height * 0.65))), 50),
 }

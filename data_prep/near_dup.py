@@ -187,18 +187,23 @@ def _turn_cells(sig: np.ndarray, turn: str) -> np.ndarray:
     return out.reshape(sig.shape)
 
 
-def colour_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def colour_distance(a: np.ndarray, b: np.ndarray, pairings: str = "all") -> np.ndarray:
     """Colour distance of signature rows ``a`` and ``b`` (``(..., len(HASH_CROPS), n)``, broadcast): the
     smallest, over one photo's plain signature against the other's plain or cropped ones either way
-    round, or against the other's plain one turned or mirrored (``TURNS``), of the mean absolute difference
-    after the mean difference is taken out (grey levels)."""
+    round (``pairings="crops"``), or against the other's plain one turned or mirrored (``"turns"``: ``TURNS``),
+    or both (``"all"``), of the mean absolute difference after the mean difference is taken out (grey levels)."""
     a = np.asarray(a, np.float32)
     b = np.asarray(b, np.float32)
-    pairings = [(a[..., 0, :], b[..., k, :]) for k in range(len(HASH_CROPS))]
-    pairings += [(a[..., k, :], b[..., 0, :]) for k in range(1, len(HASH_CROPS))]
-    pairings += [(a[..., 0, :], _turn_cells(b[..., 0, :], turn)) for turn in TURNS]
+    pairs = []
+    if pairings in ("all", "crops"):
+        pairs += [(a[..., 0, :], b[..., k, :]) for k in range(len(HASH_CROPS))]
+        pairs += [(a[..., k, :], b[..., 0, :]) for k in range(1, len(HASH_CROPS))]
+    if pairings in ("all", "turns"):
+        pairs += [(a[..., 0, :], _turn_cells(b[..., 0, :], turn)) for turn in TURNS]
+    if not pairs:
+        raise ValueError(f"pairings must be 'all', 'crops' or 'turns', got {pairings!r}")
     dists = []
-    for x, y in pairings:
+    for x, y in pairs:
         d = x - y
         dists.append(np.abs(d - d.mean(axis=-1, keepdims=True)).mean(axis=-1))
     return np.min(np.stack(dists), axis=0)
@@ -338,9 +343,7 @@ def find_copies(hashes: np.ndarray, colours: np.ndarray | None = None, threshold
     for block_i, block_j, block_d in _near_blocks(unique, threshold):
         shapes.link(block_i, block_j, block_d)
         if unique_colours is not None and len(block_i):
-            pieces = range(0, len(block_i), _COLOUR_PAIRS)  # a folder of re-encoded copies links all their pairs
-            colour = np.concatenate([colour_distance(unique_colours[block_i[k:k + _COLOUR_PAIRS]],
-                                                     unique_colours[block_j[k:k + _COLOUR_PAIRS]]) for k in pieces])
+            colour = _linked_colour(unique, unique_colours, block_i, block_j, threshold)
             alike = colour > colour_threshold
             look_alike_pairs += int(alike.sum())
             for a, b, d, c in zip(block_i[alike].tolist(), block_j[alike].tolist(), block_d[alike].tolist(),
@@ -353,6 +356,28 @@ def find_copies(hashes: np.ndarray, colours: np.ndarray | None = None, threshold
     return Copies(copies.groups(inverse),
                   [LookAlike(min(p.a, p.b), max(p.a, p.b), p.bits, p.colour) for p in look_alikes],
                   look_alike_pairs, shapes.groups(inverse))
+
+
+def _linked_colour(h: np.ndarray, colours: np.ndarray, i: np.ndarray, j: np.ndarray, threshold: int) -> np.ndarray:
+    """The colour distance of each pair the hash linked, compared the way the hash linked it: plain and cropped
+    where those hashes are within ``threshold``, turned where the turned ones are within ``TURN_THRESHOLD``
+    (a pair linked unturned is not made a copy by colours that match once turned)."""
+    crops = len(HASH_CROPS)
+    out = np.full(len(i), np.inf, np.float32)
+    for k in range(0, len(i), _COLOUR_PAIRS):  # a folder of re-encoded copies links all their pairs
+        a, b = i[k:k + _COLOUR_PAIRS], j[k:k + _COLOUR_PAIRS]
+        plain = np.minimum(hamming(h[a, :1], h[b, :crops]).min(axis=1), hamming(h[a, :crops], h[b, :1]).min(axis=1))
+        turned = np.minimum(hamming(h[a, :1], h[b, crops:]).min(axis=1), hamming(h[a, crops:], h[b, :1]).min(axis=1))
+        part = np.full(len(a), np.inf, np.float32)
+        by_crops = plain <= threshold
+        if by_crops.any():
+            part[by_crops] = colour_distance(colours[a[by_crops]], colours[b[by_crops]], "crops")
+        by_turns = turned <= min(threshold, TURN_THRESHOLD)
+        if by_turns.any():
+            part[by_turns] = np.minimum(part[by_turns],
+                                        colour_distance(colours[a[by_turns]], colours[b[by_turns]], "turns"))
+        out[k:k + _COLOUR_PAIRS] = part
+    return out
 
 
 class _Links:

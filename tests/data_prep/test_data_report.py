@@ -540,3 +540,20 @@ def test_turned_and_mirrored_copies_are_copies_and_stay_in_one_split(tmp_path):
     for c in ("blight", "rust"):
         for i in range(8):
             assert split_of[f"{c}/p{i}"] == split_of[f"{c}/p{i}_mirror"] == split_of[f"{c}/p{i}_rot"], (c, i)
+
+
+def test_a_pair_linked_unturned_is_not_made_a_copy_by_colours_that_match_turned():
+    """Two different leaves the hash linked as they are (6 bits) had colours 5.0 apart, a look-alike, but 4.4
+    once one was turned: the colour check took the smallest distance over every pairing and made them a copy,
+    a label conflict across two classes. Each link is confirmed by colour the way the hash linked it."""
+    from leaflens.data_prep.near_dup import _linked_colour
+
+    rng = np.random.default_rng(0)
+    h = rng.integers(0, np.iinfo(np.int64).max, (2, near_dup.HASH_COLUMNS), dtype=np.int64).astype(np.uint64)
+    h[1, 0] = h[0, 0] ^ np.uint64(0b111)  # linked as they are, 3 bits; their turned hashes far apart
+    base = rng.integers(60, 200, (3, 27)).astype(np.uint8)
+    colours = np.stack([base, base])
+    colours[1, 0] = near_dup._turn_cells(colours[0, 0], "mirror")  # unlike as they are, alike once mirrored
+    as_linked = float(_linked_colour(h, colours, np.array([0]), np.array([1]), 8)[0])
+    assert as_linked == pytest.approx(float(colour_distance(colours[:1], colours[1:], "crops")[0]))
+    assert as_linked > float(colour_distance(colours[:1], colours[1:], "turns")[0])

@@ -17,6 +17,7 @@ This module must not import the engine or onnxruntime: serving uses it without e
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -24,6 +25,7 @@ import stat
 import threading
 import warnings
 import zlib
+from collections.abc import Iterator
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -137,19 +139,26 @@ _PILLOW_LIMIT_LOCK = threading.Lock()
 _PILLOW_SIZE = re.compile(r"\((\d+) pixels\)")
 
 
-def _pillow_open(data: bytes, lift_limit: bool = False) -> Image.Image:
-    # Our own max_pixels is the authority: PIL's warning (above its default limit) is swallowed. Note:
-    # catch_warnings touches the process-wide filter list for the duration of the open.
+@contextlib.contextmanager
+def _pillow_limits(lift: bool) -> Iterator[None]:
+    """Pillow's pixel checks as ours allow: its warning (above its default limit) swallowed, and with ``lift``
+    its hard limit off. Note: catch_warnings touches the process-wide filter list while it lasts."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        if not lift_limit:
-            return Image.open(io.BytesIO(data))
+        if not lift:
+            yield
+            return
         with _PILLOW_LIMIT_LOCK:
             before, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
             try:
-                return Image.open(io.BytesIO(data))
+                yield
             finally:
                 Image.MAX_IMAGE_PIXELS = before
+
+
+def _above_pillows_limit(pixels: int) -> bool:
+    """Whether Pillow would refuse ``pixels`` itself (over twice its MAX_IMAGE_PIXELS, when it has one)."""
+    return bool(Image.MAX_IMAGE_PIXELS) and pixels > 2 * Image.MAX_IMAGE_PIXELS
 
 
 def _open(data: bytes, name: str, max_pixels: int) -> Image.Image:
@@ -161,7 +170,8 @@ def _open(data: bytes, name: str, max_pixels: int) -> Image.Image:
     lift = False
     while True:
         try:
-            im = _pillow_open(data, lift_limit=lift)
+            with _pillow_limits(lift):
+                im = Image.open(io.BytesIO(data))
             break
         except Image.DecompressionBombError as exc:
             found = _PILLOW_SIZE.search(str(exc))
@@ -186,7 +196,6 @@ def _open(data: bytes, name: str, max_pixels: int) -> Image.Image:
         _check_png_ratio(data, w, h, name)
     elif im.format not in _DRAFT_FORMATS and im.mode != "1":  # bilevel scans: 1 byte a pixel, and CCITT packs
         _check_pixels_per_byte(data, w, h, name, im.format or "image")  # them far tighter than any photo
-    im.info["leaflens_lift_limit"] = lift
     return im
 
 
@@ -252,18 +261,9 @@ def _jpeg_quantisation(im: Image.Image) -> int:
 
 
 def _load(im: Image.Image, name: str) -> None:
-    try:
-        with warnings.catch_warnings():  # Pillow's TIFF loader checks the size again (see _pillow_open)
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            if im.info.pop("leaflens_lift_limit", False):  # opened above Pillow's limit, within ours
-                with _PILLOW_LIMIT_LOCK:
-                    before, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
-                    try:
-                        im.load()
-                    finally:
-                        Image.MAX_IMAGE_PIXELS = before
-            else:
-                im.load()
+    try:  # Pillow's TIFF loader checks the size again; _open has applied our own limit already
+        with _pillow_limits(_above_pillows_limit(im.size[0] * im.size[1])):
+            im.load()
     except Image.DecompressionBombError as exc:
         raise ImageDecodeError("too_large", name, str(exc)) from exc
     except (OSError, SyntaxError, ValueError, EOFError, zlib.error) as exc:

@@ -158,7 +158,8 @@ def _pillow_limits(lift: bool) -> Iterator[None]:
 
 def _above_pillows_limit(pixels: int) -> bool:
     """Whether Pillow would refuse ``pixels`` itself (over twice its MAX_IMAGE_PIXELS, when it has one)."""
-    return bool(Image.MAX_IMAGE_PIXELS) and pixels > 2 * Image.MAX_IMAGE_PIXELS
+    limit = Image.MAX_IMAGE_PIXELS
+    return limit is not None and pixels > 2 * limit
 
 
 def _open(data: bytes, name: str, max_pixels: int) -> Image.Image:

@@ -73,7 +73,12 @@ HASH_GRID = 32  # grey grid the DCT is taken on
 HASH_CROPS = (0.0, 0.03, 0.06)  # centre crops (fraction cut per side) hashed for every photo
 # The whole picture turned and mirrored (the 7 other symmetries of a square), hashed too: a copy flipped or
 # rotated before the split (augmenting a folder, a phone's rotation saved into the pixels) is still a copy.
-TURNS = ("mirror", "flip", "rot180", "transpose", "rot90", "rot270", "antitranspose")
+# Each as (transposed first, rows reversed, columns reversed): the one definition both the DCT block and the
+# colour grid are turned by.
+_TURN_STEPS = {"mirror": (False, False, True), "flip": (False, True, False), "rot180": (False, True, True),
+               "transpose": (True, False, False), "rot90": (True, False, True), "rot270": (True, True, False),
+               "antitranspose": (True, True, True)}
+TURNS = tuple(_TURN_STEPS)
 HASH_COLUMNS = len(HASH_CROPS) + len(TURNS)  # photo_hashes' hashes per photo
 NEAR_THRESHOLD = 8  # bits; see the module docstring for the measurements behind it
 # bits for a copy found turned or mirrored: such copies come within 2 (a whole picture turned or mirrored
@@ -120,22 +125,10 @@ def _turned(block: np.ndarray, turn: str) -> np.ndarray:
     """The 8x8 DCT block (rows: vertical frequency u, columns: horizontal v) of the picture turned or mirrored:
     a DCT-II of a reversed sequence is the same with odd frequencies negated, and a transposed picture has the
     transposed block (exact on the area-averaged grid, whose cells are symmetric)."""
+    transpose, rows, cols = _TURN_STEPS[turn]
     odd = (-1.0) ** np.arange(_FREQS, dtype=np.float32)
-    if turn == "mirror":  # left-right
-        return block * odd[None, :]
-    if turn == "flip":  # top-bottom
-        return block * odd[:, None]
-    if turn == "rot180":
-        return block * odd[:, None] * odd[None, :]
-    if turn == "transpose":
-        return block.T
-    if turn == "rot90":  # clockwise: transpose, then left-right
-        return block.T * odd[None, :]
-    if turn == "rot270":  # transpose, then top-bottom
-        return block.T * odd[:, None]
-    if turn == "antitranspose":
-        return block.T * odd[:, None] * odd[None, :]
-    raise ValueError(f"unknown turn {turn!r}")
+    out = block.T if transpose else block
+    return out * (odd[:, None] if rows else 1.0) * (odd[None, :] if cols else 1.0)
 
 
 def photo_hashes(pixels: np.ndarray) -> np.ndarray:
@@ -170,25 +163,11 @@ def colour_signatures(pixels: np.ndarray) -> np.ndarray:
 
 def _turn_cells(sig: np.ndarray, turn: str) -> np.ndarray:
     """A plain colour signature (``(..., COLOUR_GRID**2 * 3)``) of the picture turned or mirrored."""
+    transpose, rows, cols = _TURN_STEPS[turn]
     cells = sig.reshape(*sig.shape[:-1], COLOUR_GRID, COLOUR_GRID, 3)
-    rows, cols = -3, -2
-    if turn == "mirror":
-        out = np.flip(cells, cols)
-    elif turn == "flip":
-        out = np.flip(cells, rows)
-    elif turn == "rot180":
-        out = np.flip(cells, (rows, cols))
-    elif turn == "transpose":
-        out = np.swapaxes(cells, rows, cols)
-    elif turn == "rot90":
-        out = np.flip(np.swapaxes(cells, rows, cols), cols)
-    elif turn == "rot270":
-        out = np.flip(np.swapaxes(cells, rows, cols), rows)
-    elif turn == "antitranspose":
-        out = np.flip(np.swapaxes(cells, rows, cols), (rows, cols))
-    else:
-        raise ValueError(f"unknown turn {turn!r}")
-    return out.reshape(sig.shape)
+    out = np.swapaxes(cells, -3, -2) if transpose else cells
+    flips = tuple(axis for axis, flip in ((-3, rows), (-2, cols)) if flip)
+    return (np.flip(out, flips) if flips else out).reshape(sig.shape)
 
 
 def colour_distance(a: np.ndarray, b: np.ndarray, pairings: str = "all") -> np.ndarray:

@@ -557,3 +557,18 @@ def test_a_pair_linked_unturned_is_not_made_a_copy_by_colours_that_match_turned(
     as_linked = float(_linked_colour(h, colours, np.array([0]), np.array([1]), 8)[0])
     assert as_linked == pytest.approx(float(colour_distance(colours[:1], colours[1:], "crops")[0]))
     assert as_linked > float(colour_distance(colours[:1], colours[1:], "turns")[0])
+
+
+def test_each_turned_hash_and_colour_grid_is_the_turned_pictures_own():
+    """The turns are computed from the plain picture's DCT block and colour grid: each must equal what the
+    turned picture itself gives."""
+    rng = np.random.default_rng(0)
+    px = np.asarray(Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).resize((96, 96)))
+    turned = {"mirror": px[:, ::-1], "flip": px[::-1], "rot180": px[::-1, ::-1], "transpose": px.transpose(1, 0, 2),
+              "rot90": np.rot90(px, -1), "rot270": np.rot90(px, 1), "antitranspose": px[::-1, ::-1].transpose(1, 0, 2)}
+    assert set(turned) == set(near_dup.TURNS)
+    hashes, grid = photo_hashes(px), colour_signatures(px)[0]
+    for k, turn in enumerate(near_dup.TURNS):
+        own = np.ascontiguousarray(turned[turn])
+        assert photo_hashes(own)[0] == hashes[len(near_dup.HASH_CROPS) + k], turn
+        np.testing.assert_array_equal(colour_signatures(own)[0], near_dup._turn_cells(grid, turn), err_msg=turn)

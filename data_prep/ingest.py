@@ -758,7 +758,7 @@ def _check_only(src_p: Path, scan: ScanResult, opts: IngestOptions, workers: int
     counts = _split_counts(scan, decoded.kept, assigned)
     report = IngestReport(Path(src_p), False, scan.classes, counts, ignored=dict(scan.ignored),
                           not_image_extensions=dict(scan.not_image_extensions), data=data,
-                          checks_seconds=data.seconds, ignored_examples=_ignored_examples(scan))
+                          checks_seconds=data.seconds, ignored_examples=scan.ignored_names())
     for rec in decoded.rejects:
         key = scan.classes[rec["label"]] if rec["label"] >= 0 else UNLABELED
         report.rejected[key] = report.rejected.get(key, 0) + 1
@@ -1006,14 +1006,7 @@ def _report(out: Path, scan: ScanResult, info: dict[str, SplitInfo], rejects: li
         rejected[key] = rejected.get(key, 0) + 1
         reasons[rec["reason"]] = reasons.get(rec["reason"], 0) + 1
     return IngestReport(out, False, scan.classes, counts, rejected, reasons, dict(scan.ignored),
-                        dict(scan.not_image_extensions), ignored_examples=_ignored_examples(scan))
-
-
-def _ignored_examples(scan: ScanResult) -> dict[str, list[str]]:
-    """The scan's named ignored files, relative to the source folder where they are under it."""
-    examples = getattr(scan.ignored, "examples", {})
-    return {reason: [relative_to(os.path.abspath(p), scan.root) if Path(os.path.abspath(p)).is_relative_to(scan.root)
-                     else p for p in paths] for reason, paths in examples.items() if paths}
+                        dict(scan.not_image_extensions), ignored_examples=scan.ignored_names())
 
 
 def _ignored_cell(report: IngestReport, kind: str, n: int) -> str:

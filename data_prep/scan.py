@@ -75,6 +75,13 @@ class ScanResult:
     # dataset's, the photos changed and their contents need not be read to know it
     listing_digest: str = ""
 
+    def ignored_names(self) -> dict[str, list[str]]:
+        """reason -> the first few files the scan left out for it (IgnoredFiles.examples), relative to the source
+        folder where they are under it."""
+        examples = getattr(self.ignored, "examples", {})
+        return {reason: [relative_to(p, self.root) if Path(p).is_relative_to(self.root) else p for p in paths]
+                for reason, paths in examples.items() if paths}
+
 
 class IgnoredFiles(dict):
     """reason -> how many files a scan left out for it (what the manifest records), with the first few paths
@@ -183,9 +190,8 @@ _OWN_FILES = frozenset({"classes.toml", "classes.json", "synth.json", "correctio
 
 
 def _count_loose_files(path: Path, ignored: dict[str, int]) -> None:
-    loose = [p for p in path.iterdir() if p.is_file() and p.name not in _OWN_FILES and not p.name.startswith(".")]
-    if loose:
-        for p in loose:
+    for p in path.iterdir():
+        if p.is_file() and p.name not in _OWN_FILES and not p.name.startswith("."):
             _count(ignored, "outside_class_folders", path=p)
 
 
@@ -209,13 +215,11 @@ def _scan_also(folder: str | os.PathLike, root: Path, classes: list[str], split:
         if name.lower() in _SPLIT_ALIASES or name.lower() == UNLABELED:
             raise ScanError(f"--also folder {d}: found {name!r}; an extra folder holds class folders only "
                             f"({d}/<class>/*.jpg), merged into the source's splits")
-        if name not in classes:
-            same = [c for c in classes if same_name(c, name)]  # the source's name, in another Unicode form
-            if not same:
-                unknown.append(name)
-                continue
-            name = same[0]
-        found.extend((name, split, full, rel) for full, rel in _walk_images(cdir, root, ignored, extensions))
+        matched = matching_class(name, classes)
+        if matched is None:
+            unknown.append(name)
+            continue
+        found.extend((matched, split, full, rel) for full, rel in _walk_images(cdir, root, ignored, extensions))
     if unknown:
         raise ScanError(f"--also folder {d}: class folder(s) {', '.join(repr(u) for u in unknown)} are not classes "
                         f"of the source {root} ({', '.join(classes)}). Rename them to one of those, or add the "
@@ -337,6 +341,14 @@ def same_name(a: str, b: str) -> bool:
     """Whether two folder names are the same text: equal once both are in Unicode's composed form (NFC), as a
     name typed on Linux or Windows and the same name copied from macOS (which decomposes accents) are."""
     return unicodedata.normalize("NFC", a) == unicodedata.normalize("NFC", b)
+
+
+def matching_class(name: str, classes: Sequence[str]) -> str | None:
+    """The class a folder called ``name`` is: the one of that exact name, else the one of the same name in
+    another Unicode form (:func:`same_name`); None when there is none."""
+    if name in classes:
+        return name
+    return next((c for c in classes if same_name(c, name)), None)
 
 
 def _code_points(name: str) -> str:

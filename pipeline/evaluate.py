@@ -30,15 +30,7 @@ import numpy as np
 from leaflens.apps.diagnosis import REFUSAL_REASONS
 from leaflens.apps.predictor import Prediction, Predictor
 from leaflens.columns import display_width, pad_right
-from leaflens.data_prep.scan import (
-    IMAGE_EXTENSIONS,
-    NOT_A_LEAF,
-    UNLABELED,
-    ScanError,
-    relative_to,
-    same_name,
-    scan_source,
-)
+from leaflens.data_prep.scan import IMAGE_EXTENSIONS, NOT_A_LEAF, UNLABELED, ScanError, matching_class, scan_source
 from leaflens.pipeline.report import metrics
 from leaflens.pipeline.teachers.stage import split_photo_paths
 from leaflens.records import Record
@@ -152,7 +144,7 @@ def class_folder_photos(root: str | os.PathLike[str], classes: Sequence[str],
         print(f"note: {Path(scan.root) / NOT_A_LEAF} left out: photos people said show no leaf are of no class of "
               f"the model; to see what it answers them: --not-known {Path(scan.root) / NOT_A_LEAF}", file=sys.stderr)
     # a folder name in another Unicode form than the model's class (copied from macOS) is that class
-    named = {c: c if c in classes else next((k for k in classes if same_name(k, c)), c) for c in scan.classes}
+    named = {c: matching_class(c, classes) or c for c in scan.classes}
     unknown = [c for c in scan.classes if named[c] not in classes and not (no_leaf and c == NOT_A_LEAF)]
     if unknown:
         raise EvaluationError(
@@ -161,11 +153,10 @@ def class_folder_photos(root: str | os.PathLike[str], classes: Sequence[str],
             "trained on those classes)")
     left = {k: n for k, n in scan.ignored.items() if k in LEFT_OUT}
     if left:
-        examples = getattr(scan.ignored, "examples", {})
+        examples = scan.ignored_names()
 
         def which(kind: str, n: int) -> str:
-            paths = [relative_to(p, scan.root) if Path(p).is_relative_to(scan.root) else p
-                     for p in examples.get(kind, [])]
+            paths = examples.get(kind, [])
             return f" ({', '.join(paths)}{', ...' if n > len(paths) else ''})" if paths else ""
         print(f"note: left out of {scan.root}: "
               + ", ".join(f"{n} {LEFT_OUT[k]}{which(k, n)}" for k, n in left.items()), file=sys.stderr)

@@ -477,8 +477,7 @@ def apply_correction(store: CorrectionStore, files: Sequence[str | os.PathLike] 
         # they agreed, but some were left out as unlike the model's photos (a leaf and a bee): named
         out["left_out_photos"] = [str(p.get("name")) for p in photos if p.get("verdict") == "out_of_domain"]
         refused = refuse("which_photo_left_out")
-        key = "correct_which_photo_left_out_all" if chosen == NOT_A_LEAF else "correct_which_photo_left_out"
-        refused["message"] = t(key, "en", names=", ".join(out["left_out_photos"])).replace("**", "")
+        refused["message"] = t(_left_out_key(chosen), "en", names=", ".join(out["left_out_photos"])).replace("**", "")
         return refused
     every = which in (None, "", "all")
     if which in (None, "", "all"):
@@ -540,6 +539,12 @@ def apply_correction(store: CorrectionStore, files: Sequence[str | os.PathLike] 
     return out
 
 
+def _left_out_key(chosen: object) -> str:
+    """The words for "which photo?" when photos were left out: "all" saves every photo as not a leaf, or the
+    judged ones as a class (those left out skipped)."""
+    return "correct_which_photo_left_out_all" if chosen == NOT_A_LEAF else "correct_which_photo_left_out"
+
+
 def _refusal_text(reason: str, store: CorrectionStore) -> str:
     """Why a request saved nothing, in English (the API's ``message``; the page says it in its language)."""
     if reason == "unknown_class":
@@ -570,8 +575,8 @@ def render_correction(result: Mapping[str, Any] | None, notes: ClassNotes | None
                               for c in moved)
             lines.append(t("correct_replaced", lang, k=sum(bool(s.get("replaced")) for s in saved), names=names))
     elif result.get("reason") == "which_photo_left_out":
-        key = "correct_which_photo_left_out_all" if chosen == NOT_A_LEAF else "correct_which_photo_left_out"
-        lines.append(t(key, lang, names=", ".join(md_escape(str(n)) for n in result.get("left_out_photos") or [])))
+        names = ", ".join(md_escape(str(n)) for n in result.get("left_out_photos") or [])
+        lines.append(t(_left_out_key(chosen), lang, names=names))
     elif result.get("reason") in (*REQUEST_REASONS[:4], "which_photo", "unknown_class"):
         lines.append(t(f"correct_{result['reason']}", lang))
     for skip in result.get("skipped") or []:

@@ -639,13 +639,15 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: Inges
         same = ("unchanged" if how == "stats" else
                 "with new time stamps (copied or touched) but the same contents, checked byte for byte")
         log(f"{out_p}: up to date ({len(scan.files)} source files {same}, same options); nothing to do")
-        with contextlib.suppress(OSError, ValueError, AttributeError):  # what its build warned of, said again
-            warned = json.loads((out_p / DATA_REPORT_NAME).read_text(encoding="utf-8")).get("warnings") or []
-            if warned:
-                log(f"note: its build warned {len(warned)} time{'s' if len(warned) > 1 else ''} (all in "
-                    f"{out_p / DATA_REPORT_NAME}), first: {warned[0]}")
-        if report_path is not None and (out_p / DATA_REPORT_NAME).is_file():  # the report of the build it is
-            write_json_atomic(report_path, json.loads((out_p / DATA_REPORT_NAME).read_text(encoding="utf-8")))
+        built: dict = {}
+        with contextlib.suppress(OSError, ValueError):
+            built = json.loads((out_p / DATA_REPORT_NAME).read_text(encoding="utf-8"))
+        warned = (built.get("warnings") or []) if isinstance(built, dict) else []
+        if warned:  # what its build warned of, said again
+            log(f"note: its build warned {len(warned)} time{'s' if len(warned) > 1 else ''} (all in "
+                f"{out_p / DATA_REPORT_NAME}), first: {warned[0]}")
+        if report_path is not None and built:  # the report of the build it is
+            write_json_atomic(report_path, built)
         return IngestReport(out_p, True, scan.classes, seconds=time.perf_counter() - t0)
 
     out_p.parent.mkdir(parents=True, exist_ok=True)
@@ -661,9 +663,7 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: Inges
             _refuse_unusable(src_p, scan, opts, _split_counts(scan, kept, assigned), len(rejects), log, data)
         except IngestError as exc:
             _log_rejects(rejects, log)  # the refusal points to them: nothing else will be written
-            if report_path is not None:  # the data report asked for, which says what was found, and why refused
-                write_json_atomic(report_path, dataclasses.replace(_with_warnings(data, said),
-                                                                   refused=str(exc)).to_dict())
+            _write_report(report_path, data, said, exc)  # the data report asked for: what was found, why refused
             raise
         data = _with_warnings(data, said)
         info, hist = _write_splits(tmp, scan, kept, assigned, opts)
@@ -749,6 +749,17 @@ def _with_warnings(data: DataReport, said: Sequence[str]) -> DataReport:
     return dataclasses.replace(data, warnings=(*data.warnings, *extra)) if extra else data
 
 
+def _write_report(path: str | os.PathLike | None, data: DataReport, said: Sequence[str],
+                  refused: IngestError | None = None) -> None:
+    """The data report asked for with --report (none without ``path``): every warning logged, and why the data
+    was refused when it was."""
+    if path is not None:
+        full = _with_warnings(data, said)
+        if refused is not None:
+            full = dataclasses.replace(full, refused=str(refused))
+        write_json_atomic(path, full.to_dict())
+
+
 def _check_only(src_p: Path, scan: ScanResult, opts: IngestOptions, workers: int, progress: bool, strict: bool,
                 report_path: str | os.PathLike | None, log: Callable[[str], None], t0: float,
                 said: Sequence[str] = ()) -> IngestReport:
@@ -768,11 +779,9 @@ def _check_only(src_p: Path, scan: ScanResult, opts: IngestOptions, workers: int
         _check_class_sizes(scan, decoded.kept, assigned, strict, log)
         _refuse_unusable(src_p, scan, opts, counts, len(decoded.rejects), log, data)
     except IngestError as exc:
-        if report_path is not None:
-            write_json_atomic(report_path, dataclasses.replace(_with_warnings(data, said), refused=str(exc)).to_dict())
+        _write_report(report_path, data, said, exc)
         raise
-    if report_path is not None:
-        write_json_atomic(report_path, _with_warnings(data, said).to_dict())
+    _write_report(report_path, data, said)
     report.seconds = time.perf_counter() - t0
     log(format_summary(report, check=True))  # the split a build would make, and the files it would leave out
     return report

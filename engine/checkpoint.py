@@ -90,18 +90,16 @@ def _plain(value: Any) -> Any:
 
 
 def _meta_json(meta: dict[str, Any]) -> str:
+    """``meta`` as JSON; what cannot be written is named when it is the caller's ``extra`` (a key of it)."""
     try:
         return json.dumps(meta, default=_plain)
     except (TypeError, ValueError) as exc:
-        for section in ("extra", "optimizer", "scheduler"):  # name the part the caller passed in
-            try:
-                json.dumps(meta.get(section), default=_plain)
-            except (TypeError, ValueError):
-                part = meta.get(section)
-                bad = next((k for k, v in part.items() if not _json_able(v)), None) if isinstance(part, dict) else None
-                raise TypeError(f"checkpoint {section}{f'[{bad!r}]' if bad is not None else ''} cannot be written "
-                                f"as JSON: {exc} (give numbers, strings, lists and dicts)") from exc
-        raise
+        extra = meta.get("extra")
+        if _json_able(extra):
+            raise
+        bad = next((k for k, v in extra.items() if not _json_able(v)), None) if isinstance(extra, dict) else None
+        raise TypeError(f"checkpoint extra{f'[{bad!r}]' if bad is not None else ''} cannot be written as JSON: "
+                        f"{exc} (give numbers, strings, lists and dicts)") from exc
 
 
 def _json_able(value: Any) -> bool:

@@ -89,3 +89,15 @@ def scatter_add(xp: types.ModuleType, target: Any, index: Any, values: Any) -> N
         import cupyx  # noqa: PLC0415
 
         cupyx.scatter_add(target, index, values)
+
+
+def wide_sum(x: Any, axis: Any = None, keepdims: bool = False) -> Any:
+    """x.sum(...) in x's dtype, but a float16 sum accumulates in float32.
+
+    NumPy adds float16 along a non-contiguous axis one rounded step at a time, so a sum of a few
+    thousand terms stops growing (65,536 ones sum to 2048); CuPy already accumulates in float32.
+    Mixed precision's bias gradients are such sums.
+    """
+    if x.dtype == np.float16:
+        return x.sum(axis=axis, keepdims=keepdims, dtype=np.float32).astype(np.float16)
+    return x.sum(axis=axis, keepdims=keepdims)

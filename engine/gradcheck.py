@@ -16,17 +16,20 @@ class GradcheckError(AssertionError):
 
 
 def numerical_grad(f: Callable[[], float], x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    """d f / d x by central differences, perturbing ``x`` in place one element at a time."""
-    grad = np.zeros_like(x)
-    flat, gflat = x.reshape(-1), grad.reshape(-1)
-    for i in range(flat.size):
-        old = flat[i]
-        flat[i] = old + eps
+    """d f / d x by central differences, perturbing ``x`` in place one element at a time.
+
+    ``x`` may have any memory layout (a transposed or sliced array): it is indexed, never reshaped,
+    since reshaping a non-contiguous array copies it and the perturbation would miss ``x``.
+    """
+    grad = np.zeros(x.shape, dtype=x.dtype)
+    for i in np.ndindex(*x.shape):
+        old = x[i]
+        x[i] = old + eps
         up = f()
-        flat[i] = old - eps
+        x[i] = old - eps
         down = f()
-        flat[i] = old
-        gflat[i] = (up - down) / (2 * eps)
+        x[i] = old
+        grad[i] = (up - down) / (2 * eps)
     return grad
 
 

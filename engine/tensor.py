@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from leaflens.engine.backend import array_module, device_of, to_device
+from leaflens.engine.backend import array_module, device_of, to_device, wide_sum
 from leaflens.engine.config import grad_enabled
 
 
@@ -466,7 +466,7 @@ def sum_to(g: Any, shape: tuple[int, ...]) -> Any:
         return g
     lead = g.ndim - len(shape)
     axes = tuple(range(lead)) + tuple(i + lead for i, s in enumerate(shape) if s == 1 and g.shape[i + lead] != 1)
-    g = g.sum(axis=axes, keepdims=True)
+    g = wide_sum(g, axis=axes, keepdims=True)
     if lead:
         g = g.reshape(g.shape[lead:])
     return g

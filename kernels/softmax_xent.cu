@@ -7,9 +7,12 @@
 // sum(q) for soft targets), which makes the backward an exact gradient even when soft targets do not
 // sum to one, and lets the host side count the rows of a mean without reading anything back.
 //   hard targets t (int64) with label smoothing eps:
-//       q = (1 - eps) * onehot(t) + eps / C,  loss_r = lse - (1 - eps) * z_t - (eps / C) * sum(z)
+//       q = (1 - eps) * onehot(t) + eps / C,  loss_r = (1 - eps) * (lse - z_t) + eps * (lse - mean(z))
 //       a row with t == ignore_index (when has_ignore): loss_r = 0, mass 0
-//   soft targets q (N, C):  loss_r = lse * sum(q) - sum(q * z)
+//   soft targets q (N, C):  loss_r = sum(q) * lse - sum(q * z)
+// Both are evaluated from differences of nearby values: lse - z_t as (max - z_t) + log(sum exp(z - max)),
+// and the sums of z shifted by the row's first logit, so logits of 3e4 lose nothing to cancellation. A
+// term whose weight is 0 is left out (a masked logit of -inf then adds nothing, as on the CPU, not NaN).
 // A target index outside [0, C) (and not ignored) gives a NaN row loss instead of an out-of-bounds read.
 // Backward (element-wise, one pass): dz = (exp(z - lse) * mass - q) * scale, where q is zero on an
 // ignored row (so dz is too) and `scale` points at the upstream gradient already divided by the mean's
@@ -37,8 +40,9 @@ __device__ __forceinline__ void online_merge(float& m, float& s, float m2, float
     m = mn;
 }
 
-// Block-wide merge of the online pairs; every thread returns the row's log-sum-exp.
-__device__ __forceinline__ float block_logsumexp(float m, float s, float* sm, float* ss) {
+// Block-wide merge of the online pairs: every thread gets the row's maximum in m and returns
+// log(sum exp(z - m)); the log-sum-exp is their sum.
+__device__ __forceinline__ float block_max_logsum(float& m, float s, float* sm, float* ss) {
     for (int offset = 16; offset > 0; offset >>= 1) {
         const float m2 = __shfl_xor_sync(0xffffffffu, m, offset);
         const float s2 = __shfl_xor_sync(0xffffffffu, s, offset);
@@ -60,7 +64,14 @@ __device__ __forceinline__ float block_logsumexp(float m, float s, float* sm, fl
         const float s2 = __shfl_xor_sync(0xffffffffu, s, offset);
         online_merge(m, s, m2, s2);
     }
-    return m + logf(s);
+    return logf(s);
+}
+
+// A finite shift for sums of a row's logits: its first logit, or 0 when that one is not finite.
+template <typename T>
+__device__ __forceinline__ float row_shift(const T* z) {
+    const float v = load_as_float(z, 0);
+    return fabsf(v) <= 3.402823466e38f ? v : 0.f;
 }
 
 template <typename T>
@@ -71,17 +82,19 @@ __device__ __forceinline__ void xent_hard_forward(const T* __restrict__ logits, 
     const int row = blockIdx.x;
     if (row >= N) return;  // uniform across the block
     const T* z = logits + (long long)row * C;
-    float m = LEAFLENS_NEG_INF, s = 0.f, zsum = 0.f;
+    const float ref = row_shift(z);
+    float m = LEAFLENS_NEG_INF, s = 0.f, zdev = 0.f;
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
         const float v = load_as_float(z, c);
         online_add(m, s, v);
-        zsum += v;
+        zdev += v - ref;
     }
-    const float lse = block_logsumexp(m, s, sm, ss);
-    zsum = block_sum(zsum, sz);
+    const float logs = block_max_logsum(m, s, sm, ss);
+    const float lse = m + logs;
+    zdev = block_sum(zdev, sz);
     if (threadIdx.x == 0) {
         const long long t = targets[row];
-        float loss, mass = 1.f;
+        float loss = 0.f, mass = 1.f;
         if (has_ignore && t == ignore_index) {
             loss = 0.f;  // left out of the loss and of the mean's row count
             mass = 0.f;
@@ -89,7 +102,8 @@ __device__ __forceinline__ void xent_hard_forward(const T* __restrict__ logits, 
             loss = __int_as_float(0x7fc00000);  // NaN marks an invalid class index
         } else {
             const float zt = load_as_float(z, t);
-            loss = lse - (1.f - smoothing) * zt - (smoothing / (float)C) * zsum;
+            if (smoothing != 1.f) loss += (1.f - smoothing) * ((m - zt) + logs);
+            if (smoothing != 0.f) loss += smoothing * (((m - ref) + logs) - zdev / (float)C);
         }
         row_loss[row] = loss;
         stats[2 * (long long)row] = lse;
@@ -106,19 +120,21 @@ __device__ __forceinline__ void xent_soft_forward(const T* __restrict__ logits, 
     if (row >= N) return;
     const T* z = logits + (long long)row * C;
     const float* qr = q + (long long)row * C;
+    const float ref = row_shift(z);
     float m = LEAFLENS_NEG_INF, s = 0.f, qsum = 0.f, qz = 0.f;
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
         const float v = load_as_float(z, c);
         const float w = qr[c];
         online_add(m, s, v);
         qsum += w;
-        if (w != 0.f) qz += w * v;  // a masked class (logit -inf) without target mass adds 0, not NaN
+        if (w != 0.f) qz += w * (v - ref);  // a masked class (logit -inf) without target mass adds 0, not NaN
     }
-    const float lse = block_logsumexp(m, s, sm, ss);
+    const float logs = block_max_logsum(m, s, sm, ss);
+    const float lse = m + logs;
     qsum = block_sum(qsum, sq);
     qz = block_sum(qz, sqz);
     if (threadIdx.x == 0) {
-        row_loss[row] = lse * qsum - qz;
+        row_loss[row] = qsum * ((m - ref) + logs) - qz;
         stats[2 * (long long)row] = lse;
         stats[2 * (long long)row + 1] = qsum;
     }

@@ -102,8 +102,10 @@ class ReLU6(Function):
 class Sigmoid(Function):
     def forward(self, x):
         xp = array_module(x)
-        # tanh form: stable for large |x| in both directions
-        self.y = xp.tanh(x * x.dtype.type(0.5)) * x.dtype.type(0.5) + x.dtype.type(0.5)
+        # exp(-|x|) never overflows, and e / (1 + e) keeps sigmoid's tiny values for very negative x
+        # (1 - 1 / (1 + e), or the tanh form, rounds them to 0 below about -17 in float32)
+        e = xp.exp(-xp.abs(x))
+        self.y = xp.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(x.dtype, copy=False)
         return self.y
 
     def backward(self, gy):

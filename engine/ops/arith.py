@@ -101,7 +101,8 @@ class PowTensor(Function):
         xp = array_module(gy)
         a, b, y = self.a, self.b, self.y
         ga = sum_to(gy * b * a ** (b - 1), a.shape) if self.needs_grad[0] else None
-        gb = sum_to(gy * y * xp.log(a), b.shape) if self.needs_grad[1] else None
+        # d(a**b)/db = a**b log a, taken as 0 where a == 0 (a**b is 0 there for b > 0), as PyTorch does
+        gb = sum_to(gy * y * xp.log(xp.where(a == 0, 1, a)), b.shape) if self.needs_grad[1] else None
         return ga, gb
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from leaflens.engine import amp
-from leaflens.engine.backend import array_module
+from leaflens.engine.backend import array_module, wide_sum
 from leaflens.engine.ops import _kernels as gpu
 from leaflens.engine.ops import winograd
 from leaflens.engine.ops.arith import _promoted
@@ -358,7 +358,8 @@ class Conv2d(Function):
             # One pass over row tiles of gy (each stays in cache for all kh*kw taps) gives both gradients.
             # Threads own whole images, so the overlapping input rows of neighbouring tiles are never
             # written by two threads; within an image, rows are zeroed just before a tile first reaches them.
-            part: Any = xp.zeros((kh, kw, c), dtype=gy.dtype) if want_w else None
+            wide = np.float32 if gy.dtype == np.float16 else gy.dtype  # float16 weight sums accumulate in float32
+            part: Any = xp.zeros((kh, kw, c), dtype=wide) if want_w else None
             tmp = None
             zeroed = 0
             for b, r0, r1 in _depthwise_tiles(xp, lo, hi, ho, wo * c):
@@ -380,7 +381,7 @@ class Conv2d(Function):
                     for j in range(kw):
                         if want_w and xp is not np:
                             xp.multiply(_tap_rows(self.xpad[b], i, j, r0, r1, wo, self.stride), gyy, out=tmp)
-                            part[i, j] += tmp.reshape(-1, c).sum(axis=0)
+                            part[i, j] += wide_sum(tmp.reshape(-1, c), axis=0)
                         if want_x:
                             xp.multiply(gyy, self.wt[i, j], out=tmp)
                             _tap_rows(g, i, j, r0, r1, wo, self.stride)[...] += tmp
@@ -400,7 +401,7 @@ class Conv2d(Function):
         parts = for_rows(xp, n, gy.size * kh * kw * (want_x + want_w), run)
         gx = gw = None
         if want_w:
-            gw = sum_in_order(parts).transpose(2, 0, 1).reshape(c, 1, kh, kw)
+            gw = sum_in_order(parts).transpose(2, 0, 1).reshape(c, 1, kh, kw).astype(gy.dtype, copy=False)
         if want_x:
             gx = gx_out if gather else _unpad(gxpad, self.pads, self.in_shape[1:3])
         return gx, gw
@@ -452,7 +453,7 @@ class Conv2d(Function):
         else:
             gx, gw = self._grouped_backward(gy)
         if len(self.needs_grad) > 2:
-            gb = gy.reshape(-1, gy.shape[-1]).sum(axis=0) if self.needs_grad[2] else None
+            gb = wide_sum(gy.reshape(-1, gy.shape[-1]), axis=0) if self.needs_grad[2] else None
             return gx, gw, gb
         return gx, gw
 

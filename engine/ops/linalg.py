@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from leaflens.engine import amp
+from leaflens.engine.backend import wide_sum
 from leaflens.engine.ops.arith import _promoted
 from leaflens.engine.parallel import for_chunks, sum_in_order
 from leaflens.engine.tensor import Function, Tensor, sum_to
@@ -89,7 +90,7 @@ class Linear(Function):
         gx = gy @ self.w if self.needs_grad[0] else None
         gw = matmul_tn(gy, self.x) if self.needs_grad[1] else None
         if len(self.needs_grad) > 2:
-            return gx, gw, (gy.sum(axis=0) if self.needs_grad[2] else None)
+            return gx, gw, (wide_sum(gy, axis=0) if self.needs_grad[2] else None)
         return gx, gw
 
 

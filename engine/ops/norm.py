@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from leaflens.engine import amp
 from leaflens.engine.backend import array_module
 from leaflens.engine.ops import _kernels as gpu
@@ -169,11 +171,13 @@ class L2Normalize(Function):
         if fused is not None:
             self.y, self.norm = fused
             return self.y
-        norm = xp.sqrt((x * x).sum(axis=self.axis, keepdims=True))
-        self.denom = xp.maximum(norm, x.dtype.type(self.eps))
+        # float16 works in float32, as the kernel does: eps = 1e-12 is 0 in float16, and a zero row gave 0 / 0
+        wide = x.astype(np.float32) if x.dtype == np.float16 else x
+        norm = xp.sqrt((wide * wide).sum(axis=self.axis, keepdims=True))
+        self.denom = xp.maximum(norm, wide.dtype.type(self.eps))
         self.clamped = norm < self.eps
-        self.y = x / self.denom
-        return self.y
+        self.y = wide / self.denom
+        return self.y.astype(x.dtype, copy=False)
 
     def backward(self, gy):
         if self.norm is not None:
@@ -182,7 +186,7 @@ class L2Normalize(Function):
         proj = (gy * y).sum(axis=self.axis, keepdims=True)
         # where the norm was clamped to eps the map is linear (x / eps): no projection term
         proj = proj * ~self.clamped
-        return (gy - y * proj) / self.denom
+        return ((gy - y * proj) / self.denom).astype(gy.dtype, copy=False)
 
 
 def batch_norm(x: Any, weight: Any, bias: Any, running_mean: Any = None, running_var: Any = None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from leaflens.engine.backend import array_module
+from leaflens.engine.backend import array_module, wide_sum
 from leaflens.engine.tensor import Function, Tensor
 
 
@@ -36,7 +36,7 @@ class Sum(Function):
     def forward(self, x):
         self.axes = _axes(self.axis, x.ndim)
         self.in_shape = x.shape
-        return x.sum(axis=self.axes, keepdims=self.keepdims)
+        return wide_sum(x, axis=self.axes, keepdims=self.keepdims)
 
     def backward(self, gy):
         g = _expand(gy, self.in_shape, self.axes, self.keepdims)
@@ -74,7 +74,7 @@ class Var(Function):
             raise ValueError(f"var over {n} values with ddof={self.ddof} is undefined")
         self.denom = n - self.ddof
         self.centred = x - x.mean(axis=self.axes, keepdims=True)
-        return (self.centred * self.centred).sum(axis=self.axes, keepdims=self.keepdims) / self.denom
+        return wide_sum(self.centred * self.centred, axis=self.axes, keepdims=self.keepdims) / self.denom
 
     def backward(self, gy):
         g = _expand(gy, self.in_shape, self.axes, self.keepdims)
@@ -101,7 +101,7 @@ class _Extreme(Function):
         g = _expand(gy, self.x.shape, self.axes, self.keepdims)
         mask = self.x == self.y_keep
         count = mask.sum(axis=self.axes, keepdims=True)
-        return g * mask / count
+        return g * mask / count.astype(g.dtype)
 
 
 class Max(_Extreme):

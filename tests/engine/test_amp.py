@@ -356,3 +356,26 @@ def test_a_float16_loss_trains_under_the_default_scale():
     results = [amp.train_step(opt, scaler, lambda: (lin(Tensor(x)) - Tensor(y)).abs().mean()) for _ in range(4)]
     assert [r.overflow for r in results] == [True, False, False, False] and scaler.get_scale() == 2.0 ** 15
     assert all(r.stepped for r in results[1:])
+
+
+def test_float16_bias_and_sum_gradients_accumulate_in_float32():
+    # NumPy adds float16 along axis 0 one rounded step at a time: 16,384 rows of ~1 summed to 4096
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 64, 64, 3)).astype(np.float32)
+    gy = rng.uniform(0.75, 1.25, (4, 64, 64, 4)).astype(np.float32)
+    conv = Conv2d(3, 4, 1)
+    y = conv(Tensor(x))
+    want = gy.reshape(-1, 4).sum(axis=0, dtype=np.float64)
+    with autocast():
+        y = conv(Tensor(x))
+    assert y.dtype == np.float16
+    y.backward(gy.astype(np.float16))
+    np.testing.assert_allclose(conv.bias.grad, want, rtol=2e-3)
+    lin = Linear(3, 4)
+    with autocast():
+        z = lin(Tensor(rng.standard_normal((8192, 3)).astype(np.float32)))
+    gz = rng.uniform(0.75, 1.25, (8192, 4))
+    z.backward(gz.astype(np.float16))
+    np.testing.assert_allclose(lin.bias.grad, gz.astype(np.float16).astype(np.float64).sum(axis=0), rtol=2e-3)
+    quarters = Tensor(np.full((16384, 2), 0.25, np.float16))
+    assert quarters.sum(axis=0).data.tolist() == [4096.0, 4096.0]  # stalled at 512 before

@@ -348,3 +348,32 @@ def test_a_checkpoints_extra_takes_numpy_numbers_and_names_what_it_cannot_write(
     assert not (tmp_path / "d.npz").exists()
     with pytest.raises(TypeError, match=r"checkpoint extra cannot be written as JSON"):
         save_checkpoint(tmp_path / "d.npz", nn.Linear(2, 2), extra=[object()])
+
+
+@pytest.mark.parametrize("dtype,x", [(np.float32, -20.0), (np.float32, -80.0), (np.float64, -40.0), (np.float64, 30.0)])
+def test_sigmoid_keeps_its_relative_precision_far_from_zero(dtype, x):
+    got = ops.sigmoid(Tensor(np.array([x], dtype))).data
+    want = 1.0 / (1.0 + np.exp(-np.float64(x)))
+    assert got.dtype == dtype
+    np.testing.assert_allclose(got, [want], rtol=4 * np.finfo(dtype).eps)  # the tanh form gave 0 below about -17
+    assert np.isfinite(np.log(got)).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("pick", ["Max", "Min"])
+def test_max_and_min_hand_back_gradients_in_the_input_dtype(dtype, pick):
+    from leaflens.engine.ops import reduce
+
+    fn = getattr(reduce, pick)(axis=1, keepdims=False)
+    fn.forward(np.array([[1.0, 3.0, 3.0], [2.0, 0.0, 5.0]], dtype))
+    g = fn.backward(np.ones(2, dtype))
+    assert g.dtype == dtype  # was float64 (divided by an int64 count): all of backward upstream went float64
+    np.testing.assert_array_equal(g, np.array([[0, 0.5, 0.5], [0, 0, 1]] if pick == "Max" else [[1, 0, 0], [0, 1, 0]],
+                                              dtype))
+
+
+def test_float16_l2_normalize_of_a_zero_row_is_zero_not_nan():
+    x = Tensor(np.array([[0.0, 0.0, 0.0], [3.0, 4.0, 0.0]], np.float16))
+    y = ops.l2_normalize(x, axis=1).data
+    assert y.dtype == np.float16
+    np.testing.assert_array_equal(y, np.array([[0, 0, 0], [0.6, 0.8, 0]], np.float16))

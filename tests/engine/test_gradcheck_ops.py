@@ -163,3 +163,20 @@ def test_gradcheck_catches_a_wrong_backward():
 
     with pytest.raises(GradcheckError, match="differs"):
         gradcheck(lambda a: BadSquare()(a), [r(3)])
+
+
+def test_gradcheck_perturbs_transposed_and_sliced_inputs_in_place():
+    # reshaping a non-contiguous array copies it: the check used to perturb the copy, see a numerical
+    # gradient of 0 and report a correct backward as wrong
+    assert gradcheck(lambda a: a * 2.0, [r(4, 3).T])
+    assert gradcheck(lambda a, b: ops.matmul(a, b), [r(4, 3).T, r(8, 5)[::2]])
+
+
+def test_pow_tensor_exponent_gradient_is_zero_where_the_base_is_zero():
+    from leaflens.engine.tensor import Tensor
+
+    a = Tensor(np.array([0.0, 1.0, 2.0]), requires_grad=True)
+    b = Tensor(np.array([2.0, 2.0, 2.0]), requires_grad=True)
+    ops.pow(a, b).sum().backward()
+    np.testing.assert_allclose(b.grad, [0.0, 0.0, 4.0 * np.log(2.0)])  # a**b log a, 0 at a == 0 (was NaN)
+    np.testing.assert_allclose(a.grad, [0.0, 2.0, 4.0])

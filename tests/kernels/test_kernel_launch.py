@@ -265,6 +265,40 @@ def test_softmax_xent_is_stable_for_huge_logits(backend):
     assert np.isfinite(backend.get(stats)).all()
 
 
+def test_softmax_xent_hard_targets_with_a_masked_class(backend):
+    # eps = 0 used to multiply the row's sum of logits (-inf) by 0: NaN on the GPU, a finite loss on the CPU
+    logits = np.array([[1.0, -np.inf, 2.0, 0.5], [0.3, 0.2, -np.inf, 0.1]], np.float32)
+    targets = np.array([0, 3], np.int64)
+    loss, stats = softmax_xent_forward_cuda(backend.put(logits), backend.put(targets))
+    want_loss, want_d = engine_xent(logits, targets, 0.0, 1.0)
+    assert np.isfinite(want_loss)
+    close(float(backend.get(loss)), want_loss)
+    close(backend.get(softmax_xent_backward_cuda(backend.put(logits), backend.put(targets), stats, 1.0)), want_d)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("soft", [False, True])
+def test_softmax_xent_loss_keeps_its_digits_for_large_logits(backend, smoothing, soft):
+    # lse - z_t from two logits of 3e4 lost 1e-4 of a loss of 5 in float32; shifted sums keep it
+    if soft and smoothing:
+        pytest.skip("smoothing applies to class-index targets only")
+    rng = np.random.default_rng(3)
+    z = (rng.standard_normal((64, 10)) * 2 + 3e4).astype(np.float32)
+    z64 = z.astype(np.float64)
+    logp = z64 - log_sum_exp(z64)[:, None]
+    if soft:
+        q = rng.random((64, 10)).astype(np.float32)
+        targets = backend.put(q)
+    else:
+        t = rng.integers(0, 10, 64).astype(np.int64)
+        q = np.full((64, 10), smoothing / 10)
+        q[np.arange(64), t] += 1 - smoothing
+        targets = backend.put(t)
+    want = -(q.astype(np.float64) * logp).sum(axis=1).mean()
+    loss, _ = softmax_xent_forward_cuda(backend.put(z), targets, label_smoothing=smoothing)
+    np.testing.assert_allclose(float(backend.get(loss)), want, rtol=1e-5)
+
+
 def test_softmax_xent_bad_targets(backend):
     logits = backend.put(np.zeros((2, 3), np.float32))
     with pytest.raises(ValueError, match="outside"):

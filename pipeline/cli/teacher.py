@@ -50,9 +50,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--input-size", type=int,
                    help="teacher input size (EfficientNet: teacher.input_size, smaller is faster; ONNX: from the "
                         "model unless given)")
-    p.add_argument("--layout", choices=["NCHW", "NHWC"], help="ONNX encoder input layout")
-    p.add_argument("--mean", type=float, nargs=3, help="ONNX encoder input mean (on the [0,1] scale)")
-    p.add_argument("--std", type=float, nargs=3, help="ONNX encoder input std (on the [0,1] scale)")
+    p.add_argument("--layout", choices=["NCHW", "NHWC"],
+                   help="ONNX encoder input layout (default: the model's metadata, else guessed from its input shape)")
+    p.add_argument("--mean", type=float, nargs=3, metavar=("R", "G", "B"),
+                   help="ONNX encoder input mean on the [0,1] scale (default: the model's metadata, else 0.5 each; "
+                        "ImageNet: 0.485 0.456 0.406)")
+    p.add_argument("--std", type=float, nargs=3, metavar=("R", "G", "B"),
+                   help="ONNX encoder input std on the [0,1] scale (default: the model's metadata, else 0.5 each; "
+                        "ImageNet: 0.229 0.224 0.225)")
     p.add_argument("--output", help="ONNX output holding the features (default: the first)")
     p.add_argument("--from-arrays", action="store_true",
                    help="upsample the stored dataset arrays instead of decoding the original photos again")

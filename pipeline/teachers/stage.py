@@ -215,8 +215,8 @@ def _finite(values: Any, dtype: Any, what: str, split: str, encoder: Any) -> np.
     if not np.isfinite(stored).all():
         bad = int((~np.isfinite(stored)).any(axis=1).sum())
         raise TeacherStageError(f"the {_source_of(encoder)} gives {what} that are NaN or inf as {np.dtype(dtype).name} "
-                                f"for {bad} '{split}' photo(s): check the model's output (or the file's values) "
-                                "before using it as a teacher")
+                                f"for {bad} of the {len(stored)} '{split}' photos of the first batch found with them: "
+                                "check the model's output (or the file's values) before using it as a teacher")
     return stored
 
 
@@ -314,6 +314,7 @@ class ArrayEncoder:
     """
 
     sees_images = False
+    notes: list[str] = []  # what the stage should tell the user about the source (set by make_encoder)
     view_encoder: Any = None
     network: Any = None  # the whole fine-tuned network, when the teacher has one to serve
 
@@ -388,6 +389,7 @@ def read_features_source(path: Path, ds: Any) -> tuple[dict[str, np.ndarray], di
     """A folder of ``features_<split>.npy`` (+ ``logits_<split>.npy``) or one ``.npz`` with those keys."""
     feats: dict[str, np.ndarray] = {}
     logits: dict[str, np.ndarray] = {}
+    names: dict[str, list[str]] = {}  # optional row names (files_<split>): the row order is then checked
     if path.is_dir():
         made_for = _teacher_dataset(path)
         if made_for is not None and made_for != manifest_sha256(ds.root):
@@ -401,6 +403,8 @@ def read_features_source(path: Path, ds: Any) -> tuple[dict[str, np.ndarray], di
             feats[split] = _load_array(path / fname)
             if (path / lname).is_file():
                 logits[split] = _load_array(path / lname)
+            if (path / f"files_{split}.txt").is_file():
+                names[split] = (path / f"files_{split}.txt").read_text(encoding="utf-8").splitlines()
     elif path.suffix == ".npz" and path.is_file():
         try:
             with np.load(path, allow_pickle=False) as z:
@@ -411,6 +415,8 @@ def read_features_source(path: Path, ds: Any) -> tuple[dict[str, np.ndarray], di
                     feats[split] = z[key]
                     if f"logits_{split}" in z.files:
                         logits[split] = z[f"logits_{split}"]
+                    if f"files_{split}" in z.files:
+                        names[split] = [str(v) for v in np.asarray(z[f"files_{split}"]).reshape(-1)]
         except (OSError, ValueError, TypeError, zipfile.BadZipFile, AttributeError) as exc:
             if isinstance(exc, TeacherStageError):
                 raise
@@ -431,7 +437,55 @@ def read_features_source(path: Path, ds: Any) -> tuple[dict[str, np.ndarray], di
                 raise TeacherStageError(f"{path}: {kind} for '{split}' contain NaN or inf")
     if logits and set(logits) != set(feats):
         raise TeacherStageError(f"{path}: logits are given for some splits only ({sorted(logits)})")
+    for split, given in names.items():
+        _check_row_names(path, split, given, list(ds[split].files))
+    with np.errstate(over="ignore"):  # values beyond float32 are refused as inf when written, with their own words
+        train = np.asarray(feats["train"]).astype(np.float32) if "train" in feats else None
+    if (train is not None and len(train) > 1 and np.isfinite(train).all()
+            and float(np.ptp(train, axis=0).max()) == 0.0):
+        raise TeacherStageError(f"{path}: every 'train' photo has the same features, so they cannot teach a student "
+                                "anything (its feature loss would have no gradient): check how they were made")
     return feats, (logits or None)
+
+
+def _check_row_names(path: Path, split: str, given: list[str], files: list[str]) -> None:
+    """``files_<split>`` in a features source must list the dataset's photos in the dataset's row order."""
+    if given == files:
+        return
+    if len(given) != len(files):
+        raise TeacherStageError(f"{path}: files_{split} names {len(given)} photos, the dataset's '{split}' split has "
+                                f"{len(files)} ({split}_files.txt)")
+    row = next(i for i, (a, b) in enumerate(zip(given, files)) if a != b)
+    raise TeacherStageError(f"{path}: the rows for '{split}' are not in the dataset's order: row {row} is "
+                            f"{given[row]!r} there, {files[row]!r} in {split}_files.txt; write each split's rows "
+                            f"in the order of the dataset's {split}_files.txt")
+
+
+def features_source_notes(path: Path, feats: dict[str, np.ndarray], logits: dict[str, np.ndarray] | None,
+                          ds: Any) -> list[str]:
+    """A note when a features source's rows look out of order: its logits (else its features' nearest
+    training photo) put no more val photos in their class than chance. Rows are matched to photos by position
+    alone (unless the source names them), so a file written in another order is otherwise taken silently."""
+    if "val" not in ds or ds["val"].labels is None or "train" not in ds or ds.num_classes < 2:
+        return []
+    y_val = np.asarray(ds["val"].labels)
+    if logits is not None:
+        acc, how = float((np.asarray(logits["val"]).argmax(1) == y_val).mean()), "logits put"
+    else:
+        rng = np.random.default_rng(0)  # a sample keeps the check cheap for large sets; it only looks for chance
+        tr = rng.permutation(len(ds["train"]))[:2000]
+        va = rng.permutation(len(y_val))[:500]
+        acc = knn_accuracy(np.asarray(feats["train"], np.float32)[np.sort(tr)],
+                           np.asarray(ds["train"].labels)[np.sort(tr)],
+                           np.asarray(feats["val"], np.float32)[np.sort(va)], y_val[np.sort(va)])
+        how = "features (nearest training photo) put"
+    chance = 1.0 / ds.num_classes
+    if acc > chance:
+        return []
+    return [f"{path.name}'s {how} {100 * acc:.0f} % of the val photos in their class, no better than chance "
+            f"({100 * chance:.0f} %): if the teacher is better than that, its rows are not in the dataset's order. "
+            "Each split's rows must follow the dataset's <split>_files.txt; add files_<split> (those names, in "
+            "order) to the source and the order is checked"]
 
 
 # ---- the whole stage ---------------------------------------------------------------------------------
@@ -566,7 +620,9 @@ def make_encoder(ds: Any, cfg: StageConfig, choice: TeacherChoice, out: Path, fr
         feats, logits = read_features_source(choice.features, ds)
         identity = {"kind": "features-file", "path": str(Path(choice.features).resolve()),
                     "sha256": _features_digest(Path(choice.features), ds)}
-        return ArrayEncoder(feats, logits, choice.features, ds.image_size, identity), {}
+        encoder = ArrayEncoder(feats, logits, choice.features, ds.image_size, identity)
+        encoder.notes = features_source_notes(Path(choice.features), feats, logits, ds)
+        return encoder, {}
     if choice.onnx is not None:
         from leaflens.pipeline.teachers.onnx_encoder import OnnxEncoder  # noqa: PLC0415
 
@@ -655,6 +711,9 @@ def _run_teacher_stage(dataset_dir: str | os.PathLike[str], out: Path, cfg: Stag
         if work is not None and not continuing and not any(work.rglob("last.npz")):
             shutil.rmtree(work, ignore_errors=True)  # refused (or stopped) before an epoch: nothing to resume
         raise
+    if progress:
+        for note in getattr(encoder, "notes", ()):  # what was assumed about an ONNX encoder's input and output
+            print(f"note: {note}", file=sys.stderr, flush=True)
     recipe = cfg.teacher
     if work is not None and resumes:
         made = {**made, "resumed_with_changes": resumes}

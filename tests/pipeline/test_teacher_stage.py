@@ -29,8 +29,9 @@ def ds_dir(tmp_path_factory):
     return tiny_dataset(tmp_path_factory.mktemp("teacher"), per_class=12, size=16)
 
 
-def _tiny_encoder(path, size=16, dim=6, batch="batch", channels=3, tail=()):
-    """NCHW conv encoder: 3 -> dim channels, global average pool, flatten (then ``tail``'s ops, e.g. "Log")."""
+def _tiny_encoder(path, size=16, dim=6, batch="batch", channels=3, tail=(), pool=True):
+    """NCHW conv encoder: 3 -> dim channels, global average pool, flatten (then ``tail``'s ops, e.g. "Log");
+    without ``pool``, its output is the [batch, dim, size, size] feature map."""
     rng = np.random.default_rng(0)
     w = helper.make_tensor("w", TensorProto.FLOAT, [dim, channels, 3, 3],
                            rng.standard_normal((dim, channels, 3, 3)).ravel())
@@ -40,9 +41,13 @@ def _tiny_encoder(path, size=16, dim=6, batch="batch", channels=3, tail=()):
              helper.make_node("Flatten", ["g"], ["features" if not tail else "f0"])]
     for i, op in enumerate(tail):
         nodes.append(helper.make_node(op, [f"f{i}"], ["features" if i == len(tail) - 1 else f"f{i + 1}"]))
+    out_shape = [batch, dim]
+    if not pool:
+        nodes = nodes[:1] + [helper.make_node("Relu", ["c"], ["features"])]
+        out_shape = [batch, dim, size, size]
     graph = helper.make_graph(nodes, "enc", [helper.make_tensor_value_info("input", TensorProto.FLOAT,
                                                                            [batch, channels, size, size])],
-                              [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", dim])], [w])
+                              [helper.make_tensor_value_info("features", TensorProto.FLOAT, out_shape)], [w])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.save(model, path)
@@ -137,6 +142,28 @@ def test_onnx_encoders_that_cannot_teach_are_refused_by_name(ds_dir, tmp_path, c
                                load_teacher(tmp_path / "t2", ds).features["val"], rtol=1e-5, atol=1e-6)
 
 
+def test_onnx_encoders_with_a_fixed_batch_or_a_feature_map_teach_and_say_what_was_assumed(ds_dir, tmp_path, capsys):
+    """A graph exported for batches of 4 runs on splits that do not divide by 4 (the last batch is padded,
+    its padding's rows dropped); a feature map is averaged over its positions, not flattened; the layout
+    and the normalisation the model does not record are said, not silently assumed."""
+    ds = load_dataset(ds_dir)
+    assert any(len(ds[s]) % 4 for s in ds.splits)
+    runs = {}
+    for name, kw in [("dyn", {}), ("four", {"batch": 4}), ("map", {"pool": False})]:
+        enc = _tiny_encoder(tmp_path / f"{name}.onnx", **kw)
+        assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / name), "--onnx", str(enc)]) == 0
+        runs[name] = (load_teacher(tmp_path / name, ds), capsys.readouterr().err)
+    dyn, said = runs["dyn"]
+    assert "note: dyn.onnx records no normalisation: its input is (pixel / 255 - 0.5) / 0.5" in said
+    assert "note: dyn.onnx: input 'input' [batch, 3, 16, 16] read as NCHW; --layout sets it" in said
+    for name in ("four", "map"):
+        tt = runs[name][0]
+        assert tt.feature_dim == 6
+        np.testing.assert_allclose(tt.features["val"], dyn.features["val"], rtol=1e-5, atol=1e-6)
+    assert "output 'features' [batch, 6, 16, 16] is averaged over axes [2, 3] into 6 features a photo" in runs["map"][1]
+    assert runs["map"][0].info.teacher["pooled_axes"] == [2, 3]
+
+
 def test_features_files_that_cannot_teach_are_refused_by_name(ds_dir, tmp_path, capsys):
     """Logits for another class count, a pickled .npz (never loaded), values that overflow float32, and a
     teacher folder made for another dataset (its rows are other photos); the identity pins the content."""
@@ -170,6 +197,38 @@ def test_features_files_that_cannot_teach_are_refused_by_name(ds_dir, tmp_path, 
     assert cli(["teacher", "--dataset", str(other), "--out", str(tmp_path / "t"), "--features",
                 str(tmp_path / "made")]) == 1
     assert "is a teacher folder made for another dataset" in capsys.readouterr().err
+
+
+def test_a_features_source_out_of_the_dataset_s_row_order_is_caught(ds_dir, tmp_path, capsys):
+    """Rows are matched to photos by position: a source that names its rows (files_<split>) is checked
+    against <split>_files.txt; one that does not but whose logits are no better than chance on val is
+    noted; constant features (no gradient for the feature loss) are refused."""
+    ds = load_dataset(ds_dir)
+    good = class_features(ds_dir, tmp_path / "good", dim=8)
+    arrays = {f"{kind}_{s}": np.load(good / f"{kind}_{s}.npy") for s in ds.splits for kind in ("features", "logits")}
+    named = {**arrays, **{f"files_{s}": np.array(ds[s].files) for s in ds.splits}}
+    np.savez(tmp_path / "named.npz", **named)
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--features",
+                str(tmp_path / "named.npz")]) == 0
+    assert "no better than chance" not in capsys.readouterr().err
+    swapped = dict(named)
+    swapped["files_val"] = named["files_val"][::-1]
+    np.savez(tmp_path / "swapped.npz", **swapped)
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t2"), "--features",
+                str(tmp_path / "swapped.npz")]) == 1
+    err = capsys.readouterr().err
+    assert "the rows for 'val' are not in the dataset's order: row 0 is" in err and not (tmp_path / "t2").exists()
+    reordered = class_features(ds_dir, tmp_path / "reordered", dim=8)
+    for kind in ("features", "logits"):
+        a = np.load(reordered / f"{kind}_val.npy")
+        np.save(reordered / f"{kind}_val.npy", np.roll(a, len(a) // 2, axis=0))  # every val row another photo's
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t3"), "--features",
+                str(reordered)]) == 0
+    assert "logits put 0 % of the val photos in their class, no better than chance" in capsys.readouterr().err
+    flat = class_features(ds_dir, tmp_path / "flat", dim=8)
+    np.save(flat / "features_train.npy", np.zeros((len(ds["train"]), 8), np.float32))
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t4"), "--features", str(flat)]) == 1
+    assert "every 'train' photo has the same features" in capsys.readouterr().err
 
 
 def test_not_an_onnx_file_is_refused(ds_dir, tmp_path, capsys):

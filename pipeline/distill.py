@@ -211,6 +211,8 @@ def _run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.Path
     few = few_validation_photos(counts["val"])
     if few:
         print(f"warning: {few}", file=sys.stderr, flush=True)
+    # the teacher's network for the training loop is loaded (and refused) here, before any folder is made
+    online = _online_teacher(ds, cfg, tt, progress) if tt is not None and cfg.distill.teacher_online else None
     inputs = run_inputs(ds, tt)
     previous: str | None = None  # the interrupted run's config.toml, put back when its resume is refused
     if resume and work.exists():
@@ -244,7 +246,7 @@ def _run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.Path
                                                        "changed": {k: list(v) for k, v in changed.items()}}])
     write_text_atomic(work / "config.toml", dump_toml(cfg))
     try:
-        return _train_and_report(ds, cfg, tt, work, out, resume, progress)
+        return _train_and_report(ds, cfg, tt, work, out, resume, progress, online)
     except (ValueError, CheckpointError):
         if previous is not None:  # a refused resume leaves the interrupted run as it was
             write_text_atomic(work / "config.toml", previous)
@@ -276,8 +278,9 @@ def config_changes(before: str, after: str) -> dict[str, tuple[Any, Any]]:
 
 
 def _train_and_report(ds: Any, cfg: StageConfig, tt: Any, work: Path, out: Path, resume: bool,
-                      progress: bool) -> dict[str, Any]:
-    """Train the students in ``work``, choose the kept model, write the report and put ``work`` in place."""
+                      progress: bool, online: tuple[Any, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Train the students in ``work``, choose the kept model, write the report and put ``work`` in place
+    (``online``: the teacher in the training loop and its record, from :func:`_online_teacher`)."""
     train, val = ds["train"], ds["val"]
     mean, std = ds.mean, ds.std
     input_size = student_input_size(cfg, ds.image_size)
@@ -305,8 +308,8 @@ def _train_and_report(ds: Any, cfg: StageConfig, tt: Any, work: Path, out: Path,
             features=ConcatImages([tt.features[p] for p in parts]),
             logits=ConcatImages([tt.logits[p] for p in parts]) if tt.has_logits else None)
         variants["distilled"].trunk_from, trunk_info = _trunk_init(cfg, tt, progress)
-        if cfg.distill.teacher_online:
-            variants["distilled"].online, online_info = _online_teacher(ds, cfg, tt, progress)
+        if online is not None:
+            variants["distilled"].online, online_info = online
         elif tt.views and cfg.distill.same_view:
             missing = [p for p in parts if p not in tt.views]
             if missing:
@@ -536,8 +539,15 @@ def _teacher_candidate(ds: Any, tt: Any, threads: int) -> tuple[dict[str, Any] |
     except served_teacher.TeacherNotServable as exc:
         return None, str(exc)
     if served is None:
-        return None, (f"{tt.root} holds no servable teacher (made before teachers were served, or not a fine-tuned "
-                      "EfficientNet): run `leaflens teacher` again to make it a candidate")
+        ident = tt.info.teacher if isinstance(tt.info.teacher, dict) else {}
+        kind = ident.get("kind")
+        if kind == "efficientnet-lite0" and ident.get("fine_tuned"):
+            return None, (f"{tt.root} holds no servable teacher (made before teachers were served): run "
+                          "`leaflens teacher` again to make it a candidate")
+        what = {"onnx": "an ONNX encoder's features", "features-file": "a features file",
+                "train-cnn": "the --train-cnn teacher", "efficientnet-lite0": "the frozen EfficientNet (--frozen)"}
+        return None, (f"{tt.root} is {what.get(str(kind), f'a {kind} teacher')}: only the fine-tuned EfficientNet "
+                      "teacher (`leaflens teacher` with its defaults) is served, so only it can be kept")
     if not served.written:
         return None, f"the teacher stage did not write teacher.onnx: {served.reason}"
     if not tt.has_logits:
@@ -683,6 +693,7 @@ def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold,
         "test": chosen.get("test_summary"),
         "classes": ds.classes,
         "teacher": None if teacher_info is None else teacher_info.teacher,
+        "teacher_has_logits": None if teacher_info is None else bool(teacher_info.num_classes),
         "config": cfg.to_dict(),
         "hardware": describe_hardware(device=results[best_student].device),
         "dataset": {"root": str(Path(ds.root).resolve()), "counts": {s: len(ds[s]) for s in ds.splits},

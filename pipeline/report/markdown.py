@@ -273,9 +273,11 @@ def _photos_learned_from(report: Mapping[str, Any]) -> list[str]:
         said = [f"Both students learned from the same {labelled:,} labelled training photos; there were no "
                 "unlabelled photos, which is where a teacher helps most."]
     else:
+        taught = ("the teacher's features only: it gives no answers to stand in for the withheld labels"
+                  if report.get("teacher_has_logits") is False
+                  else "the teacher's answers standing in for the withheld labels")
         said = [f"The distilled student learned from {labelled:,} labelled and {unlabelled:,} unlabelled photos "
-                f"(the teacher's answers standing in for the withheld labels); the scratch student from the "
-                f"{labelled:,} labelled ones only."]
+                f"({taught}); the scratch student from the {labelled:,} labelled ones only."]
     return said
 
 
@@ -419,6 +421,10 @@ def _facts_section(report: Mapping[str, Any]) -> list[str]:
         shown = {k: teacher[k] for k in ("kind", "name", "fine_tuned", "params") if k in teacher}
         if teacher.get("weights"):
             shown["weights"] = Path(str(teacher["weights"])).name
+        if teacher.get("path"):  # an ONNX encoder or features file: which one, and its content
+            shown["file"] = f"`{Path(str(teacher['path'])).name}`"
+        if teacher.get("sha256"):
+            shown["sha256"] = str(teacher["sha256"]).removeprefix("sha256:")[:12]
         described = ", ".join(f"{k} {v}" for k, v in shown.items())
         lines.append(f"- Teacher: {described or 'recorded in report.json'}")
     elif teacher:

@@ -165,6 +165,8 @@ def test_report_says_how_many_unlabelled_photos_the_distilled_student_learned_fr
     text = report_md.render_report(tmp_path, report(dataset={"counts": {"train": 600, "val": 180, "test": 180}}))
     assert "same 600 labelled training photos; there were no unlabelled photos" in text
     assert "learned from" not in report_md.render_report(tmp_path, report())  # not recorded: nothing invented
+    text = report_md.render_report(tmp_path, report(dataset={"counts": counts}, teacher_has_logits=False))
+    assert "(the teacher's features only: it gives no answers to stand in for the withheld labels)" in text
     also = {"folders": ["/srv/corrections"], "counts": {"train": 5, "val": 1, "test": 2}}
     for ds in ({"counts": counts, "also": also}, {"also": also}):  # said whichever students were trained
         text = report_md.render_report(tmp_path, report(dataset=ds, candidates={}))

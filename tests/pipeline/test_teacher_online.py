@@ -142,6 +142,7 @@ def test_a_teacher_without_a_network_is_refused_before_anything_trains(tiny, tmp
     with pytest.raises(TeacherOnlineError, match=r"model\.npz.*teacher_online = false"):
         run_distill(ds_dir, tmp_path / "t", tmp_path / "run", _cfg(), progress=False)
     assert not (tmp_path / "run").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t"]  # no run.partial left behind either
 
 
 def test_distill_with_the_teacher_online_resumes_exactly(tiny, monkeypatch):

@@ -213,8 +213,12 @@ def test_distill_says_why_a_teacher_without_a_served_model_is_no_candidate(tmp_p
                 "--set", "train.epochs=1", "--set", "train.min_steps=0", "--set", "model.widths=[4]", "--quiet"]) == 0
     sel = json.loads((tmp_path / "r" / "report.json").read_text())["selection"]
     assert [c["name"] for c in sel["candidates"]] == ["distilled", "scratch"]
-    assert "holds no servable teacher" in sel["teacher_unavailable"]
-    assert "The teacher was not a candidate" in (tmp_path / "r" / "report.md").read_text()
+    # not "run leaflens teacher again": that can never make a features file a candidate
+    assert "is a features file: only the fine-tuned EfficientNet teacher" in sel["teacher_unavailable"]
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "The teacher was not a candidate" in md
+    assert "- Teacher: kind features-file, file `feats`, sha256 " not in md  # this teacher recorded no digest
+    assert "- Teacher: kind features-file, file `feats`" in md  # which file taught, not only its kind
 
 
 def test_a_teacher_onnx_that_cannot_be_made_leaves_the_features_and_says_why(tmp_path, monkeypatch):

@@ -281,6 +281,16 @@ def _assign(scan: ScanResult, kept: list[int], digests: list[bytes], units: list
             rejects.append({"path": f.rel, "label": f.label, "split": f.split, "reason": "duplicate_of_source",
                             "detail": f"same bytes and class as {twin.rel}, kept where the source has it"})
         extra_rows = keep_extra
+        # An unlabelled photo someone labelled (in the web app) is now the extra photo: its unlabelled copy is
+        # left out, or the teacher and students would train on a photo that val or test then scores.
+        labelled_by = {digests[r]: files[kept[r]] for r in extra_rows}
+        for r, i in enumerate(kept):
+            if files[i].label < 0 and digests[r] in labelled_by:
+                out[r] = None
+                rejects.append({"path": files[i].rel, "label": -1, "split": files[i].split,
+                                "reason": "labelled_by_correction",
+                                "detail": f"the --also photo {labelled_by[digests[r]].rel} (same bytes) gives it a "
+                                          "label, so it is no longer an unlabelled photo"})
     if scan.layout == "split_folders":
         rows = source_rows + extra_rows
         given = [_given_split(files[kept[r]]) for r in rows]
@@ -818,10 +828,14 @@ def _split_and_check(scan: ScanResult, decoded: _Decoded, opts: IngestOptions, w
     rejects_before = len(decoded.rejects)
     assigned = _assign(scan, kept, decoded.digests, units, opts, decoded.rejects, source_units)
     twice = sum(r["reason"] == "duplicate_of_source" for r in decoded.rejects[rejects_before:])
-    exact_dropped = len(decoded.rejects) - rejects_before - twice
+    labelled_now = sum(r["reason"] == "labelled_by_correction" for r in decoded.rejects[rejects_before:])
+    exact_dropped = len(decoded.rejects) - rejects_before - twice - labelled_now  # copies across given splits
     if twice:
         log(f"note: {twice} photo(s) of --also are already in the source under the same class (same bytes): left "
             "out, and the source's copy stays in its split")
+    if labelled_now:
+        log(f"note: {labelled_now} unlabelled photo(s) have a label now from --also (same bytes): the labelled "
+            "copy is used, the unlabelled one left out (labelled_by_correction in rejected.jsonl)")
     t_checks = time.perf_counter()
     rows = [r for r in lab_rows if assigned[r] is not None]
     # The groups among the photos kept: an exact copy left out of a later split had its twin's hashes,

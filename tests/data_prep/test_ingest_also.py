@@ -372,3 +372,29 @@ def test_class_names_in_two_unicode_forms_are_one_name(tmp_path, capsys):
     shutil.copytree(src / composed, src / decomposed)
     with pytest.raises(ScanError, match=r"same name written in two Unicode forms \(U\+0301 and U\+00E9"):
         scan_source(src)
+
+
+def test_an_unlabelled_photo_labelled_in_the_app_leaves_the_unlabelled_pool(tmp_path):
+    """The web app's correction of a photo from unlabeled/ is the same bytes under a class: it used to join
+    val or test while its unlabelled copy stayed for the teacher and students to train on (a leak preprocess
+    then warned about). The unlabelled copy is left out now, and said."""
+    src = make_class_folders(tmp_path / "photos", per_class=8)
+    (src / "unlabeled").mkdir()
+    for i in range(6):
+        (src / "unlabeled" / f"u{i}.jpg").write_bytes(encode(photo(7000 + i, COLOURS["rust"])))
+    extra = tmp_path / "corrections"
+    (extra / "rust").mkdir(parents=True)
+    for i in range(6):  # enough that some land in val or test by their bytes
+        (extra / "rust" / f"c{i}.jpg").write_bytes((src / "unlabeled" / f"u{i}.jpg").read_bytes())
+    said: list[str] = []
+    ingest(src, tmp_path / "ds", IngestOptions(size=16), workers=1, also=[extra], log=said.append)
+    ds = load_dataset(tmp_path / "ds")
+    assert "unlabeled" not in ds.splits or not len(ds["unlabeled"])  # all six have their label now
+    labelled = [f for s in ("train", "val", "test") for f in ds[s].files if f.startswith(str(extra.resolve()))]
+    assert len(labelled) == 6
+    assert any(str(extra.resolve()) in f for s in ("val", "test") for f in ds[s].files)  # the case that leaked
+    rejected = [json.loads(line) for line in (tmp_path / "ds" / "rejected.jsonl").read_text().splitlines()]
+    assert sorted(r["path"] for r in rejected if r["reason"] == "labelled_by_correction") == \
+        [f"unlabeled/u{i}.jpg" for i in range(6)]
+    assert any("6 unlabelled photo(s) have a label now from --also" in m for m in said)
+    assert not any("leakage" in m and "unlabelled" in m for m in said)

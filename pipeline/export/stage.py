@@ -56,10 +56,12 @@ from leaflens.engine.nn import Module
 from leaflens.engine.onnx_export import IR_VERSION, OPSET, convert_float16, export_onnx, save_onnx
 from leaflens.files import (
     NotOurFolderError,
+    OutputBusy,
     check_replaceable,
     clean_stale_temps,
     find_moved,
     new_temp_dir,
+    output_lock,
     stage_folder_above,
     swap_into_place,
     write_json_atomic,
@@ -410,6 +412,14 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
     _check_out(out)
     if not triton_inside:
         _check_triton_target(triton_root, opts.name)
+    # a second export to the same folder (or Triton model) is refused while this one runs, not raced: the
+    # loser's summary would describe files the winner replaced
+    try:
+        stack.enter_context(output_lock(out, "export"))
+        if not triton_inside:
+            stack.enter_context(output_lock(triton_root / opts.name, "export"))
+    except OutputBusy as exc:
+        raise ExportFailed(str(exc)) from None
     model, info = load_model(opts.run)
     ds = load_dataset(opts.dataset if opts.dataset is not None else run_dataset(info, Path(opts.run)))
     warnings = _check_dataset(info, ds, opts)

@@ -495,6 +495,22 @@ def test_wrong_dataset_and_foreign_output_are_refused(tiny_run, tmp_path, capsys
     assert not (tmp_path / "e").exists()
 
 
+def test_a_second_export_to_a_folder_being_written_is_refused(tiny_run, tmp_path, capsys):
+    """Two exports to one --out both exited 0 and the last one won; the first's summary then described files
+    that were no longer there. The folder (and a separate Triton model folder) is held for the whole run."""
+    from leaflens.files import output_lock  # noqa: PLC0415
+
+    run, dataset = tiny_run
+    with output_lock(tmp_path / "e", "export"):
+        assert main(["export", "--run", str(run), "--out", str(tmp_path / "e"), "--dataset", str(dataset)]) == 1
+        assert f"{tmp_path / 'e'} is being written by leaflens export" in capsys.readouterr().err
+    with output_lock(tmp_path / "repo" / "leaflens_student", "export"):
+        assert main(["export", "--run", str(run), "--out", str(tmp_path / "e2"), "--dataset", str(dataset),
+                     "--triton", str(tmp_path / "repo")]) == 1
+        assert "repo/leaflens_student is being written by leaflens export" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists() and not (tmp_path / "e2").exists()
+
+
 def _info(root: str | None, digest: str | None) -> Any:
     from types import SimpleNamespace  # noqa: PLC0415
 

@@ -50,7 +50,7 @@ from leaflens.pipeline.export.quantize import (
 )
 
 OLD_RECIPE = Int8Recipe(calibration="minmax", calib_images=256, per_channel=True, float_first_conv=False,
-                        float_classifier=False, activations="uint8")
+                        float_classifier=False, activations="uint8", reduce_range=False)
 NEW_RECIPES = int8_ladder()
 MAX_DROP = 0.01  # the export rule's default (ExportOptions.int8_max_drop)
 
@@ -76,6 +76,7 @@ def grid_recipes() -> dict[str, Int8Recipe]:
         out[f"minmax 1024 images, {st}"] = replace(OLD_RECIPE, calib_images=1024, **STRUCTURES[st])
         out[f"minmax per-tensor weights, {st}"] = replace(OLD_RECIPE, per_channel=False,
                                                           **STRUCTURES[st])
+        out[f"minmax 7-bit weights, {st}"] = replace(OLD_RECIPE, reduce_range=True, **STRUCTURES[st])
     return out
 
 

@@ -74,6 +74,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    default=default.float_classifier, help="keep the classifier in float (default: yes)")
     p.add_argument("--int8-activations", choices=("uint8", "int8"), default=default.activations,
                    help="INT8 activation type (default uint8; weights are always int8)")
+    p.add_argument("--int8-weight-bits", type=int, choices=(7, 8), default=7 if default.reduce_range else 8,
+                   help="bits of the INT8 weights (default 8). 7 (-64..64) for x86 CPUs without VNNI (most before "
+                        "2020): they sum int8 products in 16 bits, which 8-bit weights can saturate, so a file "
+                        "checked on a VNNI CPU (parity.json's int8.checked_on) may score lower there")
     p.add_argument("--speed-seconds", type=float, default=1.0,
                    help="time spent timing each variant on the CPU (default 1.0)")
     p.add_argument("--threads", type=int, default=None, help="onnxruntime CPU threads (default: usable CPUs)")
@@ -92,7 +96,8 @@ def int8_recipes(args: argparse.Namespace) -> tuple[Int8Recipe, ...]:
     base = Int8Recipe(calibration=args.int8_calibration, percentile=args.int8_percentile,
                       calib_images=args.calib_images, per_channel=args.int8_per_channel,
                       float_first_conv=args.int8_float_first_conv == "yes",
-                      float_classifier=args.int8_float_classifier, activations=args.int8_activations)
+                      float_classifier=args.int8_float_classifier, activations=args.int8_activations,
+                      reduce_range=args.int8_weight_bits == 7)
     return int8_ladder(base) if args.int8_float_first_conv == "auto" else (base,)
 
 

@@ -73,6 +73,7 @@ from leaflens.pipeline.export import parity, triton
 from leaflens.pipeline.export.quantize import (
     Int8Recipe,
     calibration_indices,
+    cpu_int8_dot,
     int8_ladder,
     int8_shortfall,
     quantize_int8,
@@ -523,7 +524,7 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
         val, val_ood = parity.engine_and_onnx_outputs(exported, sessions, split_images, mean, std, opts.batch)
         int8: dict[str, Any] | None = None  # parity.json's "int8" entry: the recipes tried and the verdict
         if opts.int8:
-            int8 = {"max_drop": opts.int8_max_drop, "attempts": []}
+            int8 = {"max_drop": opts.int8_max_drop, "attempts": [], "checked_on": cpu_int8_dot()}
             if split != "val":  # the rule is judged on the validation split, never on test
                 _skip_int8(int8, f"dataset {ds.root} has no labelled validation split to check INT8 on", opts, log)
             else:

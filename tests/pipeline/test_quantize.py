@@ -144,6 +144,27 @@ def test_per_tensor_weights_have_one_scale(fp32, images, tmp_path):
     assert weight_scale_sizes(per_tensor.path) == {1}
 
 
+def test_7_bit_weights_are_what_no_cpu_saturates(fp32, images, tmp_path):
+    """x86 CPUs without VNNI sum uint8 x int8 products in pairs into 16 bits: 255 * 127 * 2 overflows it, 255 * 64
+    * 2 does not. reduce_range keeps every quantised weight within -64..64; the default uses all 8 bits."""
+    def weight_range(path: Path) -> tuple[int, int]:
+        graph = _graph(path)
+        inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+        ws = [inits[n.input[0]] for n in graph.node
+              if n.op_type == "DequantizeLinear" and inits.get(n.input[0]) is not None
+              and inits[n.input[0]].dtype == np.int8 and inits[n.input[0]].ndim == 4]
+        return min(int(w.min()) for w in ws), max(int(w.max()) for w in ws)
+
+    seven = quantize_int8(fp32, tmp_path / "w7.onnx", images, MEAN, STD, replace(ALL_QUANTISED, reduce_range=True))
+    eight = quantize_int8(fp32, tmp_path / "w8.onnx", images, MEAN, STD, ALL_QUANTISED)
+    lo, hi = weight_range(seven.path)
+    assert -64 <= lo and hi <= 64 and hi - lo > 100  # the 7-bit range, used
+    lo, hi = weight_range(eight.path)
+    assert lo < -64 or hi > 64
+    assert "8-bit weights" in Int8Recipe().describe()
+    assert "7-bit weights" in Int8Recipe(reduce_range=True).describe()
+
+
 def test_the_rule_allows_at_most_the_given_drop():
     assert int8_shortfall(0.95, 0.95, 0.01) is None
     assert int8_shortfall(0.95, 0.94, 0.01) is None  # exactly one point, despite float rounding
@@ -167,7 +188,7 @@ def test_the_ladder_tries_the_fast_recipe_first():
 def test_recipes_are_checked_and_round_trip():
     r = Int8Recipe(calibration="entropy", calib_images=64, per_channel=False)
     assert Int8Recipe.from_dict(r.to_dict()) == r
-    assert "entropy ranges, per-tensor weights" in r.describe()
+    assert "entropy ranges, per-tensor 8-bit weights" in r.describe()
     with pytest.raises(RecordError, match="calibration"):
         Int8Recipe.from_dict({"calibration": "kl"})
     with pytest.raises(RecordError, match="unknown key 'calib'"):
@@ -188,7 +209,8 @@ def test_export_options_make_the_recipes_tried():
     assert export_cli.int8_recipes(parser.parse_args(["export", "--int8-float-first-conv", "no"])) == (Int8Recipe(),)
     args = parser.parse_args(["export", "--int8-float-first-conv", "yes", "--int8-calibration", "percentile",
                               "--int8-percentile", "99.9", "--calib-images", "64", "--no-int8-per-channel",
-                              "--no-int8-float-classifier", "--int8-activations", "int8"])
+                              "--no-int8-float-classifier", "--int8-activations", "int8", "--int8-weight-bits", "7"])
     assert export_cli.int8_recipes(args) == (Int8Recipe(calibration="percentile", percentile=99.9, calib_images=64,
                                                         per_channel=False, float_first_conv=True,
-                                                        float_classifier=False, activations="int8"),)
+                                                        float_classifier=False, activations="int8",
+                                                        reduce_range=True),)

@@ -31,7 +31,7 @@ from typing import Literal
 import numpy as np
 
 from leaflens.columns import display_width, pad_right
-from leaflens.cpus import usable_cpus, worker_context
+from leaflens.cpus import usable_cpus, worker_pool
 from leaflens.data_prep import decode
 from leaflens.data_prep.arrays import NpyRowWriter, sha256_file
 from leaflens.data_prep.contract import decode_stored
@@ -198,13 +198,12 @@ def _decode_all(files: list[SourceFile], opts: IngestOptions, staging: Path | No
     keep_pixels = staging is not None
     bar = tqdm(total=total, desc="decode" if keep_pixels else "check", unit="img", disable=not progress,
                file=sys.stderr)
-    pool = None
     try:
-        if workers > 1 and total > 1:
-            pool = worker_context().Pool(workers)
+        parallel = workers > 1 and total > 1
         window = max(64, workers * 128)  # bounded in-flight results: memory stays flat
         chunksize = max(1, min(32, total // (workers * 8) or 1))
-        with open(staging, "wb") if staging is not None else contextlib.nullcontext() as out:
+        with (worker_pool(workers) if parallel else contextlib.nullcontext() as pool,
+              open(staging, "wb") if staging is not None else contextlib.nullcontext() as out):
             for start in range(0, total, window):
                 block = []
                 for i in range(start, min(total, start + window)):
@@ -216,7 +215,7 @@ def _decode_all(files: list[SourceFile], opts: IngestOptions, staging: Path | No
                         bar.update(1)
                         continue
                     block.append((i, f.path, size, opts.resize, opts.max_pixels, keep_pixels))
-                results = pool.imap(_checked_task, block, chunksize) if pool else map(_checked_task, block)
+                results = pool.map(_checked_task, block, chunksize=chunksize) if pool else map(_checked_task, block)
                 for index, digest, pixels, reason, detail, hash_row, meta, seconds in results:
                     check_seconds += seconds
                     if hash_row is None or meta is None or digest is None:  # kept photos come with all three
@@ -235,9 +234,6 @@ def _decode_all(files: list[SourceFile], opts: IngestOptions, staging: Path | No
                     bar.update(1)
     finally:
         bar.close()
-        if pool is not None:
-            pool.terminate()
-            pool.join()
     hash_array = np.stack(hashes) if hashes else np.zeros((0, HASH_COLUMNS), np.uint64)
     colour_array = (np.stack(colours) if colours else
                     np.zeros((0, len(HASH_CROPS), COLOUR_GRID * COLOUR_GRID * 3), np.uint8))

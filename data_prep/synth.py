@@ -41,7 +41,7 @@ from typing import Literal
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from leaflens.cpus import usable_cpus, worker_context
+from leaflens.cpus import usable_cpus, worker_pool
 from leaflens.files import check_replaceable, new_temp_dir, swap_into_place
 from leaflens.records import Record
 
@@ -705,8 +705,8 @@ def generate(out: str | os.PathLike, options: SynthOptions | None = None, *, wor
         rotated = []
         bar = tqdm(total=len(tasks), desc="synth", unit="img", disable=not progress)
         if workers > 1:
-            with worker_context().Pool(workers, initializer=_worker_init) as pool:
-                results = list(r for r in pool.imap(_render_task, tasks, chunksize=16) if not bar.update(1))
+            with worker_pool(workers, initializer=_worker_init) as pool:
+                results = list(r for r in pool.map(_render_task, tasks, chunksize=16) if not bar.update(1))
         else:
             results = [r for r in map(_render_task, tasks) if not bar.update(1)]
         bar.close()

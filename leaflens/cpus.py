@@ -16,9 +16,11 @@ Lives at the package root and imports nothing from leaflens, so every package ma
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Mapping
+import signal
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -181,3 +183,48 @@ def worker_context() -> Any:
     if default.get_start_method() == "fork" and "forkserver" in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("forkserver")
     return default
+
+
+def _worker_start(initializer: Callable[[], None] | None) -> None:
+    """A pool worker leaves Ctrl-C and SIGTERM to the process that started it. The terminal (and ``timeout``, and
+    systemd) signal every process of the group; a worker that dies of it may die half-way through writing a
+    result, and the pool then waits for the rest of that message forever."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if initializer is not None:
+        initializer()
+
+
+@contextlib.contextmanager
+def worker_pool(workers: int, initializer: Callable[[], None] | None = None,
+                stop_seconds: float = 10.0) -> Iterator[Any]:
+    """A ``concurrent.futures.ProcessPoolExecutor`` of ``workers`` processes, for ``pool.map(fn, items,
+    chunksize=...)``.
+
+    Stopped by Ctrl-C or SIGTERM (which the command line turns into KeyboardInterrupt), it never hangs and
+    leaves no process behind: the tasks not started are cancelled, the workers (which ignore both signals)
+    finish the chunk in hand and exit, and the exception goes on; a worker still busy after ``stop_seconds`` (a
+    photo that never finishes decoding) is killed, which is safe as it is not writing a result then. A
+    ``multiprocessing.Pool`` hung here: a worker killed by the signal while it held the pool's task-queue lock,
+    or half-way through a result, left it waiting forever. The workers are started with "spawn", as children of
+    this process: a fork server is one more process the signal kills, after which the pool could no longer
+    tell its workers' state (and a fork of this process could inherit locks its other threads hold).
+    """
+    import multiprocessing  # noqa: PLC0415
+    from concurrent.futures import ProcessPoolExecutor  # noqa: PLC0415
+
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_start,
+                               initargs=(initializer,))
+    try:
+        yield pool
+    except BaseException:
+        procs = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for p in procs:
+            p.join(stop_seconds)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        raise
+    else:
+        pool.shutdown(wait=True)

@@ -93,3 +93,58 @@ def test_no_other_module_counts_cpus_itself() -> None:
                 if needle in text:
                     offenders.append(f"{path.relative_to(ROOT)}: {needle}")
     assert not offenders, "count CPUs with leaflens.cpus.usable_cpus:\n" + "\n".join(offenders)
+
+
+_POOL_SCRIPT = """
+import sys, time
+from leaflens.cpus import worker_pool
+
+def work(i):
+    time.sleep(0.001)
+    return bytes(200_000)  # results big enough to be mid-write when a signal lands
+
+if __name__ == "__main__":
+    try:
+        with worker_pool(2) as pool:
+            print("started", flush=True)
+            for _ in pool.map(work, range(4000), chunksize=4):
+                pass
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_worker_pool_stopped_by_a_signal_to_the_whole_group_ends(tmp_path, sig):
+    """Ctrl-C (and timeout, and systemd) signal every process of the group. With multiprocessing.Pool a worker
+    killed holding the task-queue lock or half-way through a result left preprocess and data synth hanging
+    forever (2 of 5 runs); the workers now ignore the signal, finish their chunk and the pool stops."""
+    import signal  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    script = tmp_path / "pool.py"
+    script.write_text(_POOL_SCRIPT, encoding="utf-8")
+    # the script turns SIGTERM into KeyboardInterrupt as the command line does
+    prelude = ("import signal, runpy, faulthandler; faulthandler.register(signal.SIGUSR1, all_threads=True); "
+               "signal.signal(signal.SIGTERM, signal.default_int_handler); ")
+    for delay in (0.3, 0.6, 0.9):
+        run = prelude + f"runpy.run_path({str(script)!r}, run_name='__main__')"
+        proc = subprocess.Popen([sys.executable, "-c", run],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                cwd=ROOT)
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
+            time.sleep(delay)
+            os.killpg(proc.pid, getattr(signal, sig))
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGUSR1)  # the stacks of every thread, for the failure message
+            time.sleep(1)
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate()
+            pytest.fail(f"the pool hung after {sig} at {delay} s:\n{err[-3000:]}")
+        assert proc.returncode == 130 and "interrupted" in out, err
+        assert "Traceback" not in err, err

@@ -11,9 +11,6 @@ pool's size: :mod:`leaflens.cpus`).
 
 from __future__ import annotations
 
-import ctypes
-import glob
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -116,8 +113,7 @@ def rows_per_tile(row_size: int, tile: int | None = None) -> int:
 DYNAMIC = True
 
 
-def share(items: list[tuple[int, int]], work: int, fn: Callable[[int, int], T],
-          setup: Callable[[], Callable[[], None]] | None = None) -> list[T]:
+def share(items: list[tuple[int, int]], work: int, fn: Callable[[int, int], T]) -> list[T]:
     """``[fn(lo, hi) for lo, hi in items]``, the items shared out among the engine's threads when ``work``
     (elements touched in all) is large enough; results in item order.
 
@@ -125,17 +121,11 @@ def share(items: list[tuple[int, int]], work: int, fn: Callable[[int, int], T],
     jobs on the same cores) holds up at most one item instead of half the work, as one contiguous run per
     thread did: on a busy machine the other thread keeps going. Which thread runs an item does not change
     its result, and callers add per-item results in item order, so sums stay the same whatever the thread
-    count or timing. ``setup``, called in each thread before its first item, returns the function that undoes
-    it after its last (for_chunks' per-thread BLAS setting).
+    count or timing.
     """
     k = min(num_threads(), len(items), max(1, work // MIN_ELEMENTS))
     if k <= 1 or threading.current_thread().name.startswith("leaflens-engine"):
-        undo = setup() if setup is not None else None
-        try:
-            return [fn(lo, hi) for lo, hi in items]
-        finally:
-            if undo is not None:
-                undo()
+        return [fn(lo, hi) for lo, hi in items]
     results: list[Any] = [None] * len(items)
     if not DYNAMIC:
         bounds = np.linspace(0, len(items), k + 1).astype(int)
@@ -144,23 +134,18 @@ def share(items: list[tuple[int, int]], work: int, fn: Callable[[int, int], T],
     taken = [0]
 
     def worker(mine: list[int] | None) -> None:
-        undo = setup() if setup is not None else None
-        try:
-            while True:
-                if mine is not None:
-                    if not mine:
-                        return
-                    i = mine.pop(0)
-                else:
-                    with lock:
-                        i = taken[0]
-                        taken[0] += 1
-                    if i >= len(items):
-                        return
-                results[i] = fn(*items[i])
-        finally:
-            if undo is not None:
-                undo()
+        while True:
+            if mine is not None:
+                if not mine:
+                    return
+                i = mine.pop(0)
+            else:
+                with lock:
+                    i = taken[0]
+                    taken[0] += 1
+                if i >= len(items):
+                    return
+            results[i] = fn(*items[i])
 
     pool = _get_pool(num_threads())
     futures = [pool.submit(_as_caller(worker), None if DYNAMIC else order[t]) for t in range(1, k)]
@@ -214,49 +199,15 @@ def column_sums(xp: object, a: object) -> object:
     return ones @ a
 
 
-
-_blas_local: Callable[[int], int] | None | bool = False  # False: not looked up yet; None: not available
-
-
-def _find_blas_local() -> Callable[[int], int] | None:
-    """OpenBLAS's ``openblas_set_num_threads_local`` (0.3.27+: the thread count for calls made by the calling
-    thread only) in the OpenBLAS that NumPy's wheel bundles; None where there is none."""
-    global _blas_local
-    if _blas_local is False:
-        _blas_local = None
-        libs = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
-        for path in sorted(glob.glob(os.path.join(libs, "*openblas*"))):
-            try:
-                fn = ctypes.CDLL(path).openblas_set_num_threads_local
-            except (OSError, AttributeError):
-                continue
-            fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-            _blas_local = fn
-            break
-    return _blas_local  # type: ignore[return-value]
-
-
 def for_chunks(n: int, chunk: int, work: int, fn: Callable[[int, int], T]) -> list[T]:
     """Call ``fn(lo, hi)`` for chunks of ``chunk`` rows out of n, the chunks shared out among the threads
     (:func:`share`); results in chunk order, so sums of them in that order do not
     depend on the thread count.
 
-    For work made of small matrix products on cache-sized chunks: each thread runs its BLAS calls with one
-    BLAS thread (OpenBLAS's per-thread setting, where NumPy's OpenBLAS has it), so the cores are split
-    between chunks, not inside every small product. Measured on 2 loaded cores, a (16384, 32) @ (32, 64)
-    product took 19-23 ms with OpenBLAS's 2 threads (which wait on each other at every call) against 1 ms
-    with one.
+    BLAS keeps its own thread count here. Asking OpenBLAS for one thread per calling thread
+    (``openblas_set_num_threads_local``, 0.3.27+) made a whole training run 2 % faster on the student, 0 % on
+    Lite0, but OpenBLAS then split some products one way or the other from run to run: the same distill
+    command on 2 threads trained another model 1 time in 3-4 (8 of 8 runs alike without it).
     """
     bounds = [*range(0, n, max(1, chunk)), n]
-    local = _find_blas_local()
-
-    def one_blas_thread() -> Callable[[], None]:
-        prev = local(1) if local is not None else None
-
-        def restore() -> None:
-            if local is not None and prev is not None:
-                local(prev)
-
-        return restore
-
-    return share(list(zip(bounds[:-1], bounds[1:])), work, fn, one_blas_thread)
+    return share(list(zip(bounds[:-1], bounds[1:])), work, fn)

@@ -32,7 +32,7 @@ from leaflens.apps.predictor import Prediction, Predictor
 from leaflens.columns import display_width, pad_right
 from leaflens.data_prep.scan import IMAGE_EXTENSIONS, NOT_A_LEAF, UNLABELED, ScanError, matching_class, scan_source
 from leaflens.pipeline.report import metrics
-from leaflens.pipeline.teachers.stage import split_photo_paths
+from leaflens.pipeline.teachers.stage import changed_originals, changed_originals_message, split_photo_paths
 from leaflens.records import Record
 
 __all__ = ["EvaluationError", "NoPhotoReadable", "PhotoEvaluation", "PhotosUnavailable", "RefusedPhoto",
@@ -183,6 +183,9 @@ def dataset_photo_files(ds: Any, split: str) -> tuple[Path, list[str]]:
         where = root if root == missing[0] or root in missing[0].parents else missing[0].parent
         raise PhotosUnavailable(f"{len(missing)} of the {len(paths)} original photos of split '{split}' are no "
                                 f"longer in {where} (first: {missing[0]})")
+    changed = changed_originals(ds, split, paths)
+    if changed:  # the split's labels and figures are of the photos as they were
+        raise PhotosUnavailable(changed_originals_message(split, paths, changed, from_arrays=False))
     return root, [str(p) for p in paths]
 
 

@@ -29,7 +29,13 @@ from leaflens.engine.nn import Module, freeze_batchnorm, set_dropout_generator
 from leaflens.engine.optim import AdamW, WarmupCosine
 from leaflens.pipeline.config import TeacherSection
 from leaflens.pipeline.models.efficientnet import normalize_images
-from leaflens.pipeline.teachers.stage import TeacherStageError, iter_split_images, split_photo_paths
+from leaflens.pipeline.teachers.stage import (
+    TeacherStageError,
+    changed_originals,
+    changed_originals_message,
+    iter_split_images,
+    split_photo_paths,
+)
 from leaflens.pipeline.training import BatchLoss, epochs_for_steps, validation_scores
 
 # Decoded photos are kept in memory up to this many bytes (full iBeans at 160 px: 320 MB); beyond it
@@ -67,6 +73,9 @@ class PhotoViews:
             if missing:
                 raise TeacherStageError(f"{len(missing)} original photos of split '{split}' are missing, first "
                                         f"{missing[0]}; pass --from-arrays to use the stored arrays")
+            changed = changed_originals(ds, split, self.paths, workers)
+            if changed:
+                raise TeacherStageError(changed_originals_message(split, self.paths, changed))
         self.resize = ds.manifest.resize
         side = self.source_side
         self.cache: np.ndarray | None = None

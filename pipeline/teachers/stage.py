@@ -154,6 +154,43 @@ def _same_photos(ds: Any, split: str, folder: Path, recorded: Path) -> bool:
     return True
 
 
+_checked_originals: dict[tuple[str, str, str], list[int]] = {}
+
+
+def changed_originals(ds: Any, split: str, paths: list[Path], workers: int = 2) -> list[int]:
+    """Rows of ``split`` whose original photo no longer decodes to the pixels preprocess stored for it (edited,
+    replaced or unreadable since), checked once per process: a stage that goes back to the originals (for a
+    larger size or fresh crops) would otherwise learn from photos the dataset's labels were never given to.
+    Each photo is decoded once more at the stored size (JPEG's draft mode keeps that cheap)."""
+    from leaflens.data_prep.contract import decode_stored  # noqa: PLC0415
+
+    key = (str(Path(ds.root).resolve()), split, str(paths[0].parent if paths else ""))
+    if key in _checked_originals:
+        return _checked_originals[key]
+    images, size, resize = ds[split].images, ds.image_size, ds.manifest.resize
+    max_pixels = ds.manifest.options.max_pixels
+
+    def differs(row: int) -> bool:
+        try:
+            pixels = decode_stored(paths[row].read_bytes(), size, resize, max_pixels=max_pixels)
+        except Exception:  # unreadable now (or missing): not the photo that was stored
+            return True
+        return pixels.shape != images[row].shape or not np.array_equal(pixels, images[row])
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        changed = [row for row, bad in enumerate(pool.map(differs, range(len(paths)))) if bad]
+    _checked_originals[key] = changed
+    return changed
+
+
+def changed_originals_message(split: str, paths: list[Path], changed: list[int], from_arrays: bool = True) -> str:
+    """What :func:`changed_originals` found, and what to do (``from_arrays``: the stage has --from-arrays)."""
+    return (f"{len(changed)} of the {len(paths)} original photos of split '{split}' no longer decode to the pixels "
+            f"preprocess stored for them (changed or replaced since), first {paths[changed[0]]}: run `leaflens "
+            "preprocess` again so the dataset holds them as they are now"
+            + (", or pass --from-arrays to use the stored arrays" if from_arrays else ""))
+
+
 def iter_split_images(ds: Any, split: str, size: int, shorter_side: int | None, batch: int,
                       from_arrays: bool = False, workers: int = 2) -> Iterator[np.ndarray]:
     """Batches of a split's images at the teacher's resolution.
@@ -187,6 +224,9 @@ def iter_split_images(ds: Any, split: str, size: int, shorter_side: int | None, 
     if missing:
         raise TeacherStageError(f"{len(missing)} original photos of split '{split}' are missing, first {missing[0]}; "
                                 "pass --from-arrays to use the stored arrays")
+    changed = changed_originals(ds, split, paths, workers)
+    if changed:
+        raise TeacherStageError(changed_originals_message(split, paths, changed))
 
     def load(p: Path) -> np.ndarray:
         return decode_image_at(p, size, resize, shorter_side=shorter_side)

@@ -231,6 +231,26 @@ def test_a_features_source_out_of_the_dataset_s_row_order_is_caught(ds_dir, tmp_
     assert "every 'train' photo has the same features" in capsys.readouterr().err
 
 
+def test_a_stage_going_back_to_the_photos_refuses_ones_changed_since_preprocess(tmp_path, capsys):
+    """An ONNX encoder at another size decodes the original photos again. One of them replaced by another class's
+    photo after preprocess was taken as it is now (the teacher's features and answers for that row changed, with
+    the dataset's label kept): every photo must still decode to the stored pixels."""
+    ds_dir = tiny_dataset(tmp_path / "d", per_class=6, size=16)
+    ds = load_dataset(ds_dir)
+    src = Path(ds.manifest.source_root)
+    first, other = src / ds["train"].files[0], next(src / f for f in ds["train"].files
+                                                   if ds["train"].labels[ds["train"].files.index(f)] !=
+                                                   ds["train"].labels[0])
+    enc = _tiny_encoder(tmp_path / "enc24.onnx", size=24)
+    first.write_bytes(other.read_bytes())
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--onnx", str(enc)]) == 1
+    err = capsys.readouterr().err
+    assert "1 of the" in err and "no longer decode to the pixels preprocess stored" in err and str(first) in err
+    assert not (tmp_path / "t").exists()
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--onnx", str(enc),
+                "--from-arrays", "--quiet"]) == 0  # the stored arrays, as the message offers
+
+
 def test_not_an_onnx_file_is_refused(ds_dir, tmp_path, capsys):
     bad = tmp_path / "bad.onnx"
     bad.write_text("not a model")

@@ -530,32 +530,33 @@ def _trunk_init(cfg: StageConfig, tt: Any, progress: bool) -> tuple[Path | None,
     return path, {**record, "used": "teacher", "file": str(path)}
 
 
-def _teacher_candidate(ds: Any, tt: Any, threads: int) -> tuple[dict[str, Any] | None, str | None]:
+def _teacher_candidate(ds: Any, tt: Any, threads: int) -> tuple[dict[str, Any] | None, str | None, bool]:
     """The fine-tuned teacher as a candidate (its figures, as :func:`_evaluate_variant` gives a student's,
-    plus ``params``, ``ms`` and its out-of-domain check), or None and why it is not one."""
+    plus ``params``, ``ms`` and its out-of-domain check), or None and why it is not one; the last value says
+    whether that is a fault of the folder (a file that cannot be read), not the kind of teacher it is."""
     where = tt.root / "teacher.json"
     try:
         served = served_teacher.read_served(tt.info.stage, str(where))
     except served_teacher.TeacherNotServable as exc:
-        return None, str(exc)
+        return None, str(exc), True
     if served is None:
         ident = tt.info.teacher if isinstance(tt.info.teacher, dict) else {}
         kind = ident.get("kind")
         if kind == "efficientnet-lite0" and ident.get("fine_tuned"):
             return None, (f"{tt.root} holds no servable teacher (made before teachers were served): run "
-                          "`leaflens teacher` again to make it a candidate")
+                          "`leaflens teacher` again to make it a candidate"), False
         what = {"onnx": "an ONNX encoder's features", "features-file": "a features file",
                 "train-cnn": "the --train-cnn teacher", "efficientnet-lite0": "the frozen EfficientNet (--frozen)"}
         return None, (f"{tt.root} is {what.get(str(kind), f'a {kind} teacher')}: only the fine-tuned EfficientNet "
-                      "teacher (`leaflens teacher` with its defaults) is served, so only it can be kept")
+                      "teacher (`leaflens teacher` with its defaults) is served, so only it can be kept"), False
     if not served.written:
-        return None, f"the teacher stage did not write teacher.onnx: {served.reason}"
+        return None, f"the teacher stage did not write teacher.onnx: {served.reason}", False
     if not tt.has_logits:
-        return None, f"{where} records no logits for the dataset's classes"
+        return None, f"{where} records no logits for the dataset's classes", False
     try:
         net, _ = served_teacher.load_teacher_model(tt.root / served_teacher.MODEL_FILE)
     except CheckpointError as exc:
-        return None, str(exc)
+        return None, str(exc), True
     assert served.contract is not None
     ms, backend = measure_ms(net, served.contract.input_size, threads)
     # the figures the teacher stage recorded (teacher.json's logits), as the students' are the engine's
@@ -569,7 +570,7 @@ def _teacher_candidate(ds: Any, tt: Any, threads: int) -> tuple[dict[str, Any] |
     ood_check.pop("backend", None)
     out["out_of_domain"] = ({"fitted": True, **ood_check} if ood_check else
                             {"fitted": False, "reason": "teacher.onnx records no out-of-domain check"})
-    return out, None
+    return out, None, False
 
 
 def _select(ds: Any, cfg: StageConfig, tt: Any, results: Mapping[str, Any], evaluated: Mapping[str, Any],
@@ -595,7 +596,10 @@ def _select(ds: Any, cfg: StageConfig, tt: Any, results: Mapping[str, Any], eval
                                     test_accuracy=None if ts is None else ts["accuracy"], params=params,
                                     ms_per_photo=round(ms, 3), member=st.member.name,
                                     architecture=st.member.describe(st.input_size)))
-    teacher, unavailable = (None, None) if tt is None else _teacher_candidate(ds, tt, threads)
+    teacher, unavailable, damaged = (None, None, False) if tt is None else _teacher_candidate(ds, tt, threads)
+    if damaged and progress:  # a teacher that should be a candidate and cannot be read: said, not only in report.md
+        print(f"warning: the teacher is no candidate for the kept model: {unavailable}; run `leaflens teacher` again "
+              "to make it one", file=sys.stderr, flush=True)
     if teacher is not None:
         val_acc = float(np.mean(teacher["val_probs"].argmax(1) == np.asarray(ds["val"].labels)))
         ts = teacher.get("test_summary")

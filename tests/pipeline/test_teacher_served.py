@@ -141,6 +141,23 @@ def test_the_teacher_is_not_kept_over_max_params(teacher):
     assert read_run(out).kept is None and not (out / TEACHER_MODEL).exists()
 
 
+def test_a_teacher_whose_network_cannot_be_read_is_said_on_the_console(teacher, tmp_path, capsys):
+    """A truncated model.npz made the teacher no candidate with one line in report.md only: distill exited 0 and
+    shipped a worse student without a word on the console."""
+    import shutil  # noqa: PLC0415
+
+    damaged = tmp_path / "t"
+    shutil.copytree(teacher / "t", damaged)
+    data = (damaged / served.MODEL_FILE).read_bytes()
+    (damaged / served.MODEL_FILE).write_bytes(data[:len(data) // 2])
+    capsys.readouterr()
+    assert cli(["distill", "--dataset", str(teacher / "dataset"), "--teacher", str(damaged), "--out",
+                str(tmp_path / "run"), *[a for a in FAST if a != "--quiet"]]) == 0
+    err = capsys.readouterr().err
+    assert "warning: the teacher is no candidate for the kept model: " in err and served.MODEL_FILE in err
+    assert "run `leaflens teacher` again to make it one" in err
+
+
 def test_the_teacher_is_not_kept_over_max_ms(teacher, monkeypatch):
     """Latency is measured on the machine; here it is fixed (the students 1 ms, the teacher 40 ms) so the
     budget's effect does not depend on the machine's load."""

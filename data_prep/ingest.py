@@ -482,10 +482,17 @@ def _check_free_space(out: Path, photos: int, size: int) -> None:
     need = 2 * photos * size * size * 3
     free = shutil.disk_usage(out.parent).free
     if need > free:
-        gb = 1024.0 ** 3
-        raise IngestError(f"{out}: {photos} photos at {size} px need about {need / gb:.1f} GB while the dataset is "
-                          f"written ({size} x {size} x 3 bytes each, twice), and {out.parent} has {free / gb:.1f} GB "
+        raise IngestError(f"{out}: {photos} photos at {size} px need about {_amount(need)} while the dataset is "
+                          f"written ({size} x {size} x 3 bytes each, twice), and {out.parent} has {_amount(free)} "
                           "free: choose a smaller --size or free some space")
+
+
+def _amount(nbytes: int) -> str:
+    """Bytes in the unit that shows them: GiB from 1 GiB, else MiB (with a decimal below 10 MiB)."""
+    if nbytes >= 1 << 30:
+        return f"{nbytes / (1 << 30):.1f} GiB"
+    mib = nbytes / (1 << 20)
+    return f"{mib:.1f} MiB" if mib < 10 else f"{mib:.0f} MiB"
 
 
 def _check_out(src: Path, out: Path, inputs: Sequence[tuple[str, str | os.PathLike]] = ()) -> None:

@@ -253,7 +253,10 @@ def check_replaceable(target: PathLike, marker: str, what: str) -> None:
     here = Path(os.path.abspath(target)).parent  # the folder is built beside the target, then renamed
     while not here.exists() and here != here.parent:
         here = here.parent
-    if not here.is_dir() or not os.access(here, os.W_OK | os.X_OK):
+    if not here.is_dir():
+        raise OutputNotWritableError(f"output {target} cannot be written: {here} is a file, not a folder; give "
+                                     "another --out")
+    if not os.access(here, os.W_OK | os.X_OK):
         raise OutputNotWritableError(f"output {target} cannot be written: {here} is not a folder you can write in "
                                      "(permission denied); give another --out")
     if (above := stage_folder_above(target)) is not None:

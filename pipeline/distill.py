@@ -167,7 +167,8 @@ def member_pair(variants: Mapping[str, Any], best_student: str) -> tuple[Any, An
     return variants.get(member + "distilled"), variants.get(member + "scratch")
 
 
-def _partial_dir(out: Path) -> Path:
+def partial_dir(out: Path) -> Path:
+    """Where a run on ``--out out`` trains until it is finished (and an interrupted one waits for --resume)."""
     return out.with_name(out.name + ".partial")
 
 
@@ -194,7 +195,7 @@ def run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathL
 def _run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.PathLike[str] | None, out: Path,
                  cfg: StageConfig, no_teacher: bool, resume: bool, progress: bool,
                  family_given: bool = False) -> dict[str, Any]:
-    work = _partial_dir(out)
+    work = partial_dir(out)
     check_replaceable(out, "report.json", "leaflens run folder")
     check_replaceable(work, "config.toml", "leaflens run folder in progress")
     if resume and not work.exists() and out.exists():

@@ -193,3 +193,6 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_work(tmp_path: P
     with pytest.raises(OutputNotWritableError, match=r"locked is not a folder you can write in"):
         check_replaceable(locked / "run" / "deeper", "report.json", "leaflens run folder")
     check_replaceable(tmp_path / "free" / "run", "report.json", "leaflens run folder")  # a folder to create: fine
+    (tmp_path / "afile").write_text("notes")
+    with pytest.raises(OutputNotWritableError, match=r"afile is a file, not a folder; give another --out"):
+        check_replaceable(tmp_path / "afile" / "sub", "report.json", "leaflens run folder")

@@ -16,6 +16,7 @@ when some photos could not be read.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 from pathlib import Path
@@ -98,6 +99,44 @@ def main(argv: list[str] | None = None) -> int:
     whole_process = argv is None  # the `leaflens` command itself, not a caller in Python
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
+    try:
+        return _run(argv, command)
+    except KeyboardInterrupt:  # Ctrl-C before the command began (while its modules were imported): nothing to undo
+        print("interrupted", file=sys.stderr)
+        return 130
+    except OSError as exc:
+        said = _disk_problem(exc, command)
+        if said is None:
+            raise
+        print(said, file=sys.stderr)
+        return EXIT_REFUSED
+    finally:
+        if whole_process:  # it only exits from here on
+            ignore_late_signals()
+
+
+def _disk_problem(exc: OSError, command: str | None) -> str | None:
+    """One line for an output the command could not write (a full disk, a read-only or someone else's folder, a
+    file where a folder should be), instead of a traceback; None for any other error."""
+    if command not in STAGE_COMMANDS:
+        return None
+    where = exc.filename if exc.filename is not None else "its output"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"leaflens {command}: no space left on the disk of {where}: free some space and run it again (what "
+                "was there before is unchanged" + ("; --resume goes on from the last finished epoch)"
+                                                   if command in RESUMABLE_COMMANDS else ")"))
+    if exc.errno == errno.EROFS:
+        return f"leaflens {command}: {where} is on a read-only disk: give an --out you can write in"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return (f"leaflens {command}: {where}: {exc.strerror}: check that you may read and write it, or give an --out "
+                "you can write in")
+    if exc.errno in (errno.ENOTDIR, errno.EEXIST):
+        return (f"leaflens {command}: {where}: {exc.strerror} (a file is where a folder should be): give another "
+                "--out")
+    return None
+
+
+def _run(argv: list[str], command: str | None) -> int:
     configure_process(engine=command in ENGINE_COMMANDS)
     parser = build_parser(only=command if command in SUBCOMMANDS else None)
     args, extra = parser.parse_known_args(argv)
@@ -127,7 +166,4 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(said, file=sys.stderr)
         return EXIT_USAGE
-    finally:
-        if whole_process:  # it only exits from here on
-            ignore_late_signals()
 

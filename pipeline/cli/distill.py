@@ -70,8 +70,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from leaflens.data_prep.manifest import DatasetError  # noqa: PLC0415
     from leaflens.engine.checkpoint import CheckpointError  # noqa: PLC0415
-    from leaflens.files import OutputBusy  # noqa: PLC0415
-    from leaflens.pipeline.distill import run_distill  # noqa: PLC0415
+    from leaflens.files import OutputBusy, output_folder  # noqa: PLC0415
+    from leaflens.pipeline.distill import partial_dir, run_distill  # noqa: PLC0415
     from leaflens.pipeline.teachers.artefact import TeacherError  # noqa: PLC0415
     from leaflens.pipeline.training import TrainingStopped  # noqa: PLC0415
 
@@ -112,6 +112,15 @@ def run(args: argparse.Namespace) -> int:
     except TrainingStopped as exc:
         print(f"leaflens distill: stopped: {exc}", file=sys.stderr)
         return EXIT_STOPPED
+    except KeyboardInterrupt:
+        work = partial_dir(output_folder(args.out))
+        if any(work.rglob("last.npz")):
+            print(f"interrupted: the run's checkpoints are kept in {work}; the same command with --resume (with "
+                  "make: RESUME=1) goes on from the last finished epoch", file=sys.stderr)
+        else:
+            print("interrupted before a training epoch ended: nothing to resume; the same command starts over",
+                  file=sys.stderr)
+        return 130
     v = report["variants"]
     if report.get("selection"):
         v = {c["name"]: c for c in report["selection"]["candidates"]}

@@ -29,3 +29,54 @@ def test_a_signal_after_the_command_returned_changes_nothing(sig):
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert "exited with 0" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_ctrl_c_while_the_command_is_being_loaded_is_one_line(monkeypatch, capsys):
+    """Ctrl-C in the first moments (the stage's modules being imported) printed a 17-66 line traceback."""
+    from leaflens.pipeline import cli  # noqa: PLC0415
+
+    def interrupted(only=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["distill", "--help"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+
+
+@pytest.mark.parametrize("err,words", [
+    (OSError(28, "No space left on device", "/data/run.partial/x.npz"),
+     "leaflens distill: no space left on the disk of /data/run.partial/x.npz: free some space and run it again "
+     "(what was there before is unchanged; --resume goes on from the last finished epoch)"),
+    (OSError(30, "Read-only file system", "/mnt/ro/.run.lock"),
+     "leaflens distill: /mnt/ro/.run.lock is on a read-only disk: give an --out you can write in"),
+    (FileExistsError(17, "File exists", "/home/me/notes"),
+     "leaflens distill: /home/me/notes: File exists (a file is where a folder should be): give another --out"),
+])
+def test_an_output_the_disk_refuses_is_one_line_not_a_traceback(monkeypatch, capsys, err, words):
+    from leaflens.pipeline import cli  # noqa: PLC0415
+
+    def refused(argv, command):
+        raise err
+
+    monkeypatch.setattr(cli, "_run", refused)
+    assert cli.main(["distill", "--out", "x"]) == cli.EXIT_REFUSED
+    assert capsys.readouterr().err == words + "\n"
+    monkeypatch.setattr(cli, "_run", refused)
+    with pytest.raises(OSError):  # serving and predicting say their own errors: not taken for an output's
+        cli.main(["predict", "x"])
+
+
+def test_distill_interrupted_offers_resume_only_when_an_epoch_was_kept(monkeypatch, tmp_path, capsys):
+    from leaflens.pipeline import cli, distill  # noqa: PLC0415
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(distill, "run_distill", interrupted)
+    argv = ["distill", "--dataset", str(tmp_path), "--no-teacher", "--out", str(tmp_path / "run")]
+    assert cli.main(argv) == 130
+    assert "interrupted before a training epoch ended: nothing to resume" in capsys.readouterr().err
+    (tmp_path / "run.partial" / "scratch").mkdir(parents=True)
+    (tmp_path / "run.partial" / "scratch" / "last.npz").write_bytes(b"")
+    assert cli.main(argv) == 130
+    assert "the same command with --resume" in capsys.readouterr().err

@@ -296,6 +296,33 @@ def swap_into_place(tmp: PathLike, target: PathLike, *, replace: bool = True) ->
     return True
 
 
+def restore_interrupted_swap(target: PathLike) -> Path | None:
+    """Put back the folder :func:`swap_into_place` had renamed aside (``.<name>.old-<pid>-*``) when its process
+    was killed before the new folder took its place: ``target`` is missing, and that complete folder, a whole
+    teacher or run, would otherwise be removed as a leftover. The newest of them, when there are several; its
+    path as it was, or None when there was nothing to put back."""
+    target = Path(target)
+    if target.exists() or target.is_symlink():
+        return None
+    prefix = f".{target.name}.old-"
+    aside = []
+    for p in target.parent.glob(prefix + "*"):
+        try:
+            pid = int(p.name[len(prefix):].split("-")[0])
+        except ValueError:
+            continue
+        if p.is_dir() and not p.is_symlink() and pid != os.getpid() and not _pid_alive(pid):
+            aside.append(p)
+    if not aside:
+        return None
+    newest = max(aside, key=lambda p: p.stat().st_mtime)
+    try:
+        os.rename(newest, target)
+    except OSError:
+        return None
+    return newest
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -312,8 +339,11 @@ def clean_stale_temps(target: PathLike) -> list[Path]:
 
     Only temporaries of processes that no longer exist are touched: a concurrent writer's are its own.
     Stages that write through a temporary folder call this first, so a kill -9 never leaks disk for good.
+    A complete folder set aside by a swap that was killed half-way is put back first
+    (:func:`restore_interrupted_swap`), never removed.
     """
     target = Path(target)
+    restore_interrupted_swap(target)
     removed = []
     for kind in _TEMP_KINDS:
         prefix = f".{target.name}.{kind}-"

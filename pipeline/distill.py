@@ -52,6 +52,7 @@ from leaflens.engine.checkpoint import CheckpointError, save_checkpoint
 from leaflens.extras import install_command
 from leaflens.files import (
     check_replaceable,
+    clean_stale_temps,
     output_folder,
     output_lock,
     swap_into_place,
@@ -198,6 +199,8 @@ def _run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.Path
     work = partial_dir(out)
     check_replaceable(out, "report.json", "leaflens run folder")
     check_replaceable(work, "config.toml", "leaflens run folder in progress")
+    if out.parent.is_dir():
+        clean_stale_temps(out)  # a finished run set aside by a swap killed half-way is put back, not lost
     if resume and not work.exists() and out.exists():
         # Nothing interrupted to continue: training anew would replace the finished run it was asked to continue.
         raise ValueError(f"--resume: {out} is a finished run and there is no interrupted one ({work.name}) to "

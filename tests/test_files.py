@@ -164,6 +164,7 @@ def test_swap_without_replace_keeps_an_existing_copy(tmp_path: Path) -> None:
 
 def test_clean_stale_temps_removes_only_dead_processes_leftovers(tmp_path: Path) -> None:
     out = tmp_path / "export"
+    out.mkdir()  # in place: the old copy beside it is a leftover (put back when it is missing: test below)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)
     dead_pid = int(dead.stdout)
@@ -196,3 +197,23 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_work(tmp_path: P
     (tmp_path / "afile").write_text("notes")
     with pytest.raises(OutputNotWritableError, match=r"afile is a file, not a folder; give another --out"):
         check_replaceable(tmp_path / "afile" / "sub", "report.json", "leaflens run folder")
+
+
+def test_a_folder_set_aside_by_a_swap_killed_half_way_is_put_back(tmp_path: Path) -> None:
+    """swap_into_place renames the old folder aside, then the new one into place: killed between the two, the
+    target was missing and the next stage's clean-up removed the complete old copy (an hour of training)."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid = int(dead.stdout)
+    target = tmp_path / "teacher"
+    aside = tmp_path / f".teacher.old-{dead_pid}-deadbeef"
+    aside.mkdir()
+    (aside / "teacher.json").write_text("{}")
+    (tmp_path / f".teacher.tmp-{dead_pid}-1").mkdir()  # the new folder, half-written: still removed
+    removed = files.clean_stale_temps(target)
+    assert (target / "teacher.json").read_text() == "{}" and not aside.exists()
+    assert [p.name for p in removed] == [f".teacher.tmp-{dead_pid}-1"]
+    again = tmp_path / f".teacher.old-{dead_pid}-cafe"
+    again.mkdir()
+    assert files.restore_interrupted_swap(target) is None  # the target is there: an old copy is only a leftover
+    assert files.clean_stale_temps(target) == [again] and (target / "teacher.json").is_file()

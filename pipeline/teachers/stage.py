@@ -724,6 +724,8 @@ def _run_teacher_stage(dataset_dir: str | os.PathLike[str], out: Path, cfg: Stag
                        from_arrays: bool, fp16: bool, progress: bool, resume: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     check_replaceable(out, TEACHER_JSON, "leaflens teacher folder")  # before minutes of fine-tuning
+    if out.parent.is_dir():
+        clean_stale_temps(out)  # a teacher set aside by a swap killed half-way is put back, not lost
     if choice.features is not None and cfg.teacher.views > 1:
         raise TeacherSettingError("--views needs a teacher that can look at images; precomputed features "
                                   "(--features) cannot be recomputed on augmented views: leave out --views")

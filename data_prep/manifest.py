@@ -228,6 +228,9 @@ def _fail(root: Path, msg: str) -> DatasetError:
     return DatasetError(f"dataset {root}: {msg}")
 
 
+_REBUILD = "; `leaflens preprocess --force` with its --src and --out builds it again from the photos"
+
+
 def _no_manifest(root: Path, path: Path) -> str:
     """What to tell a person whose dataset folder has no manifest: it is missing, a folder of photos (the
     source, not yet preprocessed, with or without split folders), another stage's folder, or something else."""
@@ -304,12 +307,12 @@ def _check_array(root: Path, name: str, shape: tuple[int, ...], dtype: np.dtype,
     actual = path.stat().st_size
     if actual != expected_bytes:
         raise _fail(root, f"array file {path} is truncated or padded: {actual} bytes, "
-                          f"expected {expected_bytes}")
+                          f"expected {expected_bytes}{_REBUILD}")
     if verify:
         digest = sha256_file(path)
         if digest != checksums[name]:
             raise _fail(root, f"array file {path} was altered: checksum {digest} "
-                              f"!= manifest {checksums[name]}")
+                              f"!= manifest {checksums[name]}{_REBUILD}")
     if shape[0] == 0:
         return np.zeros(shape, dtype)
     return np.load(path, mmap_mode="r", allow_pickle=False)
@@ -357,7 +360,7 @@ def load_dataset(root: str | os.PathLike, verify: bool = True) -> Dataset:
             raise _fail(root, f"file list {files_path} is missing")
         if verify:
             if names["files"] in checksums and sha256_file(files_path) != checksums[names["files"]]:
-                raise _fail(root, f"file list {files_path} was altered (checksum mismatch)")
+                raise _fail(root, f"file list {files_path} was altered (checksum mismatch){_REBUILD}")
         splits[split] = SplitArrays(split, images, labels, files_path)
     info_name = m.class_info
     if info_name:
@@ -365,7 +368,7 @@ def load_dataset(root: str | os.PathLike, verify: bool = True) -> Dataset:
         if not info_path.is_file():
             raise _fail(root, f"class info file {info_path} is missing")
         if verify and info_name in checksums and sha256_file(info_path) != checksums[info_name]:
-            raise _fail(root, f"class info file {info_path} was altered (checksum mismatch)")
+            raise _fail(root, f"class info file {info_path} was altered (checksum mismatch){_REBUILD}")
     mean = np.asarray(m.mean, np.float32)
     std = np.asarray(m.std, np.float32)
     if not np.all(std > 0):

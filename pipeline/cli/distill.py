@@ -107,7 +107,9 @@ def run(args: argparse.Namespace) -> int:
         report = run_distill(args.dataset, teacher, args.out, cfg, no_teacher=args.no_teacher,
                              resume=args.resume, progress=not args.quiet, family_given="model.family" in given)
     except (DatasetError, TeacherError, CheckpointError, ValueError, OutputBusy) as exc:
-        print(f"leaflens distill: {exc}", file=sys.stderr)
+        fix = ("; without --resume the same command starts over (the interrupted run is then discarded)"
+               if args.resume and isinstance(exc, CheckpointError) else "")
+        print(f"leaflens distill: {exc}{fix}", file=sys.stderr)
         return EXIT_REFUSED
     except TrainingStopped as exc:
         print(f"leaflens distill: stopped: {exc}", file=sys.stderr)

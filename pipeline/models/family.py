@@ -77,7 +77,7 @@ def _parse(name: str) -> tuple[float, bool, int | None, int | None]:
 def check_family(names: Sequence[str]) -> None:
     """Refuse an empty family, an unknown member name or a repeated one (``model.family``)."""
     if not names:
-        raise ValueError(f"family: at least one member is needed (default: [\"m\"]); {_HOW}")
+        raise ValueError(f"family: at least one member is needed (default: [\"lite8\"]); {_HOW}")
     for name in names:
         _parse(name)
     repeated = sorted({n for n in names if list(names).count(n) > 1})

@@ -252,7 +252,8 @@ def test_manifest_validation_refuses_missing_truncated_altered(class_folders, tm
     altered[-1] ^= 0xFF
     path.write_bytes(bytes(altered))
     load_dataset(out, verify=False)  # same length: only the checksum can tell
-    with pytest.raises(DatasetError, match=r"val_images\.npy was altered"):
+    with pytest.raises(DatasetError, match=r"val_images\.npy was altered: .*`leaflens preprocess --force` with its "
+                                           r"--src and --out builds it again"):
         load_dataset(out)
     path.write_bytes(data[:-10])
     with pytest.raises(DatasetError, match=r"val_images\.npy is truncated"):

@@ -239,11 +239,21 @@ def _centre_has_detail(arr: np.ndarray) -> bool:
     return float(counts.max()) / (cell * cell) >= MIN_DETAIL_SHARE
 
 
+def _below(value: float, limit: float, decimals: int = 1, scale: float = 1.0, unit: str = "") -> str:
+    """``value`` (times ``scale``) with enough decimals to show it below ``limit``: 4.96 is not "5.0, below 5"."""
+    for d in range(decimals, decimals + 4):
+        shown = f"{value * scale:.{d}f}"
+        if float(shown) < limit * scale:
+            return shown + unit
+    return f"{value * scale:.{decimals + 4}f}{unit}"
+
+
 def _describe(reason: str, stats: dict[str, float]) -> str:
     if reason == "uniform":
-        return (f"almost one flat colour (largest per-channel standard deviation {stats['colour_std']:.1f} "
-                f"grey levels, below {UNIFORM_STD:g})")
-    return (f"too little fine detail (densest {CELL} px patch has {stats['detail_share']:.0%} detailed pixels, "
+        return (f"almost one flat colour (largest per-channel standard deviation "
+                f"{_below(stats['colour_std'], UNIFORM_STD)} grey levels, below {UNIFORM_STD:g})")
+    return (f"too little fine detail (densest {CELL} px patch has "
+            f"{_below(stats['detail_share'], MIN_DETAIL_SHARE, 0, 100, '%')} detailed pixels, "
             f"below {MIN_DETAIL_SHARE:.0%})")
 
 
@@ -278,6 +288,7 @@ def check_colour(pixels: np.ndarray, source: str) -> None:
     whose training photos all had colour (the caller knows: ``leaflens.grey_share`` is 0)."""
     value = chroma(pixels)
     if value < GREY_CHROMA:
-        raise PhotoRefused("no_colour", source, f"a photo without colour (mean channel spread {value:.1f} grey "
+        raise PhotoRefused("no_colour", source, f"a photo without colour (mean channel spread "
+                                                f"{_below(value, GREY_CHROMA)} grey "
                                                 f"levels, below {GREY_CHROMA:g}), and this model learnt from "
                                                 "colour photos only")

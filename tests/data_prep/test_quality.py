@@ -326,3 +326,11 @@ def test_the_preprocess_check_gives_the_app_s_verdict_on_every_kind_of_photo(see
     assert served_refusal(_solid((9, 9, 9), 64), 31, 400) == "too_small"
     assert served_refusal(_solid((9, 9, 9), 64), 0, 0) == "uniform"  # size unknown: judged on the pixels
     assert {None, "uniform", "low_texture"} <= seen
+
+
+def test_a_value_just_under_a_limit_is_not_shown_as_the_limit():
+    """A dim leaf was refused with "standard deviation 5.0 grey levels, below 5": 4.96 rounded."""
+    from leaflens.data_prep.quality import _below  # noqa: PLC0415
+
+    assert _below(4.96, 5) == "4.96" and _below(4.999, 5) == "4.999" and _below(3.24, 5) == "3.2"
+    assert _below(0.0996, 0.10, 0, 100, "%") == "9.96%" and _below(0.05, 0.10, 0, 100, "%") == "5%"

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from leaflens.apps.answered import AnsweredPhotos
-from leaflens.apps.diagnosis import md_escape
+from leaflens.apps.diagnosis import md_escape, photo_names
 from leaflens.apps.i18n import t
 from leaflens.apps.notes import ClassNotes
 from leaflens.data_prep.arrays import sha256_file
@@ -491,7 +491,8 @@ def apply_correction(store: CorrectionStore, files: Sequence[str | os.PathLike] 
             return refuse("bad_photo")
         picked = [number - 1]
     paths = [os.fspath(f) for f in (files or [])]
-    if any(i >= len(paths) or Path(paths[i]).name != photos[i].get("name") for i in picked):
+    shown = photo_names(paths)
+    if any(i >= len(paths) or shown[i] != photos[i].get("name") for i in picked):
         return refuse("photos_changed")
     full = False
     told = answer.get("answer") if isinstance(answer.get("answer"), Mapping) else None

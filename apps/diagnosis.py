@@ -25,9 +25,11 @@ back to the top-probability rule for outcomes that carry probabilities alone.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,7 +40,7 @@ from leaflens.apps.notes import ClassNotes
 from leaflens.data_prep.quality import REFUSAL_REASONS
 
 __all__ = ["ANSWER_VERDICTS", "REFUSAL_REASONS", "PhotoOutcome", "error_message", "format_percent", "is_healthy",
-           "md_escape", "photo_caption", "render", "summarise"]
+           "md_escape", "photo_caption", "photo_names", "render", "summarise"]
 
 # Why a readable photo is not shown to the model (leaflens.data_prep.decode min_side, leaflens.data_prep.quality).
 # The verdict of a whole request: a photo's verdicts, plus "disagree" (the photos share no class they claim).
@@ -73,6 +75,19 @@ class PhotoOutcome:
     def ok(self) -> bool:
         """The model looked at the photo (whatever its verdict)."""
         return self.probs is not None
+
+
+def photo_names(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
+    """The name each file of one request is shown by: its base name, with " (2)", " (3)"... after the first
+    when several files share it (IMG_0001.jpg from two folders), so a photo left out or disagreeing is told
+    apart from the one that was used."""
+    names = [Path(p).name for p in paths]
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if seen[n] == 1 else f"{n} ({seen[n]})")
+    return out
 
 
 def is_healthy(class_id: str) -> bool:

@@ -38,7 +38,7 @@ import numpy as np
 
 from leaflens.apps.answered import AnsweredPhotos
 from leaflens.apps.batcher import BatcherBusy, BatcherClosed, DynamicBatcher
-from leaflens.apps.diagnosis import REFUSAL_REASONS, PhotoOutcome, summarise
+from leaflens.apps.diagnosis import REFUSAL_REASONS, PhotoOutcome, photo_names, summarise
 from leaflens.apps.notes import ClassNotes
 from leaflens.apps.predictor import Predictor
 from leaflens.apps.uploads import UploadFolder
@@ -148,7 +148,7 @@ class DiagnosisService:
         t0 = time.perf_counter()
         paths = [os.fspath(f) for f in (files or [])]
         used = paths[: self.options.max_photos]
-        names = [Path(p).name for p in used]
+        names = photo_names(used)
         with self.uploads.holding(used) if self.uploads is not None else nullcontext():
             if len(used) == 1:
                 started = [self._start(used[0], names[0])]

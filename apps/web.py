@@ -35,7 +35,7 @@ from typing import Any
 
 import gradio as gr
 
-from leaflens.apps.diagnosis import PhotoOutcome, photo_caption, render, summarise
+from leaflens.apps.diagnosis import PhotoOutcome, photo_caption, photo_names, render, summarise
 from leaflens.apps.i18n import LANG_CHOICES, lang_from_choice, t
 from leaflens.apps.model_info import model_markdown, page_banner, run_images
 from leaflens.apps.privacy import privacy_markdown
@@ -142,7 +142,7 @@ def build_app(service: DiagnosisService, config: AppConfig | None = None) -> gr.
                 return service.diagnose(photos or [])
             except Exception:  # never a traceback in the page: log it, answer with a clear message
                 log.exception("diagnose failed")
-                names = [Path(p).name for p in (photos or [])]
+                names = photo_names(photos or [])
                 return summarise([PhotoOutcome(n, reason="internal") for n in names], predictor.classes,
                                  predictor.card.uncertain_threshold, given=len(names))
 

@@ -395,6 +395,21 @@ def test_service_counts_a_file_sent_twice_once_and_remembers_what_it_answered(se
     assert known["answer"] == {"verdict": res["answer"]["verdict"], "label": res["answer"]["label"]}
 
 
+def test_photos_with_one_file_name_are_told_apart(service, tmp_path):
+    """IMG_0001.png from two folders: a photo left out was named "IMG_0001.png" beside the one used, by the same
+    name. Each later file of a name gets " (2)", " (3)" on the page and in the API; a file sent twice too."""
+    from leaflens.apps.diagnosis import photo_names  # noqa: PLC0415
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = write_photo(tmp_path / "a" / "IMG_0001.png", (40, 32), seed=5)
+    b = write_photo(tmp_path / "b" / "IMG_0001.png", (40, 32), seed=6)
+    res = service.diagnose([a, b, a])
+    assert [p["name"] for p in res["photos"]] == ["IMG_0001.png", "IMG_0001.png (2)", "IMG_0001.png (3)"]
+    assert res["photos"][2]["duplicate_of"] == "IMG_0001.png"
+    assert photo_names(["x/p.jpg", "y/q.jpg", "z/p.jpg"]) == ["p.jpg", "q.jpg", "p.jpg (2)"]
+
+
 def test_service_matches_the_reference_network_and_votes(service, tmp_path):
     paths = [write_photo(tmp_path / f"p{i}.png", (40, 32), seed=i) for i in range(3)]
     res = service.diagnose(paths)

@@ -128,8 +128,10 @@ def test_a_worker_pool_stopped_by_a_signal_to_the_whole_group_ends(tmp_path, sig
     script = tmp_path / "pool.py"
     script.write_text(_POOL_SCRIPT, encoding="utf-8")
     # the script turns SIGTERM into KeyboardInterrupt as the command line does
+    # SIGINT as a terminal gives it (a job started in the background inherits it ignored)
     prelude = ("import signal, runpy, faulthandler; faulthandler.register(signal.SIGUSR1, all_threads=True); "
-               "signal.signal(signal.SIGTERM, signal.default_int_handler); ")
+               "signal.signal(signal.SIGTERM, signal.default_int_handler); "
+               "signal.signal(signal.SIGINT, signal.default_int_handler); ")
     for delay in (0.3, 0.6, 0.9):
         run = prelude + f"runpy.run_path({str(script)!r}, run_name='__main__')"
         proc = subprocess.Popen([sys.executable, "-c", run],

@@ -211,8 +211,8 @@ def choose_uncertain_threshold(
 
     Fall-backs, reported in ``method``:
 
-    - ``"default"``: fewer than ``min_samples`` validation predictions, too few to choose anything;
-      the threshold is ``default`` (0.5, the apps' default).
+    - ``"default"``: no validation prediction, or (target rule) fewer than ``min_samples``, too few to
+      choose anything; the threshold is ``default`` (0.5, the apps' default).
     - ``"best_effort"`` (target rule): no cut reaches the target; the cut with the highest kept accuracy
       (ties: more kept) is used and ``reached`` is False.
 
@@ -245,7 +245,9 @@ def choose_uncertain_threshold(
                 "answered_accuracy": float((p[answered].argmax(axis=1) == y[answered]).mean()) if n_answered
                 else 0.0}
 
-    if n < max(1, int(min_samples)):
+    # The budget rule needs no minimum: it flags the least confident photo(s) of however many there are. A fixed
+    # 0.5 below 20 photos made a weak many-class model "unsure" of every photo (16 of 16 on validation).
+    if n < (1 if max_flagged is not None else max(1, int(min_samples))):
         return result(default, False, "default")
 
     conf = p.max(axis=1)
@@ -261,7 +263,7 @@ def choose_uncertain_threshold(
         if not 0 <= max_flagged < 1:
             raise ValueError(f"max_flagged must be in [0, 1), got {max_flagged}")
         flags = max(1.0, np.floor(max_flagged * n + 1e-9)) if max_flagged > 0 else 0.0
-        allowed = valid & (n - kept_count <= flags)
+        allowed = is_cut & (n - kept_count <= flags)  # min_kept is the target rule's: here the budget bounds it
         k = int(np.flatnonzero(allowed)[0]) if allowed.any() else n - 1  # the most flagged within the budget
         below = conf_sorted[k + 1] if k + 1 < n else 1.0 / num_classes
         threshold = (conf_sorted[k] + min(below, conf_sorted[k])) / 2

@@ -364,7 +364,10 @@ def test_exported_model_is_what_the_predictor_serves(tiny_run, tmp_path):
         assert (card.accuracy, card.uncertain_threshold, card.val_ambiguous) == \
             (own["accuracy"], own["uncertain_threshold"], own["val_ambiguous"])
         if kind == "fp32":
-            assert card.accuracy == 0.875 and card.uncertain_threshold == 0.55  # the run's, as recorded
+            assert card.accuracy == 0.875  # the run's, as recorded
+            # its few validation photos are enough for today's "ambiguous" rule (their least confident one): the
+            # run's 0.55 is replaced by what that rule chooses on them
+            assert card.uncertain_threshold != 0.55
         else:
             assert card.accuracy == report["accuracy"]["test"][kind]
             assert card.ood is not None and card.ood.threshold == report["ood"]["variants"][kind]["threshold"]

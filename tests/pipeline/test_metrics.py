@@ -219,11 +219,21 @@ def test_threshold_when_everything_is_right_keeps_all_and_when_nothing_is_unreac
     assert all_wrong["method"] == "best_effort" and not all_wrong["reached"] and all_wrong["accuracy"] == 0.0
 
 
-def test_tiny_validation_split_falls_back_to_the_default() -> None:
+def test_a_tiny_validation_split_still_flags_only_its_least_confident_photo() -> None:
+    """Under 20 validation photos the threshold was a fixed 0.5: a weak model with 8 classes (top probabilities
+    0.2-0.4) was "unsure" of all 16 of its validation photos, and of every photo in the app. The budget rule
+    flags the least confident one whatever their number; the target rule still needs 20."""
     y = [0, 1, 2, 0, 1]
     out = metrics.choose_uncertain_threshold(probs_from([0.9, 0.8, 0.7, 0.6, 0.45], [True] * 5, y), y)
-    assert out["method"] == "default" and out["threshold"] == metrics.DEFAULT_UNCERTAIN_THRESHOLD
-    assert out["n_val"] == 5 and out["kept"] == 4  # 0.45 is below the 0.5 threshold
+    assert out["method"] == "budget" and out["n_val"] == 5 and out["kept"] == 4  # 0.45 flagged, the rest kept
+    assert 0.45 < out["threshold"] <= 0.6
+    weak = metrics.choose_uncertain_threshold(probs_from([0.48, 0.45, 0.42, 0.4, 0.36], [True] * 5, y), y)
+    assert weak["kept"] == 4 and weak["threshold"] < 0.4  # was 0.5: all five unsure
+    target = metrics.choose_uncertain_threshold(probs_from([0.9, 0.8, 0.7, 0.6, 0.45], [True] * 5, y), y,
+                                                max_flagged=None)
+    assert target["method"] == "default" and target["threshold"] == metrics.DEFAULT_UNCERTAIN_THRESHOLD
+    empty = metrics.choose_uncertain_threshold(np.zeros((0, 3)), np.zeros(0, np.int64))
+    assert empty["method"] == "default"
 
 
 # ---- hardest mistakes and the summary -------------------------------------------------------------------

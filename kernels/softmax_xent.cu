@@ -10,9 +10,10 @@
 //       q = (1 - eps) * onehot(t) + eps / C,  loss_r = (1 - eps) * (lse - z_t) + eps * (lse - mean(z))
 //       a row with t == ignore_index (when has_ignore): loss_r = 0, mass 0
 //   soft targets q (N, C):  loss_r = sum(q) * lse - sum(q * z)
-// Both are evaluated from differences of nearby values: lse - z_t as (max - z_t) + log(sum exp(z - max)),
-// and the sums of z shifted by the row's first logit, so logits of 3e4 lose nothing to cancellation. A
-// term whose weight is 0 is left out (a masked logit of -inf then adds nothing, as on the CPU, not NaN).
+// Both are evaluated relative to the row's maximum: lse - z_t as (max - z_t) + log(sum exp(z - max)), and the
+// sums of z as sums of (z - max), kept relative to each thread's running maximum while they are summed, so
+// logits of 3e4, or a masked class at -1e9, lose nothing to cancellation. A term whose weight is 0 is left
+// out (a masked logit of -inf then adds nothing, as on the CPU, not NaN).
 // A target index outside [0, C) (and not ignored) gives a NaN row loss instead of an out-of-bounds read.
 // Backward (element-wise, one pass): dz = (exp(z - lse) * mass - q) * scale, where q is zero on an
 // ignored row (so dz is too) and `scale` points at the upstream gradient already divided by the mean's
@@ -67,11 +68,18 @@ __device__ __forceinline__ float block_max_logsum(float& m, float s, float* sm, 
     return logf(s);
 }
 
-// A finite shift for sums of a row's logits: its first logit, or 0 when that one is not finite.
-template <typename T>
-__device__ __forceinline__ float row_shift(const T* z) {
-    const float v = load_as_float(z, 0);
-    return fabsf(v) <= 3.402823466e38f ? v : 0.f;
+// Adds w * (v - m) to a weighted sum of logits kept relative to the running maximum m, for a value v that was
+// already counted in m (online_add ran first) and whose weight is not 0; wsum is the weight counted before v.
+// A new maximum moves the earlier terms down by wsum * (m_new - m_old): relative to the maximum, no term is
+// the difference of two large logits (relative to the first logit, a finite -1e9 there cost every digit).
+__device__ __forceinline__ void shifted_add(float& dev, float wsum, float w, float v, float m_before, float m) {
+    if (m != m_before && wsum != 0.f) dev -= wsum * (m - m_before);
+    dev += (v == LEAFLENS_NEG_INF) ? LEAFLENS_NEG_INF * w : w * (v - m);  // -inf with weight: the loss is +inf
+}
+
+// The weighted sum of one thread, relative to its own maximum m_own, made relative to the row's maximum m.
+__device__ __forceinline__ float to_row_max(float dev, float wsum, float m_own, float m) {
+    return (wsum != 0.f && m != m_own) ? dev - wsum * (m - m_own) : dev;
 }
 
 template <typename T>
@@ -82,16 +90,18 @@ __device__ __forceinline__ void xent_hard_forward(const T* __restrict__ logits, 
     const int row = blockIdx.x;
     if (row >= N) return;  // uniform across the block
     const T* z = logits + (long long)row * C;
-    const float ref = row_shift(z);
-    float m = LEAFLENS_NEG_INF, s = 0.f, zdev = 0.f;
+    float m = LEAFLENS_NEG_INF, s = 0.f, zdev = 0.f, count = 0.f;  // zdev = sum(z - m) over this thread's logits
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
         const float v = load_as_float(z, c);
+        const float before = m;
         online_add(m, s, v);
-        zdev += v - ref;
+        shifted_add(zdev, count, 1.f, v, before, m);
+        count += 1.f;
     }
-    const float logs = block_max_logsum(m, s, sm, ss);
+    const float m_own = m;
+    const float logs = block_max_logsum(m, s, sm, ss);  // m is the row's maximum from here on
     const float lse = m + logs;
-    zdev = block_sum(zdev, sz);
+    zdev = block_sum(to_row_max(zdev, count, m_own, m), sz);
     if (threadIdx.x == 0) {
         const long long t = targets[row];
         float loss = 0.f, mass = 1.f;
@@ -103,7 +113,7 @@ __device__ __forceinline__ void xent_hard_forward(const T* __restrict__ logits, 
         } else {
             const float zt = load_as_float(z, t);
             if (smoothing != 1.f) loss += (1.f - smoothing) * ((m - zt) + logs);
-            if (smoothing != 0.f) loss += smoothing * (((m - ref) + logs) - zdev / (float)C);
+            if (smoothing != 0.f) loss += smoothing * (logs - zdev / (float)C);
         }
         row_loss[row] = loss;
         stats[2 * (long long)row] = lse;
@@ -120,21 +130,26 @@ __device__ __forceinline__ void xent_soft_forward(const T* __restrict__ logits, 
     if (row >= N) return;
     const T* z = logits + (long long)row * C;
     const float* qr = q + (long long)row * C;
-    const float ref = row_shift(z);
-    float m = LEAFLENS_NEG_INF, s = 0.f, qsum = 0.f, qz = 0.f;
+    float m = LEAFLENS_NEG_INF, s = 0.f, qsum = 0.f, qz = 0.f;  // qz = sum(q * (z - m)) over this thread's logits
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
         const float v = load_as_float(z, c);
         const float w = qr[c];
+        const float before = m;
         online_add(m, s, v);
+        if (w != 0.f) {
+            shifted_add(qz, qsum, w, v, before, m);  // a masked class (logit -inf) without target mass adds 0
+        } else if (m != before && qsum != 0.f) {
+            qz -= qsum * (m - before);
+        }
         qsum += w;
-        if (w != 0.f) qz += w * (v - ref);  // a masked class (logit -inf) without target mass adds 0, not NaN
     }
-    const float logs = block_max_logsum(m, s, sm, ss);
+    const float m_own = m;
+    const float logs = block_max_logsum(m, s, sm, ss);  // m is the row's maximum from here on
     const float lse = m + logs;
+    qz = block_sum(to_row_max(qz, qsum, m_own, m), sqz);
     qsum = block_sum(qsum, sq);
-    qz = block_sum(qz, sqz);
     if (threadIdx.x == 0) {
-        row_loss[row] = qsum * ((m - ref) + logs) - qz;
+        row_loss[row] = qsum * logs - qz;
         stats[2 * (long long)row] = lse;
         stats[2 * (long long)row + 1] = qsum;
     }

@@ -299,6 +299,31 @@ def test_softmax_xent_loss_keeps_its_digits_for_large_logits(backend, smoothing,
     np.testing.assert_allclose(float(backend.get(loss)), want, rtol=1e-5)
 
 
+@pytest.mark.parametrize("masked", [-1e4, -1e9, float(np.finfo(np.float32).min)])
+@pytest.mark.parametrize("smoothing,soft", [(0.0, True), (0.0, False), (0.1, False)])
+def test_softmax_xent_with_a_large_finite_mask_in_the_first_column(backend, masked, smoothing, soft):
+    # sums shifted by the row's FIRST logit turned a finite mask of -1e9 there into a loss of -24 (soft targets);
+    # relative to the row's maximum they keep their digits whatever column holds the mask
+    rng = np.random.default_rng(4)
+    z = rng.standard_normal((8, 10)).astype(np.float32)
+    z[:, 0] = masked
+    z64 = z.astype(np.float64)
+    logp = z64 - log_sum_exp(z64)[:, None]
+    if soft:
+        q = rng.random((8, 10)).astype(np.float32)
+        q[:, 0] = 0
+        targets = backend.put(q)
+        want = -(q.astype(np.float64) * logp).sum(axis=1).mean()
+    else:
+        t = rng.integers(1, 10, 8).astype(np.int64)
+        q64 = np.full((8, 10), smoothing / 10)
+        q64[np.arange(8), t] += 1 - smoothing
+        targets = backend.put(t)
+        want = -(q64 * logp).sum(axis=1).mean()
+    loss, _ = softmax_xent_forward_cuda(backend.put(z), targets, label_smoothing=smoothing)
+    np.testing.assert_allclose(float(backend.get(loss)), want, rtol=1e-5)
+
+
 def test_softmax_xent_bad_targets(backend):
     logits = backend.put(np.zeros((2, 3), np.float32))
     with pytest.raises(ValueError, match="outside"):

@@ -203,28 +203,41 @@ def worker_pool(workers: int, initializer: Callable[[], None] | None = None,
 
     Stopped by Ctrl-C or SIGTERM (which the command line turns into KeyboardInterrupt), it never hangs and
     leaves no process behind: the tasks not started are cancelled, the workers (which ignore both signals)
-    finish the chunk in hand and exit, and the exception goes on; a worker still busy after ``stop_seconds`` (a
-    photo that never finishes decoding) is killed, which is safe as it is not writing a result then. A
+    finish the chunk in hand (and the one queued for them) and exit, and the exception goes on; workers still
+    busy ``stop_seconds`` later (a photo that never finishes decoding), or when a second Ctrl-C comes, are
+    killed. A worker that dies (the system's out-of-memory killer) raises :class:`WorkerDied`. A
     ``multiprocessing.Pool`` hung here: a worker killed by the signal while it held the pool's task-queue lock,
     or half-way through a result, left it waiting forever. The workers are started with "spawn", as children of
     this process: a fork server is one more process the signal kills, after which the pool could no longer
     tell its workers' state (and a fork of this process could inherit locks its other threads hold).
     """
     import multiprocessing  # noqa: PLC0415
+    import time  # noqa: PLC0415
     from concurrent.futures import ProcessPoolExecutor  # noqa: PLC0415
+    from concurrent.futures.process import BrokenProcessPool  # noqa: PLC0415
 
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_start,
                                initargs=(initializer,))
     try:
         yield pool
-    except BaseException:
+    except BaseException as exc:
         procs = list((getattr(pool, "_processes", None) or {}).values())
         pool.shutdown(wait=False, cancel_futures=True)
-        for p in procs:
-            p.join(stop_seconds)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+        deadline = time.monotonic() + stop_seconds
+        try:
+            for p in procs:  # one deadline for all of them, not stop_seconds each
+                p.join(max(0.0, deadline - time.monotonic()))
+        finally:  # also when a second Ctrl-C cuts the wait short: nothing keeps running behind the command
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+        if isinstance(exc, BrokenProcessPool):
+            raise WorkerDied(f"a worker process stopped abruptly ({workers} were running; the system may have "
+                             "killed it for memory): run again with fewer --workers") from None
         raise
     else:
         pool.shutdown(wait=True)
+
+
+class WorkerDied(RuntimeError):
+    """A process of :func:`worker_pool` ended without finishing its work (killed, or crashed in native code)."""

@@ -150,3 +150,15 @@ def test_a_worker_pool_stopped_by_a_signal_to_the_whole_group_ends(tmp_path, sig
             pytest.fail(f"the pool hung after {sig} at {delay} s:\n{err[-3000:]}")
         assert proc.returncode == 130 and "interrupted" in out, err
         assert "Traceback" not in err, err
+
+
+def _die_in(i: int) -> int:
+    if i == 3:
+        os.kill(os.getpid(), 9)  # the system's out-of-memory killer, say
+    return i
+
+
+def test_a_worker_that_dies_is_said_in_words_not_a_broken_pool_traceback():
+    with pytest.raises(cpus.WorkerDied, match="a worker process stopped abruptly .*fewer --workers"):
+        with cpus.worker_pool(2) as pool:
+            list(pool.map(_die_in, range(8)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from leaflens.cpus import WorkerDied
 from leaflens.data_prep.synth import SynthOptions, generate
 from leaflens.files import NotOurFolderError
 from leaflens.pipeline.cli import EXIT_REFUSED, EXIT_USAGE
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
                         exif_fraction=args.exif_fraction, unlabeled_fraction=args.unlabeled_fraction)
     try:
         generate(args.out, opts, workers=args.workers, force=args.force, progress=sys.stderr.isatty())
-    except NotOurFolderError as exc:  # --out names a folder of someone else's files
+    except (NotOurFolderError, WorkerDied) as exc:  # --out names a folder of someone else's files; a worker died
         print(f"leaflens data synth: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     except ValueError as exc:  # the options

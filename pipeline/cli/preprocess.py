@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from leaflens.cpus import WorkerDied
 from leaflens.data_prep.decode import DEFAULT_MAX_PIXELS
 from leaflens.data_prep.ingest import IngestError, IngestOptions, check_options, ingest
 from leaflens.data_prep.scan import ScanError
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         ingest(args.src, None if args.check else args.out, opts, unlabeled=args.unlabeled, workers=args.workers,
                progress=not args.no_progress and sys.stderr.isatty(), force=args.force,
                strict=args.strict, check=args.check, report_path=args.report, also=args.also)
-    except (IngestError, ScanError, ValueError) as exc:
+    except (IngestError, ScanError, ValueError, WorkerDied) as exc:
         print(f"leaflens preprocess: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     return EXIT_OK

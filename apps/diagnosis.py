@@ -82,11 +82,19 @@ def photo_names(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
     when several files share it (IMG_0001.jpg from two folders), so a photo left out or disagreeing is told
     apart from the one that was used."""
     names = [Path(p).name for p in paths]
+    taken = set(names)
     seen: dict[str, int] = {}
     out = []
     for n in names:
         seen[n] = seen.get(n, 0) + 1
-        out.append(n if seen[n] == 1 else f"{n} ({seen[n]})")
+        if seen[n] == 1:
+            out.append(n)
+            continue
+        k = seen[n]
+        while f"{n} ({k})" in taken:  # a file already called "IMG.jpg (2)" keeps that name for itself
+            k += 1
+        out.append(f"{n} ({k})")
+        taken.add(out[-1])
     return out
 
 

@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -164,7 +163,7 @@ class DiagnosisService:
         elapsed_ms = (time.perf_counter() - t0) * 1000.0
         self.answered.record([o.sha256 for o in outcomes], result)
         if len(paths) > len(used):
-            result["not_used"] = [Path(p).name for p in paths[len(used):]]  # the page names them
+            result["not_used"] = photo_names(paths)[len(used):]  # the page names them, as it names the used ones
         result["server_ms"] = round(elapsed_ms, 2)
         result["model"] = self.predictor.model_path.name
         ok = sum(o.ok for o in outcomes)

@@ -123,17 +123,23 @@ def _disk_problem(exc: OSError, command: str | None) -> str | None:
     where = exc.filename if exc.filename is not None else "its output"
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return (f"leaflens {command}: no space left on the disk of {where}: free some space and run it again (what "
-                "was there before is unchanged" + ("; --resume goes on from the last finished epoch)"
-                                                   if command in RESUMABLE_COMMANDS else ")"))
+                "was there before is unchanged" + ("; with --resume a training goes on from its last finished epoch, "
+                                                   "if one finished)" if command in RESUMABLE_COMMANDS else ")"))
     if exc.errno == errno.EROFS:
         return f"leaflens {command}: {where} is on a read-only disk: give an --out you can write in"
     if exc.errno in (errno.EACCES, errno.EPERM):
         return (f"leaflens {command}: {where}: {exc.strerror}: check that you may read and write it, or give an --out "
                 "you can write in")
-    if exc.errno in (errno.ENOTDIR, errno.EEXIST):
+    if exc.errno in (errno.ENOTDIR, errno.EEXIST) and exc.filename is not None and _file_in_the_way(exc.filename):
         return (f"leaflens {command}: {where}: {exc.strerror} (a file is where a folder should be): give another "
                 "--out")
     return None
+
+
+def _file_in_the_way(path: object) -> bool:
+    """Whether ``path`` or a folder above it is a file (what makes ENOTDIR and EEXIST an output's problem)."""
+    p = Path(str(path))
+    return any(q.is_file() for q in (p, *p.parents))
 
 
 def _run(argv: list[str], command: str | None) -> int:

@@ -408,6 +408,9 @@ def test_photos_with_one_file_name_are_told_apart(service, tmp_path):
     assert [p["name"] for p in res["photos"]] == ["IMG_0001.png", "IMG_0001.png (2)", "IMG_0001.png (3)"]
     assert res["photos"][2]["duplicate_of"] == "IMG_0001.png"
     assert photo_names(["x/p.jpg", "y/q.jpg", "z/p.jpg"]) == ["p.jpg", "q.jpg", "p.jpg (2)"]
+    # a phone's own "IMG.jpg (2)" is not taken for the second IMG.jpg
+    named = photo_names(["a/IMG.jpg", "b/IMG.jpg", "c/IMG.jpg (2)"])
+    assert len(set(named)) == 3 and named[2] == "IMG.jpg (2)" and named[1] == "IMG.jpg (3)"
 
 
 def test_service_matches_the_reference_network_and_votes(service, tmp_path):

@@ -46,14 +46,20 @@ def test_ctrl_c_while_the_command_is_being_loaded_is_one_line(monkeypatch, capsy
 @pytest.mark.parametrize("err,words", [
     (OSError(28, "No space left on device", "/data/run.partial/x.npz"),
      "leaflens distill: no space left on the disk of /data/run.partial/x.npz: free some space and run it again "
-     "(what was there before is unchanged; --resume goes on from the last finished epoch)"),
+     "(what was there before is unchanged; with --resume a training goes on from its last finished epoch, if one "
+     "finished)"),
     (OSError(30, "Read-only file system", "/mnt/ro/.run.lock"),
      "leaflens distill: /mnt/ro/.run.lock is on a read-only disk: give an --out you can write in"),
-    (FileExistsError(17, "File exists", "/home/me/notes"),
-     "leaflens distill: /home/me/notes: File exists (a file is where a folder should be): give another --out"),
+    (FileExistsError(17, "File exists", "NOTES"),
+     "leaflens distill: NOTES: File exists (a file is where a folder should be): give another --out"),
 ])
-def test_an_output_the_disk_refuses_is_one_line_not_a_traceback(monkeypatch, capsys, err, words):
+def test_an_output_the_disk_refuses_is_one_line_not_a_traceback(monkeypatch, capsys, tmp_path, err, words):
     from leaflens.pipeline import cli  # noqa: PLC0415
+
+    if err.filename == "NOTES":  # a file where the output's folder should be
+        (tmp_path / "notes").write_text("mine")
+        err = FileExistsError(17, "File exists", str(tmp_path / "notes"))
+        words = words.replace("NOTES", str(tmp_path / "notes"))
 
     def refused(argv, command):
         raise err
@@ -64,6 +70,9 @@ def test_an_output_the_disk_refuses_is_one_line_not_a_traceback(monkeypatch, cap
     monkeypatch.setattr(cli, "_run", refused)
     with pytest.raises(OSError):  # serving and predicting say their own errors: not taken for an output's
         cli.main(["predict", "x"])
+    err = FileExistsError(17, "File exists", str(tmp_path / "a_folder"))  # EEXIST of a race or a bug: no file there
+    with pytest.raises(OSError):
+        cli.main(["distill", "--out", "x"])
 
 
 def test_distill_interrupted_offers_resume_only_when_an_epoch_was_kept(monkeypatch, tmp_path, capsys):

@@ -226,6 +226,9 @@ def evaluate_files(predictor: Predictor, files: Sequence[str], labels: Any, phot
         raise NoPhotoReadable(f"{photos}: none of the {len(files)} photos could be read "
                               f"(first: {unreadable[0].error})")
     summary = metrics.evaluation_summary(np.stack(rows), labels[kept], classes)
+    for row in summary["per_class"]:  # no photo of the class here: no figure (null in --json), as the console's n/a
+        if row["support"] == 0:
+            row.update(recall=None, f1=None, **({} if row.get("predicted") else {"precision": None}))
     return PhotoEvaluation(model=str(predictor.model_path), photos=photos, provider=predictor.provider,
                            classes=classes, unreadable=unreadable,
                            uncertain=verdicts["ambiguous"] + verdicts["out_of_domain"], summary=summary,

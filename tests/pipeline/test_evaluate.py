@@ -284,6 +284,10 @@ def test_macro_figures_average_the_classes_with_photos(tmp_path, capsys):
     (only,) = [c for c in s["per_class"] if c["support"]]
     assert s["macro_classes"] == 1 and s["macro_recall"] == only["recall"] and s["macro_f1"] == only["f1"]
     assert "n/a" in out and "average the 1 classes with photos here, of 3" in out
+    for c in s["per_class"]:  # --json has no figure where the console says n/a (it wrote 0.0)
+        if not c["support"]:
+            assert c["recall"] is None and c["f1"] is None
+            assert (c["precision"] is None) == (not c.get("predicted"))
 
 
 def test_evaluate_usage_errors_exit_2(tmp_path, capsys):

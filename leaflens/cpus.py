@@ -20,6 +20,7 @@ import contextlib
 import functools
 import os
 import signal
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,6 +217,8 @@ def worker_pool(workers: int, initializer: Callable[[], None] | None = None,
     from concurrent.futures import ProcessPoolExecutor  # noqa: PLC0415
     from concurrent.futures.process import BrokenProcessPool  # noqa: PLC0415
 
+    if sys.platform == "win32":
+        workers = min(workers, 61)  # the most ProcessPoolExecutor takes there
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_start,
                                initargs=(initializer,))
     try:

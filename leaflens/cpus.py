@@ -187,11 +187,14 @@ def worker_context() -> Any:
 
 
 def _worker_start(initializer: Callable[[], None] | None) -> None:
-    """A pool worker leaves Ctrl-C and SIGTERM to the process that started it. The terminal (and ``timeout``, and
-    systemd) signal every process of the group; a worker that dies of it may die half-way through writing a
-    result, and the pool then waits for the rest of that message forever."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """A pool worker leaves Ctrl-C and SIGTERM to the process that started it: it moves to a process group of
+    its own, out of reach of the terminal's Ctrl-C and of ``timeout``'s SIGTERM, which signal every process of
+    the command's group (a worker killed by them may die half-way through writing a result, and the pool then
+    waits for the rest of that message forever). SIGTERM sent to the worker itself still ends it: that is how
+    the pool stops its workers when one of them died (ignoring it deadlocked Python 3.13's pool there)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # before its own group: a Ctrl-C at its very start
+    if hasattr(os, "setpgrp"):
+        os.setpgrp()
     if initializer is not None:
         initializer()
 
@@ -203,8 +206,8 @@ def worker_pool(workers: int, initializer: Callable[[], None] | None = None,
     chunksize=...)``.
 
     Stopped by Ctrl-C or SIGTERM (which the command line turns into KeyboardInterrupt), it never hangs and
-    leaves no process behind: the tasks not started are cancelled, the workers (which ignore both signals)
-    finish the chunk in hand (and the one queued for them) and exit, and the exception goes on; workers still
+    leaves no process behind: the tasks not started are cancelled, the workers (which those signals do not
+    reach) finish the chunk in hand (and the one queued for them) and exit, and the exception goes on; workers still
     busy ``stop_seconds`` later (a photo that never finishes decoding), or when a second Ctrl-C comes, are
     killed. A worker that dies (the system's out-of-memory killer) raises :class:`WorkerDied`. A
     ``multiprocessing.Pool`` hung here: a worker killed by the signal while it held the pool's task-queue lock,

@@ -379,9 +379,11 @@ def _train(run_dir: str | os.PathLike[str], task: TrainingTask, settings: LoopSe
         checkpoint_last(epoch)
         rewind.epoch_ended(epoch, state.bad_streak, _sound_end(state.history))
         if settings.progress:
+            faults = (f"; {skipped} batch(es) left out for non-finite values (their rows: {run_dir / FAULTS})"
+                      if skipped else "")
             tqdm.write(f"{settings.label} epoch {epoch + 1}/{settings.epochs}: loss "
                        f"{row.get('train_loss', float('nan')):.4f} val acc {val_acc:.4f} (best {state.best_acc:.4f}) "
-                       f"{row['images_per_s']:.0f} img/s", file=sys.stderr)
+                       f"{row['images_per_s']:.0f} img/s{faults}", file=sys.stderr)
     rewind.discard()
     return RunResult(run_dir, state.best_acc, state.best_epoch + 1, len(state.history), state.train_seconds,
                      state.history, stopped_early, device=device, mixed_precision=settings.mixed_precision)

@@ -77,7 +77,10 @@ def test_poisoned_batches_are_skipped_logged_and_training_continues(data, capsys
     teacher = _write_teacher(ds_dir, tmp / "teacher_poisoned", POISONED)
     assert not np.isfinite(np.load(teacher / "features_train.npy")[list(POISONED)]).any()
     out = tmp / "run_poisoned"
-    assert _distill(ds_dir, teacher, out) == 0, capsys.readouterr().err
+    loud = ["distill", "--dataset", str(ds_dir), "--out", str(out), "--teacher", str(teacher),
+            *[a for a in SETS if a != "--quiet"]]  # the epoch lines on the console, as a person sees them
+    assert cli(loud) == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
     faults = [json.loads(line) for line in (out / "distilled" / "faults.jsonl").read_text().splitlines()]
     assert faults, "no poisoned batch was detected"
     for f in faults:
@@ -88,6 +91,7 @@ def test_poisoned_batches_are_skipped_logged_and_training_continues(data, capsys
     metrics = [json.loads(line) for line in (out / "distilled" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 3, "training did not run all its epochs"
     assert sum(m["skipped_steps"] for m in metrics) == len(faults)
+    assert "batch(es) left out for non-finite values (their rows: " in err  # said, not only in faults.jsonl
     assert all(np.isfinite(m["train_loss"]) and m["skipped_steps"] <= 2 for m in metrics)
     steps_per_epoch = len(load_dataset(ds_dir)["train"]) // 4
     meta, _ = read_checkpoint_arrays(out / "distilled" / "last.npz")

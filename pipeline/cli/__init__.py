@@ -115,6 +115,18 @@ def main(argv: list[str] | None = None) -> int:
             ignore_late_signals()
 
 
+def interrupted(checkpoints: Path | None, whose: str) -> int:
+    """Say that a training command was interrupted, and whether ``--resume`` has an epoch to go on from (a
+    ``last.npz`` under ``checkpoints``, None: nothing resumable); the exit code, 130."""
+    if checkpoints is not None and any(checkpoints.rglob("last.npz")):
+        print(f"interrupted: {whose} checkpoints are kept in {checkpoints}; the same command with --resume (with "
+              "make: RESUME=1) goes on from the last finished epoch", file=sys.stderr)
+    else:
+        print("interrupted before a training epoch ended: nothing to resume; the same command starts over",
+              file=sys.stderr)
+    return 130
+
+
 def _disk_problem(exc: OSError, command: str | None) -> str | None:
     """One line for an output the command could not write (a full disk, a read-only or someone else's folder, a
     file where a folder should be), instead of a traceback; None for any other error."""

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from leaflens.pipeline.cli import EXIT_REFUSED, EXIT_STOPPED, EXIT_USAGE, path_arg
+from leaflens.pipeline.cli import EXIT_REFUSED, EXIT_STOPPED, EXIT_USAGE, interrupted, path_arg
 from leaflens.pipeline.config import (
     DEFAULT_CONFIG,
     ConfigError,
@@ -115,14 +115,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"leaflens distill: stopped: {exc}", file=sys.stderr)
         return EXIT_STOPPED
     except KeyboardInterrupt:
-        work = partial_dir(output_folder(args.out))
-        if any(work.rglob("last.npz")):
-            print(f"interrupted: the run's checkpoints are kept in {work}; the same command with --resume (with "
-                  "make: RESUME=1) goes on from the last finished epoch", file=sys.stderr)
-        else:
-            print("interrupted before a training epoch ended: nothing to resume; the same command starts over",
-                  file=sys.stderr)
-        return 130
+        return interrupted(partial_dir(output_folder(args.out)), "the run's")
     v = report["variants"]
     if report.get("selection"):
         v = {c["name"]: c for c in report["selection"]["candidates"]}

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from leaflens.pipeline.cli import EXIT_REFUSED, EXIT_STOPPED, EXIT_USAGE, path_arg
+from leaflens.pipeline.cli import EXIT_REFUSED, EXIT_STOPPED, EXIT_USAGE, interrupted, path_arg
 from leaflens.pipeline.config import ConfigError, epochs_as_given, load_config, settings_not_read
 
 
@@ -228,13 +228,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_STOPPED
     except KeyboardInterrupt:
         work = finetune_work_dir(output_folder(args.out), train_cnn=args.train_cnn)
-        if trains(cfg, choice) and any(work.rglob("last.npz")):
-            print(f"interrupted: the teacher's training checkpoints are kept in {work}; the same command with "
-                  "--resume (with make: RESUME=1) continues it from the last finished epoch", file=sys.stderr)
-        else:
-            print("interrupted before a training epoch ended: nothing to resume; the same command starts over",
-                  file=sys.stderr)
-        return 130
+        return interrupted(work if trains(cfg, choice) else None, "the teacher's training")
     print(json.dumps(summary) if args.json else summary_text(summary, args.out))
     return 0
 

@@ -304,15 +304,7 @@ def restore_interrupted_swap(target: PathLike) -> Path | None:
     target = Path(target)
     if target.exists() or target.is_symlink():
         return None
-    prefix = f".{target.name}.old-"
-    aside = []
-    for p in target.parent.glob(prefix + "*"):
-        try:
-            pid = int(p.name[len(prefix):].split("-")[0])
-        except ValueError:
-            continue
-        if p.is_dir() and not p.is_symlink() and pid != os.getpid() and not _pid_alive(pid):
-            aside.append(p)
+    aside = [p for p in _left_by_the_dead(target, "old") if p.is_dir() and not p.is_symlink()]
     if not aside:
         return None
     newest = max(aside, key=lambda p: p.stat().st_mtime)
@@ -321,6 +313,20 @@ def restore_interrupted_swap(target: PathLike) -> Path | None:
     except OSError:
         return None
     return newest
+
+
+def _left_by_the_dead(target: Path, kind: str) -> list[Path]:
+    """The temporaries ``.<name>.<kind>-<pid>-*`` beside ``target`` whose process no longer exists."""
+    prefix = f".{target.name}.{kind}-"
+    found = []
+    for p in target.parent.glob(prefix + "*"):
+        try:
+            pid = int(p.name[len(prefix):].split("-")[0])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not _pid_alive(pid):
+            found.append(p)
+    return found
 
 
 def _pid_alive(pid: int) -> bool:
@@ -346,14 +352,7 @@ def clean_stale_temps(target: PathLike) -> list[Path]:
     restore_interrupted_swap(target)
     removed = []
     for kind in _TEMP_KINDS:
-        prefix = f".{target.name}.{kind}-"
-        for p in target.parent.glob(prefix + "*"):
-            try:
-                pid = int(p.name[len(prefix):].split("-")[0])
-            except ValueError:
-                continue
-            if pid == os.getpid() or _pid_alive(pid):
-                continue
+        for p in _left_by_the_dead(target, kind):
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p, ignore_errors=True)
             else:

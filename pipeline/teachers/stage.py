@@ -139,19 +139,24 @@ def _rebased(file: str, recorded: Path, root: Path) -> Path:
 
 def _same_photos(ds: Any, split: str, folder: Path, recorded: Path) -> bool:
     """Whether ``folder`` holds the split's photos: its first and last decode to the stored pixels."""
-    from leaflens.data_prep.contract import decode_stored  # noqa: PLC0415
+    files = ds[split].files
+    return all(_decodes_as_stored(ds, split, row, _rebased(files[row], recorded, folder))
+               for row in sorted({0, len(files) - 1}))
 
-    files, images = ds[split].files, ds[split].images
-    for row in sorted({0, len(files) - 1}):
-        try:
-            pixels = decode_stored(_rebased(files[row], recorded, folder).read_bytes(), ds.image_size,
-                                   ds.manifest.resize,
-                                   max_pixels=ds.manifest.options.max_pixels)
-        except Exception:  # missing, unreadable or not the same kind of file: not this folder
-            return False
-        if pixels.shape != images[row].shape or not np.array_equal(pixels, images[row]):
-            return False
-    return True
+
+def _decodes_as_stored(ds: Any, split: str, row: int, path: Path) -> bool:
+    """Whether the photo file ``path`` decodes to the pixels preprocess stored for ``row`` of ``split``; False
+    when it is missing or unreadable (a pipe is refused, never waited on)."""
+    from leaflens.data_prep.contract import decode_stored  # noqa: PLC0415
+    from leaflens.data_prep.decode import ImageDecodeError, read_source  # noqa: PLC0415
+
+    try:
+        pixels = decode_stored(read_source(path), ds.image_size, ds.manifest.resize,
+                               max_pixels=ds.manifest.options.max_pixels)
+    except (ImageDecodeError, OSError, ValueError):
+        return False
+    stored = ds[split].images[row]
+    return pixels.shape == stored.shape and np.array_equal(pixels, stored)
 
 
 _checked_originals: dict[tuple[str, str, str], list[int]] = {}
@@ -163,24 +168,12 @@ def changed_originals(ds: Any, split: str, paths: list[Path], workers: int = 2) 
     larger size or fresh crops) would otherwise learn from photos the dataset's labels were never given to.
     Each photo is decoded once more at the stored size: about 30 ms for a 12-megapixel JPEG (JPEG's draft
     mode), 160 ms for a PNG of that size, on one of the ``workers`` threads."""
-    from leaflens.data_prep.contract import decode_stored  # noqa: PLC0415
-    from leaflens.data_prep.decode import ImageDecodeError, read_source  # noqa: PLC0415
-
     key = (str(Path(ds.root).resolve()), split, str(paths[0].parent if paths else ""))
     if key in _checked_originals:
         return _checked_originals[key]
-    images, size, resize = ds[split].images, ds.image_size, ds.manifest.resize
-    max_pixels = ds.manifest.options.max_pixels
-
-    def differs(row: int) -> bool:
-        try:
-            pixels = decode_stored(read_source(paths[row]), size, resize, max_pixels=max_pixels)  # never a pipe
-        except (ImageDecodeError, OSError, ValueError):  # unreadable now (or missing): not the photo that was stored
-            return True
-        return pixels.shape != images[row].shape or not np.array_equal(pixels, images[row])
-
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        changed = [row for row, bad in enumerate(pool.map(differs, range(len(paths)))) if bad]
+        same = pool.map(lambda row: _decodes_as_stored(ds, split, row, paths[row]), range(len(paths)))
+        changed = [row for row, ok in enumerate(same) if not ok]
     _checked_originals[key] = changed
     return changed
 

@@ -47,15 +47,30 @@ def software_facts() -> dict[str, Any]:
     return facts
 
 
-def _cpu_model() -> str | None:
+def _cpuinfo(field: str) -> str | None:
+    """The first value of ``field`` in /proc/cpuinfo (None where there is none: not Linux, or no such field)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
             for line in fh:
-                if line.lower().startswith("model name"):
+                if line.lower().startswith(field):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or None
+    return None
+
+
+def _cpu_model() -> str | None:
+    return _cpuinfo("model name") or platform.processor() or None
+
+
+def cpu_int8_dot() -> str | None:
+    """How this CPU multiplies INT8 in onnxruntime: "vnni" (exact 32-bit sums), "no-vnni" (x86 without it: 16-bit
+    pair sums that 8-bit weights can saturate), or None where /proc/cpuinfo does not say (not Linux, or ARM,
+    whose dot products do not saturate either)."""
+    flags = set((_cpuinfo("flags") or "").split())
+    if not {"avx2", "sse4_1"} & flags:
+        return None
+    return "vnni" if {"avx512_vnni", "avx_vnni"} & flags else "no-vnni"
 
 
 def _ram_bytes() -> int | None:

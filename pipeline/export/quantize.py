@@ -80,23 +80,6 @@ class Int8Recipe(Record):
                 + (f", {' and '.join(kept)} in float" if kept else ""))
 
 
-def cpu_int8_dot() -> str | None:
-    """How this CPU multiplies INT8 in onnxruntime: "vnni" (exact 32-bit sums), "no-vnni" (x86 without it: 16-bit
-    pair sums that 8-bit weights can saturate), or None where /proc/cpuinfo does not say (not Linux, or ARM,
-    whose dot products do not saturate either)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    if not {"avx2", "sse4_1"} & flags:
-                        return None
-                    return "vnni" if {"avx512_vnni", "avx_vnni"} & flags else "no-vnni"
-    except OSError:
-        pass
-    return None
-
-
 def int8_ladder(base: Int8Recipe = Int8Recipe()) -> tuple[Int8Recipe, ...]:
     """The recipes the export tries in order: ``base``, then (when ``base`` quantises it) the same with
     the first convolution in float too: more accurate, but most of INT8's speed-up is gone."""

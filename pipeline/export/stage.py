@@ -73,11 +73,11 @@ from leaflens.pipeline.export import parity, triton
 from leaflens.pipeline.export.quantize import (
     Int8Recipe,
     calibration_indices,
-    cpu_int8_dot,
     int8_ladder,
     int8_shortfall,
     quantize_int8,
 )
+from leaflens.pipeline.hardware import cpu_int8_dot
 from leaflens.pipeline.report import metrics
 from leaflens.pipeline.runs import BEST, RunInfo, RunMetrics, load_model
 from leaflens.pipeline.teachers.stage import split_source_dir

@@ -144,7 +144,7 @@ def test_export_end_to_end_via_cli(tiny_run, tmp_path, capsys, monkeypatch):
     assert i8["top1_agreement_with_engine"] == report["parity"]["int8"]["top1_agreement"]
     assert i8["recipe"] == {**Int8Recipe().to_dict(), "calib_images": 32, "calibration": "entropy"}
     assert len(i8["attempts"]) == 1  # the fast recipe was kept: the next one is tried only when it loses too much
-    from leaflens.pipeline.export.quantize import cpu_int8_dot  # noqa: PLC0415
+    from leaflens.pipeline.hardware import cpu_int8_dot  # noqa: PLC0415
 
     assert i8["checked_on"] == cpu_int8_dot() and i8["checked_on"] in ("vnni", "no-vnni", None)
     # the classifier and the out-of-domain branch (nodes feeding only ood_score) stay in float

@@ -37,6 +37,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "gradio_upload": "Upload",
         "gradio_clear": "Clear",
         "gradio_close": "Close",
+        "gradio_footer_nav": "Page footer links",
+        "gradio_more_tabs": "Other tabs",
         "fullscreen": "Full screen",
         "fullscreen_exit": "Leave full screen",
         "diagnose": "Diagnose",
@@ -182,6 +184,9 @@ STRINGS: dict[str, dict[str, str]] = {
         "not_a_leaf": "Not a leaf (something else)",
         "correct_save": "Save correction",
         "correct_saved": "Saved {n} photo(s) as **{name}** for the next training run. Thank you!",
+        "correct_saved_not_a_leaf": ("Saved {n} photo(s) as **{name}**. Thank you! The model has no class for such "
+                                     "photos, so training does not use them yet; they are kept as examples of what "
+                                     "it should not answer."),
         "correct_saved_before": "{k} of them had been saved as this already.",
         "correct_all_before": "Already saved as **{name}**: nothing new to save.",
         "correct_replaced": ("{k} of them had been saved as {names} before; that copy was removed, so the next "
@@ -259,6 +264,9 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_rel_often": "**{name}** is often mistaken for **{other}** ({c} of {n} times); right {k} of {n} times.",
         "m_rel_sometimes": "**{name}**: right {k} of {n} times; sometimes mistaken for **{other}** ({c} times).",
         "m_rel_good": "**{name}**: right {k} of {n} times.",
+        "m_rel_often_tied": "**{name}** is often mistaken for {others} ({c} of {n} times each); right {k} of {n} times.",
+        "m_rel_sometimes_tied": "**{name}**: right {k} of {n} times; sometimes mistaken for {others} ({c} times each).",
+        "m_rel_and": " and ",
         "m_rel_said": "When it answers **{name}**, it is right only {k} of {n} times.",
         "m_rel_few": "Too few test photos to be sure.",
         "m_rel_variant": ("The training run's per-class test results are those of the FP32 model this file was made "
@@ -287,6 +295,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "gradio_upload": "上传",
         "gradio_clear": "清除",
         "gradio_close": "关闭",
+        "gradio_footer_nav": "页脚链接",
+        "gradio_more_tabs": "更多标签页",
         "fullscreen": "全屏显示",
         "fullscreen_exit": "退出全屏",
         "diagnose": "诊断",
@@ -413,6 +423,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "not_a_leaf": "不是叶片（其他东西）",
         "correct_save": "保存更正",
         "correct_saved": "已将 {n} 张照片保存为 **{name}**，将用于下一次训练。谢谢！",
+        "correct_saved_not_a_leaf": ("已将 {n} 张照片保存为 **{name}**。谢谢！模型没有这类照片的类别，所以训练暂不使用它们；"
+                                     "它们会被保留，作为模型不应回答的照片示例。"),
         "correct_saved_before": "其中 {k} 张之前已经按此答案保存过。",
         "correct_all_before": "已经保存为 **{name}**，无需再次保存。",
         "correct_replaced": "其中 {k} 张之前被保存为 {names}；那份副本已删除，下一次训练只采用您最新的答案。",
@@ -478,6 +490,9 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_rel_often": "**{name}** 常被误认为 **{other}**（{n} 次中 {c} 次）；{n} 次中认对 {k} 次。",
         "m_rel_sometimes": "**{name}**：{n} 次中认对 {k} 次；有时被误认为 **{other}**（{c} 次）。",
         "m_rel_good": "**{name}**：{n} 次中认对 {k} 次。",
+        "m_rel_often_tied": "**{name}** 常被误认为 {others}（{n} 次中各 {c} 次）；{n} 次中认对 {k} 次。",
+        "m_rel_sometimes_tied": "**{name}**：{n} 次中认对 {k} 次；有时被误认为 {others}（各 {c} 次）。",
+        "m_rel_and": "和",
         "m_rel_said": "当它回答 **{name}** 时，{n} 次中只有 {k} 次是对的。",
         "m_rel_few": "测试照片太少，无法确定。",
         "m_rel_variant": ("训练记录中的各类别测试结果属于本文件所由转换的 FP32 模型；本文件（FP16 或 INT8）"

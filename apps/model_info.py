@@ -304,13 +304,16 @@ def reliability_lines(report: dict[str, Any] | None, classes: Sequence[str], not
         n, right = sum(cm[i]), cm[i][i]
         if n == 0:
             continue
-        wrong = [(cm[i][j], j) for j in range(k) if j != i and cm[i][j] > 0]
-        count, j = max(wrong) if wrong else (0, -1)
-        values = {"name": names[c], "k": right, "n": n, "c": count, "other": names[order[j]] if j >= 0 else ""}
+        count = max((cm[i][j] for j in range(k) if j != i), default=0)
+        # every class it is mistaken for that often, in the matrix's order: a tie names them all
+        tied = [names[order[j]] for j in range(k) if j != i and count and cm[i][j] == count]
+        values = {"name": names[c], "k": right, "n": n, "c": count, "other": tied[0] if tied else "",
+                  "others": t("m_rel_and", lang).join(f"**{o}**" for o in tied)}
+        suffix = "_tied" if len(tied) > 1 else ""
         if count and count / n >= OFTEN:
-            line = t("m_rel_often", lang, **values)
+            line = t("m_rel_often" + suffix, lang, **values)
         elif count and count / n >= SOMETIMES:
-            line = t("m_rel_sometimes", lang, **values)
+            line = t("m_rel_sometimes" + suffix, lang, **values)
         else:
             line = t("m_rel_good", lang, **values)
         said = sum(cm[r][i] for r in range(k))

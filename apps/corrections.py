@@ -267,7 +267,7 @@ class CorrectionStore:
     def _full_message(self, used: int, photo: str) -> str:
         # moving single photos out would leave corrections.jsonl naming files that are gone; the whole folder
         # moves with its log, and a training run reads it wherever it is
-        return (f"the corrections folder {self.root} is full ({_amount(used)} of {_amount(self.max_bytes)}); "
+        return (f"the corrections folder {self.root} is full ({_used_of(used, self.max_bytes)}); "
                 f"{photo} was not saved. Start the server with a larger --corrections-max-mb, or, once a training "
                 f"run has used these photos (leaflens preprocess --also {self.root}), move the whole folder aside "
                 "(its corrections.jsonl with it): the server starts a new one at the next correction")
@@ -366,9 +366,18 @@ class CorrectionStore:
         }
 
 
-def _amount(n: int) -> str:
+def _amount(n: int, decimals: int = 1) -> str:
     """A byte count for people: 9.5 KB, 12.3 MB."""
-    return f"{n / MB:.1f} MB" if n >= MB / 10 else f"{n / 1024:.1f} KB"
+    return f"{n / MB:.{decimals}f} MB" if n >= MB / 10 else f"{n / 1024:.{decimals}f} KB"
+
+
+def _used_of(used: int, cap: int) -> str:
+    """"0.34 MB of 0.35 MB": with the decimals (up to 3) that tell a folder just under its cap from the cap."""
+    for decimals in (1, 2, 3):
+        a, b = _amount(used, decimals), _amount(cap, decimals)
+        if a != b:
+            break
+    return f"{a} of {b}"
 
 
 def _copy_hashing(src: Path, tmp: Path) -> str:
@@ -565,7 +574,8 @@ def render_correction(result: Mapping[str, Any] | None, notes: ClassNotes | None
     if saved:
         fresh = sum(not s["duplicate"] for s in saved)
         if fresh:
-            lines.append(t("correct_saved", lang, n=fresh, name=md_escape(name)))
+            key = "correct_saved_not_a_leaf" if chosen == NOT_A_LEAF else "correct_saved"
+            lines.append(t(key, lang, n=fresh, name=md_escape(name)))
             if fresh < len(saved):
                 lines.append(t("correct_saved_before", lang, k=len(saved) - fresh))
         else:

@@ -240,6 +240,13 @@ def test_room_freed_by_moving_photos_out_counts_at_once_and_a_saved_photo_is_nev
     assert not store.save(second, "rust", photo_name="b.jpg").duplicate  # no restart needed
 
 
+def test_a_folder_just_under_its_cap_says_the_decimals_that_show_it():
+    from leaflens.apps.corrections import _used_of
+    assert _used_of(int(0.341 * MB), int(0.35 * MB)) == "0.34 MB of 0.35 MB"  # not "0.3 MB of 0.3 MB"
+    assert _used_of(int(12.3 * MB), 500 * MB) == "12.3 MB of 500.0 MB"
+    assert _used_of(int(499.9996 * MB), 500 * MB) == "500.000 MB of 500.000 MB"  # within a kilobyte: no more said
+
+
 def test_two_servers_sharing_a_folder_save_a_photo_once(tmp_path):
     root = tmp_path / "corrections"
     one, two = store_at(root), store_at(root)
@@ -294,6 +301,13 @@ def test_apply_saves_the_analysed_photos_and_skips_the_rest(tmp_path):
     assert "Saved 2 photo(s) as **Rust**" in text and "c\\.jpg" in text and "did not analyse" in text
     zh = render_correction(res, ClassNotes({"rust": {"name": "Rust", "name_zh": "锈病"}}), "zh")
     assert "锈病" in zh and "2 张" in zh
+    # "not a leaf" is kept, but preprocess skips that folder: the page must not promise the next training run
+    res = apply_correction(store, [str(p) for p in paths], answer, "all", "not_a_leaf")
+    assert res["ok"] and len(res["saved"]) == 2
+    text = render_correction(res, None, "en")
+    assert "Saved 2 photo(s) as **Not a leaf" in text and "training does not use them" in text
+    assert "for the next training run" not in text and "the next training run learns your latest answer" in text
+    assert "训练暂不使用" in render_correction(res, None, "zh")
 
 
 def test_all_photos_as_a_class_leaves_out_the_photos_the_answer_left_out(tmp_path):

@@ -431,7 +431,9 @@ def page_head(default_lang: str = DEFAULT_LANG, heic: bool = False) -> str:
                           "gradio": {"Fullscreen": t("fullscreen", lang), "Exit fullscreen": t("fullscreen_exit", lang),
                                      "Exit fullscreen mode": t("fullscreen_exit", lang),
                                      "Upload": t("gradio_upload", lang), "Clear": t("gradio_clear", lang),
-                                     "Close": t("gradio_close", lang)}}
+                                     "Close": t("gradio_close", lang),
+                                     "Gradio footer navigation": t("gradio_footer_nav", lang),
+                                     "More tabs": t("gradio_more_tabs", lang)}}
                    for lang in LANGS},
     }
     script = _SCRIPT.replace("__CFG__", json.dumps(cfg, ensure_ascii=False).replace("</", "<\\/"))

@@ -34,7 +34,7 @@ LOCALES = {"en": "en-US", "zh": "zh-CN"}
 GRADIO_API_WORDS = {"en": "Use via API", "zh": "通过 API 使用"}  # Gradio's own footer, in its own translation
 # Accessible names Gradio writes in English whatever the language: the page replaces them in its components.
 GRADIO_ENGLISH = ("common.", "Click to upload", "Remove this file", "Thumbnail", "Fullscreen", "Download All",
-                  "Drop File Here", "Click to Upload")
+                  "Drop File Here", "Click to Upload", "Gradio footer navigation", "More tabs")
 
 
 def _skip_without_browser() -> None:

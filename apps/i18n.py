@@ -264,8 +264,10 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_rel_often": "**{name}** is often mistaken for **{other}** ({c} of {n} times); right {k} of {n} times.",
         "m_rel_sometimes": "**{name}**: right {k} of {n} times; sometimes mistaken for **{other}** ({c} times).",
         "m_rel_good": "**{name}**: right {k} of {n} times.",
-        "m_rel_often_tied": "**{name}** is often mistaken for {others} ({c} of {n} times each); right {k} of {n} times.",
-        "m_rel_sometimes_tied": "**{name}**: right {k} of {n} times; sometimes mistaken for {others} ({c} times each).",
+        "m_rel_often_tied": ("**{name}** is often mistaken for {others} ({c} of {n} times each); "
+                             "right {k} of {n} times."),
+        "m_rel_sometimes_tied": ("**{name}**: right {k} of {n} times; sometimes mistaken for {others} "
+                                 "({c} times each)."),
         "m_rel_and": " and ",
         "m_rel_said": "When it answers **{name}**, it is right only {k} of {n} times.",
         "m_rel_few": "Too few test photos to be sure.",
@@ -423,8 +425,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "not_a_leaf": "不是叶片（其他东西）",
         "correct_save": "保存更正",
         "correct_saved": "已将 {n} 张照片保存为 **{name}**，将用于下一次训练。谢谢！",
-        "correct_saved_not_a_leaf": ("已将 {n} 张照片保存为 **{name}**。谢谢！模型没有这类照片的类别，所以训练暂不使用它们；"
-                                     "它们会被保留，作为模型不应回答的照片示例。"),
+        "correct_saved_not_a_leaf": ("已将 {n} 张照片保存为 **{name}**。谢谢！模型没有这类照片的类别，"
+                                     "所以训练暂不使用它们；它们会被保留，作为模型不应回答的照片示例。"),
         "correct_saved_before": "其中 {k} 张之前已经按此答案保存过。",
         "correct_all_before": "已经保存为 **{name}**，无需再次保存。",
         "correct_replaced": "其中 {k} 张之前被保存为 {names}；那份副本已删除，下一次训练只采用您最新的答案。",

@@ -50,7 +50,8 @@ def test_a_class_mistaken_equally_often_for_two_others_names_both():
             [0, 1, 43, 0],
             [0, 0, 1, 19]]  # rust: 1 taken for leaf miner (5 %)
     en = reliability_lines(report(tied), CLASSES, NOTES, "en")
-    assert en[0] == "- **Aphids** is often mistaken for **Healthy** and **Rust** (8 of 19 times each); right 3 of 19 times."
+    assert en[0] == ("- **Aphids** is often mistaken for **Healthy** and **Rust** (8 of 19 times each); "
+                     "right 3 of 19 times.")
     zh = reliability_lines(report(tied), CLASSES, NOTES, "zh")
     assert zh[0] == "- **蚜虫** 常被误认为 **健康**和**锈病**（19 次中各 8 次）；19 次中认对 3 次。"
     tied[0] = [34, 2, 0, 2]  # 2 of 38 each: 5 %, "sometimes"

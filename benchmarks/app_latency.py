@@ -34,11 +34,14 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from leaflens.apps.model_card import ModelError
-from leaflens.apps.predictor import Predictor
-from leaflens.apps.service import DiagnosisService
-from leaflens.cpus import usable_cpus
-from leaflens.data_prep.decode import RESAMPLE
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import positive_int  # noqa: E402  (benchmarks/ is not a package)
+
+from leaflens.apps.model_card import ModelError  # noqa: E402
+from leaflens.apps.predictor import Predictor  # noqa: E402
+from leaflens.apps.service import DiagnosisService  # noqa: E402
+from leaflens.cpus import usable_cpus  # noqa: E402
+from leaflens.data_prep.decode import RESAMPLE  # noqa: E402
 
 TARGET_MS = 60.0
 
@@ -112,7 +115,7 @@ def percentile(values: list[float], q: float) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="exported model (default: a stand-in of the student's shape)")
-    ap.add_argument("--repeats", type=int, default=30, help="timed rounds per method (default 30)")
+    ap.add_argument("--repeats", type=positive_int, default=30, help="timed rounds per method (default 30)")
     ap.add_argument("--no-http", action="store_true", help="skip the round trip through a running Gradio app")
     args = ap.parse_args(argv)
     logging.getLogger("leaflens").setLevel(logging.WARNING)

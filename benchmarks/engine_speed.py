@@ -26,7 +26,8 @@ the libraries, the model and the input batch.
 The last line is JSON: ``student_ratio_nchw``, ``student_ratio_cl``, ``effnet_ratio_160``,
 ``effnet_ratio_224`` (against PyTorch NCHW; ``*_cl`` against channels_last), ``infer_ratio_b1``,
 ``infer_ratio_b64``, ``engine_img_s_<case>``, ``torch_img_s_<case>`` (NCHW), ``torch_cl_img_s_<case>``,
-``peak_rss_mb_<case>_<impl>``, ``step_mb_<case>_<impl>`` (impl: engine, torch, torch_cl).
+``peak_rss_mb_<case>_<impl>``, ``step_mb_<case>_<impl>`` (impl: engine, torch, torch_cl). With ``--profile``
+or ``--ab`` it is one JSON object for all the cases: ``profile_<case>_*`` or ``ab_<case>_<switch>``.
 """
 
 from __future__ import annotations
@@ -470,10 +471,12 @@ def _op_label(fn: object) -> str:
     return name
 
 
-def profile_case(args: argparse.Namespace, name: str) -> None:
+def profile_case(args: argparse.Namespace, name: str) -> dict[str, object]:
     """Wall time of every engine op's forward and backward over some steps (in the calling thread, which
     waits for the engine's worker threads, so the times include their share); the rest of the step is the
-    optimizer, the graph bookkeeping and the Python around it."""
+    optimizer, the graph bookkeeping and the Python around it. Prints a table; returns its figures for the
+    JSON line (``profile_<case>_ms_per_step``, ``profile_<case>_img_s``, ``profile_<case>_ops``: ms per step
+    by "op phase", and ``profile_<case>_rest_ms``)."""
     import leaflens.engine.ops  # noqa: F401 - every Function subclass defined
     from leaflens.engine.tensor import Function
 
@@ -514,6 +517,10 @@ def profile_case(args: argparse.Namespace, name: str) -> None:
     for (label, phase), t in rows:
         print(f"{label:<34}{phase:<10}{t / steps * 1000:>9.1f}{t / total:>8.1%}")
     print(f"{'optimizer, graph, Python':<34}{'':<10}{rest / steps * 1000:>9.1f}{rest / total:>8.1%}")
+    return {f"profile_{name}_ms_per_step": round(total / steps * 1000, 2),
+            f"profile_{name}_img_s": round(case.batch * steps / total, 2),
+            f"profile_{name}_ops": {f"{label} {phase}": round(t / steps * 1000, 3) for (label, phase), t in rows},
+            f"profile_{name}_rest_ms": round(rest / steps * 1000, 2)}
 
 
 def _switch(name: str, on: bool) -> None:
@@ -523,10 +530,11 @@ def _switch(name: str, on: bool) -> None:
     setattr(importlib.import_module(module), attr, on_value if on else off_value)
 
 
-def ab_case(args: argparse.Namespace, name: str) -> None:
+def ab_case(args: argparse.Namespace, name: str) -> dict[str, float]:
     """The engine's step with every --ab path on against the same step with one path off, in interleaved
     rounds (each variant its own model, built and warmed up with its switches set); per variant the median
-    time per step, and the median over rounds of (time with the path off) / (time with all on)."""
+    time per step, and the median over rounds of (time with the path off) / (time with all on). Prints a
+    table; returns ``ab_<case>_<switch>`` (that ratio) for the JSON line."""
     case = case_spec(name, args)
     variants = {"all on": set(args.ab_list), **{f"{a} off": set(args.ab_list) - {a} for a in args.ab_list}}
 
@@ -554,8 +562,7 @@ def ab_case(args: argparse.Namespace, name: str) -> None:
         print(f"{label:<22}{statistics.median(t) * 1000:>18.0f}{min(t) * 1000:>9.0f}{max(t) * 1000:>9.0f}{r:>14.3f}")
         if label != "all on":
             figures[f"ab_{name}_{label.split()[0]}"] = round(r, 3)
-    figures["load_average"] = os.getloadavg()[0]
-    print(json.dumps(figures))
+    return figures
 
 
 def main() -> None:
@@ -563,13 +570,12 @@ def main() -> None:
     if args.memory_probe:
         memory_probe(args, *args.memory_probe)
         return
-    if args.profile:
+    if args.profile or args.ab_list:  # one JSON line after every case's table, holding all of their figures
+        figures: dict[str, object] = {}
         for name in args.case_list:
-            profile_case(args, name)
-        return
-    if args.ab_list:
-        for name in args.case_list:
-            ab_case(args, name)
+            figures.update(profile_case(args, name) if args.profile else ab_case(args, name))
+        figures.update({"threads": args.threads, "rounds": args.rounds, "load_average": os.getloadavg()[0]})
+        print(json.dumps(figures))
         return
     impls: tuple[str, ...] = ("engine",)
     torch_version = None
@@ -582,7 +588,7 @@ def main() -> None:
             impls = IMPLS
         except ImportError:
             print("PyTorch not installed: reference figures are null (pip install torch==2.13.0 to compare)")
-    figures: dict = {}
+    figures = {}
     for name in args.case_list:
         run_case(args, name, impls, figures)
     if not args.no_memory:

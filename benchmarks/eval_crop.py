@@ -48,17 +48,19 @@ def student_dirs(run: Path) -> list[Path]:
     return sorted(p.parent for p in run.rglob("best.npz") if p.parent != run)
 
 
-def crop_accuracies(run: Path, ds_dir: Path, ratios: Sequence[float]) -> dict[str, dict[str, Any]]:
-    """Per student of ``run``: validation and test accuracy at each ratio, the chosen ratio and its test gain."""
-    from leaflens.data_prep.manifest import load_dataset  # noqa: PLC0415
+def crop_accuracies(run: Path, ds: Any, ratios: Sequence[float]) -> dict[str, dict[str, Any]]:
+    """Per student of ``run``: validation and test accuracy at each ratio on the loaded dataset ``ds``, the
+    chosen ratio and its test gain."""
     from leaflens.pipeline.runs import load_model  # noqa: PLC0415
     from leaflens.pipeline.train_student import predict_logits  # noqa: PLC0415
 
-    ds = load_dataset(ds_dir)
     splits = {split: (np.asarray(ds[split].images), np.asarray(ds[split].labels)) for split in ("val", "test")}
     out: dict[str, dict[str, Any]] = {}
     for student in student_dirs(run):
-        model, info = load_model(student)
+        try:
+            model, info = load_model(student)
+        except (ValueError, OSError) as exc:  # CheckpointError, RecordError: an unreadable checkpoint
+            sys.exit(f"eval_crop.py: {student}: {exc}")
         size = info.dataset.model_input_size
         row: dict[str, Any] = {}
         for split, (images, labels) in splits.items():
@@ -69,6 +71,25 @@ def crop_accuracies(run: Path, ds_dir: Path, ratios: Sequence[float]) -> dict[st
         row["test_gain"] = row["test"][row["chosen_ratio"]] - row["test"][1.0]
         out[student.relative_to(run).as_posix()] = row
     return out
+
+
+def load_run(run: str, ds_dir: str) -> Any:
+    """The dataset of ``run`` after checking that the run has students and the dataset has labelled val and
+    test splits; exits with one line naming the folder otherwise."""
+    from leaflens.data_prep.manifest import DatasetError, load_dataset  # noqa: PLC0415
+
+    if not Path(run).is_dir():
+        sys.exit(f"eval_crop.py: run {run}: no such folder")
+    if not student_dirs(Path(run)):
+        sys.exit(f"eval_crop.py: run {run}: no trained student (no */best.npz; a `leaflens distill` output folder?)")
+    try:
+        ds = load_dataset(ds_dir)
+    except DatasetError as exc:
+        sys.exit(f"eval_crop.py: {exc}")
+    for split in ("val", "test"):
+        if split not in ds.splits or ds[split].labels is None:
+            sys.exit(f"eval_crop.py: dataset {ds_dir} has no labelled '{split}' split")
+    return ds
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -85,10 +106,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             centre_crop(np.zeros((1, 4, 4, 3), np.uint8), r)  # refuses a ratio outside (0, 1]
     except ValueError as exc:
         ap.error(f"--ratios: {exc}")
+    datasets = {run: load_run(run, ds) for run, ds in args.run}  # all checked before the table starts
     results, gains = {}, []
     print(f"{'run / student':48s} {'split':5s} " + " ".join(f"{r:>7.4g}" for r in ratios) + "  chosen  test gain")
-    for run, ds in args.run:
-        per = crop_accuracies(Path(run), Path(ds), ratios)
+    for run, ds in datasets.items():
+        per = crop_accuracies(Path(run), ds, ratios)
         results[run] = per
         for name, row in per.items():
             for split in ("val", "test"):

@@ -32,17 +32,20 @@ from pathlib import Path
 
 import numpy as np
 
-from leaflens.data_prep.ingest import IngestOptions, ingest
-from leaflens.data_prep.manifest import load_dataset
-from leaflens.engine import Tensor, nn, ops
-from leaflens.engine.optim import AdamW
-from leaflens.engine.parallel import num_threads
-from leaflens.pipeline.cli.runtime import configure_process
-from leaflens.pipeline.config import TeacherSection, load_config
-from leaflens.pipeline.distill import member_pair, run_distill
-from leaflens.pipeline.teachers.artefact import load_teacher
-from leaflens.pipeline.teachers.effnet import build_effnet_teacher
-from leaflens.pipeline.teachers.stage import knn_accuracy, served_teacher_writer, write_teacher
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import checked_config  # noqa: E402  (benchmarks/ is not a package)
+
+from leaflens.data_prep.ingest import IngestOptions, ingest  # noqa: E402
+from leaflens.data_prep.manifest import load_dataset  # noqa: E402
+from leaflens.engine import Tensor, nn, ops  # noqa: E402
+from leaflens.engine.optim import AdamW  # noqa: E402
+from leaflens.engine.parallel import num_threads  # noqa: E402
+from leaflens.pipeline.cli.runtime import configure_process  # noqa: E402
+from leaflens.pipeline.config import TeacherSection, load_config  # noqa: E402
+from leaflens.pipeline.distill import member_pair, run_distill  # noqa: E402
+from leaflens.pipeline.teachers.artefact import load_teacher  # noqa: E402
+from leaflens.pipeline.teachers.effnet import build_effnet_teacher  # noqa: E402
+from leaflens.pipeline.teachers.stage import knn_accuracy, served_teacher_writer, write_teacher  # noqa: E402
 
 EXTS = {".jpg", ".jpeg", ".png"}
 
@@ -120,6 +123,12 @@ def teacher_tag(overrides: Sequence[str]) -> str:
     return "_" + hashlib.sha256("\n".join(own).encode()).hexdigest()[:8] if own else ""
 
 
+def student_sets(seed: int, size: int, epochs: int | None, overrides: Sequence[str]) -> list[str]:
+    """The config overrides of one student run: its seed, input size and epochs, then the command line's."""
+    return [f"train.seed={seed}", f"model.input_size={size}", *([f"train.epochs={epochs}"] if epochs else []),
+            *overrides]
+
+
 def student_run(job: tuple) -> dict:
     """One (seed, setting) pair: scratch and distilled students by the distill stage, as a result row."""
     work, seed, name, ds_dir, teacher_dir, sets = job
@@ -172,10 +181,14 @@ def main() -> None:
                      (not 0 < args.fraction <= 1, f"--fraction must be in (0, 1], got {args.fraction}"),
                      (args.jobs < 1, f"--jobs must be 1 or more, got {args.jobs}"),
                      (args.epochs is not None and args.epochs < 1, f"--epochs must be 1 or more, got {args.epochs}"),
+                     (args.teacher_epochs < 1, f"--teacher-epochs must be 1 or more, got {args.teacher_epochs}"),
                      (not settings or not settings <= {"full", "frac"},
                       f"--settings takes full, frac or both (comma-separated), got {args.settings!r}")):
         if bad:
             p.error(why)
+    # every --set as the stages will read it, before any of them runs: the teachers' recipe and the students'
+    checked_config(p, [f"teacher.epochs={args.teacher_epochs}", *args.overrides])
+    checked_config(p, student_sets(0, args.size, args.epochs, args.overrides))
     if not args.data.is_dir():
         sys.exit(f"ibeans.py: {args.data} does not exist (the iBeans photos: ../shared/data/ibeans beside the "
                  "project, or the official release in train/val/test/<class>/ folders)")
@@ -232,8 +245,7 @@ def main() -> None:
         pseudo[name] = pseudo_label_accuracy(ds, tt.info.stage)
 
     jobs = [(work, seed, name, ds_dirs[name], teachers[name],
-             [f"train.seed={seed}", f"model.input_size={args.size}"]
-             + ([f"train.epochs={args.epochs}"] if args.epochs else []) + args.overrides)
+             student_sets(seed, args.size, args.epochs, args.overrides))
             for seed in range(args.seeds) for name in ds_dirs if name in args.settings.split(",")]
     rows = []
     if args.jobs > 1:

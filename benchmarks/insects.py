@@ -36,8 +36,8 @@ time, ``stage_wall_s`` what each stage took when it was made (reused stages cost
 Invocations with different ``--sizes`` may share ``--work`` side by side once the teacher is made (each
 size keeps its own stamps).
 
-``--quick``: a seeded choice of a few photos per class, 1 teacher epoch and 2 student epochs: a smoke run
-of the whole path (its figures mean nothing).
+``--quick``: a seeded choice of a few photos per class, 1 teacher epoch and 2 student epochs, no warm-up: a
+smoke run of the whole path (its figures mean nothing).
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ood import leaflens, photo_files, stage  # noqa: E402  (benchmarks/ is not a package)
+from _args import checked_config, positive_int  # noqa: E402  (benchmarks/ is not a package)
+from ood import leaflens, photo_files, stage  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = (64, 96, 128)
@@ -65,6 +66,11 @@ STORE_SIZE = 256  # twice the largest default input size
 SPLIT = "70/15/15"
 TARGET_GAP = 0.02  # issue #16: students and the kept model within 2 points of the teacher
 QUICK_PER_CLASS, QUICK_TEACHER_EPOCHS, QUICK_EPOCHS = 8, 1, 2
+# the smoke recipe, before any --set: no warm-up for the teacher or the students (a warm-up as long as the run
+# would leave the learning rate rising throughout, and the stages warn of it)
+QUICK_SETS = (f"teacher.epochs={QUICK_TEACHER_EPOCHS}", "teacher.min_steps=0", "teacher.warmup_epochs=0",
+              f"train.epochs={QUICK_EPOCHS}", "train.min_steps=0", "train.warmup_epochs=0")
+SCRIPT = "insects.py"  # what a failed stage's message starts with (the stage helpers are ood.py's)
 
 
 # ---------------------------------------------------------------------------------------------- sources
@@ -102,7 +108,7 @@ def preprocess(src: Path, ds: Path, store: int, seed: int, progress: bool) -> No
     """`leaflens preprocess` of ``src`` into ``ds`` with the 70/15/15 split of ``seed`` (does nothing when
     the photos and options are unchanged)."""
     leaflens("preprocess", "--src", str(src), "--out", str(ds), "--size", str(store), "--split", SPLIT,
-             "--seed", str(seed), *([] if progress else ["--no-progress"]))
+             "--seed", str(seed), *([] if progress else ["--no-progress"]), script=SCRIPT)
 
 
 # ---------------------------------------------------------------------------------------------- results
@@ -264,13 +270,13 @@ def main() -> None:
     p.add_argument("--work", type=Path,
                    help="stage outputs, reused when their inputs are the same (default artifacts/bench_insects; "
                         "--quick: artifacts/bench_insects_quick)")
-    p.add_argument("--store-size", type=int, default=STORE_SIZE,
+    p.add_argument("--store-size", type=positive_int, default=STORE_SIZE,
                    help=f"size the photos are stored at (default {STORE_SIZE}; the same for every --sizes, so runs "
                         "with other sizes share the dataset and the teacher)")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke run: {QUICK_PER_CLASS} photos per class, {QUICK_TEACHER_EPOCHS} teacher epoch, "
                         f"{QUICK_EPOCHS} student epochs")
-    p.add_argument("--jobs", type=int, default=1,
+    p.add_argument("--jobs", type=positive_int, default=1,
                    help="student sizes trained side by side, each process with its share of the cores")
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    help="config override, repeatable: teacher.* keys go to the teacher stage, the others to distill "
@@ -284,13 +290,16 @@ def main() -> None:
         p.error(f"--sizes must be integers separated by commas, got {args.sizes!r}")
     if not sizes or min(sizes) < 8:
         p.error(f"--sizes needs at least one size of 8 px or more, got {args.sizes!r}")
-    if not args.data.is_dir() or not any(p.is_dir() for p in args.data.iterdir()):
-        sys.exit(f"insects.py: {args.data} is not a folder of <class>/ photo folders (the insects set is "
-                 "../shared/data/insects; it is not distributed with leaflens)")
     store = args.store_size
     if store < max(sizes):
         p.error(f"--store-size {store} is below the largest input size {max(sizes)}: the student's photos would be "
                 "blown up")
+    sets = [*(QUICK_SETS if args.quick else ()), *args.overrides]
+    cfg = checked_config(p, sets)  # a bad --set is refused before anything runs
+    # photos straight in class folders: an already split set (train/val/test/<class>/) has none there
+    if not args.data.is_dir() or not photo_files(args.data, "*/*"):
+        sys.exit(f"{SCRIPT}: {args.data} is not a folder of <class>/ photo folders (the insects set is "
+                 "../shared/data/insects; it is not distributed with leaflens)")
     work = args.work or REPO / "artifacts" / ("bench_insects_quick" if args.quick else "bench_insects")
     work.mkdir(parents=True, exist_ok=True)
     progress = not args.quiet
@@ -300,11 +309,6 @@ def main() -> None:
     from leaflens.pipeline.config import DEFAULT_CONFIG, load_config  # noqa: PLC0415
     from leaflens.pipeline.teachers.artefact import load_teacher  # noqa: PLC0415
 
-    sets = list(args.overrides)
-    if args.quick:
-        sets = [f"teacher.epochs={QUICK_TEACHER_EPOCHS}", "teacher.min_steps=0", f"train.epochs={QUICK_EPOCHS}",
-                "train.min_steps=0", *sets]
-    cfg = load_config(None, sets)  # refuses a bad override before anything runs
     default_size = load_config(None, []).model.input_size
     # [teacher] settings go to the teacher stage, the rest to distill: a student override never retrains the teacher
     teacher_args = [a for s in sets if s.startswith("teacher.") for a in ("--set", s)]
@@ -321,7 +325,8 @@ def main() -> None:
 
     walls["teacher"] = made_in(work, "teacher", teacher / "teacher.json", lambda: stage(
         work, "teacher", teacher / "teacher.json", ["teacher", "--dataset", str(ds), "--out", str(teacher),
-                                                    *teacher_args], [ds / "manifest.json", DEFAULT_CONFIG], quiet))
+                                                    *teacher_args], [ds / "manifest.json", DEFAULT_CONFIG], quiet,
+        script=SCRIPT))
     dataset = load_dataset(ds)
     tt = load_teacher(teacher, dataset)
     teacher_acc = float((np.asarray(tt.logits["test"]).argmax(1) == np.asarray(dataset["test"].labels)).mean())
@@ -337,7 +342,7 @@ def main() -> None:
              # the larger students are tried once, by the run at the default size (what the pipeline ships),
              # also when --set gives model.escalate
              *([] if size == default_size else ["--set", "model.escalate=[]"])],
-            [ds / "manifest.json", teacher / "teacher.json", DEFAULT_CONFIG], quiet))
+            [ds / "manifest.json", teacher / "teacher.json", DEFAULT_CONFIG], quiet, script=SCRIPT))
         return student_row(json.loads((run / "report.json").read_text(encoding="utf-8")))
 
     if args.jobs > 1:

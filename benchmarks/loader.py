@@ -30,8 +30,11 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from leaflens.engine.data import ArrayDataset, Augment, DataLoader
-from leaflens.pipeline.cli.runtime import configure_process
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import positive_int  # noqa: E402  (benchmarks/ is not a package)
+
+from leaflens.engine.data import ArrayDataset, Augment, DataLoader  # noqa: E402
+from leaflens.pipeline.cli.runtime import configure_process  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,21 +141,24 @@ def train_rates(loader: DataLoader, steps: int, num_classes: int) -> tuple[float
     return fixed, fed
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     configure_process(engine=True)  # what the `leaflens` command runs with
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--images", type=int, default=None, help="images in the memmap (default 4096; --quick 1024)")
-    p.add_argument("--size", type=int, default=64)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--batches", type=int, default=None, help="timed loader batches per configuration (default 60; "
-                                                             "--quick 15)")
-    p.add_argument("--steps", type=int, default=None, help="timed training steps (default 8; --quick 3)")
-    p.add_argument("--classes", type=int, default=8)
+    p.add_argument("--images", type=positive_int, default=None,
+                   help="images in the memmap, at least --batch (default 4096; --quick 1024)")
+    p.add_argument("--size", type=positive_int, default=64)
+    p.add_argument("--batch", type=positive_int, default=64)
+    p.add_argument("--batches", type=positive_int, default=None,
+                   help="timed loader batches per configuration (default 60; --quick 15)")
+    p.add_argument("--steps", type=positive_int, default=None, help="timed training steps (default 8; --quick 3)")
+    p.add_argument("--classes", type=positive_int, default=8)
     p.add_argument("--quick", action="store_true", help="smaller defaults; options given explicitly still win")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     for name, full, quick in (("images", 4096, 1024), ("batches", 60, 15), ("steps", 8, 3)):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
+    if args.images < args.batch:  # the loaders drop the last partial batch: they would yield none
+        p.error(f"--images {args.images} is fewer than one --batch of {args.batch}")
 
     with tempfile.TemporaryDirectory() as td:
         images = make_images(Path(td) / "train_images.npy", args.images, args.size)

@@ -3,12 +3,14 @@ often the model is right there, against its other answers.
 
     python benchmarks/near_ties.py --model artifacts/export/student.onnx --dataset artifacts/dataset
 
-The photos are the dataset's stored arrays of ``--split`` (validation by default: the rule is chosen there,
-never on test), scored by the exported model as the Predictor serves them. For each ratio r, a photo is a
-near tie when its second class has at least r times the first's probability. The last line is one JSON
-object: ``photos``, ``accuracy``, ``tie_ratio`` (the served rule's, leaflens.apps.model_card.TIE_RATIO),
-``near_ties``, ``near_ties_right``, ``acc_near_ties``, ``acc_rest``, ``threshold_ambiguous`` (below the
-model's threshold alone), ``rule_ambiguous`` (the served rule: threshold or near tie) and ``per_ratio``.
+The photos are those of the dataset's ``--split`` (validation by default: the rule is chosen there, never on
+test), scored by the exported model as the Predictor serves them: the stored arrays, or, for a model with its
+own stored size (a kept teacher, served at its input size), the original photos decoded by the model's
+contract, as `leaflens export` scores a teacher. For each ratio r, a photo is a near tie when its second class
+has at least r times the first's probability. The last line is one JSON object: ``photos``, ``accuracy``,
+``tie_ratio`` (the served rule's, leaflens.apps.model_card.TIE_RATIO), ``near_ties``, ``near_ties_right``,
+``acc_near_ties``, ``acc_rest``, ``threshold_ambiguous`` (below the model's threshold alone), ``rule_ambiguous``
+(the served rule: threshold or near tie) and ``per_ratio``.
 """
 
 from __future__ import annotations
@@ -16,12 +18,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 
-from leaflens.apps.model_card import TIE_RATIO, ModelError, unsure
-from leaflens.apps.predictor import Predictor
-from leaflens.data_prep.manifest import DatasetError, load_dataset
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import positive_int  # noqa: E402  (benchmarks/ is not a package)
+
+from leaflens.apps.model_card import TIE_RATIO, ModelError, unsure  # noqa: E402
+from leaflens.apps.predictor import Predictor  # noqa: E402
+from leaflens.data_prep.manifest import DatasetError, load_dataset  # noqa: E402
+from leaflens.pipeline.teachers.served import split_batches  # noqa: E402
+from leaflens.pipeline.teachers.stage import TeacherStageError  # noqa: E402
 
 RATIOS = (0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -31,19 +39,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True, help="exported model (.onnx)")
     p.add_argument("--dataset", required=True, help="the dataset it was trained on (preprocess's folder)")
     p.add_argument("--split", default="val", help="split to score (default %(default)s)")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=positive_int, default=64)
     args = p.parse_args(argv)
 
     predictor = Predictor(args.model)
     ds = load_dataset(args.dataset)
     if args.split not in ds.splits or ds[args.split].labels is None:
         p.error(f"--split {args.split}: {args.dataset} has labelled splits {', '.join(ds.splits)}")
-    if list(ds.classes) != list(predictor.classes) or ds.image_size != predictor.card.contract.stored_size:
-        p.error(f"{args.model} (classes {list(predictor.classes)}, stored {predictor.card.contract.stored_size} px) "
-                f"was not trained on {args.dataset} (classes {list(ds.classes)}, stored {ds.image_size} px)")
-    images, labels = ds[args.split].images, np.asarray(ds[args.split].labels)
-    probs = np.concatenate([predictor.predict_arrays(np.asarray(images[i:i + args.batch_size]))
-                            for i in range(0, len(labels), args.batch_size)])
+    if list(ds.classes) != list(predictor.classes):
+        p.error(f"{args.model} (classes {list(predictor.classes)}) was not trained on {args.dataset} (classes "
+                f"{list(ds.classes)})")
+    labels = np.asarray(ds[args.split].labels)
+    # at the model's stored size: the stored arrays, or the original photos decoded by its contract
+    probs = np.concatenate([predictor.predict_arrays(batch)
+                            for batch in split_batches(ds, args.split, predictor.card.contract, args.batch_size)])
     two = -np.partition(-probs, 1, axis=1)[:, :2]
     right = probs.argmax(1) == labels
     threshold = predictor.card.uncertain_threshold
@@ -76,5 +85,6 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     try:
         raise SystemExit(main())
-    except (ModelError, DatasetError, OSError) as exc:  # a missing or unreadable model or folder: one line
+    # a missing or unreadable model or folder, or a teacher's original photos gone: one line
+    except (ModelError, DatasetError, TeacherStageError, OSError) as exc:
         sys.exit(f"near_ties.py: {exc}")

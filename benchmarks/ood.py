@@ -320,13 +320,14 @@ def generated_negatives(train: np.ndarray, n: int, rng: np.random.Generator) -> 
 
 
 # ---------------------------------------------------------------------------------------------- pipeline
-def leaflens(*args: str) -> None:
-    """Run one `leaflens` command (its output shown); exit naming it when it fails."""
+def leaflens(*args: str, script: str = "ood.py") -> None:
+    """Run one `leaflens` command (its output shown); exit naming it, after ``script`` (the calling
+    benchmark), when it fails."""
     cmd = [sys.executable, "-m", "leaflens", *args]
     print("$ leaflens " + " ".join(args), flush=True)
     rc = subprocess.run(cmd).returncode
     if rc != 0:
-        sys.exit(f"ood.py: `leaflens {' '.join(args)}` failed (exit {rc})")
+        sys.exit(f"{script}: `leaflens {' '.join(args)}` failed (exit {rc})")
 
 
 def file_digest(path: Path) -> str:
@@ -345,9 +346,11 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def stage(work: Path, name: str, marker: Path, args: list[str], inputs: Sequence[Path], quiet: list[str]) -> None:
+def stage(work: Path, name: str, marker: Path, args: list[str], inputs: Sequence[Path], quiet: list[str],
+          script: str = "ood.py") -> None:
     """Run `leaflens ARGS` unless ``marker`` exists and the command and the digests of ``inputs`` are
-    those recorded (work/stages.json) when it was last made here. ``quiet`` flags are left out of the key."""
+    those recorded (work/stages.json) when it was last made here. ``quiet`` flags are left out of the key;
+    ``script`` names the calling benchmark when the command fails."""
     from leaflens.files import write_json_atomic  # noqa: PLC0415
 
     key = hashlib.sha256(json.dumps({"args": args, "inputs": [file_digest(p) for p in inputs]}).encode()).hexdigest()
@@ -356,7 +359,7 @@ def stage(work: Path, name: str, marker: Path, args: list[str], inputs: Sequence
     if marker.is_file() and stamps.get(name) == key:
         print(f"{name}: reusing {marker.parent} (same command and inputs)", flush=True)
         return
-    leaflens(*args, *quiet)
+    leaflens(*args, *quiet, script=script)
     stamps[name] = key
     write_json_atomic(stamps_path, stamps)
 

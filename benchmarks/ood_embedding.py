@@ -26,12 +26,15 @@ import numpy as np
 from PIL import Image, ImageOps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import existing_dir, positive_int  # noqa: E402
 from ood import auroc, generated_negatives  # noqa: E402
 
-from leaflens.data_prep.manifest import load_dataset  # noqa: E402
+from leaflens.data_prep.manifest import DatasetError, load_dataset  # noqa: E402
 from leaflens.engine import Tensor, no_grad  # noqa: E402
+from leaflens.engine.checkpoint import CheckpointError  # noqa: E402
 from leaflens.pipeline import ood  # noqa: E402
 from leaflens.pipeline.teachers import served  # noqa: E402
+from leaflens.pipeline.teachers.stage import TeacherStageError  # noqa: E402
 
 SCORES = ("blocks", "knn1", "msp", "blocks+knn1", "blocks+msp")
 GENERATED, GENERATED_SEED, REPEATS = 300, 1, 5
@@ -63,7 +66,7 @@ def decode(folder: Path, contract, limit: int) -> np.ndarray:
         w, h, m = *im.size, contract.stored_size
         out.append(np.asarray(im.crop(((w - m) // 2, (h - m) // 2, (w - m) // 2 + m, (h - m) // 2 + m))))
     if not out:
-        raise SystemExit(f"{folder}: no JPEG or PNG photos")
+        raise SystemExit(f"ood_embedding.py: {folder}: no JPEG or PNG photos")
     return np.stack(out)
 
 
@@ -76,22 +79,27 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--teacher", type=Path, required=True, help="teacher folder (its model.npz)")
     ap.add_argument("--dataset", type=Path, required=True, help="the dataset the teacher was made on")
-    ap.add_argument("--photos", type=Path, required=True, help="photos of no class of the model (measured only)")
-    ap.add_argument("--max-photos", type=int, default=200)
+    ap.add_argument("--photos", type=existing_dir, required=True,
+                    help="photos of no class of the model (measured only)")
+    ap.add_argument("--max-photos", type=positive_int, default=200)
     args = ap.parse_args(argv)
-    ds = load_dataset(args.dataset, verify=False)
-    net, meta = served.load_teacher_model(args.teacher / served.MODEL_FILE)
-    contract = meta.contract
-    if contract is None:
-        raise SystemExit(f"{args.teacher}: not a servable teacher ({meta.reason})")
+    # a missing or unreadable folder, file or original photo: one line naming it, exit 1
+    try:
+        ds = load_dataset(args.dataset, verify=False)
+        net, meta = served.load_teacher_model(args.teacher / served.MODEL_FILE)
+        contract = meta.contract
+        if contract is None:
+            raise SystemExit(f"ood_embedding.py: {args.teacher}: not a servable teacher ({meta.reason})")
 
-    def split(name: str) -> np.ndarray:
-        return np.concatenate(list(served.split_batches(ds, name, contract, 64)))
+        def split(name: str) -> np.ndarray:
+            return np.concatenate(list(served.split_batches(ds, name, contract, 64)))
 
-    train = split("train")
-    sets = {"train": train, "val": split("val"),
-            "generated": generated_negatives(train, GENERATED, np.random.default_rng(GENERATED_SEED)),
-            "photos": decode(args.photos, contract, args.max_photos)}
+        train = split("train")
+        sets = {"train": train, "val": split("val"),
+                "generated": generated_negatives(train, GENERATED, np.random.default_rng(GENERATED_SEED)),
+                "photos": decode(args.photos, contract, args.max_photos)}
+    except (DatasetError, CheckpointError, TeacherStageError, OSError) as exc:  # TeacherStageError: photos gone
+        raise SystemExit(f"ood_embedding.py: {exc}") from None
     out = {k: outputs(net, contract, v) for k, v in sets.items()}
     labels = np.asarray(ds["train"].labels)
     bank = out["train"][0] / np.linalg.norm(out["train"][0], axis=1, keepdims=True)

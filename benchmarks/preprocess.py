@@ -33,7 +33,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-from leaflens.data_prep import decode as dec
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import existing_dir, positive_int  # noqa: E402  (benchmarks/ is not a package)
+
+from leaflens.data_prep import decode as dec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -204,23 +207,32 @@ print(json.dumps({"seconds": r.seconds, "checks_seconds": r.checks_seconds, "che
 
 
 def checks_run(src: Path, tmp: Path) -> dict:
-    """A fresh `leaflens preprocess` of ``src`` (stored size 128, all cores) and a `--check`, in a child process."""
+    """A fresh `leaflens preprocess` of ``src`` (stored size 128, all cores) and a `--check`, in a child process;
+    exits with the child's last error line when the preprocess fails (not a traceback quoting the child)."""
     res = subprocess.run([sys.executable, "-c", CHECKS_CHILD, str(src), str(tmp / "checks_ds")],
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        why = (res.stderr.strip().splitlines() or [f"exit {res.returncode}"])[-1]
+        kind, _, message = why.partition(": ")
+        if message and kind.endswith("Error"):  # "leaflens.data_prep.scan.ScanError: ...": the message alone
+            why = message
+        sys.exit(f"preprocess.py: the preprocess of --checks-src {src} failed: {why}")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--photos", type=int, default=6, help="distinct 4000x3000 photos")
-    p.add_argument("--smalls", type=int, default=60, help="distinct 256x256 JPEGs")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (best counts)")
-    p.add_argument("--rss-images", type=int, default=20000, help="images for the peak-RSS ingest")
+    p.add_argument("--photos", type=positive_int, default=6, help="distinct 4000x3000 photos")
+    p.add_argument("--smalls", type=positive_int, default=60, help="distinct 256x256 JPEGs")
+    p.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds (best counts)")
+    p.add_argument("--rss-images", type=positive_int, default=20000, help="images for the peak-RSS ingest")
     p.add_argument("--quick", action="store_true", help="fewer images everywhere (a smoke run)")
-    p.add_argument("--checks-src", type=Path, default=None,
+    p.add_argument("--checks-src", type=existing_dir, default=None,
                    help="folder of photos to time the data checks on (e.g. /work/shared/data/ibeans)")
     p.add_argument("--checks-only", action="store_true", help="only (e): the data checks on --checks-src")
     args = p.parse_args()
+    if args.checks_only and args.checks_src is None:
+        p.error("--checks-only needs --checks-src")
     checks = None
     if args.checks_src is not None:
         with tempfile.TemporaryDirectory() as td:
@@ -228,9 +240,7 @@ def main() -> int:
         print(f"data checks on {args.checks_src} ({checks['photos']} photos): {checks['checks_seconds']:.2f} s of a "
               f"{checks['seconds']:.2f} s preprocess ({100 * checks['checks_share']:.1f} %); preprocess --check "
               f"{checks['check_mode_seconds']:.2f} s; main-process peak RSS {checks['self_mb']:.0f} MB")
-    if args.checks_only:
-        if checks is None:
-            p.error("--checks-only needs --checks-src")
+    if checks is not None and args.checks_only:
         print(json.dumps({"checks_seconds": round(checks["checks_seconds"], 3),
                           "checks_share": round(checks["checks_share"], 4),
                           "check_mode_seconds": round(checks["check_mode_seconds"], 2),

@@ -38,10 +38,13 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from leaflens.apps.batcher import DynamicBatcher
-from leaflens.apps.model_card import ModelError
-from leaflens.apps.predictor import Predictor
-from leaflens.cpus import usable_cpus
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import non_negative_float, positive_float, positive_int, positive_ints  # noqa: E402  (not a package)
+
+from leaflens.apps.batcher import DynamicBatcher  # noqa: E402
+from leaflens.apps.model_card import ModelError  # noqa: E402
+from leaflens.apps.predictor import Predictor  # noqa: E402
+from leaflens.cpus import usable_cpus  # noqa: E402
 
 STANDIN_CLASSES = ["angular_leaf_spot", "bean_rust", "healthy"]
 
@@ -249,20 +252,21 @@ def bench_e2e_full_decode(predictor: Predictor, photo: Path, runs: int) -> dict[
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="exported .onnx (default: build a stand-in of the student)")
-    ap.add_argument("--seconds", type=float, default=3.0, help="measured seconds per throughput scenario")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds the seconds are split into")
-    ap.add_argument("--clients", default="1,8,32,128", help="concurrent client counts for (b)")
-    ap.add_argument("--max-batch-size", type=int, default=16)
-    ap.add_argument("--max-wait-ms", type=float, default=0.0)
-    ap.add_argument("--workers", type=int, default=None, help="batcher worker threads (default: usable CPUs)")
-    ap.add_argument("--threads", type=int, default=None,
+    ap.add_argument("--seconds", type=positive_float, default=3.0, help="measured seconds per throughput scenario")
+    ap.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds the seconds are split into")
+    ap.add_argument("--clients", type=positive_ints, default="1,8,32,128",
+                    help="concurrent client counts for (b), comma-separated (empty: no (b))")
+    ap.add_argument("--max-batch-size", type=positive_int, default=16)
+    ap.add_argument("--max-wait-ms", type=non_negative_float, default=0.0)
+    ap.add_argument("--workers", type=positive_int, default=None, help="batcher worker threads (default: usable CPUs)")
+    ap.add_argument("--threads", type=positive_int, default=None,
                     help="intra-op threads for (b) and (c) (default: usable CPUs / workers)")
     ap.add_argument("--spin", action="store_true", help="let onnxruntime threads spin in (b) and (c)")
-    ap.add_argument("--e2e-runs", type=int, default=40)
-    ap.add_argument("--model-batches", default="1,4,16,64", help="batch sizes for the batching ceiling (d)")
+    ap.add_argument("--e2e-runs", type=positive_int, default=40)
+    ap.add_argument("--model-batches", type=positive_ints, default="1,4,16,64",
+                    help="batch sizes for the batching ceiling (d), comma-separated (empty: no (d))")
     args = ap.parse_args(argv)
-    clients = [int(c) for c in args.clients.split(",") if c]
-    model_batches = [int(b) for b in args.model_batches.split(",") if b]
+    clients, model_batches = args.clients, args.model_batches
 
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="leaflens-serve-") as tmp:

@@ -1,10 +1,11 @@
-"""benchmarks/eval_crop.py: the validation rule that chooses a ratio, and which checkpoints of a
-run count as students; the figures themselves need trained runs (README, "What is measured")."""
+"""benchmarks/eval_crop.py: the validation rule that chooses a ratio, which checkpoints of a run count as
+students, and its one-line refusals of a missing run or dataset; the figures themselves need trained runs
+(README, "What is measured")."""
 
 from __future__ import annotations
 
 import pytest
-from bench_helpers import load_benchmark
+from bench_helpers import assert_refused, load_benchmark, run_script
 
 
 @pytest.fixture(scope="module")
@@ -25,3 +26,17 @@ def test_students_are_the_variant_checkpoints_not_the_kept_copy(bench, tmp_path)
         (tmp_path / rel).write_bytes(b"")
     names = [p.relative_to(tmp_path).as_posix() for p in bench.student_dirs(tmp_path)]
     assert names == ["distilled", "lite16@128/distilled", "scratch"]
+
+
+def test_a_missing_run_or_dataset_is_one_line_before_the_table(tmp_path):
+    out = run_script("eval_crop.py", "--run", "/nonexistent", "/nonexistent")
+    assert_refused(out, 1, "eval_crop.py:", "/nonexistent")
+    assert out.stdout == ""  # no table header before the failure
+    (tmp_path / "run" / "distilled").mkdir(parents=True)
+    (tmp_path / "run" / "distilled" / "best.npz").write_bytes(b"")
+    out = run_script("eval_crop.py", "--run", str(tmp_path / "run"), str(tmp_path / "dataset"))
+    assert_refused(out, 1, "eval_crop.py:", str(tmp_path / "dataset"))
+    assert out.stdout == ""
+    (tmp_path / "empty").mkdir()
+    out = run_script("eval_crop.py", "--run", str(tmp_path / "empty"), str(tmp_path / "dataset"))
+    assert_refused(out, 1, "no trained student")

@@ -72,3 +72,13 @@ def test_teacher_settings_on_the_command_line_change_the_fine_tuned_teachers_and
     assert bench.teacher_tag(["train.ema=0.5"]) == ""  # the default teacher keeps its folder name
     assert bench.teacher_tag(sets).startswith("_") and bench.teacher_tag(sets) != bench.teacher_tag(
         ["teacher.ema=0.9"])
+
+
+def test_a_bad_set_is_refused_before_any_stage_runs(tmp_path):
+    from bench_helpers import assert_refused, run_script
+
+    data, work = write_ibeans(tmp_path / "ibeans"), tmp_path / "work"
+    for bad in ("bogus", "train.bogus=1", "teacher.bogus=1", "model.input_size=abc"):
+        out = run_script("ibeans.py", "--data", str(data), "--work", str(work), "--set", bad, timeout=60)
+        assert_refused(out, 2, "--set", bad)
+    assert not work.exists()  # nothing preprocessed, no teacher trained

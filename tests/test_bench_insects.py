@@ -1,6 +1,7 @@
 """benchmarks/insects.py: its split (preprocess's stratified, seeded 70/15/15 on a ROOT/<class>/ folder), the
---quick choice of photos, and the JSON it prints, on tiny synthetic photos; the benchmark itself needs the
-insect photos and an hour or more of training (one end-to-end --quick run is marked slow)."""
+--quick choice of photos, the JSON it prints and what it refuses before any stage runs, on tiny synthetic photos;
+the benchmark itself needs the insect photos and an hour or more of training (one end-to-end --quick run is marked
+slow)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from bench_helpers import BENCHMARKS, load_benchmark
+from bench_helpers import BENCHMARKS, assert_refused, load_benchmark, run_script
 from PIL import Image
 
 from leaflens.pipeline.selection import Budget, Candidate, choose
@@ -166,6 +167,40 @@ def test_summary_keys_kept_model_and_targets(bench):
         bench.summary(teacher, {}, default_size=64, wall_s=1.0)
 
 
+# ---- refusals before any stage runs, and the stages' failures
+def test_a_bad_set_is_a_usage_error_before_anything_is_written(tmp_path):
+    src = write_photos(tmp_path / "photos", per_class=3, size=8)
+    for bad in ("bogus", "train.bogus=1"):
+        out = run_script("insects.py", "--data", str(src), "--work", str(tmp_path / "w"), "--quick", "--set", bad)
+        assert_refused(out, 2, "--set", bad)
+    assert not (tmp_path / "w").exists()
+
+
+def test_an_already_split_folder_is_refused_before_anything_is_written(tmp_path):
+    for split in ("train", "val", "test"):  # the iBeans layout: <split>/<class>/ photos
+        write_photos(tmp_path / "ibeans" / split, per_class=1, size=8)
+    out = run_script("insects.py", "--data", str(tmp_path / "ibeans"), "--work", str(tmp_path / "w"))
+    assert_refused(out, 1, "insects.py:", str(tmp_path / "ibeans"), "is not a folder of <class>/ photo folders")
+    assert not (tmp_path / "w").exists()
+
+
+def test_a_failed_stage_is_named_after_insects_py(tmp_path):
+    src = write_photos(tmp_path / "photos", per_class=1, size=40)  # one photo a class: preprocess cannot split it
+    out = run_script("insects.py", "--data", str(src), "--work", str(tmp_path / "w"), "--sizes", "8",
+                     "--store-size", "8", "--quiet")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("insects.py: `leaflens preprocess --src") and "failed" in last, last
+
+
+def test_the_quick_recipe_warms_up_less_than_it_trains(bench):
+    from leaflens.pipeline.config import load_config
+
+    cfg = load_config(None, list(bench.QUICK_SETS))
+    assert cfg.teacher.epochs == bench.QUICK_TEACHER_EPOCHS and cfg.train.epochs == bench.QUICK_EPOCHS
+    assert cfg.teacher.warmup_epochs < cfg.teacher.epochs and cfg.train.warmup_epochs < cfg.train.epochs
+
+
 @pytest.mark.slow
 def test_quick_run_end_to_end(tmp_path):
     """The whole path on 3 tiny classes: preprocess, teacher, distill at two sizes, the JSON last line."""
@@ -174,6 +209,7 @@ def test_quick_run_end_to_end(tmp_path):
            "--work", str(tmp_path / "w"), "--quick", "--quiet"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "warmup_epochs" not in done.stderr  # the smoke recipe's own settings draw no warning
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert {"scratch_acc_32", "distilled_acc_48", "kept_model", "kept_acc", "teacher_acc"} <= set(out)
     assert out["quick"] is True and out["kept_model"] is None  # 64 px (the default) was not among the sizes

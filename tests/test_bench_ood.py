@@ -5,6 +5,7 @@ tiny inputs; the benchmark itself needs real photos and a trained model."""
 from __future__ import annotations
 
 import gzip
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -140,7 +141,7 @@ def fake_stage_runs(bench, monkeypatch, marker):
     """The `leaflens` commands stage() runs, recorded instead of run; each writes ``marker``."""
     ran = []
 
-    def fake_leaflens(*args: str) -> None:
+    def fake_leaflens(*args: str, script: str = "ood.py") -> None:
         ran.append(args)
         marker.parent.mkdir(exist_ok=True)
         marker.write_text("{}")
@@ -165,6 +166,18 @@ def test_stage_reruns_only_when_its_command_or_inputs_change(bench, tmp_path, mo
     marker.unlink()
     bench.stage(tmp_path, "teacher", marker, ["teacher", "--out", "y"], [src], [])
     assert len(ran) == 4
+
+
+def test_a_failed_command_is_named_after_the_calling_script(bench, tmp_path, monkeypatch):
+    """ood.py's own messages start "ood.py:"; insects.py, which runs its stages through these helpers, names
+    itself."""
+    monkeypatch.setattr(bench.subprocess, "run", lambda cmd: subprocess.CompletedProcess(cmd, 3))
+    with pytest.raises(SystemExit) as exc:
+        bench.leaflens("preprocess", "--src", "x")
+    assert str(exc.value.code) == "ood.py: `leaflens preprocess --src x` failed (exit 3)"
+    with pytest.raises(SystemExit) as exc:
+        bench.stage(tmp_path, "teacher", tmp_path / "done.json", ["teacher"], [], [], script="insects.py")
+    assert str(exc.value.code) == "insects.py: `leaflens teacher` failed (exit 3)"
 
 
 def test_a_recipe_input_is_keyed_by_its_settings_not_its_text(bench, tmp_path, monkeypatch):

@@ -661,9 +661,10 @@ def out_of_domain_summary(model, ds, contract, threshold) -> dict[str, Any]:
         _, check, _, _ = ood.fit_for_dataset(scored, ds, contract, ds.num_classes)
     except ValueError as exc:
         return {"fitted": False, "reason": str(exc)}
-    coverage = threshold.get("coverage") if isinstance(threshold, dict) else None
+    # the served rule (the threshold and near ties together), as the export's metadata and the app count it
+    answered = threshold.get("answered", threshold.get("coverage")) if isinstance(threshold, dict) else None
     return {"fitted": True, **check.to_dict(),
-            "val_ambiguous": None if coverage is None else 1.0 - float(coverage), **({"note": why} if why else {})}
+            "val_ambiguous": None if answered is None else 1.0 - float(answered), **({"note": why} if why else {})}
 
 
 def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold, teacher_info, params: int,

@@ -306,8 +306,10 @@ def _accuracy_section(report: Mapping[str, Any]) -> list[str]:
         capped = "" if cap is None else f" while leaving at most {_pct(cap)} of them unanswered"
         how = {"target": f"chosen on validation to keep {_pct(unc.get('target'), 0)} accuracy{capped}",
                "best_effort": f"the {_pct(unc.get('target'), 0)} target was not reachable on validation{capped}",
-               "budget": (f"the least confident {_pct(unc.get('max_flagged'))} of the validation photos"
-                          + _budget_words(unc)),
+               "budget": (f"the least confident {_pct(1 - float(unc['coverage']))} of the validation photos "
+                          f"(budget {_pct(unc.get('max_flagged'))}{_budget_words(unc)})"
+                          if _float(unc.get("coverage")) is not None
+                          else f"the least confident {_pct(unc.get('max_flagged'))} of the validation photos"),
                "default": "default: too few validation images to choose one"}.get(str(unc.get("method")), "")
         lines.append(f"- \"Ambiguous\" below a top probability of {float(unc['threshold']):.3f} ({how}; on "
                      f"validation it keeps {_pct(unc.get('coverage'))} of the images at "
@@ -341,8 +343,8 @@ def _out_of_domain_lines(ood: Mapping[str, Any]) -> list[str]:
             f"distance of the model's feature-map statistics{_branch_words(ood.get('branch'))} from the "
             f"{ood.get('train_photos')} training photos; {_ood_calibration(ood)}")
     if _float(ood.get("val_ambiguous")) is not None:
-        line += (f"; the \"ambiguous\" rule leaves another {_pct(ood.get('val_ambiguous'))} of validation photos "
-                 "unanswered")
+        line += (f"; the \"ambiguous\" rule (its threshold and near ties) leaves {_pct(ood.get('val_ambiguous'))} "
+                 "of validation photos unanswered, some of them also flagged by this check")
     return [line] + ([f"- Note: {ood['note']}"] if ood.get("note") else [])
 
 

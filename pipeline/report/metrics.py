@@ -173,6 +173,9 @@ def expected_calibration_error(probs: Any, y_true: Any, bins: int = 15) -> float
 # least confident k of n validation photos put (k+1)/(n+1) of new ones below the threshold on average).
 # The out-of-domain check flags at most 3 % of genuine new photos with 0.9 confidence
 # (leaflens.pipeline.ood.DEFAULT_BUDGET, DEFAULT_CONFIDENCE): together under the 5 % a field tool can afford.
+# Near ties (leaflens.apps.model_card.TIE_RATIO) are "ambiguous" on top of this budget, whatever their share:
+# few on a strong model (none of the iBeans student's 133 validation photos), more on a weak many-class one
+# (the demo's: 5 of 180), where they are coin flips better not answered.
 AMBIGUOUS_BUDGET = 0.015
 
 

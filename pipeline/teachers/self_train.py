@@ -141,6 +141,7 @@ def run_self_training(back: Module, ds: Any, teacher: TeacherSection, first_roun
     probs = softmax(val_logits)
     threshold = choose_threshold(probs.max(axis=1), probs.argmax(axis=1) == val_y, teacher.self_train_target)
     record.update(threshold.to_dict())
+    record["threshold_of"] = "round 1"  # the val_* figures are the first fine-tune's, which labels the photos
     if threshold.value is None:
         record["reason"] = (f"no confidence threshold gives val predictions at least {teacher.self_train_target} "
                             "accurate (teacher.self_train_target)")

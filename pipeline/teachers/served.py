@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from leaflens.apps.model_card import ModelCard
+from leaflens.apps.model_card import TIE_RATIO, ModelCard, unsure
 from leaflens.data_prep.arrays import NpyRowWriter
 from leaflens.data_prep.contract import PreprocessContract, rgb_floats
 from leaflens.engine.checkpoint import CheckpointError, read_checkpoint_arrays, save_checkpoint
@@ -348,7 +348,7 @@ def _write_onnx(folder: Path, net: EfficientNetLite, ds: Any, contract: Preproce
     run_id = f"teacher-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     card = ModelCard(classes=tuple(ds.classes), contract=contract, uncertain_threshold=threshold,
                      threshold_from_model=True, run_id=run_id, accuracy=test_acc, params=params, ood=check,
-                     val_ambiguous=float(np.mean(probs.max(1) < threshold)))
+                     val_ambiguous=float(np.mean(unsure(probs, threshold))), tie_ratio=TIE_RATIO)
     served = ood.ServedModel(net, head)
     proto = export_onnx(served, (3, size, size), output_name=("logits", ood.OOD_OUTPUT), metadata=card.to_metadata(),
                         graph_name="leaflens_teacher",

@@ -262,6 +262,42 @@ def test_the_ambiguous_line_says_when_the_budget_is_less_than_one_validation_pho
                                                                                      report(threshold_choice=old))
 
 
+def test_the_ambiguous_lines_say_what_was_flagged_not_the_budget(tmp_path: Path) -> None:
+    """The budget (1.5 %) was printed as the share flagged (2 of 180: 1.1 %), and the out-of-domain line counted
+    the threshold alone as what the "ambiguous" rule leaves unanswered (1.1 %, where near ties made it 3.9 %)."""
+    from leaflens.pipeline.report.metrics import choose_uncertain_threshold  # noqa: PLC0415
+
+    rng = np.random.default_rng(1)
+    probs = rng.dirichlet(np.ones(8) * 2, size=180)
+    choice = choose_uncertain_threshold(probs, rng.integers(0, 8, 180))
+    assert choice["kept"] == 178 and choice["answered"] < choice["coverage"]  # near ties on top of the threshold
+    check = {"fitted": True, "method": "block-mahalanobis-1", "threshold": 24.1, "budget": 0.03, "confidence": 0.9,
+             "val_photos": 180, "val_flagged": 2 / 180, "train_photos": 839, "blocks": 3,
+             "val_ambiguous": 1 - choice["answered"]}
+    text = report_md.render_report(tmp_path, report(threshold_choice=choice, out_of_domain=check))
+    assert "(the least confident 1.1 % of the validation photos (budget 1.5 %);" in text
+    assert (f"the \"ambiguous\" rule (its threshold and near ties) leaves {100 * (1 - choice['answered']):.1f} % of "
+            "validation photos unanswered") in text
+
+
+def test_distill_counts_near_ties_in_what_the_ambiguous_rule_leaves(monkeypatch) -> None:
+    from leaflens.pipeline import distill  # noqa: PLC0415
+
+    class Check:
+        def to_dict(self) -> dict:
+            return {"threshold": 1.0}
+
+    monkeypatch.setattr(distill.ood, "supports_ood", lambda model: True)
+    monkeypatch.setattr(distill.ood, "with_generic_branch", lambda model, mean, std: (model, None))
+    monkeypatch.setattr(distill.ood, "fit_for_dataset", lambda *a: (None, Check(), None, None))
+    contract = type("C", (), {"mean": 0, "std": 1})()
+    ds = type("D", (), {"num_classes": 8})()
+    summary = distill.out_of_domain_summary(object(), ds, contract, {"coverage": 0.99, "answered": 0.96})
+    assert summary["val_ambiguous"] == pytest.approx(0.04)
+    old = distill.out_of_domain_summary(object(), ds, contract, {"coverage": 0.99})  # before "answered"
+    assert old["val_ambiguous"] == pytest.approx(0.01)
+
+
 def test_a_class_without_test_photos_reads_n_a_not_zero(tmp_path: Path) -> None:
     """A class with no test photo showed precision, recall and F1 of 0.000, as if the model always missed it."""
     y = np.repeat([0, 1], 20)  # no healthy photo in test

@@ -135,6 +135,7 @@ def test_teacher_json_records_both_rounds_the_threshold_and_the_kept_photos(tmp_
     # target 0: the threshold is the least confident val prediction, so the kept photos are those at least
     # as confident as that
     assert st["threshold"] is not None and st["val_above"] == st["val_photos"] == len(load_dataset(ds_dir)["val"])
+    assert st["threshold_of"] == "round 1"  # the val figures are those of the teacher that labelled the photos
     assert 1 <= st["kept"] <= 12 and sum(st["kept_per_class"].values()) == st["kept"]
     assert len(st["pseudo_labels"]["rows"]) == st["kept"] and set(st["pseudo_labels"]["labels"]) <= {0, 1, 2}
     assert [r["round"] for r in st["rounds"]] == [1, 2] and st["kept_round"] in (1, 2)

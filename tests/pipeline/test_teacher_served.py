@@ -21,7 +21,7 @@ pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 pretrained = pytest.importorskip("leaflens.pipeline.models.pretrained")
 
-from leaflens.apps.model_card import ModelCard  # noqa: E402
+from leaflens.apps.model_card import TIE_RATIO, ModelCard  # noqa: E402
 from leaflens.apps.predictor import Predictor  # noqa: E402
 from leaflens.data_prep.contract import ContractError, PreprocessContract  # noqa: E402
 from leaflens.data_prep.decode import decode_image_at  # noqa: E402
@@ -94,6 +94,8 @@ def test_teacher_onnx_decodes_photos_as_the_teacher_stage_and_matches_the_engine
     ds = load_dataset(teacher / "dataset")
     pred = Predictor(teacher / "t" / served.ONNX_FILE, intra_op_threads=1)
     assert pred.has_ood and pred.card.contract.shorter_side == 73 and pred.card.params > 3_000_000
+    # its "ambiguous" share counts near ties as the app serves them (it counted the threshold alone)
+    assert pred.card.tie_ratio == TIE_RATIO and pred.card.val_ambiguous is not None
     files = [Path(ds.manifest.source_root) / f for f in ds["val"].files]
     stage_pixels = np.concatenate(list(iter_split_images(ds, "val", SIZE, 73, batch=32)))
     pixels = np.stack([pred.decode(f, refuse=False) for f in files])

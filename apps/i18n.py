@@ -60,12 +60,13 @@ STRINGS: dict[str, dict[str, str]] = {
         "verdict_ood": ("**This does not look like the leaves or pests this model knows**, so it names no disease. "
                         "The model was trained on photos of: {known}. If your plant or pest is not among these, "
                         "this model cannot judge it, and another photo will not change that; otherwise take a "
-                        "photo of one leaf (or pest) filling the frame, close up and in daylight."),
+                        "photo of one leaf (or pest) filling the frame, close up, in focus and in daylight, "
+                        "unedited (no filter, no zoomed-out copy)."),
         "verdict_ood_all": ("**None of the {n} photos looks like the leaves or pests this model knows**, so no "
                             "disease is named. The model was trained on photos of: {known}. If your plant or pest "
                             "is not among these, this model cannot judge it, and other photos will not change that; "
-                            "otherwise take photos of one leaf (or pest) each, filling the frame, close up and in "
-                            "daylight."),
+                            "otherwise take photos of one leaf (or pest) each, filling the frame, close up, in focus "
+                            "and in daylight, unedited (no filter, no zoomed-out copy)."),
         "verdict_disagree": ("**The {n} photos disagree**, so no single answer is given. Each photo's answer: "
                              "{answers}. Check that the photos show the same plant, and add photos of one leaf "
                              "each, close up and in daylight."),
@@ -318,10 +319,11 @@ STRINGS: dict[str, dict[str, str]] = {
         "verdict_ambiguous": "**无法确定是{a}还是{b}：** 请在自然光下靠近一些，再拍一张单片叶子的照片。",
         "verdict_ood": ("**这看起来不像本模型认识的叶片或害虫**，因此不给出病害诊断。本模型训练时的照片类别：{known}。"
                         "如果您的作物或害虫不在其中，本模型无法判断，重拍也不会改变结果；否则请在自然光下近距离拍摄一片叶子"
-                        "（或一只害虫），让它占满画面。"),
+                        "（或一只害虫），对准焦点，让它占满画面，不要加滤镜或缩小后再发送。"),
         "verdict_ood_all": ("**这 {n} 张照片都不像本模型认识的叶片或害虫**，因此不给出病害诊断。"
                             "本模型训练时的照片类别：{known}。如果您的作物或害虫不在其中，本模型无法判断，换照片也不会改变结果；"
-                            "否则请每张照片拍一片叶子（或一只害虫），在自然光下近距离拍摄，让它占满画面。"),
+                            "否则请每张照片拍一片叶子（或一只害虫），在自然光下近距离拍摄，对准焦点，让它占满画面，"
+                            "不要加滤镜或缩小后再发送。"),
         "verdict_disagree": ("**这 {n} 张照片的结果不一致**，因此不给出单一结论。各张照片的结果：{answers}。"
                              "请确认这些照片拍的是同一株植物，并补拍几张单片叶子的近距离、自然光照片。"),
         "and_more": " 等另外 {n} 类",

@@ -62,7 +62,7 @@ def test_head_script_carries_both_languages_and_the_server_default():
         assert labels["waiting"] == t("waiting", lang) and labels["drop"] == t("upload_drop", lang)
         assert labels["remove"] == t("remove_photo", lang, name="{name}")
         assert set(labels["gradio"]) == {"Fullscreen", "Exit fullscreen", "Exit fullscreen mode", "Upload", "Clear",
-                                         "Close"}
+                                         "Close", "Gradio footer navigation", "More tabs"}
     assert cfg["inputs"]["#camera"] == {"label": "camera", "capture": True}
     assert set(cfg["inputs"]) == {"#photos", "#add-photos", "#camera"}
 

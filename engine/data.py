@@ -85,6 +85,9 @@ class ArrayDataset:
         return x, y
 
 
+MAX_ZOOM_OUT = 4.0  # largest crop area as a multiple of the photo's: the photo then fills half of each side
+
+
 @dataclass(frozen=True)
 class Augment:
     """Training augmentation. ``crop``: "resized" (random resized crop), "pad" (pad-and-crop) or None."""
@@ -92,7 +95,9 @@ class Augment:
     hflip: bool = True
     vflip: bool = False
     crop: str | None = "resized"
-    scale: tuple[float, float] = (0.6, 1.0)  # area fraction kept by the random resized crop
+    # area fraction of the random resized crop; above 1 the box is larger than the photo (zoomed out), the
+    # frame filled by mirroring the photo at its edges
+    scale: tuple[float, float] = (0.6, 1.0)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)  # aspect ratio range of the crop
     pad: int = 4  # pixels of edge padding for crop="pad"
     brightness: float = 0.2  # multiplicative factor in [1 - b, 1 + b]
@@ -102,8 +107,8 @@ class Augment:
     def __post_init__(self) -> None:
         if self.crop not in (None, "resized", "pad"):
             raise ValueError(f"Augment.crop must be 'resized', 'pad' or None, got {self.crop!r}")
-        if not 0 < self.scale[0] <= self.scale[1] <= 1:
-            raise ValueError(f"Augment.scale must satisfy 0 < lo <= hi <= 1, got {self.scale}")
+        if not 0 < self.scale[0] <= self.scale[1] <= MAX_ZOOM_OUT:
+            raise ValueError(f"Augment.scale must satisfy 0 < lo <= hi <= {MAX_ZOOM_OUT}, got {self.scale}")
         if not 0 < self.ratio[0] <= self.ratio[1]:
             raise ValueError(f"Augment.ratio must satisfy 0 < lo <= hi, got {self.ratio}")
         if self.pad < 0 or self.brightness < 0 or self.contrast < 0:
@@ -183,10 +188,28 @@ def _box_grid(top: np.ndarray, left: np.ndarray, bh: np.ndarray, bw: np.ndarray,
     return sy, sx
 
 
+def _mirror(c: np.ndarray, n: int) -> np.ndarray:
+    """Coordinates beyond the image's outer pixel edges (-0.5 and ``n`` - 0.5) reflected back inside, so a
+    box larger than the image (zoomed out) shows the photo mirrored around it rather than its edge pixels
+    smeared; coordinates between the edge and the outer pixel centre stay as they are (clamped later)."""
+    if c.size == 0 or (c.min() >= -0.5 and c.max() <= n - 0.5):
+        return c
+    period = 2 * n
+    m = np.mod(c + 0.5, period)  # position along a mirrored tiling of the image, edges at 0 and n
+    return np.where(m < n, m, period - m) - 0.5
+
+
 def _resample(x: np.ndarray, sy: np.ndarray, sx: np.ndarray, f: int) -> np.ndarray:
     """Bilinear samples of ``x`` (uint8 or float) at the grid ``sy``/``sx``, ``f`` x ``f`` blocks averaged."""
+    sy, sx = _mirror(sy, x.shape[1]), _mirror(sx, x.shape[2])
     sampled = _gather_bilinear(x, sy, sx) if x.dtype == np.uint8 else _gather_float(np.asarray(x, np.float32), sy, sx)
     return _block_mean(sampled, f)
+
+
+def _largest_side(scale: tuple[float, float]) -> float:
+    """Largest side of a crop box, as a fraction of the photo's: the photo's own side unless the crops may
+    zoom out (area above 1), and then what the largest area allows."""
+    return 1.0 if scale[1] <= 1 else math.sqrt(scale[1])
 
 
 def augment_batch(x: np.ndarray, aug: Augment, rng: np.random.Generator) -> np.ndarray:
@@ -205,9 +228,10 @@ def augment_batch(x: np.ndarray, aug: Augment, rng: np.random.Generator) -> np.n
         area = rng.uniform(aug.scale[0], aug.scale[1], n)
         logr = rng.uniform(math.log(aug.ratio[0]), math.log(aug.ratio[1]), n)
         r = np.exp(logr)
-        ch = np.clip(np.sqrt(area / r), 0.05, 1.0) * h  # crop height/width in source pixels
-        cw = np.clip(np.sqrt(area * r), 0.05, 1.0) * w
-        oy = rng.random(n) * (h - ch)
+        top = _largest_side(aug.scale)
+        ch = np.clip(np.sqrt(area / r), 0.05, top) * h  # crop height/width in source pixels
+        cw = np.clip(np.sqrt(area * r), 0.05, top) * w
+        oy = rng.random(n) * (h - ch)  # a box larger than the photo starts above / left of it
         ox = rng.random(n) * (w - cw)
         f = _supersampling(h, w, aug.out_size) if aug.out_size else 1
         return _resample(x, *_box_grid(oy, ox, ch, cw, out_h, out_w, f), f)
@@ -244,8 +268,9 @@ def sample_view_boxes(n: int, k: int, aug: Augment, rng: np.random.Generator) ->
         if aug.crop == "resized":
             area = rng.uniform(aug.scale[0], aug.scale[1], m)
             r = np.exp(rng.uniform(math.log(aug.ratio[0]), math.log(aug.ratio[1]), m))
-            ch = np.clip(np.sqrt(area / r), 0.05, 1.0)
-            cw = np.clip(np.sqrt(area * r), 0.05, 1.0)
+            top = _largest_side(aug.scale)
+            ch = np.clip(np.sqrt(area / r), 0.05, top)
+            cw = np.clip(np.sqrt(area * r), 0.05, top)
             boxes[:, 1:, 0] = rng.random(m) * (1 - ch)
             boxes[:, 1:, 1] = rng.random(m) * (1 - cw)
             boxes[:, 1:, 2], boxes[:, 1:, 3] = ch, cw

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from leaflens.engine.data import MAX_ZOOM_OUT
 from leaflens.pipeline.models.family import check_family
 from leaflens.records import Record, RecordError
 
@@ -119,8 +120,9 @@ def _check_share(record: Record, names: Sequence[str]) -> None:
 
 def _check_area(name: str, pair: tuple[float, float]) -> None:
     lo, hi = pair
-    if not 0.0 < lo <= hi <= 1.0:
-        raise ValueError(f"{name} is the [min, max] area fraction of the crops, 0 < min <= max <= 1, got {list(pair)}")
+    if not 0.0 < lo <= hi <= MAX_ZOOM_OUT:
+        raise ValueError(f"{name} is the [min, max] area fraction of the crops (above 1: zoomed out), "
+                         f"0 < min <= max <= {MAX_ZOOM_OUT:g}, got {list(pair)}")
 
 
 @dataclass(frozen=True)

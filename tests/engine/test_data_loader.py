@@ -257,3 +257,28 @@ def test_crops_cut_from_a_larger_stored_image_come_out_at_out_size():
     np.testing.assert_allclose(rc[:, :, -1, 0] - rc[:, :, 0, 0], 0.5 * 64 * 4 * 15 / 16, rtol=0.05)
     with pytest.raises(ValueError, match="out_size"):
         Augment(out_size=0)
+
+
+def test_zoomed_out_crops_show_the_photo_mirrored_around_it():
+    from leaflens.engine.data import MAX_ZOOM_OUT, apply_view_boxes, sample_view_boxes
+    x = np.random.default_rng(7).integers(0, 256, (2, 5, 7, 3), dtype=np.uint8)
+    tiled = np.pad(x, ((0, 0), (5, 5), (7, 7), (0, 0)), mode="symmetric").astype(np.float32)
+    # a box three times the photo, one photo above and left of it, sampled at the 5 x 7 grid: every third
+    # pixel of the mirror tiling
+    out = apply_view_boxes(x, np.array([[-1, -1, 3, 3, 0, 0]] * 2, np.float32))
+    np.testing.assert_array_equal(out, tiled[:, 1::3, 1::3])
+    # the random resized crop zooms out up to the largest area asked for: a 64-px ramp in a box twice its side
+    # rises over half the output's columns and falls (mirrored) over the rest
+    ramp = np.broadcast_to(np.arange(64, dtype=np.uint8)[None, None, :, None] * 4, (16, 64, 64, 3)).copy()
+    z = augment_batch(ramp, Augment(hflip=False, scale=(4.0, 4.0), ratio=(1, 1), brightness=0, contrast=0),
+                      np.random.default_rng(0))
+    steps = np.diff(z[:, 32, :, 0], axis=1)
+    assert np.all(np.abs(np.count_nonzero(steps > 0, axis=1) - 31) <= 1)
+    assert np.all(np.count_nonzero(steps < 0, axis=1) >= 28)
+    b = sample_view_boxes(50, 3, Augment(scale=(1.5, MAX_ZOOM_OUT), ratio=(1, 1)), np.random.default_rng(0))
+    assert np.all(b[:, 0, :4] == [0, 0, 1, 1])  # view 0 is the plain photo
+    side = b[:, 1:, 2]
+    assert side.min() >= np.sqrt(1.5) - 1e-6 and side.max() <= 2 + 1e-6
+    assert np.all(b[:, 1:, 0] <= 0) and np.all(b[:, 1:, 0] + side >= 1)  # the photo lies inside every box
+    with pytest.raises(ValueError, match="scale"):
+        Augment(scale=(0.5, MAX_ZOOM_OUT + 1))

@@ -124,7 +124,7 @@ def test_layers_user_file_then_overrides(tmp_path):
     (["distill.kd_weight=-1"], "distill: kd_weight must be a finite number above 0 (or 0: that loss term off)"),
     (["distill.feature_weight=0", "distill.alpha=0", "distill.kd_weight=0"], "the distilled student would learn"),
     (["teacher.head_lr=0"], "teacher: head_lr must be a finite number above 0"),
-    (["teacher.view_scale=[0.5, 2]"], "teacher: view_scale is the [min, max] area fraction"),
+    (["teacher.view_scale=[0.5, 5]"], "teacher: view_scale is the [min, max] area fraction"),
     (["teacher.warmup_epochs=-1"], "teacher: warmup_epochs must be >= 0"),
     (["model.dropout=1"], "model: dropout must be in [0, 1)"),
 ])

@@ -233,7 +233,9 @@ def augment_batch(x: np.ndarray, aug: Augment, rng: np.random.Generator) -> np.n
         cw = np.clip(np.sqrt(area * r), 0.05, top) * w
         oy = rng.random(n) * (h - ch)  # a box larger than the photo starts above / left of it
         ox = rng.random(n) * (w - cw)
-        f = _supersampling(h, w, aug.out_size) if aug.out_size else 1
+        # a box larger than the photo covers more source pixels per output pixel: as many samples as it needs
+        f = _supersampling(max(h, math.ceil(ch.max())), max(w, math.ceil(cw.max())), aug.out_size) \
+            if aug.out_size else 1
         return _resample(x, *_box_grid(oy, ox, ch, cw, out_h, out_w, f), f)
     if aug.crop == "pad" and aug.pad > 0:
         dy = rng.integers(0, 2 * aug.pad + 1, n)
@@ -256,7 +258,9 @@ def sample_view_boxes(n: int, k: int, aug: Augment, rng: np.random.Generator) ->
     """``k`` augmented views per image as resolution-free boxes, ``(n, k, 6)`` float32.
 
     A view is a crop (top, left, height, width as fractions of the image) followed by optional
-    flips, drawn like ``augment_batch`` draws them. View 0 is always the plain image. Because the
+    flips, drawn like ``augment_batch`` draws them; with ``aug.scale`` above 1 a box may be larger than the
+    image (sides above 1, top and left at or below 0: the image lies inside it, mirrored around itself by
+    :func:`apply_view_boxes`). View 0 is always the plain image. Because the
     boxes are fractions, the same view can be cut from the teacher's 224x224 image and from the
     student's 64x64 one: that is what lets a teacher's targets be computed once per view and match
     exactly what the student is shown ("function matching").
@@ -295,7 +299,8 @@ def apply_view_boxes(x: np.ndarray, boxes: np.ndarray, out_size: int | None = No
         raise ValueError(f"apply_view_boxes: boxes must be ({n}, 6), got {boxes.shape}")
     top, left, bh, bw = (boxes[:, i].astype(np.float64) for i in range(4))
     out_h, out_w = (out_size, out_size) if out_size else (h, w)
-    f = _supersampling(h, w, out_size) if out_size else 1
+    f = _supersampling(max(h, math.ceil((bh * h).max())), max(w, math.ceil((bw * w).max())), out_size) \
+        if out_size else 1
     sy, sx = _box_grid(top * h, left * w, bh * h, bw * w, out_h, out_w, f)
     vf, hf = boxes[:, 5] > 0.5, boxes[:, 4] > 0.5
     sy[vf] = sy[vf, ::-1]

@@ -282,3 +282,21 @@ def test_zoomed_out_crops_show_the_photo_mirrored_around_it():
     assert np.all(b[:, 1:, 0] <= 0) and np.all(b[:, 1:, 0] + side >= 1)  # the photo lies inside every box
     with pytest.raises(ValueError, match="scale"):
         Augment(scale=(0.5, MAX_ZOOM_OUT + 1))
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0, 4.0])
+def test_zoomed_out_crops_are_area_filtered_too(scale):
+    """A box twice the photo's side holds twice the source pixels per output pixel: sampled as for the photo
+    alone, a one-pixel checkerboard came out as moire (output spread 15.9 grey levels at 2x, 69.8 at 4x)."""
+    from leaflens.engine.data import apply_view_boxes
+    board = (np.indices((128, 128)).sum(0) % 2 * 255).astype(np.uint8)[None, :, :, None].repeat(3, -1)
+    out = augment_batch(np.repeat(board, 4, 0), Augment(hflip=False, scale=(scale, scale), ratio=(1, 1),
+                                                        brightness=0, contrast=0, out_size=64),
+                        np.random.default_rng(0))
+    # a whole number of source pixels per output pixel (1x, 4x) averages exactly; 2x (2.83 px) nearly, as any
+    # box-sampled resize does (the photo's own 15 -> 6 px above)
+    assert out.std() < (1.0 if scale != 2.0 else 6.0) and abs(out.mean() - 127.5) < 1.0
+    side = np.sqrt(scale)
+    boxes = np.array([[(1 - side) / 2, (1 - side) / 2, side, side, 0, 0]], np.float32)
+    view = apply_view_boxes(board, boxes, out_size=64)
+    assert view.std() < (1.0 if scale != 2.0 else 6.0)

@@ -584,7 +584,8 @@ def render_correction(result: Mapping[str, Any] | None, notes: ClassNotes | None
         if moved:
             names = ", ".join(md_escape(t("not_a_leaf", lang) if c == NOT_A_LEAF else notes.name(c, lang))
                               for c in moved)
-            lines.append(t("correct_replaced", lang, k=sum(bool(s.get("replaced")) for s in saved), names=names))
+            key = "correct_replaced_not_a_leaf" if chosen == NOT_A_LEAF else "correct_replaced"
+            lines.append(t(key, lang, k=sum(bool(s.get("replaced")) for s in saved), names=names))
     elif result.get("reason") == "which_photo_left_out":
         names = ", ".join(md_escape(str(n)) for n in result.get("left_out_photos") or [])
         lines.append(t(_left_out_key(chosen), lang, names=names))

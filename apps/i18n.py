@@ -61,12 +61,12 @@ STRINGS: dict[str, dict[str, str]] = {
                         "The model was trained on photos of: {known}. If your plant or pest is not among these, "
                         "this model cannot judge it, and another photo will not change that; otherwise take a "
                         "photo of one leaf (or pest) filling the frame, close up, in focus and in daylight, "
-                        "unedited (no filter, no zoomed-out copy)."),
+                        "as taken (no filter, not pasted smaller into a frame)."),
         "verdict_ood_all": ("**None of the {n} photos looks like the leaves or pests this model knows**, so no "
                             "disease is named. The model was trained on photos of: {known}. If your plant or pest "
                             "is not among these, this model cannot judge it, and other photos will not change that; "
                             "otherwise take photos of one leaf (or pest) each, filling the frame, close up, in focus "
-                            "and in daylight, unedited (no filter, no zoomed-out copy)."),
+                            "and in daylight, as taken (no filter, not pasted smaller into a frame)."),
         "verdict_disagree": ("**The {n} photos disagree**, so no single answer is given. Each photo's answer: "
                              "{answers}. Check that the photos show the same plant, and add photos of one leaf "
                              "each, close up and in daylight."),
@@ -190,6 +190,8 @@ STRINGS: dict[str, dict[str, str]] = {
                                      "it should not answer."),
         "correct_saved_before": "{k} of them had been saved as this already.",
         "correct_all_before": "Already saved as **{name}**: nothing new to save.",
+        "correct_replaced_not_a_leaf": ("{k} of them had been saved as {names} before; that copy was removed, so "
+                                        "training no longer learns them as that."),
         "correct_replaced": ("{k} of them had been saved as {names} before; that copy was removed, so the next "
                              "training run learns your latest answer only."),
         "correct_no_answer": "Diagnose a photo first, then correct the answer.",
@@ -269,7 +271,8 @@ STRINGS: dict[str, dict[str, str]] = {
                              "right {k} of {n} times."),
         "m_rel_sometimes_tied": ("**{name}**: right {k} of {n} times; sometimes mistaken for {others} "
                                  "({c} times each)."),
-        "m_rel_and": " and ",
+        "m_rel_sep": ", ",
+        "m_rel_last": " and ",
         "m_rel_said": "When it answers **{name}**, it is right only {k} of {n} times.",
         "m_rel_few": "Too few test photos to be sure.",
         "m_rel_variant": ("The training run's per-class test results are those of the FP32 model this file was made "
@@ -319,11 +322,11 @@ STRINGS: dict[str, dict[str, str]] = {
         "verdict_ambiguous": "**无法确定是{a}还是{b}：** 请在自然光下靠近一些，再拍一张单片叶子的照片。",
         "verdict_ood": ("**这看起来不像本模型认识的叶片或害虫**，因此不给出病害诊断。本模型训练时的照片类别：{known}。"
                         "如果您的作物或害虫不在其中，本模型无法判断，重拍也不会改变结果；否则请在自然光下近距离拍摄一片叶子"
-                        "（或一只害虫），对准焦点，让它占满画面，不要加滤镜或缩小后再发送。"),
+                        "（或一只害虫），对准焦点，让它占满画面，直接发送原图（不加滤镜，也不要把照片缩小后放进边框里）。"),
         "verdict_ood_all": ("**这 {n} 张照片都不像本模型认识的叶片或害虫**，因此不给出病害诊断。"
                             "本模型训练时的照片类别：{known}。如果您的作物或害虫不在其中，本模型无法判断，换照片也不会改变结果；"
                             "否则请每张照片拍一片叶子（或一只害虫），在自然光下近距离拍摄，对准焦点，让它占满画面，"
-                            "不要加滤镜或缩小后再发送。"),
+                            "直接发送原图（不加滤镜，也不要把照片缩小后放进边框里）。"),
         "verdict_disagree": ("**这 {n} 张照片的结果不一致**，因此不给出单一结论。各张照片的结果：{answers}。"
                              "请确认这些照片拍的是同一株植物，并补拍几张单片叶子的近距离、自然光照片。"),
         "and_more": " 等另外 {n} 类",
@@ -432,6 +435,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "correct_saved_before": "其中 {k} 张之前已经按此答案保存过。",
         "correct_all_before": "已经保存为 **{name}**，无需再次保存。",
         "correct_replaced": "其中 {k} 张之前被保存为 {names}；那份副本已删除，下一次训练只采用您最新的答案。",
+        "correct_replaced_not_a_leaf": ("其中 {k} 张之前被保存为 {names}；那份副本已删除，"
+                                        "训练不再把它们当作该类别学习。"),
         "correct_no_answer": "请先诊断照片，再更正结果。",
         "correct_no_choice": "请先选择正确答案。",
         "correct_which_photo": ("这些照片的判断结果不同，可能拍的是不同的东西：请选择正确答案对应的是哪一张"
@@ -496,7 +501,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_rel_good": "**{name}**：{n} 次中认对 {k} 次。",
         "m_rel_often_tied": "**{name}** 常被误认为 {others}（{n} 次中各 {c} 次）；{n} 次中认对 {k} 次。",
         "m_rel_sometimes_tied": "**{name}**：{n} 次中认对 {k} 次；有时被误认为 {others}（各 {c} 次）。",
-        "m_rel_and": "和",
+        "m_rel_sep": "、",
+        "m_rel_last": "、",
         "m_rel_said": "当它回答 **{name}** 时，{n} 次中只有 {k} 次是对的。",
         "m_rel_few": "测试照片太少，无法确定。",
         "m_rel_variant": ("训练记录中的各类别测试结果属于本文件所由转换的 FP32 模型；本文件（FP16 或 INT8）"

@@ -280,6 +280,15 @@ def _trained_on_line(card: Any, lang: str) -> str:
     return line
 
 
+def _bold_list(names: Sequence[str], lang: str) -> str:
+    """"**A**, **B** and **C**" (Chinese: "**A**、**B**、**C**": a CJK comma after a closing ** keeps the
+    emphasis closed, where 和 would not)."""
+    bold = [f"**{n}**" for n in names]
+    if len(bold) < 2:
+        return "".join(bold)
+    return t("m_rel_sep", lang).join(bold[:-1]) + t("m_rel_last", lang) + bold[-1]
+
+
 def reliability_lines(report: dict[str, Any] | None, classes: Sequence[str], notes: Any, lang: str) -> list[str]:
     """One sentence per class on how reliable it is, from the test split's confusion matrix (rows: true class,
     columns: predicted) in the run's report; [] when the report has none that fits ``classes``.
@@ -308,7 +317,7 @@ def reliability_lines(report: dict[str, Any] | None, classes: Sequence[str], not
         # every class it is mistaken for that often, in the matrix's order: a tie names them all
         tied = [names[order[j]] for j in range(k) if j != i and count and cm[i][j] == count]
         values = {"name": names[c], "k": right, "n": n, "c": count, "other": tied[0] if tied else "",
-                  "others": t("m_rel_and", lang).join(f"**{o}**" for o in tied)}
+                  "others": _bold_list(tied, lang)}
         suffix = "_tied" if len(tied) > 1 else ""
         if count and count / n >= OFTEN:
             line = t("m_rel_often" + suffix, lang, **values)

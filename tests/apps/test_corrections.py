@@ -306,8 +306,10 @@ def test_apply_saves_the_analysed_photos_and_skips_the_rest(tmp_path):
     assert res["ok"] and len(res["saved"]) == 2
     text = render_correction(res, None, "en")
     assert "Saved 2 photo(s) as **Not a leaf" in text and "training does not use them" in text
-    assert "for the next training run" not in text and "the next training run learns your latest answer" in text
-    assert "训练暂不使用" in render_correction(res, None, "zh")
+    assert "next training run" not in text  # neither for the photos nor for the rust copies they replace
+    assert "that copy was removed, so training no longer learns them as that" in text
+    zh = render_correction(res, None, "zh")
+    assert "训练暂不使用" in zh and "下一次训练" not in zh
 
 
 def test_all_photos_as_a_class_leaves_out_the_photos_the_answer_left_out(tmp_path):

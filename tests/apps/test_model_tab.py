@@ -53,7 +53,11 @@ def test_a_class_mistaken_equally_often_for_two_others_names_both():
     assert en[0] == ("- **Aphids** is often mistaken for **Healthy** and **Rust** (8 of 19 times each); "
                      "right 3 of 19 times.")
     zh = reliability_lines(report(tied), CLASSES, NOTES, "zh")
-    assert zh[0] == "- **蚜虫** 常被误认为 **健康**和**锈病**（19 次中各 8 次）；19 次中认对 3 次。"
+    assert zh[0] == "- **蚜虫** 常被误认为 **健康**、**锈病**（19 次中各 8 次）；19 次中认对 3 次。"
+    three = [[3, 5, 5, 5], [0, 45, 0, 0], [0, 1, 43, 0], [0, 0, 1, 19]]
+    assert "mistaken for **Healthy**, **Leaf miner** and **Rust** (5 of 18 times each)" in reliability_lines(
+        report(three), CLASSES, NOTES, "en")[0]
+    assert "**健康**、**潜叶蝇**、**锈病**" in reliability_lines(report(three), CLASSES, NOTES, "zh")[0]
     tied[0] = [34, 2, 0, 2]  # 2 of 38 each: 5 %, "sometimes"
     assert reliability_lines(report(tied), CLASSES, NOTES, "en")[0] == (
         "- **Aphids**: right 34 of 38 times; sometimes mistaken for **Healthy** and **Rust** (2 times each).")

@@ -28,26 +28,24 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
-    """An argparse ``type``: a finite number above 0."""
+def _number(text: str, zero_ok: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text}")
+    if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
+        raise argparse.ArgumentTypeError(f"must be a number {'of 0 or more' if zero_ok else 'above 0'}, got {text}")
     return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a finite number above 0."""
+    return _number(text, zero_ok=False)
 
 
 def non_negative_float(text: str) -> float:
     """An argparse ``type``: a finite number of 0 or more."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be a number of 0 or more, got {text}")
-    return value
+    return _number(text, zero_ok=True)
 
 
 def positive_ints(text: str) -> list[int]:

@@ -3,7 +3,7 @@
 People send photos taken farther away, in shade or sun, sent through a messenger at low JPEG quality,
 with a date stamp, slightly out of focus, under warm light. This script takes an exported model and its
 dataset, and serves every photo of a split (validation by default: choose recipes on it, never on test)
-through the Predictor as it is and after each edit below, all seeded and made from the original photo file:
+through the Predictor as it is and after each edit below (none random), made from the original photo file:
 
     zoom70, zoom50    the photo shrunk to 70 / 50 % of its side, centred on a blurred, enlarged copy of
                       itself (what a phone's "fit" or a messenger's preview does; the leaf fills less frame)
@@ -34,9 +34,12 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter, ImageFont, ImageOps
 
-from leaflens.apps.predictor import Predictor
-from leaflens.data_prep.manifest import load_dataset
-from leaflens.pipeline.evaluate import PhotosUnavailable, dataset_photo_files
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import positive_int  # noqa: E402  (benchmarks/ is not a package)
+
+from leaflens.apps.predictor import Predictor  # noqa: E402
+from leaflens.data_prep.manifest import load_dataset  # noqa: E402
+from leaflens.pipeline.evaluate import PhotosUnavailable, dataset_photo_files  # noqa: E402
 
 
 def _fit(im: Image.Image, side: float) -> Image.Image:
@@ -108,7 +111,7 @@ def main() -> int:
     ap.add_argument("--dataset", type=Path, required=True, help="the dataset folder the model was trained on")
     ap.add_argument("--split", default="val", help="split whose original photos are edited (default val)")
     ap.add_argument("--edits", default=",".join(EDITS), help=f"comma-separated subset of {', '.join(EDITS)}")
-    ap.add_argument("--threads", type=int, default=2, help="onnxruntime threads (default 2)")
+    ap.add_argument("--threads", type=positive_int, default=2, help="onnxruntime threads (default 2)")
     args = ap.parse_args()
     edits = [e.strip() for e in args.edits.split(",") if e.strip()]
     unknown = [e for e in edits if e not in EDITS]
@@ -116,8 +119,9 @@ def main() -> int:
         ap.error(f"--edits: unknown {', '.join(unknown)} (known: {', '.join(EDITS)})")
     try:
         ds = load_dataset(args.dataset)
-        if args.split not in ds.splits:
-            raise SystemExit(f"{args.dataset}: no split '{args.split}' (it has {', '.join(ds.splits)})")
+        if args.split not in ds.splits or not len(ds[args.split]) or ds[args.split].labels is None:
+            raise ValueError(f"{args.dataset}: no labelled photos in split '{args.split}' (it has "
+                             f"{', '.join(ds.splits)})")
         _, files = dataset_photo_files(ds, args.split)
         labels = [ds.classes[int(i)] for i in np.asarray(ds[args.split].labels)]
         predictor = Predictor(args.model, intra_op_threads=args.threads)

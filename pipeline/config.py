@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from leaflens.engine.data import MAX_ZOOM_OUT
 from leaflens.pipeline.models.family import check_family
 from leaflens.records import Record, RecordError
 
@@ -116,6 +115,11 @@ def _check_share(record: Record, names: Sequence[str]) -> None:
     for name in names:
         if not 0.0 <= getattr(record, name) < 1.0:
             raise ValueError(f"{name} must be in [0, 1), got {getattr(record, name)}")
+
+
+# The largest crop area a recipe may ask for, as a multiple of the photo's (zoomed out): the engine's own
+# bound (leaflens.engine.data.MAX_ZOOM_OUT), repeated so that reading a config does not import the engine.
+MAX_ZOOM_OUT = 4.0
 
 
 def _check_area(name: str, pair: tuple[float, float]) -> None:

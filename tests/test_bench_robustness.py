@@ -58,6 +58,7 @@ def test_an_unknown_edit_or_a_missing_dataset_is_refused(tmp_path):
                    2, "sepia")
     out = run_script("robustness.py", "--model", "m.onnx", "--dataset", str(tmp_path / "nothing"))
     assert_refused(out, 1, "robustness.py:", str(tmp_path / "nothing"))
+    assert_refused(run_script("robustness.py", "--model", "m.onnx", "--dataset", "d", "--threads", "0"), 2, "threads")
 
 
 def _evaluate_helpers():
@@ -89,3 +90,6 @@ def test_every_photo_of_the_split_is_scored_once_per_edit(tmp_path):
     assert figures["mean_right_edited"] == pytest.approx((figures["right_zoom50"] + figures["right_dark50"]) / 2,
                                                          abs=1e-4)
     assert figures["right_plain"] > 0.5  # the tiny model knows its own classes
+    out = run_script("robustness.py", "--model", str(tmp_path / "export" / "student.onnx"), "--dataset",
+                     str(dataset), "--split", "unlabeled")
+    assert_refused(out, 1, "robustness.py:", "no labelled photos in split 'unlabeled'")

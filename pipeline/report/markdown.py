@@ -344,7 +344,7 @@ def _out_of_domain_lines(ood: Mapping[str, Any]) -> list[str]:
             f"{ood.get('train_photos')} training photos; {_ood_calibration(ood)}")
     if _float(ood.get("val_ambiguous")) is not None:
         line += (f"; the \"ambiguous\" rule (its threshold and near ties) leaves {_pct(ood.get('val_ambiguous'))} "
-                 "of validation photos unanswered, some of them also flagged by this check")
+                 "of validation photos unanswered (a photo may be counted by both)")
     return [line] + ([f"- Note: {ood['note']}"] if ood.get("note") else [])
 
 

@@ -358,3 +358,9 @@ def test_a_teacher_key_the_chosen_teacher_never_reads_is_warned_about(tmp_path, 
     err = capsys.readouterr().err
     assert f"warning: --set {unread} changes nothing with" in err
     assert f"--set {read} changes nothing" not in err
+
+
+def test_the_zoom_out_bound_is_the_engines():
+    from leaflens.engine.data import MAX_ZOOM_OUT
+    from leaflens.pipeline import config
+    assert config.MAX_ZOOM_OUT == MAX_ZOOM_OUT

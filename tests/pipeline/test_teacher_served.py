@@ -21,7 +21,7 @@ pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 pretrained = pytest.importorskip("leaflens.pipeline.models.pretrained")
 
-from leaflens.apps.model_card import TIE_RATIO, ModelCard  # noqa: E402
+from leaflens.apps.model_card import TIE_RATIO, ModelCard, unsure  # noqa: E402
 from leaflens.apps.predictor import Predictor  # noqa: E402
 from leaflens.data_prep.contract import ContractError, PreprocessContract  # noqa: E402
 from leaflens.data_prep.decode import decode_image_at  # noqa: E402
@@ -109,6 +109,9 @@ def test_teacher_onnx_decodes_photos_as_the_teacher_stage_and_matches_the_engine
     np.testing.assert_allclose(np.log(scores["probs"]), logits.numpy() - np.log(np.exp(logits.numpy()).sum(1,
                                keepdims=True)), atol=1e-4)
     assert np.isfinite(scores["ood_score"]).all()
+    # the card's "ambiguous" share is the served rule's on these photos: the threshold and near ties together
+    assert pred.card.val_ambiguous == pytest.approx(
+        float(np.mean(unsure(scores["probs"], pred.card.uncertain_threshold))), abs=1e-6)
     answers = [pred.judge(row).top[0][0] for row in scores]
     assert np.mean([a == ds.classes[y] for a, y in zip(answers, ds["val"].labels)]) > 0.8
 

@@ -46,9 +46,15 @@ def test_no_module_imports_the_old_top_level_names():
     assert not offenders, "\n".join(offenders)
 
 
+STALE = ROOT / "build" / "lib" / "leaflens" / "zz_deleted_since_the_last_build.py"
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    # what an earlier build left of a module since deleted from the source (setuptools' build/lib keeps it)
+    STALE.parent.mkdir(parents=True, exist_ok=True)
+    STALE.write_text("x = 1\n")
     res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                           "-w", str(out), str(ROOT)], capture_output=True, text=True, timeout=300)
     if res.returncode != 0 and "No module named" in res.stderr and "setuptools" in res.stderr:
@@ -56,6 +62,12 @@ def wheel(tmp_path_factory) -> Path:
     assert res.returncode == 0, res.stderr[-3000:]
     (whl,) = out.glob("leaflens-*.whl")
     return whl
+
+
+def test_a_module_deleted_from_the_source_is_not_in_the_next_wheel(wheel):
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+    assert f"leaflens/{STALE.name}" not in names and not STALE.exists()
 
 
 def test_the_wheel_adds_exactly_one_top_level_package(wheel):

@@ -171,6 +171,7 @@ def teacher_keys_not_read(args: argparse.Namespace) -> list[tuple[str, str]]:
 def run(args: argparse.Namespace) -> int:
     from leaflens.data_prep.manifest import DatasetError  # noqa: PLC0415
     from leaflens.files import OutputBusy, output_folder  # noqa: PLC0415
+    from leaflens.pipeline.models.pretrained import WeightsNotFoundError  # noqa: PLC0415
     from leaflens.pipeline.teachers.artefact import TeacherError  # noqa: PLC0415
     from leaflens.pipeline.teachers.stage import (  # noqa: PLC0415
         EFFNET_MAX_SIZE,
@@ -217,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         summary = run_teacher_stage(args.dataset, args.out, cfg, choice, from_arrays=args.from_arrays, fp16=args.fp16,
                                     progress=not args.quiet, resume=args.resume)
-    except TeacherSettingError as exc:
+    except (TeacherSettingError, WeightsNotFoundError) as exc:  # the weights' extra missing: as for serve's
         print(f"leaflens teacher: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except (DatasetError, TeacherError, TeacherStageError, FileNotFoundError, ValueError, OutputBusy) as exc:

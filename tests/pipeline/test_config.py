@@ -364,3 +364,16 @@ def test_the_zoom_out_bound_is_the_engines():
     from leaflens.engine.data import MAX_ZOOM_OUT
     from leaflens.pipeline import config
     assert config.MAX_ZOOM_OUT == MAX_ZOOM_OUT
+
+
+def test_a_teacher_without_its_weights_is_a_usage_error_like_a_missing_extra(tmp_path, capsys, monkeypatch):
+    """serve without gradio exits 2 with the install line; the teacher without the Lite0 weights exited 1."""
+    from leaflens.pipeline.models import pretrained  # noqa: PLC0415
+    from leaflens.pipeline.teachers import stage  # noqa: PLC0415
+
+    def no_weights(*args, **kwargs):
+        raise pretrained.WeightsNotFoundError("the pretrained EfficientNet-Lite0 weights are not installed: pip ...")
+
+    monkeypatch.setattr(stage, "run_teacher_stage", no_weights)
+    assert cli(["teacher", "--dataset", str(tmp_path / "ds"), "--out", str(tmp_path / "t")]) == 2
+    assert "leaflens teacher: the pretrained EfficientNet-Lite0 weights are not installed" in capsys.readouterr().err

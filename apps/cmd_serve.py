@@ -129,8 +129,8 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--keep-uploads-minutes must be >= 0, got {args.keep_uploads_minutes}")
     if not args.uploads_max_mb > 0:
         raise UsageError(f"--uploads-max-mb must be > 0, got {args.uploads_max_mb}")
-    if not args.corrections_max_mb > 0:
-        raise UsageError(f"--corrections-max-mb must be > 0, got {args.corrections_max_mb}")
+    if not args.corrections_max_mb >= 0.001:  # under a kilobyte no photo fits and the sizes read as 0.000 KB
+        raise UsageError(f"--corrections-max-mb must be at least 0.001 (a kilobyte), got {args.corrections_max_mb}")
     if not args.no_corrections:
         _check_corrections_folder(args)
     if (missing := missing_model(args.model)) is not None:

@@ -228,6 +228,7 @@ def test_cli_errors_exit_2_with_a_message(tmp_path, capsys, tiny_model):
     ({"max_upload_mb": float("inf")}, "--max-upload-mb must be a finite number"),
     ({"max_wait_ms": float("nan")}, "--max-wait-ms must be a finite number"),
     ({"corrections_max_mb": float("inf")}, "--corrections-max-mb must be a finite number"),
+    ({"corrections_max_mb": 1e-7}, "--corrections-max-mb must be at least 0.001 (a kilobyte)"),
     ({"corrections": ""}, "--corrections is empty"),
     ({"uploads_dir": " "}, "--uploads-dir is empty"),
     ({"corrections": "/proc/leaflens_corrections"}, "cannot be created or written"),

@@ -143,6 +143,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_resize_centre": "{framing}, then its middle {share} (chosen on the validation photos)",
         "m_provider": "Runs on",
         "m_params": "Parameters",
+        "m_params_file": " (the network's; the file, with its out-of-domain check, is {size})",
+        "m_params_file_plain": " (the file is {size})",
         "m_threshold": "Unsure between two classes",
         "m_threshold_below": ("when the top probability is below {threshold}, or the second class is nearly as "
                               "likely (at least {tie} of the first's probability)"),
@@ -391,6 +393,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_resize_centre": "{framing}，再取中间的 {share}（在验证集照片上选定）",
         "m_provider": "运行于",
         "m_params": "参数量",
+        "m_params_file": "（网络本身；含域外检查的整个文件为 {size}）",
+        "m_params_file_plain": "（文件大小 {size}）",
         "m_threshold": "无法在两类之间确定",
         "m_threshold_below": "最高概率低于 {threshold}，或第二类几乎同样可能（概率达到第一类的 {tie}）时",
         "m_threshold_how": ("由 `leaflens distill` 或 `leaflens export` 在验证集照片上选定，"

@@ -289,6 +289,17 @@ def _bold_list(names: Sequence[str], lang: str) -> str:
     return t("m_rel_sep", lang).join(bold[:-1]) + t("m_rel_last", lang) + bold[-1]
 
 
+def _file_size(predictor: Any, lang: str) -> str:
+    """What the served file weighs: the parameter count is the network's, and the out-of-domain check (its
+    statistics, and the generic branch when there is one) is carried beside it in the same file."""
+    try:
+        size = predictor.model_path.stat().st_size
+    except OSError:
+        return ""
+    text = f"{size / 1024 / 1024:.1f} MB" if size >= 1024 * 1024 else f"{size / 1024:.0f} KB"
+    return t("m_params_file" if predictor.card.ood is not None else "m_params_file_plain", lang, size=text)
+
+
 def reliability_lines(report: dict[str, Any] | None, classes: Sequence[str], notes: Any, lang: str) -> list[str]:
     """One sentence per class on how reliable it is, from the test split's confusion matrix (rows: true class,
     columns: predicted) in the run's report; [] when the report has none that fits ``classes``.
@@ -381,7 +392,7 @@ def model_markdown(predictor: Any, ctx: ServeContext, lang: str, notes: Any = No
         (t("m_threshold", lang), _threshold_line(card, lang)),
         (t("m_ood", lang), _ood_line(card, lang)),
         (t("m_provider", lang), f"`{predictor.provider}`"),
-        (t("m_params", lang), f"{int(params):,}" if params is not None else "-"),
+        (t("m_params", lang), (f"{int(params):,}" if params is not None else "-") + _file_size(predictor, lang)),
     ]
     if batching is not None:
         rows.append((t("m_batching", lang), t("m_batching_value", lang, batch=batching[0], wait=batching[1])))

@@ -170,6 +170,13 @@ def _supersampling(h: int, w: int, out: int) -> int:
     return max(1, math.ceil(max(h, w) / out - 1e-9))
 
 
+def _box_supersampling(h: int, w: int, bh: np.ndarray, bw: np.ndarray, out: int) -> int:
+    """:func:`_supersampling` for boxes of ``bh`` x ``bw`` source pixels cut from an ``h`` x ``w`` image: a box
+    larger than the image (zoomed out) covers more source pixels per output pixel and needs as many more samples."""
+    return _supersampling(max(h, math.ceil(float(np.max(bh, initial=0)))),
+                          max(w, math.ceil(float(np.max(bw, initial=0)))), out)
+
+
 def _block_mean(x: np.ndarray, f: int) -> np.ndarray:
     """Average ``f`` x ``f`` blocks of an (N, f*H, f*W, C) float32 batch."""
     if f == 1:
@@ -206,10 +213,14 @@ def _resample(x: np.ndarray, sy: np.ndarray, sx: np.ndarray, f: int) -> np.ndarr
     return _block_mean(sampled, f)
 
 
-def _largest_side(scale: tuple[float, float]) -> float:
-    """Largest side of a crop box, as a fraction of the photo's: the photo's own side unless the crops may
-    zoom out (area above 1), and then what the largest area allows."""
-    return 1.0 if scale[1] <= 1 else math.sqrt(scale[1])
+def _crop_sides(aug: Augment, rng: np.random.Generator, shape: int | tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Heights and widths of random resized crops as fractions of the photo's: an area drawn from
+    ``aug.scale``, an aspect ratio from ``aug.ratio`` (log-uniform). A side may exceed the photo's only when the
+    crops may zoom out (area above 1), and then by what the largest area allows."""
+    area = rng.uniform(aug.scale[0], aug.scale[1], shape)
+    r = np.exp(rng.uniform(math.log(aug.ratio[0]), math.log(aug.ratio[1]), shape))
+    top = 1.0 if aug.scale[1] <= 1 else math.sqrt(aug.scale[1])
+    return np.clip(np.sqrt(area / r), 0.05, top), np.clip(np.sqrt(area * r), 0.05, top)
 
 
 def augment_batch(x: np.ndarray, aug: Augment, rng: np.random.Generator) -> np.ndarray:
@@ -225,17 +236,11 @@ def augment_batch(x: np.ndarray, aug: Augment, rng: np.random.Generator) -> np.n
         x = x.copy() if m.any() else x
         x[m] = x[m, ::-1]
     if aug.crop == "resized":
-        area = rng.uniform(aug.scale[0], aug.scale[1], n)
-        logr = rng.uniform(math.log(aug.ratio[0]), math.log(aug.ratio[1]), n)
-        r = np.exp(logr)
-        top = _largest_side(aug.scale)
-        ch = np.clip(np.sqrt(area / r), 0.05, top) * h  # crop height/width in source pixels
-        cw = np.clip(np.sqrt(area * r), 0.05, top) * w
+        ch, cw = _crop_sides(aug, rng, n)
+        ch, cw = ch * h, cw * w  # in source pixels
         oy = rng.random(n) * (h - ch)  # a box larger than the photo starts above / left of it
         ox = rng.random(n) * (w - cw)
-        # a box larger than the photo covers more source pixels per output pixel: as many samples as it needs
-        f = _supersampling(max(h, math.ceil(ch.max())), max(w, math.ceil(cw.max())), aug.out_size) \
-            if aug.out_size else 1
+        f = _box_supersampling(h, w, ch, cw, aug.out_size) if aug.out_size else 1
         return _resample(x, *_box_grid(oy, ox, ch, cw, out_h, out_w, f), f)
     if aug.crop == "pad" and aug.pad > 0:
         dy = rng.integers(0, 2 * aug.pad + 1, n)
@@ -270,11 +275,7 @@ def sample_view_boxes(n: int, k: int, aug: Augment, rng: np.random.Generator) ->
     m = (n, k - 1)
     if k > 1:
         if aug.crop == "resized":
-            area = rng.uniform(aug.scale[0], aug.scale[1], m)
-            r = np.exp(rng.uniform(math.log(aug.ratio[0]), math.log(aug.ratio[1]), m))
-            top = _largest_side(aug.scale)
-            ch = np.clip(np.sqrt(area / r), 0.05, top)
-            cw = np.clip(np.sqrt(area * r), 0.05, top)
+            ch, cw = _crop_sides(aug, rng, m)
             boxes[:, 1:, 0] = rng.random(m) * (1 - ch)
             boxes[:, 1:, 1] = rng.random(m) * (1 - cw)
             boxes[:, 1:, 2], boxes[:, 1:, 3] = ch, cw
@@ -299,8 +300,7 @@ def apply_view_boxes(x: np.ndarray, boxes: np.ndarray, out_size: int | None = No
         raise ValueError(f"apply_view_boxes: boxes must be ({n}, 6), got {boxes.shape}")
     top, left, bh, bw = (boxes[:, i].astype(np.float64) for i in range(4))
     out_h, out_w = (out_size, out_size) if out_size else (h, w)
-    f = _supersampling(max(h, math.ceil((bh * h).max())), max(w, math.ceil((bw * w).max())), out_size) \
-        if out_size else 1
+    f = _box_supersampling(h, w, bh * h, bw * w, out_size) if out_size else 1
     sy, sx = _box_grid(top * h, left * w, bh * h, bw * w, out_h, out_w, f)
     vf, hf = boxes[:, 5] > 0.5, boxes[:, 4] > 0.5
     sy[vf] = sy[vf, ::-1]

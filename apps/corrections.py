@@ -67,7 +67,8 @@ except ImportError:  # Windows: one server per folder
     fcntl = None  # type: ignore[assignment]
 
 __all__ = ["DEFAULT_DIR", "DEFAULT_MAX_MB", "LOG_NAME", "NOT_A_LEAF", "REASONS", "REQUEST_REASONS", "CorrectionError",
-           "CorrectionStore", "Saved", "apply_correction", "mixed_answer", "render_correction", "sniff_extension"]
+           "CorrectionStore", "Saved", "apply_correction", "mixed_answer", "render_correction", "size_text",
+           "sniff_extension"]
 
 log = logging.getLogger("leaflens.serve")
 
@@ -225,7 +226,7 @@ class CorrectionStore:
             folder = self.root / chosen
             used = self._usage()
             if used + size + _LINE_ROOM > self.max_bytes:
-                raise CorrectionError("full", self._full_message(used, f"{photo_name} ({_amount(size)})"))
+                raise CorrectionError("full", self._full_message(used, f"{photo_name} ({size_text(size)})"))
             folder.mkdir(parents=True, exist_ok=True)
             clean_stale_temps(folder / _INCOMING)
             tmp = temp_path(folder / _INCOMING)
@@ -238,7 +239,7 @@ class CorrectionStore:
                     size = tmp.stat().st_size
                     if used + size + _LINE_ROOM > self.max_bytes:
                         raise CorrectionError("full", self._full_message(used, f"{photo_name} as PNG "
-                                                                               f"({_amount(size)})"))
+                                                                               f"({size_text(size)})"))
                 now = self._clock()
                 final = self._link_new(tmp, folder, now, ext)
             finally:
@@ -366,15 +367,15 @@ class CorrectionStore:
         }
 
 
-def _amount(n: int, decimals: int = 1) -> str:
-    """A byte count for people: 9.5 KB, 12.3 MB."""
+def size_text(n: int, decimals: int = 1) -> str:
+    """A byte count for people: 9.5 KB, 12.3 MB (the corrections folder's sizes, the Model tab's file)."""
     return f"{n / MB:.{decimals}f} MB" if n >= MB / 10 else f"{n / 1024:.{decimals}f} KB"
 
 
 def _used_of(used: int, cap: int) -> str:
     """"0.34 MB of 0.35 MB": with the decimals (up to 3) that tell a folder just under its cap from the cap."""
     for decimals in (1, 2, 3):
-        a, b = _amount(used, decimals), _amount(cap, decimals)
+        a, b = size_text(used, decimals), size_text(cap, decimals)
         if a != b:
             break
     return f"{a} of {b}"

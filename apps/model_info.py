@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from leaflens.apps.corrections import size_text
 from leaflens.apps.i18n import t
 from leaflens.apps.model_card import TIE_RATIO
 from leaflens.apps.notes import find_notes
@@ -296,8 +297,7 @@ def _file_size(predictor: Any, lang: str) -> str:
         size = predictor.model_path.stat().st_size
     except OSError:
         return ""
-    text = f"{size / 1024 / 1024:.1f} MB" if size >= 1024 * 1024 else f"{size / 1024:.0f} KB"
-    return t("m_params_file" if predictor.card.ood is not None else "m_params_file_plain", lang, size=text)
+    return t("m_params_file" if predictor.card.ood is not None else "m_params_file_plain", lang, size=size_text(size))
 
 
 def reliability_lines(report: dict[str, Any] | None, classes: Sequence[str], notes: Any, lang: str) -> list[str]:

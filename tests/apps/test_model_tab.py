@@ -99,7 +99,7 @@ def test_a_demo_model_says_so_first_and_the_numbers_come_after_the_words(tiny_mo
     assert "演示模型" in zh and "2,400 张绘制的叶片" in zh and "#### 具体数字" in zh
     # the parameter count is the network's; what the served file weighs is said beside it
     size = predictor.model_path.stat().st_size
-    assert f"(the file is {size / 1024:.0f} KB)" in md and f"（文件大小 {size / 1024:.0f} KB）" in zh
+    assert f"(the file is {size / 1024:.1f} KB)" in md and f"（文件大小 {size / 1024:.1f} KB）" in zh
     from leaflens.apps.predictor import Predictor
     with_check = Predictor(tiny_model(classes=CLASSES, name="ood.onnx", ood_threshold=-0.1)[0])
     assert "(the network's; the file, with its out-of-domain check, is" in model_markdown(with_check, ServeContext(),

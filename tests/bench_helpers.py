@@ -15,7 +15,13 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 def load_benchmark(script: str) -> ModuleType:
     """``benchmarks/<script>`` freshly executed as the module ``leaflens_benchmark_<stem>``."""
     path = BENCHMARKS / script
-    spec = importlib.util.spec_from_file_location(f"leaflens_benchmark_{path.stem}", path)
+    return load_module(path, f"leaflens_benchmark_{path.stem}")
+
+
+def load_module(path: Path, name: str) -> ModuleType:
+    """The Python file ``path`` freshly executed as the module ``name`` (neither benchmarks/ nor tests/ is a
+    package)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up here

@@ -3,14 +3,12 @@ scores every photo of the split once per edit (the figures need a trained model:
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from bench_helpers import assert_refused, load_benchmark, run_script
+from bench_helpers import assert_refused, load_benchmark, load_module, run_script
 from PIL import Image
 
 
@@ -63,13 +61,8 @@ def test_an_unknown_edit_or_a_missing_dataset_is_refused(tmp_path):
 
 def _evaluate_helpers():
     """tests/pipeline/test_evaluate.py's trained tiny run (photos, a dataset, a run) and export options."""
-    path = Path(__file__).resolve().parent / "pipeline" / "test_evaluate.py"
-    spec = importlib.util.spec_from_file_location("leaflens_test_evaluate_helpers", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_module(Path(__file__).resolve().parent / "pipeline" / "test_evaluate.py",
+                       "leaflens_test_evaluate_helpers")
 
 
 def test_every_photo_of_the_split_is_scored_once_per_edit(tmp_path):

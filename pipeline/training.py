@@ -47,6 +47,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -256,9 +257,16 @@ def run_training(run_dir: str | os.PathLike[str], task: TrainingTask, settings: 
 
     NumPy's overflow and invalid-value warnings are off while it runs: a step that overflows is found by its
     non-finite loss or gradients, skipped and said in a line of the loop's own, and the raw warnings (with the
-    engine's source lines) only buried that line."""
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+    engine's source lines) only buried that line. Those warnings are also filtered out: ``np.errstate`` lives in
+    a context variable that any out-of-order exit of another errstate (one left open in an abandoned generator,
+    reset when it is collected) returns to NumPy's defaults half-way through the run."""
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", _NUMPY_FP_WARNING, RuntimeWarning)
         return _train(run_dir, task, settings, extra_meta, resume, device)
+
+
+# NumPy's floating-point warnings ("overflow encountered in matmul", ...), as np.errstate names them
+_NUMPY_FP_WARNING = r"(overflow|invalid value|divide by zero|underflow) encountered in "
 
 
 def _train(run_dir: str | os.PathLike[str], task: TrainingTask, settings: LoopSettings,

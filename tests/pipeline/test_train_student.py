@@ -183,3 +183,37 @@ def test_a_diverging_run_says_so_in_the_loop_s_words_not_numpy_s(tmp_path):
         warnings.simplefilter("always")
         np.float32(1e30) * np.float32(1e30)
     assert caught  # NumPy's settings are the caller's again
+
+
+def test_a_diverging_run_stays_quiet_when_something_resets_numpy_s_error_settings_mid_run(tmp_path):
+    """np.errstate is a context variable: a generator left holding one, collected half-way through the run,
+    sets it back to NumPy's defaults (warn). The loop's filter keeps the raw warnings out even then."""
+    import warnings  # noqa: PLC0415
+
+    def holds_errstate():
+        with np.errstate(over="warn", invalid="warn", divide="warn"):
+            yield
+
+    data, xv, yv = _data()
+    mean, std = np.zeros(3, np.float32), np.ones(3, np.float32)
+    task, settings, _ = ts.student_run(_cfg(3, "train.lr=1e8", "train.clip_grad_norm=1e30"), data, xv, yv, mean,
+                                       std, 3, label="scratch", progress=False)
+    loss_of = task.batch_loss
+    clobber = holds_errstate()
+    next(clobber)  # entered before the run: closing it mid-run restores NumPy's defaults
+    steps = []
+
+    def reset_then_loss(batch):
+        if len(steps) == 1:
+            clobber.close()
+            assert np.geterr()["over"] == "warn"  # the loop's errstate is gone for the rest of the run
+        steps.append(1)
+        return loss_of(batch)
+
+    task.batch_loss = reset_then_loss
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(training.TrainingStopped, match="non-finite"):
+            training.run_training(tmp_path, task, settings, {})
+    assert len(steps) > 1
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in caught]

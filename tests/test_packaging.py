@@ -85,6 +85,20 @@ def test_the_wheel_adds_exactly_one_top_level_package(wheel):
     assert "leaflens/pipeline/distill_default.toml" in names
 
 
+def test_the_wheel_carries_the_license_its_metadata_names(wheel):
+    """pyproject says Apache-2.0; the licence's text travels in the wheel, as the licence asks of anyone passing
+    the code on."""
+    assert _pyproject()["project"]["license"] == "Apache-2.0"
+    text = (ROOT / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License") and "Version 2.0, January 2004" in text
+    with zipfile.ZipFile(wheel) as zf:
+        licences = [n for n in zf.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
+        assert licences, "no LICENSE in the wheel"
+        assert zf.read(licences[0]).decode() == text
+        metadata = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    assert "License-Expression: Apache-2.0" in metadata and "License-File: LICENSE" in metadata
+
+
 def test_the_installed_wheel_imports_without_the_repository(wheel, tmp_path):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],

@@ -136,7 +136,8 @@ def flags_that_do_nothing(args: argparse.Namespace) -> str | None:
             "--train-cnn": "--train-cnn (a CNN at the stored size)"}
     for flag, value in typed.items():
         if value is not None and kind not in applies[flag]:
-            names = ["the default teacher" if k is None else k for k in applies[flag]]
+            names = ["the default teacher" if k is None else "the EfficientNet-Lite0 teacher" if k == flag else k
+                     for k in applies[flag]]
             where = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
             return f"{flag} does nothing with {what[kind]}: it is for {where}; leave it out"
     return None

@@ -59,4 +59,17 @@ def train_cnn_teacher(ds: Any, cfg: StageConfig, work_dir: Path, progress: bool 
     model = StudentSpec.from_recipe(tcfg.model, ds.num_classes).build(np.random.default_rng(0))
     load_student_weights(model, Path(work_dir) / BEST)
     enc = EngineCnnEncoder(model, ds.mean, ds.std, ds.image_size, widths)
-    return enc, {"val_accuracy": result.best_val_accuracy, "best_epoch": result.best_epoch}
+    return enc, {"val_accuracy": result.best_val_accuracy, "best_epoch": result.best_epoch,
+                 "recipe": cnn_recipe(tcfg)}
+
+
+def cnn_recipe(tcfg: StageConfig) -> dict[str, Any]:
+    """What the CNN teacher trained with, for teacher.json's ``stage.recipe`` as the fine-tuned teacher records
+    its own: its widths and epochs, and the [model] (but the widths and input size, set above), [train] and
+    [augment] settings it shares with the students."""
+    recipe: dict[str, Any] = {"teacher.cnn_widths": list(tcfg.model.widths), "teacher.cnn_epochs": tcfg.train.epochs}
+    for section, record, leave_out in (("model", tcfg.model, {"widths", "input_size"}),
+                                       ("train", tcfg.train, {"epochs"}), ("augment", tcfg.augment, set())):
+        recipe.update({f"{section}.{k}": (list(v) if isinstance(v, tuple) else v)
+                       for k, v in record.to_dict().items() if k not in leave_out})
+    return recipe

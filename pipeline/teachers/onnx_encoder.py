@@ -57,6 +57,15 @@ class OnnxEncoder:
         if not size:
             raise ValueError(f"{self.path}: the input size is not fixed in the graph; pass --input-size")
         self.input_size = int(size)
+        h, w = (inp.shape[2], inp.shape[3]) if self.layout == "NCHW" else (inp.shape[1], inp.shape[2])
+        fixed = [d for d in (h, w) if isinstance(d, int) and d > 0]
+        if len(fixed) == 2 and h != w:
+            raise ValueError(f"{self.path}: its input is fixed at {h} x {w} px (height x width, {self.layout}); "
+                             "leaflens feeds square photos: export the encoder with a square (or dynamic) input "
+                             "size, or pass --layout if it was guessed wrong")
+        if any(d != self.input_size for d in fixed):
+            raise ValueError(f"{self.path}: its input is fixed at {fixed[0]} px, not {self.input_size}: pass "
+                             f"--input-size {fixed[0]} (or leave it out)")
         channels = inp.shape[1] if self.layout == "NCHW" else inp.shape[3]
         if isinstance(channels, int) and channels != 3:
             raise ValueError(f"{self.path}: its input has {channels} channel(s) in the {self.layout} layout; photos "

@@ -409,16 +409,17 @@ def _teacher_dataset(folder: Path) -> str | None:
 
 
 def _features_digest(path: Path, ds: Any) -> str:
-    """``sha256:<hex>`` of what ``--features`` read: the .npz file, or the folder's features and logits files of
-    the dataset's splits in order (teacher.json pins the content, not only the path)."""
+    """SHA-256 (hex, as ``sha256sum`` prints it and the ONNX teacher records it) of what ``--features`` read: the
+    .npz file, or the folder's features and logits files of the dataset's splits in order (teacher.json pins the
+    content, not only the path)."""
     if not path.is_dir():
-        return sha256_file(path)
+        return sha256_file(path).removeprefix("sha256:")
     h = hashlib.sha256()
     for split in ds.splits:
         for name in feature_paths(split):
             if (path / name).is_file():
                 h.update(f"{name}\0{sha256_file(path / name)}\n".encode())
-    return "sha256:" + h.hexdigest()
+    return h.hexdigest()
 
 
 def read_features_source(path: Path, ds: Any) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
@@ -452,7 +453,7 @@ def read_features_source(path: Path, ds: Any) -> tuple[dict[str, np.ndarray], di
                     if f"logits_{split}" in z.files:
                         logits[split] = z[f"logits_{split}"]
                     if f"files_{split}" in z.files:
-                        names[split] = [str(v) for v in np.asarray(z[f"files_{split}"]).reshape(-1)]
+                        names[split] = [_name_text(v) for v in np.asarray(z[f"files_{split}"]).reshape(-1)]
         except (OSError, ValueError, TypeError, zipfile.BadZipFile, AttributeError) as exc:
             if isinstance(exc, TeacherStageError):
                 raise
@@ -484,6 +485,13 @@ def read_features_source(path: Path, ds: Any) -> tuple[dict[str, np.ndarray], di
     return feats, (logits or None)
 
 
+def _name_text(value: Any) -> str:
+    """A photo name from a features file: text, or bytes as h5py and ``np.array([b"..."])`` store it (UTF-8)."""
+    if isinstance(value, (bytes, np.bytes_)):
+        return bytes(value).decode("utf-8", errors="replace")
+    return str(value)
+
+
 def _check_row_names(path: Path, split: str, given: list[str], files: list[str]) -> None:
     """``files_<split>`` in a features source must list the dataset's photos in the dataset's row order."""
     if given == files:
@@ -491,6 +499,13 @@ def _check_row_names(path: Path, split: str, given: list[str], files: list[str])
     if len(given) != len(files):
         raise TeacherStageError(f"{path}: files_{split} names {len(given)} photos, the dataset's '{split}' split has "
                                 f"{len(files)} ({split}_files.txt)")
+    known = set(files)
+    unknown = [name for name in given if name not in known]
+    if unknown:
+        photos = f"{len(unknown)} photo{'s' if len(unknown) != 1 else ''}"
+        raise TeacherStageError(f"{path}: files_{split} names {photos} the dataset's '{split}' split does not have, "
+                                f"first {unknown[0]!r}: name each photo as {split}_files.txt does, relative to the "
+                                f"photos' folder (e.g. {files[0]!r})")
     row = next(i for i, (a, b) in enumerate(zip(given, files)) if a != b)
     raise TeacherStageError(f"{path}: the rows for '{split}' are not in the dataset's order: row {row} is "
                             f"{given[row]!r} there, {files[row]!r} in {split}_files.txt; write each split's rows "

@@ -246,6 +246,7 @@ def test_a_config_that_is_a_folder_or_not_utf8_is_named_not_a_traceback(tmp_path
     (["--onnx", "enc.onnx", "--weights", "w.pth"], "--weights does nothing with --onnx"),
     (["--train-cnn", "--frozen"], "--frozen does nothing with --train-cnn"),
     (["--features", "f", "--frozen"], "--frozen does nothing with --features"),
+    (["--onnx", "enc.onnx", "--frozen"], "it is for the EfficientNet-Lite0 teacher; leave it out"),
 ])
 def test_a_teacher_flag_that_would_do_nothing_is_a_usage_error(tmp_path, capsys, argv, says):
     """``--onnx enc.onnx --epochs 5`` used to run, fine-tuning nothing, as if the flag had been obeyed."""

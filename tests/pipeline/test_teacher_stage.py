@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -29,9 +30,10 @@ def ds_dir(tmp_path_factory):
     return tiny_dataset(tmp_path_factory.mktemp("teacher"), per_class=12, size=16)
 
 
-def _tiny_encoder(path, size=16, dim=6, batch="batch", channels=3, tail=(), pool=True):
+def _tiny_encoder(path, size=16, dim=6, batch="batch", channels=3, tail=(), pool=True, width=None):
     """NCHW conv encoder: 3 -> dim channels, global average pool, flatten (then ``tail``'s ops, e.g. "Log");
-    without ``pool``, its output is the [batch, dim, size, size] feature map."""
+    without ``pool``, its output is the [batch, dim, size, size] feature map. ``width``: the input's, when not
+    ``size``."""
     rng = np.random.default_rng(0)
     w = helper.make_tensor("w", TensorProto.FLOAT, [dim, channels, 3, 3],
                            rng.standard_normal((dim, channels, 3, 3)).ravel())
@@ -46,7 +48,7 @@ def _tiny_encoder(path, size=16, dim=6, batch="batch", channels=3, tail=(), pool
         nodes = nodes[:1] + [helper.make_node("Relu", ["c"], ["features"])]
         out_shape = [batch, dim, size, size]
     graph = helper.make_graph(nodes, "enc", [helper.make_tensor_value_info("input", TensorProto.FLOAT,
-                                                                           [batch, channels, size, size])],
+                                                                           [batch, channels, size, width or size])],
                               [helper.make_tensor_value_info("features", TensorProto.FLOAT, out_shape)], [w])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
@@ -127,6 +129,14 @@ def test_onnx_encoders_that_cannot_teach_are_refused_by_name(ds_dir, tmp_path, c
     grey = _tiny_encoder(tmp_path / "grey.onnx", channels=1)
     assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--onnx", str(grey)]) == 1
     assert "its input has 1 channel(s)" in capsys.readouterr().err
+    wide = _tiny_encoder(tmp_path / "wide.onnx", size=40, width=24)
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--onnx", str(wide)]) == 1
+    assert "wide.onnx: its input is fixed at 40 x 24 px (height x width, NCHW); leaflens feeds square photos" in (
+        capsys.readouterr().err)
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--onnx",
+                str(_tiny_encoder(tmp_path / "e16.onnx")), "--input-size", "24"]) == 1
+    assert "e16.onnx: its input is fixed at 16 px, not 24: pass --input-size 16 (or leave it out)" in (
+        capsys.readouterr().err)
     enc = _tiny_encoder(tmp_path / "enc.onnx")
     assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--onnx", str(enc), "--std", "0",
                 "0", "0"]) == 2
@@ -192,7 +202,7 @@ def test_features_files_that_cannot_teach_are_refused_by_name(ds_dir, tmp_path, 
     assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "made"), "--features", str(ok),
                 "--quiet"]) == 0
     identity = load_teacher(tmp_path / "made", ds).info.teacher
-    assert identity["kind"] == "features-file" and identity["sha256"].startswith("sha256:")
+    assert identity["kind"] == "features-file" and re.fullmatch("[0-9a-f]{64}", identity["sha256"])  # as the ONNX's
     other = tiny_dataset(tmp_path / "other_ds", per_class=13, size=16)
     assert cli(["teacher", "--dataset", str(other), "--out", str(tmp_path / "t"), "--features",
                 str(tmp_path / "made")]) == 1
@@ -218,6 +228,18 @@ def test_a_features_source_out_of_the_dataset_s_row_order_is_caught(ds_dir, tmp_
                 str(tmp_path / "swapped.npz")]) == 1
     err = capsys.readouterr().err
     assert "the rows for 'val' are not in the dataset's order: row 0 is" in err and not (tmp_path / "t2").exists()
+    as_bytes = {**named, **{f"files_{s}": np.array([f.encode() for f in ds[s].files]) for s in ds.splits}}
+    np.savez(tmp_path / "bytes.npz", **as_bytes)  # names as h5py and np.array([b"..."]) store them
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t5"), "--features",
+                str(tmp_path / "bytes.npz")]) == 0
+    capsys.readouterr()
+    absolute = {**named, "files_val": np.array([str(ds_dir / "photos" / f) for f in ds["val"].files])}
+    np.savez(tmp_path / "absolute.npz", **absolute)
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t6"), "--features",
+                str(tmp_path / "absolute.npz")]) == 1
+    err = capsys.readouterr().err
+    assert f"files_val names {len(ds['val'])} photos the dataset's 'val' split does not have" in err
+    assert f"relative to the photos' folder (e.g. {ds['val'].files[0]!r})" in err
     reordered = class_features(ds_dir, tmp_path / "reordered", dim=8)
     for kind in ("features", "logits"):
         a = np.load(reordered / f"{kind}_val.npy")
@@ -266,6 +288,9 @@ def test_train_cnn_teacher_learns_the_classes(ds_dir, tmp_path, capsys):
     assert tt.has_logits and tt.info.teacher["kind"] == "train-cnn"
     acc = float((np.asarray(tt.logits["test"]).argmax(1) == np.asarray(ds["test"].labels)).mean())
     assert acc >= 0.6, acc
+    recipe = json.loads((tmp_path / "t" / "teacher.json").read_text())["stage"]["recipe"]  # as the fine-tune's
+    assert recipe["teacher.cnn_epochs"] == 6 and recipe["teacher.cnn_widths"] == list(tt.info.teacher["widths"])
+    assert recipe["train.min_steps"] == 0 and "train.lr" in recipe and "augment.hflip" in recipe
 
 
 def test_knn_accuracy():

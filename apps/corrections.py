@@ -225,7 +225,9 @@ class CorrectionStore:
                          if sha == first and label != chosen and (self.root / rel).is_file()}
             folder = self.root / chosen
             used = self._usage()
-            if used + size + _LINE_ROOM > self.max_bytes:
+            # a relabelled photo's earlier copy goes once this one is saved: the folder does not grow by it
+            replaced = sum(_size_or_zero(self.root / rel) for rel in elsewhere.values())
+            if used - replaced + size + _LINE_ROOM > self.max_bytes:
                 raise CorrectionError("full", self._full_message(used, f"{photo_name} ({size_text(size)})"))
             folder.mkdir(parents=True, exist_ok=True)
             clean_stale_temps(folder / _INCOMING)
@@ -237,7 +239,7 @@ class CorrectionStore:
                                                   "upload the photo again")
                 if as_png:
                     size = tmp.stat().st_size
-                    if used + size + _LINE_ROOM > self.max_bytes:
+                    if used - replaced + size + _LINE_ROOM > self.max_bytes:
                         raise CorrectionError("full", self._full_message(used, f"{photo_name} as PNG "
                                                                                f"({size_text(size)})"))
                 now = self._clock()
@@ -268,8 +270,8 @@ class CorrectionStore:
     def _full_message(self, used: int, photo: str) -> str:
         # moving single photos out would leave corrections.jsonl naming files that are gone; the whole folder
         # moves with its log, and a training run reads it wherever it is
-        return (f"the corrections folder {self.root} is full ({_used_of(used, self.max_bytes)}); "
-                f"{photo} was not saved. Start the server with a larger --corrections-max-mb, or, once a training "
+        return (f"the corrections folder {self.root} has no room left for {photo} ({_used_of(used, self.max_bytes)} "
+                f"used); it was not saved. Start the server with a larger --corrections-max-mb, or, once a training "
                 f"run has used these photos (leaflens preprocess --also {self.root}), move the whole folder aside "
                 "(its corrections.jsonl with it): the server starts a new one at the next correction")
 
@@ -370,6 +372,14 @@ class CorrectionStore:
 def size_text(n: int, decimals: int = 1) -> str:
     """A byte count for people: 9.5 KB, 12.3 MB (the corrections folder's sizes, the Model tab's file)."""
     return f"{n / MB:.{decimals}f} MB" if n >= MB / 10 else f"{n / 1024:.{decimals}f} KB"
+
+
+def _size_or_zero(path: Path) -> int:
+    """``path``'s size in bytes, 0 when it is gone (another server may have replaced it meanwhile)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _used_of(used: int, cap: int) -> str:

@@ -216,8 +216,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "correct_why_not_analysed": "the model did not analyse it, so there is nothing to correct.",
         "correct_why_not_diagnosed": ("this server has no answer for this photo (it was changed, or diagnosed "
                                       "before a restart); press **Diagnose** again, then correct it."),
-        "correct_why_full": ("the corrections folder on this server is full. Whoever runs the server can move the "
-                             "saved photos into the training data, or allow it more space."),
+        "correct_why_full": ("the corrections folder on this server has no room left for it. Whoever runs the "
+                             "server can move the saved photos into the training data, or allow it more space."),
         "correct_why_gone": "the photo is no longer on the server; upload it again and press **Diagnose**.",
         "correct_why_format": "it is not a JPEG, PNG, WebP, BMP, TIFF, HEIC or GIF photo, which a retrain needs.",
         "correct_why_unknown_class": "that answer is not one this model knows.",
@@ -458,7 +458,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "correct_why_not_analysed": "模型没有分析这张照片，因此无需更正。",
         "correct_why_not_diagnosed": ("本服务器没有这张照片的诊断结果（照片已更改，或在重启前诊断）；"
                                       "请再次点击 **诊断**，然后更正。"),
-        "correct_why_full": "本服务器上的更正文件夹已满。服务器管理员可以把已保存的照片移入训练数据，或增加空间。",
+        "correct_why_full": ("本服务器上的更正文件夹已没有空间存放这张照片。"
+                             "服务器管理员可以把已保存的照片移入训练数据，或增加空间。"),
         "correct_why_gone": "照片已不在服务器上；请重新上传并点击 **诊断**。",
         "correct_why_format": "它不是 JPEG、PNG、WebP、BMP、TIFF、HEIC 或 GIF 照片，无法用于重新训练。",
         "correct_why_unknown_class": "本模型不认识这个答案。",

@@ -213,7 +213,8 @@ def test_cap_counts_what_is_there_and_says_when_full(tmp_path):
     big = upload(tmp_path / "up", "big.jpg", b"\xff\xd8\xff" + os.urandom(MB // 2))
     with pytest.raises(CorrectionError) as exc:
         store.save(big, "rust", photo_name="big.jpg")
-    assert exc.value.reason == "full" and "full" in str(exc.value) and "--corrections-max-mb" in str(exc.value)
+    assert exc.value.reason == "full" and "no room left for big.jpg" in str(exc.value)
+    assert "--corrections-max-mb" in str(exc.value)
     assert sorted(p.name for p in (root / "rust").iterdir()) == ["older.jpg"]
     small = upload(tmp_path / "up", "small.jpg", photo_bytes(10))
     saved = store.save(small, "rust", photo_name="small.jpg")
@@ -232,12 +233,27 @@ def test_room_freed_by_moving_photos_out_counts_at_once_and_a_saved_photo_is_nev
     saved = store.save(first, "rust", photo_name="a.jpg")
     again = upload(tmp_path / "up", "a_again.jpg", a)
     second = upload(tmp_path / "up", "b.jpg", b)
-    with pytest.raises(CorrectionError, match=r"full \(\d+\.\d KB of \d+\.\d KB\)") as exc:
+    with pytest.raises(CorrectionError, match=r"has no room left for b.jpg \(\d+\.\d KB\) \(\d+\.\d KB of "
+                                              r"\d+\.\d KB used\)") as exc:
         store.save(second, "rust", photo_name="b.jpg")  # the folder is full ...
     assert exc.value.reason == "full"
     assert store.save(again, "rust", photo_name="a_again.jpg").duplicate  # ... but that photo is already saved
     (root / saved.file).rename(tmp_path / "moved_into_training.jpg")  # as the message says to do
     assert not store.save(second, "rust", photo_name="b.jpg").duplicate  # no restart needed
+
+
+def test_a_photo_relabelled_in_a_nearly_full_folder_is_moved_not_refused(tmp_path):
+    """Relabelling replaces the earlier copy, so the folder does not grow: a folder with room for one photo (and
+    not two) takes the new label instead of keeping the wrong one for the next training run."""
+    root = tmp_path / "corrections"
+    a = photo_bytes(1, size=(60, 60))
+    store = store_at(root, max_mb=(len(a) + 4096 + len(a) // 2) / MB)  # one copy, a line and not a second copy
+    first = store.save(upload(tmp_path / "up", "a.jpg", a), "rust", photo_name="a.jpg")
+    moved = store.save(upload(tmp_path / "up2", "a.jpg", a), "healthy", photo_name="a.jpg")
+    assert moved.replaced == ("rust",) and not (root / first.file).exists() and (root / moved.file).is_file()
+    b = photo_bytes(2, size=(60, 60))
+    with pytest.raises(CorrectionError, match="has no room left for b.jpg"):  # a new photo still needs room
+        store.save(upload(tmp_path / "up3", "b.jpg", b), "rust", photo_name="b.jpg")
 
 
 def test_a_folder_just_under_its_cap_says_the_decimals_that_show_it():
@@ -501,7 +517,7 @@ def test_apply_stops_at_a_full_folder_and_says_so(tmp_path):
     paths = [upload(tmp_path / "up", f"{n}.png", photo_bytes(19 + n, "PNG", (80, 60))) for n in range(2)]
     res = apply_correction(store, paths, answer_for(paths, ["diagnosis", "diagnosis"]), "all", "rust")
     assert not res["ok"] and res["reason"] == "full" and [s["reason"] for s in res["skipped"]] == ["full", "full"]
-    assert "full" in render_correction(res, None, "en") and "已满" in render_correction(res, None, "zh")
+    assert "no room left" in render_correction(res, None, "en") and "没有空间" in render_correction(res, None, "zh")
 
 
 def test_store_rejects_bad_settings(tmp_path):

@@ -50,7 +50,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("images", nargs="+", metavar="IMAGES", help="image files and/or folders")
     add_model_argument(p)
-    p.add_argument("--csv", default=None, help="write the results to this CSV file (written atomically)")
+    p.add_argument("--csv", default=None, help="write the results to this CSV file (written atomically); "
+                                                "- writes the CSV to standard output")
     p.add_argument("--top-k", type=int, default=3, help="classes to report per image (default 3)")
     p.add_argument("--batch-size", type=int, default=32, help="images per model call (default 32)")
     p.add_argument("--threads", type=int, default=None,
@@ -137,12 +138,18 @@ def _collect(args: Sequence[str | os.PathLike], skipped: Counter[str] | None) ->
     return unique
 
 
+_KINDS_SHOWN = 8  # extensions named in skipped_note, the most common first
+
+
 def skipped_note(skipped: Counter[str]) -> str:
     """What :func:`collect_images` left out of the folders, e.g. "3 other files in the folders skipped, not
     images by their extension (.gif 2, .txt 1); name a file to classify it anyway"."""
     others = {ext: k for ext, k in skipped.items() if ext != SAME_PHOTO and k}
     n = sum(others.values())
-    kinds = ", ".join(f"{ext or 'no extension'} {k}" for ext, k in sorted(others.items(), key=lambda e: (-e[1], e[0])))
+    ranked = sorted(others.items(), key=lambda e: (-e[1], e[0]))
+    kinds = ", ".join(f"{ext or 'no extension'} {k}" for ext, k in ranked[:_KINDS_SHOWN])
+    if len(ranked) > _KINDS_SHOWN:  # a folder linking to /usr has hundreds of kinds: the line stays readable
+        kinds += f" and {len(ranked) - _KINDS_SHOWN} other extensions"
     said = []
     if others:
         said.append(f"{n} other file{'s' if n != 1 else ''} in the folders skipped, not images by their extension "
@@ -237,15 +244,16 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
         if args.threads is not None and args.threads < 1:
             raise UsageError(f"--threads must be >= 1, got {args.threads}")
-        if args.csv and (problem := results_file_problem(args.csv, {"the model": args.model}, "results.csv",
-                                                            ours=csv_starting(csv_header(0)[:2]))):
+        to_stdout = args.csv == "-"
+        if args.csv and not to_stdout and (problem := results_file_problem(
+                args.csv, {"the model": args.model}, "results.csv", ours=csv_starting(csv_header(0)[:2]))):
             raise UsageError(f"--csv {problem}")
         skipped: Counter[str] = Counter()
         files = collect_images(args.images, skipped)
         if not files:
             raise UsageError(f"no image files found in {', '.join(map(str, args.images))}"
                              + (f" ({skipped_note(skipped)})" if skipped else ""))
-        if args.csv and os.path.realpath(args.csv) in {os.path.realpath(f) for f in files}:
+        if args.csv and not to_stdout and os.path.realpath(args.csv) in {os.path.realpath(f) for f in files}:
             raise UsageError(f"--csv {args.csv} is one of the photos to classify; writing the results there "
                              "would replace it (give a .csv path)")
         if (missing := missing_model(args.model)) is not None:
@@ -271,7 +279,12 @@ def run(args: argparse.Namespace) -> int:
             if not args.csv:
                 bar.write(_line(prediction, top_k), file=sys.stdout)
             bar.update(1)
-    if args.csv:
+    if to_stdout:
+        writer = csv.writer(sys.stdout, lineterminator="\n")
+        writer.writerow(csv_header(top_k))
+        writer.writerows(csv_row(p, top_k) for p in results)
+        sys.stdout.flush()
+    elif args.csv:
         write_csv(args.csv, results, top_k)
 
     counts = Counter(verdict_of(p) for p in results)
@@ -284,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
         summary += " (this model has no out-of-domain check)"
     if skipped:
         summary += f"; {skipped_note(skipped)}"
-    if args.csv:
+    if args.csv and not to_stdout:
         summary += f"; results in {args.csv}"
     print(summary, file=sys.stderr)
     return 1 if failed else 0

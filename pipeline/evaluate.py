@@ -147,10 +147,15 @@ def class_folder_photos(root: str | os.PathLike[str], classes: Sequence[str],
     named = {c: matching_class(c, classes) or c for c in scan.classes}
     unknown = [c for c in scan.classes if named[c] not in classes and not (no_leaf and c == NOT_A_LEAF)]
     if unknown:
+        # PHOTOS/plants/<class>/...: the class folders are one level down
+        below = [Path(scan.root) / c for c in unknown
+                 if any(matching_class(d.name, classes) for d in (Path(scan.root) / c).iterdir() if d.is_dir())]
+        hint = (f"; {below[0]} holds folders named as the model's classes: point at it" if len(unknown) == 1 and below
+                else "")
         raise EvaluationError(
             f"{scan.root}: folder(s) {', '.join(repr(c) for c in unknown)} name no class the model knows; "
             f"its classes are {', '.join(repr(c) for c in classes)} (rename the folder, or use the model "
-            "trained on those classes)")
+            f"trained on those classes){hint}")
     left = {k: n for k, n in scan.ignored.items() if k in LEFT_OUT}
     if left:
         examples = scan.ignored_names()

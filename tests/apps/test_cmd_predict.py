@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import os
 import sys
 from collections import Counter
@@ -123,6 +124,11 @@ def test_verdicts_in_csv_lines_and_summary(tiny_model, tmp_path, capsys):
             assert " or " in lines[name][2] and lines[name][2].startswith(row["label"] + " or ")
         elif row["verdict"] == "diagnosis":
             assert lines[name][2] == row["label"]
+
+    code = main(["predict", str(folder), "--model", str(model), "--csv", "-", "--top-k", "1", "--no-progress"])
+    captured = capsys.readouterr()  # "-": the same CSV on standard output, no file named "-"
+    assert code == 1 and list(csv.DictReader(io.StringIO(captured.out))) == list(csv.DictReader(out.open()))
+    assert not Path("-").exists() and "results in" not in captured.err
 
 
 def test_usage_and_model_errors_exit_two(tiny_model, tmp_path, capsys):
@@ -279,3 +285,19 @@ def test_a_named_file_is_not_counted_as_skipped(tiny_model, tmp_path, capsys):
     captured = capsys.readouterr()
     assert "palette.gif\t" in captured.out
     assert "(.txt 1)" in captured.err and ".gif" not in captured.err
+
+
+def test_the_skipped_files_note_names_the_commonest_extensions_only():
+    """A folder holding a link to /usr skipped about 500 kinds of file, all named on one summary line."""
+    from collections import Counter  # noqa: PLC0415
+
+    from leaflens.apps.cmd_predict import skipped_note  # noqa: PLC0415
+
+    skipped = Counter({f".x{i:03d}": 1000 - i for i in range(500)})
+    note = skipped_note(skipped)
+    assert note.startswith(f"{sum(skipped.values())} other files in the folders skipped, not images by their "
+                           "extension (.x000 1000, .x001 999,")
+    assert ".x007 993 and 492 other extensions); name a file" in note and ".x008" not in note
+    assert skipped_note(Counter({".txt": 2, ".gif": 2})) == ("4 other files in the folders skipped, not images by "
+                                                             "their extension (.gif 2, .txt 2); name a file to "
+                                                             "classify it anyway")

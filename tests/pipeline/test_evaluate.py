@@ -209,6 +209,11 @@ def test_evaluate_refuses_a_class_the_model_does_not_know(tmp_path, capsys):
     code = main(["evaluate", "--model", str(model), "--photos", str(photos)])
     err = capsys.readouterr().err
     assert code == 2 and "'mildew'" in err and "name no class the model knows" in err and "'healthy'" in err
+    nested = _photos(tmp_path / "nested" / "plants", per_class=2)  # the class folders one level down
+    code = main(["evaluate", "--model", str(model), "--photos", str(tmp_path / "nested")])
+    err = capsys.readouterr().err
+    assert code == 2 and "'plants' name no class the model knows" in err
+    assert f"; {nested} holds folders named as the model's classes: point at it" in err
 
 
 def test_evaluate_reads_the_web_apps_corrections_folder(tmp_path, capsys):

@@ -34,6 +34,7 @@ from leaflens.pipeline.teachers.stage import (
     changed_originals,
     changed_originals_message,
     iter_split_images,
+    missing_originals_message,
     split_photo_paths,
 )
 from leaflens.pipeline.training import BatchLoss, epochs_for_steps, validation_scores
@@ -71,8 +72,7 @@ class PhotoViews:
             self.paths = paths
             missing = [p for p in self.paths if not p.is_file()]
             if missing:
-                raise TeacherStageError(f"{len(missing)} original photos of split '{split}' are missing, first "
-                                        f"{missing[0]}; pass --from-arrays to use the stored arrays")
+                raise TeacherStageError(missing_originals_message(split, missing))
             changed = changed_originals(ds, split, self.paths, workers)
             if changed:
                 raise TeacherStageError(changed_originals_message(split, self.paths, changed))

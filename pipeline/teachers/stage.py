@@ -178,6 +178,16 @@ def changed_originals(ds: Any, split: str, paths: list[Path], workers: int = 2) 
     return changed
 
 
+def missing_originals_message(split: str, missing: list[Path]) -> str:
+    """Original photos of ``split`` that are gone since preprocess, and what to do: preprocess again first (a photo
+    relabelled in the web app's corrections folder moves to another class's folder: the stored arrays would
+    teach it under the label it had)."""
+    return (f"{len(missing)} original photo{'s' if len(missing) != 1 else ''} of split '{split}' "
+            f"{'are' if len(missing) != 1 else 'is'} missing, first {missing[0]} (moved, deleted or relabelled "
+            "since preprocess): run `leaflens preprocess` again so the dataset holds the photos as they are now, or "
+            "pass --from-arrays to use the stored arrays (with the labels they had then)")
+
+
 def changed_originals_message(split: str, paths: list[Path], changed: list[int], from_arrays: bool = True) -> str:
     """What :func:`changed_originals` found, and what to do (``from_arrays``: the stage has --from-arrays)."""
     return (f"{len(changed)} of the {len(paths)} original photos of split '{split}' no longer decode to the pixels "
@@ -218,8 +228,7 @@ def iter_split_images(ds: Any, split: str, size: int, shorter_side: int | None, 
             f"Pass --from-arrays to upsample the stored {ds.image_size}x{ds.image_size} arrays instead.")
     missing = [p for p in paths if not p.is_file()]
     if missing:
-        raise TeacherStageError(f"{len(missing)} original photos of split '{split}' are missing, first {missing[0]}; "
-                                "pass --from-arrays to use the stored arrays")
+        raise TeacherStageError(missing_originals_message(split, missing))
     changed = changed_originals(ds, split, paths, workers)
     if changed:
         raise TeacherStageError(changed_originals_message(split, paths, changed))

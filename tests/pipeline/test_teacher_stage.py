@@ -271,6 +271,12 @@ def test_a_stage_going_back_to_the_photos_refuses_ones_changed_since_preprocess(
     assert not (tmp_path / "t").exists()
     assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--onnx", str(enc),
                 "--from-arrays", "--quiet"]) == 0  # the stored arrays, as the message offers
+    second = src / ds["train"].files[1]
+    second.rename(tmp_path / "relabelled.png")  # as the web app moves a photo corrected into another class
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t2"), "--onnx", str(enc)]) == 1
+    err = capsys.readouterr().err
+    assert f"1 original photo of split 'train' is missing, first {second} (moved, deleted or relabelled" in err
+    assert "run `leaflens preprocess` again so the dataset holds the photos as they are now, or pass" in err
 
 
 def test_not_an_onnx_file_is_refused(ds_dir, tmp_path, capsys):

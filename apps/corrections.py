@@ -257,9 +257,15 @@ class CorrectionStore:
                 fh.write(line)
             freed = 0
             for old in elsewhere.values():  # after the new copy and its line: a crash leaves both, never neither
-                with contextlib.suppress(OSError):
-                    freed += (self.root / old).stat().st_size
+                size_old = _size_or_zero(self.root / old)
+                try:
                     (self.root / old).unlink()
+                    freed += size_old
+                except FileNotFoundError:  # another server replaced it meanwhile
+                    pass
+                except OSError as exc:  # both copies stay (preprocess reports them as a label conflict)
+                    log.warning("correction %s: could not remove the earlier copy %s (%s)", rel, old,
+                                exc.strerror or exc)
             self._used = (time.monotonic(), used + size + len(line.encode("utf-8")) - freed)
         log.info("correction saved: %s as %s (predicted %s)%s", rel, chosen,
                  (predicted or {}).get("label") or (predicted or {}).get("verdict") or "-",
@@ -514,7 +520,6 @@ def apply_correction(store: CorrectionStore, files: Sequence[str | os.PathLike] 
     shown = photo_names(paths)
     if any(i >= len(paths) or shown[i] != photos[i].get("name") for i in picked):
         return refuse("photos_changed")
-    full = False
     told = answer.get("answer") if isinstance(answer.get("answer"), Mapping) else None
     # "all" as a class: the photos the answer judged, when it judged some and left others out
     judged_only = every and chosen != NOT_A_LEAF and mixed_answer(answer)
@@ -542,13 +547,9 @@ def apply_correction(store: CorrectionStore, files: Sequence[str | os.PathLike] 
                                    "message": f"{name}: left out of this answer as not a photo this model knows; "
                                               f"choose it by its number to save it as {chosen}"})
             continue
-        if full:
-            out["skipped"].append({"photo": name, "reason": "full", "message": f"{name}: the folder is full"})
-            continue
-        try:
+        try:  # each photo is tried: one too large for the room left does not stop a smaller one or a relabel
             saved = store.save(paths[i], chosen, photo_name=name, predicted=photo, answer=said)
         except CorrectionError as exc:
-            full = exc.reason == "full"
             out["skipped"].append({"photo": name, "reason": exc.reason, "message": str(exc)})
             continue
         out["saved"].append({"photo": name, "file": saved.file, "duplicate": saved.duplicate,

@@ -520,6 +520,17 @@ def test_apply_stops_at_a_full_folder_and_says_so(tmp_path):
     assert "no room left" in render_correction(res, None, "en") and "没有空间" in render_correction(res, None, "zh")
 
 
+def test_a_photo_too_large_for_the_room_left_does_not_stop_a_smaller_one(tmp_path):
+    big = photo_bytes(30, "PNG", (120, 90))
+    small = photo_bytes(31, size=(40, 30))
+    store = store_at(tmp_path / "corrections", max_mb=(len(small) + 4096 + 100) / MB)  # room for the small one only
+    paths = [upload(tmp_path / "up", "big.png", big), upload(tmp_path / "up", "small.jpg", small)]
+    res = apply_correction(store, paths, answer_for(paths, ["diagnosis", "diagnosis"]), "all", "rust")
+    assert res["ok"] and [s["photo"] for s in res["saved"]] == ["small.jpg"]
+    assert [(s["photo"], s["reason"]) for s in res["skipped"]] == [("big.png", "full")]
+    assert "no room left for big.png" in res["skipped"][0]["message"]
+
+
 def test_store_rejects_bad_settings(tmp_path):
     with pytest.raises(ValueError, match="> 0 MB"):
         CorrectionStore(tmp_path, CLASSES, max_mb=0)

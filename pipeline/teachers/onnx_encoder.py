@@ -64,8 +64,9 @@ class OnnxEncoder:
                              "leaflens feeds square photos: export the encoder with a square (or dynamic) input "
                              "size, or pass --layout if it was guessed wrong")
         if any(d != self.input_size for d in fixed):
-            raise ValueError(f"{self.path}: its input is fixed at {fixed[0]} px, not {self.input_size}: pass "
-                             f"--input-size {fixed[0]} (or leave it out)")
+            told = (f"--input-size {self.input_size}: pass --input-size {fixed[0]} (or leave it out)" if input_size
+                    else f"its metadata's leaflens.input_size = {self.input_size}: pass --input-size {fixed[0]}")
+            raise ValueError(f"{self.path}: its input is fixed at {fixed[0]} px, not {self.input_size} as {told}")
         channels = inp.shape[1] if self.layout == "NCHW" else inp.shape[3]
         if isinstance(channels, int) and channels != 3:
             raise ValueError(f"{self.path}: its input has {channels} channel(s) in the {self.layout} layout; photos "
@@ -181,5 +182,6 @@ def _padded(images: np.ndarray, batch: int) -> np.ndarray:
 
 
 def _static_size(shape: list[Any], layout: str) -> int | None:
-    h = shape[2] if layout == "NCHW" else shape[1]
-    return h if isinstance(h, int) else None
+    """The input's side when the graph fixes its height or width (the other one may be left dynamic)."""
+    sides = (shape[2], shape[3]) if layout == "NCHW" else (shape[1], shape[2])
+    return next((d for d in sides if isinstance(d, int) and d > 0), None)

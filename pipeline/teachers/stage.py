@@ -515,6 +515,11 @@ def _check_row_names(path: Path, split: str, given: list[str], files: list[str])
         raise TeacherStageError(f"{path}: files_{split} names {photos} the dataset's '{split}' split does not have, "
                                 f"first {unknown[0]!r}: name each photo as {split}_files.txt does, relative to the "
                                 f"photos' folder (e.g. {files[0]!r})")
+    twice = sorted({name for name in given if given.count(name) > 1}) if len(set(given)) < len(given) else []
+    if twice:
+        raise TeacherStageError(f"{path}: files_{split} names {twice[0]!r} more than once, so some of the split's "
+                                "photos have no row: write one row per photo, in the order of the dataset's "
+                                f"{split}_files.txt")
     row = next(i for i, (a, b) in enumerate(zip(given, files)) if a != b)
     raise TeacherStageError(f"{path}: the rows for '{split}' are not in the dataset's order: row {row} is "
                             f"{given[row]!r} there, {files[row]!r} in {split}_files.txt; write each split's rows "

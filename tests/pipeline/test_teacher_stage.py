@@ -135,8 +135,14 @@ def test_onnx_encoders_that_cannot_teach_are_refused_by_name(ds_dir, tmp_path, c
         capsys.readouterr().err)
     assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--onnx",
                 str(_tiny_encoder(tmp_path / "e16.onnx")), "--input-size", "24"]) == 1
-    assert "e16.onnx: its input is fixed at 16 px, not 24: pass --input-size 16 (or leave it out)" in (
+    assert "e16.onnx: its input is fixed at 16 px, not 24 as --input-size 24: pass --input-size 16 (or leave it " in (
         capsys.readouterr().err)
+    said = onnx.load(str(tmp_path / "e16.onnx"))
+    helper.set_model_props(said, {"leaflens.input_size": "24"})  # a model whose metadata disagrees with its graph
+    onnx.save(said, str(tmp_path / "said24.onnx"))
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--onnx",
+                str(tmp_path / "said24.onnx")]) == 1
+    assert "not 24 as its metadata's leaflens.input_size = 24: pass --input-size 16" in capsys.readouterr().err
     enc = _tiny_encoder(tmp_path / "enc.onnx")
     assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t"), "--onnx", str(enc), "--std", "0",
                 "0", "0"]) == 2
@@ -228,6 +234,11 @@ def test_a_features_source_out_of_the_dataset_s_row_order_is_caught(ds_dir, tmp_
                 str(tmp_path / "swapped.npz")]) == 1
     err = capsys.readouterr().err
     assert "the rows for 'val' are not in the dataset's order: row 0 is" in err and not (tmp_path / "t2").exists()
+    twice = {**named, "files_val": np.array([ds["val"].files[0], *ds["val"].files[:-1]])}
+    np.savez(tmp_path / "twice.npz", **twice)
+    assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t7"), "--features",
+                str(tmp_path / "twice.npz")]) == 1
+    assert f"files_val names {ds['val'].files[0]!r} more than once" in capsys.readouterr().err
     as_bytes = {**named, **{f"files_{s}": np.array([f.encode() for f in ds[s].files]) for s in ds.splits}}
     np.savez(tmp_path / "bytes.npz", **as_bytes)  # names as h5py and np.array([b"..."]) store them
     assert cli(["teacher", "--dataset", str(ds_dir), "--out", str(tmp_path / "t5"), "--features",

@@ -149,7 +149,8 @@ def skipped_note(skipped: Counter[str]) -> str:
     ranked = sorted(others.items(), key=lambda e: (-e[1], e[0]))
     kinds = ", ".join(f"{ext or 'no extension'} {k}" for ext, k in ranked[:_KINDS_SHOWN])
     if len(ranked) > _KINDS_SHOWN:  # a folder linking to /usr has hundreds of kinds: the line stays readable
-        kinds += f" and {len(ranked) - _KINDS_SHOWN} other extensions"
+        more = len(ranked) - _KINDS_SHOWN
+        kinds += f" and {more} other extension{'s' if more != 1 else ''}"
     said = []
     if others:
         said.append(f"{n} other file{'s' if n != 1 else ''} in the folders skipped, not images by their extension "

@@ -259,7 +259,9 @@ def run_training(run_dir: str | os.PathLike[str], task: TrainingTask, settings: 
     non-finite loss or gradients, skipped and said in a line of the loop's own, and the raw warnings (with the
     engine's source lines) only buried that line. Those warnings are also filtered out: ``np.errstate`` lives in
     a context variable that any out-of-order exit of another errstate (one left open in an abandoned generator,
-    reset when it is collected) returns to NumPy's defaults half-way through the run."""
+    reset when it is collected) returns to NumPy's defaults half-way through the run. The filter is process-wide
+    while the run lasts (other threads' warnings of those kinds are hidden too) and the filter list is put back as
+    it was when the run started."""
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"), warnings.catch_warnings():
         warnings.filterwarnings("ignore", _NUMPY_FP_WARNING, RuntimeWarning)
         return _train(run_dir, task, settings, extra_meta, resume, device)

@@ -298,6 +298,7 @@ def test_the_skipped_files_note_names_the_commonest_extensions_only():
     assert note.startswith(f"{sum(skipped.values())} other files in the folders skipped, not images by their "
                            "extension (.x000 1000, .x001 999,")
     assert ".x007 993 and 492 other extensions); name a file" in note and ".x008" not in note
+    assert "and 1 other extension);" in skipped_note(Counter({f".y{i}": 1 for i in range(9)}))
     assert skipped_note(Counter({".txt": 2, ".gif": 2})) == ("4 other files in the folders skipped, not images by "
                                                              "their extension (.gif 2, .txt 2); name a file to "
                                                              "classify it anyway")

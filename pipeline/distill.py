@@ -562,7 +562,7 @@ def _teacher_candidate(ds: Any, tt: Any, threads: int) -> tuple[dict[str, Any] |
     except CheckpointError as exc:
         return None, str(exc), True
     assert served.contract is not None
-    ms, backend = measure_ms(net, served.contract.input_size, threads)
+    ms, backend = measure_ms(net, served.contract.input_size, threads, ood="own" if served.ood else "none")
     # the figures the teacher stage recorded (teacher.json's logits), as the students' are the engine's
     out: dict[str, Any] = {"params": int(net.num_parameters()), "ms": ms, "backend": backend,
                            "val_probs": metrics.softmax(np.asarray(tt.logits["val"], np.float32))}

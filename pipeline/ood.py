@@ -60,7 +60,7 @@ from leaflens.pipeline.models.efficientnet import tf_input_affine
 
 __all__ = ["DEFAULT_BUDGET", "DEFAULT_CONFIDENCE", "GENERIC_BLOCKS", "METHOD", "METHOD_OWN", "OOD_OUTPUT",
            "GenericBranch", "OODHead", "ServedModel", "WithGenericBranch", "block_stats", "fit_ood_head",
-           "flags_allowed", "generic_branch", "photos_for_confidence", "with_generic_branch"]
+           "flags_allowed", "generic_branch", "photos_for_confidence", "timing_stand_in", "with_generic_branch"]
 
 # Recorded in the model card; bump when the score's definition changes. METHOD: the model's own blocks and the
 # generic branch's; METHOD_OWN: the model's own blocks alone (a model exported without the branch, or the
@@ -245,6 +245,23 @@ def with_generic_branch(model: Module, mean: Sequence[float], std: Sequence[floa
         return model, (f"the out-of-domain score reads the model's own blocks only ({METHOD_OWN}): the "
                        f"EfficientNet-Lite0 weights of its generic branch are not available ({why})")
     return WithGenericBranch(model, branch), None
+
+
+def timing_stand_in(model: Module, input_size: int, branch: bool = True,
+                    weights: str | os.PathLike[str] | None = None) -> Module:
+    """``model`` as it is served with its out-of-domain score, for timing it (leaflens.pipeline.selection): with
+    the generic branch when ``branch`` (export gives a student one, the Lite0 teacher reads its own blocks),
+    and a head of the fitted one's shapes whose numbers are placeholders (the time does not depend on them).
+    ``model`` itself when it exposes no block outputs (it is served without the score). ``weights``: the
+    branch's Lite0 weights (default: the installed ones)."""
+    if not supports_ood(model):
+        return model
+    scored = with_generic_branch(model, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0), weights=weights)[0] if branch else model
+    logits, stats = model_outputs(scored, np.zeros((1, input_size, input_size, 3), np.float32))
+    k = logits.shape[1]
+    head = OODHead([_Block(np.zeros((k, f.shape[1]), np.float32), np.eye(f.shape[1], dtype=np.float32), 0.0, 1.0)
+                    for f in stats])
+    return ServedModel(scored, head)
 
 
 def supports_ood(model: Module) -> bool:

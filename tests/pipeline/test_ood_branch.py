@@ -186,3 +186,37 @@ def test_model_card_records_the_branch_and_reads_cards_without_it(lite0_file):
     meta = ModelCard(classes=("a", "b"), contract=contract, uncertain_threshold=0.5, ood=old).to_metadata()
     assert "branch" not in meta["leaflens.ood"]
     assert ModelCard.from_metadata(meta, "old.onnx").ood == old
+
+
+def test_the_timing_stand_in_is_the_served_graph_with_placeholder_numbers(lite0_file):
+    """distill times a candidate as it will be served (its out-of-domain score and the branch included: the demo
+    student's time more than doubled) before any score is fitted: the stand-in's graph has the served graph's
+    nodes and tensor shapes, only its numbers differ."""
+    from leaflens.engine.onnx_export import export_onnx  # noqa: PLC0415
+
+    scored, _ = ood.with_generic_branch(_student(), MEAN, STD, weights=lite0_file)
+    train, labels = _photos(60, seed=4)
+    val, _ = _photos(30, seed=5)
+    _, tr = ood.model_outputs(scored, _normalised(train))
+    _, va = ood.model_outputs(scored, _normalised(val))
+    head, _, _ = ood.fit_ood_head(tr, labels, va, 3, branch=scored.branch.record())
+    outputs = ("logits", ood.OOD_OUTPUT)
+
+    def shape(model: Module) -> tuple[list[str], list[tuple[int, ...]]]:
+        graph = export_onnx(model, (3, SIZE, SIZE), output_name=outputs).graph
+        return [n.op_type for n in graph.node], sorted(tuple(t.dims) for t in graph.initializer)
+
+    served = shape(ood.ServedModel(scored, head))
+    assert shape(ood.timing_stand_in(_student(), SIZE, weights=lite0_file)) == served
+    own_head, _, _ = ood.fit_ood_head(tr[:2], labels, va[:2], 3)  # the teacher's kind: its own blocks only
+    own = shape(ood.ServedModel(_student(), own_head))
+    assert shape(ood.timing_stand_in(_student(), SIZE, branch=False)) == own and len(own[0]) < len(served[0])
+    plain = _Plain()
+    assert ood.timing_stand_in(plain, SIZE) is plain  # no block outputs: it is served without a score
+
+
+class _Plain(Module):
+    """A model without forward_blocks."""
+
+    def forward(self, x):
+        return x.mean(axis=(1, 2))

@@ -166,7 +166,7 @@ def test_a_teacher_whose_network_cannot_be_read_is_said_on_the_console(teacher, 
 def test_the_teacher_is_not_kept_over_max_ms(teacher, monkeypatch):
     """Latency is measured on the machine; here it is fixed (the students 1 ms, the teacher 40 ms) so the
     budget's effect does not depend on the machine's load."""
-    monkeypatch.setattr(distill_stage, "measure_ms", lambda model, size, threads: (
+    monkeypatch.setattr(distill_stage, "measure_ms", lambda model, size, threads, **_: (
         40.0 if model.num_parameters() > 10**6 else 1.0, "fixed"))
     out = teacher / "run_fast"
     assert cli(["distill", "--dataset", str(teacher / "dataset"), "--teacher", str(teacher / "t"), "--out", str(out),

@@ -124,7 +124,9 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
         return hint.from_dict(value, where)
     if origin in (list, tuple) or hint in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise RecordError(f"{where}: expected a list, got {value!r}")
+            hint_text = (f" (a TOML list in brackets, text quoted: e.g. {_as_toml_list(value)})"
+                         if isinstance(value, str) and value else "")
+            raise RecordError(f"{where}: expected a list, got {value!r}{hint_text}")
         if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
             return tuple(_convert(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
         if origin is tuple and args:
@@ -148,10 +150,34 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
         return value
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise RecordError(f"{where}: expected a number, got {value!r}")
+            raise RecordError(f"{where}: expected a number, got {value!r}{_number_hint(value)}")
         return float(value)
     if hint is str:
         if not isinstance(value, str):
             raise RecordError(f"{where}: expected a string, got {value!r}")
         return value
     raise TypeError(f"{where}: records cannot hold values of type {hint!r}")
+
+
+def _as_toml_list(text: str) -> str:
+    """``lite8,m`` as the TOML list it was probably meant to be: ``["lite8", "m"]`` (numbers unquoted)."""
+    items = [t.strip() for t in text.strip("[]").split(",") if t.strip()]
+
+    def item(t: str) -> str:
+        try:
+            float(t)
+            return t
+        except ValueError:
+            return '"' + t.strip("'\"") + '"'
+    return "[" + ", ".join(item(t) for t in items) + "]"
+
+
+def _number_hint(value: Any) -> str:
+    """How TOML writes a number Python would read (``.001``, ``1.``, ``1_0.``): said, since the text looks right."""
+    if not isinstance(value, str):
+        return ""
+    try:
+        number = float(value)
+    except ValueError:
+        return ""
+    return f" (TOML writes it {number!r})"

@@ -68,8 +68,9 @@ class ModelSection(Record):
     def __post_init__(self) -> None:
         if not self.widths or any(w < 1 for w in self.widths):
             raise ValueError(f"widths: at least one conv block, each at least 1 wide, got {list(self.widths)}")
-        if self.input_size < 0:
-            raise ValueError(f"input_size: 0 (the dataset's stored size) or a side in pixels, got {self.input_size}")
+        if self.input_size < 0 or 0 < self.input_size < 8:  # as the family's @<px> and preprocess --size
+            raise ValueError(f"input_size: 0 (the dataset's stored size) or a side of at least 8 pixels, got "
+                             f"{self.input_size}")
         _check_share(self, ("dropout",))
         if not 1 <= self.trunk_blocks <= 16:
             raise ValueError(f"trunk_blocks: 1 to 16 of EfficientNet-Lite0's blocks, got {self.trunk_blocks}")
@@ -220,9 +221,9 @@ class DistillSection(Record):
         if bad:
             raise ValueError(f"centre_crops are shares of the photo's side in (0, 1) (the whole photo is always "
                              f"tried as well), got {bad[0]!r}")
-        if self.max_params < 0 or self.max_ms < 0:
-            raise ValueError(f"max_params and max_ms must be >= 0 (0: no limit), got {self.max_params} and "
-                             f"{self.max_ms}")
+        if self.max_params < 0 or not (math.isfinite(self.max_ms) and self.max_ms >= 0):
+            raise ValueError(f"max_params and max_ms must be finite numbers >= 0 (0: no limit), got "
+                             f"{self.max_params} and {self.max_ms}")
         if not 0.0 <= self.teacher_margin <= 1.0:
             raise ValueError(f"teacher_margin is a share of the validation photos in [0, 1], got {self.teacher_margin}")
         if not (math.isfinite(self.mixup) and self.mixup >= 0):
@@ -304,8 +305,9 @@ class StageConfig(Record):
 def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(path)
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
+        data = path.read_bytes()
+        # Windows Notepad's "UTF-8 with BOM": the mark is not TOML, but the text after it is what was meant
+        return tomllib.loads(data.removeprefix(b"\xef\xbb\xbf").decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except IsADirectoryError:
@@ -368,6 +370,19 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     except tomllib.TOMLDecodeError:
         value = raw.strip()
     return key.strip().split("."), value
+
+
+def sets_a_flag_overrides(overrides: Sequence[str | tuple[str, str]]) -> list[tuple[str, str]]:
+    """(``--set`` as typed, the flag) for each ``--set`` whose key a flag given with it sets too (``--set
+    train.seed=5 --seed 7``): the flag wins, as documented, and the person should hear that their --set did
+    nothing."""
+    sets = [(item.split("=", 1)[0].strip(), item) for item in overrides if isinstance(item, str)]
+    out: list[tuple[str, str]] = []
+    for item in overrides:
+        if isinstance(item, tuple):
+            key = item[0].split("=", 1)[0].strip()
+            out.extend((f"--set {typed}", item[1]) for k, typed in sets if k == key)
+    return out
 
 
 def settings_not_read(overrides: Sequence[str | tuple[str, str]], read: Sequence[str]) -> list[str]:

@@ -54,7 +54,7 @@ class Budget(Record):
     teacher_margin: float = 0.02  # validation accuracy (a fraction) the teacher must gain over the best student
 
     def __post_init__(self) -> None:
-        if self.max_params < 0 or self.max_ms < 0:
+        if self.max_params < 0 or not (math.isfinite(self.max_ms) and self.max_ms >= 0):
             raise ValueError(f"max_params and max_ms must be >= 0 (0: no limit), got {self.max_params} and "
                              f"{self.max_ms}")
         if not 0.0 <= self.teacher_margin <= 1.0:

@@ -14,6 +14,7 @@ from leaflens.pipeline.config import (
     epochs_as_given,
     given_settings,
     load_config,
+    sets_a_flag_overrides,
     settings_not_read,
 )
 from leaflens.pipeline.models.family import family_option
@@ -95,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"leaflens distill: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    for typed, flag in sets_a_flag_overrides(overrides):
+        print(f"leaflens distill: note: {flag} overrides {typed}", file=sys.stderr)
     for unread in settings_not_read(args.overrides, ("model", "train", "augment", "distill")):
         print(f"leaflens distill: warning: --set {unread} changes nothing here: [teacher] is the teacher stage's "
               "(`leaflens teacher --set ...`)", file=sys.stderr)

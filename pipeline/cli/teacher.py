@@ -14,7 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from leaflens.pipeline.cli import EXIT_REFUSED, EXIT_STOPPED, EXIT_USAGE, interrupted, path_arg
-from leaflens.pipeline.config import ConfigError, epochs_as_given, load_config, settings_not_read
+from leaflens.pipeline.config import (
+    ConfigError,
+    epochs_as_given,
+    load_config,
+    sets_a_flag_overrides,
+    settings_not_read,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -192,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"leaflens teacher: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    for typed, flag in sets_a_flag_overrides(given):
+        print(f"leaflens teacher: note: {flag} overrides {typed}", file=sys.stderr)
     if (idle := flags_that_do_nothing(args)) is not None:
         print(f"leaflens teacher: {idle}", file=sys.stderr)
         return EXIT_USAGE

@@ -127,6 +127,12 @@ def test_layers_user_file_then_overrides(tmp_path):
     (["teacher.view_scale=[0.5, 5]"], "teacher: view_scale is the [min, max] area fraction"),
     (["teacher.warmup_epochs=-1"], "teacher: warmup_epochs must be >= 0"),
     (["model.dropout=1"], "model: dropout must be in [0, 1)"),
+    (["train.lr=.001"], "train: lr: expected a number, got '.001' (TOML writes it 0.001)"),
+    (["model.family=lite8,m"], "expected a list, got 'lite8,m' (a TOML list in brackets, text quoted: e.g. "
+                               '["lite8", "m"])'),
+    (["model.input_size=7"], "model: input_size: 0 (the dataset's stored size) or a side of at least 8 pixels, got 7"),
+    (["distill.max_ms=nan"], "max_params and max_ms must be finite numbers >= 0 (0: no limit), got 0 and nan"),
+    (["distill.max_ms=inf"], "max_ms must be finite numbers >= 0"),
 ])
 def test_bad_overrides_are_refused_by_name(overrides, message):
     with pytest.raises(ConfigError) as info:
@@ -232,6 +238,9 @@ def test_a_config_that_is_a_folder_or_not_utf8_is_named_not_a_traceback(tmp_path
     bad.write_bytes(b"\xff\xfe[train]\n")
     with pytest.raises(ConfigError, match=r"latin1.toml is not UTF-8 text \(byte 0\)"):
         load_config(bad)
+    bom = tmp_path / "notepad.toml"  # Windows Notepad's "UTF-8 with BOM"
+    bom.write_bytes(b"\xef\xbb\xbf[train]\nepochs = 3\n")
+    assert load_config(bom).train.epochs == 3
 
 
 @pytest.mark.parametrize(("argv", "says"), [
@@ -378,3 +387,16 @@ def test_a_teacher_without_its_weights_is_a_usage_error_like_a_missing_extra(tmp
     monkeypatch.setattr(stage, "run_teacher_stage", no_weights)
     assert cli(["teacher", "--dataset", str(tmp_path / "ds"), "--out", str(tmp_path / "t")]) == 2
     assert "leaflens teacher: the pretrained EfficientNet-Lite0 weights are not installed" in capsys.readouterr().err
+
+
+def test_a_set_that_a_flag_given_with_it_overrides_is_said(tmp_path, capsys):
+    """``--set train.seed=5 --seed 7`` ran with seed 7, as documented, without a word about the --set."""
+    from leaflens.pipeline.config import sets_a_flag_overrides  # noqa: PLC0415
+
+    assert sets_a_flag_overrides(["train.seed=5", "train.lr=0.1", ("train.seed=7", "--seed 7")]) == [
+        ("--set train.seed=5", "--seed 7")]
+    assert sets_a_flag_overrides(["train.seed=5", ("train.epochs=2", "--epochs 2")]) == []
+    cli(["teacher", "--dataset", str(tmp_path / "none"), "--set", "teacher.epochs=3", "--epochs", "1"])
+    assert "leaflens teacher: note: --epochs 1 overrides --set teacher.epochs=3" in capsys.readouterr().err
+    cli(["distill", "--dataset", str(tmp_path / "none"), "--set", "train.seed=5", "--seed", "7"])
+    assert "leaflens distill: note: --seed 7 overrides --set train.seed=5" in capsys.readouterr().err

@@ -286,7 +286,14 @@ def run(args: argparse.Namespace) -> int:
         writer.writerows(csv_row(p, top_k) for p in results)
         sys.stdout.flush()
     elif args.csv:
-        write_csv(args.csv, results, top_k)
+        try:
+            write_csv(args.csv, results, top_k)
+        except OSError as exc:  # checked before the work; a disk filled meanwhile still gets one line
+            print(f"{prog}: error: cannot write {args.csv}: {exc.strerror or exc}; the results, as lines:",
+                  file=sys.stderr)
+            for p in results:
+                print(_line(p, top_k))
+            return 1
 
     counts = Counter(verdict_of(p) for p in results)
     failed = counts["refused"] + counts["error"]

@@ -19,6 +19,7 @@ import json
 import os
 import secrets
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -206,9 +207,15 @@ def results_file_problem(target: PathLike, inputs: dict[str, PathLike], example:
         return f"{target} is a folder; give a file path (e.g. {target / example})"
     parent = target.resolve().parent
     if not parent.is_dir():
-        return f"{target}: the folder {parent} does not exist"
+        return (f"{target}: {parent} is a file, not a folder" if parent.exists() else
+                f"{target}: the folder {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"{target}: cannot write in the folder {parent} (permission denied)"
+    try:  # what os.access cannot tell: a read-only file system, or root where the kernel refuses (/sys, /proc)
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as exc:
+        return f"{target}: cannot write in the folder {parent} ({exc.strerror or exc})"
     if target.exists():
         real = Path(os.path.realpath(target))
         own_kind = real.suffix.lower() == Path(example).suffix.lower()  # an earlier results file may be replaced

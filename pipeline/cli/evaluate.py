@@ -86,7 +86,12 @@ def run(args: argparse.Namespace) -> int:
         return 1 if isinstance(exc, NoPhotoReadable) else 2
     print(format_evaluation(evaluation))
     if args.json is not None:
-        write_json_atomic(args.json, evaluation.to_dict())
+        try:
+            write_json_atomic(args.json, evaluation.to_dict())
+        except OSError as exc:  # checked before the work; a disk filled meanwhile still gets one line
+            print(f"{prog}: error: cannot write {args.json}: {exc.strerror or exc} (the results are printed above)",
+                  file=sys.stderr)
+            return 1
         print(f"wrote {args.json}", file=sys.stderr)
     unread_not_known = evaluation.not_known is not None and evaluation.not_known.get("unreadable")
     return 1 if evaluation.unreadable or unread_not_known else 0

@@ -242,6 +242,38 @@ def test_csv_replaces_only_an_earlier_results_file(tiny_model, tmp_path, capsys)
         assert main(["predict", str(photo), "--model", str(model), "--csv", str(out), "--no-progress"]) == 0
     assert out.read_text(encoding="utf-8").startswith("path,verdict,")
 
+    assert main(["predict", str(photo), "--model", str(model), "--csv", str(photo / "x.csv"), "--no-progress"]) == 2
+    assert f"{photo} is a file, not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_results_folder_nobody_can_write_in_is_said_before_the_work(tiny_model, tmp_path, capsys):
+    """/proc refuses new files even to root, which os.access lets through: the check creates one to know."""
+    model, _ = tiny_model()
+    photo = write_photo(tmp_path / "a.png")
+    assert main(["predict", str(photo), "--model", str(model), "--csv", "/proc/x.csv", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--csv /proc/x.csv: cannot write in the folder /proc" in err and "Traceback" not in err
+    assert main(["evaluate", "--model", str(model), "--photos", str(tmp_path), "--json", "/proc/x.json"]) == 2
+    assert "--json /proc/x.json: cannot write in the folder /proc" in capsys.readouterr().err
+
+
+def test_results_that_cannot_be_written_after_the_work_are_printed_not_lost(tiny_model, tmp_path, capsys,
+                                                                            monkeypatch):
+    from leaflens.apps import cmd_predict  # noqa: PLC0415
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    model, _ = tiny_model()
+    photo = write_photo(tmp_path / "a.png")
+    monkeypatch.setattr(cmd_predict, "write_csv", disk_full)
+    assert main(["predict", str(photo), "--model", str(model), "--csv", str(tmp_path / "r.csv"),
+                 "--no-progress"]) == 1
+    captured = capsys.readouterr()
+    assert "cannot write" in captured.err and "No space left on device" in captured.err
+    assert captured.out.startswith(f"{photo}\t") and "Traceback" not in captured.err
+
 
 def test_pipes_and_devices_are_unreadable_rows_not_hangs(tiny_model, tmp_path, capsys):
     model, _ = tiny_model()

@@ -105,9 +105,13 @@ class UsageError(ValueError):
     """A command-line value that cannot work."""
 
 
+def _check_port(port: int) -> None:
+    if not 0 < port < 65536:
+        raise UsageError(f"--port must be 1..65535, got {port}")
+
+
 def _check(args: argparse.Namespace) -> None:
-    if not 0 < args.port < 65536:
-        raise UsageError(f"--port must be 1..65535, got {args.port}")
+    _check_port(args.port)
     for name in ("max_upload_mb", "max_wait_ms", "keep_uploads_minutes", "uploads_max_mb", "corrections_max_mb"):
         value = getattr(args, name)
         if value is not None and not math.isfinite(value):  # nan passes every comparison; inf breaks timers
@@ -322,6 +326,7 @@ def run(args: argparse.Namespace) -> int:
     from leaflens.apps.notes import NotesError
 
     try:
+        _check_port(args.port)  # before the address is resolved with it (a bad port read as a bad --host)
         local = check_listen(args.host, args.port)
         service, config = prepare(args)
     except (UsageError, ModelError, NotesError, FileNotFoundError) as exc:

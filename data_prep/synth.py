@@ -676,6 +676,8 @@ def generate(out: str | os.PathLike, options: SynthOptions | None = None, *, wor
         raise ValueError(f"exif_fraction must be from 0 to 1, got {opts.exif_fraction}")
     if opts.broken < 0:
         raise ValueError(f"broken must be 0 or more (files made broken on purpose), got {opts.broken}")
+    if opts.seed < 0:
+        raise ValueError(f"seed must be 0 or more, got {opts.seed}")
     if workers is not None and workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
     if unlabeled_counts(opts) >= opts.per_class:

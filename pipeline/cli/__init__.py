@@ -34,6 +34,12 @@ def path_arg(text: str) -> Path:
         raise argparse.ArgumentTypeError("an empty path; give a file or folder")
     return Path(text)
 
+
+def path_text_arg(text: str) -> str:
+    """:func:`path_arg` for options read as text."""
+    path_arg(text)
+    return text
+
 # Optional dependencies a command may need, and the extra of pyproject.toml that installs each on the CPU (on
 # an NVIDIA machine the GPU extra that `leaflens doctor` names brings them too).
 OPTIONAL_MODULES = {"onnx": "serve", "onnxruntime": "serve", "gradio": "serve", "gradio_client": "serve"}

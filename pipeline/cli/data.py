@@ -8,7 +8,7 @@ import sys
 from leaflens.cpus import WorkerDied
 from leaflens.data_prep.synth import SynthOptions, generate
 from leaflens.files import NotOurFolderError
-from leaflens.pipeline.cli import EXIT_REFUSED, EXIT_USAGE
+from leaflens.pipeline.cli import EXIT_REFUSED, EXIT_USAGE, path_text_arg
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -20,7 +20,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                        description="Write OUT/<class>/*.jpg, OUT/classes.toml and OUT/synth.json. Seeded "
                                    "and reproducible; does nothing when OUT already holds the same options.")
     d = SynthOptions()
-    s.add_argument("--out", required=True, help="folder to write (replaced atomically)")
+    s.add_argument("--out", required=True, type=path_text_arg, help="folder to write (replaced atomically)")
     s.add_argument("--per-class", type=int, default=d.per_class,
                    help=f"images per class (default {d.per_class})")
     s.add_argument("--size", type=int, default=d.size, help=f"image side in pixels (default {d.size})")

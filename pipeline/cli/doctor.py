@@ -241,6 +241,10 @@ def run(args: argparse.Namespace) -> int:
     if size < 8:
         print(f"doctor: --input-size must be >= 8, got {size}", file=sys.stderr)
         return 2
+    if args.classes is not None and args.classes < 2:
+        print(f"doctor: --classes must be >= 2 (a classifier tells classes apart), got {args.classes}",
+              file=sys.stderr)
+        return 2
     changes: dict[str, Any] = {}
     try:
         if args.widths:

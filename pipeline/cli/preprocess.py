@@ -11,7 +11,7 @@ from leaflens.data_prep.ingest import IngestError, IngestOptions, check_options,
 from leaflens.data_prep.scan import ScanError
 from leaflens.data_prep.split import parse_ratios
 from leaflens.files import json_with, results_file_problem
-from leaflens.pipeline.cli import EXIT_OK, EXIT_REFUSED, EXIT_USAGE
+from leaflens.pipeline.cli import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, path_text_arg
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -24,13 +24,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "per class, and whether image size, format or EXIF alone predict the class; printed too). "
                     "Re-running with unchanged input and options does nothing. --check runs the checks alone.",
     )
-    p.add_argument("--src", required=True, help="folder of photos")
-    p.add_argument("--out", default=None, help="dataset folder to write (replaced atomically); required, but for "
-                                               "--check, which writes none")
+    p.add_argument("--src", required=True, type=path_text_arg, help="folder of photos")
+    p.add_argument("--out", default=None, type=path_text_arg,
+                   help="dataset folder to write (replaced atomically); required, but for --check, which writes none")
     p.add_argument("--check", action="store_true",
                    help="run the data checks and the refusals only, decoding small: prints the report, writes no "
                         "dataset; exit code 1 when preprocess would refuse the data")
-    p.add_argument("--report", default=None, metavar="PATH",
+    p.add_argument("--report", default=None, type=path_text_arg, metavar="PATH",
                    help="also write the data report (JSON) to PATH")
     p.add_argument("--dedupe", action="store_true",
                    help="remove duplicates (exact or near) within a split and across splits, keeping the copy in the "
@@ -45,8 +45,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="train/val/test shares for ROOT/<class>/ layouts: percentages adding up to 100, or fractions "
                         "adding up to 1 (default 70/15/15)")
     p.add_argument("--seed", type=int, default=0, help="seed of the automatic split (default 0)")
-    p.add_argument("--unlabeled", default=None, help="extra folder of unlabelled photos (split 'unlabeled')")
-    p.add_argument("--also", action="append", default=[], metavar="DIR",
+    p.add_argument("--unlabeled", default=None, type=path_text_arg,
+                   help="extra folder of unlabelled photos (split 'unlabeled')")
+    p.add_argument("--also", action="append", type=path_text_arg, default=[], metavar="DIR",
                    help="extra folder of labelled photos, DIR/<class>/*, e.g. the web app's corrections folder "
                         "(leaflens serve --corrections): merged into the source's classes (with train/val/test "
                         "folders: into train). A class the source lacks is refused; DIR/not_a_leaf/ is skipped "

@@ -215,6 +215,8 @@ def test_cli_errors_exit_2_with_a_message(tmp_path, capsys, tiny_model):
     model, _ = tiny_model()
     assert cmd_serve.run(serve_args(model=model, port=0)) == 2
     assert "--port must be 1..65535" in capsys.readouterr().err
+    assert cmd_serve.run(serve_args(model=model, port=-1)) == 2  # was read as a bad --host
+    assert "--port must be 1..65535, got -1" in capsys.readouterr().err
     assert cmd_serve.run(serve_args(model=model, classes_notes=tmp_path / "nope.toml")) == 2
     assert "--classes-notes" in capsys.readouterr().err
     bad = tmp_path / "classes.toml"

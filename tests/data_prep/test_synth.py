@@ -133,9 +133,19 @@ def test_cli_synth_and_errors(tmp_path, capsys):
         assert "a size of 32 to 4096 px" in capsys.readouterr().err and not (tmp_path / "big").exists()
     with pytest.raises(ValueError):
         render("sunburn", 64, np.random.default_rng(0))
+    # an empty path (an unset shell variable) is a usage error, not the current folder
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["data", "synth", "--out", ""])
+    assert exit_info.value.code == 2 and "an empty path" in capsys.readouterr().err
+    for argv in (["--src", "", "--out", str(tmp_path / "d")], ["--src", str(out), "--out", " "],
+                 ["--src", str(out), "--out", str(tmp_path / "d"), "--also", ""]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["preprocess", *argv])
+        assert exit_info.value.code == 2 and "an empty path" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("option,value,words", [("--broken", "-1", "broken must be 0 or more"),
+                                                ("--seed", "-1", "seed must be 0 or more, got -1"),
                                                 ("--exif-fraction", "1.5", "exif_fraction must be from 0 to 1"),
                                                 ("--exif-fraction", "nan", "exif_fraction must be from 0 to 1"),
                                                 ("--workers", "0", "workers must be at least 1")])

@@ -113,6 +113,8 @@ def test_cpu_step_peak_is_measured_and_grows_with_the_batch():
 def test_doctor_rejects_tiny_input(capsys):
     assert main(["doctor", "--input-size", "2"]) == 2
     assert "--input-size must be >= 8" in capsys.readouterr().err
+    assert main(["doctor", "--classes", "0"]) == 2  # it sized a 0-class model
+    assert "--classes must be >= 2" in capsys.readouterr().err
 
 
 def test_largest_safe_batch_fits_a_line_through_measured_peaks():

@@ -86,7 +86,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--allow-dataset-mismatch", action="store_true",
                    help="export even if --dataset is not the dataset the run was trained on")
     p.set_defaults(func=run)
+    _INT8_DEFAULTS.update({a.dest: a.default for a in p._actions  # noqa: SLF001
+                           if a.dest.startswith("int8_") or a.dest == "calib_images"})
     return p
+
+
+_INT8_DEFAULTS: dict[str, object] = {}  # the --int8-* options' defaults, to tell the ones a person typed
+
+
+def int8_options_with_no_int8(args: argparse.Namespace) -> list[str]:
+    """The --int8-* options given other values beside --no-int8, which would make them do nothing (a usage
+    error, as the teacher's flags that do nothing)."""
+    if not getattr(args, "no_int8", False):
+        return []
+    return [f"--{dest.replace('_', '-')}" for dest, default in _INT8_DEFAULTS.items()
+            if getattr(args, dest, default) != default]
 
 
 def int8_recipes(args: argparse.Namespace) -> tuple[Int8Recipe, ...]:
@@ -108,6 +122,10 @@ def run(args: argparse.Namespace) -> int:
     from leaflens.pipeline.export.stage import ExportFailed, ExportOptions, export_run, summary  # noqa: PLC0415
     from leaflens.pipeline.export.triton import TritonConfigError  # noqa: PLC0415
 
+    if idle := int8_options_with_no_int8(args):
+        print(f"leaflens export: error: {', '.join(idle)} do{'es' if len(idle) == 1 else ''} nothing with --no-int8 "
+              "(no INT8 file is made); leave one or the other out", file=sys.stderr)
+        return EXIT_USAGE
     try:
         recipes = int8_recipes(args)
     except ValueError as exc:

@@ -192,6 +192,10 @@ def _verdicts_follow_the_accuracies(i8: dict, max_drop: float) -> None:
                                                 ("--name", "../evil", "--name: Triton model name"),
                                                 ("--name", "", "--name: Triton model name"),
                                                 ("--triton-variant", "int8 --no-int8", "needs the INT8 model"),
+                                                ("--int8-percentile", "99 --no-int8",
+                                                 "--int8-percentile does nothing with --no-int8"),
+                                                ("--int8-calibration", "entropy --calib-images 64 --no-int8",
+                                                 "--int8-calibration, --calib-images do nothing with --no-int8"),
                                                 ("--triton", "", "an empty path")])
 def test_bad_options_are_refused_before_any_work(tiny_run, tmp_path, capsys, option, value, words):
     run, dataset = tiny_run

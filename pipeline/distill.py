@@ -59,7 +59,7 @@ from leaflens.files import (
     write_json_atomic,
     write_text_atomic,
 )
-from leaflens.pipeline import centre_crop, ood
+from leaflens.pipeline import calibration, centre_crop, ood
 from leaflens.pipeline.chance import chance_warning
 from leaflens.pipeline.config import StageConfig, dump_toml, load_config
 from leaflens.pipeline.hardware import describe_hardware
@@ -386,7 +386,8 @@ def _train_and_report(ds: Any, cfg: StageConfig, tt: Any, work: Path, out: Path,
     student_summary = student.get("test_summary")
     student_metrics = RunMetrics(val_accuracy=student["val_accuracy"],
                                  test_accuracy=None if student_summary is None else student_summary["accuracy"],
-                                 uncertain_threshold=float(student_threshold["threshold"]))
+                                 uncertain_threshold=float(student_threshold["threshold"]),
+                                 temperature=float(student["temperature"]))
 
     winner = selection.kept
     if winner == "teacher":
@@ -629,21 +630,27 @@ def _evaluate_variant(best_path: Path, cfg: StageConfig, ds: Any) -> dict[str, A
     bs = cfg.train.eval_batch_size
     size = student_input_size(cfg, ds.image_size)
     y_val = np.asarray(ds["val"].labels)
-    val_probs = {c: metrics.softmax(predict_logits(model, ds["val"].images, ds.mean, ds.std, bs, size, c))
-                 for c in centre_crop.crop_shares(cfg.distill.centre_crops, ds.image_size, size)}
-    right = {c: p.argmax(1) == y_val for c, p in val_probs.items()}
+    val_logits = {c: predict_logits(model, ds["val"].images, ds.mean, ds.std, bs, size, c)
+                  for c in centre_crop.crop_shares(cfg.distill.centre_crops, ds.image_size, size)}
+    right = {c: lg.argmax(1) == y_val for c, lg in val_logits.items()}
     choice = centre_crop.choose_crop(right)
     crop = choice.share
     val_acc = {c: float(np.mean(r)) for c, r in right.items()}
+    # the served probabilities are calibrated on validation (leaflens.pipeline.calibration); export folds the
+    # temperature into the classifier, so every figure below is what the served model will say
+    temperature = calibration.fit_temperature(val_logits[crop], y_val)
     out: dict[str, Any] = {"model": model, "epoch": ck_meta["epoch"], "crop_choice": choice,
-                           "contract": contract_for_dataset(ds, size, crop), "val_probs": val_probs[crop],
+                           "contract": contract_for_dataset(ds, size, crop),
+                           "val_probs": metrics.softmax(val_logits[crop] / temperature), "temperature": temperature,
                            "val_accuracy": val_acc[crop],
                            "val_by_crop": {("1" if c is None else f"{c:g}"): acc for c, acc in val_acc.items()}}
     if "test" in ds and ds["test"].labels is not None and len(ds["test"]):
         y_test = np.asarray(ds["test"].labels)
-        probs = metrics.softmax(predict_logits(model, ds["test"].images, ds.mean, ds.std, bs, size, crop))
+        test_logits = predict_logits(model, ds["test"].images, ds.mean, ds.std, bs, size, crop)
+        probs = metrics.softmax(test_logits / temperature)
         out["test_probs"] = probs
         out["test_summary"] = metrics.evaluation_summary(probs, y_test, ds.classes)
+        out["test_ece_uncalibrated"] = metrics.expected_calibration_error(metrics.softmax(test_logits), y_test)
         whole = probs if crop is None else metrics.softmax(predict_logits(model, ds["test"].images, ds.mean,
                                                                           ds.std, bs, size))
         out["test_accuracy_whole"] = float(np.mean(whole.argmax(1) == y_test))
@@ -700,6 +707,10 @@ def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold,
         "variants": variants,
         "distillation_gain": gain,
         "test": chosen.get("test_summary"),
+        # the kept student's probabilities as served: divided by this temperature, chosen on validation
+        "calibration": None if winner == "teacher" else {
+            "temperature": chosen.get("temperature"), "chosen_on": "val (negative log-likelihood)",
+            "test_ece_uncalibrated": chosen.get("test_ece_uncalibrated")},
         "classes": ds.classes,
         "teacher": None if teacher_info is None else teacher_info.teacher,
         "teacher_has_logits": None if teacher_info is None else bool(teacher_info.num_classes),

@@ -75,9 +75,12 @@ class RunDataset(Record):
 class RunMetrics(Record):
     """best.npz's ``metrics``; each variant's own best.npz has its val accuracy only."""
 
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"temperature"})  # as runs were before it existed
     val_accuracy: float | None = None
     test_accuracy: float | None = None
     uncertain_threshold: float | None = None
+    # the student's logits are divided by it when served (leaflens.pipeline.calibration); None: runs from before
+    temperature: float | None = None
 
 
 @dataclass(frozen=True)

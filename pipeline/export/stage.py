@@ -66,6 +66,7 @@ from leaflens.files import (
     swap_into_place,
     write_json_atomic,
 )
+from leaflens.pipeline import calibration
 from leaflens.pipeline import ood as ood_check
 from leaflens.pipeline.chance import chance_warning
 from leaflens.pipeline.evaluate import PhotosUnavailable, dataset_photo_files, evaluate_files
@@ -437,6 +438,11 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
     for w in warnings:
         log(f"warning: {w}")
     threads = opts.threads or usable_cpus()
+    if info.kept != "teacher" and info.metrics.temperature not in (None, 1.0):
+        # the probabilities distill chose the "ambiguous" threshold on, and reported: the logits / T
+        calibration.scale_classifier(model, float(info.metrics.temperature))
+        log(f"probabilities calibrated on validation: the logits divided by the temperature "
+            f"{info.metrics.temperature:.3f} (folded into the classifier)")
     subject = (_teacher(info, ds, threads, stack, log) if info.kept == "teacher"
                else _student(model, info, ds, opts.ood_branch, warnings, log))
     model, card = subject.model, subject.card

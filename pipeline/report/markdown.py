@@ -297,8 +297,13 @@ def _accuracy_section(report: Mapping[str, Any]) -> list[str]:
     if "macro_f1" in test:
         lines.append(f"- Macro F1 (test): {float(test['macro_f1']):.3f}")
     if "ece" in test:
+        cal = report.get("calibration") or {}
+        temperature, before = _float(cal.get("temperature")), _float(cal.get("test_ece_uncalibrated"))
+        how = (f" with the probabilities calibrated on validation (logits / {temperature:.3f})"
+               + (f"; {before:.3f} before" if before is not None else "")
+               if temperature is not None and temperature != 1.0 else "")
         lines.append(f"- Expected calibration error (test, {len(test.get('calibration', [])) or 15} bins): "
-                     f"{float(test['ece']):.3f}")
+                     f"{float(test['ece']):.3f}{how}")
     unc = report.get("threshold_choice") or report.get("uncertain") or {}
     if "threshold" not in unc and _float(report.get("uncertain_threshold")) is not None:
         lines.append(f"- \"Uncertain\" below a top probability of {float(report['uncertain_threshold']):.3f}")

@@ -72,6 +72,8 @@ def test_distill_writes_run_with_both_variants(tiny):
     assert list(info.dataset.classes) == load_dataset(ds_dir).classes
     assert info.metrics.uncertain_threshold is not None
     assert model.projection is None  # the training-only head is not part of the kept model
+    # 6 validation photos are too few to fit a temperature on: the logits are served as they are, and said so
+    assert report["calibration"]["temperature"] == info.metrics.temperature == 1.0
 
 
 def test_no_teacher_trains_scratch_only(tiny, monkeypatch):

@@ -685,3 +685,27 @@ def test_export_quiet_keeps_warnings_only(tiny_run, tmp_path, capsys):
     quiet = capsys.readouterr().err
     assert loud.count("\n") > quiet.count("\n") and "timing on" in loud and "timing on" not in quiet
     assert all(line.startswith(("warning", "INT8 not written")) for line in quiet.splitlines())
+
+
+def test_the_runs_temperature_is_folded_into_the_served_logits(tiny_run, tmp_path):
+    """distill records the temperature its probabilities were calibrated with (and the "ambiguous" threshold
+    chosen on them); the exported graph must give those probabilities: its logits are the run's logits / T."""
+    import onnxruntime as ort  # noqa: PLC0415
+
+    from leaflens.engine.checkpoint import load_checkpoint  # noqa: PLC0415
+    from leaflens.pipeline.runs import load_model  # noqa: PLC0415
+
+    run, dataset = tiny_run
+    model, info = load_model(run)
+    tempered = tmp_path / "tempered"
+    extra = dict(load_checkpoint(run / "best.npz").extra)
+    extra["metrics"] = {**extra["metrics"], "temperature": 0.5}
+    save_checkpoint(tempered / "best.npz", model, epoch=3, step=30, extra=extra)
+    outs = {}
+    for name, src in (("plain", run), ("tempered", tempered)):
+        export_run(_opts(src, dataset, tmp_path / f"export_{name}", int8=False, ood=False), log=lambda s: None)
+        sess = ort.InferenceSession(str(tmp_path / f"export_{name}" / "student.onnx"),
+                                    providers=["CPUExecutionProvider"])
+        x = np.random.default_rng(0).standard_normal((4, 3, SIZE, SIZE)).astype(np.float32)
+        outs[name] = sess.run(None, {sess.get_inputs()[0].name: x})[0]
+    np.testing.assert_allclose(outs["tempered"], outs["plain"] / 0.5, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,68 @@
+"""Temperature scaling: the served probabilities made to mean what they say, chosen on validation.
+
+A student trained with label smoothing, mixup and soft teacher targets comes out under-confident: the demo
+student answered 54 % on average on test photos it got right 81 % of the time (expected calibration error
+0.28); the iBeans student 90 % where it was right 96 % of the time. The app shows those numbers as the
+model's confidence, and the "ambiguous" rule reads them (a second class within 90 % of the first is a near
+tie), so an under-confident model called clear answers coin flips.
+
+One number fixes most of it (Guo et al. 2017, "On calibration of modern neural networks"): the logits divided
+by a temperature T chosen to minimise the negative log-likelihood of the validation labels. It changes no
+answer (the order of the classes is kept), only how sure each one is said to be; the export folds it into the
+classifier's weights, so every runtime (onnxruntime, Triton) serves the calibrated probabilities.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+__all__ = ["MIN_PHOTOS", "fit_temperature", "scale_classifier"]
+
+MIN_PHOTOS = 20  # fewer validation photos than this: no temperature is fitted (1.0), too few to estimate one
+_BOUNDS = (0.05, 20.0)
+
+
+def _nll(logits: np.ndarray, labels: np.ndarray, temperature: float) -> float:
+    z = logits / temperature
+    z = z - z.max(axis=1, keepdims=True)
+    log_p = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    return float(-log_p[np.arange(len(labels)), labels].mean())
+
+
+def fit_temperature(logits: Any, labels: Any) -> float:
+    """The temperature that minimises the mean negative log-likelihood of ``labels`` under
+    ``softmax(logits / T)`` (float64), searched on a log scale between 0.05 and 20; 1.0 with fewer than
+    :data:`MIN_PHOTOS` labelled photos or fewer than two classes among the logits."""
+    z = np.asarray(logits, np.float64)
+    y = np.asarray(labels).astype(np.int64)
+    keep = y >= 0
+    z, y = z[keep], y[keep]
+    if z.ndim != 2 or z.shape[1] < 2 or len(y) < MIN_PHOTOS or not np.isfinite(z).all():
+        return 1.0
+    lo, hi = (math.log(b) for b in _BOUNDS)
+    grid = np.linspace(lo, hi, 61)
+    best = int(np.argmin([_nll(z, y, math.exp(t)) for t in grid]))
+    a, b = grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]
+    golden = (math.sqrt(5) - 1) / 2
+    for _ in range(40):  # golden-section search within the grid step around the best point (NLL is convex in 1/T)
+        c, d = b - golden * (b - a), a + golden * (b - a)
+        if _nll(z, y, math.exp(c)) < _nll(z, y, math.exp(d)):
+            b = d
+        else:
+            a = c
+    return float(math.exp((a + b) / 2))
+
+
+def scale_classifier(model: Any, temperature: float) -> None:
+    """Divide ``model.classifier``'s weights and bias by ``temperature`` in place: its logits become the
+    calibrated ``logits / temperature`` with no node added to the exported graph."""
+    if temperature == 1.0:
+        return
+    layer = model.classifier
+    scale = np.float32(1.0 / temperature)
+    layer.weight.data = layer.weight.data * scale
+    if getattr(layer, "bias", None) is not None:
+        layer.bias.data = layer.bias.data * scale

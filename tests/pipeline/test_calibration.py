@@ -1,0 +1,55 @@
+"""Temperature scaling (pipeline/calibration.py): fitted on validation, folded into the classifier."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from leaflens.engine import Tensor, no_grad
+from leaflens.pipeline import calibration
+from leaflens.pipeline.models.student import StudentCNN
+from leaflens.pipeline.report import metrics
+
+
+def _drawn(n: int, k: int, scale: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Labels drawn from softmax(z), returned with the logits ``scale * z``: a model ``scale`` times too sure
+    of itself (above 1) or not sure enough (below 1)."""
+    rng = np.random.default_rng(seed)
+    z = rng.normal(0, 2.0, (n, k))
+    p = metrics.softmax(z)
+    labels = np.array([rng.choice(k, p=row) for row in p])
+    return scale * z, labels
+
+
+@pytest.mark.parametrize("scale", [0.4, 1.0, 3.0])
+def test_the_fitted_temperature_undoes_a_known_miscalibration(scale):
+    logits, labels = _drawn(4000, 5, scale)
+    t = calibration.fit_temperature(logits, labels)
+    assert t == pytest.approx(scale, rel=0.08)
+    before = metrics.expected_calibration_error(metrics.softmax(logits), labels)
+    after = metrics.expected_calibration_error(metrics.softmax(logits / t), labels)
+    assert after <= before + 0.005 and after < 0.03  # NLL, not ECE, is what is minimised: ties may move a little
+    assert np.array_equal((logits / t).argmax(1), logits.argmax(1))  # no answer changes
+
+
+def test_too_few_photos_or_classes_keep_the_logits_as_they_are():
+    logits, labels = _drawn(calibration.MIN_PHOTOS - 1, 3, 3.0)
+    assert calibration.fit_temperature(logits, labels) == 1.0
+    assert calibration.fit_temperature(np.zeros((50, 1)), np.zeros(50, int)) == 1.0
+    bad = np.ones((50, 3))
+    bad[0, 0] = np.nan
+    assert calibration.fit_temperature(bad, np.zeros(50, int)) == 1.0
+    logits, labels = _drawn(200, 3, 2.0)
+    labels[:100] = -1  # unlabelled rows are left out
+    assert calibration.fit_temperature(logits, labels) == pytest.approx(
+        calibration.fit_temperature(logits[100:], labels[100:]))
+
+
+def test_folding_the_temperature_into_the_classifier_divides_the_logits():
+    model = StudentCNN(4, widths=(4, 8), rng=np.random.default_rng(0)).eval()
+    x = Tensor(np.random.default_rng(1).standard_normal((3, 16, 16, 3)).astype(np.float32))
+    with no_grad():
+        before = model(x).numpy()
+        calibration.scale_classifier(model, 0.5)
+        after = model(x).numpy()
+    np.testing.assert_allclose(after, before / 0.5, rtol=1e-5, atol=1e-6)

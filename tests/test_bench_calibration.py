@@ -1,0 +1,39 @@
+"""benchmarks/calibration.py: a run's probabilities before and after the temperature distill would fit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from bench_helpers import assert_refused, load_module, run_script
+
+from leaflens.data_prep.manifest import load_dataset
+from leaflens.pipeline import calibration
+from leaflens.pipeline.report import metrics
+from leaflens.pipeline.runs import load_model
+from leaflens.pipeline.train_student import predict_logits
+
+
+def test_a_trained_run_is_measured_raw_and_calibrated(tmp_path):
+    helpers = load_module(Path(__file__).resolve().parent / "pipeline" / "test_evaluate.py",
+                          "leaflens_test_evaluate_helpers")
+    _, dataset, run = helpers._trained_run(tmp_path)
+    out = run_script("calibration.py", "--run", str(run), "--dataset", str(dataset))
+    assert out.returncode == 0, out.stderr[-3000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    ds = load_dataset(dataset)
+    model, info = load_model(run)
+    logits = predict_logits(model, ds["val"].images, ds.mean, ds.std, 64, info.dataset.model_input_size)
+    y = np.asarray(ds["val"].labels)
+    t = calibration.fit_temperature(logits, y)
+    assert figures["temperature"] == round(t, 4)
+    assert figures["val_raw_ece"] == round(metrics.expected_calibration_error(metrics.softmax(logits), y), 4)
+    assert figures["val_calibrated_ece"] == round(metrics.expected_calibration_error(metrics.softmax(logits / t), y),
+                                                  4)
+    assert figures["val_raw_accuracy"] == figures["val_calibrated_accuracy"]  # no answer changes
+
+
+def test_a_missing_run_is_refused(tmp_path):
+    assert_refused(run_script("calibration.py", "--run", str(tmp_path / "none"), "--dataset", str(tmp_path)), 2,
+                   "--run")

@@ -151,6 +151,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_threshold_how": ("chosen on the validation photos by `leaflens distill` or `leaflens export`, to set apart "
                             "the photos the model can least decide between its classes"),
         "m_sep": "; ",
+        "m_calibrated": ("the probabilities are calibrated on the validation photos (the model's scores divided "
+                         "by {temperature}), so that 80 % means right about 8 times in 10"),
         "m_threshold_cost": "{share} of the validation photos get this answer",
         "m_threshold_cost_threshold_only": ("{share} of the validation photos fall below the threshold (measured "
                                             "before near ties were answered so too: more are now)"),
@@ -400,6 +402,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_threshold_how": ("由 `leaflens distill` 或 `leaflens export` 在验证集照片上选定，"
                             "用来区分出模型最难在各类之间做出判断的照片"),
         "m_sep": "；",
+        "m_calibrated": "概率已在验证集照片上校准（模型得分除以 {temperature}），因此 80 % 意味着大约十次中对八次",
         "m_threshold_cost": "验证集照片中有 {share} 得到这样的回答",
         "m_threshold_cost_threshold_only": ("验证集照片中有 {share} 低于该阈值"
                                             "（在近似平局也按此回答之前测得：现在会更多）"),

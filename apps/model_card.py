@@ -27,6 +27,8 @@ leaflens.ood                    no         JSON :class:`OODCheck`: how ``ood_sco
                                            exactly when the graph has the ``ood_score`` output
 leaflens.val_ambiguous          no         float, share of validation photos "ambiguous" by the rule above
 leaflens.tie_ratio              no         float, the near-tie ratio val_ambiguous counts (absent: the threshold alone)
+leaflens.temperature            no         float; the logits were divided by it (folded into the classifier's weights)
+                                           so the probabilities are calibrated on validation; absent: not calibrated
 leaflens.dataset                no         JSON :class:`TrainedOn`: what the model was trained on (drawn
                                            leaves of `leaflens data synth`, or photos), from the dataset's
                                            manifest; absent in files exported before it was recorded
@@ -238,7 +240,7 @@ class ModelCard(Record):
 
     SCHEMA_VERSION: ClassVar[int | None] = int(FORMAT_VERSION)
     OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"trained_on", "grey_share", "tie_ratio",
-                                                          "precision"})  # as before them
+                                                          "precision", "temperature"})  # as before them
 
     classes: tuple[str, ...]
     contract: PreprocessContract
@@ -258,6 +260,8 @@ class ModelCard(Record):
     # "fp16" or "int8" for a file made from the FP32 model, whose accuracy and thresholds are its own; None: the
     # FP32 model itself, or a file exported before it was recorded
     precision: Literal["fp16", "int8"] | None = None
+    # the temperature the served logits were divided by (leaflens.pipeline.calibration); None: not calibrated
+    temperature: float | None = None
     schema_version: int = int(FORMAT_VERSION)
 
     def __post_init__(self) -> None:
@@ -271,6 +275,8 @@ class ModelCard(Record):
             raise ContractError("layout", f"is {self.layout!r}; only 'NCHW' is supported")
         if not 0.0 <= self.uncertain_threshold <= 1.0:
             raise ContractError("uncertain_threshold", f"must be in [0, 1], got {self.uncertain_threshold}")
+        if self.temperature is not None and not (np.isfinite(self.temperature) and self.temperature > 0):
+            raise ContractError("temperature", f"must be a finite number above 0, got {self.temperature}")
 
     # -- the contract's figures, where callers look for them --------------------------------------
     @property
@@ -340,6 +346,8 @@ class ModelCard(Record):
             meta["tie_ratio"] = repr(float(self.tie_ratio))
         if self.precision is not None:
             meta["precision"] = self.precision
+        if self.temperature is not None:
+            meta["temperature"] = repr(float(self.temperature))
         return {PREFIX + k: v for k, v in meta.items()}
 
     @property
@@ -418,6 +426,8 @@ class ModelCard(Record):
         data["val_ambiguous"] = number("val_ambiguous", float) if PREFIX + "val_ambiguous" in meta else None
         if PREFIX + "tie_ratio" in meta:
             data["tie_ratio"] = number("tie_ratio", float)
+        if PREFIX + "temperature" in meta:
+            data["temperature"] = number("temperature", float)
         if PREFIX + "precision" in meta:
             if get("precision") not in ("fp16", "int8"):
                 raise fail("precision", f"must be fp16 or int8, got {get('precision')!r}")

@@ -211,13 +211,15 @@ def _accuracy_line(card: Any, report: dict[str, Any] | None, lang: str) -> str:
 def _threshold_line(card: Any, lang: str) -> str:
     """When the answer is "unsure between two classes", how that was chosen and what it costs."""
     below = t("m_threshold_below", lang, threshold=f"{card.uncertain_threshold:.2f}", tie=f"{TIE_RATIO:.0%}")
+    calibrated = ([t("m_calibrated", lang, temperature=f"{card.temperature:.3g}")]
+                  if getattr(card, "temperature", None) is not None else [])
     if not card.threshold_from_model:
-        return f"{below} {t('m_threshold_default', lang)}"
+        return t("m_sep", lang).join([f"{below} {t('m_threshold_default', lang)}", *calibrated])
     parts = [below, t("m_threshold_how", lang)]
     if card.val_ambiguous is not None:
         key = "m_threshold_cost" if card.tie_ratio is not None else "m_threshold_cost_threshold_only"
         parts.append(t(key, lang, share=_pct(card.val_ambiguous)))
-    return t("m_sep", lang).join(parts)
+    return t("m_sep", lang).join([*parts, *calibrated])
 
 
 def _ood_line(card: Any, lang: str) -> str:

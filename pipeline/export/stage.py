@@ -453,7 +453,9 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
     learnt_from = trained_on(ds.manifest, source_root=split_source_dir(ds, "train"))
     if info.kept is not None or info.variant != "distilled":  # only a distilled student learns from them
         learnt_from = replace(learnt_from, unlabeled=None)
-    card = replace(card, trained_on=learnt_from, grey_share=_grey_share(ds))
+    card = replace(card, trained_on=learnt_from, grey_share=_grey_share(ds),
+                   temperature=None if subject.kind == "teacher" or info.metrics.temperature in (None, 1.0)
+                   else float(info.metrics.temperature))
     if card.refuses_grey:
         log("the training photos all have colour: a photo without colour will be refused (\"no_colour\")")
     mean, std = np.asarray(card.mean, np.float32), np.asarray(card.std, np.float32)

@@ -135,6 +135,21 @@ def test_broken_out_of_domain_metadata_names_the_key(value, why):
         ModelCard.from_metadata(meta, "m.onnx")
 
 
+def test_the_calibration_temperature_round_trips_is_said_and_a_bad_one_names_the_key():
+    from leaflens.apps.model_info import _threshold_line  # noqa: PLC0415
+
+    card = _card(temperature=0.47)
+    meta = card.to_metadata()
+    assert meta["leaflens.temperature"] == "0.47" and ModelCard.from_metadata(meta, "m.onnx").temperature == 0.47
+    plain = _card().to_metadata()
+    assert "leaflens.temperature" not in plain and ModelCard.from_metadata(plain, "m.onnx").temperature is None
+    assert "divided by 0.47" in _threshold_line(card, "en") and "除以 0.47" in _threshold_line(card, "zh")
+    assert "divided by" not in _threshold_line(_card(), "en")
+    for bad in ("0", "-1", "nan", "hot"):
+        with pytest.raises(ModelError, match="leaflens.temperature"):
+            ModelCard.from_metadata({**plain, "leaflens.temperature": bad}, "m.onnx")
+
+
 # ---- what the model was trained on (leaflens.dataset) --------------------------------------------------
 def test_training_data_round_trips_and_older_files_say_nothing():
     trained = TrainedOn(kind="synthetic", photos=2400, generator="leaflens data synth")

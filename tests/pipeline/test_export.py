@@ -709,3 +709,10 @@ def test_the_runs_temperature_is_folded_into_the_served_logits(tiny_run, tmp_pat
         x = np.random.default_rng(0).standard_normal((4, 3, SIZE, SIZE)).astype(np.float32)
         outs[name] = sess.run(None, {sess.get_inputs()[0].name: x})[0]
     np.testing.assert_allclose(outs["tempered"], outs["plain"] / 0.5, rtol=1e-4, atol=1e-5)
+    import onnx  # noqa: PLC0415
+
+    from leaflens.apps.model_card import ModelCard  # noqa: PLC0415
+
+    cards = {name: ModelCard.from_metadata({p.key: p.value for p in onnx.load(
+        str(tmp_path / f"export_{name}" / "student.onnx")).metadata_props}, name) for name in outs}
+    assert cards["tempered"].temperature == 0.5 and cards["plain"].temperature is None  # said on the Model tab

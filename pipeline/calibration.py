@@ -19,10 +19,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MIN_PHOTOS", "fit_temperature", "scale_classifier"]
+__all__ = ["BOUNDS", "MIN_MISTAKES", "MIN_PHOTOS", "fit_temperature", "scale_classifier"]
 
 MIN_PHOTOS = 20  # fewer validation photos than this: no temperature is fitted (1.0), too few to estimate one
-_BOUNDS = (0.05, 20.0)
+# Fewer wrong validation photos than this: none is fitted either. With none, the likelihood only rises as T falls
+# (every answer right: any sharpening looks better) and the search would run to its bound, multiplying the logits
+# by 20; one mistake is a single point to weigh all sharpening against.
+MIN_MISTAKES = 2
+# The logits are scaled by at most 4x either way: a validation split of a few hundred photos does not support
+# more, and beyond it the near-tie rule (a second class within 90 % of the first) could hardly fire.
+BOUNDS = (0.25, 4.0)
 
 
 def _nll(logits: np.ndarray, labels: np.ndarray, temperature: float) -> float:
@@ -34,16 +40,19 @@ def _nll(logits: np.ndarray, labels: np.ndarray, temperature: float) -> float:
 
 def fit_temperature(logits: Any, labels: Any) -> float:
     """The temperature that minimises the mean negative log-likelihood of ``labels`` under
-    ``softmax(logits / T)`` (float64), searched on a log scale between 0.05 and 20; 1.0 with fewer than
-    :data:`MIN_PHOTOS` labelled photos or fewer than two classes among the logits."""
+    ``softmax(logits / T)`` (float64), searched on a log scale within :data:`BOUNDS`; 1.0 with fewer than
+    :data:`MIN_PHOTOS` labelled photos, fewer than :data:`MIN_MISTAKES` of them wrong, or fewer than two
+    classes among the logits."""
     z = np.asarray(logits, np.float64)
     y = np.asarray(labels).astype(np.int64)
     keep = y >= 0
     z, y = z[keep], y[keep]
     if z.ndim != 2 or z.shape[1] < 2 or len(y) < MIN_PHOTOS or not np.isfinite(z).all():
         return 1.0
-    lo, hi = (math.log(b) for b in _BOUNDS)
-    grid = np.linspace(lo, hi, 61)
+    if int(np.sum(z.argmax(1) != y)) < MIN_MISTAKES:
+        return 1.0
+    lo, hi = (math.log(b) for b in BOUNDS)
+    grid = np.linspace(lo, hi, 41)
     best = int(np.argmin([_nll(z, y, math.exp(t)) for t in grid]))
     a, b = grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]
     golden = (math.sqrt(5) - 1) / 2

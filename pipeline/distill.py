@@ -563,7 +563,7 @@ def _teacher_candidate(ds: Any, tt: Any, threads: int) -> tuple[dict[str, Any] |
     except CheckpointError as exc:
         return None, str(exc), True
     assert served.contract is not None
-    ms, backend = measure_ms(net, served.contract.input_size, threads, ood="own" if served.ood else "none")
+    ms, backend = measure_ms(net, served.contract.input_size, threads, ood="own")  # export fits it one if absent
     # the figures the teacher stage recorded (teacher.json's logits), as the students' are the engine's
     out: dict[str, Any] = {"params": int(net.num_parameters()), "ms": ms, "backend": backend,
                            "val_probs": metrics.softmax(np.asarray(tt.logits["val"], np.float32))}
@@ -612,7 +612,9 @@ def _select(ds: Any, cfg: StageConfig, tt: Any, results: Mapping[str, Any], eval
                                     test_accuracy=None if ts is None else ts["accuracy"], params=teacher["params"],
                                     ms_per_photo=round(teacher["ms"], 3)))
     selection = choose(candidates, budget, unavailable)
-    selection = dataclasses.replace(selection, timing={"backend": backend, "threads": threads, "batch": 1})
+    selection = dataclasses.replace(selection, timing={"backend": backend, "threads": threads, "batch": 1,
+                                                       "served_as": "with the out-of-domain check (a student's "
+                                                                    "generic branch included)"})
     if progress:
         print(f"kept: {selection.kept} ({selection.why})", file=sys.stderr, flush=True)
     return selection, teacher

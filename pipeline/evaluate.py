@@ -148,8 +148,7 @@ def class_folder_photos(root: str | os.PathLike[str], classes: Sequence[str],
     unknown = [c for c in scan.classes if named[c] not in classes and not (no_leaf and c == NOT_A_LEAF)]
     if unknown:
         # PHOTOS/plants/<class>/...: the class folders are one level down
-        below = [Path(scan.root) / c for c in unknown
-                 if any(matching_class(d.name, classes) for d in (Path(scan.root) / c).iterdir() if d.is_dir())]
+        below = [Path(scan.root) / c for c in unknown if _holds_class_folders(Path(scan.root) / c, classes)]
         hint = (f"; {below[0]} holds folders named as the model's classes: point at it" if len(unknown) == 1 and below
                 else "")
         raise EvaluationError(
@@ -245,6 +244,14 @@ def _refusal(answer: Prediction) -> bool:
     """Whether the app turns this photo away before the model (``too_small`` comes from the decoder)."""
     return answer.verdict == "refused" or (not answer.ok and answer.reason in REFUSAL_REASONS)
 
+
+
+def _holds_class_folders(folder: Path, classes: Sequence[str]) -> bool:
+    """Whether ``folder`` holds a folder named as one of ``classes`` (False when it cannot be read)."""
+    try:
+        return any(d.is_dir() and matching_class(d.name, classes) for d in folder.iterdir())
+    except OSError:
+        return False
 
 def evaluate_photos(model: str | os.PathLike[str] | Predictor, photos: str | os.PathLike[str],
                     threads: int | None = None, batch_size: int = 32,

@@ -261,7 +261,7 @@ def timing_stand_in(model: Module, input_size: int, branch: bool = True,
     k = logits.shape[1]
     head = OODHead([_Block(np.zeros((k, f.shape[1]), np.float32), np.eye(f.shape[1], dtype=np.float32), 0.0, 1.0)
                     for f in stats])
-    return ServedModel(scored, head)
+    return ServedModel(scored, head).eval()
 
 
 def supports_ood(model: Module) -> bool:

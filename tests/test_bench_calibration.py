@@ -34,6 +34,26 @@ def test_a_trained_run_is_measured_raw_and_calibrated(tmp_path):
     assert figures["val_raw_accuracy"] == figures["val_calibrated_accuracy"]  # no answer changes
 
 
+def test_the_calibrated_figures_are_those_of_the_fitted_temperature(tmp_path, monkeypatch, capsys):
+    """The tiny run has too few validation photos to fit one: a temperature is given, and the figures follow."""
+    from bench_helpers import load_benchmark  # noqa: PLC0415
+
+    helpers = load_module(Path(__file__).resolve().parent / "pipeline" / "test_evaluate.py",
+                          "leaflens_test_evaluate_helpers")
+    _, dataset, run = helpers._trained_run(tmp_path)
+    bench = load_benchmark("calibration.py")
+    monkeypatch.setattr(bench.calibration, "fit_temperature", lambda logits, labels: 0.5)
+    assert bench.main(["--run", str(run), "--dataset", str(dataset)]) == 0
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ds = load_dataset(dataset)
+    model, info = load_model(run)
+    logits = predict_logits(model, ds["val"].images, ds.mean, ds.std, 64, info.dataset.model_input_size)
+    assert figures["temperature"] == 0.5
+    assert figures["val_calibrated_mean_top"] == round(float(metrics.softmax(logits / 0.5).max(1).mean()), 4)
+    assert figures["val_raw_mean_top"] == round(float(metrics.softmax(logits).max(1).mean()), 4)
+    assert figures["val_calibrated_mean_top"] > figures["val_raw_mean_top"]  # sharper, as T < 1 makes them
+
+
 def test_a_missing_run_is_refused(tmp_path):
     assert_refused(run_script("calibration.py", "--run", str(tmp_path / "none"), "--dataset", str(tmp_path)), 2,
                    "--run")

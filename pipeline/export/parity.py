@@ -126,6 +126,7 @@ def compare(reference: np.ndarray, other: np.ndarray, tie_margin: float = 0.0) -
         "images": int(n),
         "max_abs_diff": float(diff.max()),
         "mean_abs_diff": float(diff.mean()),
+        "max_abs_logit": float(np.abs(reference).max()),
         "finite": bool(np.isfinite(other).all()),
         "top1_agreement": float(agree.mean()),
         "disagreements": int(np.sum(~agree)),

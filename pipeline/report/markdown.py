@@ -149,8 +149,9 @@ def _kept_section(report: Mapping[str, Any]) -> list[str]:
              f"Serving budget: {', '.join(limits)}; the teacher must gain at least "
              f"{100 * float(budget.get('teacher_margin', 0)):g} points of validation accuracy over the best student. "
              f"Latency: median milliseconds per photo at batch 1 on this machine ({timing.get('backend', '?')}, "
-             f"{timing.get('threads', '?')} threads; as served: the network with its out-of-domain check, without "
-             "decoding the photo).", ""]
+             f"{timing.get('threads', '?')} threads; "
+             + (f"as served: {timing['served_as']}" if timing.get("served_as") else "the network alone")
+             + ", without decoding the photo).", ""]
     rows = []
     cands = sel.get("candidates") or []
     # a family run (several student members): say what each student is (widths, input size)

@@ -53,3 +53,16 @@ def test_folding_the_temperature_into_the_classifier_divides_the_logits():
         calibration.scale_classifier(model, 0.5)
         after = model(x).numpy()
     np.testing.assert_allclose(after, before / 0.5, rtol=1e-5, atol=1e-6)
+
+
+def test_a_validation_split_with_no_mistakes_is_not_sharpened_to_the_bound():
+    """Every answer right: the likelihood rises as T falls without end; the fit ran to 0.05 (logits x 20)."""
+    rng = np.random.default_rng(3)
+    labels = np.arange(60) % 3
+    logits = rng.uniform(-0.2, 0.2, (60, 3))
+    logits[np.arange(60), labels] += 1.0  # all right, none sure
+    assert (logits.argmax(1) == labels).all() and calibration.fit_temperature(logits, labels) == 1.0
+    logits[0] = np.roll(logits[0], 1)  # one mistake: still too few to weigh sharpening against
+    assert (logits.argmax(1) != labels).sum() == 1 and calibration.fit_temperature(logits, labels) == 1.0
+    far, labels = _drawn(2000, 4, 50.0)  # fifty times too sure: the bound, no further
+    assert calibration.fit_temperature(far, labels) == pytest.approx(calibration.BOUNDS[1], rel=1e-3)

@@ -476,3 +476,33 @@ def test_an_exported_distilled_student_records_the_unlabelled_photos_it_learned_
                              int8=False), log=lambda s: None)
     meta = {p.key: p.value for p in onnx.load(str(tmp_path / "export2" / "student.onnx")).metadata_props}
     assert ModelCard.from_metadata(meta, "student.onnx").trained_on.unlabeled is None  # never saw them
+
+
+def test_a_fitted_temperature_is_what_the_threshold_figures_and_run_record_use(tiny, monkeypatch):
+    """The tiny dataset has too few validation photos to fit a temperature: one is given. The "ambiguous"
+    threshold is chosen on the calibrated probabilities (those export serves), best.npz records it, and
+    report.md says the calibration error before and after."""
+    from leaflens.pipeline import distill as distill_stage  # noqa: PLC0415
+    from leaflens.pipeline.report import metrics  # noqa: PLC0415
+    from leaflens.pipeline.train_student import predict_logits  # noqa: PLC0415
+
+    monkeypatch.setattr(distill_stage.calibration, "fit_temperature", lambda logits, labels: 0.5)
+    tmp, ds_dir = tiny
+    out = tmp / "run_calibrated"
+    report = run_distill(ds_dir, tmp / "teacher", out, _cfg(), progress=False)
+    model, info = load_model(out)
+    ds = load_dataset(ds_dir)
+    assert info.metrics.temperature == 0.5 and report["calibration"]["temperature"] == 0.5
+    logits = predict_logits(model, ds["val"].images, ds.mean, ds.std, 64, info.dataset.model_input_size,
+                            info.dataset.centre_crop)
+    y = np.asarray(ds["val"].labels)
+    want = metrics.choose_uncertain_threshold(metrics.softmax(logits / 0.5), y)["threshold"]
+    assert info.metrics.uncertain_threshold == pytest.approx(want)
+    test_logits = predict_logits(model, ds["test"].images, ds.mean, ds.std, 64, info.dataset.model_input_size,
+                                 info.dataset.centre_crop)
+    y_test = np.asarray(ds["test"].labels)
+    assert report["test"]["ece"] == pytest.approx(
+        metrics.expected_calibration_error(metrics.softmax(test_logits / 0.5), y_test))
+    assert report["calibration"]["test_ece_uncalibrated"] == pytest.approx(
+        metrics.expected_calibration_error(metrics.softmax(test_logits), y_test))
+    assert "with the probabilities calibrated on validation (logits / 0.500)" in (out / "report.md").read_text()

@@ -703,7 +703,7 @@ def test_the_runs_temperature_is_folded_into_the_served_logits(tiny_run, tmp_pat
     save_checkpoint(tempered / "best.npz", model, epoch=3, step=30, extra=extra)
     outs = {}
     for name, src in (("plain", run), ("tempered", tempered)):
-        export_run(_opts(src, dataset, tmp_path / f"export_{name}", int8=False, ood=False), log=lambda s: None)
+        export_run(_opts(src, dataset, tmp_path / f"export_{name}", int8=False), log=lambda s: None)
         sess = ort.InferenceSession(str(tmp_path / f"export_{name}" / "student.onnx"),
                                     providers=["CPUExecutionProvider"])
         x = np.random.default_rng(0).standard_normal((4, 3, SIZE, SIZE)).astype(np.float32)
@@ -716,3 +716,5 @@ def test_the_runs_temperature_is_folded_into_the_served_logits(tiny_run, tmp_pat
     cards = {name: ModelCard.from_metadata({p.key: p.value for p in onnx.load(
         str(tmp_path / f"export_{name}" / "student.onnx")).metadata_props}, name) for name in outs}
     assert cards["tempered"].temperature == 0.5 and cards["plain"].temperature is None  # said on the Model tab
+    fp16 = onnx.load(str(tmp_path / "export_tempered" / stage.FP16_FILE))
+    assert ModelCard.from_metadata({p.key: p.value for p in fp16.metadata_props}, "fp16").temperature == 0.5

@@ -82,3 +82,13 @@ def test_measure_ms_times_a_forward_at_batch_one():
     ms_small, backend = measure_ms(small, 32, threads=1, seconds=0.2)
     ms_big, _ = measure_ms(big, 32, threads=1, seconds=0.2)
     assert backend in ("onnxruntime", "engine") and 0 < ms_small < ms_big  # ~100x the work
+
+
+def test_timing_a_model_as_served_leaves_it_as_it_was():
+    """The stand-in's own switches set the student training again, which distill then drew its figures with."""
+    from leaflens.pipeline.models.student import StudentCNN  # noqa: PLC0415
+
+    model = StudentCNN(3, widths=(4, 8), rng=np.random.default_rng(0)).eval()
+    for ood in ("branch", "own", "none"):
+        measure_ms(model, 16, threads=1, seconds=0.05, ood=ood)
+        assert not model.training and not any(m.training for m in model.modules()), ood

@@ -234,6 +234,8 @@ def _run_distill(dataset_dir: str | os.PathLike[str], teacher_dir: str | os.Path
         shutil.rmtree(work)
     elif resume and not work.exists():
         print(f"note: --resume: no interrupted run at {work}; starting a new one", file=sys.stderr, flush=True)
+    if resume and work.exists() and progress:  # as the teacher stage says it
+        print(f"distill: continuing the interrupted run in {work}", file=sys.stderr, flush=True)
     if resume and work.exists() and (out / "report.json").is_file():
         print(f"note: --resume: when it ends, the continued run replaces the finished run in {out}, as it would "
               "have without the interruption", file=sys.stderr, flush=True)
@@ -615,9 +617,7 @@ def _select(ds: Any, cfg: StageConfig, tt: Any, results: Mapping[str, Any], eval
     selection = dataclasses.replace(selection, timing={"backend": backend, "threads": threads, "batch": 1,
                                                        "served_as": "with the out-of-domain check (a student's "
                                                                     "generic branch included)"})
-    if progress:
-        print(f"kept: {selection.kept} ({selection.why})", file=sys.stderr, flush=True)
-    return selection, teacher
+    return selection, teacher  # the command says what was kept and why, with the figures
 
 
 def _evaluate_variant(best_path: Path, cfg: StageConfig, ds: Any) -> dict[str, Any]:

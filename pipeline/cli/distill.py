@@ -122,8 +122,10 @@ def run(args: argparse.Namespace) -> int:
     v = report["variants"]
     if report.get("selection"):
         v = {c["name"]: c for c in report["selection"]["candidates"]}
-    print(f"kept: {report['winner']} (val accuracy {report['val_accuracy']:.4f}; test accuracy "
-          f"{report['test_accuracy'] if report['test_accuracy'] is None else format(report['test_accuracy'], '.4f')})")
+    why = (report.get("selection") or {}).get("why")
+    test = report["test_accuracy"]
+    print(f"kept: {report['winner']}{f' ({why})' if why else ''}: val accuracy {report['val_accuracy']:.4f}; "
+          f"test accuracy {test if test is None else format(test, '.4f')}")
     if len(v) > 1:
         print("  " + ", ".join(f"{k}: val {x['val_accuracy']:.4f}" for k, x in v.items()))
     print(f"report: {args.out / 'report.md'}")

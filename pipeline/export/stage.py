@@ -817,7 +817,10 @@ def summary(report: dict[str, Any]) -> str:
         lines.append(f"served-accuracy check skipped: {served['reason']}")
     i8 = report.get("int8")
     if i8 and i8.get("written"):
-        lines.append(f"INT8: accuracy change {i8['accuracy_change']:+.2%} on {i8['split']}, "
+        v = i8.get("validation") or {}
+        judged = (f"{100 * (v['accuracy_int8'] - v['accuracy_fp32']):+.2f} points on validation (kept when at most "
+                  f"{100 * i8['max_drop']:g} down), " if {"accuracy_int8", "accuracy_fp32"} <= set(v) else "")
+        lines.append(f"INT8: accuracy {judged}{100 * i8['accuracy_change']:+.2f} points on {i8['split']}, "
                      f"{i8['speedup_vs_fp32']:.2f}x FP32 throughput")
     elif i8:
         lines.append(f"INT8: not written ({i8['reason']})")

@@ -321,7 +321,8 @@ def test_cli_distill_reports_and_refuses_unknown_settings(tiny, capsys):
                 "--set", "train.epochs=1", "--set", "train.min_steps=0", "--set", "model.widths=[8]", "--quiet"])
     assert code == 0
     out = capsys.readouterr()
-    assert "kept:" in out.out
+    assert "kept:" in out.out and "kept:" not in out.err  # one line: what was kept, why, its figures
+    assert "(best student on validation" in out.out and "val accuracy" in out.out
     assert "warning: only 6 validation photos" in out.err and "needs 76" in out.err  # said even with --quiet
     code = cli(["distill", "--dataset", str(ds_dir), "--out", str(tmp / "cli2"), "--set", "train.epoks=1"])
     assert code == 2
@@ -506,3 +507,16 @@ def test_a_fitted_temperature_is_what_the_threshold_figures_and_run_record_use(t
     assert report["calibration"]["test_ece_uncalibrated"] == pytest.approx(
         metrics.expected_calibration_error(metrics.softmax(test_logits), y_test))
     assert "with the probabilities calibrated on validation (logits / 0.500)" in (out / "report.md").read_text()
+
+
+def test_a_resume_says_it_continues(tiny, monkeypatch, capsys):
+    """teacher --resume said "continuing the interrupted training"; distill --resume said nothing."""
+    tmp, ds_dir = tiny
+    cfg = _cfg(epochs=2, **{"distill.compare_scratch": "false"})
+    crash_after_checkpoints(monkeypatch, 1)
+    with pytest.raises(KeyboardInterrupt):
+        run_distill(ds_dir, tmp / "teacher", tmp / "said", cfg, progress=False)
+    monkeypatch.undo()
+    capsys.readouterr()
+    run_distill(ds_dir, tmp / "teacher", tmp / "said", cfg, resume=True, progress=True)
+    assert f"distill: continuing the interrupted run in {tmp / 'said.partial'}" in capsys.readouterr().err

@@ -7,9 +7,10 @@ model's confidence, and the "ambiguous" rule reads them (a second class within 9
 tie), so an under-confident model called clear answers coin flips.
 
 One number fixes most of it (Guo et al. 2017, "On calibration of modern neural networks"): the logits divided
-by a temperature T chosen to minimise the negative log-likelihood of the validation labels. It changes no
-answer (the order of the classes is kept), only how sure each one is said to be; the export folds it into the
-classifier's weights, so every runtime (onnxruntime, Triton) serves the calibrated probabilities.
+by a temperature T chosen to minimise the negative log-likelihood of the validation labels. The most likely class
+never changes (the order of the classes is kept), only how sure the model says it is, and with it which answers
+are near ties; the export folds it into the classifier's weights, so every runtime (onnxruntime, Triton) serves
+the calibrated probabilities.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ __all__ = ["BOUNDS", "MIN_MISTAKES", "MIN_PHOTOS", "fit_temperature", "scale_cla
 
 MIN_PHOTOS = 20  # fewer validation photos than this: no temperature is fitted (1.0), too few to estimate one
 # Fewer wrong validation photos than this: none is fitted either. With none, the likelihood only rises as T falls
-# (every answer right: any sharpening looks better) and the search would run to its bound, multiplying the logits
-# by 20; one mistake is a single point to weigh all sharpening against.
+# (every answer right: any sharpening looks better) and the search would run to its lower bound; one mistake is
+# a single point to weigh all sharpening against.
 MIN_MISTAKES = 2
 # The logits are scaled by at most 4x either way: a validation split of a few hundred photos does not support
 # more, and beyond it the near-tie rule (a second class within 90 % of the first) could hardly fire.

@@ -18,6 +18,7 @@ import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from leaflens.apps.diagnosis import REFUSAL_REASONS
 from leaflens.apps.model_arg import add_model_argument, missing_model
@@ -27,7 +28,8 @@ from leaflens.apps.providers import add_provider_argument, requested_providers, 
 from leaflens.data_prep.scan import IMAGE_EXTENSIONS, ScanError, walk_folder
 from leaflens.files import csv_starting, results_file_problem, write_path_atomic
 
-__all__ = ["add_parser", "collect_images", "csv_header", "csv_row", "run", "skipped_note", "write_csv"]
+__all__ = ["add_parser", "collect_images", "csv_header", "csv_row", "run", "skipped_note", "write_csv",
+           "write_csv_rows"]
 
 
 class UsageError(ValueError):
@@ -205,16 +207,22 @@ def write_csv(path: str | os.PathLike, predictions: Iterable[Prediction], top_k:
     place, so a reader never sees a half-written file.
     """
     target = Path(path)
-    names, values = leading if leading is not None else ([], None)
 
     def write(tmp: Path) -> None:
         with open(tmp, "x", newline="", encoding="utf-8") as fh:
-            writer = csv.writer(fh)
-            writer.writerow([*names, *csv_header(top_k)])
-            for i, p in enumerate(predictions):
-                writer.writerow([*(values[i] if values is not None else []), *csv_row(p, top_k)])
+            write_csv_rows(csv.writer(fh), predictions, top_k, leading)
 
     write_path_atomic(target, write)
+
+
+def write_csv_rows(writer: Any, predictions: Iterable[Prediction], top_k: int,
+                   leading: tuple[list[str], list[list[str]]] | None = None) -> None:
+    """The header and one row per prediction of :func:`write_csv`, through a ``csv.writer`` (a file's, or
+    standard output's for ``--csv -``)."""
+    names, values = leading if leading is not None else ([], None)
+    writer.writerow([*names, *csv_header(top_k)])
+    for i, p in enumerate(predictions):
+        writer.writerow([*(values[i] if values is not None else []), *csv_row(p, top_k)])
 
 
 def _line(p: Prediction, top_k: int) -> str:
@@ -281,9 +289,7 @@ def run(args: argparse.Namespace) -> int:
                 bar.write(_line(prediction, top_k), file=sys.stdout)
             bar.update(1)
     if to_stdout:
-        writer = csv.writer(sys.stdout, lineterminator="\n")
-        writer.writerow(csv_header(top_k))
-        writer.writerows(csv_row(p, top_k) for p in results)
+        write_csv_rows(csv.writer(sys.stdout, lineterminator="\n"), results, top_k)
         sys.stdout.flush()
     elif args.csv:
         try:

@@ -226,7 +226,8 @@ class CorrectionStore:
             folder = self.root / chosen
             used = self._usage()
             # a relabelled photo's earlier copy goes once this one is saved: the folder does not grow by it
-            replaced = sum(_size_or_zero(self.root / rel) for rel in elsewhere.values())
+            old_sizes = {rel: _size_or_zero(self.root / rel) for rel in elsewhere.values()}
+            replaced = sum(old_sizes.values())
             if used - replaced + size + _LINE_ROOM > self.max_bytes:
                 raise CorrectionError("full", self._full_message(used, f"{photo_name} ({size_text(size)})"))
             folder.mkdir(parents=True, exist_ok=True)
@@ -256,11 +257,10 @@ class CorrectionStore:
             with open(self.log_path, "a", encoding="utf-8") as fh:
                 fh.write(line)
             freed = 0
-            for old in elsewhere.values():  # after the new copy and its line: a crash leaves both, never neither
-                size_old = _size_or_zero(self.root / old)
+            for old, old_size in old_sizes.items():  # after the new copy and its line: a crash leaves both
                 try:
                     (self.root / old).unlink()
-                    freed += size_old
+                    freed += old_size
                 except FileNotFoundError:  # another server replaced it meanwhile
                     pass
                 except OSError as exc:  # both copies stay (preprocess reports them as a label conflict)

@@ -253,7 +253,8 @@ def timing_stand_in(model: Module, input_size: int, branch: bool = True,
     the generic branch when ``branch`` (export gives a student one, the Lite0 teacher reads its own blocks),
     and a head of the fitted one's shapes whose numbers are placeholders (the time does not depend on them).
     ``model`` itself when it exposes no block outputs (it is served without the score). ``weights``: the
-    branch's Lite0 weights (default: the installed ones)."""
+    branch's Lite0 weights (default: the installed ones). The stand-in, ``model`` with it, is left in eval mode,
+    as served: the caller puts back ``model``'s own."""
     if not supports_ood(model):
         return model
     scored = with_generic_branch(model, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0), weights=weights)[0] if branch else model

@@ -179,7 +179,7 @@ def measure_ms(model: Module, input_size: int, threads: int, seconds: float = 0.
     Decoding the photo is not included."""
     from leaflens.pipeline import ood as ood_check  # noqa: PLC0415  (it imports the apps' model card)
 
-    original, original_was = model, model.training  # the stand-in's own switches must not leave it training
+    original, was = model, model.training  # the stand-in is timed in eval mode, as served: put back after
     if ood != "none":
         model = ood_check.timing_stand_in(model, input_size, branch=ood == "branch")
     x = np.random.default_rng(0).standard_normal((1, input_size, input_size, 3)).astype(np.float32)
@@ -191,7 +191,6 @@ def measure_ms(model: Module, input_size: int, threads: int, seconds: float = 0.
     except ImportError:
         from leaflens.engine import Tensor, no_grad  # noqa: PLC0415
 
-        was = model.training
         model.eval()
 
         def run() -> Any:
@@ -199,7 +198,6 @@ def measure_ms(model: Module, input_size: int, threads: int, seconds: float = 0.
                 return model(Tensor(x))
         backend = "engine"
     else:
-        was = model.training
         outputs = ("logits", ood_check.OOD_OUTPUT) if isinstance(model, ood_check.ServedModel) else "logits"
         graph = export_onnx(model, (3, input_size, input_size), output_name=outputs)
         sess = cpu_session(graph.SerializeToString(), threads)
@@ -218,6 +216,5 @@ def measure_ms(model: Module, input_size: int, threads: int, seconds: float = 0.
             run()
             times.append((time.perf_counter() - t) * 1e3)
     finally:
-        model.train(was)
-        original.train(original_was)
+        original.train(was)
     return float(np.median(times)), backend

@@ -441,11 +441,13 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
     for w in warnings:
         log(f"warning: {w}")
     threads = opts.threads or usable_cpus()
-    if info.kept != "teacher" and info.metrics.temperature not in (None, 1.0):
-        # the probabilities distill chose the "ambiguous" threshold on, and reported: the logits / T
-        calibration.scale_classifier(model, float(info.metrics.temperature))
-        log(f"probabilities calibrated on validation: the logits divided by the temperature "
-            f"{info.metrics.temperature:.3f} (folded into the classifier)")
+    # the student's probabilities distill chose the "ambiguous" threshold on, and reported: the logits / T
+    temperature = (None if info.kept == "teacher" or info.metrics.temperature in (None, 1.0)
+                   else float(info.metrics.temperature))
+    if temperature is not None:
+        calibration.scale_classifier(model, temperature)
+        log(f"probabilities calibrated on validation: the logits divided by the temperature {temperature:.3f} "
+            "(folded into the classifier)")
     subject = (_teacher(info, ds, threads, stack, log) if info.kept == "teacher"
                else _student(model, info, ds, opts.ood_branch, warnings, log))
     model, card = subject.model, subject.card
@@ -456,9 +458,7 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
     learnt_from = trained_on(ds.manifest, source_root=split_source_dir(ds, "train"))
     if info.kept is not None or info.variant != "distilled":  # only a distilled student learns from them
         learnt_from = replace(learnt_from, unlabeled=None)
-    card = replace(card, trained_on=learnt_from, grey_share=_grey_share(ds),
-                   temperature=None if subject.kind == "teacher" or info.metrics.temperature in (None, 1.0)
-                   else float(info.metrics.temperature))
+    card = replace(card, trained_on=learnt_from, grey_share=_grey_share(ds), temperature=temperature)
     if card.refuses_grey:
         log("the training photos all have colour: a photo without colour will be refused (\"no_colour\")")
     mean, std = np.asarray(card.mean, np.float32), np.asarray(card.std, np.float32)

@@ -23,6 +23,7 @@ import shutil
 import sys
 import time
 import zipfile
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -515,7 +516,7 @@ def _check_row_names(path: Path, split: str, given: list[str], files: list[str])
         raise TeacherStageError(f"{path}: files_{split} names {photos} the dataset's '{split}' split does not have, "
                                 f"first {unknown[0]!r}: name each photo as {split}_files.txt does, relative to the "
                                 f"photos' folder (e.g. {files[0]!r})")
-    twice = sorted({name for name in given if given.count(name) > 1}) if len(set(given)) < len(given) else []
+    twice = sorted(name for name, n in Counter(given).items() if n > 1)  # a count per name: files may be long
     if twice:
         raise TeacherStageError(f"{path}: files_{split} names {twice[0]!r} more than once, so some of the split's "
                                 "photos have no row: write one row per photo, in the order of the dataset's "

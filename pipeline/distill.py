@@ -404,7 +404,8 @@ def _train_and_report(ds: Any, cfg: StageConfig, tt: Any, work: Path, out: Path,
     test_summary = chosen.get("test_summary")
     final_metrics = {"val_accuracy": kept_val,
                      "test_accuracy": None if test_summary is None else test_summary["accuracy"],
-                     "uncertain_threshold": float(threshold["threshold"])}
+                     "uncertain_threshold": float(threshold["threshold"]),
+                     "temperature": float(chosen["temperature"])}
     # best.npz is the best student, with its own figures; ``kept`` says when the run ships the teacher instead
     save_checkpoint(work / BEST, model, epoch=results[best_student].best_epoch, step=0,
                     extra=dataclasses.replace(run_meta, variant=students[best_student].variant, metrics=student_metrics,
@@ -566,13 +567,18 @@ def _teacher_candidate(ds: Any, tt: Any, threads: int) -> tuple[dict[str, Any] |
         return None, str(exc), True
     assert served.contract is not None
     ms, backend = measure_ms(net, served.contract.input_size, threads, ood="own")  # export fits it one if absent
-    # the figures the teacher stage recorded (teacher.json's logits), as the students' are the engine's
+    # the figures the teacher stage recorded (teacher.json's logits), as the students' are the engine's;
+    # calibrated on validation as a student's are (export folds the same temperature into its classifier)
+    val_logits = np.asarray(tt.logits["val"], np.float32)
+    temperature = calibration.fit_temperature(val_logits, np.asarray(ds["val"].labels))
     out: dict[str, Any] = {"params": int(net.num_parameters()), "ms": ms, "backend": backend,
-                           "val_probs": metrics.softmax(np.asarray(tt.logits["val"], np.float32))}
+                           "val_probs": metrics.softmax(val_logits / temperature), "temperature": temperature}
     if "test" in ds and ds["test"].labels is not None and len(ds["test"]):
-        probs = metrics.softmax(np.asarray(tt.logits["test"], np.float32))
+        test_logits, y_test = np.asarray(tt.logits["test"], np.float32), np.asarray(ds["test"].labels)
+        probs = metrics.softmax(test_logits / temperature)
         out["test_probs"] = probs
-        out["test_summary"] = metrics.evaluation_summary(probs, np.asarray(ds["test"].labels), ds.classes)
+        out["test_summary"] = metrics.evaluation_summary(probs, y_test, ds.classes)
+        out["test_ece_uncalibrated"] = metrics.expected_calibration_error(metrics.softmax(test_logits), y_test)
     ood_check = dict(served.ood or {})
     ood_check.pop("backend", None)
     out["out_of_domain"] = ({"fitted": True, **ood_check} if ood_check else
@@ -709,8 +715,8 @@ def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold,
         "variants": variants,
         "distillation_gain": gain,
         "test": chosen.get("test_summary"),
-        # the kept student's probabilities as served: divided by this temperature, chosen on validation
-        "calibration": None if winner == "teacher" else {
+        # the kept model's probabilities as served: divided by this temperature, chosen on validation
+        "calibration": {
             "temperature": chosen.get("temperature"), "chosen_on": "val (negative log-likelihood)",
             "test_ece_uncalibrated": chosen.get("test_ece_uncalibrated")},
         "classes": ds.classes,

@@ -57,3 +57,33 @@ def test_the_calibrated_figures_are_those_of_the_fitted_temperature(tmp_path, mo
 def test_a_missing_run_is_refused(tmp_path):
     assert_refused(run_script("calibration.py", "--run", str(tmp_path / "none"), "--dataset", str(tmp_path)), 2,
                    "--run")
+
+
+def test_a_teacher_is_measured_on_the_logits_teacher_json_records(tmp_path):
+    """--teacher: the logits distill weighs a teacher candidate by, the temperature fitted as distill fits it."""
+    import sys  # noqa: PLC0415
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "pipeline"))
+    from pipeline_helpers import class_features, tiny_dataset  # noqa: PLC0415
+
+    from leaflens.pipeline.teachers.artefact import load_teacher  # noqa: PLC0415
+    from leaflens.pipeline.teachers.stage import ArrayEncoder, read_features_source, write_teacher  # noqa: PLC0415
+
+    ds_dir = tiny_dataset(tmp_path, per_class=60, size=8)
+    ds = load_dataset(ds_dir)
+    # noisy prototypes: enough validation photos and mistakes (calibration.MIN_*) for a temperature to be fitted
+    feats, logits = read_features_source(class_features(ds_dir, tmp_path / "feats", noise=1.5), ds)
+    write_teacher(tmp_path / "t", ds, ArrayEncoder(feats, logits, tmp_path / "feats", ds.image_size), progress=False)
+    out = run_script("calibration.py", "--teacher", str(tmp_path / "t"), "--dataset", str(ds_dir))
+    assert out.returncode == 0, out.stderr[-3000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    tt = load_teacher(tmp_path / "t", ds)
+    y = np.asarray(ds["val"].labels)
+    t = calibration.fit_temperature(np.asarray(tt.logits["val"]), y)
+    assert t != 1.0 and figures["temperature"] == round(t, 4) and figures["recorded_temperature"] is None
+    val = np.asarray(tt.logits["val"], np.float32)
+    assert figures["val_raw_ece"] == round(metrics.expected_calibration_error(metrics.softmax(val), y), 4)
+    assert figures["val_calibrated_nll"] < figures["val_raw_nll"]  # what the temperature is chosen to lower
+    both = run_script("calibration.py", "--teacher", str(tmp_path / "t"), "--run", str(tmp_path), "--dataset",
+                      str(ds_dir))
+    assert_refused(both, 2, "not allowed with argument")

@@ -271,9 +271,11 @@ def summary_text(summary: dict[str, Any], out: Path) -> str:
     served = summary.get("served")
     if served:
         if served.get("written"):
-            params = served.get("params")
+            params, temperature = served.get("params"), served.get("temperature")
             lines.append(f"  served as {served.get('onnx')}"
                          + (f" ({params / 1e6:.2f} M parameters)" if params else "")
+                         + (f", probabilities calibrated on validation (logits / {temperature:.3f})"
+                            if isinstance(temperature, (int, float)) and temperature != 1.0 else "")
                          + ": distill can keep it when no student comes close")
         else:
             lines.append(f"  not written as ONNX: {served.get('reason')}")

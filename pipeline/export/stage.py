@@ -441,16 +441,16 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
     for w in warnings:
         log(f"warning: {w}")
     threads = opts.threads or usable_cpus()
-    # the student's probabilities distill chose the "ambiguous" threshold on, and reported: the logits / T
-    temperature = (None if info.kept == "teacher" or info.metrics.temperature in (None, 1.0)
-                   else float(info.metrics.temperature))
-    if temperature is not None:
-        calibration.scale_classifier(model, temperature)
-        log(f"probabilities calibrated on validation: the logits divided by the temperature {temperature:.3f} "
-            "(folded into the classifier)")
+    # the kept model's probabilities distill chose the "ambiguous" threshold on, and reported: the logits / T
+    kept_t = (info.kept_metrics or RunMetrics()).temperature if info.kept == "teacher" else info.metrics.temperature
+    temperature = None if kept_t in (None, 1.0) else float(kept_t)
     subject = (_teacher(info, ds, threads, stack, log) if info.kept == "teacher"
                else _student(model, info, ds, opts.ood_branch, warnings, log))
     model, card = subject.model, subject.card
+    if temperature is not None:  # before the out-of-domain fit and the checks, which read the served logits
+        calibration.scale_classifier(model, temperature)
+        log(f"probabilities calibrated on validation: the logits divided by the temperature {temperature:.3f} "
+            "(folded into the classifier)")
     if subject.kind == "teacher":
         log(f"run {info.run_id} kept the fine-tuned teacher ({info.teacher_model.name}): exporting it as "
             f"{FP32_FILE}, the served model")

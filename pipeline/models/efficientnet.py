@@ -196,6 +196,11 @@ class EfficientNetLite(nn.Module):
     def num_blocks(self) -> int:
         return len(self.specs)
 
+    @property
+    def classifier(self) -> nn.Linear:
+        """The last layer, by the name the students give it (``fc`` here, as in the published weights)."""
+        return self.fc
+
     def stem(self, x: Any) -> Any:
         return ops.relu6(self.stem_bn(self.stem_conv(x)))
 

@@ -7,7 +7,9 @@ writes into the teacher folder:
   :class:`TeacherModelMeta` (architecture, classes, preprocessing contract, the teacher's identity);
 - ``teacher.onnx``: the network as `leaflens export` writes a student (the model card in its metadata,
   outputs ``logits`` and ``ood_score``), so ``leaflens serve --model <teacher>/teacher.onnx`` serves it.
-  It is written only when it matches the engine on the validation photos (the export's gates);
+  Its probabilities are calibrated on validation as a student's are (the temperature folded into its
+  classifier; ``model.npz`` keeps the network as trained). It is written only when it matches the engine
+  on the validation photos (the export's gates);
 - ``teacher.json``'s ``stage.served`` (:class:`ServedTeacher`): what was written or why not, and the
   figures `leaflens distill` weighs the teacher by (parameters; validation and test accuracy).
 
@@ -42,7 +44,7 @@ from leaflens.data_prep.contract import PreprocessContract, rgb_floats
 from leaflens.engine.checkpoint import CheckpointError, read_checkpoint_arrays, save_checkpoint
 from leaflens.engine.nn import Module
 from leaflens.extras import install_command
-from leaflens.pipeline import ood
+from leaflens.pipeline import calibration, ood
 from leaflens.pipeline.models.efficientnet import IMAGENET_MEAN, IMAGENET_STD, EfficientNetLite
 from leaflens.pipeline.report import metrics
 from leaflens.pipeline.teachers.stage import iter_split_images
@@ -93,6 +95,7 @@ class ServedTeacher(Record):
     val_accuracy: float | None = None
     test_accuracy: float | None = None
     uncertain_threshold: float | None = None
+    temperature: float | None = None  # teacher.onnx's logits are the network's divided by it (calibrated on val)
     parity: dict[str, Any] | None = None
     ood: dict[str, Any] | None = None
     seconds: float | None = None
@@ -342,20 +345,24 @@ def _write_onnx(folder: Path, net: EfficientNetLite, ds: Any, contract: Preproce
     if "test" in ds and len(ds["test"]) and ds["test"].labels is not None:
         test_logits, _, _ = outputs_of(runner, split_batches(ds, "test", contract, batch), contract)
         test_acc = _accuracy(test_logits, ds["test"].labels)
-    probs = metrics.softmax(val_logits)
+    # served calibrated, as a student is (leaflens.pipeline.calibration); model.npz keeps the network as trained
+    temperature = calibration.fit_temperature(val_logits, val_labels)
+    probs = metrics.softmax(val_logits / temperature)
     choice = metrics.choose_uncertain_threshold(probs, val_labels)
     threshold = float(choice["threshold"])
     run_id = f"teacher-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     card = ModelCard(classes=tuple(ds.classes), contract=contract, uncertain_threshold=threshold,
                      threshold_from_model=True, run_id=run_id, accuracy=test_acc, params=params, ood=check,
-                     val_ambiguous=float(np.mean(unsure(probs, threshold))), tie_ratio=TIE_RATIO)
-    served = ood.ServedModel(net, head)
-    proto = export_onnx(served, (3, size, size), output_name=("logits", ood.OOD_OUTPUT), metadata=card.to_metadata(),
-                        graph_name="leaflens_teacher",
-                        doc_string=f"leaflens teacher: EfficientNet-Lite0 fine-tuned on {ds.root} ({run_id})")
-    session = cpu_session(proto.SerializeToString(), threads)
-    log(f"served teacher: checking teacher.onnx against the engine on {len(photos)} validation photos")
-    figures, failures = check_against_engine(served, session, photos, contract)
+                     val_ambiguous=float(np.mean(unsure(probs, threshold))), tie_ratio=TIE_RATIO,
+                     temperature=None if temperature == 1.0 else temperature)
+    with calibration.scaled_classifier(net, temperature):
+        served = ood.ServedModel(net, head)
+        proto = export_onnx(served, (3, size, size), output_name=("logits", ood.OOD_OUTPUT),
+                            metadata=card.to_metadata(), graph_name="leaflens_teacher",
+                            doc_string=f"leaflens teacher: EfficientNet-Lite0 fine-tuned on {ds.root} ({run_id})")
+        session = cpu_session(proto.SerializeToString(), threads)
+        log(f"served teacher: checking teacher.onnx against the engine on {len(photos)} validation photos")
+        figures, failures = check_against_engine(served, session, photos, contract)
     figures["split"] = "val"
     if failures:
         why = "teacher.onnx does not match the engine: " + "; ".join(failures)
@@ -365,6 +372,6 @@ def _write_onnx(folder: Path, net: EfficientNetLite, ds: Any, contract: Preproce
     save_onnx(proto, folder / ONNX_FILE)
     return ServedTeacher(written=True, model=MODEL_FILE, onnx=ONNX_FILE, run_id=run_id, params=params,
                          contract=contract, val_accuracy=_accuracy(val_logits, val_labels), test_accuracy=test_acc,
-                         uncertain_threshold=threshold, parity=figures,
+                         uncertain_threshold=threshold, temperature=temperature, parity=figures,
                          ood={**check.to_dict(), "backend": runner.backend},
                          seconds=round(time.perf_counter() - t0, 1))

@@ -28,6 +28,7 @@ from leaflens.data_prep.decode import decode_image_at  # noqa: E402
 from leaflens.data_prep.ingest import IngestOptions, ingest  # noqa: E402
 from leaflens.data_prep.manifest import load_dataset  # noqa: E402
 from leaflens.engine import Tensor, no_grad  # noqa: E402
+from leaflens.pipeline import calibration  # noqa: E402
 from leaflens.pipeline import distill as distill_stage  # noqa: E402
 from leaflens.pipeline.cli import main as cli  # noqa: E402
 from leaflens.pipeline.runs import TEACHER_MODEL, read_run  # noqa: E402
@@ -36,6 +37,9 @@ from leaflens.pipeline.teachers.artefact import load_teacher  # noqa: E402
 from leaflens.pipeline.teachers.stage import iter_split_images  # noqa: E402
 
 CLASSES = ("checks", "horizontal", "vertical")
+# The module's 9 validation photos are too few to fit a temperature (calibration.MIN_PHOTOS): a fixed one
+# shows where the fitted one goes (teacher.onnx, distill's teacher candidate, the export of a kept teacher).
+TEMPERATURE = 0.5
 SIZE = 64  # the teacher's input
 FAST = ["--set", "train.epochs=2", "--set", "train.min_steps=0", "--set", "model.widths=[8]", "--quiet"]
 
@@ -55,7 +59,14 @@ def _stripes(root: Path, per_class: int = 20) -> Path:
 
 
 @pytest.fixture(scope="module")
-def teacher(tmp_path_factory):
+def fixed_temperature():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(calibration, "fit_temperature", lambda logits, labels: TEMPERATURE)
+        yield TEMPERATURE
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory, fixed_temperature):
     try:
         pretrained.find_lite0_weights()
     except pretrained.WeightsNotFoundError as exc:
@@ -88,6 +99,7 @@ def test_the_teacher_stage_writes_a_servable_teacher(teacher):
                                                std=(128 / 255,) * 3, resize="crop", shorter_side=73)
     assert info.parity["max_abs_diff"] <= 1e-4 and info.parity["ood_max_rel_diff"] <= 1e-3
     assert info.val_accuracy is not None and info.val_accuracy > 0.8  # the stripes are plain to see at 64 px
+    assert info.temperature == TEMPERATURE  # teacher.onnx serves calibrated probabilities, as a student does
 
 
 def test_teacher_onnx_decodes_photos_as_the_teacher_stage_and_matches_the_engine(teacher):
@@ -106,8 +118,10 @@ def test_teacher_onnx_decodes_photos_as_the_teacher_stage_and_matches_the_engine
     scores = pred.score_arrays(pixels)
     with no_grad():
         logits, _ = net.forward_blocks(Tensor(pred.card.contract.prepare(pixels)))
-    np.testing.assert_allclose(np.log(scores["probs"]), logits.numpy() - np.log(np.exp(logits.numpy()).sum(1,
-                               keepdims=True)), atol=1e-4)
+    # model.npz keeps the network as trained; teacher.onnx divides its logits by the validation temperature
+    assert pred.card.temperature == TEMPERATURE
+    z = logits.numpy() / TEMPERATURE
+    np.testing.assert_allclose(np.log(scores["probs"]), z - np.log(np.exp(z).sum(1, keepdims=True)), atol=1e-4)
     assert np.isfinite(scores["ood_score"]).all()
     # the card's "ambiguous" share is the served rule's on these photos: the threshold and near ties together
     assert pred.card.val_ambiguous == pytest.approx(
@@ -133,6 +147,10 @@ def test_distill_keeps_the_teacher_that_wins_within_the_budget(kept_run):
     assert info.kept_metrics is not None and info.kept_metrics.val_accuracy == rows["teacher"]["val_accuracy"]
     md = (run / "report.md").read_text()
     assert "## Kept model" in md and "| teacher |" in md and "**kept**" in md
+    # the kept teacher's probabilities are calibrated as a student's: the threshold chosen on them, the export told
+    assert info.kept_metrics.temperature == TEMPERATURE and report["calibration"]["temperature"] == TEMPERATURE
+    assert report["calibration"]["test_ece_uncalibrated"] is not None
+    assert f"calibrated on validation (logits / {TEMPERATURE:.3f})" in md
 
 
 def test_the_teacher_is_not_kept_over_max_params(teacher):
@@ -190,7 +208,14 @@ def test_export_of_a_teacher_kept_run_serves_the_teacher(kept_run, teacher):
     card: ModelCard = pred.card
     assert card.contract.shorter_side == 73 and card.input_size == SIZE and card.run_id == report["run_id"]
     assert card.params == report["params"] and pred.has_ood
+    assert card.temperature == TEMPERATURE  # folded into the teacher's classifier, as for a student
     ds = load_dataset(teacher / "dataset")
+    net, meta = served.load_teacher_model(run / TEACHER_MODEL)
+    pixels = np.stack([pred.decode(Path(ds.manifest.source_root) / f, refuse=False) for f in ds["val"].files[:4]])
+    with no_grad():
+        z = net(Tensor(meta.contract.prepare(pixels))).numpy() / TEMPERATURE
+    np.testing.assert_allclose(np.log(pred.score_arrays(pixels)["probs"]),
+                               z - np.log(np.exp(z).sum(1, keepdims=True)), atol=1e-4)
     files = [str(Path(ds.manifest.source_root) / f) for f in ds["test"].files]
     answers = pred.predict_files(files, refuse=False)
     assert np.mean([a.top[0][0] == ds.classes[y] for a, y in zip(answers, ds["test"].labels)]) > 0.8
@@ -270,3 +295,15 @@ def test_a_teacher_onnx_that_cannot_be_made_leaves_the_features_and_says_why(tmp
     assert (tmp_path / "t" / served.MODEL_FILE).is_file() and not (tmp_path / "t" / served.ONNX_FILE).exists()
     net, meta = served.load_teacher_model(tmp_path / "t" / served.MODEL_FILE)  # the network is kept all the same
     assert meta.contract is not None and meta.contract.shorter_side == 37 and net.num_classes == 3
+
+
+def test_the_teacher_stage_says_its_probabilities_are_calibrated(teacher):
+    from leaflens.pipeline.cli.teacher import summary_text  # noqa: PLC0415
+
+    ds = load_dataset(teacher / "dataset")
+    info = served.read_served(load_teacher(teacher / "t", ds).info.stage, "teacher.json")
+    assert info is not None
+    text = summary_text({"teacher": {"kind": "efficientnet-lite0"}, "served": info.to_dict()}, teacher / "t")
+    assert f"probabilities calibrated on validation (logits / {TEMPERATURE:.3f})" in text
+    plain = summary_text({"teacher": {}, "served": {**info.to_dict(), "temperature": None}}, teacher / "t")
+    assert "calibrated" not in plain and "served as teacher.onnx" in plain  # a teacher made before calibration

@@ -35,7 +35,7 @@ from leaflens.pipeline import calibration  # noqa: E402
 from leaflens.pipeline.report import metrics  # noqa: E402
 from leaflens.pipeline.runs import load_model  # noqa: E402
 from leaflens.pipeline.teachers.artefact import TeacherError, load_teacher  # noqa: E402
-from leaflens.pipeline.teachers.served import read_served  # noqa: E402
+from leaflens.pipeline.teachers.served import TeacherNotServable, read_served  # noqa: E402
 from leaflens.pipeline.train_student import predict_logits  # noqa: E402
 
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             if info.kept == "teacher":
                 print("calibration.py: note: this run kept its teacher; its student is measured (pass --teacher "
                       "for the teacher)", file=sys.stderr)
-    except (CheckpointError, DatasetError, TeacherError, OSError) as exc:
+    except (CheckpointError, DatasetError, TeacherError, TeacherNotServable, OSError) as exc:
         print(f"calibration.py: error: {exc}", file=sys.stderr)
         return 1
     splits = [s for s in ("val", "test") if s in ds and ds[s].labels is not None and len(ds[s])]

@@ -87,3 +87,8 @@ def test_a_teacher_is_measured_on_the_logits_teacher_json_records(tmp_path):
     both = run_script("calibration.py", "--teacher", str(tmp_path / "t"), "--run", str(tmp_path), "--dataset",
                       str(ds_dir))
     assert_refused(both, 2, "not allowed with argument")
+    record = json.loads((tmp_path / "t" / "teacher.json").read_text())
+    record.setdefault("stage", {})["served"] = {"written": "yes"}  # not a record distill could read either
+    (tmp_path / "t" / "teacher.json").write_text(json.dumps(record))
+    assert_refused(run_script("calibration.py", "--teacher", str(tmp_path / "t"), "--dataset", str(ds_dir)), 1,
+                   "stage.served")

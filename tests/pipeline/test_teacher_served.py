@@ -307,3 +307,19 @@ def test_the_teacher_stage_says_its_probabilities_are_calibrated(teacher):
     assert f"probabilities calibrated on validation (logits / {TEMPERATURE:.3f})" in text
     plain = summary_text({"teacher": {}, "served": {**info.to_dict(), "temperature": None}}, teacher / "t")
     assert "calibrated" not in plain and "served as teacher.onnx" in plain  # a teacher made before calibration
+
+
+def test_teacher_onnx_parity_allows_rounding_in_proportion_to_the_logits(monkeypatch):
+    """Calibrated logits are the network's divided by a temperature (down to 0.25: 4x larger), and float32
+    rounding grows with them: the teacher stage's gate is relative to the largest logit, as the export's is."""
+    from leaflens.pipeline.export import parity  # noqa: PLC0415
+
+    engine = np.array([[12.0, -3.0, 1.0], [-8.0, 9.5, 0.5]], np.float32)
+    for shift, fails in ((5e-4, False), (5e-3, True)):  # 12 x 1e-4 allowed
+        outputs = ({"engine": engine, "fp32": engine + np.float32(shift)},
+                   {"engine": np.zeros(2), "fp32": np.zeros(2)})
+        monkeypatch.setattr(parity, "engine_and_onnx_outputs", lambda *a, out=outputs, **k: out)
+        contract = PreprocessContract(stored_size=8, input_size=8, mean=(0.5,) * 3, std=(0.5,) * 3)
+        figures, failures = served.check_against_engine(None, None, np.zeros((2, 8, 8, 3), np.uint8), contract)
+        assert bool(failures) is fails, failures
+        assert not fails or "x the largest |logit|" in failures[0]

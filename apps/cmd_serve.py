@@ -91,7 +91,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--corrections", default="artifacts/corrections", metavar="DIR",
                    help="where 'Wrong? The right answer is ...' saves the corrected photos, in class folders "
                         "`leaflens preprocess --also DIR` reads, with corrections.jsonl (default %(default)s; "
-                        "created on the first correction)")
+                        "created on the first correction; a folder holding other files is refused)")
     p.add_argument("--corrections-max-mb", type=float, default=500.0,
                    help="cap on the corrections folder; when full the page says so and saves nothing "
                         "(default %(default)s)")
@@ -174,9 +174,17 @@ def check_listen(host: str, port: int) -> bool:
 def _check_corrections_folder(args: argparse.Namespace) -> None:
     """The corrections folder must be one this server can create and write, apart from the upload folder
     (uploads inside it would become a class folder of the next `leaflens preprocess --also`)."""
+    from leaflens.apps.corrections import LOG_NAME  # noqa: PLC0415
+
     folder = Path(args.corrections)
     if folder.exists() and not folder.is_dir():
         raise UsageError(f"--corrections {folder}: exists and is not a folder")
+    # photos saved into someone else's folder (the training photos themselves, say) would skip the rules that
+    # `preprocess --also` keeps for corrections: a folder this server did not start is refused, as --out ones are
+    if folder.is_dir() and not (folder / LOG_NAME).exists() and any(
+            not n.startswith(".") for n in os.listdir(folder)):
+        raise UsageError(f"--corrections {folder}: not empty and not a corrections folder (no {LOG_NAME} in it); "
+                         "give a new or empty folder (the server makes its class folders and the log itself)")
     here = folder
     while not here.exists() and here != here.parent:
         here = here.parent

@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BOUNDS", "MIN_MISTAKES", "MIN_PHOTOS", "fit_temperature", "scale_classifier", "scaled_classifier"]
+__all__ = ["BOUNDS", "MIN_MISTAKES", "MIN_PHOTOS", "fit_temperature", "not_fitted_reason", "scale_classifier",
+           "scaled_classifier"]
 
 MIN_PHOTOS = 20  # fewer validation photos than this: no temperature is fitted (1.0), too few to estimate one
 # Fewer wrong validation photos than this: none is fitted either. With none, the likelihood only rises as T falls
@@ -42,19 +43,37 @@ def _nll(logits: np.ndarray, labels: np.ndarray, temperature: float) -> float:
     return float(-log_p[np.arange(len(labels)), labels].mean())
 
 
+def _labelled(logits: Any, labels: Any) -> tuple[np.ndarray, np.ndarray]:
+    z = np.asarray(logits, np.float64)
+    y = np.asarray(labels).astype(np.int64)
+    keep = y >= 0
+    return z[keep], y[keep]
+
+
+def not_fitted_reason(logits: Any, labels: Any) -> str | None:
+    """Why :func:`fit_temperature` fits no temperature on these photos (it returns 1.0), or None when it does."""
+    z, y = _labelled(logits, labels)
+    if z.ndim != 2 or z.shape[1] < 2:
+        return "fewer than two classes"
+    if len(y) < MIN_PHOTOS:
+        return f"{len(y)} labelled validation photos, fewer than the {MIN_PHOTOS} a temperature is fitted on"
+    if not np.isfinite(z).all():
+        return "the validation logits are not all finite"
+    wrong = int(np.sum(z.argmax(1) != y))
+    if wrong < MIN_MISTAKES:
+        return (f"{wrong} wrong answer{'' if wrong == 1 else 's'} on validation, fewer than {MIN_MISTAKES}: nothing "
+                "to weigh a sharper temperature against")
+    return None
+
+
 def fit_temperature(logits: Any, labels: Any) -> float:
     """The temperature that minimises the mean negative log-likelihood of ``labels`` under
     ``softmax(logits / T)`` (float64), searched on a log scale within :data:`BOUNDS`; 1.0 with fewer than
     :data:`MIN_PHOTOS` labelled photos, fewer than :data:`MIN_MISTAKES` of them wrong, or fewer than two
-    classes among the logits."""
-    z = np.asarray(logits, np.float64)
-    y = np.asarray(labels).astype(np.int64)
-    keep = y >= 0
-    z, y = z[keep], y[keep]
-    if z.ndim != 2 or z.shape[1] < 2 or len(y) < MIN_PHOTOS or not np.isfinite(z).all():
+    classes among the logits (:func:`not_fitted_reason` says which)."""
+    if not_fitted_reason(logits, labels) is not None:
         return 1.0
-    if int(np.sum(z.argmax(1) != y)) < MIN_MISTAKES:
-        return 1.0
+    z, y = _labelled(logits, labels)
     lo, hi = (math.log(b) for b in BOUNDS)
     grid = np.linspace(lo, hi, 41)
     best = int(np.argmin([_nll(z, y, math.exp(t)) for t in grid]))

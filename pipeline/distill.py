@@ -572,7 +572,8 @@ def _teacher_candidate(ds: Any, tt: Any, threads: int) -> tuple[dict[str, Any] |
     val_logits = np.asarray(tt.logits["val"], np.float32)
     temperature = calibration.fit_temperature(val_logits, np.asarray(ds["val"].labels))
     out: dict[str, Any] = {"params": int(net.num_parameters()), "ms": ms, "backend": backend,
-                           "val_probs": metrics.softmax(val_logits / temperature), "temperature": temperature}
+                           "val_probs": metrics.softmax(val_logits / temperature), "temperature": temperature,
+                           "temperature_not_fitted": calibration.not_fitted_reason(val_logits, ds["val"].labels)}
     if "test" in ds and ds["test"].labels is not None and len(ds["test"]):
         test_logits, y_test = np.asarray(tt.logits["test"], np.float32), np.asarray(ds["test"].labels)
         probs = metrics.softmax(test_logits / temperature)
@@ -650,6 +651,7 @@ def _evaluate_variant(best_path: Path, cfg: StageConfig, ds: Any) -> dict[str, A
     out: dict[str, Any] = {"model": model, "epoch": ck_meta["epoch"], "crop_choice": choice,
                            "contract": contract_for_dataset(ds, size, crop),
                            "val_probs": metrics.softmax(val_logits[crop] / temperature), "temperature": temperature,
+                           "temperature_not_fitted": calibration.not_fitted_reason(val_logits[crop], y_val),
                            "val_accuracy": val_acc[crop],
                            "val_by_crop": {("1" if c is None else f"{c:g}"): acc for c, acc in val_acc.items()}}
     if "test" in ds and ds["test"].labels is not None and len(ds["test"]):
@@ -718,7 +720,9 @@ def _build_report(ds, cfg, results, evaluated, winner, final_metrics, threshold,
         # the kept model's probabilities as served: divided by this temperature, chosen on validation
         "calibration": {
             "temperature": chosen.get("temperature"), "chosen_on": "val (negative log-likelihood)",
-            "test_ece_uncalibrated": chosen.get("test_ece_uncalibrated")},
+            "test_ece_uncalibrated": chosen.get("test_ece_uncalibrated"),
+            # None: fitted; else why the probabilities are served as they are (temperature 1.0)
+            "not_fitted": chosen.get("temperature_not_fitted")},
         "classes": ds.classes,
         "teacher": None if teacher_info is None else teacher_info.teacher,
         "teacher_has_logits": None if teacher_info is None else bool(teacher_info.num_classes),

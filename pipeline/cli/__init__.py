@@ -10,7 +10,8 @@ input was refused or the job failed (a dataset, teacher, run or file that cannot
 ``EXIT_USAGE`` for options or configuration that cannot be run (argparse's own code for a bad flag);
 ``EXIT_STOPPED`` when training stopped on repeated numerical faults (resumable); 130 on Ctrl-C. The
 commands that classify photos (predict, evaluate, serve) use 2 for anything that stops them starting and 1
-when some photos could not be read.
+when some photos could not be read. Every command exits quietly with ``EXIT_BROKEN_PIPE`` (141) when the
+reader of its output goes away (``| head``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from leaflens.extras import install_command
 from leaflens.pipeline.cli.runtime import configure_process, ignore_late_signals, stop_on_sigterm
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 3
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a command whose reader closed the pipe
 
 
 def path_arg(text: str) -> Path:
@@ -110,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C before the command began (while its modules were imported): nothing to undo
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of our output went away (`leaflens predict ... | head`): stop quietly
+        if whole_process:  # as a command killed by SIGPIPE; no second error when Python flushes stdout at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except OSError as exc:
         said = _disk_problem(exc, command)
         if said is None:

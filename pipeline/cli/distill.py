@@ -44,11 +44,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="epochs, taken as given (same as --set train.epochs=N; the recipe's own epochs may be "
                         "raised on few photos to train.min_steps steps, which naming the epochs turns off)")
     p.add_argument("--max-params", type=int, metavar="N",
-                   help="serving budget: keep no model with more than N parameters (0: no limit; same as --set "
-                        "distill.max_params=N)")
+                   help="serving budget: keep no model with more than N parameters while one fits (none fits: "
+                        "the best student is kept with a warning; 0: no limit; same as --set distill.max_params=N)")
     p.add_argument("--max-ms", type=float, metavar="MS",
                    help="serving budget: keep no model slower than MS milliseconds per photo at batch 1 on this "
-                        "machine (0: no limit; same as --set distill.max_ms=MS)")
+                        "machine while one fits (none fits: the best student is kept with a warning; 0: no limit; "
+                        "same as --set distill.max_ms=MS)")
     p.add_argument("--family", metavar="NAMES",
                    help="students to train and choose from on validation, comma-separated, e.g. lite8,m or m,m@128 "
                         "(default lite8: the first 8 blocks of ImageNet EfficientNet-Lite0 and a small head; liteN: "

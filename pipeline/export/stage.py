@@ -173,6 +173,27 @@ def run_dataset(info: RunInfo, run_dir: Path) -> Path:
                        "there any more, and no folder near the run holds it; pass its folder with --dataset")
 
 
+def _over_budget(run: Path, info: RunInfo) -> str | None:
+    """The warning that the run kept a model outside its serving budget (distill said so; export says it again,
+    as the file it writes is what gets shipped), or None (within it, or a run without report.json)."""
+    try:
+        report = json.loads((run / "report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    selection = report.get("selection") if isinstance(report, dict) else None
+    if not isinstance(selection, dict) or selection.get("within_budget") is not False:
+        return None
+    kept = next((c for c in selection.get("candidates") or () if isinstance(c, dict) and c.get("kept")), {})
+    budget = selection.get("budget") or {}
+    over = []
+    if budget.get("max_params") and (kept.get("params") or 0) > budget["max_params"]:
+        over.append(f"{kept['params']:,} parameters > max_params {budget['max_params']:,}")
+    if budget.get("max_ms") and (kept.get("ms_per_photo") or 0) > budget["max_ms"]:
+        over.append(f"{kept['ms_per_photo']:g} ms per photo > max_ms {budget['max_ms']:g}")
+    return (f"run {info.run_id} kept {selection.get('kept')} although no model fitted its serving budget"
+            + (f" ({'; '.join(over)})" if over else "") + ": this export is larger or slower than that budget asked")
+
+
 def _check_dataset(info: RunInfo, ds: Dataset, opts: ExportOptions) -> list[str]:
     """Refuse a dataset other than the run's (unless allowed); returns warnings."""
     warnings = []
@@ -428,6 +449,7 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
     model, info = load_model(opts.run)
     ds = load_dataset(opts.dataset if opts.dataset is not None else run_dataset(info, Path(opts.run)))
     warnings = _check_dataset(info, ds, opts)
+    warnings += [w for w in [_over_budget(Path(opts.run), info)] if w]
     parent = Path(opts.run).resolve().parent
     if (parent / "report.json").is_file() and (parent / BEST).is_file():  # distill's folder of one student
         warnings.append(f"{opts.run} is one student of the run {parent}: it is exported without what that run "

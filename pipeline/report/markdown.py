@@ -302,7 +302,8 @@ def _accuracy_section(report: Mapping[str, Any]) -> list[str]:
         temperature, before = _float(cal.get("temperature")), _float(cal.get("test_ece_uncalibrated"))
         how = (f" with the probabilities calibrated on validation (logits / {temperature:.3f})"
                + (f"; {before:.3f} before" if before is not None else "")
-               if temperature is not None and temperature != 1.0 else "")
+               if temperature is not None and temperature != 1.0 else
+               f"; the probabilities are not calibrated ({cal['not_fitted']})" if cal.get("not_fitted") else "")
         lines.append(f"- Expected calibration error (test, {len(test.get('calibration', [])) or 15} bins): "
                      f"{float(test['ece']):.3f}{how}")
     unc = report.get("threshold_choice") or report.get("uncertain") or {}

@@ -250,6 +250,26 @@ def test_serve_options_that_cannot_work_are_refused_before_any_work(tmp_path, ca
     assert not list(tmp_path.glob("C*")) and not any(Path(tempfile.gettempdir()).glob("leaflens-uploads-7989*"))
 
 
+def test_a_corrections_folder_the_server_did_not_start_is_refused(tmp_path, capsys, tiny_model, monkeypatch):
+    """`--corrections <the training photos>` saved corrections straight into the source classes, past the rules
+    `preprocess --also` keeps for them."""
+    from leaflens.apps import cmd_serve
+    from leaflens.apps.corrections import LOG_NAME
+
+    monkeypatch.setattr("leaflens.apps.web.launch", lambda *a, **k: pytest.fail("the server was started"))
+    model, _ = tiny_model()
+    photos = tmp_path / "photos"
+    (photos / "healthy").mkdir(parents=True)
+    (photos / "healthy" / "leaf.jpg").write_bytes(b"x")
+    assert cmd_serve.run(serve_args(model=model, no_examples=True, corrections=photos)) == 2
+    assert f"--corrections {photos}: not empty and not a corrections folder (no {LOG_NAME} in it)" in \
+        capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    (photos / LOG_NAME).write_text("")  # a folder a server started: its log beside its class folders
+    for ours in (tmp_path / "new", tmp_path / "empty", photos):
+        cmd_serve._check_corrections_folder(serve_args(model=model, corrections=ours))
+
+
 def test_the_address_is_checked_before_the_server_starts():
     import socket
 

@@ -43,6 +43,18 @@ def test_too_few_photos_or_classes_keep_the_logits_as_they_are():
     labels[:100] = -1  # unlabelled rows are left out
     assert calibration.fit_temperature(logits, labels) == pytest.approx(
         calibration.fit_temperature(logits[100:], labels[100:]))
+    assert calibration.not_fitted_reason(logits, labels) is None  # what report.json records for a fitted one
+
+
+def test_the_reason_no_temperature_was_fitted_is_named():
+    """report.json said "chosen_on: val" with a temperature of 1.0 when none had been fitted."""
+    logits, labels = _drawn(calibration.MIN_PHOTOS - 1, 3, 3.0)
+    assert calibration.not_fitted_reason(logits, labels) == (
+        f"{calibration.MIN_PHOTOS - 1} labelled validation photos, fewer than the {calibration.MIN_PHOTOS} a "
+        "temperature is fitted on")
+    assert calibration.not_fitted_reason(np.zeros((50, 1)), np.zeros(50, int)) == "fewer than two classes"
+    right = np.eye(3)[np.arange(30) % 3] * 2.0
+    assert "0 wrong answers on validation" in calibration.not_fitted_reason(right, np.arange(30) % 3)
 
 
 def test_folding_the_temperature_into_the_classifier_divides_the_logits():

@@ -89,3 +89,28 @@ def test_distill_interrupted_offers_resume_only_when_an_epoch_was_kept(monkeypat
     (tmp_path / "run.partial" / "scratch" / "last.npz").write_bytes(b"")
     assert cli.main(argv) == 130
     assert "the same command with --resume" in capsys.readouterr().err
+
+
+PIPED = textwrap.dedent("""
+    import sys
+    from leaflens.pipeline import cli
+    def many_lines(argv, command):  # a command with more output than a pipe holds (predict on many photos)
+        for i in range(200000):
+            print(f"photo_{i}.jpg\\thealthy\\t0.97")
+        return 0
+    cli._run = many_lines
+    sys.argv = ["leaflens", "predict"]
+    sys.exit(cli.main())
+""")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX pipes")
+def test_a_reader_that_stops_early_ends_the_command_quietly():
+    """`leaflens predict ... | head -1` printed a BrokenPipeError traceback and exited 1, the code for "some photos
+    could not be read"; now 141, as a command killed by SIGPIPE, and nothing on stderr."""
+    proc = subprocess.Popen([sys.executable, "-c", PIPED], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline().startswith(b"photo_0.jpg")
+    proc.stdout.close()  # as `head -1` does once it has its line
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()

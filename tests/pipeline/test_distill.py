@@ -74,6 +74,9 @@ def test_distill_writes_run_with_both_variants(tiny):
     assert model.projection is None  # the training-only head is not part of the kept model
     # 6 validation photos are too few to fit a temperature on: the logits are served as they are, and said so
     assert report["calibration"]["temperature"] == info.metrics.temperature == 1.0
+    assert "fewer than the 20 a temperature is fitted on" in report["calibration"]["not_fitted"]
+    md = (out / "report.md").read_text()
+    assert "the probabilities are not calibrated (6 labelled validation photos, fewer than the 20" in md
 
 
 def test_no_teacher_trains_scratch_only(tiny, monkeypatch):
@@ -266,6 +269,13 @@ def test_a_budget_no_model_fits_is_a_warning_in_the_report(tiny, capsys):
     assert warning and "at most 10 parameters" in warning[0]
     assert "warning: no model fits the serving budget" in capsys.readouterr().err  # said with progress off too
     assert "no model fits the serving budget" in (tmp / "over" / "report.md").read_text()
+    # the export is what gets shipped: it says so again (a user who set a hard limit may not read report.md)
+    pytest.importorskip("onnxruntime")
+    assert cli(["export", "--run", str(tmp / "over"), "--out", str(tmp / "over_export"), "--no-int8",
+                "--speed-seconds", "0.05"]) == 0
+    said = capsys.readouterr()
+    out = said.out + said.err
+    assert "although no model fitted its serving budget (" in out and "> max_params 10)" in out
 
 
 def test_resume_never_replaces_a_finished_run(tiny, capsys):

@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -333,6 +333,8 @@ def fit_ood_head(train_stats: Sequence[np.ndarray], train_labels: np.ndarray, va
     calib = OODCheck(method=METHOD if branch is not None else METHOD_OWN, threshold=threshold, budget=float(budget),
                      val_photos=n_val, val_flagged=float(np.mean(val_scores > threshold)), train_photos=len(labels),
                      blocks=len(blocks), branch=branch, confidence=float(confidence))
+    if calib.achieved_confidence < confidence:  # too few validation photos for what was asked: the file (its
+        calib = replace(calib, confidence=calib.achieved_confidence)  # card, Triton's config) says what holds
     return head, calib, val_scores
 
 

@@ -513,11 +513,12 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
             card = replace(card, uncertain_threshold=chosen, threshold_from_model=True)
         card = replace(card, ood=check, val_ambiguous=float(np.mean(unsure(probs, card.uncertain_threshold))),
                        tie_ratio=TIE_RATIO)
-        if check.confidence is not None and check.achieved_confidence < check.confidence:
-            need = ood_check.photos_for_confidence(check.budget, check.confidence)
+        asked = ood_check.DEFAULT_CONFIDENCE  # what the fit asked; check.confidence is what holds
+        if check.confidence is not None and check.confidence < asked:
+            need = ood_check.photos_for_confidence(check.budget, asked)
             msg = (f"only {check.val_photos} validation photos: the out-of-domain threshold flags at most "
-                   f"{check.budget:.1%} of genuine new photos with {check.achieved_confidence:.0%} confidence, not "
-                   f"{check.confidence:.0%} ({need} validation photos would give it); add validation photos")
+                   f"{check.budget:.1%} of genuine new photos with {check.confidence:.0%} confidence, not "
+                   f"{asked:.0%} ({need} validation photos would give it); add validation photos")
             warnings.append(msg)
             log(f"warning: {msg}")
         exported, outputs = ood_check.ServedModel(scored, head), ("logits", ood_check.OOD_OUTPUT)

@@ -94,6 +94,16 @@ def test_fit_records_the_confidence_and_cards_without_it_still_read() -> None:
         _check(1.0)
 
 
+def test_too_few_validation_photos_record_the_confidence_that_holds() -> None:
+    """30 validation photos cannot back a 3 % budget with 90 % confidence (76 can): the file said 0.9 all the same,
+    while the console and the Model tab said 60 %; a Triton client reads the file."""
+    rng = np.random.default_rng(2)
+    _, check, scores = ood.fit_ood_head([rng.normal(size=(200, 6))], rng.integers(0, 3, 200),
+                                        [rng.normal(size=(30, 6))], 3)
+    assert not np.any(scores > check.threshold)  # above every validation photo: the most a threshold can do
+    assert check.confidence == pytest.approx(1 - 0.97 ** 30) == pytest.approx(check.achieved_confidence)
+
+
 def test_the_model_tab_says_what_the_threshold_promises() -> None:
     contract = PreprocessContract(stored_size=64, input_size=64, mean=(0.5,) * 3, std=(0.25,) * 3)
     new = model_info._ood_line(ModelCard(classes=("a", "b"), contract=contract, ood=_check(0.9)), "en")

@@ -599,8 +599,13 @@ def ingest(src: str | os.PathLike, out: str | os.PathLike | None, options: Inges
         names = ", ".join(repr(c) for c in scan.empty_folders)
         log(f"warning: {names} hold{'s' if len(scan.empty_folders) == 1 else ''} no photo (JPEG, PNG, WebP, BMP, "
             "TIFF, HEIC), so not a class: add its photos, or remove the folder")
+    if scan.layout == "split_folders" and tuple(opts.ratios) != IngestOptions().ratios:
+        asked = "/".join(f"{100 * r:g}" for r in opts.ratios)
+        log(f"note: {src_p} is already split into train/val/test folders, which are kept as they are: --split {asked} "
+            "applies only to photos added by --also")
     if scan.also:
-        log(f"--also: {scan.also_files} labelled photo(s) from {', '.join(scan.also)} added to their classes")
+        log(f"--also: {scan.also_files} labelled photo(s) found in {', '.join(scan.also)}, added to their classes "
+            "(less any the lines below leave out)")
     if scan.ignored.get(NOT_A_LEAF):
         log(f"note: {scan.ignored[NOT_A_LEAF]} photo(s) in --also {NOT_A_LEAF}/ folders skipped: the classifier has "
             "no class for them (they stay where they are, for a future set of negatives)")
@@ -947,8 +952,8 @@ def _refuse_unusable(src_p: Path, scan: ScanResult, opts: IngestOptions, counts:
                     "see above)" for s, n in given.items() if n]
             raise IngestError(what + (f"{'; '.join(lost)}. " if lost else "") + "Put photos of every class in "
                               + " and ".join(str(src_p / s) for s in empty) + ", photos not found in the other splits")
-        raise IngestError(what + f"Add photos (at least {MIN_PER_CLASS} per class), or give val and test a share "
-                                 "with --split")
+        raise IngestError(what + f"Add photos: at least {MIN_PER_CLASS} per class, so that each split gets one of "
+                                 "every class")
     _check_each_class_split(src_p, scan, counts, asked_none, log, data)
 
 

@@ -270,7 +270,10 @@ def check_replaceable(target: PathLike, marker: str, what: str) -> None:
         parent, kind, stage = above
         raise NotOurFolderError(f"output {target} is inside the {kind} folder {parent}, which `{stage}` "
                                 "replaces whole when it runs again: give a folder outside it")
-    if target.exists() and (not target.is_dir() or (any(target.iterdir()) and not (target / marker).exists())):
+    if target.exists() and not target.is_dir():
+        raise NotOurFolderError(f"output {target} exists and is a file, not a folder; refusing to replace it: give a "
+                                "new or empty folder")
+    if target.exists() and any(target.iterdir()) and not (target / marker).exists():
         raise NotOurFolderError(f"output {target} exists and is not a {what} (no {marker} in it); refusing to "
                                 "replace it: give a new or empty folder")
 

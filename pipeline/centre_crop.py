@@ -65,13 +65,22 @@ class CropChoice(Record):
     why: str
 
 
-def choose_crop(correct: Mapping[float | None, np.ndarray]) -> CropChoice:
+def untried_reason(centre_crops: Iterable[float], stored: int, input_size: int) -> str:
+    """Why :func:`crop_shares` gives no crop to try: none asked, or the photos are stored too small for any."""
+    if not list(centre_crops):
+        return "no centre crop was tried (distill.centre_crops is empty)"
+    return (f"no centre crop was tried: the photos are stored at {stored} px, so every crop asked would keep fewer "
+            f"pixels than the {input_size} px input (preprocess --size {2 * input_size} stores them large enough)")
+
+
+def choose_crop(correct: Mapping[float | None, np.ndarray], untried: str = "no centre crop was tried") -> CropChoice:
     """Choose among ``correct`` (crop -> per-photo right/wrong on validation, in :func:`crop_shares`' order,
-    the whole photo under None) by the rule of the module docstring."""
+    the whole photo under None) by the rule of the module docstring; ``untried``: why, when only the whole
+    photo was scored (:func:`untried_reason`)."""
     whole = np.asarray(correct[None], bool)
     crops = [c for c in correct if c is not None]
     if not crops:
-        return CropChoice(None, None, 0, 0, 1.0, SIGNIFICANCE, "no centre crop was tried")
+        return CropChoice(None, None, 0, 0, 1.0, SIGNIFICANCE, untried)
     accuracy = {c: float(np.mean(correct[c])) for c in crops}
     best = next(c for c in crops if accuracy[c] == max(accuracy.values()))
     right = np.asarray(correct[best], bool)

@@ -642,7 +642,7 @@ def _evaluate_variant(best_path: Path, cfg: StageConfig, ds: Any) -> dict[str, A
     val_logits = {c: predict_logits(model, ds["val"].images, ds.mean, ds.std, bs, size, c)
                   for c in centre_crop.crop_shares(cfg.distill.centre_crops, ds.image_size, size)}
     right = {c: lg.argmax(1) == y_val for c, lg in val_logits.items()}
-    choice = centre_crop.choose_crop(right)
+    choice = centre_crop.choose_crop(right, centre_crop.untried_reason(cfg.distill.centre_crops, ds.image_size, size))
     crop = choice.share
     val_acc = {c: float(np.mean(r)) for c, r in right.items()}
     # the served probabilities are calibrated on validation (leaflens.pipeline.calibration); export folds the

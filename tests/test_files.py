@@ -197,6 +197,10 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_work(tmp_path: P
     (tmp_path / "afile").write_text("notes")
     with pytest.raises(OutputNotWritableError, match=r"afile is a file, not a folder; give another --out"):
         check_replaceable(tmp_path / "afile" / "sub", "report.json", "leaflens run folder")
+    from leaflens.files import NotOurFolderError  # noqa: PLC0415
+
+    with pytest.raises(NotOurFolderError, match=r"afile exists and is a file, not a folder; refusing to replace it"):
+        check_replaceable(tmp_path / "afile", "report.json", "leaflens run folder")  # not "not a run folder"
 
 
 def test_a_folder_set_aside_by_a_swap_killed_half_way_is_put_back(tmp_path: Path) -> None:

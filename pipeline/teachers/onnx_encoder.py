@@ -109,7 +109,11 @@ class OnnxEncoder:
             raise ValueError(f"{self.path} cannot run on photos given as {list(x.shape)} ({self.layout}, "
                              f"{self.input_size} px): {str(exc).splitlines()[0][:300]}; check --layout and "
                              "--input-size against the model's input") from None
-        if outs[0].ndim < 2 or outs[0].shape[0] != len(images):
+        if outs[0].ndim < 2:
+            raise ValueError(f"{self.path}: output {self.output!r} has shape {list(outs[0].shape)} for {len(images)} "
+                             "photos: one number per photo, not a feature vector; a feature output is [photos, "
+                             "features] or a feature map (choose another with --output)")
+        if outs[0].shape[0] != len(images):
             raise ValueError(f"{self.path}: output {self.output!r} has shape {list(outs[0].shape)} for {len(images)} "
                              "photos; a feature output has one row per photo (choose another with --output)")
         return self._pooled(outs[0]).astype(np.float32), (outs[1].astype(np.float32) if self.logits_output else None)

@@ -145,6 +145,12 @@ def test_given_split_preserved_and_cross_split_duplicate_dropped(tmp_path):
         assert ds.manifest.splits[s].per_class == {c: n for c in COLOURS}
         assert all(f.startswith(f"{s}/") for f in ds[s].files)
     assert _read_rejected(out) == {"leak.jpg": "duplicate_across_splits"}
+    said: list[str] = []  # a --split of a folder already split applied to nothing there, without a word
+    ingest(root, tmp_path / "ds2", IngestOptions(size=16, ratios=(0.5, 0.25, 0.25)), workers=1, log=said.append)
+    assert any(line.startswith(f"note: {root.resolve()} is already split into train/val/test folders, which are "
+                               "kept as they are: --split 50/25/25 applies only to photos added by --also")
+               for line in said), said
+    assert load_dataset(tmp_path / "ds2").manifest.splits["val"].per_class == {c: 2 for c in COLOURS}
 
 
 def test_deterministic_for_fixed_seed(class_folders, tmp_path):

@@ -8,7 +8,14 @@ import math
 import numpy as np
 import pytest
 
-from leaflens.pipeline.centre_crop import SIGNIFICANCE, CropChoice, choose_crop, crop_shares, sign_test_p
+from leaflens.pipeline.centre_crop import (
+    SIGNIFICANCE,
+    CropChoice,
+    choose_crop,
+    crop_shares,
+    sign_test_p,
+    untried_reason,
+)
 
 
 def test_crops_are_tried_whole_first_then_larger_first_and_never_blown_up():
@@ -61,4 +68,9 @@ def test_no_crop_better_than_the_whole_photo_or_none_tried():
     assert worse.share is None and "no centre crop is right on more" in worse.why
     alone = choose_crop(_correct(60, whole))
     assert alone.share is None and alone.best is None and alone.why == "no centre crop was tried"
+    # distill says why none was: photos stored at the input size leave no crop with enough pixels
+    assert crop_shares((0.9375, 0.75), 64, 64) == [None]
+    assert "stored at 64 px" in untried_reason((0.9375, 0.75), 64, 64) and "--size 128" in \
+        untried_reason((0.9375, 0.75), 64, 64)
+    assert untried_reason((), 128, 64) == "no centre crop was tried (distill.centre_crops is empty)"
     assert CropChoice.from_dict(worse.to_dict()) == worse

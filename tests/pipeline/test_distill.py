@@ -75,6 +75,8 @@ def test_distill_writes_run_with_both_variants(tiny):
     # 6 validation photos are too few to fit a temperature on: the logits are served as they are, and said so
     assert report["calibration"]["temperature"] == info.metrics.temperature == 1.0
     assert "fewer than the 20 a temperature is fitted on" in report["calibration"]["not_fitted"]
+    # stored at the input size: no centre crop could be tried, and the report says why
+    assert "the photos are stored at 16 px" in report["variants"]["distilled"]["crop_choice"]["why"]
     md = (out / "report.md").read_text()
     assert "the probabilities are not calibrated (6 labelled validation photos, fewer than the 20" in md
 
@@ -159,7 +161,7 @@ def test_a_crop_validation_chose_is_the_run_contract(tiny, monkeypatch):
 
     tmp, ds_dir = tiny
     forced = centre_crop.CropChoice(0.75, 0.75, 1, 0, 0.5, 0.0125, "forced by the test")
-    monkeypatch.setattr(centre_crop, "choose_crop", lambda correct: forced)
+    monkeypatch.setattr(centre_crop, "choose_crop", lambda correct, untried="": forced)
     report = run_distill(ds_dir, tmp / "teacher", tmp / "forced", _cfg(epochs=1, **{"model.input_size": 8}),
                          progress=False)
     assert all(v["centre_crop"] == 0.75 and v["val_accuracy"] == v["val_by_crop"]["0.75"]

@@ -332,6 +332,22 @@ def test_an_encoder_with_classes_but_no_logits_is_refused(ds_dir, tmp_path):
     assert not (tmp_path / "t").exists()
 
 
+def test_an_output_of_one_number_per_photo_is_named_as_such(tmp_path):
+    """`--output ood_score` (one number a photo) was refused as "a feature output has one row per photo", which
+    it has: the message now says what is missing, a feature dimension."""
+    from leaflens.pipeline.teachers.onnx_encoder import OnnxEncoder  # noqa: PLC0415
+
+    enc = OnnxEncoder(_tiny_encoder(tmp_path / "enc.onnx"))
+
+    class OneNumber:
+        def run(self, names, feeds):
+            return [np.zeros(len(next(iter(feeds.values()))), np.float32)]
+
+    enc.session = OneNumber()
+    with pytest.raises(ValueError, match=r"has shape \[5\] for 5 photos: one number per photo, not a feature"):
+        enc._run(np.zeros((5, 16, 16, 3), np.uint8))
+
+
 def test_an_encoder_that_drops_rows_is_refused(ds_dir, tmp_path):
     """Fewer feature rows than photos (an encoder with a fixed batch, say): refused when its split's file is
     closed, and no teacher folder is left behind."""

@@ -185,8 +185,9 @@ def csv_row(p: Prediction, top_k: int) -> list[str | None]:
     row: list[str | None]
     if p.ok:
         named = p.verdict != "out_of_domain"  # no class is named for a photo unlike the training photos
-        row = [csv_text(shown(p.source)), p.verdict, csv_text(p.label) if named else "",
-               "" if p.confidence is None or not named else f"{p.confidence:.6f}",
+        claimed = p.verdict == "diagnosis"  # an ambiguous photo's two classes are in class_1/class_2, neither claimed
+        row = [csv_text(shown(p.source)), p.verdict, csv_text(p.label) if claimed else "",
+               "" if p.confidence is None or not claimed else f"{p.confidence:.6f}",
                str(p.uncertain).lower(), "" if p.ood_score is None else f"{p.ood_score:.6g}"]
         ranked = [v for cls, prob in p.top[:top_k] for v in (csv_text(cls), f"{prob:.6f}")] if named else []
         return row + ranked + [""] * (2 * top_k - len(ranked)) + [""]
@@ -198,10 +199,11 @@ def write_csv(path: str | os.PathLike, predictions: Iterable[Prediction], top_k:
               leading: tuple[list[str], list[list[str]]] | None = None) -> None:
     """Write one row per image: path, verdict, label, probability, uncertain, ood_score, class_i/prob_i, error.
 
-    ``label`` .. ``prob_i`` are the model's ranking, also for an ambiguous photo (``uncertain`` "true"); an
-    out-of-domain photo's row names no class, as the web page and its API do: only its verdict, ``uncertain``
-    and ``ood_score``. ``ood_score`` is empty for a model without the out-of-domain output. Refused and
-    unreadable photos have only path, verdict and error.
+    ``label`` and ``probability`` are the diagnosis: empty for an ambiguous photo (``uncertain`` "true"), whose
+    likeliest classes are ``class_1`` and ``class_2`` with neither claimed, as the web page says; ``class_i`` /
+    ``prob_i`` are the model's ranking. An out-of-domain photo's row names no class, as the web page and its
+    API do: only its verdict, ``uncertain`` and ``ood_score``. ``ood_score`` is empty for a model without the
+    out-of-domain output. Refused and unreadable photos have only path, verdict and error.
     ``leading``: (names, one list of values per prediction) of columns written first (the web page's download
     says which diagnosis each row belongs to). Written to a temporary file beside ``path`` and renamed into
     place, so a reader never sees a half-written file.

@@ -16,12 +16,12 @@ LANG_CHOICES = {"en": "English", "zh": "中文"}
 
 STRINGS: dict[str, dict[str, str]] = {
     "en": {
-        "title": "# leaflens: what is wrong with this leaf?",
-        "intro": ("Take a photo of one leaf, close and in daylight, and drop it here. Several photos of "
-                  "leaves from the same plant give a more reliable answer: they are judged together. One plant "
+        "title": "# leaflens: what is wrong with this plant?",
+        "intro": ("Take a photo of one leaf (or the pest on it), close and in daylight, and drop it here. "
+                  "Several photos from the same plant give a more reliable answer: they are judged together. One plant "
                   "at a time: a new upload starts a new plant, **Add photos** adds to this one."),
         # the upload box's label: {formats} is formats or formats_heic (HEIC only when the server reads it)
-        "photos": "Leaf photos of one plant ({formats}; one or several)",
+        "photos": "Photos of one plant's leaves or pests ({formats}; one or several)",
         "formats": "JPEG, PNG or WebP",
         "formats_heic": "JPEG, PNG, WebP or HEIC",
         "add_photos": "Add photos (same plant)",
@@ -56,7 +56,8 @@ STRINGS: dict[str, dict[str, str]] = {
         # verdicts
         "verdict_healthy": "This leaf looks **healthy** ({conf} confident).",
         "verdict_sick": "Most likely **{name}** ({conf} confident).",
-        "verdict_ambiguous": "**Unsure between {a} and {b}:** take another photo of one leaf, closer, in daylight.",
+        "verdict_ambiguous": ("**Unsure between {a} and {b}:** take another photo of one leaf (or pest), closer, in "
+                              "daylight."),
         "verdict_ood": ("**This does not look like the leaves or pests this model knows**, so it names no disease. "
                         "The model was trained on photos of: {known}. If your plant or pest is not among these, "
                         "this model cannot judge it, and another photo will not change that; otherwise take a "
@@ -138,7 +139,11 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_classes": "Classes",
         "m_input": "Input size",
         "m_resize": "Photo framing",
+        "m_file_teacher": (" (the fine-tuned teacher, EfficientNet-Lite0: the run kept it because no student came "
+                           "close on validation)"),
         "m_resize_crop": "centre crop of the shorter side",
+        "m_resize_shorter": ("shorter side scaled to {side} px, then the middle {size} x {size} px ({share} of the "
+                             "shorter side)"),
         "m_resize_pad": "whole photo, letterboxed",
         "m_resize_centre": "{framing}, then its middle {share} (chosen on the validation photos)",
         "m_provider": "Runs on",
@@ -287,10 +292,11 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_numbers_heading": "#### The numbers",
     },
     "zh": {
-        "title": "# leaflens：这片叶子怎么了？",
-        "intro": ("请在自然光下近距离拍一片叶子，把照片拖到这里。同一株植物的多张叶片照片会一起判断，结果更可靠。"
+        "title": "# leaflens：这株植物怎么了？",
+        "intro": ("请在自然光下近距离拍一片叶子（或叶上的害虫），把照片拖到这里。"
+                  "同一株植物的多张照片会一起判断，结果更可靠。"
                   "每次只看一株植物：新上传的照片代表一株新的植物，点 **添加照片** 可为这一株补充照片。"),
-        "photos": "同一株植物的叶片照片（{formats}；一张或多张）",
+        "photos": "同一株植物的叶片或害虫照片（{formats}；一张或多张）",
         "formats": "JPEG、PNG 或 WebP",
         "formats_heic": "JPEG、PNG、WebP 或 HEIC",
         "add_photos": "添加照片（同一株）",
@@ -323,7 +329,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "waiting": "请在上方放入一张或多张叶片照片，然后点击 **诊断**。",
         "verdict_healthy": "这片叶子看起来 **健康**（置信度 {conf}）。",
         "verdict_sick": "最可能是 **{name}**（置信度 {conf}）。",
-        "verdict_ambiguous": "**无法确定是{a}还是{b}：** 请在自然光下靠近一些，再拍一张单片叶子的照片。",
+        "verdict_ambiguous": "**无法确定是{a}还是{b}：** 请在自然光下靠近一些，再拍一张单片叶子（或害虫）的照片。",
         "verdict_ood": ("**这看起来不像本模型认识的叶片或害虫**，因此不给出病害诊断。本模型训练时的照片类别：{known}。"
                         "如果您的作物或害虫不在其中，本模型无法判断，重拍也不会改变结果；否则请在自然光下近距离拍摄一片叶子"
                         "（或一只害虫），对准焦点，让它占满画面，直接发送原图（不加滤镜，也不要把照片缩小后放进边框里）。"),
@@ -390,7 +396,9 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_classes": "类别",
         "m_input": "输入尺寸",
         "m_resize": "取景方式",
+        "m_file_teacher": "（微调后的教师模型 EfficientNet-Lite0：验证集上没有学生模型接近它，因此保留了它）",
         "m_resize_crop": "按短边居中裁剪",
+        "m_resize_shorter": "短边缩放到 {side} 像素，再取中间的 {size} x {size} 像素（短边的 {share}）",
         "m_resize_pad": "整张照片，补边",
         "m_resize_centre": "{framing}，再取中间的 {share}（在验证集照片上选定）",
         "m_provider": "运行于",

@@ -129,9 +129,9 @@ class OODCheck(Record):
 
     ``budget``: since ``confidence`` is recorded, the share of genuine NEW photos the check may flag, held
     with probability ``confidence`` over the draw of the validation photos (the threshold is an order
-    statistic chosen for that: :func:`flag_confidence`; with too few validation photos for the confidence
-    asked, the one that holds is recorded, where earlier files recorded the one asked: ``achieved_confidence``
-    is right for both); files without ``confidence`` were exported when the
+    statistic chosen for that: :func:`flag_confidence`; the confidence that holds is recorded, at least the
+    one asked or less with too few validation photos, where earlier files recorded the one asked:
+    ``achieved_confidence`` is right for both); files without ``confidence`` were exported when the
     budget was the share of the validation photos themselves, whose expected share on new photos is higher."""
 
     OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"branch", "confidence"})

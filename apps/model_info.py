@@ -175,10 +175,13 @@ def discover(model_path: str | os.PathLike, run_dir: str | os.PathLike | None = 
 
 
 def run_images(ctx: ServeContext) -> dict[str, Path]:
-    """The run's ``confusion.png`` and ``curves.png`` that exist, keyed "confusion" / "curves"."""
+    """The run's ``confusion.png`` and ``curves.png`` that exist, keyed "confusion" / "curves". A run that kept
+    its teacher has no curves of the served model (``curves.png`` is its students' training; the confusion
+    matrix is the teacher's): they are left out rather than shown beside a model they do not describe."""
     if ctx.run_dir is None:
         return {}
-    found = {key: ctx.run_dir / f"{key}.png" for key in ("confusion", "curves")}
+    kept_teacher = (ctx.run_report or {}).get("winner") == "teacher"
+    found = {key: ctx.run_dir / f"{key}.png" for key in ("confusion", *(() if kept_teacher else ("curves",)))}
     return {key: path for key, path in found.items() if path.is_file()}
 
 
@@ -349,7 +352,10 @@ def reliability_lines(report: dict[str, Any] | None, classes: Sequence[str], not
 
 def _framing_line(card: Any, lang: str) -> str:
     """How a photo is framed for the model: the resize rule and, when the model has one, its centre crop."""
-    framing = t("m_resize_crop" if card.resize == "crop" else "m_resize_pad", lang)
+    side = card.contract.shorter_side  # a served teacher's: the shorter side scaled to it, then the middle square
+    framing = (t("m_resize_pad", lang) if card.resize != "crop" else t("m_resize_crop", lang) if side is None else
+               t("m_resize_shorter", lang, side=side, size=card.contract.stored_size,
+                 share=_pct(card.contract.stored_size / side)))
     crop = card.contract.centre_crop
     return framing if crop is None else t("m_resize_centre", lang, framing=framing, share=_pct(crop))
 
@@ -385,7 +391,9 @@ def model_markdown(predictor: Any, ctx: ServeContext, lang: str, notes: Any = No
     lines += ["", t("m_rel_heading", lang), ""]
     lines += reliability or [t("m_rel_variant" if variant else "m_rel_none", lang)]
     rows = [
-        (t("m_file", lang), f"`{predictor.model_path.name}`"),
+        (t("m_file", lang), f"`{predictor.model_path.name}`"
+         # a run that kept its teacher ships it under the student's file name: say which network this is
+         + (t("m_file_teacher", lang) if (ctx.run_report or {}).get("winner") == "teacher" else "")),
         (t("m_run", lang), f"`{card.run_id}`" if card.run_id else "-"),
         (t("m_classes", lang), f"{len(card.classes)}: {classes}"),
         (t("m_accuracy", lang), _accuracy_line(card, report, lang)),

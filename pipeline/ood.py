@@ -333,8 +333,10 @@ def fit_ood_head(train_stats: Sequence[np.ndarray], train_labels: np.ndarray, va
     calib = OODCheck(method=METHOD if branch is not None else METHOD_OWN, threshold=threshold, budget=float(budget),
                      val_photos=n_val, val_flagged=float(np.mean(val_scores > threshold)), train_photos=len(labels),
                      blocks=len(blocks), branch=branch, confidence=float(confidence))
-    if calib.achieved_confidence < confidence:  # too few validation photos for what was asked: the file (its
-        calib = replace(calib, confidence=calib.achieved_confidence)  # card, Triton's config) says what holds
+    # the file (its card, Triton's config) says the confidence that holds, as the console and the Model tab do:
+    # at least the one asked, or less with too few validation photos for it
+    if 0.0 < calib.achieved_confidence < 1.0:
+        calib = replace(calib, confidence=calib.achieved_confidence)
     return head, calib, val_scores
 
 

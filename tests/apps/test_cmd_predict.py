@@ -50,11 +50,12 @@ def test_folder_with_one_broken_file(tiny_model, tmp_path, capsys):
     for name in ("a.jpg", "b.png", "c.JPEG"):
         row = by_name[name]
         expected = reference_probs(decode_image(row["path"], 16, "crop")[None], weights)[0]
-        assert row["error"] == "" and row["label"] == CLASSES[int(np.argmax(expected))]
-        assert abs(float(row["probability"]) - expected.max()) < 1e-5
-        assert row["class_1"] == row["label"] and float(row["prob_2"]) <= float(row["prob_1"])
-        assert row["uncertain"] == str(bool(expected.max() < 0.5)).lower()
-        assert row["verdict"] == ("ambiguous" if expected.max() < 0.5 else "diagnosis")
+        claimed = expected.max() >= 0.5  # an ambiguous photo's classes are class_1 and class_2, neither claimed
+        assert row["error"] == "" and row["class_1"] == CLASSES[int(np.argmax(expected))]
+        assert abs(float(row["prob_1"]) - expected.max()) < 1e-5 and float(row["prob_2"]) <= float(row["prob_1"])
+        assert (row["label"], row["probability"]) == ((row["class_1"], row["prob_1"]) if claimed else ("", ""))
+        assert row["uncertain"] == str(not claimed).lower()
+        assert row["verdict"] == ("diagnosis" if claimed else "ambiguous")
         assert row["ood_score"] == ""  # this model has no out-of-domain output
     err = capsys.readouterr().err
     assert "1 unreadable" in err and "no out-of-domain check" in err
@@ -104,8 +105,10 @@ def test_verdicts_in_csv_lines_and_summary(tiny_model, tmp_path, capsys):
         assert row["uncertain"] == str(want != "diagnosis").lower() and "class_2" not in row  # --top-k 1
         named = want != "out_of_domain"  # no class is named for a photo unlike the training photos
         top = ["angular_leaf_spot", "bean_rust", "healthy"][int(np.argmax(probs))]  # tiny_model's classes
-        assert (row["label"] == row["class_1"] == top) == named, (name, row)
-        assert bool(row["probability"]) == bool(row["prob_1"]) == named, (name, row)
+        assert (row["class_1"] == top) == named and bool(row["prob_1"]) == named, (name, row)
+        # the diagnosis columns claim a class for a diagnosis only (an ambiguous photo's are class_1 and class_2)
+        assert (row["label"] == top and bool(row["probability"])) == (want == "diagnosis"), (name, row)
+        assert want == "diagnosis" or (row["label"], row["probability"]) == ("", ""), (name, row)
         seen.add(want)
     assert seen == {"diagnosis", "ambiguous", "out_of_domain"}, seen  # the photos cover every verdict
     assert rows["grey.png"]["verdict"] == rows["digit.png"]["verdict"] == "out_of_domain"
@@ -121,7 +124,7 @@ def test_verdicts_in_csv_lines_and_summary(tiny_model, tmp_path, capsys):
     for name, row in rows.items():
         assert lines[name][1] == row["verdict"]
         if row["verdict"] == "ambiguous":  # names the top two even with --top-k 1
-            assert " or " in lines[name][2] and lines[name][2].startswith(row["label"] + " or ")
+            assert " or " in lines[name][2] and lines[name][2].startswith(row["class_1"] + " or ")
         elif row["verdict"] == "diagnosis":
             assert lines[name][2] == row["label"]
 

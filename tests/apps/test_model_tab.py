@@ -151,6 +151,13 @@ def test_the_framing_line_names_the_models_centre_crop(tiny_model):
     assert ("**Photo framing:** centre crop of the shorter side, then its middle 87.5% (chosen on the validation "
             "photos)") in md
     assert "再取中间的 87.5%" in model_markdown(crop, ServeContext(), "zh", NOTES)
+    # a served teacher's: the shorter side scaled beyond the input, then the middle (it said "centre crop of the
+    # shorter side", which a client following it would frame wider)
+    teacher = served(tiny_model, **{"leaflens.shorter_side": "18"})
+    side = teacher.card.contract.stored_size
+    assert (f"**Photo framing:** shorter side scaled to 18 px, then the middle {side} x {side} px "
+            f"({100 * side / 18:.1f}% of the shorter side)\n") in model_markdown(teacher, ServeContext(), "en", NOTES)
+    assert "短边缩放到 18 像素" in model_markdown(teacher, ServeContext(), "zh", NOTES)
 
 
 @pytest.mark.slow

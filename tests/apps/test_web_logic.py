@@ -192,7 +192,8 @@ def test_render_healthy_and_ambiguous_wording():
     res = summarise([outcome("a", [0.25, 0.4, 0.35])], CLASSES, 0.5, notes=NOTES)
     assert res["verdict"] == "ambiguous" and res["note"] is None  # no treatment notes for a guess
     value, verdict, notes_md, table = render(res, "en", NOTES)
-    assert verdict == "**Unsure between Rust and early_blight:** take another photo of one leaf, closer, in daylight."
+    assert verdict == ("**Unsure between Rust and early_blight:** take another photo of one leaf (or pest), closer, "
+                       "in daylight.")
     assert value is None and notes_md == "" and table == ""  # no ranking, no percentage, no advice
     assert "无法确定是锈病还是early_blight" in render(res, "zh", NOTES)[1]
 

@@ -12,7 +12,7 @@ import pytest
 from apps_helpers import fake_run, make_dataset, serve_args
 
 from leaflens.apps.examples import write_examples
-from leaflens.apps.model_info import discover, model_markdown, run_images
+from leaflens.apps.model_info import ServeContext, discover, model_markdown, run_images
 from leaflens.data_prep.decode import decode_image
 from leaflens.data_prep.manifest import load_dataset
 
@@ -53,7 +53,13 @@ def test_discover_follows_the_export_records(dataset, tmp_path, tiny_model):
     assert ctx.run_dir == run and ctx.dataset_root == dataset and ctx.run_report["params"] == 1234
     assert ctx.notes_path == dataset / "classes.toml" and ctx.warnings == []
     assert set(run_images(ctx)) == {"confusion", "curves"}
+    # a run that kept its teacher: curves.png is its students' training, not the served model's
+    teacher_kept = ServeContext(run_dir=run, run_report={**ctx.run_report, "winner": "teacher"})
+    assert set(run_images(teacher_kept)) == {"confusion"}
+    teacher_md = model_markdown(Predictor(model), teacher_kept, "en")
+    assert "`student.onnx` (the fine-tuned teacher, EfficientNet-Lite0" in teacher_md
     md = model_markdown(Predictor(model), ctx, "en")
+    assert "fine-tuned teacher" not in md  # a student run's file is the student
     assert "90.0% (95% confidence interval 80.0% to 95.0%, 60 test photos)" in md
     assert "16 x 16" in md and "CPUExecutionProvider" in md and "`r1`" in md and "1,234" in md
     assert "(default, not calibrated)" in md

@@ -200,10 +200,11 @@ def write_csv(path: str | os.PathLike, predictions: Iterable[Prediction], top_k:
     """Write one row per image: path, verdict, label, probability, uncertain, ood_score, class_i/prob_i, error.
 
     ``label`` and ``probability`` are the diagnosis: empty for an ambiguous photo (``uncertain`` "true"), whose
-    likeliest classes are ``class_1`` and ``class_2`` with neither claimed, as the web page says; ``class_i`` /
-    ``prob_i`` are the model's ranking. An out-of-domain photo's row names no class, as the web page and its
-    API do: only its verdict, ``uncertain`` and ``ood_score``. ``ood_score`` is empty for a model without the
-    out-of-domain output. Refused and unreadable photos have only path, verdict and error.
+    likeliest classes are ``class_1`` and ``class_2`` (``top_k`` 2 or more) with neither claimed, as the web
+    page says; ``class_i`` / ``prob_i`` are the model's ranking. An out-of-domain photo's row names no class,
+    as the web page and its API do: only its verdict, ``uncertain`` and ``ood_score``. ``ood_score`` is empty
+    for a model without the out-of-domain output. Refused and unreadable photos have only path, verdict and
+    error.
     ``leading``: (names, one list of values per prediction) of columns written first (the web page's download
     says which diagnosis each row belongs to). Written to a temporary file beside ``path`` and renamed into
     place, so a reader never sees a half-written file.

@@ -174,17 +174,23 @@ def check_listen(host: str, port: int) -> bool:
 def _check_corrections_folder(args: argparse.Namespace) -> None:
     """The corrections folder must be one this server can create and write, apart from the upload folder
     (uploads inside it would become a class folder of the next `leaflens preprocess --also`)."""
-    from leaflens.apps.corrections import LOG_NAME  # noqa: PLC0415
+    from leaflens.apps.corrections import LOCK_NAME, LOG_NAME  # noqa: PLC0415
 
     folder = Path(args.corrections)
     if folder.exists() and not folder.is_dir():
         raise UsageError(f"--corrections {folder}: exists and is not a folder")
     # photos saved into someone else's folder (the training photos themselves, say) would skip the rules that
-    # `preprocess --also` keeps for corrections: a folder this server did not start is refused, as --out ones are
-    if folder.is_dir() and not (folder / LOG_NAME).exists() and any(
-            not n.startswith(".") for n in os.listdir(folder)):
-        raise UsageError(f"--corrections {folder}: not empty and not a corrections folder (no {LOG_NAME} in it); "
-                         "give a new or empty folder (the server makes its class folders and the log itself)")
+    # `preprocess --also` keeps for corrections: a folder no server started (no log, and no lock: a first save
+    # that failed leaves a class folder and the lock only) is refused, as --out folders are
+    if folder.is_dir() and not (folder / LOG_NAME).exists() and not (folder / LOCK_NAME).exists():
+        try:
+            others = [n for n in os.listdir(folder) if not n.startswith(".")]
+        except OSError as exc:
+            raise UsageError(f"--corrections {folder}: cannot be read ({exc.strerror or exc}); give another folder, "
+                             "or --no-corrections") from None
+        if others:
+            raise UsageError(f"--corrections {folder}: not empty and not a corrections folder (no {LOG_NAME} in it); "
+                             "give a new or empty folder (the server makes its class folders and the log itself)")
     here = folder
     while not here.exists() and here != here.parent:
         here = here.parent

@@ -66,9 +66,9 @@ try:
 except ImportError:  # Windows: one server per folder
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["DEFAULT_DIR", "DEFAULT_MAX_MB", "LOG_NAME", "NOT_A_LEAF", "REASONS", "REQUEST_REASONS", "CorrectionError",
-           "CorrectionStore", "Saved", "apply_correction", "mixed_answer", "render_correction", "size_text",
-           "sniff_extension"]
+__all__ = ["DEFAULT_DIR", "DEFAULT_MAX_MB", "LOCK_NAME", "LOG_NAME", "NOT_A_LEAF", "REASONS", "REQUEST_REASONS",
+           "CorrectionError", "CorrectionStore", "Saved", "apply_correction", "mixed_answer", "render_correction",
+           "size_text", "sniff_extension"]
 
 log = logging.getLogger("leaflens.serve")
 
@@ -84,7 +84,7 @@ _INCOMING = "incoming"  # temporary files are ".incoming.tmp-<pid>-<random>" in 
 _CHUNK = 1024 * 1024
 _NAME_TRIES = 8
 _LINE_ROOM = 4096  # room kept for a photo's log line when checking the cap
-_LOCK_NAME = ".lock"  # flock()ed by a save (see the module docstring)
+LOCK_NAME = ".lock"  # flock()ed by a save (see the module docstring)
 _COUNT_AGE_S = 5.0  # is_full() counts the folder again after this many seconds
 
 
@@ -305,7 +305,7 @@ class CorrectionStore:
     def _folder_lock(self) -> Any:
         """Exclusive use of the folder against other processes (other servers given the same folder)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / _LOCK_NAME, "a+b") as fh:
+        with open(self.root / LOCK_NAME, "a+b") as fh:
             if fcntl is not None:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
             try:

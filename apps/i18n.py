@@ -139,8 +139,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_classes": "Classes",
         "m_input": "Input size",
         "m_resize": "Photo framing",
-        "m_file_teacher": (" (the fine-tuned teacher, EfficientNet-Lite0: the run kept it because no student came "
-                           "close on validation)"),
+        "m_file_teacher": (" (the fine-tuned teacher, EfficientNet-Lite0, kept by the run over its students: its "
+                           "report.md says why)"),
         "m_resize_crop": "centre crop of the shorter side",
         "m_resize_shorter": ("shorter side scaled to {side} px, then the middle {size} x {size} px ({share} of the "
                              "shorter side)"),
@@ -396,7 +396,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "m_classes": "类别",
         "m_input": "输入尺寸",
         "m_resize": "取景方式",
-        "m_file_teacher": "（微调后的教师模型 EfficientNet-Lite0：验证集上没有学生模型接近它，因此保留了它）",
+        "m_file_teacher": "（微调后的教师模型 EfficientNet-Lite0，运行时保留了它而不是学生模型：原因见 report.md）",
         "m_resize_crop": "按短边居中裁剪",
         "m_resize_shorter": "短边缩放到 {side} 像素，再取中间的 {size} x {size} 像素（短边的 {share}）",
         "m_resize_pad": "整张照片，补边",

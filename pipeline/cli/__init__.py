@@ -109,13 +109,19 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
     try:
-        return _run(argv, command)
+        code = _run(argv, command)
+        if whole_process:  # what is still buffered is written here, where a closed pipe is caught, not at exit
+            sys.stdout.flush()
+            sys.stderr.flush()
+        return code
     except KeyboardInterrupt:  # Ctrl-C before the command began (while its modules were imported): nothing to undo
         print("interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader of our output went away (`leaflens predict ... | head`): stop quietly
-        if whole_process:  # as a command killed by SIGPIPE; no second error when Python flushes stdout at exit
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if whole_process:  # as a command killed by SIGPIPE; no second error when Python flushes at exit
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            for stream in (sys.stdout, sys.stderr):
+                os.dup2(devnull, stream.fileno())
         return EXIT_BROKEN_PIPE
     except OSError as exc:
         said = _disk_problem(exc, command)

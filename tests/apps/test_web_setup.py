@@ -260,7 +260,7 @@ def test_a_corrections_folder_the_server_did_not_start_is_refused(tmp_path, caps
     """`--corrections <the training photos>` saved corrections straight into the source classes, past the rules
     `preprocess --also` keeps for them."""
     from leaflens.apps import cmd_serve
-    from leaflens.apps.corrections import LOG_NAME
+    from leaflens.apps.corrections import LOCK_NAME, LOG_NAME
 
     monkeypatch.setattr("leaflens.apps.web.launch", lambda *a, **k: pytest.fail("the server was started"))
     model, _ = tiny_model()
@@ -271,8 +271,11 @@ def test_a_corrections_folder_the_server_did_not_start_is_refused(tmp_path, caps
     assert f"--corrections {photos}: not empty and not a corrections folder (no {LOG_NAME} in it)" in \
         capsys.readouterr().err
     (tmp_path / "empty").mkdir()
+    failed_first = tmp_path / "failed_first"  # a first save that failed (disk full): its class folder and lock only
+    (failed_first / "healthy").mkdir(parents=True)
+    (failed_first / LOCK_NAME).write_bytes(b"")
     (photos / LOG_NAME).write_text("")  # a folder a server started: its log beside its class folders
-    for ours in (tmp_path / "new", tmp_path / "empty", photos):
+    for ours in (tmp_path / "new", tmp_path / "empty", failed_first, photos):
         cmd_serve._check_corrections_folder(serve_args(model=model, corrections=ours))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -102,6 +103,49 @@ PIPED = textwrap.dedent("""
     sys.argv = ["leaflens", "predict"]
     sys.exit(cli.main())
 """)
+
+
+LATE = textwrap.dedent("""
+    import sys, time
+    from leaflens.pipeline import cli
+    def some_lines(argv, command):  # more than Python's 8 KB buffer, less than two: the rest is written at the end
+        for i in range(500):
+            print(f"photo_{i:04d}.jpg\\thealthy\\t0.97")
+        time.sleep(1.0)  # the reader has gone by now
+        return 0
+    cli._run = some_lines
+    sys.argv = ["leaflens", "predict"]
+    sys.exit(cli.main())
+""")
+
+ON_STDERR = textwrap.dedent("""
+    import sys
+    from leaflens.pipeline import cli
+    def progress(argv, command):  # a training command's progress lines, read through `2>&1 | head`
+        for i in range(200000):
+            print(f"epoch {i}: loss 0.5", file=sys.stderr)
+        return 0
+    cli._run = progress
+    sys.argv = ["leaflens", "teacher"]
+    sys.exit(cli.main())
+""")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX pipes")
+@pytest.mark.parametrize("script, stream", [(LATE, "stdout"), (ON_STDERR, "stderr")])
+def test_output_left_for_the_end_or_on_stderr_ends_quietly_too(script, stream):
+    """Output still buffered when the command returned was written at exit, past the handler ("Exception ignored
+    ... BrokenPipeError", exit 120), and so was stderr after a closed `2>&1 | head`."""
+    out = subprocess.PIPE if stream == "stdout" else subprocess.DEVNULL
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=out, stderr=subprocess.PIPE,
+                            env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"})
+    pipe = proc.stdout if stream == "stdout" else proc.stderr
+    assert pipe is not None and pipe.readline()
+    pipe.close()
+    other = proc.stderr if stream == "stdout" else None
+    said = other.read() if other is not None else b""
+    assert proc.wait(timeout=120) == 141, said.decode()
+    assert b"Traceback" not in said and b"Exception ignored" not in said, said.decode()
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX pipes")

@@ -43,14 +43,15 @@ DATASET := $(ART)/dataset
 TEACHER := $(ART)/teacher
 STUDENT := $(ART)/student
 EXPORT := $(ART)/export
-# On the synthetic demo data the stages use shorter recipes (pipeline/distill_demo.toml: [teacher], [train]...).
+# On the synthetic demo data the stages use shorter recipes (pipeline/distill_demo.toml: [teacher], [train]...),
+# also when TEACHER_ARGS or DISTILL_ARGS are given, unless they name a --config of their own.
 ifeq ($(abspath $(DATA)),$(abspath $(SYNTH)))
-TEACHER_ARGS ?= --config pipeline/distill_demo.toml
-DISTILL_ARGS ?= --config pipeline/distill_demo.toml
+DEMO_RECIPE := --config pipeline/distill_demo.toml
 else
+DEMO_RECIPE :=
+endif
 TEACHER_ARGS ?=
 DISTILL_ARGS ?=
-endif
 EXPORT_ARGS ?=
 # RESUME=1: the teacher and distill stages go on from an interrupted run's checkpoints (--resume) instead of
 # starting over; they refuse, and say why, when there is none or it was for other data.
@@ -69,10 +70,11 @@ help:
 	@echo "make teacher        teacher features -> $(TEACHER) (TEACHER_ARGS=--frozen|--onnx M|--train-cnn)"
 	@echo "make distill        student, distilled and from scratch -> $(STUDENT) (DISTILL_ARGS=...)"
 	@echo "make export         ONNX FP32/FP16 (+INT8 when within 1 point) + Triton repository -> $(EXPORT) (EXPORT_ARGS=...)"
-	@echo "make serve          the local web app on 127.0.0.1:7860 (SERVE_ARGS=\"--port 8080 ...\")"
+	@echo "make serve          the local web app on 127.0.0.1:7860, serving the export as it is (SERVE_ARGS=\"--port 8080 ...\")"
 	@echo "                    RESUME=1: go on from an interrupted teacher/distill; ART=<folder> instead of $(ART)"
 	@echo "                    (paths with spaces: use the leaflens commands the README gives instead of make)"
 	@echo "make venv           the virtual environment $(VENV) with leaflens installed from this folder"
+	@echo "                    (EXTRAS=$(EXTRAS); on an NVIDIA machine e.g. EXTRAS=dev,gpu-cuda12,teacher)"
 	@echo "make bench-engine   engine training-step speed (vs PyTorch when installed)"
 	@echo "make bench-mnist    MNIST with the engine (MNIST=dir with the IDX files)"
 	@echo "make bench-ibeans   iBeans teacher and students (IBEANS=dir with train/ val/ test/, default $(IBEANS))"
@@ -153,17 +155,20 @@ $(ART)/.make-export.args: export STAGE_GIVEN = $(call given,EXPORT_ARGS)
 # a stage's options: as given, else the last ones given (its file, unless dated 1970: defaults), else defaults
 stage_args = $(if $(call given,$(2)),$($(2)),$(if $(shell find $(ART)/.make-$(1).args -newermt 1971-01-01 \
 	2>/dev/null),$(shell cat $(ART)/.make-$(1).args),$($(2))))
+# the demo's recipe before a stage's options, unless they give a --config of their own (one is read)
+with_recipe = $(strip $(if $(filter --config --config=%,$(1)),,$(DEMO_RECIPE)) $(1))
 TEACHER_WORK = $(wildcard $(dir $(TEACHER)).$(notdir $(TEACHER)).finetune-work $(dir $(TEACHER)).$(notdir $(TEACHER)).cnn-work)
 
 $(TEACHER)/teacher.json: $(DATASET)/manifest.json $(ART)/.make-teacher.args
 	$(LEAFLENS) teacher --dataset $(DATASET) --out $(TEACHER) $(if $(and $(RESUME),$(TEACHER_WORK)),--resume) \
-		$(call stage_args,teacher,TEACHER_ARGS)
+		$(call with_recipe,$(call stage_args,teacher,TEACHER_ARGS))
 
 teacher: $(TEACHER)/teacher.json
 
 $(STUDENT)/best.npz: $(TEACHER)/teacher.json $(ART)/.make-distill.args
 	$(LEAFLENS) distill --dataset $(DATASET) --teacher $(TEACHER) --out $(STUDENT) \
-		$(if $(and $(RESUME),$(wildcard $(STUDENT).partial)),--resume) $(call stage_args,distill,DISTILL_ARGS)
+		$(if $(and $(RESUME),$(wildcard $(STUDENT).partial)),--resume) \
+		$(call with_recipe,$(call stage_args,distill,DISTILL_ARGS))
 
 distill: $(STUDENT)/best.npz
 
@@ -172,8 +177,12 @@ $(EXPORT)/student.onnx: $(STUDENT)/best.npz $(ART)/.make-export.args
 
 export: $(EXPORT)/student.onnx
 
-serve: $(EXPORT)/student.onnx
-	$(LEAFLENS) serve --model $(EXPORT)/student.onnx --corrections $(CORRECTIONS) $(SERVE_ARGS)
+SERVE_CMD = $(LEAFLENS) serve --model $(EXPORT)/student.onnx --corrections $(CORRECTIONS) $(SERVE_ARGS)
+# serve: the exported model as it is, made first only when there is none. A machine that only serves (the model
+# copied there) has no photos or stages to remake it from, and must never have it replaced by a retrained demo;
+# `make export serve` (or `make demo`) brings the export up to date first.
+serve: $(if $(wildcard $(EXPORT)/student.onnx),,$(EXPORT)/student.onnx) | $(VENV)/.installed
+	$(SERVE_CMD)
 
 # `make demo` is the synthetic demo: after `make preprocess DATA=photos` the remembered photos' stages fill
 # $(ART), and running the demo there would replace the model trained on them.
@@ -200,7 +209,8 @@ endif
 endif
 endif
 
-demo: $(if $(DEMO_BLOCKED),demo-blocked,serve)
+demo: $(if $(DEMO_BLOCKED),demo-blocked,$(EXPORT)/student.onnx)
+	$(SERVE_CMD)
 
 demo-blocked:
 	@echo "make demo: $(ART) holds the stages of your own photos ($(DEMO_WHY));" >&2

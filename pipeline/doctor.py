@@ -318,6 +318,20 @@ def limiting_member(estimates: Sequence[dict[str, Any]]) -> int:
     return min(range(len(estimates)), key=lambda i: estimates[i]["batch"])
 
 
+def extras_facts() -> dict[str, Any]:
+    """What the optional extras give here: the EfficientNet-Lite0 weights (the default teacher's, and the lite
+    students' start; ``lite0_weights``: their file, None when missing), gradio (the web app) and pillow-heif
+    (HEIC photos), as versions (None: not installed)."""
+    from leaflens.pipeline.hardware import _version  # noqa: PLC0415
+    from leaflens.pipeline.models import pretrained  # noqa: PLC0415
+
+    try:
+        weights: str | None = str(pretrained.find_lite0_weights())
+    except pretrained.WeightsNotFoundError:
+        weights = None
+    return {"lite0_weights": weights, "gradio": _version("gradio"), "pillow_heif": _version("pillow_heif")}
+
+
 def _request(member: MemberSpec, device: str) -> dict[str, Any]:
     spec = member.spec
     req = {"model": "student", "input_size": member.input_size, "widths": list(spec.widths),
@@ -359,7 +373,7 @@ def collect_family(family: Sequence[MemberSpec], measure_bandwidth: bool = True,
     if gpu["available"]:
         gpu["batch_estimate"] = estimates[limit]
     facts: dict[str, Any] = {
-        "software": software_facts(),
+        "software": {**software_facts(), **extras_facts()},
         "cpu": cpu_facts(),
         "gpu": gpu,
         "gpu_stacks": gpu_stack_facts(),

@@ -278,6 +278,16 @@ def evaluate_not_known(predictor: Predictor, folder: str | os.PathLike[str], bat
     files = collect_images([root])
     if not files:
         raise EvaluationError(f"--not-known {folder}: no photos in it")
+    own = sorted(c for c in predictor.classes if (root / c).is_dir())
+    if own:  # the model's own classes: each right answer would be counted as a photo wrongly diagnosed
+        print(f"warning: --not-known {folder} holds folders named as the model's classes ({', '.join(own[:5])}"
+              f"{', ...' if len(own) > 5 else ''}): their photos are counted as photos of no class, so every right "
+              "answer to them counts as a wrong diagnosis; give a folder of photos of none of its classes",
+              file=sys.stderr)
+    if not predictor.has_ood:
+        print(f"note: {predictor.model_path.name} has no out-of-domain check, so none of these photos can be called "
+              "\"not a photo this model knows\"; export the model again (leaflens export) to add one",
+              file=sys.stderr)
     counts = {"out_of_domain": 0, "ambiguous": 0, "refused": 0, "diagnosis": 0}
     diagnoses: Counter[str] = Counter()
     unreadable = []
@@ -305,7 +315,9 @@ def format_not_known(nk: dict[str, Any]) -> list[str]:
     lines += [f"  {what:<30} {k:>6} ({k / n:.1%})" + (f": {given}" if what == "given a diagnosis" and given else "")
               for what, k in rows]
     if nk["unreadable"]:
-        lines.append(f"  {len(nk['unreadable'])} could not be read and are not counted")
+        k = len(nk["unreadable"])
+        lines.append(f"  {k} could not be read and {'is' if k == 1 else 'are'} not counted: "
+                     + ", ".join(str(u["file"]) for u in nk["unreadable"][:5]) + (", ..." if k > 5 else ""))
     return lines
 
 

@@ -162,3 +162,15 @@ def test_a_worker_that_dies_is_said_in_words_not_a_broken_pool_traceback():
     with pytest.raises(cpus.WorkerDied, match="a worker process stopped abruptly .*fewer --workers"):
         with cpus.worker_pool(2) as pool:
             list(pool.map(_die_in, range(8)))
+
+
+def test_a_bad_leaflens_threads_is_one_line_and_a_usage_error(monkeypatch, capsys):
+    """`LEAFLENS_THREADS=abc leaflens evaluate ...` ended in a ValueError traceback, exit 1."""
+    from leaflens.pipeline.cli import main as cli
+
+    for value, says in (("abc", "is not a whole number of threads"), ("0", "must be at least 1")):
+        monkeypatch.setenv("LEAFLENS_THREADS", value)
+        assert cli(["doctor", "--json"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"leaflens doctor: LEAFLENS_THREADS='{value}'") and says in err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -351,6 +351,48 @@ def test_the_demo_without_make_is_what_make_demo_runs(tmp_path):
     assert written == made
 
 
+def test_make_serve_serves_the_export_as_it_is(tmp_path):
+    """On a machine that only serves (the model copied into artifacts/export/), `make serve` ran every stage:
+    synthetic photos, preprocess, teacher, distill, export, then served the retrained demo model in place of the
+    copied one. It serves the file there; `make demo` still brings the export up to date first."""
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "student.onnx").write_bytes(b"copied here")
+    stages = {}
+    for target in ("serve", "demo"):
+        out = subprocess.run(["make", "-n", target, f"ART={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        stages[target] = [line.split(" -m leaflens ", 1)[1].split()[0] for line in out.stdout.splitlines()
+                          if " -m leaflens " in line]
+    assert stages["serve"] == ["serve"]
+    assert stages["demo"] == ["data", "preprocess", "teacher", "distill", "export", "serve"]
+
+
+def test_stage_options_given_on_the_demo_data_keep_the_demo_recipe(tmp_path):
+    """`make distill DISTILL_ARGS="--seed 1"` on the demo's data dropped --config pipeline/distill_demo.toml: hours
+    of the full recipe on 2 cores instead of minutes. A --config of the user's own is the one read."""
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+
+    def distill_line(*extra: str) -> str:
+        out = subprocess.run(["make", "-n", "distill", f"ART={tmp_path}", *extra], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        line = " ".join(out.stdout.replace("\\\n", " ").split())
+        return line.split("-m leaflens distill", 1)[1].split(" -m leaflens ", 1)[0]
+
+    assert distill_line("DISTILL_ARGS=--seed 1").endswith("--config pipeline/distill_demo.toml --seed 1")
+    own = distill_line("DISTILL_ARGS=--config mine.toml --seed 1")
+    assert own.endswith("--config mine.toml --seed 1") and "distill_demo" not in own
+    assert "distill_demo" not in distill_line("DATA=photos")  # real photos: the full recipe
+
+
 def test_the_engine_example_trains():
     """The README's example of the engine on its own runs and learns (it is the in-place update a student writes;
     before, ``p -= ...`` updated nothing)."""

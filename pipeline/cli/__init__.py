@@ -38,6 +38,18 @@ def path_arg(text: str) -> Path:
     return Path(text)
 
 
+class Once(argparse.Action):
+    """``action=`` for an option that may be given once (``--config``): a second one is a usage error, where
+    argparse would keep the last and drop the first without a word."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} given twice: one file is read, the other would be ignored; put the "
+                         "settings in one file, or give single settings with --set key=value")
+        setattr(namespace, self.dest, values)
+
+
 def path_text_arg(text: str) -> str:
     """:func:`path_arg` for options read as text."""
     path_arg(text)
@@ -174,6 +186,14 @@ def _file_in_the_way(path: object) -> bool:
 
 
 def _run(argv: list[str], command: str | None) -> int:
+    from leaflens.cpus import threads_override  # noqa: PLC0415
+
+    try:  # a bad LEAFLENS_THREADS is a usage error, said once here, not a traceback from the first op to ask
+        threads_override()
+    except ValueError as exc:
+        print(f"leaflens{' ' + command if command else ''}: {exc}; unset it or give a whole number of threads, "
+              "e.g. LEAFLENS_THREADS=2", file=sys.stderr)
+        return EXIT_USAGE
     configure_process(engine=command in ENGINE_COMMANDS)
     parser = build_parser(only=command if command in SUBCOMMANDS else None)
     args, extra = parser.parse_known_args(argv)

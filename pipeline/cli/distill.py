@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from leaflens.pipeline.cli import EXIT_REFUSED, EXIT_STOPPED, EXIT_USAGE, interrupted, path_arg
+from leaflens.pipeline.cli import EXIT_REFUSED, EXIT_STOPPED, EXIT_USAGE, Once, interrupted, path_arg
 from leaflens.pipeline.config import (
     DEFAULT_CONFIG,
     ConfigError,
@@ -35,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="teacher folder, as `leaflens teacher` writes it (default %(default)s)")
     p.add_argument("--out", type=path_arg, default=Path("artifacts/student"),
                    help="run folder to write (default %(default)s)")
-    p.add_argument("--config", type=path_arg, help="TOML file overriding the defaults")
+    p.add_argument("--config", type=path_arg, action=Once, help="TOML file overriding the defaults (once)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one setting, e.g. --set train.epochs=10 (repeatable)")
     p.add_argument("--no-teacher", action="store_true", help="train from scratch only (cross-entropy alone)")

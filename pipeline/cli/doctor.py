@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from leaflens.cpus import THREADS_ENV
+from leaflens.extras import install_command
 from leaflens.pipeline.cli import path_arg
 from leaflens.pipeline.doctor import (
     MemberSpec,
@@ -148,6 +149,11 @@ def render(facts: dict[str, Any]) -> str:
         out.add(label, sw[key] or "not installed")
     if sw.get("onnxruntime_providers"):
         out.add("onnxruntime providers", ", ".join(sw["onnxruntime_providers"]))
+    if "lite0_weights" in sw:  # facts saved before they were recorded have none
+        out.add("Lite0 weights", sw["lite0_weights"] or "not installed: no EfficientNet-Lite0 teacher, and distill "
+                f"trains the 'm' student instead of 'lite8' ({install_command('teacher')})")
+        out.add("gradio", sw.get("gradio") or f"not installed: no web app ({install_command('serve-cpu')})")
+        out.add("pillow-heif", sw.get("pillow_heif") or "not installed: HEIC photos are not read")
     out.rows.append("cpu")
     out.add("model", cpu["model"] or "unknown")
     out.add("cores", f"{cpu['logical_cores']} logical, {cpu['usable_cores']} usable by this process"
@@ -215,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         except Exception as exc:  # CheckpointError, a missing folder, a foreign file
             print(f"doctor: cannot read the run {args.run}: {exc}", file=sys.stderr)
             return 2
-        size = args.input_size or size
+        size = size if args.input_size is None else args.input_size
     else:
         from leaflens.pipeline.distill import without_missing_weights  # noqa: PLC0415
 
@@ -223,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         # (a family named with --family is sized as asked: distill refuses a liteN member it cannot start)
         recipe = (load_config() if args.family is not None else without_missing_weights(load_config(),
                                                                                         sizing=True)).model
-        spec, size = default_spec(), args.input_size or recipe.input_size or 64
+        spec, size = default_spec(), args.input_size if args.input_size is not None else recipe.input_size or 64
         if args.model != "student":
             print(f"doctor: unknown --model {args.model!r}: only 'student' can be sized", file=sys.stderr)
             return 2
@@ -238,8 +244,8 @@ def run(args: argparse.Namespace) -> int:
                     args.family))), family_given=True)
             except ValueError as exc:
                 print(f"note: distill --family {args.family} would be refused here: {exc}", file=sys.stderr)
-    if size < 8:
-        print(f"doctor: --input-size must be >= 8, got {size}", file=sys.stderr)
+    if not 8 <= size <= 1024:  # as model.input_size: a 0 was sized at 64 without a word, 100000 tried
+        print(f"doctor: --input-size must be from 8 to 1024, got {size}", file=sys.stderr)
         return 2
     if args.classes is not None and args.classes < 2:
         print(f"doctor: --classes must be >= 2 (a classifier tells classes apart), got {args.classes}",

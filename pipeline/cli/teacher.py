@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from leaflens.pipeline.cli import EXIT_REFUSED, EXIT_STOPPED, EXIT_USAGE, interrupted, path_arg
+from leaflens.pipeline.cli import EXIT_REFUSED, EXIT_STOPPED, EXIT_USAGE, Once, interrupted, path_arg
 from leaflens.pipeline.config import (
     ConfigError,
     epochs_as_given,
@@ -32,7 +32,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "the dataset by the engine (use --frozen to skip fine-tuning). Alternatives: --onnx, "
                     "--features, --train-cnn. The recipe is the [teacher] section of pipeline/distill_default.toml "
                     "(--config, --set teacher.key=value); the flags below that name a setting override it.")
-    p.add_argument("--config", type=path_arg, help="TOML file overriding the default recipe (its [teacher] section)")
+    p.add_argument("--config", type=path_arg, action=Once,
+                   help="TOML file overriding the default recipe (its [teacher] section; once)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one setting, e.g. --set teacher.epochs=4 (repeatable)")
     p.add_argument("--dataset", type=path_arg, default=Path("artifacts/dataset"),

@@ -111,8 +111,9 @@ def test_cpu_step_peak_is_measured_and_grows_with_the_batch():
 
 
 def test_doctor_rejects_tiny_input(capsys):
-    assert main(["doctor", "--input-size", "2"]) == 2
-    assert "--input-size must be >= 8" in capsys.readouterr().err
+    for size in ("2", "0", "100000"):  # 0 was sized at 64 without a word, 100000 accepted
+        assert main(["doctor", "--input-size", size, "--no-measure"]) == 2
+        assert f"--input-size must be from 8 to 1024, got {size}" in capsys.readouterr().err
     assert main(["doctor", "--classes", "0"]) == 2  # it sized a 0-class model
     assert "--classes must be >= 2" in capsys.readouterr().err
 
@@ -244,3 +245,21 @@ def test_gpu_batch_estimate_is_positive_and_a_step_at_that_batch_fits(precision)
     assert est["batch"] > 0, est
     peak = doctor.measure_train_step_peak_bytes(spec, 32, est["batch"])
     assert peak <= free, (peak, est)
+
+
+def test_doctor_says_which_extras_are_installed(monkeypatch, capsys):
+    """Without the Lite0 weights doctor sized another student than the default and never said why; gradio and
+    pillow-heif went unmentioned too."""
+    from leaflens.pipeline.models import pretrained
+
+    def missing(path=None):
+        raise pretrained.WeightsNotFoundError("not installed")
+
+    monkeypatch.setattr(pretrained, "find_lite0_weights", missing)
+    assert main(["doctor", "--json", "--no-measure"]) == 0
+    sw = json.loads(capsys.readouterr().out)["software"]
+    assert sw["lite0_weights"] is None and {"gradio", "pillow_heif"} <= set(sw)
+    assert main(["doctor", "--no-measure"]) == 0
+    text = capsys.readouterr().out
+    assert "Lite0 weights          not installed: no EfficientNet-Lite0 teacher, and distill trains the 'm' student" \
+        in text and "[teacher]" in text

@@ -196,6 +196,15 @@ def test_a_flag_s_bad_value_is_named_as_the_flag_was_typed(capsys):
         load_config(None, ["train.lr=-1"])
 
 
+@pytest.mark.parametrize("command", ["distill", "teacher"])
+def test_a_second_config_file_is_refused_not_dropped(command, capsys):
+    """`--config a.toml --config b.toml` read b alone and dropped a's settings without a word."""
+    with pytest.raises(SystemExit) as stop:
+        cli([command, "--config", "a.toml", "--config", "b.toml"])
+    assert stop.value.code == 2
+    assert "--config given twice: one file is read, the other would be ignored" in capsys.readouterr().err
+
+
 def test_teacher_cli_reads_its_recipe_from_the_config(tmp_path, capsys):
     ds_dir = tiny_dataset(tmp_path, per_class=8, size=16)
     user = tmp_path / "recipe.toml"

@@ -416,5 +416,12 @@ def test_not_known_photos_are_counted_by_what_the_model_answers_them(tmp_path, c
     assert nk["diagnosed_share"] == pytest.approx(diagnosed.sum() / nk["n"])
     assert outside.any() and diagnosed.any()  # precondition: both kinds of answer are counted
     assert f"photos of no class of the model: {nk['n']} in" in out and "turned away before the model" in out
+    assert "1 could not be read and is not counted: " in out and "broken.jpg" in out  # which one
     assert main(["evaluate", str(photos), "--model", str(model), "--not-known", str(tmp_path / "nowhere")]) == 2
     assert "--not-known" in capsys.readouterr().err
+    # the model's own class folders as --not-known: every right answer would count as a wrong diagnosis
+    assert main(["evaluate", str(photos), "--model", str(model), "--not-known", str(photos)]) == 0
+    assert "holds folders named as the model's classes" in capsys.readouterr().err
+    plain = build_tiny_model(tmp_path / "plain.onnx", weights, 16, leaflens_metadata(CLASSES, 16))
+    assert main(["evaluate", str(photos), "--model", str(plain), "--not-known", str(tmp_path / "other")]) == 1
+    assert "plain.onnx has no out-of-domain check, so none of these photos can be called" in capsys.readouterr().err

@@ -155,8 +155,9 @@ $(ART)/.make-export.args: export STAGE_GIVEN = $(call given,EXPORT_ARGS)
 # a stage's options: as given, else the last ones given (its file, unless dated 1970: defaults), else defaults
 stage_args = $(if $(call given,$(2)),$($(2)),$(if $(shell find $(ART)/.make-$(1).args -newermt 1971-01-01 \
 	2>/dev/null),$(shell cat $(ART)/.make-$(1).args),$($(2))))
-# the demo's recipe before a stage's options, unless they give a --config of their own (one is read)
-with_recipe = $(strip $(if $(filter --config --config=%,$(1)),,$(DEMO_RECIPE)) $(1))
+# the demo's recipe before a stage's options, unless they give a --config of their own (one is read; argparse
+# takes --conf for it too); the options otherwise as typed
+with_recipe = $(if $(filter --con%,$(1)),,$(DEMO_RECIPE) )$(1)
 TEACHER_WORK = $(wildcard $(dir $(TEACHER)).$(notdir $(TEACHER)).finetune-work $(dir $(TEACHER)).$(notdir $(TEACHER)).cnn-work)
 
 $(TEACHER)/teacher.json: $(DATASET)/manifest.json $(ART)/.make-teacher.args
@@ -180,8 +181,9 @@ export: $(EXPORT)/student.onnx
 SERVE_CMD = $(LEAFLENS) serve --model $(EXPORT)/student.onnx --corrections $(CORRECTIONS) $(SERVE_ARGS)
 # serve: the exported model as it is, made first only when there is none. A machine that only serves (the model
 # copied there) has no photos or stages to remake it from, and must never have it replaced by a retrained demo;
-# `make export serve` (or `make demo`) brings the export up to date first.
-serve: $(if $(wildcard $(EXPORT)/student.onnx),,$(EXPORT)/student.onnx) | $(VENV)/.installed
+# `make export serve` (or `make demo`) brings the export up to date first, -j or not.
+serve: $(if $(or $(filter export,$(MAKECMDGOALS)),$(if $(wildcard $(EXPORT)/student.onnx),,none)),$(EXPORT)/student.onnx) \
+		| $(VENV)/.installed
 	$(SERVE_CMD)
 
 # `make demo` is the synthetic demo: after `make preprocess DATA=photos` the remembered photos' stages fill
@@ -210,7 +212,7 @@ endif
 endif
 
 demo: $(if $(DEMO_BLOCKED),demo-blocked,$(EXPORT)/student.onnx)
-	$(SERVE_CMD)
+	$(if $(DEMO_BLOCKED),,$(SERVE_CMD))
 
 demo-blocked:
 	@echo "make demo: $(ART) holds the stages of your own photos ($(DEMO_WHY));" >&2

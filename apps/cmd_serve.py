@@ -182,15 +182,15 @@ def _check_corrections_folder(args: argparse.Namespace) -> None:
     # photos saved into someone else's folder (the training photos themselves, say) would skip the rules that
     # `preprocess --also` keeps for corrections: a folder no server started (no log, and no lock: a first save
     # that failed leaves a class folder and the lock only) is refused, as --out folders are
-    if folder.is_dir() and not (folder / LOG_NAME).exists() and not (folder / LOCK_NAME).exists():
-        try:
-            others = [n for n in os.listdir(folder) if not n.startswith(".")]
-        except OSError as exc:
-            raise UsageError(f"--corrections {folder}: cannot be read ({exc.strerror or exc}); give another folder, "
-                             "or --no-corrections") from None
-        if others:
-            raise UsageError(f"--corrections {folder}: not empty and not a corrections folder (no {LOG_NAME} in it); "
-                             "give a new or empty folder (the server makes its class folders and the log itself)")
+    try:  # a folder that cannot be entered raises here too (exists() included)
+        started = not folder.is_dir() or (folder / LOG_NAME).exists() or (folder / LOCK_NAME).exists()
+        others = [] if started else [n for n in os.listdir(folder) if not n.startswith(".")]
+    except OSError as exc:
+        raise UsageError(f"--corrections {folder}: cannot be read ({exc.strerror or exc}); give another folder, "
+                         "or --no-corrections") from None
+    if others:
+        raise UsageError(f"--corrections {folder}: not empty and not a corrections folder (no {LOG_NAME} in it); "
+                         "give a new or empty folder (the server makes its class folders and the log itself)")
     here = folder
     while not here.exists() and here != here.parent:
         here = here.parent

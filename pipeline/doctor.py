@@ -322,14 +322,21 @@ def extras_facts() -> dict[str, Any]:
     """What the optional extras give here: the EfficientNet-Lite0 weights (the default teacher's, and the lite
     students' start; ``lite0_weights``: their file, None when missing), gradio (the web app) and pillow-heif
     (HEIC photos), as versions (None: not installed)."""
-    from leaflens.pipeline.hardware import _version  # noqa: PLC0415
+    from importlib import metadata  # noqa: PLC0415
+
     from leaflens.pipeline.models import pretrained  # noqa: PLC0415
+
+    def installed(dist: str) -> str | None:  # from the package's metadata: importing gradio takes seconds
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
 
     try:
         weights: str | None = str(pretrained.find_lite0_weights())
-    except pretrained.WeightsNotFoundError:
+    except (pretrained.WeightsNotFoundError, OSError):
         weights = None
-    return {"lite0_weights": weights, "gradio": _version("gradio"), "pillow_heif": _version("pillow_heif")}
+    return {"lite0_weights": weights, "gradio": installed("gradio"), "pillow_heif": installed("pillow-heif")}
 
 
 def _request(member: MemberSpec, device: str) -> dict[str, Any]:

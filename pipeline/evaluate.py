@@ -281,9 +281,9 @@ def evaluate_not_known(predictor: Predictor, folder: str | os.PathLike[str], bat
     own = sorted(c for c in predictor.classes if (root / c).is_dir())
     if own:  # the model's own classes: each right answer would be counted as a photo wrongly diagnosed
         print(f"warning: --not-known {folder} holds folders named as the model's classes ({', '.join(own[:5])}"
-              f"{', ...' if len(own) > 5 else ''}): their photos are counted as photos of no class, so every right "
-              "answer to them counts as a wrong diagnosis; give a folder of photos of none of its classes",
-              file=sys.stderr)
+              f"{', ...' if len(own) > 5 else ''}): every photo in it counts as one of no class of the model, so if "
+              "those are photos of its own classes, each right answer counts as a wrong diagnosis (another crop's "
+              "photos sorted by condition are fine)", file=sys.stderr)
     if not predictor.has_ood:
         print(f"note: {predictor.model_path.name} has no out-of-domain check, so none of these photos can be called "
               "\"not a photo this model knows\"; export the model again (leaflens export) to add one",

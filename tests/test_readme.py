@@ -370,6 +370,11 @@ def test_make_serve_serves_the_export_as_it_is(tmp_path):
                           if " -m leaflens " in line]
     assert stages["serve"] == ["serve"]
     assert stages["demo"] == ["data", "preprocess", "teacher", "distill", "export", "serve"]
+    both = subprocess.run(["make", "-n", "export", "serve", f"ART={tmp_path}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert both.returncode == 0, both.stderr  # asked together, serve waits for the export (with -j too)
+    assert [line.split(" -m leaflens ", 1)[1].split()[0] for line in both.stdout.splitlines()
+            if " -m leaflens " in line][-2:] == ["export", "serve"]
 
 
 def test_stage_options_given_on_the_demo_data_keep_the_demo_recipe(tmp_path):
@@ -381,8 +386,9 @@ def test_stage_options_given_on_the_demo_data_keep_the_demo_recipe(tmp_path):
         pytest.skip("no make on this machine")
 
     def distill_line(*extra: str) -> str:
-        out = subprocess.run(["make", "-n", "distill", f"ART={tmp_path}", *extra], cwd=ROOT, capture_output=True,
-                             text=True, timeout=60)
+        # --no-print-directory: under a make (CI's), make's own "Leaving directory" lines would join the command
+        out = subprocess.run(["make", "-n", "--no-print-directory", "distill", f"ART={tmp_path}", *extra], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         line = " ".join(out.stdout.replace("\\\n", " ").split())
         return line.split("-m leaflens distill", 1)[1].split(" -m leaflens ", 1)[0]
@@ -391,6 +397,10 @@ def test_stage_options_given_on_the_demo_data_keep_the_demo_recipe(tmp_path):
     own = distill_line("DISTILL_ARGS=--config mine.toml --seed 1")
     assert own.endswith("--config mine.toml --seed 1") and "distill_demo" not in own
     assert "distill_demo" not in distill_line("DATA=photos")  # real photos: the full recipe
+    typed = subprocess.run(["make", "-n", "distill", f"ART={tmp_path}", "DATA=photos", "DISTILL_ARGS=--set a='b   c'"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "--set a='b   c'" in typed.stdout  # the options as typed, spaces within quotes kept
+    assert "distill_demo" not in distill_line("DISTILL_ARGS=--conf mine.toml")  # argparse's --config too
 
 
 def test_the_engine_example_trains():

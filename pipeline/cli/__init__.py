@@ -123,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = _run(argv, command)
         if whole_process:  # what is still buffered is written here, where a closed pipe is caught, not at exit
-            sys.stdout.flush()
-            sys.stderr.flush()
+            for stream in (sys.stdout, sys.stderr):
+                if stream is not None:  # None: started with that stream closed (`>&-`)
+                    stream.flush()
         return code
     except KeyboardInterrupt:  # Ctrl-C before the command began (while its modules were imported): nothing to undo
         print("interrupted", file=sys.stderr)
@@ -133,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         if whole_process:  # as a command killed by SIGPIPE; no second error when Python flushes at exit
             devnull = os.open(os.devnull, os.O_WRONLY)
             for stream in (sys.stdout, sys.stderr):
-                os.dup2(devnull, stream.fileno())
+                if stream is not None:
+                    os.dup2(devnull, stream.fileno())
         return EXIT_BROKEN_PIPE
     except OSError as exc:
         said = _disk_problem(exc, command)
@@ -188,8 +190,10 @@ def _file_in_the_way(path: object) -> bool:
 def _run(argv: list[str], command: str | None) -> int:
     from leaflens.cpus import threads_override  # noqa: PLC0415
 
+    asks_help = command is None or any(a in ("-h", "--help", "--version") for a in argv)
     try:  # a bad LEAFLENS_THREADS is a usage error, said once here, not a traceback from the first op to ask
-        threads_override()
+        if not asks_help:  # help and the version need no threads
+            threads_override()
     except ValueError as exc:
         print(f"leaflens{' ' + command if command else ''}: {exc}; unset it or give a whole number of threads, "
               "e.g. LEAFLENS_THREADS=2", file=sys.stderr)

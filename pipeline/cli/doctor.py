@@ -244,8 +244,11 @@ def run(args: argparse.Namespace) -> int:
                     args.family))), family_given=True)
             except ValueError as exc:
                 print(f"note: distill --family {args.family} would be refused here: {exc}", file=sys.stderr)
-    if not 8 <= size <= 1024:  # as model.input_size: a 0 was sized at 64 without a word, 100000 tried
-        print(f"doctor: --input-size must be from 8 to 1024, got {size}", file=sys.stderr)
+    if args.input_size is not None and not 8 <= args.input_size <= 1024:  # a 0 was sized at 64 without a word
+        print(f"doctor: --input-size must be from 8 to 1024, got {args.input_size}", file=sys.stderr)
+        return 2
+    if size < 8:  # a run's own size (preprocess stores up to 2048 px, input size 0 takes it)
+        print(f"doctor: the input size must be >= 8, got {size}", file=sys.stderr)
         return 2
     if args.classes is not None and args.classes < 2:
         print(f"doctor: --classes must be >= 2 (a classifier tells classes apart), got {args.classes}",

@@ -158,3 +158,27 @@ def test_a_reader_that_stops_early_ends_the_command_quietly():
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 141, err.decode()
     assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX file descriptors")
+@pytest.mark.parametrize("closed", [1, 2])
+def test_a_command_started_with_a_stream_closed_runs(closed):
+    """`leaflens doctor >&-` (sys.stdout is None then) ended in an AttributeError from the flush that catches a
+    reader gone away."""
+    script = "import sys; from leaflens.pipeline.cli import main; sys.argv = ['leaflens', 'doctor', '--json', " \
+             "'--no-measure']; sys.exit(main())"
+    done = subprocess.run(["bash", "-c", f'"$0" -c "$1" {closed}>&-', sys.executable, script], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_help_and_version_need_no_threads_setting(monkeypatch, capsys):
+    """A bad LEAFLENS_THREADS is a usage error for a command that runs, not for asking how to run one."""
+    from leaflens.pipeline.cli import main  # noqa: PLC0415
+
+    monkeypatch.setenv("LEAFLENS_THREADS", "abc")
+    with pytest.raises(SystemExit) as stop:
+        main(["--help"])
+    assert stop.value.code == 0 and "usage" in capsys.readouterr().out
+    assert main(["doctor", "--json"]) == 2 and "LEAFLENS_THREADS='abc'" in capsys.readouterr().err

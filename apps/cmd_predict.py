@@ -66,6 +66,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 # the key of :func:`collect_images`'s ``skipped`` counting names of a photo already listed (no extension has it)
 SAME_PHOTO = "\0same photo"
+HIDDEN = "\0hidden"  # files and folders whose name starts with "." (.thumbnails/, macOS's ._ copies)
 
 
 def collect_images(args: Sequence[str | os.PathLike], skipped: Counter[str] | None = None) -> list[str]:
@@ -113,6 +114,9 @@ def _collect(args: Sequence[str | os.PathLike], skipped: Counter[str] | None) ->
         path = Path(arg)
         if path.is_dir():
             for dirpath, dirnames, filenames in walk_folder(path):
+                hidden = sum(d.startswith(".") for d in dirnames) + sum(f.startswith(".") for f in filenames)
+                if skipped is not None and hidden:
+                    skipped[HIDDEN] += hidden
                 dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
                 for name in sorted(filenames):
                     if name.startswith("."):
@@ -122,8 +126,8 @@ def _collect(args: Sequence[str | os.PathLike], skipped: Counter[str] | None) ->
                         found.append(os.path.join(dirpath, name))
                     else:
                         passed_over[os.path.realpath(os.path.join(dirpath, name))] = ext
-        elif path.exists():
-            found.append(os.fspath(path))
+        elif path.exists() or path.is_symlink():  # a link to nothing (or a loop) gets its error row, as in a folder:
+            found.append(os.fspath(path))     # `predict photos/*.jpg` must not lose the batch to one stale link
         else:
             raise UsageError(f"{shown(os.fspath(path))}: no such file or folder")
     seen: set[str] = set()
@@ -146,7 +150,7 @@ _KINDS_SHOWN = 8  # extensions named in skipped_note, the most common first
 def skipped_note(skipped: Counter[str]) -> str:
     """What :func:`collect_images` left out of the folders, e.g. "3 other files in the folders skipped, not
     images by their extension (.gif 2, .txt 1); name a file to classify it anyway"."""
-    others = {ext: k for ext, k in skipped.items() if ext != SAME_PHOTO and k}
+    others = {ext: k for ext, k in skipped.items() if ext not in (SAME_PHOTO, HIDDEN) and k}
     n = sum(others.values())
     ranked = sorted(others.items(), key=lambda e: (-e[1], e[0]))
     kinds = ", ".join(f"{ext or 'no extension'} {k}" for ext, k in ranked[:_KINDS_SHOWN])
@@ -157,6 +161,10 @@ def skipped_note(skipped: Counter[str]) -> str:
     if others:
         said.append(f"{n} other file{'s' if n != 1 else ''} in the folders skipped, not images by their extension "
                     f"({kinds}); name a file to classify it anyway")
+    if skipped.get(HIDDEN):
+        k = skipped[HIDDEN]
+        said.append(f"{k} hidden file{'s' if k != 1 else ''} or folder{'s' if k != 1 else ''} skipped (names "
+                    "starting with '.', such as .thumbnails/ or macOS's ._ copies)")
     if skipped.get(SAME_PHOTO):
         k = skipped[SAME_PHOTO]
         said.append(f"{k} name{'s' if k != 1 else ''} of a photo already listed (a link to it, or the same file "

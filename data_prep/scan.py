@@ -261,6 +261,17 @@ def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = N
             for name, n in subs.items():
                 merged[name] = merged.get(name, 0) + n
             nested[cdir.name] = sorted(merged.items())
+    def check_class_name(cdir: Path) -> None:
+        """A class folder named in another encoding than UTF-8 (a zip made on a Chinese-locale Windows: GBK)
+        would lose every photo to the name check and the class with them, warned of as an empty folder."""
+        try:
+            cdir.name.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = os.fsencode(cdir.name).decode("utf-8", "replace")
+            raise ScanError(f"{cdir.parent}: the class folder {shown!r} has a name that is not UTF-8 text, so none "
+                            "of its photos can be recorded and the class would be lost; rename it (convmv -f gbk -t "
+                            "utf-8 converts a folder named on a Chinese-locale Windows)") from None
+
     if split_dirs:
         if others:
             raise ScanError(
@@ -276,12 +287,14 @@ def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = N
         for d, split in sorted(split_dirs.items(), key=lambda kv: SPLITS.index(kv[1])):
             _count_loose_files(d, ignored)
             for cdir in _visible_dirs(d):
+                check_class_name(cdir)
                 found = _walk_images(cdir, root_p, ignored, extensions)
                 note_nesting(cdir, found)
                 per_class.extend((cdir.name, split, full, rel) for full, rel in found)
     else:
         layout = "class_folders"
         for cdir in others:
+            check_class_name(cdir)
             found = _walk_images(cdir, root_p, ignored, extensions)
             if not found:
                 empty.append(cdir.name)

@@ -134,6 +134,19 @@ def test_verdicts_in_csv_lines_and_summary(tiny_model, tmp_path, capsys):
     assert not Path("-").exists() and "results in" not in captured.err
 
 
+def test_a_stale_link_named_by_a_glob_is_one_error_row_not_the_batch(tiny_model, tmp_path, capsys):
+    """`predict photos/*.jpg` with a link to a deleted photo among them refused the whole batch (exit 2, no CSV)."""
+    model, _ = tiny_model()
+    photo = write_photo(tmp_path / "a.png")
+    (tmp_path / "gone.jpg").symlink_to(tmp_path / "deleted.jpg")
+    out = tmp_path / "r.csv"
+    assert main(["predict", str(photo), str(tmp_path / "gone.jpg"), "--model", str(model), "--csv", str(out),
+                 "--no-progress"]) == 1  # some photos could not be read
+    rows = {Path(r["path"]).name: r for r in csv.DictReader(out.open(encoding="utf-8"))}
+    assert rows["a.png"]["verdict"] in ("diagnosis", "ambiguous") and rows["gone.jpg"]["verdict"] == "error"
+    capsys.readouterr()
+
+
 def test_usage_and_model_errors_exit_two(tiny_model, tmp_path, capsys):
     model, _ = tiny_model()
     photo = write_photo(tmp_path / "a.png")
@@ -190,7 +203,10 @@ def test_collect_images_order_and_filtering(tmp_path):
     skipped: Counter[str] = Counter()
     names = [p.split("/")[-1] for p in collect_images([folder], skipped)]
     assert names == ["a.jpg", "broken.jpg", "b.png", "c.JPEG"]  # sorted per folder, subfolders after
-    assert skipped == {".txt": 1}  # hidden files are not counted
+    # hidden files are not counted among the other extensions, but apart (the summary says how many)
+    from leaflens.apps.cmd_predict import HIDDEN  # noqa: PLC0415
+
+    assert skipped == {".txt": 1, HIDDEN: 1}
 
 
 def test_a_link_to_a_photo_already_listed_is_said_not_dropped_silently(tiny_model, tmp_path, capsys):
@@ -320,6 +336,14 @@ def test_a_named_file_is_not_counted_as_skipped(tiny_model, tmp_path, capsys):
     captured = capsys.readouterr()
     assert "palette.gif\t" in captured.out
     assert "(.txt 1)" in captured.err and ".gif" not in captured.err
+    # hidden files and folders were skipped without a word (evaluate and preprocess count them)
+    (folder / ".thumbnails").mkdir()
+    write_photo(folder / ".thumbnails" / "a.png", seed=2)
+    write_photo(folder / "._a.png", seed=3)
+    main(["predict", str(folder), "--model", str(model), "--no-progress"])
+    captured = capsys.readouterr()
+    assert "2 hidden files or folders skipped (names starting with '.'" in captured.err
+    assert ".thumbnails" not in captured.out and "._a.png" not in captured.out
 
 
 def test_the_skipped_files_note_names_the_commonest_extensions_only():

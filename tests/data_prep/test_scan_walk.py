@@ -59,6 +59,19 @@ def test_a_link_to_nothing_and_a_name_not_in_utf8_are_counted_and_left_out(tmp_p
         assert scan.ignored["name_not_utf8"] == 1
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a file name in bytes that are not UTF-8")
+def test_a_class_folder_named_in_another_encoding_is_refused_not_lost(tmp_path):
+    """A class folder named in GBK lost every photo to the name check: the class was dropped, warned of as a
+    folder holding no photo, and the dataset made without it."""
+    root = _photos(tmp_path / "src")
+    gbk = os.fsencode(root) + b"/\xb2\xa1\xba\xa6"  # "病害" in GBK
+    os.mkdir(gbk)
+    with open(gbk + b"/leaf.jpg", "wb") as fh:
+        fh.write(encode(photo(7, (120, 90, 40))))
+    with pytest.raises(ScanError, match="has a name that is not UTF-8 text, so none of its photos can be recorded"):
+        scan_source(root)
+
+
 @pytest.mark.parametrize("option,value,words", [("--seed", "-1", "seed must be a whole number from 0"),
                                                 ("--size", "4", "image size 4 is too small"),
                                                 ("--size", "4000", "image size 4000 is too large")])

@@ -174,14 +174,18 @@ def discover(model_path: str | os.PathLike, run_dir: str | os.PathLike | None = 
     return ctx
 
 
+def _kept_teacher(ctx: ServeContext) -> bool:
+    """Whether the run shipped its fine-tuned teacher (under the student's file name) rather than a student."""
+    return (ctx.run_report or {}).get("winner") == "teacher"
+
+
 def run_images(ctx: ServeContext) -> dict[str, Path]:
     """The run's ``confusion.png`` and ``curves.png`` that exist, keyed "confusion" / "curves". A run that kept
     its teacher has no curves of the served model (``curves.png`` is its students' training; the confusion
     matrix is the teacher's): they are left out rather than shown beside a model they do not describe."""
     if ctx.run_dir is None:
         return {}
-    kept_teacher = (ctx.run_report or {}).get("winner") == "teacher"
-    found = {key: ctx.run_dir / f"{key}.png" for key in ("confusion", *(() if kept_teacher else ("curves",)))}
+    found = {key: ctx.run_dir / f"{key}.png" for key in ("confusion", *(() if _kept_teacher(ctx) else ("curves",)))}
     return {key: path for key, path in found.items() if path.is_file()}
 
 
@@ -393,7 +397,7 @@ def model_markdown(predictor: Any, ctx: ServeContext, lang: str, notes: Any = No
     rows = [
         (t("m_file", lang), f"`{predictor.model_path.name}`"
          # a run that kept its teacher ships it under the student's file name: say which network this is
-         + (t("m_file_teacher", lang) if (ctx.run_report or {}).get("winner") == "teacher" else "")),
+         + (t("m_file_teacher", lang) if _kept_teacher(ctx) else "")),
         (t("m_run", lang), f"`{card.run_id}`" if card.run_id else "-"),
         (t("m_classes", lang), f"{len(card.classes)}: {classes}"),
         (t("m_accuracy", lang), _accuracy_line(card, report, lang)),

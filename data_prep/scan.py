@@ -261,6 +261,7 @@ def scan_source(root: str | os.PathLike, unlabeled: str | os.PathLike | None = N
             for name, n in subs.items():
                 merged[name] = merged.get(name, 0) + n
             nested[cdir.name] = sorted(merged.items())
+
     def check_class_name(cdir: Path) -> None:
         """A class folder named in another encoding than UTF-8 (a zip made on a Chinese-locale Windows: GBK)
         would lose every photo to the name check and the class with them, warned of as an empty folder."""

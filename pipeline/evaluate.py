@@ -148,7 +148,7 @@ def class_folder_photos(root: str | os.PathLike[str], classes: Sequence[str],
     unknown = [c for c in scan.classes if named[c] not in classes and not (no_leaf and c == NOT_A_LEAF)]
     if unknown:
         # PHOTOS/plants/<class>/...: the class folders are one level down
-        below = [Path(scan.root) / c for c in unknown if _holds_class_folders(Path(scan.root) / c, classes)]
+        below = [Path(scan.root) / c for c in unknown if _class_folders(Path(scan.root) / c, classes)]
         hint = (f"; {below[0]} holds folders named as the model's classes: point at it" if len(unknown) == 1 and below
                 else "")
         raise EvaluationError(
@@ -245,13 +245,13 @@ def _refusal(answer: Prediction) -> bool:
     return answer.verdict == "refused" or (not answer.ok and answer.reason in REFUSAL_REASONS)
 
 
-
-def _holds_class_folders(folder: Path, classes: Sequence[str]) -> bool:
-    """Whether ``folder`` holds a folder named as one of ``classes`` (False when it cannot be read)."""
+def _class_folders(folder: Path, classes: Sequence[str]) -> list[str]:
+    """The folders in ``folder`` named as one of ``classes``, sorted (none when it cannot be read)."""
     try:
-        return any(d.is_dir() and matching_class(d.name, classes) for d in folder.iterdir())
+        return sorted(d.name for d in folder.iterdir() if d.is_dir() and matching_class(d.name, classes))
     except OSError:
-        return False
+        return []
+
 
 def evaluate_photos(model: str | os.PathLike[str] | Predictor, photos: str | os.PathLike[str],
                     threads: int | None = None, batch_size: int = 32,
@@ -278,7 +278,7 @@ def evaluate_not_known(predictor: Predictor, folder: str | os.PathLike[str], bat
     files = collect_images([root])
     if not files:
         raise EvaluationError(f"--not-known {folder}: no photos in it")
-    own = sorted(c for c in predictor.classes if (root / c).is_dir())
+    own = _class_folders(root, predictor.classes)
     if own:  # the model's own classes: each right answer would be counted as a photo wrongly diagnosed
         print(f"warning: --not-known {folder} holds folders named as the model's classes ({', '.join(own[:5])}"
               f"{', ...' if len(own) > 5 else ''}): every photo in it counts as one of no class of the model, so if "

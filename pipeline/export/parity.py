@@ -105,6 +105,22 @@ def onnx_logits(sess: Any, images: Any, mean: np.ndarray, std: np.ndarray, batch
     return np.concatenate(parts).astype(np.float32, copy=False)
 
 
+def relative_tolerance(tolerance: float, max_abs_logit: float) -> float:
+    """``tolerance`` per unit of the largest |logit| (at least 1): float rounding grows with the logits, and a
+    calibration temperature below 1 scales them up."""
+    return tolerance * max(1.0, float(max_abs_logit))
+
+
+def fp32_failure(figures: dict[str, Any], tolerance: float) -> str | None:
+    """Why :func:`compare`'s ``figures`` of an FP32 file fail its gate (``tolerance`` relative, as
+    :func:`relative_tolerance`), or None when they pass."""
+    allowed = relative_tolerance(tolerance, figures.get("max_abs_logit", 1.0))
+    if figures["finite"] and figures["max_abs_diff"] <= allowed:
+        return None
+    return (f"max |logit difference| {figures['max_abs_diff']:.3g} > {allowed:.3g} ({tolerance:g} x the largest "
+            "|logit|, at least 1)")
+
+
 def compare(reference: np.ndarray, other: np.ndarray, tie_margin: float = 0.0) -> dict[str, Any]:
     """Max/mean absolute logit difference and top-1 agreement of ``other`` with ``reference``.
 

@@ -176,21 +176,18 @@ def run_dataset(info: RunInfo, run_dir: Path) -> Path:
 def _over_budget(run: Path, info: RunInfo) -> str | None:
     """The warning that the run kept a model outside its serving budget (distill said so; export says it again,
     as the file it writes is what gets shipped), or None (within it, or a run without report.json)."""
+    from leaflens.pipeline.selection import Selection  # noqa: PLC0415
+
     try:
         report = json.loads((run / "report.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        selection = Selection.from_dict(report["selection"], "report.json: selection")
+    except (OSError, ValueError, KeyError, TypeError):  # no report, or one from before the selection
         return None
-    selection = report.get("selection") if isinstance(report, dict) else None
-    if not isinstance(selection, dict) or selection.get("within_budget") is not False:
+    if selection.within_budget:
         return None
-    kept = next((c for c in selection.get("candidates") or () if isinstance(c, dict) and c.get("kept")), {})
-    budget = selection.get("budget") or {}
-    over = []
-    if budget.get("max_params") and (kept.get("params") or 0) > budget["max_params"]:
-        over.append(f"{kept['params']:,} parameters > max_params {budget['max_params']:,}")
-    if budget.get("max_ms") and (kept.get("ms_per_photo") or 0) > budget["max_ms"]:
-        over.append(f"{kept['ms_per_photo']:g} ms per photo > max_ms {budget['max_ms']:g}")
-    return (f"run {info.run_id} kept {selection.get('kept')} although no model fitted its serving budget"
+    kept = next((c for c in selection.candidates if c.kept), None)
+    over = [] if kept is None else selection.budget.over(kept.params, kept.ms_per_photo)
+    return (f"run {info.run_id} kept {selection.kept} although no model fitted its serving budget"
             + (f" ({'; '.join(over)})" if over else "") + ": this export is larger or slower than that budget asked")
 
 
@@ -251,11 +248,8 @@ def _check_out(out: Path) -> None:
 def _gates(report: dict[str, Any], opts: ExportOptions) -> list[str]:
     failures = []
     fp32 = report["parity"]["fp32"]
-    # float32 rounding grows with the logits (a calibration temperature below 1 scales them up): the tolerance too
-    allowed = opts.fp32_tolerance * max(1.0, float(fp32.get("max_abs_logit", 1.0)))
-    if not fp32["finite"] or fp32["max_abs_diff"] > allowed:
-        failures.append(f"FP32 max |logit difference| {fp32['max_abs_diff']:.3g} > {allowed:.3g} "
-                        f"({opts.fp32_tolerance:g} x the largest |logit|, at least 1)")
+    if (why := parity.fp32_failure(fp32, opts.fp32_tolerance)) is not None:
+        failures.append(f"FP32 {why}")
     score = report.get("ood", {}).get("variants", {}).get("fp32")
     if score is not None and score["max_rel_diff"] > opts.ood_tolerance:
         failures.append(f"FP32 out-of-domain score differs from the engine's by {score['max_rel_diff']:.3g} "
@@ -578,10 +572,11 @@ def _export_run(opts: ExportOptions, log: Callable[[str], None], stack: contextl
             acc["test"] = {k: parity.accuracy(v, ds["test"].labels) for k, v in test.items()}
         acc_split = "test" if "test" in acc else split
         own_cards = _own_cards(card, paths, val, split_labels if split == "val" else None, acc[acc_split], ood_report)
-        tie = 2 * opts.fp32_tolerance * max(1.0, float(np.abs(val["engine"]).max()))  # as _gates allows
+        largest = float(np.abs(val["engine"]).max())
+        tie = 2 * parity.relative_tolerance(opts.fp32_tolerance, largest)  # as _gates allows
         # FP16 keeps ~3 significant digits: a photo whose two best logits are closer than twice its rounding
         # error (a few ulps of the largest logit) may flip without anything being wrong with the file
-        tie16 = 2 * opts.fp16_tolerance * max(1.0, float(np.abs(val["engine"]).max()))
+        tie16 = 2 * parity.relative_tolerance(opts.fp16_tolerance, largest)
         report: dict[str, Any] = {
             "format": REPORT_FORMAT,
             # absolute, so that `leaflens serve` finds the run and dataset from any working folder

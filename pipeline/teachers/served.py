@@ -269,15 +269,11 @@ def check_against_engine(served: Module, session: Any, photos: np.ndarray, contr
 
     mean, std = np.asarray(contract.mean, np.float32), np.asarray(contract.std, np.float32)
     logits, scores = parity.engine_and_onnx_outputs(served, {"fp32": session}, photos, mean, std, batch)
-    figures = parity.compare(logits["engine"], logits["fp32"], 2 * FP32_TOLERANCE)
+    tie = 2 * parity.relative_tolerance(FP32_TOLERANCE, float(np.abs(logits["engine"]).max()))
+    figures = parity.compare(logits["engine"], logits["fp32"], tie)
     diff = np.abs(scores["fp32"].astype(np.float64) - scores["engine"])
     figures["ood_max_rel_diff"] = float((diff / np.maximum(1.0, np.abs(scores["engine"]))).max())
-    failures = []
-    # relative to the largest logit, as the export's gate is (a calibration temperature below 1 scales them up)
-    allowed = FP32_TOLERANCE * max(1.0, float(figures.get("max_abs_logit", 1.0)))
-    if not figures["finite"] or figures["max_abs_diff"] > allowed:
-        failures.append(f"max |logit difference| {figures['max_abs_diff']:.3g} > {allowed:.3g} "
-                        f"({FP32_TOLERANCE:g} x the largest |logit|, at least 1)")
+    failures = [why] if (why := parity.fp32_failure(figures, FP32_TOLERANCE)) is not None else []
     if figures["disagreements"] - figures["ties"] > 0:
         failures.append(f"top-1 agreement {figures['top1_agreement']:.2%}")
     if figures["ood_max_rel_diff"] > OOD_TOLERANCE:
